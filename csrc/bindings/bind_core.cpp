@@ -1,0 +1,61 @@
+// bind_core.cpp: errors, the ring schedule and the reduction functors, exposed so that the
+// Python mirror (ringcoll/schedule.py) and the tier-1 tests can be checked against them.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "ringcoll/check.h"
+#include "ringcoll/reduce.h"
+#include "ringcoll/ring.h"
+#include "ringcoll/ring_loop.h"
+
+namespace py = pybind11;
+using namespace ringcoll;
+
+namespace {
+
+// out[i] = a[i] op b[i] for raw arrays, via the very functors the ring uses; `final`
+// applies finalize (AVG's division by `world`). For tests of reduce.h.
+void reduce_arrays(uintptr_t out, uintptr_t a, uintptr_t b, int64_t count, int dtype, int op, bool final, int world) {
+  RINGCOLL_CHECK(is_supported(static_cast<DType>(dtype), static_cast<ReduceOp>(op)), std::invalid_argument,
+                 "reduce_arrays: unsupported dtype/op ", dtype, "/", op);
+  dispatch_dtype_op(static_cast<DType>(dtype), static_cast<ReduceOp>(op), [&](auto t, auto o) {
+    using T = decltype(t);
+    using Op = decltype(o);
+    auto* dst = reinterpret_cast<T*>(out);
+    const auto* x = reinterpret_cast<const T*>(a);
+    const auto* y = reinterpret_cast<const T*>(b);
+    for (int64_t i = 0; i < count; ++i)
+      dst[i] = final ? combine_final_element<T, Op>(x[i], y[i], world) : combine_element<T, Op>(x[i], y[i]);
+  });
+}
+
+}  // namespace
+
+void bind_core(py::module_& m) {
+  static py::exception<Error> base_error(m, "RingcollError", PyExc_RuntimeError);
+  py::register_exception<TimeoutError>(m, "RingcollTimeoutError", base_error.ptr());
+  py::register_exception<PeerError>(m, "RingcollPeerError", base_error.ptr());
+
+  py::module_ s = m.def_submodule("schedule", "ring.h, for checking ringcoll/schedule.py");
+  s.def("chunk_begin", &chunk_begin, py::arg("n"), py::arg("world"), py::arg("chunk"));
+  s.def("chunk_end", &chunk_end, py::arg("n"), py::arg("world"), py::arg("chunk"));
+  s.def("left_neighbour", &left_neighbour);
+  s.def("right_neighbour", &right_neighbour);
+  s.def("rs_send_chunk", &rs_send_chunk);
+  s.def("rs_recv_chunk", &rs_recv_chunk);
+  s.def("ag_send_chunk", &ag_send_chunk);
+  s.def("ag_recv_chunk", &ag_recv_chunk);
+  auto as_coll = [](int c) { return static_cast<Collective>(c); };
+  s.def("ring_steps", [=](int coll, int world) { return ring_steps(as_coll(coll), world); });
+  s.def("first_send_chunk", [=](int coll, int rank, int world) { return first_send_chunk(as_coll(coll), rank, world); });
+  s.def("step_recv_chunk", [=](int coll, int rank, int step, int world) { return step_recv_chunk(as_coll(coll), rank, step, world); });
+  s.def("step_reduces", [=](int coll, int step, int world) { return step_reduces(as_coll(coll), step, world); });
+  s.def("step_writes_output", [=](int coll, int step, int world) { return step_writes_output(as_coll(coll), step, world); });
+  s.def("step_forwards", [=](int coll, int step, int world) { return step_forwards(as_coll(coll), step, world); });
+  s.def("slice_length", &slice_length);
+  s.def("num_slices", &num_slices);
+
+  m.def("reduce_arrays", &reduce_arrays, py::arg("out"), py::arg("a"), py::arg("b"), py::arg("count"),
+        py::arg("dtype"), py::arg("op"), py::arg("final") = false, py::arg("world") = 1);
+  m.def("dtype_size", [](int d) { return dtype_size(static_cast<DType>(d)); });
+}

@@ -1,0 +1,49 @@
+// bind_host.cpp: the shared-memory transport. Takes raw addresses (no libtorch); releases
+// the GIL for every collective so async work and other Python threads keep running.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "../host/host_comm.h"
+
+namespace py = pybind11;
+using ringcoll::DType;
+using ringcoll::ReduceOp;
+using ringcoll::host::HostComm;
+
+namespace {
+const void* as_ptr(uintptr_t address) { return reinterpret_cast<const void*>(address); }
+void* as_mut_ptr(uintptr_t address) { return reinterpret_cast<void*>(address); }
+}  // namespace
+
+void bind_host(py::module_& m) {
+  m.def("random_segment_name", &ringcoll::host::random_segment_name);
+  m.def("slot_bytes_for", &ringcoll::host::slot_bytes_for, py::arg("buffer_bytes"), py::arg("world"));
+  py::class_<HostComm>(m, "HostComm")
+      .def(py::init<int, int, const std::vector<std::string>&, size_t, double>(), py::arg("rank"),
+           py::arg("world"), py::arg("names"), py::arg("buffer_bytes"), py::arg("timeout"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("all_reduce",
+           [](HostComm& c, uintptr_t in, uintptr_t out, int64_t count, int dtype, int op) {
+             c.all_reduce(as_ptr(in), as_mut_ptr(out), count, static_cast<DType>(dtype), static_cast<ReduceOp>(op));
+           },
+           py::call_guard<py::gil_scoped_release>())
+      .def("reduce_scatter",
+           [](HostComm& c, uintptr_t in, uintptr_t out, int64_t output_count, int dtype, int op) {
+             c.reduce_scatter(as_ptr(in), as_mut_ptr(out), output_count, static_cast<DType>(dtype),
+                              static_cast<ReduceOp>(op));
+           },
+           py::call_guard<py::gil_scoped_release>())
+      .def("all_gather",
+           [](HostComm& c, uintptr_t in, uintptr_t out, int64_t input_count, int dtype) {
+             c.all_gather(as_ptr(in), as_mut_ptr(out), input_count, static_cast<DType>(dtype));
+           },
+           py::call_guard<py::gil_scoped_release>())
+      .def("barrier", &HostComm::barrier, py::call_guard<py::gil_scoped_release>())
+      .def("close", &HostComm::close)
+      .def_property_readonly("rank", &HostComm::rank)
+      .def_property_readonly("world", &HostComm::world)
+      .def_property_readonly("slot_bytes", &HostComm::slot_bytes)
+      .def_property_readonly("broken", &HostComm::broken)
+      .def_property_readonly("broken_reason", &HostComm::broken_reason)
+      .def_property("timeout", &HostComm::timeout, &HostComm::set_timeout);
+}

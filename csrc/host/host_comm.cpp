@@ -1,0 +1,329 @@
+// host_comm.cpp: the CPU ring driver. Bootstrap of the shared-memory segments, the host
+// execution context for ring_loop.h, and the three collectives.
+#include "host_comm.h"
+
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "ringcoll/check.h"
+#include "ringcoll/ring_loop.h"
+
+namespace ringcoll::host {
+
+size_t slot_bytes_for(size_t buffer_bytes, int world) {
+  const size_t per_slot = buffer_bytes / (static_cast<size_t>(kBanks) * static_cast<size_t>(world));
+  return per_slot / kSlotAlignment * kSlotAlignment;
+}
+
+WaitPolicy host_wait_policy(int world, double timeout_seconds) {
+  WaitPolicy policy;
+  policy.timeout_seconds = timeout_seconds;
+  const unsigned cores = std::thread::hardware_concurrency();
+  if (cores != 0 && static_cast<unsigned>(world) > cores) {
+    // Oversubscribed: the peer we wait for may need this very core, so yield at once.
+    policy.spin_iterations = 0;
+  }
+  return policy;
+}
+
+namespace {
+
+uint64_t own_pid_namespace() {
+  struct stat st {};
+  return stat("/proc/self/ns/pid", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
+}
+
+// False once `pid` has exited, including as a zombie its parent has not reaped yet.
+bool process_alive(int64_t pid) {
+  if (kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) return false;
+  std::ifstream stat_file("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(stat_file, line)) return true;  // cannot tell: assume alive
+  const size_t close_paren = line.rfind(')');
+  if (close_paren == std::string::npos || close_paren + 2 >= line.size()) return true;
+  const char state = line[close_paren + 2];
+  return state != 'Z' && state != 'X';
+}
+
+// ---------------------------------------------------------------------------------------
+// The host execution context for run_ring (see ring_loop.h for the interface). One thread
+// does the whole strip of every chunk; loops are plain so the compiler vectorises them.
+
+template <typename T, class Op>
+class HostRingContext {
+ public:
+  HostRingContext(HostComm& comm, Collective coll, const void* input, void* output, int64_t count)
+      : comm_(comm), coll_(coll), input_(static_cast<const T*>(input)), output_(static_cast<T*>(output)),
+        count_(count), slice_elems_(static_cast<int64_t>(comm.slot_bytes() / sizeof(T))),
+        slices_(num_slices(count, comm.world(), slice_elems_)) {}
+
+  int rank() const { return comm_.rank(); }
+  int world() const { return comm_.world(); }
+  int banks() const { return kBanks; }
+  int64_t slice_elems() const { return slice_elems_; }
+  uint64_t& step_base() { return comm_.step_base(); }
+  uint64_t& last_publication(int slot) { return comm_.last_publication(slot); }
+  void set_position(int64_t slice, int step) {
+    comm_.set_position(slice, slices_, step, ring_steps(coll_, world()));
+  }
+
+  T* my_slot(int bank, int c) const { return slot_in(comm_.data(rank()), bank, c); }
+  const T* left_slot(int bank, int c) const { return slot_in(comm_.data(left_neighbour(rank(), world())), bank, c); }
+  // All-gather's input is just my chunk; reduce-scatter's output is just my chunk.
+  const T* input_at(int c, int64_t offset) const {
+    return input_ + offset + (coll_ == Collective::kAllGather ? 0 : chunk_begin(count_, world(), c));
+  }
+  T* output_at(int c, int64_t offset) const {
+    return output_ + offset + (coll_ == Collective::kReduceScatter ? 0 : chunk_begin(count_, world(), c));
+  }
+
+  void copy(T* dst, T* dst2, const T* src, int64_t len) const {
+    if (len == 0) return;
+    if (dst != nullptr) std::memcpy(dst, src, static_cast<size_t>(len) * sizeof(T));
+    if (dst2 != nullptr && dst2 != src) std::memcpy(dst2, src, static_cast<size_t>(len) * sizeof(T));
+  }
+  // dst[i] (and dst2[i]) = recv[i] op own[i]; finalized (AVG's division) when is_final.
+  // `own` may alias dst2 (in-place output), so no __restrict here.
+  void reduce(T* dst, T* dst2, const T* recv, const T* own, int64_t len, bool is_final) const {
+    if (is_final) reduce_loop<true>(dst, dst2, recv, own, len);
+    else reduce_loop<false>(dst, dst2, recv, own, len);
+  }
+
+  bool wait_left_published(uint64_t v) {
+    comm_.wait_for(left_neighbour(rank(), world()), &SegmentHeader::published, v, "publish data");
+    return true;
+  }
+  bool wait_right_consumed(uint64_t v) {
+    comm_.wait_for(right_neighbour(rank(), world()), &SegmentHeader::consumed, v, "consume data");
+    return true;
+  }
+  void publish(uint64_t v) { flag_store_release(&comm_.header(rank()).published.value, v); }
+  void mark_consumed(uint64_t v) { flag_store_release(&comm_.header(rank()).consumed.value, v); }
+
+ private:
+  T* slot_in(char* data, int bank, int c) const {
+    return reinterpret_cast<T*>(data + static_cast<size_t>(slot_index(bank, c, world())) * comm_.slot_bytes());
+  }
+  template <bool kFinal>
+  void reduce_loop(T* dst, T* dst2, const T* recv, const T* own, int64_t len) const {
+    const int p = world();
+    auto value = [p](T a, T b) {
+      if constexpr (kFinal) return combine_final_element<T, Op>(a, b, p);
+      else return combine_element<T, Op>(a, b);
+    };
+    if (dst != nullptr && dst2 != nullptr) {
+      for (int64_t i = 0; i < len; ++i) dst[i] = dst2[i] = value(recv[i], own[i]);
+    } else {
+      T* out = dst != nullptr ? dst : dst2;
+      for (int64_t i = 0; i < len; ++i) out[i] = value(recv[i], own[i]);
+    }
+  }
+
+  HostComm& comm_;
+  Collective coll_;
+  const T* input_;
+  T* output_;
+  int64_t count_, slice_elems_, slices_;
+};
+
+template <typename T, class Op>
+void run_host_ring(HostComm& comm, Collective coll, const void* input, void* output, int64_t count) {
+  HostRingContext<T, Op> ctx(comm, coll, input, output, count);
+  run_ring(ctx, coll, count);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------
+// Bootstrap
+
+HostComm::HostComm(int rank, int world, const std::vector<std::string>& names, size_t buffer_bytes,
+                   double timeout_seconds)
+    : rank_(rank), world_(world), buffer_bytes_(buffer_bytes), slot_bytes_(slot_bytes_for(buffer_bytes, world)),
+      policy_(host_wait_policy(world, timeout_seconds)),
+      last_publication_(static_cast<size_t>(kBanks) * static_cast<size_t>(world), 0) {
+  RINGCOLL_CHECK(world >= 1 && rank >= 0 && rank < world, std::invalid_argument, "Communicator: rank ", rank,
+                 " is outside world size ", world);
+  RINGCOLL_CHECK(static_cast<int>(names.size()) == world, std::invalid_argument,
+                 "Communicator: expected one segment name per rank, got ", names.size());
+  RINGCOLL_CHECK(slot_bytes_ >= kSlotAlignment, std::invalid_argument, "Communicator: buffer_bytes=",
+                 buffer_bytes, " is too small for ", world, " ranks: need at least ",
+                 kSlotAlignment * kBanks * world);
+  try {
+    bootstrap(names);
+  } catch (...) {
+    // Tell peers that already mapped us, then leave nothing behind in /dev/shm.
+    if (!segments_.empty() && segments_[rank_].mapped()) flag_store_release(&header(rank_).aborted.value, 1);
+    for (const auto& name : names) unlink_segment(name);
+    segments_.clear();
+    throw;
+  }
+}
+
+void HostComm::bootstrap(const std::vector<std::string>& names) {
+  const size_t total = kHeaderBytes + buffer_bytes_;
+  segments_.resize(world_);
+  segments_[rank_] = SegmentMapping::create(names[rank_], total);
+  SegmentHeader& me = header(rank_);
+  me.magic = kSegmentMagic;
+  me.pid = getpid();
+  me.pid_namespace = own_pid_namespace();
+  me.rank = rank_;
+  me.world = world_;
+
+  // Map every peer's segment; a peer may not have created it yet, so retry until the timeout.
+  using Clock = std::chrono::steady_clock;
+  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                           std::chrono::duration<double>(policy_.timeout_seconds));
+  for (int peer = 0; peer < world_; ++peer) {
+    while (peer != rank_ && !segments_[peer].mapped()) {
+      segments_[peer] = SegmentMapping::try_open(names[peer], total);
+      if (segments_[peer].mapped()) break;
+      RINGCOLL_CHECK(Clock::now() < deadline, TimeoutError, "Communicator: rank ", rank_, " timed out after ",
+                     policy_.timeout_seconds, " s waiting for rank ", peer, " to create its shared-memory segment");
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+  // Bootstrap barrier: once every rank has mapped every segment, no name is needed any more.
+  flag_store_release(&me.attached.value, 1);
+  current_op_ = "Communicator";
+  for (int peer = 0; peer < world_; ++peer) {
+    if (peer != rank_) wait_for(peer, &SegmentHeader::attached, 1, "map every segment");
+  }
+  for (const auto& name : names) unlink_segment(name);
+}
+
+// ---------------------------------------------------------------------------------------
+// Waiting and failing
+
+bool HostComm::peers_look_alive(std::string* why) const {
+  const uint64_t my_namespace = header(rank_).pid_namespace;
+  for (int peer = 0; peer < world_; ++peer) {
+    if (peer == rank_) continue;
+    const SegmentHeader& h = header(peer);
+    if (flag_load_acquire(&h.aborted.value) != 0) {
+      *why = "rank " + std::to_string(peer) + " has aborted: " +
+             std::string(h.abort_reason, strnlen(h.abort_reason, sizeof(h.abort_reason)));
+      return false;
+    }
+    if (h.pid != 0 && h.pid_namespace == my_namespace && !process_alive(h.pid)) {
+      *why = "rank " + std::to_string(peer) + " (pid " + std::to_string(h.pid) + ") has exited";
+      return false;
+    }
+  }
+  return true;
+}
+
+void HostComm::wait_for(int peer, Flag SegmentHeader::*flag, uint64_t target, const char* event) {
+  const uint64_t* address = &(header(peer).*flag).value;
+  std::string why;
+  const WaitResult result =
+      wait_flag_at_least(address, target, policy_, [&] { return peers_look_alive(&why); });
+  if (result == WaitResult::kReady) return;
+
+  std::ostringstream msg;
+  msg << "rank " << rank_ << " ";
+  if (result == WaitResult::kTimedOut) msg << "timed out after " << policy_.timeout_seconds << " s";
+  else msg << "gave up";
+  const char* side = peer == left_neighbour(rank_, world_) ? "left neighbour " : (peer == right_neighbour(rank_, world_) ? "right neighbour " : "");
+  msg << " waiting for " << side << "rank " << peer << " to " << event;
+  if (position_.steps > 0) {
+    msg << " (call " << calls_ << ", slice " << position_.slice + 1 << "/" << position_.slices << ", ";
+    if (position_.step < 0) msg << "before ring step 1/" << position_.steps << ")";
+    else msg << "ring step " << position_.step + 1 << "/" << position_.steps << ")";
+  }
+  msg << "; flag is " << flag_load_relaxed(address) << ", expected >= " << target;
+  if (!why.empty()) msg << "; " << why;
+  fail(current_op_, msg.str(), result == WaitResult::kTimedOut);
+}
+
+void HostComm::fail(const char* op, const std::string& message, bool timed_out) {
+  broken_reason_ = std::string(op) + ": " + message;
+  // Let every peer's waits see it at their next health check instead of their timeout.
+  if (!segments_.empty() && segments_[rank_].mapped()) {
+    SegmentHeader& me = header(rank_);
+    std::strncpy(me.abort_reason, broken_reason_.c_str(), sizeof(me.abort_reason) - 1);
+    flag_store_release(&me.aborted.value, 1);
+  }
+  if (timed_out) throw TimeoutError(broken_reason_);
+  throw PeerError(broken_reason_);
+}
+
+void HostComm::ensure_usable(const char* op) const {
+  RINGCOLL_CHECK(!closed_, Error, op, ": communicator is closed");
+  RINGCOLL_CHECK(broken_reason_.empty(), Error, op, ": communicator is broken by an earlier error (",
+                 broken_reason_, "); create a new one");
+}
+
+template <typename Body>
+void HostComm::run_collective(const char* op, Body&& body) {
+  ensure_usable(op);
+  current_op_ = op;
+  ++calls_;
+  position_ = {};
+  body();
+}
+
+// ---------------------------------------------------------------------------------------
+// The collectives
+
+void HostComm::all_reduce(const void* input, void* output, int64_t count, DType dtype, ReduceOp op) {
+  run_collective("all_reduce", [&] {
+    if (world_ == 1) {
+      if (input != output) std::memcpy(output, input, static_cast<size_t>(count) * dtype_size(dtype));
+      return;  // every op's finalize is the identity for one rank (AVG divides by 1)
+    }
+    dispatch_dtype_op(dtype, op, [&](auto t, auto o) {
+      run_host_ring<decltype(t), decltype(o)>(*this, Collective::kAllReduce, input, output, count);
+    });
+  });
+}
+
+void HostComm::reduce_scatter(const void* input, void* output, int64_t output_count, DType dtype, ReduceOp op) {
+  run_collective("reduce_scatter", [&] {
+    if (world_ == 1) {
+      if (input != output) std::memcpy(output, input, static_cast<size_t>(output_count) * dtype_size(dtype));
+      return;
+    }
+    dispatch_dtype_op(dtype, op, [&](auto t, auto o) {
+      run_host_ring<decltype(t), decltype(o)>(*this, Collective::kReduceScatter, input, output,
+                                              output_count * world_);
+    });
+  });
+}
+
+void HostComm::all_gather(const void* input, void* output, int64_t input_count, DType dtype) {
+  run_collective("all_gather", [&] {
+    const int64_t bytes = input_count * dtype_size(dtype);
+    if (world_ == 1) {
+      if (input != output) std::memcpy(output, input, static_cast<size_t>(bytes));
+      return;
+    }
+    // All-gather only moves bytes: one instantiation serves every dtype (the op is unused).
+    run_host_ring<uint8_t, SumOp>(*this, Collective::kAllGather, input, output, bytes * world_);
+  });
+}
+
+void HostComm::barrier() {
+  run_collective("barrier", [&] {
+    ++barrier_generation_;
+    flag_store_release(&header(rank_).barrier.value, barrier_generation_);
+    for (int peer = 0; peer < world_; ++peer) {
+      if (peer != rank_) wait_for(peer, &SegmentHeader::barrier, barrier_generation_, "enter the barrier");
+    }
+  });
+}
+
+void HostComm::close() {
+  segments_.clear();  // unmaps; the names were unlinked at bootstrap
+  closed_ = true;
+}
+
+}  // namespace ringcoll::host

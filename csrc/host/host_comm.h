@@ -1,0 +1,116 @@
+// host_comm.h: the CPU transport. P processes on one machine, each owning one POSIX
+// shared-memory segment that every peer maps; the ring of ring_loop.h runs over them.
+//
+// Segment layout (one per rank, mapped by all):
+//
+//   [ SegmentHeader: identity and flags, one cache line per flag | 4 KiB ]
+//   [ data area: banks x P slots of slot_bytes each                      ]
+//
+// Rank k writes only its own header's flags and its own data area; it reads its left
+// neighbour's data area and the flags of its two neighbours (all peers' `aborted` flags
+// when something goes wrong).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ringcoll/flags.h"
+#include "ringcoll/reduce.h"
+#include "ringcoll/ring.h"
+#include "shm_segment.h"
+
+namespace ringcoll::host {
+
+constexpr uint64_t kSegmentMagic = 0x72696e67636f6c6cull;  // "ringcoll"
+constexpr size_t kHeaderBytes = 4096;
+constexpr size_t kSlotAlignment = 64;  // a cache line: slots never share one
+constexpr int kBanks = 2;              // double buffering across slices
+
+// One flag per cache line, so a writer never invalidates its neighbour's flag.
+struct alignas(64) Flag {
+  uint64_t value;
+};
+
+struct SegmentHeader {
+  uint64_t magic;
+  int64_t pid;
+  uint64_t pid_namespace;  // liveness checks only make sense inside one pid namespace
+  int32_t rank, world;
+  Flag attached;   // 1 once this rank has mapped every peer's segment (bootstrap barrier)
+  Flag published;  // number of this rank's latest publication into its data area
+  Flag consumed;   // number of the left neighbour's latest publication this rank has read
+  Flag barrier;    // latest barrier generation this rank has entered
+  Flag aborted;    // nonzero once this rank's communicator broke; abort_reason says why
+  char abort_reason[1024];
+};
+static_assert(sizeof(SegmentHeader) <= kHeaderBytes, "header must fit its page");
+
+// Bytes of one slot for a data area of `buffer_bytes` shared by kBanks x world slots.
+size_t slot_bytes_for(size_t buffer_bytes, int world);
+
+// How host waits spend their time: spinning only pays when every rank has a core.
+WaitPolicy host_wait_policy(int world, double timeout_seconds);
+
+class HostComm {
+ public:
+  // Collective over the `world` ranks: names[r] is rank r's segment name (drawn with
+  // random_segment_name() and exchanged by the caller). Creates this rank's segment, maps
+  // every peer's, waits until all ranks have done so, then unlinks every name.
+  HostComm(int rank, int world, const std::vector<std::string>& names, size_t buffer_bytes,
+           double timeout_seconds);
+  ~HostComm() { close(); }
+  HostComm(const HostComm&) = delete;
+  HostComm& operator=(const HostComm&) = delete;
+
+  // Pointers are raw addresses of contiguous arrays; counts are elements.
+  void all_reduce(const void* input, void* output, int64_t count, DType dtype, ReduceOp op);
+  void reduce_scatter(const void* input, void* output, int64_t output_count, DType dtype, ReduceOp op);
+  void all_gather(const void* input, void* output, int64_t input_count, DType dtype);
+  void barrier();
+  void close();
+
+  int rank() const { return rank_; }
+  int world() const { return world_; }
+  size_t slot_bytes() const { return slot_bytes_; }
+  bool broken() const { return !broken_reason_.empty(); }
+  const std::string& broken_reason() const { return broken_reason_; }
+  double timeout() const { return policy_.timeout_seconds; }
+  void set_timeout(double seconds) { policy_.timeout_seconds = seconds; }
+
+  // --- used by the ring context (host_ring.h); not part of the Python surface ---
+  SegmentHeader& header(int r) const { return *reinterpret_cast<SegmentHeader*>(segments_[r].base()); }
+  char* data(int r) const { return segments_[r].base() + kHeaderBytes; }
+  uint64_t& step_base() { return step_base_; }
+  uint64_t& last_publication(int slot) { return last_publication_[slot]; }
+  // Wait until header(peer).<flag> >= target; throws (and breaks the communicator) on
+  // timeout or when a peer is known to be gone. `event` names what the peer should do
+  // ("publish", ...); the message also gives the ring position set by set_position.
+  void wait_for(int peer, Flag SegmentHeader::*flag, uint64_t target, const char* event);
+  void set_position(int64_t slice, int64_t slices, int step, int steps) {
+    position_ = {slice, slices, step, steps};
+  }
+
+ private:
+  void bootstrap(const std::vector<std::string>& names);
+  void ensure_usable(const char* op) const;
+  [[noreturn]] void fail(const char* op, const std::string& message, bool timed_out);
+  // Whether every peer could still make progress: no peer aborted, no peer process gone.
+  bool peers_look_alive(std::string* why) const;
+  template <typename Body> void run_collective(const char* op, Body&& body);
+
+  int rank_, world_;
+  size_t buffer_bytes_, slot_bytes_;
+  WaitPolicy policy_;
+  std::vector<SegmentMapping> segments_;
+  uint64_t step_base_ = 0;          // number of my latest publication (all ranks agree)
+  uint64_t barrier_generation_ = 0;
+  uint64_t calls_ = 0;              // collectives issued on this communicator
+  std::vector<uint64_t> last_publication_;  // per slot: the publication that last filled it
+  const char* current_op_ = "";
+  struct { int64_t slice, slices; int step, steps; } position_{};  // for error messages
+  std::string broken_reason_;
+  bool closed_ = false;
+};
+
+}  // namespace ringcoll::host

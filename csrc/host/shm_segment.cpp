@@ -1,0 +1,103 @@
+#include "shm_segment.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "ringcoll/check.h"
+
+namespace ringcoll::host {
+
+std::string random_segment_name() {
+  unsigned char bytes[16];
+  size_t got = 0;
+  while (got < sizeof(bytes)) {
+    const ssize_t n = getrandom(bytes + got, sizeof(bytes) - got, 0);
+    RINGCOLL_CHECK(n > 0 || errno == EINTR, Error, "getrandom failed: ", std::strerror(errno));
+    if (n > 0) got += static_cast<size_t>(n);
+  }
+  static const char kHex[] = "0123456789abcdef";
+  std::string name = "/ringcoll-";
+  for (unsigned char b : bytes) {
+    name += kHex[b >> 4];
+    name += kHex[b & 15];
+  }
+  return name;
+}
+
+namespace {
+// Map `bytes` of an open descriptor, then close the descriptor: the mapping keeps the
+// memory alive, so no file descriptor stays open per segment.
+void* map_and_close(int fd, size_t bytes, const std::string& name) {
+  void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const int saved = errno;
+  close(fd);
+  RINGCOLL_CHECK(base != MAP_FAILED, Error, "mmap of shared-memory segment ", name, " (", bytes,
+                 " bytes) failed: ", std::strerror(saved));
+  return base;
+}
+}  // namespace
+
+SegmentMapping SegmentMapping::create(const std::string& name, size_t bytes) {
+  const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, S_IRUSR | S_IWUSR);
+  RINGCOLL_CHECK(fd >= 0, Error, "shm_open(O_EXCL) of ", name, " failed: ", std::strerror(errno));
+  // fchmod: the umask may have narrowed the mode, never widened it, but say 0600 exactly.
+  if (fchmod(fd, S_IRUSR | S_IWUSR) != 0 || ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+    const int saved = errno;
+    close(fd);
+    shm_unlink(name.c_str());
+    RINGCOLL_CHECK(false, Error, "sizing shared-memory segment ", name, " to ", bytes,
+                   " bytes failed: ", std::strerror(saved));
+  }
+  SegmentMapping m;
+  try {
+    m.base_ = map_and_close(fd, bytes, name);
+  } catch (...) {
+    shm_unlink(name.c_str());
+    throw;
+  }
+  m.bytes_ = bytes;
+  return m;
+}
+
+SegmentMapping SegmentMapping::try_open(const std::string& name, size_t bytes) {
+  const int fd = shm_open(name.c_str(), O_RDWR, 0);
+  if (fd < 0 && errno == ENOENT) return {};
+  RINGCOLL_CHECK(fd >= 0, Error, "shm_open of peer segment ", name, " failed: ", std::strerror(errno));
+  struct stat st {};
+  if (fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) < bytes) {
+    // The owner has created but not yet sized it: treat as not there yet.
+    close(fd);
+    return {};
+  }
+  SegmentMapping m;
+  m.base_ = map_and_close(fd, bytes, name);
+  m.bytes_ = bytes;
+  return m;
+}
+
+SegmentMapping& SegmentMapping::operator=(SegmentMapping&& other) noexcept {
+  if (this != &other) {
+    unmap();
+    base_ = other.base_;
+    bytes_ = other.bytes_;
+    other.base_ = nullptr;
+    other.bytes_ = 0;
+  }
+  return *this;
+}
+
+void SegmentMapping::unmap() {
+  if (base_ != nullptr) munmap(base_, bytes_);
+  base_ = nullptr;
+  bytes_ = 0;
+}
+
+void unlink_segment(const std::string& name) { shm_unlink(name.c_str()); }
+
+}  // namespace ringcoll::host

@@ -1,0 +1,50 @@
+// shm_segment.h: POSIX shared-memory segments, the host transport's registered buffers.
+//
+// Life of a segment (see HostComm's constructor for the choreography across ranks):
+//   1. its name is drawn at random (128 bits from the kernel: unguessable) and sent to
+//      every peer through the process group *before* the segment exists;
+//   2. the owner creates it with O_CREAT | O_EXCL and mode 0600 and maps it;
+//   3. every peer maps it by name;
+//   4. once all ranks have mapped all segments, every rank unlinks every name. From then on
+//      nothing is left in /dev/shm: the memory lives exactly as long as the mappings, so
+//      even a SIGKILL leaks nothing.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+namespace ringcoll::host {
+
+// A fresh, unguessable segment name: "/ringcoll-" followed by 32 hex digits.
+std::string random_segment_name();
+
+// One mapping of a segment into this process. Move-only; unmaps on destruction.
+class SegmentMapping {
+ public:
+  SegmentMapping() = default;
+  // Create the segment (exclusively, mode 0600), size it and map it.
+  static SegmentMapping create(const std::string& name, size_t bytes);
+  // Map an existing segment of at least `bytes`; returns an empty mapping if it does not
+  // exist (yet). Throws on any other failure.
+  static SegmentMapping try_open(const std::string& name, size_t bytes);
+
+  SegmentMapping(SegmentMapping&& other) noexcept { *this = std::move(other); }
+  SegmentMapping& operator=(SegmentMapping&& other) noexcept;
+  SegmentMapping(const SegmentMapping&) = delete;
+  SegmentMapping& operator=(const SegmentMapping&) = delete;
+  ~SegmentMapping() { unmap(); }
+
+  void unmap();
+  bool mapped() const { return base_ != nullptr; }
+  char* base() const { return static_cast<char*>(base_); }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* base_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// Remove a name from /dev/shm; a name already gone is fine.
+void unlink_segment(const std::string& name);
+
+}  // namespace ringcoll::host

@@ -1,0 +1,127 @@
+// flags.h: the flag protocol, and every wait in ringcoll.
+//
+// A flag is a 64-bit counter in shared (host) or IPC (device) memory with exactly one
+// writer. The writer publishes data, then stores a new, larger value with *release*
+// ordering; a reader waits until it *acquires* a value >= the one it expects, then reads
+// the data. Values only grow (they are ring-step numbers of the communicator), so no flag
+// is ever reset and a late reader can never mistake an old value for a new one.
+//
+// Every access to a flag goes through one of the helpers below, whose names say what
+// ordering they give. No bare volatile spins anywhere.
+//
+// Waits are bounded. On the host a wait spins briefly (cheap when the peer is running on
+// another core), then yields the core (when ranks outnumber cores the peer may need this
+// very core), then sleeps with growing naps; past the deadline it reports a timeout.
+#pragma once
+
+#include "ringcoll/platform.h"
+
+#if !defined(__CUDA_ARCH__)
+#include <chrono>
+#include <thread>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+#endif
+
+namespace ringcoll {
+
+// Store `value` after all earlier writes of this thread (the data) are visible to any
+// reader that acquires it. System scope on the device: readers may be other GPUs or CPUs.
+RINGCOLL_INLINE void flag_store_release(uint64_t* flag, uint64_t value) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(flag), "l"(value) : "memory");
+#else
+  __atomic_store_n(flag, value, __ATOMIC_RELEASE);
+#endif
+}
+
+// Load a flag; reads of the data it guards, issued after this, see what was published.
+RINGCOLL_INLINE uint64_t flag_load_acquire(const uint64_t* flag) {
+#if defined(__CUDA_ARCH__)
+  uint64_t value;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(flag) : "memory");
+  return value;
+#else
+  return __atomic_load_n(flag, __ATOMIC_ACQUIRE);
+#endif
+}
+
+// Load a flag with no ordering: for diagnostics (which value did we see?), never to guard data.
+RINGCOLL_INLINE uint64_t flag_load_relaxed(const uint64_t* flag) {
+#if defined(__CUDA_ARCH__)
+  uint64_t value;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(flag) : "memory");
+  return value;
+#else
+  return __atomic_load_n(flag, __ATOMIC_RELAXED);
+#endif
+}
+
+#if defined(__CUDACC__)
+// Nanoseconds from the GPU's global timer: the device-side clock for bounded waits.
+__device__ inline uint64_t device_now_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+#endif
+
+#if !defined(__CUDA_ARCH__)
+
+// How a host wait spends its time before giving up. Tuned by the transport (see
+// host_wait_policy in csrc/host/host_comm.cpp), kept here so every host wait is the same.
+struct WaitPolicy {
+  int spin_iterations = 2000;     // pause-loop polls before the first yield
+  int yield_iterations = 200;     // sched_yield polls before the first sleep
+  int64_t first_sleep_ns = 2000;  // naps grow x2 from here ...
+  int64_t max_sleep_ns = 500000;  // ... up to this
+  double timeout_seconds = 300.0;
+};
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
+enum class WaitResult { kReady, kTimedOut, kAborted };
+
+// Wait until flag >= target. Every `check_every` sleeps `still_hopeful()` is asked whether
+// waiting can still succeed (a dead peer cannot publish); it returns false to abort early.
+template <typename StillHopeful>
+WaitResult wait_flag_at_least(const uint64_t* flag, uint64_t target, const WaitPolicy& policy,
+                              StillHopeful&& still_hopeful) {
+  if (flag_load_acquire(flag) >= target) return WaitResult::kReady;
+  using Clock = std::chrono::steady_clock;
+  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                           std::chrono::duration<double>(policy.timeout_seconds));
+  for (int i = 0; i < policy.spin_iterations; ++i) {
+    cpu_relax();
+    if (flag_load_acquire(flag) >= target) return WaitResult::kReady;
+  }
+  for (int i = 0; i < policy.yield_iterations; ++i) {
+    std::this_thread::yield();
+    if (flag_load_acquire(flag) >= target) return WaitResult::kReady;
+    if ((i & 31) == 31 && Clock::now() > deadline) return WaitResult::kTimedOut;
+  }
+  int64_t nap_ns = policy.first_sleep_ns;
+  auto next_health_check = Clock::now();
+  for (;;) {
+    std::this_thread::sleep_for(std::chrono::nanoseconds(nap_ns));
+    if (flag_load_acquire(flag) >= target) return WaitResult::kReady;
+    const auto now = Clock::now();
+    if (now > deadline) return WaitResult::kTimedOut;
+    if (now >= next_health_check) {
+      if (!still_hopeful()) return WaitResult::kAborted;
+      next_health_check = now + std::chrono::milliseconds(50);
+    }
+    nap_ns = nap_ns * 2 < policy.max_sleep_ns ? nap_ns * 2 : policy.max_sleep_ns;
+  }
+}
+
+#endif  // !__CUDA_ARCH__
+
+}  // namespace ringcoll

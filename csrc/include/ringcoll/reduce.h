@@ -1,0 +1,221 @@
+// reduce.h: how two contributions combine. One functor per reduction op, one storage type
+// per dtype, usable on host and device.
+//
+// Rules (the same as torch's, so results can be compared bit for bit):
+//   * float16 / bfloat16 are widened to float, combined, and rounded back to nearest-even,
+//     one rounding per combine, as torch does for `a + b` on half tensors.
+//   * integers wrap on overflow (torch's behaviour); the arithmetic is done on the unsigned
+//     type because signed overflow is undefined in C++.
+//   * MIN / MAX propagate NaN, like torch.minimum / torch.maximum.
+//   * AVG is SUM followed by one division by the world size at the end (finalize), for
+//     floating types only.
+#pragma once
+
+#include <type_traits>
+
+#include "ringcoll/platform.h"
+
+namespace ringcoll {
+
+// Codes shared with Python (ringcoll/_types.py); never renumber.
+enum class DType : int {
+  kFloat32 = 0, kFloat64 = 1, kFloat16 = 2, kBFloat16 = 3,
+  kInt8 = 4, kUInt8 = 5, kInt32 = 6, kInt64 = 7,
+};
+enum class ReduceOp : int { kSum = 0, kProduct = 1, kMin = 2, kMax = 3, kAvg = 4 };
+
+constexpr int kNumDTypes = 8;
+constexpr int kNumReduceOps = 5;
+
+RINGCOLL_INLINE int dtype_size(DType d) {
+  switch (d) {
+    case DType::kFloat64: case DType::kInt64: return 8;
+    case DType::kFloat32: case DType::kInt32: return 4;
+    case DType::kFloat16: case DType::kBFloat16: return 2;
+    default: return 1;
+  }
+}
+RINGCOLL_INLINE bool dtype_is_floating(DType d) {
+  return d == DType::kFloat32 || d == DType::kFloat64 || d == DType::kFloat16 || d == DType::kBFloat16;
+}
+
+// ---------------------------------------------------------------------------------------
+// 16-bit floating storage types. Plain structs holding the bits, so the same code compiles
+// with g++ and nvcc without cuda_fp16.h; conversions are written out to show the rounding.
+
+struct Half { uint16_t bits; };
+struct BFloat16 { uint16_t bits; };
+
+RINGCOLL_INLINE uint32_t float_bits(float f) {
+  union { float f; uint32_t u; } v{f};
+  return v.u;
+}
+RINGCOLL_INLINE float bits_float(uint32_t u) {
+  union { uint32_t u; float f; } v{u};
+  return v.f;
+}
+
+RINGCOLL_INLINE float to_float(BFloat16 x) { return bits_float(static_cast<uint32_t>(x.bits) << 16); }
+RINGCOLL_INLINE BFloat16 bfloat16_from_float(float f) {
+  uint32_t u = float_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return BFloat16{static_cast<uint16_t>((u >> 16) | 0x40)};  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
+  return BFloat16{static_cast<uint16_t>(u >> 16)};
+}
+
+RINGCOLL_INLINE float to_float(Half x) {
+  const uint32_t sign = static_cast<uint32_t>(x.bits & 0x8000u) << 16;
+  const uint32_t exp = (x.bits >> 10) & 0x1fu;
+  uint32_t mant = x.bits & 0x3ffu;
+  if (exp == 0x1f) return bits_float(sign | 0x7f800000u | (mant << 13));  // inf / NaN
+  if (exp != 0) return bits_float(sign | ((exp + 112u) << 23) | (mant << 13));
+  if (mant == 0) return bits_float(sign);  // signed zero
+  // Subnormal half: value = mant * 2^-24, exact in float.
+  const float magnitude = static_cast<float>(mant) * 5.9604644775390625e-08f;
+  return sign ? -magnitude : magnitude;
+}
+RINGCOLL_INLINE Half half_from_float(float f) {
+  const uint32_t u = float_bits(f);
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  const uint32_t abs = u & 0x7fffffffu;
+  if (abs > 0x7f800000u) return Half{static_cast<uint16_t>(sign | 0x7e00u)};  // NaN
+  if (abs >= 0x477ff000u) return Half{static_cast<uint16_t>(sign | 0x7c00u)};  // rounds to inf
+  if (abs < 0x38800000u) {
+    // Result is subnormal (or zero) in half: value / 2^-24, rounded to nearest-even.
+    // Adding 0.5 (2^-1) in float aligns the bits so the FPU does the rounding for us.
+    const float scaled = bits_float(abs) + 0.5f;
+    return Half{static_cast<uint16_t>(sign | static_cast<uint16_t>(float_bits(scaled) - 0x3f000000u))};
+  }
+  // Normal: rebias exponent (127 -> 15) and round the 13 dropped mantissa bits.
+  uint32_t r = abs - (112u << 23);
+  r += 0xfffu + ((r >> 13) & 1u);
+  return Half{static_cast<uint16_t>(sign | (r >> 13))};
+}
+
+// ---------------------------------------------------------------------------------------
+// Compute type: what a combine is done in. Float for 16-bit floats, the type itself else.
+
+template <typename T> struct Compute { using type = T; };
+template <> struct Compute<Half> { using type = float; };
+template <> struct Compute<BFloat16> { using type = float; };
+
+template <typename T> RINGCOLL_INLINE typename Compute<T>::type widen(T x) { return x; }
+RINGCOLL_INLINE float widen(Half x) { return to_float(x); }
+RINGCOLL_INLINE float widen(BFloat16 x) { return to_float(x); }
+
+template <typename T> RINGCOLL_INLINE T narrow(typename Compute<T>::type x) { return x; }
+template <> RINGCOLL_INLINE Half narrow<Half>(float x) { return half_from_float(x); }
+template <> RINGCOLL_INLINE BFloat16 narrow<BFloat16>(float x) { return bfloat16_from_float(x); }
+
+// Wrapping integer arithmetic via the unsigned type (well defined), plain for floats.
+template <typename C> RINGCOLL_INLINE C wrap_add(C a, C b) {
+  if constexpr (std::is_integral_v<C>) {
+    using U = std::make_unsigned_t<C>;
+    return static_cast<C>(static_cast<U>(static_cast<U>(a) + static_cast<U>(b)));
+  } else {
+    return a + b;
+  }
+}
+template <typename C> RINGCOLL_INLINE C wrap_mul(C a, C b) {
+  if constexpr (std::is_integral_v<C>) {
+    // Promote to at least unsigned int: uint8/uint16 would promote to (signed) int first.
+    using U = std::conditional_t<(sizeof(C) < sizeof(unsigned)), unsigned, std::make_unsigned_t<C>>;
+    return static_cast<C>(static_cast<U>(static_cast<U>(a) * static_cast<U>(b)));
+  } else {
+    return a * b;
+  }
+}
+template <typename C> RINGCOLL_INLINE bool is_nan(C x) {
+  if constexpr (std::is_floating_point_v<C>) return x != x;
+  else return false;
+}
+
+// ---------------------------------------------------------------------------------------
+// The op functors: combine(a, b) in the compute type; finalize(x, world) after the last
+// combine (identity except for AVG).
+
+struct SumOp {
+  template <typename C> RINGCOLL_INLINE static C combine(C a, C b) { return wrap_add(a, b); }
+  template <typename C> RINGCOLL_INLINE static C finalize(C x, int) { return x; }
+};
+struct ProductOp {
+  template <typename C> RINGCOLL_INLINE static C combine(C a, C b) { return wrap_mul(a, b); }
+  template <typename C> RINGCOLL_INLINE static C finalize(C x, int) { return x; }
+};
+struct MinOp {
+  template <typename C> RINGCOLL_INLINE static C combine(C a, C b) {
+    return is_nan(a) ? a : (is_nan(b) ? b : (b < a ? b : a));
+  }
+  template <typename C> RINGCOLL_INLINE static C finalize(C x, int) { return x; }
+};
+struct MaxOp {
+  template <typename C> RINGCOLL_INLINE static C combine(C a, C b) {
+    return is_nan(a) ? a : (is_nan(b) ? b : (a < b ? b : a));
+  }
+  template <typename C> RINGCOLL_INLINE static C finalize(C x, int) { return x; }
+};
+struct AvgOp {
+  template <typename C> RINGCOLL_INLINE static C combine(C a, C b) { return a + b; }
+  // Divide (not multiply by 1/P) so the result matches torch's `sum / P` bit for bit.
+  template <typename C> RINGCOLL_INLINE static C finalize(C x, int world) { return x / static_cast<C>(world); }
+};
+
+// One element: a (received partial) op b (own contribution), rounded once to storage.
+template <typename T, class Op>
+RINGCOLL_INLINE T combine_element(T a, T b) {
+  return narrow<T>(Op::combine(widen(a), widen(b)));
+}
+// The last combine of a chunk: rounding happens once, after finalize.
+template <typename T, class Op>
+RINGCOLL_INLINE T combine_final_element(T a, T b, int world) {
+  return narrow<T>(Op::finalize(Op::combine(widen(a), widen(b)), world));
+}
+template <typename T, class Op>
+RINGCOLL_INLINE T finalize_element(T x, int world) {
+  return narrow<T>(Op::finalize(widen(x), world));
+}
+
+// ---------------------------------------------------------------------------------------
+// Runtime (dtype, op) -> template dispatch, in one place. `fn` is a generic lambda taking
+// (T{}, Op{}) tag values; AVG on integers never reaches here (validated in Python and by
+// is_supported below).
+
+RINGCOLL_INLINE bool is_supported(DType d, ReduceOp op) {
+  return static_cast<int>(d) >= 0 && static_cast<int>(d) < kNumDTypes && static_cast<int>(op) >= 0 &&
+         static_cast<int>(op) < kNumReduceOps && (op != ReduceOp::kAvg || dtype_is_floating(d));
+}
+
+template <typename T, typename Fn>
+decltype(auto) dispatch_op(ReduceOp op, Fn&& fn) {
+  switch (op) {
+    case ReduceOp::kSum: return fn(T{}, SumOp{});
+    case ReduceOp::kProduct: return fn(T{}, ProductOp{});
+    case ReduceOp::kMin: return fn(T{}, MinOp{});
+    case ReduceOp::kMax: return fn(T{}, MaxOp{});
+    default: return fn(T{}, AvgOp{});
+  }
+}
+template <typename T, typename Fn>
+decltype(auto) dispatch_integer_op(ReduceOp op, Fn&& fn) {
+  switch (op) {
+    case ReduceOp::kSum: return fn(T{}, SumOp{});
+    case ReduceOp::kProduct: return fn(T{}, ProductOp{});
+    case ReduceOp::kMin: return fn(T{}, MinOp{});
+    default: return fn(T{}, MaxOp{});
+  }
+}
+template <typename Fn>
+decltype(auto) dispatch_dtype_op(DType d, ReduceOp op, Fn&& fn) {
+  switch (d) {
+    case DType::kFloat32: return dispatch_op<float>(op, fn);
+    case DType::kFloat64: return dispatch_op<double>(op, fn);
+    case DType::kFloat16: return dispatch_op<Half>(op, fn);
+    case DType::kBFloat16: return dispatch_op<BFloat16>(op, fn);
+    case DType::kInt8: return dispatch_integer_op<int8_t>(op, fn);
+    case DType::kUInt8: return dispatch_integer_op<uint8_t>(op, fn);
+    case DType::kInt32: return dispatch_integer_op<int32_t>(op, fn);
+    default: return dispatch_integer_op<int64_t>(op, fn);
+  }
+}
+
+}  // namespace ringcoll

@@ -1,0 +1,102 @@
+// ring_loop.h: the step loop of every ring collective, written once.
+//
+// The host driver (csrc/host/) and the CUDA kernels (csrc/cuda/) run this same template;
+// they differ only in the execution context `Ctx`, which supplies
+//
+//   slot pointers    ctx.my_slot(bank, c) / ctx.left_slot(bank, c): where chunk c of the
+//                    current slice sits in my registered buffer / my left neighbour's
+//   user memory      ctx.input_at(c, offset) / ctx.output_at(c, offset)
+//   strip work       ctx.copy(dst, dst2, src, len)      dst2 may be null
+//                    ctx.reduce(dst, dst2, recv, own, len, is_final)
+//                    (on a GPU each thread block handles its strip of [0, len))
+//   the protocol     ctx.wait_left_published(v), ctx.publish(v),
+//                    ctx.wait_right_consumed(v), ctx.mark_consumed(v)
+//                    each wait returns false when it gave up (timeout, peer gone)
+//   bookkeeping      ctx.last_publication(slot) -> uint64_t&, ctx.step_base() -> uint64_t&
+//                    ctx.set_position(slice, step) for error messages
+//
+// Protocol. Every publication of every rank carries a number; the numbers of a
+// communicator only grow, and all ranks number identically because they run the same
+// sequence of calls. In a slice with L ring steps, rank k makes L publications, numbered
+// base+1 .. base+L: the first send before step 0, then one forward per step but the last.
+// At step i it waits for its left neighbour's publication base+i+1, which is exactly the
+// chunk it must receive (ring.h), combines it, and acknowledges by setting its `consumed`
+// counter to base+i+1. Before it overwrites a slot of its own buffer it waits until its
+// right neighbour has consumed the publication that last filled that slot, so a slow
+// reader is never overwritten; with two banks of slots, slice j+1 fills one bank while
+// slice j is still being read from the other.
+//
+// Slicing. Each chunk is cut into slices of at most S = ctx.slice_elems() elements; slice
+// j of every chunk travels together. So the buffer size bounds the memory ringcoll uses,
+// never the message size.
+#pragma once
+
+#include "ringcoll/ring.h"
+
+namespace ringcoll {
+
+// Elements of chunk c that belong to slice j (0 when the chunk is shorter).
+RINGCOLL_INLINE int64_t slice_length(int64_t chunk_len, int64_t slice_elems, int64_t slice) {
+  const int64_t left = chunk_len - slice * slice_elems;
+  return left <= 0 ? 0 : (left < slice_elems ? left : slice_elems);
+}
+// Number of slices a message needs: every chunk fits in that many slices.
+RINGCOLL_INLINE int64_t num_slices(int64_t count, int world, int64_t slice_elems) {
+  const int64_t longest = max_chunk_length(count, world);
+  return (longest + slice_elems - 1) / slice_elems;
+}
+RINGCOLL_INLINE int slot_index(int bank, int chunk, int world) { return bank * world + chunk; }
+
+// Run collective `coll` on `count` elements (the full message: n for all-reduce, P*m for
+// reduce-scatter and all-gather). Returns false if a wait gave up.
+template <class Ctx>
+RINGCOLL_HD bool run_ring(Ctx& ctx, Collective coll, int64_t count) {
+  const int rank = ctx.rank(), world = ctx.world();
+  const int steps = ring_steps(coll, world);
+  const int64_t slice_elems = ctx.slice_elems();
+  const int64_t slices = num_slices(count, world, slice_elems);
+
+  for (int64_t j = 0; j < slices; ++j) {
+    const int bank = static_cast<int>(j % ctx.banks());
+    const uint64_t base = ctx.step_base();
+    const int64_t offset = j * slice_elems;  // of this slice inside every chunk
+    auto len_of = [&](int c) { return slice_length(chunk_length(count, world, c), slice_elems, j); };
+
+    // Before step 0: put the first chunk to send into my buffer (and, for all-gather, my
+    // own chunk into the output).
+    ctx.set_position(j, -1);
+    const int first = first_send_chunk(coll, rank, world);
+    uint64_t& first_slot_pub = ctx.last_publication(slot_index(bank, first, world));
+    if (!ctx.wait_right_consumed(first_slot_pub)) return false;
+    auto* own_output = coll == Collective::kAllGather ? ctx.output_at(first, offset) : nullptr;
+    ctx.copy(ctx.my_slot(bank, first), own_output, ctx.input_at(first, offset), len_of(first));
+    ctx.publish(base + 1);
+    first_slot_pub = base + 1;
+
+    for (int i = 0; i < steps; ++i) {
+      ctx.set_position(j, i);
+      const int c = step_recv_chunk(coll, rank, i, world);
+      const bool forwards = step_forwards(coll, i, world);
+      const bool final_value = step_writes_output(coll, i, world);
+      uint64_t& slot_pub = ctx.last_publication(slot_index(bank, c, world));
+
+      if (!ctx.wait_left_published(base + i + 1)) return false;
+      if (forwards && !ctx.wait_right_consumed(slot_pub)) return false;
+      auto* to_right = forwards ? ctx.my_slot(bank, c) : nullptr;
+      auto* to_output = final_value ? ctx.output_at(c, offset) : nullptr;
+      if (step_reduces(coll, i, world))
+        ctx.reduce(to_right, to_output, ctx.left_slot(bank, c), ctx.input_at(c, offset), len_of(c), final_value);
+      else
+        ctx.copy(to_right, to_output, ctx.left_slot(bank, c), len_of(c));
+      ctx.mark_consumed(base + i + 1);
+      if (forwards) {
+        ctx.publish(base + i + 2);
+        slot_pub = base + i + 2;
+      }
+    }
+    ctx.step_base() = base + steps;
+  }
+  return true;
+}
+
+}  // namespace ringcoll
