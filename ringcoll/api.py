@@ -1,0 +1,74 @@
+"""Module-level drop-ins for torch.distributed, one communicator per (group, device).
+
+    import ringcoll
+    ringcoll.all_reduce(t)                      # like dist.all_reduce(t)
+    ringcoll.reduce_scatter_tensor(out, inp)    # like dist.reduce_scatter_tensor(out, inp)
+
+The first call for a (group, device) builds that communicator, collectively: every rank of
+the group must make its first ringcoll call on that group and device at the same point,
+as with any collective. ``destroy_communicators()`` closes them all (also done at exit).
+"""
+
+from __future__ import annotations
+
+import atexit
+
+import torch
+import torch.distributed as dist
+
+from ringcoll._types import ReduceOp
+from ringcoll.communicator import Communicator
+
+_communicators: dict = {}
+
+
+def get_communicator(group=None, device="cpu") -> Communicator:
+    """The cached communicator for (group, device), built on first use."""
+    group = group if group is not None else dist.group.WORLD
+    device = torch.device(device)
+    key = (group, str(device))
+    comm = _communicators.get(key)
+    if comm is None:
+        comm = Communicator(group=group, device=device)
+        _communicators[key] = comm
+    return comm
+
+
+def _for_tensor(tensor, group) -> Communicator:
+    device = tensor.device if isinstance(tensor, torch.Tensor) else "cpu"
+    return get_communicator(group, device)
+
+
+def destroy_communicators() -> None:
+    """Close every cached communicator (call before dist.destroy_process_group)."""
+    while _communicators:
+        _, comm = _communicators.popitem()
+        comm.close()
+
+
+atexit.register(destroy_communicators)
+
+
+def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
+    return _for_tensor(tensor, group).all_reduce(tensor, op=op, async_op=async_op)
+
+
+def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False):
+    return _for_tensor(input, group).reduce_scatter_tensor(output, input, op=op, async_op=async_op)
+
+
+def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
+    return _for_tensor(input_tensor, group).all_gather_into_tensor(output_tensor, input_tensor, async_op=async_op)
+
+
+def all_gather(tensor_list, tensor, group=None, async_op=False):
+    return _for_tensor(tensor, group).all_gather(tensor_list, tensor, async_op=async_op)
+
+
+def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=False):
+    return _for_tensor(output, group).reduce_scatter(output, input_list, op=op, async_op=async_op)
+
+
+def barrier(group=None, async_op=False, device_ids=None):
+    """Like dist.barrier; runs on the group's CPU communicator (device_ids is ignored)."""
+    return get_communicator(group, "cpu").barrier(async_op=async_op)

@@ -1,0 +1,393 @@
+"""The ring schedule in plain Python: a line-for-line mirror of ``ring.h`` and of the
+slicing helpers of ``ring_loop.h``, plus :func:`simulate`, which runs a whole collective
+on Python lists so every step can be printed and checked.
+
+The C++ headers are the single source of ring indexing for every transport; this module
+restates them for reading, and ``tests/test_schedule.py`` checks it against the compiled
+twins in ``ringcoll._C.schedule`` so the two can never drift apart.
+
+The ring
+========
+
+P ranks stand on a ring. Rank k receives only from its *left* neighbour k-1 and sends
+only to its *right* neighbour k+1 (indices mod P)::
+
+        r0 ----> r1
+        ^         |
+        |         v            (P = 4 shown)
+        r3 <---- r2
+
+Chunks
+------
+
+A message of n elements is cut into P chunks. With ``q = n // P`` and ``r = n % P``::
+
+    chunk c = [c*q + min(c, r), (c+1)*q + min(c+1, r))
+
+so the chunks tile ``[0, n)`` in order, the first r chunks hold one element more than the
+others, and when n < P the last P-n chunks are empty. ``chunk_begin(n, P, P) == n``.
+
+Reduce-scatter (P-1 steps, s = 0 .. P-2)
+----------------------------------------
+
+Before step 0 rank k publishes its raw copy of chunk k-1. At step s rank k
+
+* sends chunk ``k-s-1`` (at step 0 the raw copy, later the partial it reduced at s-1),
+* receives chunk ``k-s-2`` from rank k-1, already reduced over ranks k-s-2 .. k-1,
+* combines it with its own copy: ``partial = received op own``.
+
+The received partial grows by one contribution per hop. At the last step (s = P-2) the
+chunk rank k receives is ``k-P == k`` and it now holds all P contributions.
+**Invariant: after reduce-scatter, rank k holds chunk k fully reduced** (the contract of
+``torch.distributed.reduce_scatter_tensor``).
+
+All-gather (P-1 steps, s = 0 .. P-2)
+------------------------------------
+
+At step s rank k sends chunk ``k-s`` (its own at step 0, afterwards the one it just
+received) and receives chunk ``k-s-1``. The finished chunks travel round the ring; over
+the P-1 steps rank k receives every chunk except its own exactly once.
+**Invariant: after all-gather every rank holds every chunk.**
+
+All-reduce is reduce-scatter followed by all-gather: 2(P-1) steps in one sequence, where
+step t < P-1 is reduce-scatter step t and step t >= P-1 is all-gather step t-(P-1).
+
+In every step of every collective, what rank k receives at step t is exactly what its
+left neighbour sends at step t, and what rank k receives at step t it sends at step t+1.
+
+Bytes moved
+-----------
+
+Each rank sends one chunk per step, P-1 chunks per phase: ``(P-1)/P * n`` elements for
+reduce-scatter and all-gather, ``2(P-1)/P * n`` for all-reduce, independent of P in the
+limit. That per-rank volume is what nccl-tests' *busbw* normalises by.
+
+Slicing
+-------
+
+A chunk longer than a buffer slot travels in slices of at most S elements; slice j of
+every chunk travels together, and the ring runs once per slice (:func:`num_slices`).
+"""
+
+from __future__ import annotations
+
+import enum
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence
+
+__all__ = [
+    "Collective",
+    "ring_mod",
+    "left_neighbour",
+    "right_neighbour",
+    "chunk_begin",
+    "chunk_end",
+    "chunk_length",
+    "max_chunk_length",
+    "rs_send_chunk",
+    "rs_recv_chunk",
+    "ag_send_chunk",
+    "ag_recv_chunk",
+    "ring_steps",
+    "step_reduces",
+    "step_recv_chunk",
+    "first_send_chunk",
+    "step_writes_output",
+    "step_forwards",
+    "slice_length",
+    "num_slices",
+    "RankStep",
+    "StepRecord",
+    "Simulation",
+    "simulate",
+]
+
+
+# ---------------------------------------------------------------------------------------
+# ring.h
+
+
+def ring_mod(x: int, world: int) -> int:
+    """Non-negative remainder of ``x`` modulo ``world`` (the ring arithmetic subtracts past
+    zero; Python's ``%`` already returns a non-negative result for a positive divisor)."""
+    return x % world
+
+
+def left_neighbour(rank: int, world: int) -> int:
+    """The rank ``rank`` receives from."""
+    return ring_mod(rank - 1, world)
+
+
+def right_neighbour(rank: int, world: int) -> int:
+    """The rank ``rank`` sends to."""
+    return ring_mod(rank + 1, world)
+
+
+def chunk_begin(n: int, world: int, chunk: int) -> int:
+    """First element of chunk ``chunk`` of an ``n``-element message split over ``world``
+    chunks; ``chunk == world`` gives ``n``."""
+    q, r = n // world, n % world
+    return chunk * q + min(chunk, r)
+
+
+def chunk_end(n: int, world: int, chunk: int) -> int:
+    """One past the last element of chunk ``chunk``."""
+    return chunk_begin(n, world, chunk + 1)
+
+
+def chunk_length(n: int, world: int, chunk: int) -> int:
+    return chunk_end(n, world, chunk) - chunk_begin(n, world, chunk)
+
+
+def max_chunk_length(n: int, world: int) -> int:
+    """The longest chunk: the first one (chunks differ by at most one element)."""
+    return chunk_length(n, world, 0)
+
+
+def rs_send_chunk(rank: int, step: int, world: int) -> int:
+    """Reduce-scatter step ``step`` in [0, P-2]: the chunk ``rank`` sends."""
+    return ring_mod(rank - step - 1, world)
+
+
+def rs_recv_chunk(rank: int, step: int, world: int) -> int:
+    """Reduce-scatter step ``step`` in [0, P-2]: the chunk ``rank`` receives and reduces."""
+    return ring_mod(rank - step - 2, world)
+
+
+def ag_send_chunk(rank: int, step: int, world: int) -> int:
+    """All-gather step ``step`` in [0, P-2]: the chunk ``rank`` sends."""
+    return ring_mod(rank - step, world)
+
+
+def ag_recv_chunk(rank: int, step: int, world: int) -> int:
+    """All-gather step ``step`` in [0, P-2]: the chunk ``rank`` receives."""
+    return ring_mod(rank - step - 1, world)
+
+
+class Collective(enum.IntEnum):
+    """The collectives as sequences of ring steps; same codes as ``ringcoll::Collective``."""
+
+    ALL_REDUCE = 0
+    REDUCE_SCATTER = 1
+    ALL_GATHER = 2
+
+
+def ring_steps(coll: Collective, world: int) -> int:
+    """Number of ring steps: P-1 per phase, two phases for all-reduce."""
+    return 2 * (world - 1) if coll == Collective.ALL_REDUCE else world - 1
+
+
+def step_reduces(coll: Collective, step: int, world: int) -> bool:
+    """Whether step ``step`` combines the received chunk with the rank's own copy
+    (a reduce-scatter step) rather than copying it (an all-gather step)."""
+    return coll == Collective.REDUCE_SCATTER or (coll == Collective.ALL_REDUCE and step < world - 1)
+
+
+def step_recv_chunk(coll: Collective, rank: int, step: int, world: int) -> int:
+    """The chunk ``rank`` receives at step ``step`` of the whole collective."""
+    if step_reduces(coll, step, world):
+        return rs_recv_chunk(rank, step, world)
+    ag_step = step - (world - 1) if coll == Collective.ALL_REDUCE else step
+    return ag_recv_chunk(rank, ag_step, world)
+
+
+def first_send_chunk(coll: Collective, rank: int, world: int) -> int:
+    """The chunk ``rank`` publishes before step 0: its raw copy of chunk k-1 for a reducing
+    collective, its own chunk k for all-gather."""
+    if coll == Collective.ALL_GATHER:
+        return ag_send_chunk(rank, 0, world)
+    return rs_send_chunk(rank, 0, world)
+
+
+def step_writes_output(coll: Collective, step: int, world: int) -> bool:
+    """Whether the chunk received at step ``step`` is final (reduced over every rank, or
+    gathered) and so belongs in the output: the last reduce-scatter step and every
+    all-gather step."""
+    return not step_reduces(coll, step, world) or step == world - 2
+
+
+def step_forwards(coll: Collective, step: int, world: int) -> bool:
+    """Whether the chunk received at step ``step`` is passed on to the right neighbour:
+    every step but the last (what rank k receives at step t it sends at step t+1)."""
+    return step + 1 < ring_steps(coll, world)
+
+
+# ---------------------------------------------------------------------------------------
+# ring_loop.h: slicing
+
+
+def slice_length(chunk_len: int, slice_elems: int, slice: int) -> int:
+    """Elements of a ``chunk_len``-element chunk that belong to slice ``slice`` when slices
+    hold ``slice_elems`` elements (0 when the chunk is shorter)."""
+    left = chunk_len - slice * slice_elems
+    return 0 if left <= 0 else min(left, slice_elems)
+
+
+def num_slices(count: int, world: int, slice_elems: int) -> int:
+    """Number of slices a ``count``-element message needs: every chunk fits in that many."""
+    longest = max_chunk_length(count, world)
+    return (longest + slice_elems - 1) // slice_elems
+
+
+# ---------------------------------------------------------------------------------------
+# simulate: the ring run on Python lists, step by step.
+
+
+@dataclass
+class RankStep:
+    """What one rank did in one step.
+
+    ``sent`` is the chunk it sent to its right neighbour and ``sent_values`` the values;
+    ``received`` the chunk that arrived from its left neighbour; ``reduced`` whether it
+    combined that chunk with its own contribution (else it copied it); ``final`` whether
+    the chunk now holds its final value and went into the output; ``state`` the rank's
+    working copy of the whole message after the step (``None`` where an all-gather rank
+    has not received the element yet).
+    """
+
+    rank: int
+    sent: int
+    sent_values: List[Any]
+    received: int
+    reduced: bool
+    final: bool
+    state: List[Any]
+
+
+@dataclass
+class StepRecord:
+    step: int
+    phase: str  # "reduce-scatter" or "all-gather"
+    ranks: List[RankStep]
+
+
+class Simulation(NamedTuple):
+    """``steps``: one :class:`StepRecord` per ring step; ``outputs``: per rank, the result
+    the collective returns (all-reduce and all-gather: the full vector; reduce-scatter:
+    rank k's chunk k)."""
+
+    steps: List[StepRecord]
+    outputs: List[List[Any]]
+
+
+def simulate(
+    coll: Collective,
+    inputs: Sequence[Sequence[Any]],
+    op: Callable[[Any, Any], Any] = operator.add,
+) -> Simulation:
+    """Run collective ``coll`` over ``P = len(inputs)`` ranks on Python lists.
+
+    ``inputs[k]`` is rank k's contribution: the whole n-element message for all-reduce and
+    reduce-scatter, rank k's own chunk for all-gather (the chunk lengths must be those of
+    :func:`chunk_length` for ``n = sum of the lengths``). The reference results are::
+
+        all_reduce:      out[k] = [op-fold over ranks of inputs[r][i] for i in range(n)]
+        reduce_scatter:  out[k] = all_reduce result [chunk_begin(n,P,k):chunk_end(n,P,k)]
+        all_gather:      out[k] = inputs[0] + inputs[1] + ... + inputs[P-1]
+
+    Each step is driven only by the schedule functions above, exactly as ``run_ring`` in
+    ring_loop.h drives the transports: a rank's first send is :func:`first_send_chunk`;
+    at step t it receives its left neighbour's send of step t (checked to be
+    :func:`step_recv_chunk`), reduces it if :func:`step_reduces` (``op(received, own)``,
+    the same argument order as the C++ ``reduce``), writes it to the output if
+    :func:`step_writes_output`, and sends it on at step t+1 if :func:`step_forwards`.
+    """
+    coll = Collective(coll)
+    world = len(inputs)
+    if world < 1:
+        raise ValueError("simulate: need at least one rank")
+    inputs = [list(x) for x in inputs]
+
+    if coll == Collective.ALL_GATHER:
+        n = sum(len(x) for x in inputs)
+        for k, x in enumerate(inputs):
+            if len(x) != chunk_length(n, world, k):
+                raise ValueError(
+                    f"simulate: all_gather rank {k} has {len(x)} elements, chunk {k} of a "
+                    f"{n}-element message has {chunk_length(n, world, k)}"
+                )
+
+        def own_values(k: int, c: int) -> List[Any]:
+            assert c == k, "an all-gather rank only owns its own chunk"
+            return list(inputs[k])
+
+        state = [[None] * n for _ in range(world)]
+        for k in range(world):
+            state[k][chunk_begin(n, world, k) : chunk_end(n, world, k)] = inputs[k]
+    else:
+        n = len(inputs[0])
+        if any(len(x) != n for x in inputs):
+            raise ValueError("simulate: every rank's input must have the same length")
+
+        def own_values(k: int, c: int) -> List[Any]:
+            return inputs[k][chunk_begin(n, world, c) : chunk_end(n, world, c)]
+
+        state = [list(x) for x in inputs]
+
+    def chunk_slice(c: int) -> slice:
+        return slice(chunk_begin(n, world, c), chunk_end(n, world, c))
+
+    # The output each rank returns; filled only from chunks the schedule marks final.
+    output: List[List[Any]] = [[None] * n for _ in range(world)]
+    outbox: List[Optional[tuple]] = []
+
+    if world == 1:
+        # No ring steps: the one rank's contribution is the result (the transports
+        # special-case P = 1 the same way).
+        output = [list(state[0])]
+    else:
+        # Before step 0 each rank publishes its first chunk (an all-gather rank also puts
+        # its own chunk into its output).
+        outbox = []
+        for k in range(world):
+            c = first_send_chunk(coll, k, world)
+            outbox.append((c, own_values(k, c)))
+            if coll == Collective.ALL_GATHER:
+                output[k][chunk_slice(c)] = own_values(k, c)
+
+    records: List[StepRecord] = []
+    for t in range(ring_steps(coll, world)):
+        reduces = step_reduces(coll, t, world)
+        final = step_writes_output(coll, t, world)
+        forwards = step_forwards(coll, t, world)
+        next_outbox: List[Optional[tuple]] = [None] * world
+        rank_steps: List[RankStep] = []
+        for k in range(world):
+            sent_chunk, sent_values = outbox[k]
+            got_chunk, got_values = outbox[left_neighbour(k, world)]
+            c = step_recv_chunk(coll, k, t, world)
+            if got_chunk != c:
+                raise AssertionError(
+                    f"schedule broken: rank {k} step {t} expects chunk {c}, its left "
+                    f"neighbour sent chunk {got_chunk}"
+                )
+            if reduces:
+                value = [op(a, b) for a, b in zip(got_values, own_values(k, c))]
+            else:
+                value = list(got_values)
+            state[k][chunk_slice(c)] = value
+            if final:
+                output[k][chunk_slice(c)] = value
+            if forwards:
+                next_outbox[k] = (c, value)
+            rank_steps.append(
+                RankStep(
+                    rank=k,
+                    sent=sent_chunk,
+                    sent_values=list(sent_values),
+                    received=c,
+                    reduced=reduces,
+                    final=final,
+                    state=list(state[k]),
+                )
+            )
+        phase = "reduce-scatter" if reduces else "all-gather"
+        records.append(StepRecord(step=t, phase=phase, ranks=rank_steps))
+        outbox = next_outbox
+
+    if coll == Collective.REDUCE_SCATTER:
+        outputs = [output[k][chunk_slice(k)] for k in range(world)]
+    else:
+        outputs = output
+    return Simulation(steps=records, outputs=outputs)
