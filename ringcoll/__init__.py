@@ -9,11 +9,13 @@ from ringcoll._types import ReduceOp
 from ringcoll.api import (
     all_gather,
     all_gather_into_tensor,
+    all_gather_single,
     all_reduce,
     barrier,
     destroy_communicators,
     get_communicator,
     reduce_scatter,
+    reduce_scatter_single,
     reduce_scatter_tensor,
 )
 from ringcoll.communicator import Communicator, Work
@@ -24,6 +26,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Communicator", "Work", "ReduceOp",
     "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_gather", "reduce_scatter", "barrier",
+    "all_gather_single", "reduce_scatter_single",
     "get_communicator", "destroy_communicators",
     "RingcollError", "RingcollTimeoutError", "RingcollPeerError",
 ]

@@ -72,3 +72,8 @@ def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=Fal
 def barrier(group=None, async_op=False, device_ids=None):
     """Like dist.barrier; runs on the group's CPU communicator (device_ids is ignored)."""
     return get_communicator(group, "cpu").barrier(async_op=async_op)
+
+
+# torch 2.13 renamed the tensor forms; both spellings are accepted there and here.
+all_gather_single = all_gather_into_tensor
+reduce_scatter_single = reduce_scatter_tensor

@@ -245,17 +245,24 @@ class Communicator:
 
     # --- the collectives ------------------------------------------------------------------
 
-    def all_reduce(self, tensor: torch.Tensor, op=ReduceOp.SUM, async_op: bool = False):
+    def all_reduce(self, tensor: torch.Tensor, op=ReduceOp.SUM, async_op: bool = False, *,
+                   output: Optional[torch.Tensor] = None):
         """In place: ``tensor = op(tensor on rank 0, ..., tensor on rank P-1)``.
 
         Reference: ``torch.stack(all_ranks_tensors).sum(0)`` for SUM (``/ P`` more for AVG).
+        ``output`` (keyword, not in torch.distributed): write the result there instead and
+        leave ``tensor`` unchanged, NCCL's out-of-place form.
         """
         name = "all_reduce"
         self._ensure_open(name)
-        self._check_tensor(name, "tensor", tensor)
+        if output is None:
+            self._check_tensor(name, "tensor", tensor)
+            output = tensor
+        else:
+            self._check_pair(name, output, tensor, 1)
         dtype, code = dtype_code(name, tensor.dtype), op_code(name, op, tensor.dtype)
-        ptr, count = tensor.data_ptr(), tensor.numel()
-        return self._run(lambda: self._impl.all_reduce(ptr, ptr, count, dtype, code), [tensor], (), async_op)
+        src, dst, count = tensor.data_ptr(), output.data_ptr(), tensor.numel()
+        return self._run(lambda: self._impl.all_reduce(src, dst, count, dtype, code), [output], (tensor,), async_op)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM,
                               async_op: bool = False):

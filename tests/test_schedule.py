@@ -1,0 +1,397 @@
+"""Tier 1: the ring schedule. ringcoll/schedule.py against its C++ twin (ring.h and the
+slicing helpers of ring_loop.h, exposed as ringcoll._C.schedule), then the properties
+the ring must have, checked from first principles rather than by restating the formulas,
+then simulate() against the plain reference computation."""
+
+import functools
+import operator
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ringcoll import _C
+from ringcoll import schedule as S
+from ringcoll.schedule import Collective
+
+CS = _C.schedule
+WORLDS = range(1, 10)
+COLLS = list(Collective)
+
+
+def sizes(world):
+    return sorted({0, 1, 2, max(world - 1, 0), world, world + 1, 17, 100, 101, 2**40 + 3})
+
+
+# ---------------------------------------------------------------------------------------
+# (a) Python mirror == C++
+
+
+def test_collective_codes():
+    # The C++ enum: kAllReduce = 0, kReduceScatter = 1, kAllGather = 2.
+    assert [int(c) for c in Collective] == [0, 1, 2]
+    assert Collective(0) is Collective.ALL_REDUCE
+    assert Collective(1) is Collective.REDUCE_SCATTER
+    assert Collective(2) is Collective.ALL_GATHER
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_neighbours_and_ring_mod_match_cpp(world):
+    for rank in range(world):
+        assert S.left_neighbour(rank, world) == CS.left_neighbour(rank, world)
+        assert S.right_neighbour(rank, world) == CS.right_neighbour(rank, world)
+    # ring_mod has no binding of its own; C++ left/right_neighbour are ring_mod(rank -+ 1),
+    # and they accept any int, so they exercise it over negative and large arguments.
+    for x in range(-3 * world - 2, 3 * world + 3):
+        assert S.ring_mod(x, world) == CS.left_neighbour(x + 1, world)
+        assert S.ring_mod(x, world) == CS.right_neighbour(x - 1, world)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_chunks_match_cpp(world):
+    for n in sizes(world):
+        for c in range(world + 1):
+            assert S.chunk_begin(n, world, c) == CS.chunk_begin(n, world, c), (n, world, c)
+        for c in range(world):
+            assert S.chunk_end(n, world, c) == CS.chunk_end(n, world, c), (n, world, c)
+            # chunk_length / max_chunk_length have no binding: compare with the C++ bounds.
+            assert S.chunk_length(n, world, c) == CS.chunk_end(n, world, c) - CS.chunk_begin(n, world, c)
+        assert S.max_chunk_length(n, world) == CS.chunk_end(n, world, 0) - CS.chunk_begin(n, world, 0)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_phase_chunks_match_cpp(world):
+    # Steps beyond the phase too: the C++ functions are total, so is the mirror.
+    for rank in range(world):
+        for step in range(2 * world + 1):
+            for name in ("rs_send_chunk", "rs_recv_chunk", "ag_send_chunk", "ag_recv_chunk"):
+                assert getattr(S, name)(rank, step, world) == getattr(CS, name)(rank, step, world), (
+                    name, rank, step, world)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("coll", COLLS)
+def test_collective_steps_match_cpp(coll, world):
+    c = int(coll)
+    assert S.ring_steps(coll, world) == CS.ring_steps(c, world)
+    steps = S.ring_steps(coll, world)
+    for step in range(steps + 1):
+        assert S.step_reduces(coll, step, world) == CS.step_reduces(c, step, world)
+        assert S.step_writes_output(coll, step, world) == CS.step_writes_output(c, step, world)
+        assert S.step_forwards(coll, step, world) == CS.step_forwards(c, step, world)
+    for rank in range(world):
+        assert S.first_send_chunk(coll, rank, world) == CS.first_send_chunk(c, rank, world)
+        for step in range(steps):
+            assert S.step_recv_chunk(coll, rank, step, world) == CS.step_recv_chunk(c, rank, step, world)
+    # The mirror takes plain ints as well as the enum, like the C++ binding.
+    assert S.ring_steps(c, world) == CS.ring_steps(c, world)
+
+
+def test_slicing_matches_cpp():
+    for chunk_len in list(range(0, 40)) + [2**33 + 5]:
+        for slice_elems in (1, 2, 3, 7, 8, 16, 64, 2**20):
+            for j in range(0, 45):
+                assert S.slice_length(chunk_len, slice_elems, j) == CS.slice_length(chunk_len, slice_elems, j)
+    for world in WORLDS:
+        for count in sizes(world) + [3 * world + 5, 1000]:
+            for slice_elems in (1, 2, 3, 7, 8, 64, 2**20):
+                assert S.num_slices(count, world, slice_elems) == CS.num_slices(count, world, slice_elems)
+
+
+# ---------------------------------------------------------------------------------------
+# (b) properties, from first principles
+
+
+def phase_steps(coll, world):
+    """(step of the whole collective, phase-local step, phase) for every step."""
+    out = []
+    for t in range(S.ring_steps(coll, world)):
+        if S.step_reduces(coll, t, world):
+            out.append((t, t, "rs"))
+        else:
+            out.append((t, t - (world - 1) if coll == Collective.ALL_REDUCE else t, "ag"))
+    return out
+
+
+def sent_chunk(coll, rank, t, world):
+    """What rank sends at step t: its first publication at t = 0, else what it received
+    at t-1 (the ring_loop.h protocol)."""
+    if t == 0:
+        return S.first_send_chunk(coll, rank, world)
+    assert S.step_forwards(coll, t - 1, world)
+    return S.step_recv_chunk(coll, rank, t - 1, world)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_chunks_tile_the_message(world):
+    for n in sizes(world) + list(range(0, 3 * world + 2)):
+        bounds = [(S.chunk_begin(n, world, c), S.chunk_end(n, world, c)) for c in range(world)]
+        assert bounds[0][0] == 0 and bounds[-1][1] == n
+        for (b0, e0), (b1, _) in zip(bounds, bounds[1:]):
+            assert e0 == b1  # contiguous, in order, no overlap
+        lengths = [e - b for b, e in bounds]
+        assert all(x >= 0 for x in lengths)
+        assert sum(lengths) == n
+        assert max(lengths) - min(lengths) <= 1
+        assert lengths == sorted(lengths, reverse=True)  # the longer chunks come first
+        assert S.max_chunk_length(n, world) == max(lengths)
+        assert S.chunk_begin(n, world, world) == n
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_neighbours_form_one_ring(world):
+    seen, rank = [], 0
+    for _ in range(world):
+        seen.append(rank)
+        nxt = S.right_neighbour(rank, world)
+        assert S.left_neighbour(nxt, world) == rank
+        rank = nxt
+    assert rank == 0 and sorted(seen) == list(range(world))
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("coll", COLLS)
+def test_receive_what_left_neighbour_sends(coll, world):
+    for t, local, phase in phase_steps(coll, world):
+        for k in range(world):
+            left = S.left_neighbour(k, world)
+            recv = S.step_recv_chunk(coll, k, t, world)
+            assert recv == sent_chunk(coll, left, t, world)
+            # The phase-level functions say the same.
+            send_fn = S.rs_send_chunk if phase == "rs" else S.ag_send_chunk
+            recv_fn = S.rs_recv_chunk if phase == "rs" else S.ag_recv_chunk
+            assert recv_fn(k, local, world) == send_fn(left, local, world) == recv
+            assert send_fn(k, local, world) == sent_chunk(coll, k, t, world)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("coll", COLLS)
+def test_received_is_sent_next_step(coll, world):
+    steps = S.ring_steps(coll, world)
+    for t in range(steps):
+        assert S.step_forwards(coll, t, world) == (t < steps - 1)
+    for t, local, phase in phase_steps(coll, world):
+        if t + 1 >= steps or (phase == "rs" and not S.step_reduces(coll, t + 1, world)):
+            continue
+        for k in range(world):
+            send_fn = S.rs_send_chunk if phase == "rs" else S.ag_send_chunk
+            recv_fn = S.rs_recv_chunk if phase == "rs" else S.ag_recv_chunk
+            assert recv_fn(k, local, world) == send_fn(k, local + 1, world)
+    # Across the phase boundary of all-reduce: the chunk finished at the last
+    # reduce-scatter step is the first one all-gather sends.
+    if coll == Collective.ALL_REDUCE and world > 1:
+        for k in range(world):
+            assert S.rs_recv_chunk(k, world - 2, world) == S.ag_send_chunk(k, 0, world) == k
+
+
+@pytest.mark.parametrize("world", range(2, 10))
+def test_reduce_scatter_ends_with_own_chunk(world):
+    for coll in (Collective.REDUCE_SCATTER, Collective.ALL_REDUCE):
+        last = world - 2
+        for k in range(world):
+            assert S.step_recv_chunk(coll, k, last, world) == k
+            assert S.step_writes_output(coll, last, world)
+            for t in range(last):
+                assert not S.step_writes_output(coll, t, world)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_contributions_accumulate_to_all_ranks(world):
+    """Track, symbolically, whose contributions each reduce-scatter partial holds: each
+    hop adds the receiver's, and the partial rank k finishes holds every rank's exactly
+    once."""
+    coll = Collective.REDUCE_SCATTER
+    outbox = {k: (S.first_send_chunk(coll, k, world), (k,)) for k in range(world)}
+    finished = {}
+    for t in range(S.ring_steps(coll, world)):
+        nxt = {}
+        for k in range(world):
+            chunk, who = outbox[S.left_neighbour(k, world)]
+            assert chunk == S.step_recv_chunk(coll, k, t, world)
+            who = who + (k,)
+            assert len(set(who)) == len(who)  # never reduced twice into the same partial
+            if S.step_writes_output(coll, t, world):
+                finished[k] = (chunk, who)
+            if S.step_forwards(coll, t, world):
+                nxt[k] = (chunk, who)
+        outbox = nxt
+    if world > 1:
+        for k in range(world):
+            chunk, who = finished[k]
+            assert chunk == k and sorted(who) == list(range(world))
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("coll", COLLS)
+def test_every_chunk_received_once_per_phase(coll, world):
+    for phase in ("rs", "ag"):
+        ts = [(t, local) for t, local, p in phase_steps(coll, world) if p == phase]
+        if not ts:
+            continue
+        for k in range(world):
+            got = [S.step_recv_chunk(coll, k, t, world) for t, _ in ts]
+            sent = [sent_chunk(coll, k, t, world) for t, _ in ts]
+            assert len(got) == world - 1 and len(sent) == world - 1  # P-1 chunks per phase
+            assert len(set(got)) == world - 1
+            if phase == "ag":
+                # Every chunk but its own, which it already had.
+                assert sorted(got) == sorted(set(range(world)) - {k})
+                assert sent[0] == k
+            else:
+                # Every chunk but the one it only ever contributes raw (k-1).
+                assert sorted(got) == sorted(set(range(world)) - {S.left_neighbour(k, world)})
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_bytes_sent_per_rank(world):
+    n = 12 * 7 * 5 * 8 * 9  # divisible by every world in the grid
+    for coll, phases in ((Collective.REDUCE_SCATTER, 1), (Collective.ALL_GATHER, 1), (Collective.ALL_REDUCE, 2)):
+        for k in range(world):
+            sent = sum(S.chunk_length(n, world, sent_chunk(coll, k, t, world))
+                       for t in range(S.ring_steps(coll, world)))
+            assert sent * world == phases * (world - 1) * n
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_slices_cover_every_chunk(world):
+    for count in sizes(world)[:-1] + [3 * world + 5]:
+        for slice_elems in (1, 2, 3, 5, 64):
+            slices = S.num_slices(count, world, slice_elems)
+            for c in range(world):
+                clen = S.chunk_length(count, world, c)
+                lens = [S.slice_length(clen, slice_elems, j) for j in range(slices + 2)]
+                assert sum(lens) == clen
+                assert all(0 <= x <= slice_elems for x in lens)
+                assert lens[slices:] == [0, 0]
+                # Full slices first, then at most one partial one, then empties.
+                nz = [x for x in lens if x]
+                assert all(x == slice_elems for x in nz[:-1])
+            if count:
+                # No slice is empty for every chunk: the count is the fewest that fits.
+                assert S.slice_length(S.max_chunk_length(count, world), slice_elems, slices - 1) > 0
+            else:
+                assert slices == 0
+
+
+# ---------------------------------------------------------------------------------------
+# (c) simulate() against the plain reference
+
+
+def rank_inputs(world, n, seed=0):
+    # Distinct integers, so a lost or doubled contribution changes the result.
+    return [[(seed * 7919 + r * 1000 + i * 13 + 1) * (1 if (r + i) % 2 else -1) for i in range(n)]
+            for r in range(world)]
+
+
+def split_chunks(full, world):
+    n = len(full)
+    return [full[S.chunk_begin(n, world, c):S.chunk_end(n, world, c)] for c in range(world)]
+
+
+SIM_SIZES = (0, 1, 2, 3, 5, 6, 7, 13, 24)
+
+
+@pytest.mark.parametrize("world", range(1, 7))
+@pytest.mark.parametrize("n", SIM_SIZES)
+def test_simulate_all_reduce(world, n):
+    inputs = rank_inputs(world, n)
+    reference = [sum(x[i] for x in inputs) for i in range(n)]
+    sim = S.simulate(Collective.ALL_REDUCE, inputs)
+    assert sim.outputs == [reference] * world
+    assert len(sim.steps) == 2 * (world - 1)
+    if sim.steps:
+        assert all(r.state == reference for r in sim.steps[-1].ranks)
+
+
+@pytest.mark.parametrize("world", range(1, 7))
+@pytest.mark.parametrize("n", SIM_SIZES)
+def test_simulate_reduce_scatter(world, n):
+    inputs = rank_inputs(world, n, seed=1)
+    reference = [sum(x[i] for x in inputs) for i in range(n)]
+    sim = S.simulate(Collective.REDUCE_SCATTER, inputs)
+    assert sim.outputs == split_chunks(reference, world)
+    assert len(sim.steps) == world - 1
+    if sim.steps:
+        # Rank k's working copy holds the finished chunk k after the last step.
+        for k, r in enumerate(sim.steps[-1].ranks):
+            lo, hi = S.chunk_begin(n, world, k), S.chunk_end(n, world, k)
+            assert r.received == k and r.final and r.reduced
+            assert r.state[lo:hi] == reference[lo:hi]
+
+
+@pytest.mark.parametrize("world", range(1, 7))
+@pytest.mark.parametrize("n", SIM_SIZES)
+def test_simulate_all_gather(world, n):
+    full = list(range(100, 100 + n))
+    inputs = split_chunks(full, world)
+    sim = S.simulate(Collective.ALL_GATHER, inputs)
+    assert sim.outputs == [full] * world
+    assert len(sim.steps) == world - 1
+    for rec in sim.steps:
+        assert rec.phase == "all-gather"
+        assert not any(r.reduced for r in rec.ranks)
+
+
+@pytest.mark.parametrize("world", range(2, 7))
+def test_simulate_records(world):
+    n = 2 * world + 1
+    inputs = rank_inputs(world, n, seed=2)
+    sim = S.simulate(Collective.ALL_REDUCE, inputs)
+    for rec in sim.steps:
+        assert [r.rank for r in rec.ranks] == list(range(world))
+        assert rec.phase == ("reduce-scatter" if rec.step < world - 1 else "all-gather")
+        for r in rec.ranks:
+            left = rec.ranks[S.left_neighbour(r.rank, world)]
+            assert r.received == left.sent
+            lo, hi = S.chunk_begin(n, world, left.sent), S.chunk_end(n, world, left.sent)
+            assert len(left.sent_values) == hi - lo
+            if r.reduced:
+                assert r.state[lo:hi] == [a + b for a, b in zip(left.sent_values, inputs[r.rank][lo:hi])]
+            else:
+                assert r.state[lo:hi] == left.sent_values
+
+
+def test_simulate_other_ops_and_errors():
+    inputs = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3], [5, 8, 9, 7, 9], [3, 2, 3, 8, 4]]
+    for op, fold in ((max, max), (min, min), (operator.mul, operator.mul)):
+        ref = [functools.reduce(fold, col) for col in zip(*inputs)]
+        assert S.simulate(Collective.ALL_REDUCE, inputs, op=op).outputs == [ref] * 4
+    # Non-commutative op: the received partial comes first, own contribution second,
+    # so a string "sum" records the order contributions travelled round the ring.
+    sim = S.simulate(Collective.REDUCE_SCATTER, [["a"], ["b"], ["c"]], op=operator.add)
+    assert sim.outputs == [["bca"], [], []]
+    with pytest.raises(ValueError):
+        S.simulate(Collective.ALL_REDUCE, [[1, 2], [1]])
+    with pytest.raises(ValueError):
+        S.simulate(Collective.ALL_GATHER, [[1], [1, 2]])  # chunk 0 must be the longer one
+    with pytest.raises(ValueError):
+        S.simulate(Collective.ALL_REDUCE, [])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    coll=st.sampled_from(COLLS),
+    world=st.integers(1, 7),
+    n=st.integers(0, 20),
+    seed=st.integers(0, 10**6),
+)
+def test_simulate_property(coll, world, n, seed):
+    import random
+
+    rng = random.Random(seed)
+    if coll == Collective.ALL_GATHER:
+        full = [rng.randint(-50, 50) for _ in range(n)]
+        assert S.simulate(coll, split_chunks(full, world)).outputs == [full] * world
+        return
+    inputs = [[rng.randint(-50, 50) for _ in range(n)] for _ in range(world)]
+    reference = [sum(col) for col in zip(*inputs)] if n else []
+    sim = S.simulate(coll, inputs)
+    expected = [reference] * world if coll == Collective.ALL_REDUCE else split_chunks(reference, world)
+    assert sim.outputs == expected
+    # Every rank sends P-1 chunks per phase, and exactly (P-1)/P of the message's
+    # elements per phase in total over the ring (summed over ranks: (P-1) * n).
+    phases = 2 if coll == Collective.ALL_REDUCE else 1
+    total = sum(len(r.sent_values) for rec in sim.steps for r in rec.ranks)
+    assert total == phases * (world - 1) * n
+    for k in range(world):
+        assert sum(1 for rec in sim.steps for r in rec.ranks if r.rank == k) == phases * (world - 1)
