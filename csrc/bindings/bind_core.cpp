@@ -32,7 +32,8 @@ void reduce_arrays(uintptr_t out, uintptr_t a, uintptr_t b, int64_t count, int d
 }  // namespace
 
 void bind_core(py::module_& m) {
-  static py::exception<Error> base_error(m, "RingcollError", PyExc_RuntimeError);
+  // Translators are tried newest first, so the subclasses are registered after the base.
+  auto& base_error = py::register_exception<Error>(m, "RingcollError", PyExc_RuntimeError);
   py::register_exception<TimeoutError>(m, "RingcollTimeoutError", base_error.ptr());
   py::register_exception<PeerError>(m, "RingcollPeerError", base_error.ptr());
 
