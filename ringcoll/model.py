@@ -1,0 +1,130 @@
+"""The alpha-beta cost model of ring collectives, and what it means for data-parallel scaling.
+
+A message of n bytes on P ranks, one link per rank at bandwidth beta (bytes/s) and a
+per-step latency alpha (s). The ring cuts the message into P chunks of n/P bytes; every
+step each rank sends one chunk to its right neighbour while receiving one from its left,
+all links busy at once:
+
+    reduce-scatter   P-1 steps     T = (P-1) alpha + (P-1)/P * n / beta
+    all-gather       P-1 steps     T = (P-1) alpha + (P-1)/P * n / beta
+    all-reduce       2(P-1) steps  T = 2(P-1) alpha + 2(P-1)/P * n / beta
+                     (= reduce-scatter + all-gather, exactly: same steps, same bytes)
+
+So each rank sends 2(P-1)/P * n bytes in an all-reduce: less than 2n for every P, and not
+"2 x P x n". Splitting an all-reduce into reduce-scatter + all-gather saves nothing; it
+lets the two halves be scheduled apart (ZeRO updates the shard in between).
+
+nccl-tests' busbw = algbw * 2(P-1)/P (all-reduce) or (P-1)/P (the others), with
+algbw = n / T: exactly the bytes per second each rank's link carries, so in the
+bandwidth-bound limit busbw -> beta whatever P is. That is why it is the number to compare.
+
+alpha and beta are fitted from measurements (``fit``), by least squares over the sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Sequence
+
+STEPS = {"all_reduce": lambda p: 2 * (p - 1), "reduce_scatter": lambda p: p - 1, "all_gather": lambda p: p - 1}
+BUS_FACTOR = {"all_reduce": lambda p: 2 * (p - 1) / p, "reduce_scatter": lambda p: (p - 1) / p,
+              "all_gather": lambda p: (p - 1) / p}
+
+
+def bytes_sent_per_rank(collective: str, world: int, nbytes: float) -> float:
+    """Bytes each rank sends (and receives) in the ring: the busbw numerator."""
+    return BUS_FACTOR[collective](world) * nbytes
+
+
+def ring_time(collective: str, world: int, nbytes: float, alpha: float, beta: float) -> float:
+    """Predicted seconds for one ring collective of `nbytes` (see module docstring)."""
+    if world == 1:
+        return 0.0
+    return STEPS[collective](world) * alpha + bytes_sent_per_rank(collective, world, nbytes) / beta
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    alpha: float  # seconds per ring step
+    beta: float   # bytes per second per link
+
+    def predict(self, collective: str, world: int, nbytes: float) -> float:
+        return ring_time(collective, world, nbytes, self.alpha, self.beta)
+
+
+def fit(collective: str, world: int, sizes: Sequence[float], times: Sequence[float]) -> Fit:
+    """Least-squares alpha, beta from measured (bytes, seconds) of one collective.
+
+    The model is linear in (alpha, 1/beta): t = steps * alpha + sent_bytes * (1/beta). Both
+    are kept non-negative: if the unconstrained fit makes one negative, that term is
+    dropped and the other refitted alone.
+    """
+    if world < 2:
+        raise ValueError("fit: needs world >= 2 (one rank sends nothing)")
+    if len(sizes) != len(times) or len(sizes) < 2:
+        raise ValueError("fit: need at least two (size, time) pairs of equal length")
+    steps = float(STEPS[collective](world))
+    xs = [(steps, bytes_sent_per_rank(collective, world, n)) for n in sizes]
+    a, inv_b = _least_squares_2(xs, list(times))
+    if a < 0:  # bandwidth only
+        a, inv_b = 0.0, _least_squares_1([x[1] for x in xs], times)
+    elif inv_b <= 0:  # latency only: bandwidth effectively infinite
+        a, inv_b = _least_squares_1([x[0] for x in xs], times), 0.0
+    return Fit(alpha=a, beta=float("inf") if inv_b == 0 else 1.0 / inv_b)
+
+
+def _least_squares_1(x: Sequence[float], y: Sequence[float]) -> float:
+    sxx = sum(v * v for v in x)
+    return max(0.0, sum(u * v for u, v in zip(x, y)) / sxx) if sxx else 0.0
+
+
+def _least_squares_2(xs: Sequence[tuple[float, float]], y: Sequence[float]) -> tuple[float, float]:
+    """Solve min ||X c - y|| for two columns via the normal equations."""
+    s11 = sum(a * a for a, _ in xs)
+    s12 = sum(a * b for a, b in xs)
+    s22 = sum(b * b for _, b in xs)
+    t1 = sum(a * v for (a, _), v in zip(xs, y))
+    t2 = sum(b * v for (_, b), v in zip(xs, y))
+    det = s11 * s22 - s12 * s12
+    if det == 0:
+        return 0.0, _least_squares_1([b for _, b in xs], y)
+    return (t1 * s22 - t2 * s12) / det, (s11 * t2 - s12 * t1) / det
+
+
+# --- data-parallel scaling -----------------------------------------------------------------
+
+
+def amdahl_speedup(serial_fraction: float, workers: int) -> float:
+    """Amdahl's law: the speedup of P workers when a fraction s of the work cannot be split."""
+    return 1.0 / (serial_fraction + (1.0 - serial_fraction) / workers)
+
+
+def data_parallel_step_time(compute_seconds: float, grad_bytes: float, world: int, fit: Fit,
+                            overlap: bool = False) -> float:
+    """One synchronous data-parallel step (weak scaling: every rank computes its own batch
+    in `compute_seconds`, then gradients are all-reduced).
+
+    Without overlap the all-reduce follows the backward pass: compute + comm. With perfect
+    overlap (DDP's buckets, all-reduced while backward goes on) the step takes the longer of
+    the two; real overlap lies in between, since the last bucket is only ready at the end.
+    """
+    comm = fit.predict("all_reduce", world, grad_bytes)
+    return max(compute_seconds, comm) if overlap else compute_seconds + comm
+
+
+def data_parallel_speedup(compute_seconds: float, grad_bytes: float, world: int, fit: Fit,
+                          overlap: bool = False) -> float:
+    """Throughput of `world` ranks over one rank's (which needs no communication)."""
+    return world * compute_seconds / data_parallel_step_time(compute_seconds, grad_bytes, world, fit, overlap)
+
+
+def scaling_table(compute_seconds: float, grad_bytes: float, worlds: Iterable[int], fit: Fit) -> list[dict]:
+    """Speedup and efficiency with and without overlap for each world size."""
+    rows = []
+    for p in worlds:
+        plain = data_parallel_speedup(compute_seconds, grad_bytes, p, fit, overlap=False)
+        overlapped = data_parallel_speedup(compute_seconds, grad_bytes, p, fit, overlap=True)
+        rows.append({"world": p, "comm_s": fit.predict("all_reduce", p, grad_bytes),
+                     "speedup": plain, "efficiency": plain / p,
+                     "speedup_overlap": overlapped, "efficiency_overlap": overlapped / p})
+    return rows

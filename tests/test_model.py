@@ -1,0 +1,65 @@
+"""The alpha-beta model: formulas from first principles, and fits that recover known values."""
+
+import math
+
+import pytest
+
+from ringcoll import model
+
+
+def test_ring_times_match_the_textbook_formulas():
+    alpha, beta, n = 5e-6, 10e9, 64 << 20
+    for p in range(2, 9):
+        rs = model.ring_time("reduce_scatter", p, n, alpha, beta)
+        ag = model.ring_time("all_gather", p, n, alpha, beta)
+        ar = model.ring_time("all_reduce", p, n, alpha, beta)
+        assert rs == pytest.approx((p - 1) * alpha + (p - 1) / p * n / beta)
+        assert ag == pytest.approx(rs)
+        assert ar == pytest.approx(2 * (p - 1) * alpha + 2 * (p - 1) / p * n / beta)
+        # All-reduce is exactly reduce-scatter + all-gather: splitting saves nothing.
+        assert ar == pytest.approx(rs + ag)
+    assert model.ring_time("all_reduce", 1, n, alpha, beta) == 0.0
+
+
+def test_bytes_per_rank_is_below_2n_not_2pn():
+    n = 1000.0
+    for p in range(2, 64):
+        sent = model.bytes_sent_per_rank("all_reduce", p, n)
+        assert sent == pytest.approx(2 * (p - 1) / p * n)
+        assert sent < 2 * n < 2 * p * n
+
+
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "all_gather"])
+def test_fit_recovers_alpha_beta_from_exact_data(collective):
+    alpha, beta, p = 7e-6, 3.5e9, 4
+    sizes = [2.0 ** k for k in range(10, 27, 2)]
+    times = [model.ring_time(collective, p, n, alpha, beta) for n in sizes]
+    fit = model.fit(collective, p, sizes, times)
+    assert fit.alpha == pytest.approx(alpha, rel=1e-6)
+    assert fit.beta == pytest.approx(beta, rel=1e-6)
+    assert fit.predict(collective, p, 1e6) == pytest.approx(model.ring_time(collective, p, 1e6, alpha, beta))
+
+
+def test_fit_never_returns_negative_terms():
+    # Pure bandwidth data with noise that would pull alpha below zero.
+    sizes = [1e3, 1e6, 1e7]
+    times = [0.9e-9 * 1e3 * 0.5, 1e-3 * 0.5, 1e-2 * 0.5]
+    fit = model.fit("all_gather", 2, sizes, times)
+    assert fit.alpha >= 0 and fit.beta > 0
+
+
+def test_amdahl_and_data_parallel_speedup():
+    assert model.amdahl_speedup(0.0, 8) == pytest.approx(8)
+    assert model.amdahl_speedup(0.1, 8) == pytest.approx(1 / (0.1 + 0.9 / 8))
+    fit = model.Fit(alpha=10e-6, beta=10e9)
+    grad = 100e6
+    comm = fit.predict("all_reduce", 8, grad)
+    assert model.data_parallel_step_time(0.05, grad, 8, fit) == pytest.approx(0.05 + comm)
+    assert model.data_parallel_step_time(0.05, grad, 8, fit, overlap=True) == pytest.approx(max(0.05, comm))
+    plain = model.data_parallel_speedup(0.05, grad, 8, fit)
+    overlapped = model.data_parallel_speedup(0.05, grad, 8, fit, overlap=True)
+    assert plain == pytest.approx(8 * 0.05 / (0.05 + comm))
+    assert plain < overlapped <= 8
+    rows = model.scaling_table(0.05, grad, [1, 2, 8], fit)
+    assert rows[0]["speedup"] == pytest.approx(1.0) and math.isclose(rows[0]["comm_s"], 0.0)
+    assert all(r["efficiency"] <= r["efficiency_overlap"] <= 1.0 + 1e-12 for r in rows)
