@@ -34,9 +34,17 @@ def get_communicator(group=None, device="cpu") -> Communicator:
     return comm
 
 
-def _for_tensor(tensor, group) -> Communicator:
-    device = tensor.device if isinstance(tensor, torch.Tensor) else "cpu"
-    return get_communicator(group, device)
+SERVED_DEVICE_TYPES = ("cpu", "cuda")
+
+
+def _for_tensor(op: str, tensor, group) -> Communicator:
+    """The communicator for `tensor`'s device; a device no transport serves is bad input."""
+    if not isinstance(tensor, torch.Tensor):
+        return get_communicator(group, "cpu")  # the communicator's own validation names the problem
+    if tensor.device.type not in SERVED_DEVICE_TYPES:
+        raise ValueError(f"{op}: tensor is on {tensor.device}; ringcoll serves "
+                         + " and ".join(SERVED_DEVICE_TYPES) + " tensors")
+    return get_communicator(group, tensor.device)
 
 
 def destroy_communicators() -> None:
@@ -50,23 +58,23 @@ atexit.register(destroy_communicators)
 
 
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
-    return _for_tensor(tensor, group).all_reduce(tensor, op=op, async_op=async_op)
+    return _for_tensor("all_reduce", tensor, group).all_reduce(tensor, op=op, async_op=async_op)
 
 
 def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False):
-    return _for_tensor(input, group).reduce_scatter_tensor(output, input, op=op, async_op=async_op)
+    return _for_tensor("reduce_scatter_tensor", input, group).reduce_scatter_tensor(output, input, op=op, async_op=async_op)
 
 
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
-    return _for_tensor(input_tensor, group).all_gather_into_tensor(output_tensor, input_tensor, async_op=async_op)
+    return _for_tensor("all_gather_into_tensor", input_tensor, group).all_gather_into_tensor(output_tensor, input_tensor, async_op=async_op)
 
 
 def all_gather(tensor_list, tensor, group=None, async_op=False):
-    return _for_tensor(tensor, group).all_gather(tensor_list, tensor, async_op=async_op)
+    return _for_tensor("all_gather", tensor, group).all_gather(tensor_list, tensor, async_op=async_op)
 
 
 def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=False):
-    return _for_tensor(output, group).reduce_scatter(output, input_list, op=op, async_op=async_op)
+    return _for_tensor("reduce_scatter", output, group).reduce_scatter(output, input_list, op=op, async_op=async_op)
 
 
 def barrier(group=None, async_op=False, device_ids=None):
