@@ -7,11 +7,13 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <sstream>
 #include <thread>
 
+#include "host_strip.h"
 #include "ringcoll/check.h"
 #include "ringcoll/ring_loop.h"
 
@@ -22,13 +24,23 @@ size_t slot_bytes_for(size_t buffer_bytes, int world) {
   return per_slot / kSlotAlignment * kSlotAlignment;
 }
 
+size_t streaming_threshold_bytes() {
+  // Past the last-level cache an output is written to memory anyway; below it, it may
+  // still be in cache when the caller reads it. 8 MiB: a quarter of this EPYC's L3.
+  static const size_t threshold = [] {
+    const char* env = std::getenv("RINGCOLL_STREAMING_BYTES");
+    return env != nullptr ? static_cast<size_t>(std::strtoull(env, nullptr, 10)) : size_t{8} << 20;
+  }();
+  return threshold;
+}
+
 WaitPolicy host_wait_policy(int world, double timeout_seconds) {
   WaitPolicy policy;
   policy.timeout_seconds = timeout_seconds;
   const unsigned cores = std::thread::hardware_concurrency();
   if (cores != 0 && static_cast<unsigned>(world) > cores) {
     // Oversubscribed: the peer we wait for may need this very core, so yield at once.
-    policy.spin_iterations = 0;
+    policy.spin_ns = 0;
   }
   return policy;
 }
@@ -62,7 +74,8 @@ class HostRingContext {
   HostRingContext(HostComm& comm, Collective coll, const void* input, void* output, int64_t count)
       : comm_(comm), coll_(coll), input_(static_cast<const T*>(input)), output_(static_cast<T*>(output)),
         count_(count), slice_elems_(static_cast<int64_t>(comm.slot_bytes() / sizeof(T))),
-        slices_(num_slices(count, comm.world(), slice_elems_)) {}
+        slices_(num_slices(count, comm.world(), slice_elems_)),
+        stream_output_(static_cast<size_t>(output_bytes(coll, count)) >= streaming_threshold_bytes()) {}
 
   int rank() const { return comm_.rank(); }
   int world() const { return comm_.world(); }
@@ -84,16 +97,12 @@ class HostRingContext {
     return output_ + offset + (coll_ == Collective::kReduceScatter ? 0 : chunk_begin(count_, world(), c));
   }
 
-  void copy(T* dst, T* dst2, const T* src, int64_t len) const {
-    if (len == 0) return;
-    if (dst != nullptr) std::memcpy(dst, src, static_cast<size_t>(len) * sizeof(T));
-    if (dst2 != nullptr && dst2 != src) std::memcpy(dst2, src, static_cast<size_t>(len) * sizeof(T));
+  void copy(T* to_right, T* to_output, const T* src, int64_t len) const {
+    copy_strip(to_right, to_output, src, len, stream_output_);
   }
-  // dst[i] (and dst2[i]) = recv[i] op own[i]; finalized (AVG's division) when is_final.
-  // `own` may alias dst2 (in-place output), so no __restrict here.
-  void reduce(T* dst, T* dst2, const T* recv, const T* own, int64_t len, bool is_final) const {
-    if (is_final) reduce_loop<true>(dst, dst2, recv, own, len);
-    else reduce_loop<false>(dst, dst2, recv, own, len);
+  void reduce(T* to_right, T* to_output, const T* recv, const T* own, int64_t len, bool is_final) const {
+    if (is_final) reduce_strip<T, Op, true>(to_right, to_output, recv, own, len, world(), stream_output_);
+    else reduce_strip<T, Op, false>(to_right, to_output, recv, own, len, world(), stream_output_);
   }
 
   bool wait_left_published(uint64_t v) {
@@ -108,35 +117,25 @@ class HostRingContext {
   void mark_consumed(uint64_t v) { flag_store_release(&comm_.header(rank()).consumed.value, v); }
 
  private:
+  int64_t output_bytes(Collective coll, int64_t count) const {
+    return (coll == Collective::kReduceScatter ? count / world() : count) * static_cast<int64_t>(sizeof(T));
+  }
   T* slot_in(char* data, int bank, int c) const {
     return reinterpret_cast<T*>(data + static_cast<size_t>(slot_index(bank, c, world())) * comm_.slot_bytes());
   }
-  template <bool kFinal>
-  void reduce_loop(T* dst, T* dst2, const T* recv, const T* own, int64_t len) const {
-    const int p = world();
-    auto value = [p](T a, T b) {
-      if constexpr (kFinal) return combine_final_element<T, Op>(a, b, p);
-      else return combine_element<T, Op>(a, b);
-    };
-    if (dst != nullptr && dst2 != nullptr) {
-      for (int64_t i = 0; i < len; ++i) dst[i] = dst2[i] = value(recv[i], own[i]);
-    } else {
-      T* out = dst != nullptr ? dst : dst2;
-      for (int64_t i = 0; i < len; ++i) out[i] = value(recv[i], own[i]);
-    }
-  }
-
   HostComm& comm_;
   Collective coll_;
   const T* input_;
   T* output_;
   int64_t count_, slice_elems_, slices_;
+  bool stream_output_;  // the output is too large to stay in cache: write around it
 };
 
 template <typename T, class Op>
 void run_host_ring(HostComm& comm, Collective coll, const void* input, void* output, int64_t count) {
   HostRingContext<T, Op> ctx(comm, coll, input, output, count);
   run_ring(ctx, coll, count);
+  stream_fence();  // the caller may hand the output to another thread right away
 }
 
 }  // namespace

@@ -69,13 +69,14 @@ __device__ inline uint64_t device_now_ns() {
 
 #if !defined(__CUDA_ARCH__)
 
-// How a host wait spends its time before giving up. Tuned by the transport (see
+// How a host wait spends its time before giving up. Phases are bounded in time, not in
+// iterations, so the policy means the same on every CPU. Tuned by the transport (see
 // host_wait_policy in csrc/host/host_comm.cpp), kept here so every host wait is the same.
 struct WaitPolicy {
-  int spin_iterations = 2000;     // pause-loop polls before the first yield
-  int yield_iterations = 200;     // sched_yield polls before the first sleep
-  int64_t first_sleep_ns = 2000;  // naps grow x2 from here ...
-  int64_t max_sleep_ns = 500000;  // ... up to this
+  int64_t spin_ns = 50000;        // pause-loop polls: cheapest wake-up, when the peer has a core
+  int64_t yield_ns = 2000000;     // sched_yield polls: lets a peer sharing this core run
+  int64_t first_sleep_ns = 5000;  // then naps, growing x2 from here ...
+  int64_t max_sleep_ns = 200000;  // ... up to this: bounds the wake-up delay of a long wait
   double timeout_seconds = 300.0;
 };
 
@@ -98,14 +99,21 @@ WaitResult wait_flag_at_least(const uint64_t* flag, uint64_t target, const WaitP
   using Clock = std::chrono::steady_clock;
   const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                            std::chrono::duration<double>(policy.timeout_seconds));
-  for (int i = 0; i < policy.spin_iterations; ++i) {
+  const auto spin_end = Clock::now() + std::chrono::nanoseconds(policy.spin_ns);
+  for (int i = 1; policy.spin_ns > 0; ++i) {
     cpu_relax();
     if (flag_load_acquire(flag) >= target) return WaitResult::kReady;
+    if ((i & 255) == 0 && Clock::now() > spin_end) break;
   }
-  for (int i = 0; i < policy.yield_iterations; ++i) {
+  const auto yield_end = Clock::now() + std::chrono::nanoseconds(policy.yield_ns);
+  for (int i = 1; policy.yield_ns > 0; ++i) {
     std::this_thread::yield();
     if (flag_load_acquire(flag) >= target) return WaitResult::kReady;
-    if ((i & 31) == 31 && Clock::now() > deadline) return WaitResult::kTimedOut;
+    if ((i & 15) == 0) {
+      const auto now = Clock::now();
+      if (now > deadline) return WaitResult::kTimedOut;
+      if (now > yield_end) break;
+    }
   }
   int64_t nap_ns = policy.first_sleep_ns;
   auto next_health_check = Clock::now();
