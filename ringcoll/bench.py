@@ -1,21 +1,26 @@
 """ringcoll-bench: the checked benchmark, in the manner of nccl-tests.
 
-    ringcoll-bench                      # CPU shared memory, 2 ranks, 1 KiB .. 64 MiB
-    ringcoll-bench -b 8 -e 1M -f 4 --nproc 3 --dtype float16 --op max
+    ringcoll-bench                       # CPU shared memory, 2 ranks, 1 KiB .. 64 MiB
+    ringcoll-bench -b 8 -e 1M -f 4 --nproc 3 --dtype float16 --op max --fit --plot bw.png
 
-For every collective and size it first checks the result (out-of-place and in-place)
-against values computed independently on every rank, then times ringcoll and, in the
-same run, the same call through torch.distributed (gloo). Columns:
+For every collective and size it first checks ringcoll's result, out-of-place and
+in-place, against values every rank computes on its own; then times ringcoll and, in the
+same run, the references: the same collective through torch.distributed (gloo) and, when
+mpi4py and mpirun are installed, Open MPI (MPI_Allreduce, MPI_Reduce_scatter_block,
+MPI_Allgather). References are checked too. Columns:
 
-    size   bytes of the whole message (all-reduce: the tensor; reduce-scatter: the input;
-           all-gather: the output), as nccl-tests counts them
-    time   microseconds per call, the slowest rank's average over -n iterations
-    algbw  size / time
-    busbw  algbw x 2(P-1)/P (all-reduce) or x (P-1)/P (reduce-scatter, all-gather): the
-           bytes each rank actually puts on the ring, so it is comparable across P
-    #wrong elements that differ from the expected result (must be 0)
+    size    bytes of the whole message (all-reduce: the tensor; reduce-scatter: the input;
+            all-gather: the output), as nccl-tests counts them
+    time    microseconds per call: the slowest rank's mean over a timed loop, median of
+            --trials loops (this machine is noisy; a loop lasts at least --min-ms)
+    algbw   size / time, GB/s
+    busbw   algbw x 2(P-1)/P (all-reduce) or x (P-1)/P (reduce-scatter, all-gather): the
+            bytes each rank puts on the ring per second, comparable across P
+    #wrong  elements that differ from the expected result (must be 0)
+    x gloo  ringcoll's out-of-place busbw over the reference's (the reference's time is
+            for its only form: in-place for gloo's all-reduce)
 
-Exits with status 1 if any result is wrong.
+Exits with status 1 if any result, ours or a reference's, is wrong.
 """
 
 from __future__ import annotations
@@ -23,45 +28,41 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from typing import Callable, Optional
 
 import torch
-import torch.distributed as dist
 
+from ringcoll import model
 from ringcoll.communicator import parse_bytes
 
-# --- the collectives, each defined once around the shared harness -------------------------
+# --- the collectives: definitions around one shared harness -------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
 class CollectiveDef:
     name: str
-    bus_factor: Callable[[int], float]  # busbw = algbw * bus_factor(P)
     reduces: bool
-    # elements of (input, output) for a message of `count` elements and P ranks
+    # (input elements, output elements) for a message of `count` elements on P ranks
     shapes: Callable[[int, int], tuple[int, int]]
 
-
-def _all_reduce_shapes(count, world):
-    return count, count
-
-
-def _reduce_scatter_shapes(count, world):
-    return count, count // world
-
-
-def _all_gather_shapes(count, world):
-    return count // world, count
+    def bus_factor(self, world: int) -> float:
+        return model.BUS_FACTOR[self.name](world)
 
 
 COLLECTIVES = {
-    "all_reduce": CollectiveDef("all_reduce", lambda p: 2 * (p - 1) / p, True, _all_reduce_shapes),
-    "reduce_scatter": CollectiveDef("reduce_scatter", lambda p: (p - 1) / p, True, _reduce_scatter_shapes),
-    "all_gather": CollectiveDef("all_gather", lambda p: (p - 1) / p, False, _all_gather_shapes),
+    "all_reduce": CollectiveDef("all_reduce", True, lambda count, world: (count, count)),
+    "reduce_scatter": CollectiveDef("reduce_scatter", True, lambda count, world: (count, count // world)),
+    "all_gather": CollectiveDef("all_gather", False, lambda count, world: (count // world, count)),
 }
-
 DTYPES = {
     "float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16,
     "int8": torch.int8, "uint8": torch.uint8, "int32": torch.int32, "int64": torch.int64,
@@ -97,7 +98,100 @@ def expected_result(coll: CollectiveDef, rank: int, world: int, count: int, dtyp
     return acc.to(torch.int64).to(dtype)
 
 
-# --- one rank ------------------------------------------------------------------------------
+# --- backends: ringcoll, and the references ------------------------------------------------
+
+
+class Backend:
+    """What the harness needs from an implementation. Tensors are flat and contiguous."""
+
+    name = "?"
+
+    def forms(self, coll: str) -> tuple:
+        """The forms it offers for `coll`: "out" (out-of-place) and/or "in" (in-place)."""
+        return ("out", "in")
+
+    def run(self, coll: str, inp, out, op: str, in_place: bool, rank: int, world: int) -> None:
+        raise NotImplementedError
+
+    def barrier(self) -> None:
+        raise NotImplementedError
+
+    def reduce_over_ranks(self, value: float, kind: str) -> float:
+        raise NotImplementedError
+
+
+class TorchBackend(Backend):
+    """ringcoll (a Communicator) or torch.distributed itself (gloo), same call shapes."""
+
+    def __init__(self, comm=None):
+        import torch.distributed as dist
+
+        self.dist, self.comm = dist, comm
+        self.name = "ringcoll" if comm is not None else dist.get_backend()
+
+    def forms(self, coll):
+        if self.comm is not None:
+            return ("out", "in")
+        return ("in",) if coll == "all_reduce" else ("out",)  # torch.distributed's only forms
+
+    def _op(self, op: str):
+        name = {"sum": "SUM", "prod": "PRODUCT", "min": "MIN", "max": "MAX", "avg": "AVG"}[op]
+        return getattr(self.dist.ReduceOp, name)
+
+    def run(self, coll, inp, out, op, in_place, rank, world):
+        api = self.comm if self.comm is not None else self.dist
+        if coll == "all_reduce":
+            if self.comm is None:  # torch.distributed has only the in-place form
+                return self.dist.all_reduce(inp, op=self._op(op))
+            return self.comm.all_reduce(inp, op=self._op(op), output=None if in_place else out)
+        if coll == "reduce_scatter":
+            dst = inp.view(world, -1)[rank] if in_place else out
+            return api.reduce_scatter_tensor(dst, inp, op=self._op(op))
+        src = out.view(world, -1)[rank] if in_place else inp
+        return api.all_gather_into_tensor(out, src)
+
+    def barrier(self):
+        if self.comm is not None:
+            self.comm.barrier()
+        else:
+            self.dist.barrier()
+
+    def reduce_over_ranks(self, value, kind):
+        t = torch.tensor([value], dtype=torch.float64)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX if kind == "max" else self.dist.ReduceOp.MIN)
+        return float(t)
+
+
+class MpiBackend(Backend):
+    """Open MPI through mpi4py, on numpy views of the same tensors (run under mpirun)."""
+
+    def forms(self, coll):
+        return ("out",)
+
+    def __init__(self):
+        from mpi4py import MPI
+
+        self.MPI, self.comm = MPI, MPI.COMM_WORLD
+        self.name = "mpi"
+
+    def run(self, coll, inp, out, op, in_place, rank, world):
+        mpi_op = {"sum": self.MPI.SUM, "prod": self.MPI.PROD, "min": self.MPI.MIN, "max": self.MPI.MAX}[op]
+        a, b = inp.numpy(), out.numpy()
+        if coll == "all_reduce":
+            self.comm.Allreduce(a, b, op=mpi_op)
+        elif coll == "reduce_scatter":
+            self.comm.Reduce_scatter_block(a, b, op=mpi_op)
+        else:
+            self.comm.Allgather(a, b)
+
+    def barrier(self):
+        self.comm.Barrier()
+
+    def reduce_over_ranks(self, value, kind):
+        return self.comm.allreduce(value, op=self.MPI.MAX if kind == "max" else self.MPI.MIN)
+
+
+# --- the harness ---------------------------------------------------------------------------
 
 
 @dataclasses.dataclass
@@ -107,182 +201,361 @@ class Config:
     factor: int = 2
     warmup: int = 5
     iters: int = 20
+    trials: int = 3
+    min_seconds: float = 0.02
     dtype: str = "float32"
     op: str = "sum"
     collectives: tuple = ("all_reduce", "reduce_scatter", "all_gather")
-    reference: bool = True
+    gloo: bool = True
     buffer_bytes: Optional[int] = None
+    straggler_rank: Optional[int] = None
+    delay_us: float = 0.0
+    progress: bool = True
 
 
-def sizes(config: Config, world: int, elem: int) -> list[int]:
+def message_counts(config: Config, world: int) -> list[int]:
     """Message sizes in elements, multiples of P so every rank has an equal share."""
-    out, size = [], config.min_bytes
+    elem = torch.empty(0, dtype=DTYPES[config.dtype]).element_size()
+    counts, size = [], config.min_bytes
     while size <= config.max_bytes:
         count = max(world, size // elem // world * world)
-        if not out or count != out[-1]:
-            out.append(count)
+        if not counts or count != counts[-1]:
+            counts.append(count)
         size *= config.factor
-    return out
+    return counts
 
 
-def _make_call(api, coll: CollectiveDef, inp, out, op, in_place: bool, world: int, rank: int):
-    """(call, result_tensor) for ringcoll (api = a Communicator) or gloo (api = None)."""
-    if coll.name == "all_reduce":
-        if api is None:  # torch.distributed has only the in-place form
-            return (lambda: dist.all_reduce(inp, op=op)), inp
-        if in_place:
-            return (lambda: api.all_reduce(inp, op=op)), inp
-        return (lambda: api.all_reduce(inp, op=op, output=out)), out
-    if coll.name == "reduce_scatter":
-        dst = inp.view(world, -1)[rank] if in_place else out
-        fn = api.reduce_scatter_tensor if api is not None else dist.reduce_scatter_tensor
-        return (lambda: fn(dst, inp, op=op)), dst
-    src = out.view(world, -1)[rank] if in_place else inp
-    fn = api.all_gather_into_tensor if api is not None else dist.all_gather_into_tensor
-    return (lambda: fn(out, src)), out
+def _busy_wait(seconds: float) -> None:
+    """A precise delay (sleep overshoots by tens of microseconds)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 
-def _timed(call, warmup: int, iters: int) -> float:
-    """Seconds per call: the slowest rank's average (all ranks start together)."""
-    for _ in range(warmup):
+def measure(call: Callable[[], None], backend: Backend, config: Config, rank: int) -> tuple[float, float]:
+    """(slowest rank's, fastest rank's) seconds per call: each the median over trials of the
+    mean of a timed loop. All ranks run the same number of iterations."""
+    delay = config.delay_us * 1e-6 if rank == config.straggler_rank else 0.0
+
+    def step():
+        if delay:
+            _busy_wait(delay)
         call()
-    dist.barrier()
+
+    for _ in range(config.warmup):
+        step()
+    backend.barrier()
+    step()  # absorbs the barrier's exit skew
     start = time.perf_counter()
-    for _ in range(iters):
-        call()
-    elapsed = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed)
+    step()
+    one = backend.reduce_over_ranks(time.perf_counter() - start, "max")
+    iters = max(config.iters, min(100000, math.ceil(config.min_seconds / max(one, 1e-9))))
+    slowest, fastest = [], []
+    for _ in range(config.trials):
+        backend.barrier()
+        step()
+        start = time.perf_counter()
+        for _ in range(iters):
+            step()
+        mine = (time.perf_counter() - start) / iters
+        slowest.append(backend.reduce_over_ranks(mine, "max"))
+        fastest.append(backend.reduce_over_ranks(mine, "min"))
+    return statistics.median(slowest), statistics.median(fastest)
 
 
-def _count_wrong(result: torch.Tensor, expected: torch.Tensor) -> int:
-    return int((result != expected).sum())
+def _buffers(coll: CollectiveDef, count: int, world: int, rank: int, dtype, op: str, in_place: bool):
+    in_numel, out_numel = coll.shapes(count, world)
+    out = torch.zeros(out_numel, dtype=dtype)
+    if coll.name == "all_gather" and in_place:
+        out.view(world, -1)[rank].copy_(rank_input(rank, in_numel, dtype, op))
+        return None, out, out
+    inp = rank_input(rank, in_numel, dtype, op)
+    result = inp if (in_place and coll.name == "all_reduce") else out
+    if in_place and coll.name == "reduce_scatter":
+        result = inp.view(world, -1)[rank]
+    return inp, out, result
+
+
+def _first_time(backend: Backend, coll: CollectiveDef, op: str) -> Optional[str]:
+    """Why `backend` cannot run this collective/op, if it cannot (gloo has no AVG ...)."""
+    if backend.name == "mpi" and op == "avg":
+        return "MPI has no AVG"
+    if backend.name == "gloo" and op == "avg" and coll.reduces:
+        return "gloo has no AVG"
+    return None
+
+
+def bench_backend(backend: Backend, rank: int, world: int, config: Config, progress=None) -> list[dict]:
+    """Check, then time, every collective and size on one backend; rows on every rank."""
+    dtype = DTYPES[config.dtype]
+    rows = []
+    for name in config.collectives:
+        coll = COLLECTIVES[name]
+        op = config.op if coll.reduces else "none"
+        for count in message_counts(config, world):
+            elem = torch.empty(0, dtype=dtype).element_size()
+            row = {"collective": name, "backend": backend.name, "bytes": count * elem, "count": count,
+                   "type": config.dtype, "redop": op, "world": world}
+            unsupported = _first_time(backend, coll, config.op)
+            if unsupported:
+                row["unsupported"] = unsupported
+            else:
+                expected = expected_result(coll, rank, world, count, dtype, config.op)
+                for form in backend.forms(name):
+                    in_place = form == "in"
+                    inp, out, result = _buffers(coll, count, world, rank, dtype, config.op, in_place)
+                    call = lambda: backend.run(name, inp, out, config.op, in_place, rank, world)  # noqa: E731
+                    call()
+                    wrong = int((result != expected).sum())
+                    row[f"{form}_wrong"] = int(backend.reduce_over_ranks(float(wrong), "max"))
+                    slowest, fastest = measure(call, backend, config, rank)
+                    row[f"{form}_time_us"], row[f"{form}_fastest_us"] = slowest * 1e6, fastest * 1e6
+            rows.append(row)
+            if progress is not None:
+                progress.update(1)
+    return rows
 
 
 def run_rank(rank: int, world: int, config: Config) -> list[dict]:
+    """One spawned rank: ringcoll, then gloo, on the same process group."""
+    import torch.distributed as dist
+
     import ringcoll
 
-    dtype = DTYPES[config.dtype]
-    op_ours = {"sum": ringcoll.ReduceOp.SUM, "prod": ringcoll.ReduceOp.PRODUCT, "min": ringcoll.ReduceOp.MIN,
-               "max": ringcoll.ReduceOp.MAX, "avg": ringcoll.ReduceOp.AVG}[config.op]
-    op_gloo = getattr(dist.ReduceOp, op_ours.name)
-    rows = []
+    progress = None
+    if rank == 0 and config.progress:
+        from tqdm import tqdm
+
+        total = len(config.collectives) * len(message_counts(config, world)) * (2 if config.gloo else 1)
+        progress = tqdm(total=total, desc=f"ringcoll-bench P={world}", unit="size", file=sys.stderr, leave=False)
     with ringcoll.Communicator(buffer_bytes=config.buffer_bytes) as comm:
-        elem = torch.empty(0, dtype=dtype).element_size()
-        for name in config.collectives:
-            coll = COLLECTIVES[name]
-            for count in sizes(config, world, elem):
-                row = {"collective": name, "bytes": count * elem, "count": count, "type": config.dtype,
-                       "redop": config.op if coll.reduces else "none", "world": world}
-                expected = expected_result(coll, rank, world, count, dtype, config.op)
-                in_numel, out_numel = coll.shapes(count, world)
-                for placement in ("out", "in"):
-                    in_place = placement == "in"
-                    # Check first: fresh inputs, one call, compare; then time on the same buffers.
-                    if coll.name == "all_gather" and in_place:
-                        out = torch.zeros(out_numel, dtype=dtype)
-                        out.view(world, -1)[rank].copy_(rank_input(rank, in_numel, dtype, config.op))
-                        inp = None
-                    else:
-                        inp = rank_input(rank, in_numel, dtype, config.op)
-                        out = torch.zeros(out_numel, dtype=dtype)
-                    call, result = _make_call(comm, coll, inp, out, op_ours, in_place, world, rank)
-                    call()
-                    wrong = torch.tensor([_count_wrong(result, expected)])
-                    dist.all_reduce(wrong)
-                    row[f"{placement}_wrong"] = int(wrong)
-                    row[f"{placement}_time_us"] = _timed(call, config.warmup, config.iters) * 1e6
-                if config.reference:
-                    gin = rank_input(rank, in_numel, dtype, config.op)
-                    gout = torch.zeros(out_numel, dtype=dtype)
-                    try:
-                        call, _ = _make_call(None, coll, gin, gout, op_gloo, False, world, rank)
-                        row["gloo_time_us"] = _timed(call, config.warmup, config.iters) * 1e6
-                    except (RuntimeError, ValueError) as e:  # an op/dtype gloo lacks
-                        row["gloo_time_us"] = None
-                        row["gloo_error"] = str(e).splitlines()[0]
-                rows.append(row)
+        rows = bench_backend(TorchBackend(comm), rank, world, config, progress)
+    if config.gloo:
+        rows += bench_backend(TorchBackend(None), rank, world, config, progress)
+    if progress is not None:
+        progress.close()
+    dist.barrier()
     return rows
+
+
+def run_mpi(world: int, config: Config) -> tuple[list[dict], str]:
+    """The Open MPI reference: the same harness under mpirun. ([], reason) if unavailable."""
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return [], "not installed (pip install mpi4py, with Open MPI)"
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        return [], "not installed (no mpirun)"
+    with tempfile.TemporaryDirectory() as tmp:
+        config_file, rows_file = os.path.join(tmp, "config.json"), os.path.join(tmp, "rows.json")
+        with open(config_file, "w") as f:
+            json.dump(dataclasses.asdict(config) | {"progress": False}, f)
+        env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+        cmd = [mpirun, "--oversubscribe", "-np", str(world), sys.executable, "-m", "ringcoll.bench",
+               "--mpi-worker", config_file, rows_file]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+        if proc.returncode != 0 or not os.path.exists(rows_file):
+            return [], f"failed: {(proc.stderr or proc.stdout).strip().splitlines()[-1:]}"
+        with open(rows_file) as f:
+            return json.load(f), ""
+
+
+def mpi_worker(config_file: str, rows_file: str) -> None:
+    with open(config_file) as f:
+        raw = json.load(f)
+    config = Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
+    backend = MpiBackend()
+    rows = bench_backend(backend, backend.comm.rank, backend.comm.size, config)
+    if backend.comm.rank == 0:
+        with open(rows_file, "w") as f:
+            json.dump(rows, f)
 
 
 # --- reporting -----------------------------------------------------------------------------
 
 
-def _bw(row, key, world):
-    t = row.get(key)
-    if not t:
-        return None, None
-    algbw = row["bytes"] / (t * 1e-6) / 1e9
-    return algbw, algbw * COLLECTIVES[row["collective"]].bus_factor(world)
+def reference_form(row: dict) -> str:
+    """The one form a reference was timed in."""
+    return "out" if "out_time_us" in row else "in"
 
 
-def format_table(rows: list[dict], world: int) -> str:
+def busbw(row: Optional[dict], form: Optional[str] = None) -> Optional[float]:
+    if row is None:
+        return None
+    form = form or reference_form(row)
+    if not row.get(f"{form}_time_us"):
+        return None
+    algbw = row["bytes"] / (row[f"{form}_time_us"] * 1e-6) / 1e9
+    return algbw * COLLECTIVES[row["collective"]].bus_factor(row["world"])
+
+
+def fits(rows: list[dict], world: int) -> dict:
+    """Fitted alpha-beta model per collective from ringcoll's out-of-place times."""
+    out = {}
+    for name in COLLECTIVES:
+        mine = [r for r in rows if r["collective"] == name and r["backend"] == "ringcoll" and "out_time_us" in r]
+        if len(mine) >= 2 and world >= 2:
+            out[name] = model.fit(name, world, [r["bytes"] for r in mine], [r["out_time_us"] * 1e-6 for r in mine])
+    return out
+
+
+def _f(value, width, digits=2, missing="n/a"):
+    return f"{value:{width}.{digits}f}" if value is not None else f"{missing:>{width}}"
+
+
+def format_table(rows: list[dict], world: int, config: Config, fitted: dict, mpi_note: str) -> str:
     lines = []
-    header = (f"{'size':>12} {'count':>12} {'type':>8} {'redop':>6} | "
-              f"{'time(us)':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6} | "
-              f"{'time(us)':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6} | {'gloo(us)':>10} {'busbw':>7} {'x gloo':>7}")
-    current = None
-    for row in rows:
-        if row["collective"] != current:
-            current = row["collective"]
-            lines += ["", f"# {current}, {world} ranks, CPU shared memory (busbw in GB/s)",
-                      f"# {'':>46} | {'out-of-place':^35} | {'in-place':^35} | {'reference':^27}", header]
-        _, out_bus = _bw(row, "out_time_us", world)
-        _, in_bus = _bw(row, "in_time_us", world)
-        out_alg, _ = _bw(row, "out_time_us", world)
-        in_alg, _ = _bw(row, "in_time_us", world)
-        _, gloo_bus = _bw(row, "gloo_time_us", world)
-        ratio = f"{out_bus / gloo_bus:7.2f}" if gloo_bus else f"{'n/a':>7}"
-        gloo_t = f"{row['gloo_time_us']:10.1f}" if row.get("gloo_time_us") else f"{'n/a':>10}"
-        gloo_b = f"{gloo_bus:7.2f}" if gloo_bus else f"{'n/a':>7}"
-        lines.append(
-            f"{row['bytes']:>12} {row['count']:>12} {row['type']:>8} {row['redop']:>6} | "
-            f"{row['out_time_us']:10.1f} {out_alg:7.2f} {out_bus:7.2f} {row['out_wrong']:>6} | "
-            f"{row['in_time_us']:10.1f} {in_alg:7.2f} {in_bus:7.2f} {row['in_wrong']:>6} | "
-            f"{gloo_t} {gloo_b} {ratio}")
-    buses = [_bw(r, "out_time_us", world)[1] for r in rows]
-    wrong = sum(r["out_wrong"] + r["in_wrong"] for r in rows)
+    refs = sorted({r["backend"] for r in rows} - {"ringcoll"})
+    for name in config.collectives:
+        ours = [r for r in rows if r["collective"] == name and r["backend"] == "ringcoll"]
+        by_ref = {ref: {r["bytes"]: r for r in rows if r["collective"] == name and r["backend"] == ref}
+                  for ref in refs}
+        head = f"# {name}, {world} ranks, {config.dtype}, CPU shared memory; time in us, bandwidth in GB/s"
+        if config.straggler_rank is not None:
+            head += f"; rank {config.straggler_rank} delayed {config.delay_us:g} us before every call"
+        lines += ["", head]
+        cols = (f"{'size':>11} {'count':>10} {'type':>8} {'redop':>5} |{'time':>9} {'algbw':>6} {'busbw':>6} "
+                f"{'#wrong':>6} |{'time':>9} {'algbw':>6} {'busbw':>6} {'#wrong':>6}")
+        groups = f"# {'':>37} |{'ringcoll out-of-place':^31} |{'ringcoll in-place':^31}"
+        for ref in refs:
+            cols += f" |{'time':>9} {'busbw':>6} {'#wrong':>6} {'x ' + ref:>7}"
+            groups += f" |{ref:^32}"
+        if fitted.get(name):
+            cols += f" |{'model':>9}"
+        if config.straggler_rank is not None:
+            cols += f" |{'fastest':>9}"
+        lines += [groups, cols]
+        for r in ours:
+            out_bus, in_bus = busbw(r, "out"), busbw(r, "in")
+            line = (f"{r['bytes']:>11} {r['count']:>10} {r['type']:>8} {r['redop']:>5} |"
+                    f"{r['out_time_us']:9.1f} {r['bytes'] / r['out_time_us'] / 1e3:6.2f} {out_bus:6.2f} {r['out_wrong']:>6} |"
+                    f"{r['in_time_us']:9.1f} {r['bytes'] / r['in_time_us'] / 1e3:6.2f} {in_bus:6.2f} {r['in_wrong']:>6}")
+            for ref in refs:
+                ref_row = by_ref[ref].get(r["bytes"])
+                form = reference_form(ref_row) if ref_row else "out"
+                ref_bus = busbw(ref_row)
+                ratio = out_bus / ref_bus if ref_bus else None
+                wrong = ref_row.get(f"{form}_wrong", "-") if ref_row else "-"
+                line += (f" |{_f(ref_row and ref_row.get(f'{form}_time_us'), 9, 1)} {_f(ref_bus, 6)} {wrong:>6}"
+                         f" {_f(ratio, 7)}")
+            if fitted.get(name):
+                line += f" |{fitted[name].predict(name, world, r['bytes']) * 1e6:9.1f}"
+            if config.straggler_rank is not None:
+                line += f" |{r['out_fastest_us']:9.1f}"
+            lines.append(line)
+        if fitted.get(name):
+            f = fitted[name]
+            lines.append(f"# model: alpha = {f.alpha * 1e6:.2f} us per ring step, beta = {f.beta / 1e9:.2f} GB/s per "
+                         f"link, fitted to ringcoll's out-of-place times (ringcoll.model)")
+    if mpi_note:
+        lines.append(f"\n# Open MPI reference: {mpi_note}")
+    wrong = total_wrong(rows)
+    buses = [busbw(r, "out") for r in rows if r["backend"] == "ringcoll"]
     lines += ["", f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}",
-              f"# Avg bus bandwidth    : {sum(buses) / max(len(buses), 1):.3f} GB/s", ""]
+              f"# Avg bus bandwidth    : {sum(buses) / max(len(buses), 1):.3f} GB/s (ringcoll, out-of-place)", ""]
     return "\n".join(lines)
 
 
+def total_wrong(rows: list[dict]) -> int:
+    return sum(r.get("out_wrong", 0) + r.get("in_wrong", 0) for r in rows)
+
+
+def plot(rows: list[dict], world: int, config: Config, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(config.collectives), figsize=(5 * len(config.collectives), 4), squeeze=False)
+    for ax, name in zip(axes[0], config.collectives):
+        for backend in sorted({r["backend"] for r in rows}):
+            mine = [r for r in rows if r["collective"] == name and r["backend"] == backend]
+            for form in ("out", "in") if backend == "ringcoll" else {reference_form(r) for r in mine}:
+                xs = [r["bytes"] for r in mine if f"{form}_time_us" in r]
+                label = f"{backend} ({'in-place' if form == 'in' else 'out-of-place'})" if backend == "ringcoll" \
+                    else backend
+                ax.plot(xs, [busbw(r, form) for r in mine if f"{form}_time_us" in r], marker="o", ms=3, label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("message size (bytes)")
+        ax.set_ylabel("busbw (GB/s)")
+        ax.set_title(f"{name}, P={world}, {config.dtype}")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="ringcoll-bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="ringcoll-bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-b", "--minbytes", default="1K", help="smallest message (default 1K)")
     p.add_argument("-e", "--maxbytes", default="64M", help="largest message (default 64M)")
     p.add_argument("-f", "--stepfactor", type=int, default=2, help="size multiplier between rows (default 2)")
     p.add_argument("-w", "--warmup_iters", type=int, default=5)
-    p.add_argument("-n", "--iters", type=int, default=20)
+    p.add_argument("-n", "--iters", type=int, default=20, help="timed iterations, at least (default 20)")
+    p.add_argument("--trials", type=int, default=3, help="timed loops per size; the median is reported")
+    p.add_argument("--min-ms", type=float, default=20.0, help="each timed loop lasts at least this long")
     p.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--op", choices=OPS, default="sum")
-    p.add_argument("--device", choices=["cpu"], default="cpu")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--collectives", default="all_reduce,reduce_scatter,all_gather")
-    p.add_argument("--no-reference", action="store_true", help="skip the gloo columns")
+    p.add_argument("--no-gloo", action="store_true", help="skip the gloo reference")
+    p.add_argument("--no-mpi", action="store_true", help="skip the Open MPI reference")
     p.add_argument("--buffer-bytes", default=None, help="registered buffer per rank (default 4M)")
-    p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    p.add_argument("--fit", action="store_true", help="fit the alpha-beta model; print predictions")
+    p.add_argument("--straggler-rank", type=int, default=None, help="delay this rank before every call")
+    p.add_argument("--delay-us", type=float, default=0.0, help="the straggler's delay (microseconds)")
+    p.add_argument("--json", metavar="FILE", help="also write all rows as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="plot busbw against size")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--mpi-worker", nargs=2, metavar=("CONFIG", "ROWS"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.mpi_worker:
+        mpi_worker(*args.mpi_worker)
+        return 0
     from ringcoll.testing import spawn
 
-    args = parse_args(argv)
-    if args.op == "avg" and not DTYPES[args.dtype].is_floating_point:
-        print(f"ringcoll-bench: --op avg needs a floating dtype, not {args.dtype}", file=sys.stderr)
+    def refuse(message: str) -> int:
+        print(f"ringcoll-bench: {message}", file=sys.stderr)
         return 2
-    config = Config(min_bytes=parse_bytes(args.minbytes), max_bytes=parse_bytes(args.maxbytes), factor=args.stepfactor,
-                    warmup=args.warmup_iters, iters=args.iters, dtype=args.dtype, op=args.op,
-                    collectives=tuple(args.collectives.split(",")), reference=not args.no_reference,
-                    buffer_bytes=parse_bytes(args.buffer_bytes) if args.buffer_bytes else None)
+
+    if args.device == "cuda":
+        return refuse("the CUDA backend is not in this build yet; use --device cpu")
+    if args.op == "avg" and not DTYPES[args.dtype].is_floating_point:
+        return refuse(f"--op avg needs a floating dtype, not {args.dtype}")
+    unknown = set(args.collectives.split(",")) - set(COLLECTIVES)
+    if unknown:
+        return refuse(f"unknown collectives {sorted(unknown)}; choose from {sorted(COLLECTIVES)}")
+    if args.straggler_rank is not None and not 0 <= args.straggler_rank < args.nproc:
+        return refuse(f"--straggler-rank {args.straggler_rank} is not a rank of --nproc {args.nproc}")
+    config = Config(min_bytes=parse_bytes(args.minbytes), max_bytes=parse_bytes(args.maxbytes),
+                    factor=args.stepfactor, warmup=args.warmup_iters, iters=args.iters, trials=args.trials,
+                    min_seconds=args.min_ms / 1e3, dtype=args.dtype, op=args.op,
+                    collectives=tuple(args.collectives.split(",")), gloo=not args.no_gloo,
+                    buffer_bytes=parse_bytes(args.buffer_bytes) if args.buffer_bytes else None,
+                    straggler_rank=args.straggler_rank, delay_us=args.delay_us, progress=not args.no_progress)
+
     rows = spawn(run_rank, args.nproc, config, timeout=3600)[0]
-    print(format_table(rows, args.nproc))
+    mpi_rows, mpi_note = ([], "skipped (--no-mpi)") if args.no_mpi else run_mpi(args.nproc, config)
+    rows += mpi_rows
+    fitted = fits(rows, args.nproc) if args.fit else {}
+    print(format_table(rows, args.nproc, config, fitted, mpi_note))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"world": args.nproc, "device": args.device, "rows": rows}, f, indent=1)
-    wrong = sum(r["out_wrong"] + r["in_wrong"] for r in rows)
-    return 1 if wrong else 0
+            json.dump({"world": args.nproc, "device": args.device, "config": dataclasses.asdict(config),
+                       "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                                   "torch": torch.__version__},
+                       "fit": {k: dataclasses.asdict(v) for k, v in fitted.items()},
+                       "mpi": mpi_note or "ran", "rows": rows}, f, indent=1)
+    if args.plot:
+        plot(rows, args.nproc, config, args.plot)
+    return 1 if total_wrong(rows) else 0
 
 
 if __name__ == "__main__":
