@@ -32,6 +32,7 @@ import math
 import os
 import platform
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -276,98 +277,114 @@ def _buffers(coll: CollectiveDef, count: int, world: int, rank: int, dtype, op: 
     return inp, out, result
 
 
-def _first_time(backend: Backend, coll: CollectiveDef, op: str) -> Optional[str]:
-    """Why `backend` cannot run this collective/op, if it cannot (gloo has no AVG ...)."""
-    if backend.name == "mpi" and op == "avg":
-        return "MPI has no AVG"
-    if backend.name == "gloo" and op == "avg" and coll.reduces:
-        return "gloo has no AVG"
+def _unsupported(backend: Backend, coll: CollectiveDef, op: str) -> Optional[str]:
+    """Why `backend` cannot run this collective with this op, if it cannot."""
+    if coll.reduces and op == "avg" and backend.name in ("gloo", "mpi"):
+        return f"{backend.name} has no AVG"
     return None
 
 
-def bench_backend(backend: Backend, rank: int, world: int, config: Config, progress=None) -> list[dict]:
-    """Check, then time, every collective and size on one backend; rows on every rank."""
+def bench_one(backend: Backend, coll: CollectiveDef, count: int, rank: int, world: int, config: Config) -> dict:
+    """Check, then time, one collective at one size on one backend (every rank returns it)."""
     dtype = DTYPES[config.dtype]
+    row = {"collective": coll.name, "backend": backend.name, "bytes": count * torch.empty(0, dtype=dtype).element_size(),
+           "count": count, "type": config.dtype, "redop": config.op if coll.reduces else "none", "world": world}
+    unsupported = _unsupported(backend, coll, config.op)
+    if unsupported:
+        row["unsupported"] = unsupported
+        return row
+    expected = expected_result(coll, rank, world, count, dtype, config.op)
+    for form in backend.forms(coll.name):
+        in_place = form == "in"
+        inp, out, result = _buffers(coll, count, world, rank, dtype, config.op, in_place)
+        call = lambda: backend.run(coll.name, inp, out, config.op, in_place, rank, world)  # noqa: E731
+        call()
+        wrong = int((result != expected).sum())
+        row[f"{form}_wrong"] = int(backend.reduce_over_ranks(float(wrong), "max"))
+        slowest, fastest = measure(call, backend, config, rank)
+        row[f"{form}_time_us"], row[f"{form}_fastest_us"] = slowest * 1e6, fastest * 1e6
+    return row
+
+
+def bench_all(backends: list, rank: int, world: int, config: Config) -> list[dict]:
+    """Every collective and size, each measured on every backend in turn: interleaving
+    keeps ringcoll and its references in the same moments of a noisy machine."""
+    progress = None
+    counts = message_counts(config, world)
+    if rank == 0 and config.progress:
+        from tqdm import tqdm
+
+        progress = tqdm(total=len(config.collectives) * len(counts) * len(backends), unit="run", file=sys.stderr,
+                        desc=f"ringcoll-bench P={world}", leave=False)
     rows = []
     for name in config.collectives:
-        coll = COLLECTIVES[name]
-        op = config.op if coll.reduces else "none"
-        for count in message_counts(config, world):
-            elem = torch.empty(0, dtype=dtype).element_size()
-            row = {"collective": name, "backend": backend.name, "bytes": count * elem, "count": count,
-                   "type": config.dtype, "redop": op, "world": world}
-            unsupported = _first_time(backend, coll, config.op)
-            if unsupported:
-                row["unsupported"] = unsupported
-            else:
-                expected = expected_result(coll, rank, world, count, dtype, config.op)
-                for form in backend.forms(name):
-                    in_place = form == "in"
-                    inp, out, result = _buffers(coll, count, world, rank, dtype, config.op, in_place)
-                    call = lambda: backend.run(name, inp, out, config.op, in_place, rank, world)  # noqa: E731
-                    call()
-                    wrong = int((result != expected).sum())
-                    row[f"{form}_wrong"] = int(backend.reduce_over_ranks(float(wrong), "max"))
-                    slowest, fastest = measure(call, backend, config, rank)
-                    row[f"{form}_time_us"], row[f"{form}_fastest_us"] = slowest * 1e6, fastest * 1e6
-            rows.append(row)
-            if progress is not None:
-                progress.update(1)
+        for count in counts:
+            for backend in backends:
+                rows.append(bench_one(backend, COLLECTIVES[name], count, rank, world, config))
+                if progress is not None:
+                    progress.update(1)
+    if progress is not None:
+        progress.close()
     return rows
 
 
-def run_rank(rank: int, world: int, config: Config) -> list[dict]:
-    """One spawned rank: ringcoll, then gloo, on the same process group."""
+def run_rank(rank: int, world: int, config: Config, with_mpi: bool = False) -> list[dict]:
+    """One rank: ringcoll and its references on the same process group."""
     import torch.distributed as dist
 
     import ringcoll
 
-    progress = None
-    if rank == 0 and config.progress:
-        from tqdm import tqdm
-
-        total = len(config.collectives) * len(message_counts(config, world)) * (2 if config.gloo else 1)
-        progress = tqdm(total=total, desc=f"ringcoll-bench P={world}", unit="size", file=sys.stderr, leave=False)
     with ringcoll.Communicator(buffer_bytes=config.buffer_bytes) as comm:
-        rows = bench_backend(TorchBackend(comm), rank, world, config, progress)
-    if config.gloo:
-        rows += bench_backend(TorchBackend(None), rank, world, config, progress)
-    if progress is not None:
-        progress.close()
+        backends = [TorchBackend(comm)] + ([TorchBackend(None)] if config.gloo else [])
+        backends += [MpiBackend()] if with_mpi else []
+        rows = bench_all(backends, rank, world, config)
     dist.barrier()
     return rows
 
 
-def run_mpi(world: int, config: Config) -> tuple[list[dict], str]:
-    """The Open MPI reference: the same harness under mpirun. ([], reason) if unavailable."""
+def mpi_available() -> str:
+    """'' if the Open MPI reference can run here, else why not."""
     try:
         import mpi4py  # noqa: F401
     except ImportError:
-        return [], "not installed (pip install mpi4py, with Open MPI)"
-    mpirun = shutil.which("mpirun")
-    if mpirun is None:
-        return [], "not installed (no mpirun)"
+        return "not installed (pip install mpi4py, with Open MPI's mpirun)"
+    return "" if shutil.which("mpirun") else "not installed (no mpirun on PATH)"
+
+
+def run_under_mpirun(world: int, config: Config) -> list[dict]:
+    """All ranks under mpirun, so MPI is measured between ringcoll and gloo, size by size."""
     with tempfile.TemporaryDirectory() as tmp:
         config_file, rows_file = os.path.join(tmp, "config.json"), os.path.join(tmp, "rows.json")
         with open(config_file, "w") as f:
-            json.dump(dataclasses.asdict(config) | {"progress": False}, f)
-        env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-        cmd = [mpirun, "--oversubscribe", "-np", str(world), sys.executable, "-m", "ringcoll.bench",
+            json.dump(dataclasses.asdict(config), f)
+        with socket.socket() as s:  # a free port for the gloo rendezvous
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        cmd = [shutil.which("mpirun"), "--oversubscribe", "-np", str(world), sys.executable, "-m", "ringcoll.bench",
                "--mpi-worker", config_file, rows_file]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, timeout=3600)
         if proc.returncode != 0 or not os.path.exists(rows_file):
-            return [], f"failed: {(proc.stderr or proc.stdout).strip().splitlines()[-1:]}"
+            raise RuntimeError(f"ringcoll-bench: the mpirun launch failed (exit {proc.returncode}):\n{proc.stdout}")
         with open(rows_file) as f:
-            return json.load(f), ""
+            return json.load(f)
 
 
 def mpi_worker(config_file: str, rows_file: str) -> None:
+    """Entry point of each rank under mpirun: a gloo process group numbered as MPI numbers."""
+    import torch.distributed as dist
+    from mpi4py import MPI
+
     with open(config_file) as f:
-        raw = json.load(f)
-    config = Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
-    backend = MpiBackend()
-    rows = bench_backend(backend, backend.comm.rank, backend.comm.size, config)
-    if backend.comm.rank == 0:
+        config = Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in json.load(f).items()})
+    rank, world = MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        rows = run_rank(rank, world, config, with_mpi=True)
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
         with open(rows_file, "w") as f:
             json.dump(rows, f)
 
@@ -541,9 +558,11 @@ def main(argv=None) -> int:
                     buffer_bytes=parse_bytes(args.buffer_bytes) if args.buffer_bytes else None,
                     straggler_rank=args.straggler_rank, delay_us=args.delay_us, progress=not args.no_progress)
 
-    rows = spawn(run_rank, args.nproc, config, timeout=3600)[0]
-    mpi_rows, mpi_note = ([], "skipped (--no-mpi)") if args.no_mpi else run_mpi(args.nproc, config)
-    rows += mpi_rows
+    mpi_note = "skipped (--no-mpi)" if args.no_mpi else mpi_available()
+    if mpi_note:
+        rows = spawn(run_rank, args.nproc, config, timeout=3600)[0]
+    else:
+        rows = run_under_mpirun(args.nproc, config)
     fitted = fits(rows, args.nproc) if args.fit else {}
     print(format_table(rows, args.nproc, config, fitted, mpi_note))
     if args.json:
