@@ -55,21 +55,26 @@ class Fit:
 def fit(collective: str, world: int, sizes: Sequence[float], times: Sequence[float]) -> Fit:
     """Least-squares alpha, beta from measured (bytes, seconds) of one collective.
 
-    The model is linear in (alpha, 1/beta): t = steps * alpha + sent_bytes * (1/beta). Both
-    are kept non-negative: if the unconstrained fit makes one negative, that term is
-    dropped and the other refitted alone.
+    The model is linear in (alpha, 1/beta): t = steps * alpha + sent_bytes * (1/beta).
+    Residuals are relative (each equation divided by its measured time): sizes span five
+    orders of magnitude, and plain residuals would let the largest messages decide alone,
+    leaving alpha at whatever fits 64 MiB. Both terms are kept non-negative: if the
+    unconstrained fit makes one negative, that term is dropped and the other refitted.
     """
     if world < 2:
         raise ValueError("fit: needs world >= 2 (one rank sends nothing)")
     if len(sizes) != len(times) or len(sizes) < 2:
         raise ValueError("fit: need at least two (size, time) pairs of equal length")
+    if any(t <= 0 for t in times):
+        raise ValueError("fit: times must be positive")
     steps = float(STEPS[collective](world))
-    xs = [(steps, bytes_sent_per_rank(collective, world, n)) for n in sizes]
-    a, inv_b = _least_squares_2(xs, list(times))
+    xs = [(steps / t, bytes_sent_per_rank(collective, world, n) / t) for n, t in zip(sizes, times)]
+    ones = [1.0] * len(xs)
+    a, inv_b = _least_squares_2(xs, ones)
     if a < 0:  # bandwidth only
-        a, inv_b = 0.0, _least_squares_1([x[1] for x in xs], times)
+        a, inv_b = 0.0, _least_squares_1([x[1] for x in xs], ones)
     elif inv_b <= 0:  # latency only: bandwidth effectively infinite
-        a, inv_b = _least_squares_1([x[0] for x in xs], times), 0.0
+        a, inv_b = _least_squares_1([x[0] for x in xs], ones), 0.0
     return Fit(alpha=a, beta=float("inf") if inv_b == 0 else 1.0 / inv_b)
 
 
