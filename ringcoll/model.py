@@ -133,3 +133,26 @@ def scaling_table(compute_seconds: float, grad_bytes: float, worlds: Iterable[in
                      "speedup": plain, "efficiency": plain / p,
                      "speedup_overlap": overlapped, "efficiency_overlap": overlapped / p})
     return rows
+
+
+def main(argv=None) -> None:
+    """python -m ringcoll.model: the scaling table for a step of compute and a gradient."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m ringcoll.model", description=main.__doc__)
+    p.add_argument("--compute-ms", type=float, required=True, help="one rank's forward+backward time")
+    p.add_argument("--grad-mb", type=float, required=True, help="gradient bytes all-reduced per step (MB)")
+    p.add_argument("--alpha-us", type=float, required=True, help="latency per ring step (ringcoll-bench --fit)")
+    p.add_argument("--beta-gbs", type=float, required=True, help="bandwidth per link, GB/s (ringcoll-bench --fit)")
+    p.add_argument("--worlds", default="1,2,4,8,16,32,64")
+    args = p.parse_args(argv)
+    fit_ = Fit(alpha=args.alpha_us * 1e-6, beta=args.beta_gbs * 1e9)
+    worlds = [int(w) for w in args.worlds.split(",")]
+    print(f"{'P':>5} {'all-reduce ms':>14} {'speedup':>8} {'eff':>6} | {'overlapped':>10} {'eff':>6}")
+    for row in scaling_table(args.compute_ms * 1e-3, args.grad_mb * 1e6, worlds, fit_):
+        print(f"{row['world']:>5} {row['comm_s'] * 1e3:14.3f} {row['speedup']:8.2f} {row['efficiency']:6.1%} | "
+              f"{row['speedup_overlap']:10.2f} {row['efficiency_overlap']:6.1%}")
+
+
+if __name__ == "__main__":
+    main()

@@ -63,3 +63,11 @@ def test_amdahl_and_data_parallel_speedup():
     rows = model.scaling_table(0.05, grad, [1, 2, 8], fit)
     assert rows[0]["speedup"] == pytest.approx(1.0) and math.isclose(rows[0]["comm_s"], 0.0)
     assert all(r["efficiency"] <= r["efficiency_overlap"] <= 1.0 + 1e-12 for r in rows)
+
+
+def test_scaling_cli_prints_a_row_per_world(capsys):
+    model.main(["--compute-ms", "50", "--grad-mb", "100", "--alpha-us", "5", "--beta-gbs", "10", "--worlds", "1,8"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 3 and lines[1].split()[0] == "1" and lines[2].split()[0] == "8"
+    fit = model.Fit(alpha=5e-6, beta=10e9)
+    assert float(lines[2].split()[1]) == pytest.approx(fit.predict("all_reduce", 8, 100e6) * 1e3, abs=1e-3)
