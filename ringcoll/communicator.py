@@ -211,7 +211,10 @@ class Communicator:
                 expected = f"input size ({input.numel()}) / world_size ({self.world_size}) = {input.numel() / self.world_size:g}"
             raise ValueError(f"{op}: output has {output.numel()} elements, expected {expected}")
         whole, part = (output, input) if output_per_input >= 1 else (input, output)
-        in_place = part.data_ptr() == whole.data_ptr() + self.rank * part.numel() * part.element_size()
+        # In place means the smaller tensor is exactly this rank's chunk of the larger one
+        # (for equal sizes: the same tensor).
+        chunk_offset = 0 if output_per_input == 1 else self.rank * part.numel() * part.element_size()
+        in_place = part.data_ptr() == whole.data_ptr() + chunk_offset
         if _overlaps(whole, part) and not in_place:
             raise ValueError(f"{op}: output and input overlap; in place, the smaller one must be exactly "
                              f"this rank's chunk (rank {self.rank}) of the larger one")

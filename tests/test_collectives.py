@@ -906,3 +906,27 @@ def _settings_rank(rank, world):
 def test_settings_lifetime_and_environment():
     env = {"RINGCOLL_TIMEOUT": "7.5", "RINGCOLL_BUFFER_BYTES": "64K"}
     _report(spawn(_settings_rank, 2, timeout=SPAWN_TIMEOUT, env=env))
+
+
+def _all_reduce_output_aliasing(rank, world):
+    import ringcoll
+
+    with ringcoll.Communicator() as comm:
+        t = torch.full((5,), float(rank + 1))
+        comm.all_reduce(t, output=t)  # the same tensor: in place, on every rank
+        out = torch.empty(5)
+        src = torch.full((5,), 2.0)
+        comm.all_reduce(src, output=out)  # out-of-place leaves the input alone
+        errors = []
+        try:
+            comm.all_reduce(t[:4], output=t[1:])
+        except ValueError as e:
+            errors.append(str(e))
+        return t.tolist(), out.tolist(), src.tolist(), errors
+
+
+def test_all_reduce_output_may_alias_only_exactly():
+    world = 3
+    for t, out, src, errors in spawn(_all_reduce_output_aliasing, world):
+        assert t == [6.0] * 5 and out == [6.0] * 5 and src == [2.0] * 5
+        assert len(errors) == 1 and errors[0].startswith("all_reduce: output and input overlap")

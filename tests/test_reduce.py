@@ -16,23 +16,15 @@ import numpy as np
 import pytest
 import torch
 
+from ringcoll._types import DTYPE_CODES, ReduceOp
+
 from ringcoll import _C
 
-SUM, PRODUCT, MIN, MAX, AVG = range(5)
+# The Python API's own codes (ringcoll/_types.py): if they disagreed with reduce.h's enums,
+# the functors below would be fed the wrong type and the comparisons with torch would fail.
+SUM, PRODUCT, MIN, MAX, AVG = (int(op) for op in ReduceOp)
 OPS = [SUM, PRODUCT, MIN, MAX, AVG]
 OP_NAMES = {SUM: "sum", PRODUCT: "product", MIN: "min", MAX: "max", AVG: "avg"}
-
-# Codes shared with reduce.h's DType.
-DTYPE_CODES = {
-    torch.float32: 0,
-    torch.float64: 1,
-    torch.float16: 2,
-    torch.bfloat16: 3,
-    torch.int8: 4,
-    torch.uint8: 5,
-    torch.int32: 6,
-    torch.int64: 7,
-}
 FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 INTS = [torch.int8, torch.uint8, torch.int32, torch.int64]
 ALL = FLOATS + INTS
