@@ -1,0 +1,95 @@
+"""The ``ringcoll`` command: teaching tools.
+
+    ringcoll trace COLLECTIVE --world P --n N [--png FILE]
+        a ring collective step by step (ringcoll.trace), from the real schedule
+    ringcoll memory --params N [--world P] [--batch B --seq S --hidden H --layers L --heads A]
+                    [--checkpointing-only] [--no-attention-scores] [--measure]
+        per-GPU memory of Adam training, ZeRO stages 0-3 (ringcoll.memory)
+
+The benchmark is a separate command, ``ringcoll-bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+from ringcoll import memory, trace
+
+
+def _run_trace(args: argparse.Namespace) -> int:
+    print(trace.trace(args.collective, args.world, args.n), end="")
+    if args.png:
+        fig = trace.draw(args.collective, args.world, args.n, path=args.png)
+        print(f"wrote {args.png} ({fig.ringcoll_panels} panels, one per ring step)")
+    return 0
+
+
+def _shape(args: argparse.Namespace) -> Optional[memory.TransformerShape]:
+    given = [args.hidden, args.layers, args.heads]
+    if all(v is None for v in given):
+        return None
+    if any(v is None for v in given):
+        raise SystemExit("ringcoll memory: activations need --hidden, --layers and --heads together")
+    return memory.TransformerShape(batch=args.batch, seq=args.seq, hidden=args.hidden,
+                                   layers=args.layers, heads=args.heads)
+
+
+def _run_memory(args: argparse.Namespace) -> int:
+    precisions = ("mixed", "mixed+master") if args.precision == "both" else (args.precision,)
+    print(memory.format_ledgers(args.params, args.world, _shape(args), not args.no_attention_scores,
+                                precisions), end="")
+    if args.measure:
+        print()
+        print(memory.format_measurement(memory.measure(device=args.device)), end="")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ringcoll", description="ringcoll's teaching tools: ring traces and "
+                                "the memory ledger of data-parallel training (the benchmark is ringcoll-bench)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("trace", help="print (and draw) a ring collective step by step",
+                       description="Run a ring collective on small integers with ringcoll.schedule.simulate "
+                                   "and print, step by step, the chunk each rank sends, receives and reduces, "
+                                   "and what every rank holds.")
+    t.add_argument("collective", choices=list(trace.COLLECTIVES))
+    t.add_argument("--world", "-P", type=int, default=4, help="ranks (default 4)")
+    t.add_argument("--n", "-n", type=int, default=8, help="elements in the message (default 8)")
+    t.add_argument("--png", metavar="FILE", help="also draw the steps (one panel per step) into FILE")
+    t.set_defaults(func=_run_trace)
+
+    m = sub.add_parser("memory", help="per-GPU memory of Adam training, ZeRO stages 0-3",
+                       description="Weights, gradients, Adam state and activations per GPU, in decimal GB "
+                                   "(1e9 bytes), for ZeRO stages 0-3 over --world ranks.")
+    m.add_argument("--params", "-N", type=float, required=True, help="parameters, e.g. 7e9")
+    m.add_argument("--world", "-P", type=int, default=8, help="data-parallel ranks (default 8)")
+    m.add_argument("--precision", choices=["both", *memory.PRECISIONS], default="both",
+                   help="which convention(s) to print (default: mixed and mixed+master)")
+    m.add_argument("--batch", type=int, default=1, help="micro-batch per GPU, for activations (default 1)")
+    m.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
+    m.add_argument("--hidden", type=int, help="hidden size h (activations are shown when h, L, a are given)")
+    m.add_argument("--layers", type=int, help="transformer layers L")
+    m.add_argument("--heads", type=int, help="attention heads a")
+    m.add_argument("--no-attention-scores", action="store_true",
+                   help="drop the 5*a*s/h term (kernels such as FlashAttention never store the s x s scores)")
+    m.add_argument("--measure", action="store_true",
+                   help="also build a small fp32 model, run one Adam step, and print measured beside predicted")
+    m.add_argument("--device", default=None, help="for --measure: cpu or cuda (default: cuda if available)")
+    m.set_defaults(func=_run_memory)
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as err:  # bad values argparse cannot see (e.g. --world 1 with --png)
+        print(f"ringcoll: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""ringcoll trace: what it prints is the real schedule, and its results are the references."""
+
+import re
+
+import pytest
+
+from ringcoll import schedule
+from ringcoll.cli import main
+from ringcoll.trace import COLLECTIVES, default_inputs, draw, reference, trace
+
+STEP = re.compile(r"^step (\d+) ")
+TRANSFER = re.compile(r"^  rank (\d+): sends chunk (\d+) to rank (\d+), receives chunk (\d+) from rank (\d+): (.*)$")
+RESULT = re.compile(r"^  rank (\d+): \[(.*)\]$")
+CASES = [(coll, 4, 8) for coll in COLLECTIVES] + [
+    ("all_reduce", 3, 7), ("reduce_scatter", 5, 3), ("all_gather", 4, 2),  # n < P: empty chunks
+    ("all_reduce", 2, 5), ("reduce_scatter", 6, 13), ("all_gather", 3, 10), ("all_reduce", 5, 0),
+]
+
+
+def expected_chunks(coll: schedule.Collective, rank: int, step: int, world: int):
+    """(sent, received, reduces) straight from the ring.h mirror, not from simulate()."""
+    p1 = world - 1
+    if coll == schedule.Collective.ALL_REDUCE and step >= p1:
+        return schedule.ag_send_chunk(rank, step - p1, world), schedule.ag_recv_chunk(rank, step - p1, world), False
+    if coll == schedule.Collective.ALL_GATHER:
+        return schedule.ag_send_chunk(rank, step, world), schedule.ag_recv_chunk(rank, step, world), False
+    return schedule.rs_send_chunk(rank, step, world), schedule.rs_recv_chunk(rank, step, world), True
+
+
+def parse_transfers(text: str):
+    """{(step, rank): (sent, to, received, from, rest of line)}"""
+    transfers, step = {}, None
+    for line in text.splitlines():
+        if m := STEP.match(line):
+            step = int(m.group(1))
+        elif m := TRANSFER.match(line):
+            rank, sent, to, received, frm = map(int, m.groups()[:5])
+            transfers[(step, rank)] = (sent, to, received, frm, m.group(6))
+    return transfers
+
+
+def parse_results(text: str):
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("result"))
+    results = {}
+    for line in lines[start + 1:]:
+        if not (m := RESULT.match(line)):
+            break
+        results[int(m.group(1))] = [int(v) for v in m.group(2).split()]
+    return results
+
+
+@pytest.mark.parametrize("name,world,n", CASES)
+def test_printed_chunks_are_the_schedule(name, world, n):
+    coll = COLLECTIVES[name]
+    transfers = parse_transfers(trace(name, world, n))
+    steps = schedule.ring_steps(coll, world)
+    assert len(transfers) == steps * world
+    for t in range(steps):
+        for k in range(world):
+            sent, to, received, frm, rest = transfers[(t, k)]
+            want_sent, want_received, reduces = expected_chunks(coll, k, t, world)
+            assert (sent, received) == (want_sent, want_received), (t, k)
+            assert to == schedule.right_neighbour(k, world) and frm == schedule.left_neighbour(k, world)
+            assert reduces == schedule.step_reduces(coll, t, world)
+            assert ("+ own" in rest) == reduces and rest.startswith("copy") != reduces
+            # What k receives is what its left neighbour sent in the same step.
+            assert received == transfers[(t, frm)][0]
+
+
+@pytest.mark.parametrize("name,world,n", CASES + [("all_gather", 1, 3), ("all_reduce", 1, 4)])
+def test_printed_results_are_the_plain_reference(name, world, n):
+    text = trace(name, world, n)
+    want = reference(name, default_inputs(name, world, n))
+    assert parse_results(text) == dict(enumerate(want))
+    assert "OK, every rank matches" in text
+
+
+def test_reference_is_the_plain_computation():
+    inputs = [[1, 2, 3, 4, 5], [10, 20, 30, 40, 50]]
+    assert reference("all_reduce", inputs) == [[11, 22, 33, 44, 55]] * 2
+    assert reference("reduce_scatter", inputs) == [[11, 22, 33], [44, 55]]
+    assert reference("all_gather", [[1, 2], [3]]) == [[1, 2, 3]] * 2
+
+
+def test_trace_shows_inputs_chunk_bounds_and_reductions():
+    text = trace("all_reduce", 4, 8)
+    assert "rank r's element i = (i+1) * 10**r" in text
+    assert "chunk 0 = [0, 2)  chunk 1 = [2, 4)  chunk 2 = [4, 6)  chunk 3 = [6, 8)" in text
+    # rank 1, step 0: its left neighbour's raw chunk 3 plus its own.
+    assert "rank 1: sends chunk 0 to rank 2, receives chunk 3 from rank 0: [7 8] + own [70 80] = [77 88]" in text
+    uneven = trace("reduce_scatter", 3, 7)
+    assert "q = n // P = 2, r = n % P = 1" in uneven and "chunk 0 = [0, 3)" in uneven
+
+
+def test_given_inputs_and_bad_arguments():
+    text = trace("all_reduce", 2, 3, inputs=[[1, 1, 1], [2, 2, 2]])
+    assert "inputs: as given" in text and parse_results(text) == {0: [3, 3, 3], 1: [3, 3, 3]}
+    with pytest.raises(ValueError, match="collective"):
+        trace("broadcast", 4, 8)
+    with pytest.raises(ValueError, match="n = 4"):
+        trace("all_reduce", 2, 4, inputs=[[1], [2]])
+
+
+@pytest.mark.parametrize("name,world,n,panels", [("all_reduce", 4, 8, 6), ("reduce_scatter", 4, 8, 3),
+                                                 ("all_gather", 3, 2, 2)])
+def test_png_has_one_panel_per_step(tmp_path, name, world, n, panels):
+    path = tmp_path / "ring.png"
+    fig = draw(name, world, n, path=str(path))
+    assert panels == schedule.ring_steps(COLLECTIVES[name], world)
+    assert len(fig.axes) == panels and fig.ringcoll_panels == panels
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert 10_000 < len(data) < 5_000_000
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert width > 300 and height > 200
+
+
+def test_cli_trace(tmp_path, capsys):
+    assert main(["trace", "all_reduce", "--world", "4", "--n", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "ringcoll trace: all_reduce, P = 4 ranks, n = 8 elements" in out
+    assert "OK, every rank matches" in out
+    png = tmp_path / "t.png"
+    assert main(["trace", "reduce_scatter", "-P", "3", "-n", "4", "--png", str(png)]) == 0
+    assert "2 panels" in capsys.readouterr().out
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert main(["trace", "all_reduce", "--world", "1", "--png", str(tmp_path / "p1.png")]) == 2
+    assert "needs world >= 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["trace", "broadcast"])
