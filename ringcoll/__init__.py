@@ -19,7 +19,7 @@ from ringcoll.api import (
     reduce_scatter_tensor,
 )
 from ringcoll.communicator import Communicator, Work
-from ringcoll.errors import RingcollError, RingcollPeerError, RingcollTimeoutError
+from ringcoll.errors import RingcollError, RingcollMismatchError, RingcollPeerError, RingcollTimeoutError
 
 __version__ = "0.1.0"
 
@@ -28,5 +28,5 @@ __all__ = [
     "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_gather", "reduce_scatter", "barrier",
     "all_gather_single", "reduce_scatter_single",
     "get_communicator", "destroy_communicators",
-    "RingcollError", "RingcollTimeoutError", "RingcollPeerError",
+    "RingcollError", "RingcollTimeoutError", "RingcollPeerError", "RingcollMismatchError",
 ]

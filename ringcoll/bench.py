@@ -209,6 +209,7 @@ class Config:
     collectives: tuple = ("all_reduce", "reduce_scatter", "all_gather")
     gloo: bool = True
     buffer_bytes: Optional[int] = None
+    check_cost: bool = True
     straggler_rank: Optional[int] = None
     delay_us: float = 0.0
     progress: bool = True
@@ -338,7 +339,26 @@ def run_rank(rank: int, world: int, config: Config, with_mpi: bool = False) -> l
         backends = [TorchBackend(comm)] + ([TorchBackend(None)] if config.gloo else [])
         backends += [MpiBackend()] if with_mpi else []
         rows = bench_all(backends, rank, world, config)
+        if config.check_cost and comm.check:
+            rows += check_cost(comm, rank, world, config)
     dist.barrier()
+    return rows
+
+
+def check_cost(comm, rank: int, world: int, config: Config) -> list[dict]:
+    """All-reduce at the smallest and largest size with the call check (RINGCOLL_CHECK) on
+    and off, measured in turn: what the mismatch detection costs."""
+    import ringcoll
+
+    rows = []
+    counts = message_counts(config, world)
+    with ringcoll.Communicator(buffer_bytes=config.buffer_bytes, check=False) as unchecked:
+        for count in sorted({counts[0], counts[-1]}):
+            row = {"kind": "check_cost", "collective": "all_reduce", "count": count}
+            for label, c in (("on", comm), ("off", unchecked)):
+                r = bench_one(TorchBackend(c), COLLECTIVES["all_reduce"], count, rank, world, config)
+                row["bytes"], row[f"{label}_time_us"], row[f"{label}_wrong"] = r["bytes"], r["out_time_us"], r["out_wrong"]
+            rows.append(row)
     return rows
 
 
@@ -421,7 +441,8 @@ def _f(value, width, digits=2, missing="n/a"):
     return f"{value:{width}.{digits}f}" if value is not None else f"{missing:>{width}}"
 
 
-def format_table(rows: list[dict], world: int, config: Config, fitted: dict, mpi_note: str) -> str:
+def format_table(rows: list[dict], world: int, config: Config, fitted: dict, mpi_note: str,
+                 costs: list[dict] = ()) -> str:
     lines = []
     refs = sorted({r["backend"] for r in rows} - {"ringcoll"})
     for name in config.collectives:
@@ -465,6 +486,11 @@ def format_table(rows: list[dict], world: int, config: Config, fitted: dict, mpi
             f = fitted[name]
             lines.append(f"# model: alpha = {f.alpha * 1e6:.2f} us per ring step, beta = {f.beta / 1e9:.2f} GB/s per "
                          f"link, fitted to ringcoll's out-of-place times (ringcoll.model)")
+    if costs:
+        lines += ["", "# call check (RINGCOLL_CHECK, mismatch detection): all_reduce out-of-place, measured in turn"]
+        for c in costs:
+            lines.append(f"#   {c['bytes']:>11} bytes: {c['on_time_us']:9.1f} us checked, {c['off_time_us']:9.1f} us "
+                         f"unchecked ({c['on_time_us'] / c['off_time_us'] - 1:+.1%})")
     if mpi_note:
         lines.append(f"\n# Open MPI reference: {mpi_note}")
     wrong = total_wrong(rows)
@@ -475,7 +501,8 @@ def format_table(rows: list[dict], world: int, config: Config, fitted: dict, mpi
 
 
 def total_wrong(rows: list[dict]) -> int:
-    return sum(r.get("out_wrong", 0) + r.get("in_wrong", 0) for r in rows)
+    return sum(r.get("out_wrong", 0) + r.get("in_wrong", 0) + r.get("on_wrong", 0) + r.get("off_wrong", 0)
+               for r in rows)
 
 
 def plot(rows: list[dict], world: int, config: Config, path: str) -> None:
@@ -522,6 +549,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-mpi", action="store_true", help="skip the Open MPI reference")
     p.add_argument("--buffer-bytes", default=None, help="registered buffer per rank (default 4M)")
     p.add_argument("--fit", action="store_true", help="fit the alpha-beta model; print predictions")
+    p.add_argument("--no-check-cost", action="store_true",
+                   help="skip measuring the call check's cost (all-reduce with RINGCOLL_CHECK on and off)")
     p.add_argument("--straggler-rank", type=int, default=None, help="delay this rank before every call")
     p.add_argument("--delay-us", type=float, default=0.0, help="the straggler's delay (microseconds)")
     p.add_argument("--json", metavar="FILE", help="also write all rows as JSON")
@@ -556,25 +585,27 @@ def main(argv=None) -> int:
                     min_seconds=args.min_ms / 1e3, dtype=args.dtype, op=args.op,
                     collectives=tuple(args.collectives.split(",")), gloo=not args.no_gloo,
                     buffer_bytes=parse_bytes(args.buffer_bytes) if args.buffer_bytes else None,
-                    straggler_rank=args.straggler_rank, delay_us=args.delay_us, progress=not args.no_progress)
+                    check_cost=not args.no_check_cost, straggler_rank=args.straggler_rank, delay_us=args.delay_us, progress=not args.no_progress)
 
     mpi_note = "skipped (--no-mpi)" if args.no_mpi else mpi_available()
     if mpi_note:
         rows = spawn(run_rank, args.nproc, config, timeout=3600)[0]
     else:
         rows = run_under_mpirun(args.nproc, config)
+    costs = [r for r in rows if r.get("kind") == "check_cost"]
+    rows = [r for r in rows if "kind" not in r]
     fitted = fits(rows, args.nproc) if args.fit else {}
-    print(format_table(rows, args.nproc, config, fitted, mpi_note))
+    print(format_table(rows, args.nproc, config, fitted, mpi_note, costs))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"world": args.nproc, "device": args.device, "config": dataclasses.asdict(config),
                        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                                    "torch": torch.__version__},
                        "fit": {k: dataclasses.asdict(v) for k, v in fitted.items()},
-                       "mpi": mpi_note or "ran", "rows": rows}, f, indent=1)
+                       "mpi": mpi_note or "ran", "rows": rows, "check_cost": costs}, f, indent=1)
     if args.plot:
         plot(rows, args.nproc, config, args.plot)
-    return 1 if total_wrong(rows) else 0
+    return 1 if total_wrong(rows + costs) else 0
 
 
 if __name__ == "__main__":

@@ -54,6 +54,12 @@ def _resolve_timeout(timeout) -> float:
     return seconds
 
 
+def _resolve_check(check) -> bool:
+    if check is None:
+        return os.environ.get("RINGCOLL_CHECK", "1").strip().lower() not in ("0", "false", "off", "no")
+    return bool(check)
+
+
 def _resolve_buffer_bytes(buffer_bytes) -> int:
     if buffer_bytes is None:
         env = os.environ.get("RINGCOLL_BUFFER_BYTES")
@@ -124,12 +130,14 @@ class Communicator:
     ``timeout``: seconds (or a timedelta) any single wait may last before it raises
     RingcollTimeoutError; default ``RINGCOLL_TIMEOUT`` or 300. ``buffer_bytes``: size of each
     rank's registered buffer; default ``RINGCOLL_BUFFER_BYTES`` or 4 MiB. Larger messages
-    are sliced through it.
+    are sliced through it. ``check``: compare every call's collective, dtype, op and size
+    across ranks before moving data (RingcollMismatchError on every rank if they differ);
+    default ``RINGCOLL_CHECK`` or on. It must be the same on all ranks.
 
     Usable as a context manager; ``close()`` releases the shared memory.
     """
 
-    def __init__(self, group=None, device=None, timeout=None, buffer_bytes=None):
+    def __init__(self, group=None, device=None, timeout=None, buffer_bytes=None, check=None):
         if not dist.is_initialized():
             raise RingcollError("Communicator: torch.distributed is not initialised; "
                                 "call dist.init_process_group first")
@@ -137,6 +145,7 @@ class Communicator:
         self.device = torch.device(device if device is not None else "cpu")
         self.timeout = _resolve_timeout(timeout)
         self.buffer_bytes = _resolve_buffer_bytes(buffer_bytes)
+        self.check = _resolve_check(check)
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         if self.rank < 0:
@@ -149,9 +158,14 @@ class Communicator:
             raise ValueError(f"Communicator: buffer_bytes={self.buffer_bytes} is too small for "
                              f"{self.world_size} ranks (minimum {minimum})")
 
-        names: list = [None] * self.world_size
-        dist.all_gather_object(names, _C.random_segment_name(), group=self.group)
-        self._impl = _C.HostComm(self.rank, self.world_size, names, self.buffer_bytes, self.timeout)
+        # The segment names go round with the settings every rank must share.
+        offers: list = [None] * self.world_size
+        dist.all_gather_object(offers, (_C.random_segment_name(), self.check), group=self.group)
+        names = [name for name, _ in offers]
+        if len({check for _, check in offers}) != 1:
+            raise ValueError("Communicator: RINGCOLL_CHECK / check= differs between ranks: "
+                             + ", ".join(f"rank {r}: {c}" for r, (_, c) in enumerate(offers)))
+        self._impl = _C.HostComm(self.rank, self.world_size, names, self.buffer_bytes, self.timeout, self.check)
         self._worker: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._last_async: Optional[concurrent.futures.Future] = None
         self._lock = threading.Lock()  # one collective at a time on the ring

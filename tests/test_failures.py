@@ -28,10 +28,10 @@ def no_leftover_segments():
 
 # --- a peer that never arrives ----------------------------------------------------------
 
-def _absent_peer(rank, world, timeout):
+def _absent_peer(rank, world, timeout, check):
     import ringcoll
 
-    comm = ringcoll.Communicator(timeout=timeout)
+    comm = ringcoll.Communicator(timeout=timeout, check=check)
     absent = world - 1
     if rank == absent:
         # Arrives only after the others have given up: it must fail fast, not wait again.
@@ -55,15 +55,18 @@ def _absent_peer(rank, world, timeout):
     return "no error", "", time.monotonic() - start, "", 0.0, False
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_peer_that_never_arrives_times_out_on_waiting_ranks(world):
-    results = spawn(_absent_peer, world, SHORT_TIMEOUT, timeout=90)
+@pytest.mark.parametrize("world,check", [(2, True), (3, True), (3, False)])
+def test_peer_that_never_arrives_times_out_on_waiting_ranks(world, check):
+    # With the call check on, the wait that times out is the one for the absent rank's
+    # descriptor; with it off, a wait inside the ring.
+    results = spawn(_absent_peer, world, SHORT_TIMEOUT, check, timeout=90)
     for rank, (kind, message, elapsed, later, later_elapsed, broken) in enumerate(results[:-1]):
         # Ranks that wait on the absent peer (directly or through a neighbour that gave up)
         assert kind in ("RingcollTimeoutError", "RingcollPeerError"), (rank, kind, message)
         assert elapsed < SHORT_TIMEOUT + 2.0, (rank, elapsed, message)
         assert message.startswith("all_reduce: rank "), message
-        assert "ring step" in message and "waiting for" in message, message
+        assert "waiting for" in message and "(call 1, " in message, message
+        assert ("ring step" in message) if not check else ("announce its call" in message or "ring step" in message)
         assert "broken" in later and later_elapsed < 0.5, later
         assert broken
     # Rank 0's left neighbour is the absent rank: it is the one that times out.

@@ -36,6 +36,7 @@ void bind_core(py::module_& m) {
   auto& base_error = py::register_exception<Error>(m, "RingcollError", PyExc_RuntimeError);
   py::register_exception<TimeoutError>(m, "RingcollTimeoutError", base_error.ptr());
   py::register_exception<PeerError>(m, "RingcollPeerError", base_error.ptr());
+  py::register_exception<MismatchError>(m, "RingcollMismatchError", base_error.ptr());
 
   py::module_ s = m.def_submodule("schedule", "ring.h, for checking ringcoll/schedule.py");
   s.def("chunk_begin", &chunk_begin, py::arg("n"), py::arg("world"), py::arg("chunk"));

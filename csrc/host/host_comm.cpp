@@ -144,9 +144,9 @@ void run_host_ring(HostComm& comm, Collective coll, const void* input, void* out
 // Bootstrap
 
 HostComm::HostComm(int rank, int world, const std::vector<std::string>& names, size_t buffer_bytes,
-                   double timeout_seconds)
+                   double timeout_seconds, bool check_calls)
     : rank_(rank), world_(world), buffer_bytes_(buffer_bytes), slot_bytes_(slot_bytes_for(buffer_bytes, world)),
-      policy_(host_wait_policy(world, timeout_seconds)),
+      policy_(host_wait_policy(world, timeout_seconds)), check_calls_(check_calls),
       last_publication_(static_cast<size_t>(kBanks) * static_cast<size_t>(world), 0) {
   RINGCOLL_CHECK(world >= 1 && rank >= 0 && rank < world, std::invalid_argument, "Communicator: rank ", rank,
                  " is outside world size ", world);
@@ -220,8 +220,19 @@ bool HostComm::peers_look_alive(std::string* why) const {
   return true;
 }
 
-void HostComm::wait_for(int peer, Flag SegmentHeader::*flag, uint64_t target, const char* event) {
-  const uint64_t* address = &(header(peer).*flag).value;
+template <typename E>
+void HostComm::fail(const char* op, const std::string& message) {
+  broken_reason_ = std::string(op) + ": " + message;
+  // Let every peer's waits see it at their next health check instead of their timeout.
+  if (!segments_.empty() && segments_[rank_].mapped()) {
+    SegmentHeader& me = header(rank_);
+    std::strncpy(me.abort_reason, broken_reason_.c_str(), sizeof(me.abort_reason) - 1);
+    flag_store_release(&me.aborted.value, 1);
+  }
+  throw E(broken_reason_);
+}
+
+void HostComm::wait_for(int peer, const uint64_t* address, uint64_t target, const char* event) {
   std::string why;
   const WaitResult result =
       wait_flag_at_least(address, target, policy_, [&] { return peers_look_alive(&why); });
@@ -237,22 +248,54 @@ void HostComm::wait_for(int peer, Flag SegmentHeader::*flag, uint64_t target, co
     msg << " (call " << calls_ << ", slice " << position_.slice + 1 << "/" << position_.slices << ", ";
     if (position_.step < 0) msg << "before ring step 1/" << position_.steps << ")";
     else msg << "ring step " << position_.step + 1 << "/" << position_.steps << ")";
+  } else if (calls_ > 0) {
+    msg << " (call " << calls_ << ", before any data moved)";
   }
   msg << "; flag is " << flag_load_relaxed(address) << ", expected >= " << target;
   if (!why.empty()) msg << "; " << why;
-  fail(current_op_, msg.str(), result == WaitResult::kTimedOut);
+  if (result == WaitResult::kTimedOut) fail<TimeoutError>(current_op_, msg.str());
+  fail<PeerError>(current_op_, msg.str());
 }
 
-void HostComm::fail(const char* op, const std::string& message, bool timed_out) {
-  broken_reason_ = std::string(op) + ": " + message;
-  // Let every peer's waits see it at their next health check instead of their timeout.
-  if (!segments_.empty() && segments_[rank_].mapped()) {
-    SegmentHeader& me = header(rank_);
-    std::strncpy(me.abort_reason, broken_reason_.c_str(), sizeof(me.abort_reason) - 1);
-    flag_store_release(&me.aborted.value, 1);
+namespace {
+const char* collective_name(int32_t code) {
+  static const char* const kNames[] = {"all_reduce", "reduce_scatter", "all_gather", "barrier"};
+  return code >= 0 && code < 4 ? kNames[code] : "unknown collective";
+}
+const char* dtype_name(int32_t code) {
+  static const char* const kNames[] = {"float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64"};
+  return code >= 0 && code < kNumDTypes ? kNames[code] : "unknown dtype";
+}
+const char* op_name(int32_t code) {
+  static const char* const kNames[] = {"SUM", "PRODUCT", "MIN", "MAX", "AVG"};
+  return code >= 0 && code < kNumReduceOps ? kNames[code] : "unknown op";
+}
+std::string describe(const CallDescriptor& call) {
+  std::ostringstream text;
+  text << collective_name(call.collective) << "(";
+  if (call.collective != kBarrierCollective) {
+    text << dtype_name(call.dtype);
+    if (call.collective != static_cast<int32_t>(Collective::kAllGather)) text << ", " << op_name(call.op);
+    text << ", count=" << call.count;
   }
-  if (timed_out) throw TimeoutError(broken_reason_);
-  throw PeerError(broken_reason_);
+  return text.str() + ")";
+}
+}  // namespace
+
+void HostComm::check_call(const char* op, const CallDescriptor& call) {
+  SegmentHeader& me = header(rank_);
+  publish_descriptor(&me.descriptor, call, calls_);
+  for (int peer = 0; peer < world_; ++peer) {
+    if (peer == rank_) continue;
+    wait_for(peer, &header(peer).descriptor.seq, descriptor_seq_written(calls_), "announce its call");
+    CallDescriptor theirs{};
+    if (compare_descriptor(&header(peer).descriptor, call, calls_, &theirs) != PeerCall::kDiffers) continue;
+    std::ostringstream msg;
+    msg << "mismatched collective calls (call " << calls_ << " on this communicator): rank " << rank_ << " called "
+        << describe(call) << " but rank " << peer << " called " << describe(theirs)
+        << "; no data was moved";
+    fail<MismatchError>(op, msg.str());
+  }
 }
 
 void HostComm::ensure_usable(const char* op) const {
@@ -262,11 +305,12 @@ void HostComm::ensure_usable(const char* op) const {
 }
 
 template <typename Body>
-void HostComm::run_collective(const char* op, Body&& body) {
+void HostComm::run_collective(const char* op, const CallDescriptor& call, Body&& body) {
   ensure_usable(op);
   current_op_ = op;
   ++calls_;
   position_ = {};
+  if (check_calls_ && world_ > 1) check_call(op, call);
   body();
 }
 
@@ -274,7 +318,9 @@ void HostComm::run_collective(const char* op, Body&& body) {
 // The collectives
 
 void HostComm::all_reduce(const void* input, void* output, int64_t count, DType dtype, ReduceOp op) {
-  run_collective("all_reduce", [&] {
+  const CallDescriptor call{static_cast<int32_t>(Collective::kAllReduce), static_cast<int32_t>(dtype),
+                            static_cast<int32_t>(op), 0, count};
+  run_collective("all_reduce", call, [&] {
     if (world_ == 1) {
       if (input != output) std::memcpy(output, input, static_cast<size_t>(count) * dtype_size(dtype));
       return;  // every op's finalize is the identity for one rank (AVG divides by 1)
@@ -286,7 +332,9 @@ void HostComm::all_reduce(const void* input, void* output, int64_t count, DType 
 }
 
 void HostComm::reduce_scatter(const void* input, void* output, int64_t output_count, DType dtype, ReduceOp op) {
-  run_collective("reduce_scatter", [&] {
+  const CallDescriptor call{static_cast<int32_t>(Collective::kReduceScatter), static_cast<int32_t>(dtype),
+                            static_cast<int32_t>(op), 0, output_count};
+  run_collective("reduce_scatter", call, [&] {
     if (world_ == 1) {
       if (input != output) std::memcpy(output, input, static_cast<size_t>(output_count) * dtype_size(dtype));
       return;
@@ -299,7 +347,9 @@ void HostComm::reduce_scatter(const void* input, void* output, int64_t output_co
 }
 
 void HostComm::all_gather(const void* input, void* output, int64_t input_count, DType dtype) {
-  run_collective("all_gather", [&] {
+  const CallDescriptor call{static_cast<int32_t>(Collective::kAllGather), static_cast<int32_t>(dtype), 0, 0,
+                            input_count};
+  run_collective("all_gather", call, [&] {
     const int64_t bytes = input_count * dtype_size(dtype);
     if (world_ == 1) {
       if (input != output) std::memcpy(output, input, static_cast<size_t>(bytes));
@@ -311,7 +361,7 @@ void HostComm::all_gather(const void* input, void* output, int64_t input_count, 
 }
 
 void HostComm::barrier() {
-  run_collective("barrier", [&] {
+  run_collective("barrier", CallDescriptor{kBarrierCollective, 0, 0, 0, 0}, [&] {
     ++barrier_generation_;
     flag_store_release(&header(rank_).barrier.value, barrier_generation_);
     for (int peer = 0; peer < world_; ++peer) {

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "ringcoll/descriptor.h"
 #include "ringcoll/flags.h"
 #include "ringcoll/reduce.h"
 #include "ringcoll/ring.h"
@@ -42,6 +43,7 @@ struct SegmentHeader {
   Flag consumed;   // number of the left neighbour's latest publication this rank has read
   Flag barrier;    // latest barrier generation this rank has entered
   Flag aborted;    // nonzero once this rank's communicator broke; abort_reason says why
+  DescriptorSlot descriptor;  // the call this rank is about to make (descriptor.h)
   char abort_reason[1024];
 };
 static_assert(sizeof(SegmentHeader) <= kHeaderBytes, "header must fit its page");
@@ -58,7 +60,7 @@ class HostComm {
   // random_segment_name() and exchanged by the caller). Creates this rank's segment, maps
   // every peer's, waits until all ranks have done so, then unlinks every name.
   HostComm(int rank, int world, const std::vector<std::string>& names, size_t buffer_bytes,
-           double timeout_seconds);
+           double timeout_seconds, bool check_calls = true);
   ~HostComm() { close(); }
   HostComm(const HostComm&) = delete;
   HostComm& operator=(const HostComm&) = delete;
@@ -70,6 +72,7 @@ class HostComm {
   void barrier();
   void close();
 
+  bool check_calls() const { return check_calls_; }
   int rank() const { return rank_; }
   int world() const { return world_; }
   size_t slot_bytes() const { return slot_bytes_; }
@@ -86,7 +89,10 @@ class HostComm {
   // Wait until header(peer).<flag> >= target; throws (and breaks the communicator) on
   // timeout or when a peer is known to be gone. `event` names what the peer should do
   // ("publish", ...); the message also gives the ring position set by set_position.
-  void wait_for(int peer, Flag SegmentHeader::*flag, uint64_t target, const char* event);
+  void wait_for(int peer, const uint64_t* flag, uint64_t target, const char* event);
+  void wait_for(int peer, Flag SegmentHeader::*flag, uint64_t target, const char* event) {
+    wait_for(peer, &(header(peer).*flag).value, target, event);
+  }
   void set_position(int64_t slice, int64_t slices, int step, int steps) {
     position_ = {slice, slices, step, steps};
   }
@@ -94,14 +100,18 @@ class HostComm {
  private:
   void bootstrap(const std::vector<std::string>& names);
   void ensure_usable(const char* op) const;
-  [[noreturn]] void fail(const char* op, const std::string& message, bool timed_out);
+  // Mark this communicator broken (and tell the peers), then throw E with the message.
+  template <typename E> [[noreturn]] void fail(const char* op, const std::string& message);
   // Whether every peer could still make progress: no peer aborted, no peer process gone.
   bool peers_look_alive(std::string* why) const;
-  template <typename Body> void run_collective(const char* op, Body&& body);
+  template <typename Body> void run_collective(const char* op, const CallDescriptor& call, Body&& body);
+  // Publish `call` and compare it with every peer's (descriptor.h); throws MismatchError.
+  void check_call(const char* op, const CallDescriptor& call);
 
   int rank_, world_;
   size_t buffer_bytes_, slot_bytes_;
   WaitPolicy policy_;
+  bool check_calls_;
   std::vector<SegmentMapping> segments_;
   uint64_t step_base_ = 0;          // number of my latest publication (all ranks agree)
   uint64_t barrier_generation_ = 0;

@@ -2,7 +2,8 @@
 //
 // Errors are C++ exceptions (never exit(), never abort()); the bindings translate them to
 // Python: Error -> ringcoll.RingcollError, TimeoutError -> ringcoll.RingcollTimeoutError,
-// PeerError -> ringcoll.RingcollPeerError, std::invalid_argument -> ValueError.
+// PeerError -> ringcoll.RingcollPeerError, MismatchError -> ringcoll.RingcollMismatchError,
+// std::invalid_argument -> ValueError.
 #pragma once
 
 #include <sstream>
@@ -20,6 +21,11 @@ struct TimeoutError : Error {
 };
 // A peer is known to be gone (its process exited) while we waited for it.
 struct PeerError : Error {
+  using Error::Error;
+};
+// Ranks called different collectives (or with different dtype, op or size) at the same
+// point; raised before any data moved.
+struct MismatchError : Error {
   using Error::Error;
 };
 

@@ -1,0 +1,87 @@
+// descriptor.h: what a rank says it is about to do, so mismatched calls are caught before
+// any data moves (RINGCOLL_CHECK, on by default).
+//
+// Before a collective touches data, each rank publishes a CallDescriptor (which
+// collective, dtype, op, element count, and the communicator's call number) in its own
+// flag area, then reads every peer's descriptor for the same call number and compares. A
+// difference raises RingcollMismatchError on the rank that sees it; since every rank
+// compares itself with every peer, and two ranks that differ cannot both agree with a
+// third, every rank that reaches the call sees some difference and raises.
+//
+// The descriptor is guarded by a sequence lock, because a rank can run ahead into its next
+// call (a zero-length one moves no data, so nothing else holds it back):
+//   writer:  seq = 2c+1 (writing) ... fields ... seq = 2c+2 (release)
+//   reader:  wait for seq >= 2c+2; if seq == 2c+2 read the fields, then re-read seq;
+//            a changed or larger seq means the peer already finished call c's check.
+// A peer that finished call c's check compared its descriptor with everyone's, and the
+// first rank to finish saw all P descriptors of call c published and equal; so "moved
+// on" implies "matched", and the reader may skip that peer.
+#pragma once
+
+#include "ringcoll/flags.h"
+#include "ringcoll/platform.h"
+
+namespace ringcoll {
+
+// Collective codes of descriptors: the ring's three, plus barrier.
+constexpr int kBarrierCollective = 3;
+
+struct CallDescriptor {
+  int32_t collective;  // Collective, or kBarrierCollective
+  int32_t dtype;       // DType
+  int32_t op;          // ReduceOp (0 where the collective does not reduce)
+  int32_t reserved;
+  int64_t count;       // elements per rank's input of all-gather, output of reduce-scatter, tensor of all-reduce
+};
+
+RINGCOLL_INLINE bool same_call(const CallDescriptor& a, const CallDescriptor& b) {
+  return a.collective == b.collective && a.dtype == b.dtype && a.op == b.op && a.count == b.count;
+}
+
+// The descriptor area of one rank: one sequence flag, then the fields.
+struct alignas(64) DescriptorSlot {
+  uint64_t seq;
+  CallDescriptor call;
+};
+
+RINGCOLL_INLINE uint64_t descriptor_seq_written(uint64_t call_number) { return 2 * call_number + 2; }
+
+// Fields are accessed as 32/64-bit relaxed atomics: a reader may race a writer, and the
+// sequence flag, not the fields, decides whether what it read counts.
+RINGCOLL_INLINE void publish_descriptor(DescriptorSlot* slot, const CallDescriptor& call, uint64_t call_number) {
+  flag_store_release(&slot->seq, 2 * call_number + 1);
+#if defined(__CUDA_ARCH__)
+  slot->call = call;
+  __threadfence_system();
+#else
+  __atomic_store_n(&slot->call.collective, call.collective, __ATOMIC_RELAXED);
+  __atomic_store_n(&slot->call.dtype, call.dtype, __ATOMIC_RELAXED);
+  __atomic_store_n(&slot->call.op, call.op, __ATOMIC_RELAXED);
+  __atomic_store_n(&slot->call.count, call.count, __ATOMIC_RELAXED);
+#endif
+  flag_store_release(&slot->seq, descriptor_seq_written(call_number));
+}
+
+enum class PeerCall { kMatches, kDiffers, kMovedOn };
+
+// Compare a peer's published descriptor of `call_number` with ours; the caller has already
+// waited until the peer's seq >= descriptor_seq_written(call_number). `theirs` receives
+// what the peer published when it differs.
+RINGCOLL_INLINE PeerCall compare_descriptor(const DescriptorSlot* slot, const CallDescriptor& mine,
+                                            uint64_t call_number, CallDescriptor* theirs) {
+  const uint64_t seq = flag_load_acquire(&slot->seq);
+  if (seq != descriptor_seq_written(call_number)) return PeerCall::kMovedOn;
+#if defined(__CUDA_ARCH__)
+  *theirs = slot->call;
+#else
+  theirs->collective = __atomic_load_n(&slot->call.collective, __ATOMIC_RELAXED);
+  theirs->dtype = __atomic_load_n(&slot->call.dtype, __ATOMIC_RELAXED);
+  theirs->op = __atomic_load_n(&slot->call.op, __ATOMIC_RELAXED);
+  theirs->count = __atomic_load_n(&slot->call.count, __ATOMIC_RELAXED);
+  __atomic_thread_fence(__ATOMIC_ACQUIRE);  // the fields are read before seq is re-checked
+#endif
+  if (flag_load_acquire(&slot->seq) != seq) return PeerCall::kMovedOn;  // overwritten meanwhile
+  return same_call(mine, *theirs) ? PeerCall::kMatches : PeerCall::kDiffers;
+}
+
+}  // namespace ringcoll
