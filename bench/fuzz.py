@@ -1,0 +1,857 @@
+"""Hypothesis fuzzer: ringcoll against gloo and a plain reference, on a pool of 5 ranks.
+
+    python bench/fuzz.py --examples 10000 [--seed S] [--case-timeout 60]
+
+Each example is one collective call, drawn by hypothesis (:func:`cases`): world size 1-5,
+the collective (all_reduce, reduce_scatter_tensor, all_gather_into_tensor, and the list
+forms all_gather / reduce_scatter), dtype, op, element count (0 up to a few times the
+registered buffer, with the slice boundaries drawn on purpose), in place or not, async or
+not, the group (the "default" group of the first w ranks, or a subgroup of any w of the 5),
+the API (a ``Communicator`` with a drawn small ``buffer_bytes``, or the module-level
+drop-ins), misaligned views, special values, and the data seed.
+
+Design (process starts cost ~2 s each on a 2-core machine, so nothing is spawned per
+example):
+
+* :class:`FuzzPool` starts ONE pool of 5 worker processes ("spawn"), each with an
+  initialised gloo process group of world 5. The parent sends every case to all 5
+  workers over a pipe; ranks outside the case's group answer "skip". Groups are made
+  with ``dist.new_group`` the first time a case needs them, on all 5 workers in the same
+  (case) order, since new_group is collective over the default group; communicators are
+  cached per (group, buffer_bytes) in the workers.
+* A worker builds every group rank's input from the case's seed (so it can compute the
+  plain reference alone, without gathering), runs gloo on the same call (before ringcoll,
+  so a ringcoll failure cannot leave gloo out of step), then ringcoll, and checks its own
+  result: bit for bit against the plain reference (NaN-aware for reductions: NaN where the
+  reference has NaN, every other element's bits equal) and against gloo; memory next to
+  the output untouched; out-of-place inputs (and the other chunks of an in-place
+  reduce-scatter) unchanged; sync calls return None, async ones a Work whose wait() is
+  True. It returns failure text and a digest of its result; the parent checks that every
+  rank's all_reduce / all_gather result is bitwise identical.
+* The parent waits for each case at most ``case_timeout`` seconds; a case that runs over
+  (a hang), a worker that dies, or a case in which any rank raised tears the pool down
+  (SIGTERM, then SIGKILL, all reaped; workers also carry PR_SET_PDEATHSIG) and the next
+  case starts a fresh pool, so hypothesis shrinks such failures on a clean ring every time.
+  (A wrong value alone keeps the pool: every rank finished the call, so the ring is in step,
+  and a restart costs ~10 s.) ``close()`` (also at exit) leaves no process behind.
+
+Exact references. Inputs are built so that every summation order gives the same bits:
+SUM/AVG floats are k * 2^-s with |k| small enough that every partial sum of up to 5 ranks
+is exact even in float16 / bfloat16; PRODUCT floats come from {0, +-1/2, +-1, +-2} (at most 5
+factors: nothing overflows or rounds); MIN/MAX floats are arbitrary (ties frequent, no
+-0.0, whose MIN against +0.0 depends on the order); integers are random over the whole
+range (sums and products wrap, deterministically). With ``specials`` drawn, floats also
+get infinities and NaN (inf - inf, 0 * inf and NaN are order-independent up to the NaN's
+bits, which the NaN-aware comparison allows), integers their extremes. all_gather inputs
+are arbitrary bit patterns (NaN payloads included) and must arrive bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import ctypes
+import datetime
+import hashlib
+import multiprocessing
+import os
+import platform
+import signal
+import socket
+import sys
+import time
+import traceback
+import zlib
+from multiprocessing.connection import wait as _wait
+
+POOL_SIZE = 5
+COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_gather", "reduce_scatter")
+REDUCING = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter")
+DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64")
+FLOATING = ("float32", "float64", "float16", "bfloat16")
+ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int8": 1, "uint8": 1, "int32": 4,
+            "int64": 8}
+OPS = ("SUM", "PRODUCT", "MIN", "MAX", "AVG")
+# Registered buffer per rank for Communicator cases: small, so that slicing runs on most
+# calls. 704 is just above the 5-rank minimum (2 banks x 5 ranks x 64 B); 704 and 1000 do
+# not divide into 2 x P cache-line slots, so the slots leave an unused tail.
+BUFFER_CHOICES = (704, 1000, 1024, 2048, 4096, 8192)
+MODULE_BUFFER = 2048  # RINGCOLL_BUFFER_BYTES in the workers: the module-level drop-ins' buffer
+MAX_BUFFERS_PER_MESSAGE = 4  # messages up to this many times the buffer
+COMM_TIMEOUT = 20.0  # a ring wait that outlasts this raises in the worker
+CASE_TIMEOUT = 60.0  # the parent gives up on a case (and kills the pool) after this
+START_TIMEOUT = 180.0  # pool start: 5 interpreters + torch + gloo rendezvous on 2 cores
+GUARD = 3  # sentinel elements after each output (and `offset` before it)
+
+# SUM/AVG inputs k * 2^-s with |k| <= K: every partial sum of up to 5 ranks is exact.
+SUMMABLE = {"float16": (48, 2), "bfloat16": (12, 2), "float32": (1 << 16, 8), "float64": (1 << 40, 20)}
+PRODUCT_VALUES = (1.0, -1.0, 2.0, -2.0, 0.5, -0.5, 1.0, -1.0, 2.0, 0.5, -1.0, 1.0, -2.0, 0.5, 1.0, 0.0)
+BITS = {"float32": "int32", "float64": "int64", "float16": "int16", "bfloat16": "int16"}
+
+
+# ============================================================================ cases (parent)
+
+def slice_elements(buffer_bytes: int, world: int, dtype: str) -> int:
+    """Elements of one slice (one slot of the host driver: buffer / (2 banks x P), cache-line
+    aligned). Used only to draw sizes near slice boundaries; if the driver changes, the sizes
+    stay valid, only less pointed."""
+    slot = buffer_bytes // (2 * world) // 64 * 64
+    return max(1, slot // ITEMSIZE[dtype])
+
+
+def _count_strategy(st, collective, world, dtype, buffer_bytes):
+    """Element count: all_reduce's total n, or the per-rank count of the others. Four
+    branches, so that empty and tiny messages, slice boundaries and messages larger than
+    the registered buffer each come up often."""
+    s = slice_elements(buffer_bytes, world, dtype)
+    limit = MAX_BUFFERS_PER_MESSAGE * buffer_bytes // ITEMSIZE[dtype]  # elements of the whole message
+    over = buffer_bytes // ITEMSIZE[dtype] + 1  # the message no longer fits the buffer
+    if collective == "all_reduce":
+        unit = world * s  # one slice per chunk
+    else:
+        limit, over, unit = limit // world, over // world + 1, s
+    edges = sorted({max(0, k * unit + d) for k in (1, 2, 3) for d in (-1, 0, 1) if k * unit + d <= limit})
+    return st.one_of(st.integers(0, 2 * world + 2), st.sampled_from(edges), st.integers(over, limit),
+                     st.integers(1, limit))
+
+
+def cases():
+    """The hypothesis strategy: one collective call (a small dict, see the module doc)."""
+    from hypothesis import strategies as st
+
+    @st.composite
+    def case(draw):
+        world = draw(st.sampled_from(range(1, POOL_SIZE + 1)))  # (integers() would draw 1 half the time)
+        group = draw(st.sampled_from(("default", "subgroup")))
+        if group == "default":
+            ranks = tuple(range(world))
+        else:
+            ranks = tuple(sorted(draw(st.permutations(range(POOL_SIZE)))[:world]))
+        collective = draw(st.sampled_from(COLLECTIVES))
+        dtype = draw(st.sampled_from(DTYPES))
+        op = None
+        if collective in REDUCING:
+            op = draw(st.sampled_from(OPS if dtype in FLOATING else OPS[:4]))
+        api = draw(st.sampled_from(("comm", "module")))
+        buffer_bytes = draw(st.sampled_from(BUFFER_CHOICES)) if api == "comm" else MODULE_BUFFER
+        count = draw(_count_strategy(st, collective, world, dtype, buffer_bytes))
+        in_place = draw(st.booleans())
+        if api == "module" and collective == "all_reduce":
+            in_place = True  # the out-of-place all_reduce(output=) is a Communicator extra
+        return {
+            "collective": collective, "dtype": dtype, "op": op, "world": world, "group": group,
+            "ranks": ranks, "count": count, "in_place": in_place, "async_op": draw(st.booleans()),
+            "api": api, "buffer_bytes": buffer_bytes,
+            "offset": draw(st.integers(0, 1)),  # 1: every tensor starts one element into its buffer
+            "specials": draw(st.booleans()),  # inf / NaN (floats), extremes (integers)
+            "torch_op": draw(st.booleans()),  # op spelled dist.ReduceOp.X instead of ringcoll.ReduceOp.X
+            "seed": draw(st.integers(0, 2 ** 31 - 1)),
+        }
+
+    return case()
+
+
+def describe(case: dict) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in case.items())
+
+
+# ============================================================================ worker side
+
+def _set_pdeathsig(parent_pid: int) -> None:
+    """SIGKILL this worker when the parent dies (Linux), so no run leaves orphans."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, ctypes.c_ulong(signal.SIGKILL), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
+    except Exception:
+        pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def _seed_of(*parts) -> int:
+    return zlib.crc32("|".join(str(p) for p in parts).encode())
+
+
+def input_kind(case: dict) -> str:
+    if case["collective"] not in REDUCING:
+        return "bits"
+    return {"SUM": "sum", "AVG": "sum", "PRODUCT": "prod", "MIN": "minmax", "MAX": "minmax"}[case["op"]]
+
+
+def input_numel(case: dict, world: int) -> int:
+    """Elements of each rank's input."""
+    c = case["count"]
+    return {"all_reduce": c, "reduce_scatter_tensor": world * c, "reduce_scatter": world * c}.get(
+        case["collective"], c)
+
+
+def make_input(case: dict, group_rank: int, world: int):
+    """Group rank `group_rank`'s input: a function of the case alone, so every worker can
+    build every rank's input and compute the reference without communicating."""
+    import torch
+
+    dtype = getattr(torch, case["dtype"])
+    n = input_numel(case, world)
+    kind = input_kind(case)
+    g = torch.Generator().manual_seed(_seed_of(case["seed"], group_rank))
+    floating = case["dtype"] in FLOATING
+
+    def random_ints(int_dtype, m):
+        info = torch.iinfo(int_dtype)
+        high = info.max if int_dtype == torch.int64 else info.max + 1
+        return torch.randint(info.min, high, (m,), generator=g, dtype=int_dtype)
+
+    if kind == "bits":
+        return random_ints(getattr(torch, BITS.get(case["dtype"], case["dtype"])), n).view(dtype)
+    if not floating:
+        x = random_ints(dtype, n)
+        if kind == "prod" and n >= 2:  # half small factors, so not every product wraps to 0
+            lo = 0 if dtype == torch.uint8 else -3
+            x[1::2] = torch.randint(lo, 4, (n // 2,), generator=g, dtype=dtype)
+        if case["specials"] and n:
+            info = torch.iinfo(dtype)
+            idx = torch.randint(0, n, (min(n, 4),), generator=g)
+            for j, i in enumerate(idx.tolist()):
+                x[i] = info.max if j % 2 == 0 else info.min
+        return x
+    if kind == "sum":
+        k, shift = SUMMABLE[case["dtype"]]
+        ints = torch.randint(-k, k + 1, (n,), generator=g, dtype=torch.int64)
+        x = (ints.to(torch.float64) * 2.0 ** -shift).to(dtype)
+        specials = (float("inf"), float("-inf"), float("nan"))
+    elif kind == "prod":
+        values = torch.tensor(PRODUCT_VALUES, dtype=torch.float64)
+        x = values[torch.randint(0, len(values), (n,), generator=g)].to(dtype)
+        specials = (float("inf"), float("-inf"), float("nan"))
+    else:  # minmax: arbitrary values, half of them small integers so ties are frequent
+        x = (torch.randn(n, generator=g, dtype=torch.float64) * 100).to(dtype)
+        if n >= 2:
+            x[1::2] = torch.randint(-4, 5, (n // 2,), generator=g).to(dtype)
+        x = x + 0.0  # -0.0 -> +0.0: MIN(-0.0, +0.0) depends on the order of the operands
+        specials = (float("inf"), float("-inf"), float("nan"))
+    if case["specials"] and n:
+        idx = torch.randint(0, n, (min(n, 3),), generator=g)
+        which = torch.randint(0, len(specials), (idx.numel(),), generator=g)
+        for i, w in zip(idx.tolist(), which.tolist()):
+            x[i] = specials[w]
+    return x
+
+
+def plain_reduce(xs: list, op: str):
+    """op over the ranks' tensors, one elementwise step per rank in the tensors' dtype
+    (integers wrap, MIN/MAX propagate NaN); AVG is SUM then one division by P."""
+    import torch
+
+    acc = xs[0].clone()
+    for x in xs[1:]:
+        if op in ("SUM", "AVG"):
+            acc = acc + x
+        elif op == "PRODUCT":
+            acc = acc * x
+        elif op == "MIN":
+            acc = torch.minimum(acc, x)
+        else:
+            acc = torch.maximum(acc, x)
+    if op == "AVG":
+        acc = acc / len(xs)
+    return acc
+
+
+def plain_reference(case: dict, xs: list, group_rank: int):
+    """What this rank's output must hold, flat: computed from every rank's input."""
+    import torch
+
+    world, c, coll = len(xs), case["count"], case["collective"]
+    if coll == "all_reduce":
+        return plain_reduce(xs, case["op"])
+    if coll in ("reduce_scatter_tensor", "reduce_scatter"):
+        return plain_reduce(xs, case["op"])[group_rank * c:(group_rank + 1) * c]
+    return torch.cat(xs) if xs else xs
+
+
+def _bits(t):
+    import torch
+
+    name = str(t.dtype).replace("torch.", "")
+    return t.view(getattr(torch, BITS[name])) if name in BITS else t
+
+
+def compare(label: str, got, expected, nan_aware: bool) -> list:
+    """[] when got equals expected bit for bit (NaN-aware: NaN exactly where expected has
+    NaN, any NaN bits), else one line naming the first difference."""
+    import torch
+
+    got, expected = got.reshape(-1), expected.reshape(-1)
+    if got.dtype != expected.dtype or got.numel() != expected.numel():
+        return [f"{label}: got {got.dtype}[{got.numel()}], expected {expected.dtype}[{expected.numel()}]"]
+    diff = _bits(got) != _bits(expected)
+    if nan_aware and got.is_floating_point():
+        both_nan = torch.isnan(got) & torch.isnan(expected)
+        diff &= ~both_nan
+    if not bool(diff.any()):
+        return []
+    bad = diff.nonzero().reshape(-1)
+    i = int(bad[0])
+    return [f"{label}: {bad.numel()} of {got.numel()} elements differ; first at {i}: got {got[i].item()!r} "
+            f"(bits {int(_bits(got)[i])}), expected {expected[i].item()!r} (bits {int(_bits(expected)[i])})"]
+
+
+def _sentinel(n: int, dtype):
+    """n elements of the byte pattern 0x5A (finite, not NaN, in every dtype)."""
+    import torch
+
+    size = torch.empty(0, dtype=dtype).element_size()
+    return torch.full((n * size,), 0x5A, dtype=torch.uint8).view(dtype)
+
+
+def _list_shape(c: int):
+    return (2, c // 2) if c >= 2 and c % 2 == 0 else (c,)
+
+
+class _Worker:
+    """State of one pool worker: its groups and communicators, and the case runner."""
+
+    def __init__(self, rank: int, size: int):
+        import torch
+        import torch.distributed as dist
+
+        import ringcoll
+
+        self.torch, self.dist, self.ringcoll = torch, dist, ringcoll
+        self.rank, self.size = rank, size
+        self.groups: dict = {}  # (group kind, ranks) -> process group (None: the default group)
+        self.comms: dict = {}  # (group kind, ranks, buffer_bytes) -> Communicator
+
+    def group(self, case):
+        key = (case["group"], tuple(case["ranks"]))
+        if key not in self.groups:
+            if case["group"] == "default" and len(case["ranks"]) == self.size:
+                self.groups[key] = None  # the default group itself
+            else:  # collective over the default group: every worker makes it, in case order
+                self.groups[key] = self.dist.new_group(ranks=list(case["ranks"]))
+        return self.groups[key]
+
+    def communicator(self, case, group):
+        key = (case["group"], tuple(case["ranks"]), case["buffer_bytes"])
+        if key not in self.comms:
+            self.comms[key] = self.ringcoll.Communicator(group=group, buffer_bytes=case["buffer_bytes"],
+                                                         timeout=COMM_TIMEOUT)
+        return self.comms[key]
+
+    def handle(self, case: dict):
+        if case.get("collective") == "_sleep":  # self-test of the parent's timeout
+            time.sleep(case["seconds"])
+            return ("ok", [], None)
+        group = self.group(case)
+        ranks = list(case["ranks"])
+        if self.rank not in ranks:
+            return ("skip", [], None)
+        try:
+            return self.run(case, group, ranks.index(self.rank), len(ranks))
+        except BaseException as exc:  # noqa: BLE001 - reported as text; the parent restarts the pool
+            return ("error", [f"rank {self.rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"], None)
+
+    # --- the reference: gloo on the same call -------------------------------------------
+
+    def gloo(self, case, x, group, world):
+        """gloo's answer to the same call (out of place), flat; None when gloo is not asked."""
+        torch, dist = self.torch, self.dist
+        coll, c, op = case["collective"], case["count"], case["op"]
+        if c == 0:
+            return None
+        dop = getattr(dist.ReduceOp, op) if op else None
+        if coll == "all_reduce":
+            t = x.clone()
+            dist.all_reduce(t, op=dop, group=group)
+            return t
+        if coll == "reduce_scatter_tensor":
+            out = torch.empty(c, dtype=x.dtype)
+            fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+            fn(out, x.clone(), op=dop, group=group)
+            return out
+        if coll == "reduce_scatter":
+            out = torch.empty(c, dtype=x.dtype)
+            dist.reduce_scatter(out, [x[r * c:(r + 1) * c].clone() for r in range(world)], op=dop, group=group)
+            return out
+        if coll == "all_gather_into_tensor":
+            out = torch.empty(world * c, dtype=x.dtype)
+            fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            fn(out, x.clone(), group=group)
+            return out
+        outs = [torch.empty(c, dtype=x.dtype) for _ in range(world)]
+        dist.all_gather(outs, x.clone(), group=group)
+        return torch.cat(outs)
+
+    # --- ringcoll --------------------------------------------------------------------------
+
+    def run(self, case, group, grank, world):
+        torch, ringcoll = self.torch, self.ringcoll
+        dtype = getattr(torch, case["dtype"])
+        coll, c, op_name = case["collective"], case["count"], case["op"]
+        xs = [make_input(case, r, world) for r in range(world)]
+        x = xs[grank]
+        ref = plain_reference(case, xs, grank)
+        gloo_ref = self.gloo(case, x, group, world)  # before ringcoll: gloo stays in step
+
+        if case["api"] == "comm":
+            comm = self.communicator(case, group)
+
+            def call(name, *args, **kw):
+                return getattr(comm, name)(*args, **kw)
+        else:
+            def call(name, *args, **kw):
+                return getattr(ringcoll, name)(*args, group=group, **kw)
+
+        op_kw = {}
+        if op_name is not None:
+            op_kw["op"] = getattr(self.dist.ReduceOp, op_name) if case["torch_op"] else ringcoll.ReduceOp[op_name]
+        a = case["async_op"]
+        off = case["offset"]
+        bases = []  # (label, base tensor, first, last element the call may write)
+
+        def guarded(n, like=None, label="output"):
+            base = _sentinel(off + n + GUARD, dtype)
+            view = base[off:off + n]
+            if like is not None:
+                view.copy_(like)
+            bases.append((label, base, off, off + n))
+            return view
+
+        failures = []
+        unchanged = []  # (label, tensor, expected bits) checked after the call
+        shape = _list_shape(c)
+
+        if coll == "all_reduce":
+            t = guarded(c, x)
+            if case["in_place"]:
+                ret = call("all_reduce", t, async_op=a, **op_kw)
+                result = t
+            else:
+                out = guarded(c, label="output")
+                ret = call("all_reduce", t, async_op=a, output=out, **op_kw)
+                unchanged.append(("input", t, x))
+                result = out
+        elif coll == "reduce_scatter_tensor":
+            if case["in_place"]:
+                buf = guarded(world * c, x)
+                result = buf[grank * c:(grank + 1) * c]
+                ret = call("reduce_scatter_tensor", result, buf, async_op=a, **op_kw)
+                others = lambda: torch.cat([buf[:grank * c], buf[(grank + 1) * c:]])  # noqa: E731
+                unchanged.append(("other ranks' chunks of the in-place input", others,
+                                  torch.cat([x[:grank * c], x[(grank + 1) * c:]])))
+            else:
+                inp = guarded(world * c, x, "input")
+                result = guarded(c)
+                ret = call("reduce_scatter_tensor", result, inp, async_op=a, **op_kw)
+                unchanged.append(("input", inp, x))
+        elif coll == "all_gather_into_tensor":
+            if case["in_place"]:
+                result = guarded(world * c)
+                result[grank * c:(grank + 1) * c] = x
+                ret = call("all_gather_into_tensor", result, result[grank * c:(grank + 1) * c], async_op=a)
+            else:
+                inp = guarded(c, x, "input")
+                result = guarded(world * c)
+                ret = call("all_gather_into_tensor", result, inp, async_op=a)
+                unchanged.append(("input", inp, x))
+        elif coll == "all_gather":
+            outs = [guarded(c, label=f"tensor_list[{r}]").view(shape) for r in range(world)]
+            if case["in_place"]:  # tensor is tensor_list[rank] itself
+                outs[grank].view(-1).copy_(x)
+                ret = call("all_gather", outs, outs[grank], async_op=a)
+            else:
+                inp = guarded(c, x, "tensor").view(shape)
+                ret = call("all_gather", outs, inp, async_op=a)
+                unchanged.append(("tensor", inp, x))
+            result = lambda: torch.cat([o.reshape(-1) for o in outs])  # noqa: E731
+        else:  # reduce_scatter (list form)
+            inputs = [guarded(c, x[r * c:(r + 1) * c], f"input_list[{r}]").view(shape) for r in range(world)]
+            if case["in_place"]:  # output is input_list[rank] itself
+                result = inputs[grank]
+            else:
+                result = guarded(c).view(shape)
+            ret = call("reduce_scatter", result, inputs, async_op=a, **op_kw)
+            for r in range(world):
+                if not (case["in_place"] and r == grank):
+                    unchanged.append((f"input_list[{r}]", inputs[r], x[r * c:(r + 1) * c]))
+
+        if a:
+            if not isinstance(ret, ringcoll.Work):
+                failures.append(f"async_op=True returned {type(ret).__name__}, not a Work")
+            elif ret.wait() is not True:
+                failures.append("Work.wait() did not return True")
+            elif not (ret.is_completed() and ret.is_success()):
+                failures.append("Work not completed successfully after wait()")
+        elif ret is not None:
+            failures.append(f"a synchronous call returned {type(ret).__name__}, not None")
+
+        got = result() if callable(result) else result
+        if case.get("corrupt_rank") == self.rank and got.numel():  # self-test: the checks must notice
+            got = got.clone()
+            _bits(got).view(-1)[0] ^= 1
+        nan_aware = coll in REDUCING
+        failures += compare("result vs plain reference", got, ref, nan_aware)
+        if gloo_ref is not None and not (op_name in ("MIN", "MAX") and any(bool(t.isnan().any()) for t in xs)):
+            # (gloo's MIN/MAX do not propagate NaN: its answer depends on where the NaN is.)
+            failures += compare("result vs gloo", got, gloo_ref, nan_aware)
+        for label, t, expected in unchanged:
+            failures += compare(f"{label} must stay unchanged", t() if callable(t) else t, expected, False)
+        for label, base, lo, hi in bases:
+            guards = torch.cat([base[:lo], base[hi:]])
+            failures += compare(f"memory next to {label} must stay untouched", guards,
+                                _sentinel(guards.numel(), dtype), False)
+        digest = None
+        if coll not in ("reduce_scatter_tensor", "reduce_scatter"):  # every rank holds the same result
+            digest = hashlib.sha1(_bits(got.contiguous()).reshape(-1).numpy().tobytes()).hexdigest()
+        return ("fail" if failures else "ok", [f"rank {self.rank} (group rank {grank}): {f}" for f in failures],
+                digest)
+
+
+def _worker_main(rank, size, port, conn, parent_pid, env):
+    """A pool worker: init gloo (world `size`), then answer cases until told to stop."""
+    _set_pdeathsig(parent_pid)
+    os.environ.update(env)
+    try:
+        import warnings
+
+        warnings.filterwarnings("ignore")  # torch's deprecation notes for the gloo reference calls
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                                timeout=datetime.timedelta(seconds=CASE_TIMEOUT * 2))
+        worker = _Worker(rank, size)
+        conn.send(("ready", rank))
+    except BaseException as exc:  # noqa: BLE001
+        try:
+            conn.send(("error", [f"rank {rank} failed to start: {exc}\n{traceback.format_exc()}"], None))
+        finally:
+            os._exit(1)
+    while True:
+        try:
+            case = conn.recv()
+        except (EOFError, OSError):
+            break
+        if case is None:
+            break
+        conn.send(worker.handle(case))
+    try:
+        for comm in worker.comms.values():
+            comm.close()
+        worker.ringcoll.destroy_communicators()
+    except BaseException:  # noqa: BLE001
+        pass
+    try:
+        conn.close()
+    except OSError:
+        pass
+    os._exit(0)  # skip interpreter and process-group teardown: nothing left to flush
+
+
+# The worker process runs this via the builtin exec, so it loads this file by path under a
+# fixed name: it works whether the parent imported bench/fuzz.py as a module (pytest) or
+# runs it as a script.
+_BOOT = """
+import importlib.util, sys
+_spec = importlib.util.spec_from_file_location("ringcoll_bench_fuzz_worker", _path)
+_mod = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = _mod
+_spec.loader.exec_module(_mod)
+_mod._worker_main(*_args)
+"""
+
+
+# ============================================================================ the pool (parent)
+
+class PoolError(RuntimeError):
+    """A case timed out, a worker died or the pool could not start (the pool is torn down)."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class FuzzPool:
+    """POOL_SIZE worker processes with a gloo group of that world; see the module doc.
+
+    ``run(case)`` sends the case to every worker and returns their replies, in rank order:
+    ``(status, failure lines, digest)`` with status "ok", "fail", "error" or "skip".
+    Raises :class:`PoolError` (after killing the pool) on a timeout or a dead worker.
+    Starts lazily; use as a context manager or call ``close()``.
+    """
+
+    def __init__(self, size: int = POOL_SIZE, case_timeout: float = CASE_TIMEOUT,
+                 start_timeout: float = START_TIMEOUT):
+        self.size = size
+        self.case_timeout = case_timeout
+        self.start_timeout = start_timeout
+        self.procs: list = []
+        self.conns: list = []
+        self.starts = 0  # pools started (1 + restarts after failures)
+        self.start_seconds = 0.0
+
+    @property
+    def running(self) -> bool:
+        return bool(self.procs)
+
+    def start(self) -> None:
+        if self.running:
+            return
+        t0 = time.monotonic()
+        ctx = multiprocessing.get_context("spawn")
+        port = _free_port()
+        env = {"RINGCOLL_BUFFER_BYTES": str(MODULE_BUFFER), "RINGCOLL_TIMEOUT": str(COMM_TIMEOUT),
+               "OMP_NUM_THREADS": "1"}
+        try:
+            for rank in range(self.size):
+                parent_conn, child_conn = ctx.Pipe(duplex=True)
+                boot = {"_path": os.path.abspath(__file__),
+                        "_args": (rank, self.size, port, child_conn, os.getpid(), env)}
+                proc = ctx.Process(target=exec, args=(_BOOT, boot), name=f"ringcoll-fuzz-rank{rank}", daemon=True)
+                proc.start()
+                child_conn.close()
+                self.procs.append(proc)
+                self.conns.append(parent_conn)
+            replies = self._collect(self.start_timeout, "starting the pool")
+        except BaseException:
+            self.close(graceful=False)
+            raise
+        bad = [r for r in replies if r[0] != "ready"]
+        if bad:
+            self.close(graceful=False)
+            raise PoolError("pool did not start:\n" + "\n".join(line for r in bad for line in r[1]))
+        self.starts += 1
+        self.start_seconds += time.monotonic() - t0
+
+    def _collect(self, timeout: float, what: str) -> list:
+        replies: list = [None] * self.size
+        deadline = time.monotonic() + timeout
+        waiting = set(range(self.size))
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.close(graceful=False)
+                raise PoolError(f"timeout after {timeout:g} s {what}: rank(s) {sorted(waiting)} did not answer "
+                                "(pool killed)")
+            objs = {}
+            for r in waiting:
+                objs[self.conns[r]] = r
+                objs[self.procs[r].sentinel] = r
+            for o in _wait(list(objs), timeout=left):
+                r = objs[o]
+                if r not in waiting:
+                    continue
+                try:
+                    if self.conns[r].poll(0):
+                        replies[r] = self.conns[r].recv()
+                        waiting.discard(r)
+                        continue
+                except (EOFError, OSError):
+                    pass
+                if not self.procs[r].is_alive() or o is self.conns[r]:
+                    code = self.procs[r].exitcode
+                    self.close(graceful=False)
+                    raise PoolError(f"rank {r} died {what} (exit code {code}; pool killed)")
+        return replies
+
+    def run(self, case: dict) -> list:
+        self.start()
+        for conn in self.conns:
+            conn.send(case)
+        return self._collect(self.case_timeout, f"running case {{{describe(case)}}}")
+
+    def close(self, graceful: bool = True) -> None:
+        """Stop every worker (ask when `graceful`, then SIGTERM, then SIGKILL) and reap them.
+        Idempotent."""
+        if graceful:
+            for conn in self.conns:
+                try:
+                    conn.send(None)
+                except Exception:
+                    pass
+            end = time.monotonic() + 5.0
+            for p in self.procs:
+                p.join(max(0.0, end - time.monotonic()))
+        for p in self.procs:
+            if p.exitcode is None:
+                p.terminate()
+        end = time.monotonic() + 3.0
+        for p in self.procs:
+            p.join(max(0.0, end - time.monotonic()))
+        for p in self.procs:
+            if p.exitcode is None:
+                p.kill()
+                p.join(10.0)
+        for conn in self.conns:
+            try:
+                conn.close()
+            except Exception:
+                pass
+        self.procs, self.conns = [], []
+
+    def __enter__(self) -> "FuzzPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def check_replies(case: dict, replies: list) -> list:
+    """Failure lines for one case's replies (empty: the case passed)."""
+    problems = []
+    members = set(case["ranks"])
+    digests = {}
+    for rank, (status, lines, digest) in enumerate(replies):
+        if rank not in members:
+            if status != "skip":
+                problems.append(f"rank {rank} is not in the group but answered {status!r}")
+            continue
+        if status in ("fail", "error"):
+            problems += lines
+        elif status != "ok":
+            problems.append(f"rank {rank} answered {status!r}")
+        if digest is not None:
+            digests[rank] = digest
+    if len(set(digests.values())) > 1:
+        problems.append("results differ bitwise between ranks: "
+                        + ", ".join(f"rank {r}: {d[:12]}" for r, d in sorted(digests.items())))
+    return problems
+
+
+class Stats:
+    """What a fuzz run exercised, and its failures."""
+
+    def __init__(self):
+        self.examples = 0
+        self.by = {k: collections.Counter() for k in (
+            "collective", "dtype", "op", "world", "group", "api", "buffer_bytes", "in_place", "async_op",
+            "specials", "size")}
+        self.failures: list = []
+        self.seconds = 0.0
+
+    def add(self, case: dict) -> None:
+        self.examples += 1
+        for k in ("collective", "dtype", "op", "world", "group", "api", "buffer_bytes", "in_place", "async_op",
+                  "specials"):
+            self.by[k][case[k]] += 1
+        world, c = case["world"], case["count"]
+        chunk = -(-c // world) if case["collective"] == "all_reduce" else c  # elements per ring chunk
+        slices = -(-chunk // slice_elements(case["buffer_bytes"], world, case["dtype"]))
+        message = (c if case["collective"] == "all_reduce" else world * c) * ITEMSIZE[case["dtype"]]
+        if c == 0:
+            size = "0 elements"
+        else:
+            size = "1 slice" if slices == 1 else ("2-3 slices" if slices <= 3 else ">= 4 slices")
+            if message > case["buffer_bytes"]:
+                self.by["size"]["message > buffer"] += 1
+        self.by["size"][size] += 1
+
+    def summary(self) -> str:
+        lines = [f"examples run: {self.examples}"]
+        for k, counter in self.by.items():
+            items = sorted(counter.items(), key=lambda kv: str(kv[0]))
+            lines.append(f"  by {k}: " + ", ".join(f"{v}={n}" for v, n in items))
+        return "\n".join(lines)
+
+
+def run_case(pool: FuzzPool, case: dict, stats: Stats | None = None) -> None:
+    """Run one case on the pool; AssertionError naming the case and every problem if it fails
+    (after a timeout, a death or an exception in a rank, the pool is restarted before the
+    next case, so that case starts on a clean ring)."""
+    if stats is not None:
+        stats.add(case)
+    try:
+        replies = pool.run(case)
+    except PoolError as exc:
+        message = f"case {{{describe(case)}}}: {exc}"
+        if stats is not None:
+            stats.failures.append(message)
+        raise AssertionError(message) from None
+    problems = check_replies(case, replies)
+    if problems:
+        if any(status == "error" for status, _, _ in replies):
+            pool.close(graceful=False)  # a ring that raised is broken (and its peers may be out of step)
+        message = f"case {{{describe(case)}}}:\n  " + "\n  ".join(problems)
+        if stats is not None:
+            stats.failures.append(message)
+        raise AssertionError(message)
+
+
+def fuzz(pool: FuzzPool, max_examples: int, seed: int | None = None, derandomize: bool = False,
+         stats: Stats | None = None) -> Stats:
+    """Run hypothesis over :func:`cases` on `pool`. Raises what hypothesis raises for a
+    failure (the shrunk case's AssertionError). The database is off: runs are reproduced
+    from the seed (``seed``, or ``derandomize`` for a fixed one), not from stored examples."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import seed as hypothesis_seed
+
+    stats = stats if stats is not None else Stats()
+
+    @settings(max_examples=max_examples, deadline=None, database=None, derandomize=derandomize,
+              suppress_health_check=list(HealthCheck), print_blob=True)
+    @given(cases())
+    def test(case):
+        run_case(pool, case, stats)
+
+    if seed is not None:
+        test = hypothesis_seed(seed)(test)
+    t0 = time.monotonic()
+    try:
+        test()
+    finally:
+        stats.seconds = time.monotonic() - t0
+    return stats
+
+
+# ============================================================================ CLI
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--examples", type=int, default=10000, help="hypothesis max_examples (default 10000)")
+    parser.add_argument("--seed", type=int, default=20261129, help="hypothesis seed (default 20261129)")
+    parser.add_argument("--case-timeout", type=float, default=CASE_TIMEOUT,
+                        help=f"seconds one case may take before the pool is killed (default {CASE_TIMEOUT:g})")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    print(f"ringcoll fuzz: {args.examples} examples, seed {args.seed}, pool of {POOL_SIZE} ranks (gloo), "
+          f"buffers {BUFFER_CHOICES} (module API: {MODULE_BUFFER}), case timeout {args.case_timeout:g} s")
+    print(f"date {datetime.datetime.now().isoformat(timespec='seconds')}, host {platform.node()}, "
+          f"{os.cpu_count()} CPUs, python {platform.python_version()}, torch {torch.__version__}")
+    stats = Stats()
+    error = None
+    t0 = time.monotonic()
+    with FuzzPool(case_timeout=args.case_timeout) as pool:
+        try:
+            fuzz(pool, args.examples, seed=args.seed, stats=stats)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            error = exc
+        starts, start_seconds = pool.starts, pool.start_seconds
+    wall = time.monotonic() - t0
+    print(stats.summary())
+    print(f"pool starts: {starts} ({start_seconds:.1f} s)")
+    print(f"failures: {len(stats.failures)}")
+    for f in stats.failures[:20]:
+        print("  " + f.replace("\n", "\n  "))
+    if error is not None:
+        print(f"hypothesis reported: {type(error).__name__}: {error}")
+    print(f"time: {wall:.1f} s total, {stats.seconds:.1f} s in hypothesis, "
+          f"{1000 * stats.seconds / max(1, stats.examples):.1f} ms per example")
+    return 1 if (error is not None or stats.failures) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""Tier 2, fuzzed: hypothesis draws single collective calls (world 1-5, every collective,
+dtype, op, size up to a few small buffers, in place, async, subgroups, module-level API)
+and runs each on one pool of 5 worker processes against gloo and a plain reference.
+
+This is the quick profile (a few hundred examples, derandomized, no example database); the
+long one is ``python bench/fuzz.py --examples 10000`` (bench/results/*-fuzz-long.txt). The
+machinery lives in bench/fuzz.py; its module doc says how cases are built and checked.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+pytest.importorskip("hypothesis")
+
+_PATH = pathlib.Path(__file__).resolve().parent.parent / "bench" / "fuzz.py"
+_spec = importlib.util.spec_from_file_location("ringcoll_bench_fuzz", _PATH)
+fuzz = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = fuzz
+_spec.loader.exec_module(fuzz)
+
+QUICK_EXAMPLES = 500
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with fuzz.FuzzPool() as p:
+        yield p
+    assert not p.running
+
+
+def _case(**overrides) -> dict:
+    case = {"collective": "all_reduce", "dtype": "float32", "op": "SUM", "world": 3, "group": "subgroup",
+            "ranks": (0, 2, 4), "count": 1000, "in_place": False, "async_op": False, "api": "comm",
+            "buffer_bytes": 1024, "offset": 1, "specials": False, "torch_op": False, "seed": 7}
+    case.update(overrides)
+    return case
+
+
+def test_fuzz_quick(pool):
+    stats = fuzz.fuzz(pool, QUICK_EXAMPLES, derandomize=True)
+    assert stats.failures == []
+    assert stats.examples >= QUICK_EXAMPLES
+    # The draw reaches every collective, dtype and world size, and slices messages.
+    assert set(stats.by["collective"]) == set(fuzz.COLLECTIVES)
+    assert set(stats.by["dtype"]) == set(fuzz.DTYPES)
+    assert set(stats.by["world"]) == {1, 2, 3, 4, 5}
+    assert stats.by["size"]["0 elements"] > 0 and stats.by["size"][">= 4 slices"] > 0
+    assert stats.by["size"]["message > buffer"] > 0
+
+
+def test_wrong_value_is_caught(pool):
+    """The checks are live: one rank's result with one bit flipped fails against the plain
+    reference, gloo, and the other ranks' bits."""
+    for collective in ("all_reduce", "all_gather_into_tensor"):
+        case = _case(collective=collective, op=None if collective != "all_reduce" else "SUM", corrupt_rank=2)
+        replies = pool.run(case)
+        assert [r[0] for r in replies] == ["ok", "skip", "fail", "skip", "ok"]
+        problems = fuzz.check_replies(case, replies)
+        text = "\n".join(problems)
+        assert "result vs plain reference" in text and "result vs gloo" in text
+        assert "results differ bitwise between ranks" in text
+        with pytest.raises(AssertionError, match="corrupt_rank=2"):
+            fuzz.run_case(pool, case)
+    assert pool.running  # a wrong value alone keeps the pool
+    assert fuzz.check_replies(_case(), pool.run(_case())) == []
+
+
+def test_check_replies_flags_protocol_problems():
+    case = _case(ranks=(0, 1), world=2, group="default")
+    ok = ("ok", [], "d1")
+    assert fuzz.check_replies(case, [ok, ok, ("skip", [], None), ("skip", [], None), ("skip", [], None)]) == []
+    problems = fuzz.check_replies(case, [ok, ("ok", [], "d2"), ("ok", [], None), ("skip", [], None),
+                                         ("error", ["rank 4: boom"], None)])
+    assert any("differ bitwise" in p for p in problems)
+    assert any("rank 2 is not in the group" in p for p in problems)
+    assert any("rank 4 is not in the group" in p for p in problems)
+
+
+def test_hung_case_kills_the_pool(pool):
+    """A case that never finishes fails after the case timeout, naming the case, and leaves
+    no worker behind; the next case starts a fresh pool."""
+    pool.start()
+    procs = list(pool.procs)
+    saved, pool.case_timeout = pool.case_timeout, 2.0
+    try:
+        with pytest.raises(fuzz.PoolError, match="timeout after 2 s running case .*_sleep"):
+            pool.run({"collective": "_sleep", "seconds": 600})
+    finally:
+        pool.case_timeout = saved
+    assert not pool.running
+    assert all(p.exitcode is not None for p in procs)
