@@ -19,6 +19,8 @@ from ringcoll.api import (
     reduce_scatter_tensor,
 )
 from ringcoll.communicator import Communicator, Work
+from ringcoll import backend as _backend  # registers dist.init_process_group(backend="ringcoll")
+from ringcoll.ddp import ddp_hook
 from ringcoll.errors import RingcollError, RingcollMismatchError, RingcollPeerError, RingcollTimeoutError
 
 __version__ = "0.1.0"
@@ -27,6 +29,6 @@ __all__ = [
     "Communicator", "Work", "ReduceOp",
     "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_gather", "reduce_scatter", "barrier",
     "all_gather_single", "reduce_scatter_single",
-    "get_communicator", "destroy_communicators",
+    "get_communicator", "destroy_communicators", "ddp_hook",
     "RingcollError", "RingcollTimeoutError", "RingcollPeerError", "RingcollMismatchError",
 ]

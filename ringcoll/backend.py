@@ -1,0 +1,434 @@
+"""``torch.distributed.init_process_group(backend="ringcoll")``: ringcoll as a c10d backend.
+
+    import ringcoll                                    # registers the backend (cheap)
+    import torch.distributed as dist
+    dist.init_process_group("ringcoll")                # or "cpu:ringcoll"; env:// / torchrun
+    dist.all_reduce(t)                                 # -> ringcoll's shared-memory ring
+    dist.broadcast(t, src=0)                           # -> the backend's internal gloo group
+
+How it plugs in (torch's supported route for out-of-tree backends):
+``torch.distributed.Backend.register_backend("ringcoll", creator, devices=["cpu"])``, where
+``creator(store, rank, size, timeout)`` returns a :class:`RingcollProcessGroup`, a Python
+subclass of the c10d ``ProcessGroup`` (pybind11 trampoline ``PyProcessGroup``; the pattern
+of torch's own ``test/distributed/test_c10d_pypg.py``). ``dist.*`` calls it from Python and
+C++ callers (DDP's reducer, ``_verify_params_across_processes``, functional collectives)
+reach the same Python methods through the trampoline.
+
+What goes where::
+
+    all_reduce, reduce_scatter_tensor (_reduce_scatter_base, reduce_scatter_single),
+    all_gather_into_tensor (_allgather_base, all_gather_single), all_gather (list),
+    reduce_scatter (list), barrier, and the coalesced tensor forms functional
+    collectives use                                           -> ringcoll Communicator
+        when every tensor is a contiguous CPU tensor of a dtype ringcoll supports
+        and the op is SUM/PRODUCT/MIN/MAX (AVG for floating dtypes); else -> gloo
+    everything else (broadcast, send/recv, all_to_all, gather, scatter, reduce,
+    allreduce_coalesced, broadcast_object_list, ...)          -> internal gloo group
+
+The internal gloo group is a ``ProcessGroupGloo`` built in the creator from the same store
+(under its own prefix), rank, size and timeout, and registered as this process group's CPU
+backend, so every method not overridden here falls through c10d's own dispatch to gloo.
+Routing depends only on what every rank of a correct program passes alike (device, dtype,
+op, sizes, list lengths), so all ranks take the same path.
+
+Bootstrap. The ringcoll Communicator is built on the first call that goes to ringcoll (the
+same point on every rank, as collectives are called in the same order), with
+``group=<this process group>``: by then the group is registered with torch.distributed, so
+``dist.get_rank(group)`` works. Its segment-name exchange (``dist.all_gather_object``) goes
+through this group's own ``allgather``, which sends it to gloo while the communicator is
+being built. It cannot be built inside the creator: there torch.distributed is not
+initialised yet and the group is not registered.
+
+Work objects. A synchronous call (``async_op=False``; ``opts.asyncOp`` False) runs on the
+calling thread and raises its error there. An asynchronous one (DDP's reducer calls with
+``asyncOp`` True) runs on the communicator's worker thread; the returned ``dist._Work``
+subclass's ``wait()`` re-raises its error and ``get_future()`` is a torch Future of the
+output tensors.
+
+Timeouts: ``RINGCOLL_TIMEOUT`` if set, else the ``timeout`` given to init_process_group, bounds
+each ringcoll wait; gloo uses the init_process_group timeout.
+
+Limits (torch 2.13): the Python ProcessGroup replaces the whole process group, so a device
+map naming another backend for a second device (``"cpu:ringcoll,cuda:nccl"``) does not
+give that device its backend; ``"ringcoll"``, ``"cpu:ringcoll"`` and
+``"cpu:ringcoll,cuda:ringcoll"`` work, and CUDA tensors raise until ringcoll's CUDA
+transport (or an internal NCCL group) lands. ``dist.monitored_barrier`` checks the backend
+name and refuses anything but gloo, as it does for NCCL.
+
+Observability: :data:`call_counts` counts calls per route, e.g. ``call_counts["ringcoll:all_reduce"]``
+and ``call_counts["gloo:all_reduce"]`` (explicit fall-backs from the overridden methods;
+the methods not overridden go to gloo inside c10d and are not counted).
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import os
+import threading
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from ringcoll._types import DTYPE_CODES, FLOATING_DTYPES, ReduceOp, reduce_op
+
+BACKEND_NAME = "ringcoll"
+
+#: calls per route and collective: "ringcoll:<op>" ran on the ring, "gloo:<op>" was handed to gloo
+call_counts: collections.Counter = collections.Counter()
+
+_c10d = torch._C._distributed_c10d
+
+
+# --- Work --------------------------------------------------------------------------------
+
+
+class _DoneWork(dist._Work):
+    """Work of a collective that already ran on the calling thread."""
+
+    def __init__(self, outputs: list):
+        super().__init__()
+        self._outputs = outputs
+        self._future = torch.futures.Future()
+        self._future.set_result(outputs)
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def exception(self):
+        return None
+
+    def result(self) -> list:
+        return self._outputs
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+
+def _seconds(timeout) -> Optional[float]:
+    """c10d passes a timedelta; zero or negative (kNoTimeout) means no limit."""
+    if timeout is None:
+        return None
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+    return seconds if seconds > 0 else None
+
+
+class _AsyncWork(dist._Work):
+    """Work of a collective queued on the communicator's worker thread (a ringcoll.Work)."""
+
+    def __init__(self, work, outputs: list):
+        super().__init__()
+        self._work = work
+        self._outputs = outputs
+        self._future = work.get_future()
+
+    def wait(self, timeout=None) -> bool:
+        return self._work.wait(_seconds(timeout))
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+    def is_success(self) -> bool:
+        return self._work.is_success()
+
+    def exception(self):
+        return self._work.exception()
+
+    def result(self) -> list:
+        self.wait()
+        return self._outputs
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+
+class _AsyncWorks(dist._Work):
+    """Work of several collectives queued in order on the communicator's worker thread."""
+
+    def __init__(self, works: list, outputs: list):
+        super().__init__()
+        self._works = works
+        self._outputs = outputs
+
+        def all_done(fut):
+            for each in fut.value():
+                each.wait()  # re-raises the first error
+            return outputs
+
+        self._future = torch.futures.collect_all([w.get_future() for w in works]).then(all_done)
+
+    def wait(self, timeout=None) -> bool:
+        for w in self._works:
+            w.wait(_seconds(timeout))
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+    def is_success(self) -> bool:
+        return all(w.is_success() for w in self._works)
+
+    def exception(self):
+        return next((w.exception() for w in self._works if w.exception() is not None), None)
+
+    def result(self) -> list:
+        self.wait()
+        return self._outputs
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+
+# --- routing -----------------------------------------------------------------------------
+
+
+def _ringcoll_op(op, dtype: torch.dtype) -> Optional[ReduceOp]:
+    """ringcoll's ReduceOp for (op, dtype), or None when ringcoll does not implement it."""
+    if dtype not in DTYPE_CODES:
+        return None
+    try:
+        ours = reduce_op("ringcoll backend", op)
+    except (TypeError, ValueError):
+        return None  # PREMUL_SUM, BAND, BOR, BXOR, ...
+    if ours is ReduceOp.AVG and dtype not in FLOATING_DTYPES:
+        return None
+    return ours
+
+
+def _servable(tensors) -> bool:
+    """Contiguous CPU tensors of one dtype ringcoll supports."""
+    if not tensors:
+        return False
+    dtype = tensors[0].dtype
+    return all(isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous() and t.dtype == dtype
+               for t in tensors) and dtype in DTYPE_CODES
+
+
+def _as_list(tensors) -> list:
+    return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+
+
+# --- the process group -------------------------------------------------------------------
+
+
+class RingcollProcessGroup(dist.ProcessGroup):
+    """The process group ``init_process_group(backend="ringcoll")`` builds (see module doc).
+
+    ``communicator()`` returns the ringcoll Communicator (built on first use, collectively);
+    ``fallback`` is the internal gloo backend.
+    """
+
+    def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta):
+        super().__init__(rank, size)
+        self._rank = rank
+        self._size = size
+        self._timeout = timeout
+        self.fallback = dist.ProcessGroupGloo(dist.PrefixStore("ringcoll-gloo/", store), rank, size, timeout)
+        # Every method not overridden below reaches gloo through c10d's own dispatch.
+        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self.fallback)
+        self._comm = None
+        self._bootstrap_thread = None  # the thread building the communicator
+        self._comm_lock = threading.Lock()
+        self._closed = False
+
+    # --- identity -----------------------------------------------------------------------
+
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    def __repr__(self) -> str:
+        return f"RingcollProcessGroup(rank={self._rank}, size={self._size})"
+
+    # --- the communicator ---------------------------------------------------------------
+
+    def communicator(self):
+        """The ringcoll Communicator over this group's ranks, built on first use (collective)."""
+        comm = self._comm
+        if comm is not None:
+            return comm
+        from ringcoll.communicator import Communicator
+
+        with self._comm_lock:
+            if self._comm is None:
+                if self._closed:
+                    raise RuntimeError("ringcoll backend: the process group has been shut down")
+                timeout = None if os.environ.get("RINGCOLL_TIMEOUT") else self._timeout
+                self._bootstrap_thread = threading.get_ident()  # its name exchange goes to gloo
+                try:
+                    self._comm = Communicator(group=self, device="cpu", timeout=timeout)
+                finally:
+                    self._bootstrap_thread = None
+            return self._comm
+
+    @property
+    def _bootstrapping(self) -> bool:
+        return self._bootstrap_thread == threading.get_ident()
+
+    def _to_ringcoll(self, tensors) -> bool:
+        if self._bootstrapping or not _servable(tensors):
+            if any(isinstance(t, torch.Tensor) and t.device.type != "cpu" for t in tensors):
+                devices = sorted({str(t.device) for t in tensors})
+                raise RuntimeError(f"ringcoll backend: tensors on {', '.join(devices)} are not served yet "
+                                   "(CPU only in this build); use backend='nccl' for CUDA tensors")
+            return False
+        return True
+
+    def _run(self, name: str, start: Callable[[bool], object], outputs: list, opts) -> dist._Work:
+        """start(async_op) runs the collective on the ring; sync unless opts.asyncOp."""
+        call_counts[f"ringcoll:{name}"] += 1
+        if getattr(opts, "asyncOp", True):
+            return _AsyncWork(start(True), outputs)
+        start(False)
+        return _DoneWork(outputs)
+
+    def _gloo(self, name: str):
+        call_counts[f"gloo:{name}"] += 1
+        return self.fallback
+
+    # --- the collectives ringcoll implements --------------------------------------------
+
+    def allreduce(self, tensors, opts=None):
+        tensors = _as_list(tensors)
+        opts = opts if opts is not None else _c10d.AllreduceOptions()
+        op = _ringcoll_op(opts.reduceOp, tensors[0].dtype) if tensors else None
+        if len(tensors) == 1 and op is not None and self._to_ringcoll(tensors):
+            t = tensors[0]
+            comm = self.communicator()
+            return self._run("all_reduce", lambda a: comm.all_reduce(t, op=op, async_op=a), tensors, opts)
+        return self._gloo("all_reduce").allreduce(tensors, opts)
+
+    def _reduce_scatter_tensor(self, output, input, opts):
+        opts = opts if opts is not None else _c10d.ReduceScatterOptions()
+        op = _ringcoll_op(opts.reduceOp, input.dtype)
+        if (op is not None and output.numel() * self._size == input.numel()
+                and self._to_ringcoll([output, input])):
+            comm = self.communicator()
+            return self._run("reduce_scatter_tensor",
+                             lambda a: comm.reduce_scatter_tensor(output, input, op=op, async_op=a), [output], opts)
+        return self._gloo("reduce_scatter_tensor")._reduce_scatter_base(output, input, opts)
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        return self._reduce_scatter_tensor(output, input, opts)
+
+    def _reduce_scatter_base(self, output, input, opts=None):
+        return self._reduce_scatter_tensor(output, input, opts)
+
+    def _all_gather_tensor(self, output, input, opts):
+        opts = opts if opts is not None else _c10d.AllgatherOptions()
+        if output.numel() == input.numel() * self._size and self._to_ringcoll([output, input]):
+            comm = self.communicator()
+            return self._run("all_gather_into_tensor",
+                             lambda a: comm.all_gather_into_tensor(output, input, async_op=a), [output], opts)
+        return self._gloo("all_gather_into_tensor")._allgather_base(output, input, opts)
+
+    def all_gather_single(self, output, input, opts=None):
+        return self._all_gather_tensor(output, input, opts)
+
+    def _allgather_base(self, output, input, opts=None):
+        return self._all_gather_tensor(output, input, opts)
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        """torch's list form: output_tensors = [[t_0, ..., t_{P-1}]], input_tensors = [t]."""
+        opts = opts if opts is not None else _c10d.AllgatherOptions()
+        input_tensors = _as_list(input_tensors)
+        if (len(input_tensors) == 1 and len(output_tensors) == 1 and len(output_tensors[0]) == self._size
+                and len({t.numel() for t in output_tensors[0]}) == 1
+                and output_tensors[0][0].numel() == input_tensors[0].numel()
+                and self._to_ringcoll([input_tensors[0], *output_tensors[0]])):
+            outs, t = list(output_tensors[0]), input_tensors[0]
+            comm = self.communicator()
+            return self._run("all_gather", lambda a: comm.all_gather(outs, t, async_op=a), output_tensors, opts)
+        return self._gloo("all_gather").allgather(output_tensors, input_tensors, opts)
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        """torch's list form: output_tensors = [out], input_tensors = [[in_0, ..., in_{P-1}]]."""
+        opts = opts if opts is not None else _c10d.ReduceScatterOptions()
+        output_tensors = _as_list(output_tensors)
+        op = _ringcoll_op(opts.reduceOp, output_tensors[0].dtype) if output_tensors else None
+        if (op is not None and len(output_tensors) == 1 and len(input_tensors) == 1
+                and len(input_tensors[0]) == self._size
+                and all(t.numel() == output_tensors[0].numel() for t in input_tensors[0])
+                and self._to_ringcoll([output_tensors[0], *input_tensors[0]])):
+            out, ins = output_tensors[0], list(input_tensors[0])
+            comm = self.communicator()
+            return self._run("reduce_scatter", lambda a: comm.reduce_scatter(out, ins, op=op, async_op=a),
+                             output_tensors, opts)
+        return self._gloo("reduce_scatter").reduce_scatter(output_tensors, input_tensors, opts)
+
+    # The coalesced tensor forms (functional collectives: DTensor, torch.compile) queue one
+    # ringcoll call per pair, in order, behind each other on the worker thread.
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        opts = opts if opts is not None else _c10d.AllgatherOptions()
+        if (len(outputs) == len(inputs) > 0
+                and all(o.numel() == i.numel() * self._size for o, i in zip(outputs, inputs))
+                and self._to_ringcoll([*outputs, *inputs])):
+            comm = self.communicator()
+            call_counts["ringcoll:all_gather_into_tensor_coalesced"] += 1
+            return _AsyncWorks([comm.all_gather_into_tensor(o, i, async_op=True) for o, i in zip(outputs, inputs)],
+                               list(outputs))
+        return self._gloo("all_gather_into_tensor_coalesced").allgather_into_tensor_coalesced(outputs, inputs, opts)
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        opts = opts if opts is not None else _c10d.ReduceScatterOptions()
+        op = _ringcoll_op(opts.reduceOp, inputs[0].dtype) if inputs else None
+        if (op is not None and len(outputs) == len(inputs) > 0
+                and all(o.numel() * self._size == i.numel() for o, i in zip(outputs, inputs))
+                and self._to_ringcoll([*outputs, *inputs])):
+            comm = self.communicator()
+            call_counts["ringcoll:reduce_scatter_tensor_coalesced"] += 1
+            works = [comm.reduce_scatter_tensor(o, i, op=op, async_op=True) for o, i in zip(outputs, inputs)]
+            return _AsyncWorks(works, list(outputs))
+        return self._gloo("reduce_scatter_tensor_coalesced").reduce_scatter_tensor_coalesced(outputs, inputs, opts)
+
+    def barrier(self, opts=None):
+        opts = opts if opts is not None else _c10d.BarrierOptions()
+        if self._bootstrapping:
+            return self._gloo("barrier").barrier(opts)
+        comm = self.communicator()
+        return self._run("barrier", lambda a: comm.barrier(async_op=a), [], opts)
+
+    # --- lifetime -----------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Called by dist.destroy_process_group: release the shared memory."""
+        self._closed = True
+        with self._comm_lock:
+            comm, self._comm = self._comm, None
+        if comm is not None:
+            comm.close()
+
+    def abort(self) -> None:
+        self.shutdown()
+
+
+def _create(store, rank: int, size: int, timeout: datetime.timedelta) -> RingcollProcessGroup:
+    return RingcollProcessGroup(store, rank, size, timeout)
+
+
+def register() -> None:
+    """Register "ringcoll" with torch.distributed (``import ringcoll`` does it). Idempotent."""
+    if BACKEND_NAME.upper() in getattr(dist.Backend, "_plugins", {}):
+        return
+    dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=False, devices=["cpu"])
+
+
+def _register_on_import() -> None:
+    """``import ringcoll`` must not fail because a torch version moved this API."""
+    try:
+        register()
+    except Exception as exc:  # noqa: BLE001
+        import warnings
+
+        warnings.warn(f"ringcoll: could not register the torch.distributed backend {BACKEND_NAME!r} "
+                      f"({type(exc).__name__}: {exc}); the ringcoll.* calls still work", stacklevel=2)
+
+
+_register_on_import()

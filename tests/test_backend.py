@@ -1,0 +1,376 @@
+"""init_process_group(backend="ringcoll"): routing, results against gloo, Work, errors.
+
+One spawn per configuration -- (world 2, "ringcoll"), (world 3, "cpu:ringcoll") -- runs
+every check inside the ranks and returns what it saw; the tests below assert on it (a
+short third spawn checks the "cpu:ringcoll,cuda:ringcoll" form). The reference is gloo on the same ranks: a
+``dist.new_group(backend="gloo")`` beside the ringcoll default group, same inputs.
+
+Routing is observed through ``ringcoll.backend.call_counts``: a collective ringcoll
+implements must add one to "ringcoll:<op>" and a collective it does not (broadcast,
+all_to_all, send/recv, gather, scatter, reduce, object collectives) must leave every
+"ringcoll:*" count alone and still give the right answer (the internal gloo group).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ringcoll
+from ringcoll import backend
+from ringcoll.testing import spawn
+
+SPAWN_TIMEOUT = 120.0
+ENV = {"RINGCOLL_TIMEOUT": "60", "RINGCOLL_CHECK": None}
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16,
+          torch.int8, torch.uint8, torch.int32, torch.int64]
+OPS = ["SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND"]
+CONFIGS = [(2, "ringcoll"), (3, "cpu:ringcoll")]
+DEVICE_MAP = "cpu:ringcoll,cuda:ringcoll"  # accepted; one RingcollProcessGroup serves both
+
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _ringcoll_counts() -> dict:
+    return {k: v for k, v in backend.call_counts.items() if k.startswith("ringcoll:")}
+
+
+def _delta(before: dict) -> dict:
+    return {k: v - before.get(k, 0) for k, v in backend.call_counts.items() if v != before.get(k, 0)}
+
+
+def _input(dtype, op, rank, n=7) -> torch.Tensor:
+    """Values whose reduction is exact in every dtype and order (small integers; PRODUCT in
+    {1, 2} so products stay tiny). AVG on integers goes to gloo, which refuses it."""
+    base = torch.arange(n) + 3 * rank
+    if op == "PRODUCT":
+        return (1 + (base % 2)).to(dtype)
+    if dtype == torch.uint8 or op == "BAND":
+        return (base % 7).to(dtype)
+    return (base % 9 - 4).to(dtype)
+
+
+def _all_reduce_matrix(rank, gloo) -> dict:
+    """dist.all_reduce of every op x dtype through the backend vs gloo: mismatching cases."""
+    mismatches, routes = [], {}
+    for dtype in DTYPES:
+        for op in OPS:
+            if op == "BAND" and dtype.is_floating_point:
+                continue
+            before = dict(backend.call_counts)
+            ours, ref = _input(dtype, op, rank), _input(dtype, op, rank)
+            ours_error = ref_error = None
+            try:
+                dist.all_reduce(ours, op=getattr(dist.ReduceOp, op))
+            except RuntimeError as exc:  # gloo refuses AVG on integers; so must we
+                ours_error = type(exc).__name__
+            routes[f"{op}/{dtype}"] = sorted(_delta(before))
+            try:
+                dist.all_reduce(ref, op=getattr(dist.ReduceOp, op), group=gloo)
+            except RuntimeError as exc:
+                ref_error = type(exc).__name__
+            if ours_error != ref_error or not torch.equal(ours, ref):
+                mismatches.append(f"{op} {dtype}: ringcoll {ours.tolist()} ({ours_error}) "
+                                  f"gloo {ref.tolist()} ({ref_error})")
+    return {"mismatches": mismatches, "routes": routes}
+
+
+def _implemented(rank, ws) -> dict:
+    """Each collective ringcoll implements, through dist.*: its count and result."""
+    seen = {}
+
+    def record(name, fn):
+        before = dict(backend.call_counts)
+        value = fn()
+        seen[name] = {"delta": _delta(before), "value": value}
+
+    def rs_tensor():
+        out = torch.empty(3)
+        _reduce_scatter_tensor(out, torch.arange(3.0 * ws) * (rank + 1))
+        return out
+
+    def ag_tensor():
+        out = torch.empty(2 * ws, dtype=torch.int32)
+        _all_gather_into_tensor(out, torch.tensor([rank, 10 * rank], dtype=torch.int32))
+        return out
+
+    def ag_list():
+        outs = [torch.empty(2) for _ in range(ws)]
+        dist.all_gather(outs, torch.tensor([rank, -rank], dtype=torch.float32))
+        return torch.stack(outs)
+
+    def rs_list():
+        out = torch.empty(2, dtype=torch.int64)
+        dist.reduce_scatter(out, [torch.full((2,), rank * 100 + r) for r in range(ws)], op=dist.ReduceOp.MAX)
+        return out
+
+    def all_reduce():
+        t = torch.full((5,), float(rank + 1))
+        dist.all_reduce(t)
+        return t
+
+    # Built on first use; its segment-name exchange goes over gloo, not over itself.
+    record("bootstrap", lambda: dist.group.WORLD.communicator().world_size)
+    record("all_reduce", all_reduce)
+    record("reduce_scatter_tensor", rs_tensor)
+    record("all_gather_into_tensor", ag_tensor)
+    record("all_gather", ag_list)
+    record("reduce_scatter", rs_list)
+    record("barrier", lambda: dist.barrier())
+    # Functional collectives (DTensor, torch.compile) call the coalesced tensor forms.
+    import torch.distributed._functional_collectives as funcol
+
+    record("funcol_all_reduce", lambda: funcol.all_reduce(
+        torch.full((3,), float(rank)), "sum", dist.group.WORLD).wait())
+    record("funcol_all_gather", lambda: funcol.all_gather_tensor(
+        torch.full((2,), float(rank)), 0, dist.group.WORLD).wait())
+    record("funcol_reduce_scatter", lambda: funcol.reduce_scatter_tensor(
+        torch.arange(2.0 * ws), "sum", 0, dist.group.WORLD).wait())
+    # The private spellings older torch calls (and FSDP1 used) land in the same place.
+    record("_allgather_base", lambda: dist.group.WORLD._allgather_base(
+        torch.empty(ws), torch.tensor([float(rank)])).wait())
+    return seen
+
+
+def _others(rank, ws) -> dict:
+    """Collectives ringcoll does not implement: right answers, and no ringcoll call."""
+    before = _ringcoll_counts()
+    got = {}
+    t = torch.full((3,), float(rank))
+    dist.broadcast(t, src=ws - 1)
+    got["broadcast"] = t
+    out = torch.empty(ws)
+    dist.all_to_all_single(out, torch.arange(float(ws)) + 10 * rank)
+    got["all_to_all_single"] = out
+    if rank == 0:
+        dist.send(torch.tensor([42.0]), dst=ws - 1)
+    elif rank == ws - 1:
+        r = torch.zeros(1)
+        dist.recv(r, src=0)
+        got["send_recv"] = r
+    gathered = [torch.empty(1) for _ in range(ws)] if rank == 0 else None
+    dist.gather(torch.tensor([float(rank)]), gathered, dst=0)
+    if rank == 0:
+        got["gather"] = torch.cat(gathered)
+    s = torch.empty(1)
+    dist.scatter(s, [torch.tensor([float(10 + r)]) for r in range(ws)] if rank == 0 else None, src=0)
+    got["scatter"] = s
+    red = torch.tensor([float(rank + 1)])
+    dist.reduce(red, dst=0)
+    if rank == 0:
+        got["reduce"] = red
+    objs = [None]
+    if rank == 0:
+        objs = [{"hello": "world"}]
+    dist.broadcast_object_list(objs, src=0)
+    got["broadcast_object_list"] = objs[0]
+    # Not silently rerouted: ringcoll has no bitwise ops, gloo does.
+    b = torch.tensor([0b1100 | rank])
+    dist.all_reduce(b, op=dist.ReduceOp.BOR)
+    got["all_reduce_bor"] = b
+    # Shapes ringcoll does not take (non-contiguous) also go to gloo.
+    nc = torch.arange(6.0).view(2, 3).t() * (rank + 1)
+    dist.all_reduce(nc)
+    got["all_reduce_noncontiguous"] = nc
+    return {"got": got, "ringcoll_delta": {k: v - before.get(k, 0) for k, v in _ringcoll_counts().items()
+                                           if v != before.get(k, 0)}}
+
+
+def _async_and_futures(rank, ws) -> dict:
+    t = torch.full((1000,), float(rank))
+    work = dist.all_reduce(t, async_op=True)
+    fut = work.get_future()
+    ok = work.wait()
+    value = fut.wait()
+    return {"wait": ok, "completed": work.is_completed(), "tensor": t[:3],
+            "future_is_output": value[0] is t if isinstance(value, list) else None}
+
+
+def _subgroup(rank, ws) -> dict:
+    sub = dist.new_group(ranks=[0, 1], backend="ringcoll")
+    inherited = dist.new_group(ranks=list(range(ws)))  # no backend: the default one
+    res = {"inherited_type": type(inherited).__name__}
+    if rank in (0, 1):
+        t = torch.tensor([float(rank + 1)])
+        dist.all_reduce(t, group=sub)
+        res["sub_all_reduce"] = t.item()
+        res["sub_type"] = type(sub).__name__
+    t = torch.tensor([1.0])
+    dist.all_reduce(t, group=inherited)
+    res["inherited_all_reduce"] = t.item()
+    return res
+
+
+def _errors(rank, ws) -> dict:
+    """A ringcoll runtime error reaches the caller: sync from dist.all_reduce, async from wait()."""
+    res = {}
+    try:  # sizes differ across ranks: mismatch detection raises on every rank, nothing moves
+        dist.all_reduce(torch.ones(4 + rank))
+        res["sync"] = "no error"
+    except ringcoll.RingcollError as exc:
+        res["sync"] = type(exc).__name__
+    work = dist.all_reduce(torch.ones(4), async_op=True)  # the communicator is now broken
+    try:
+        work.wait()
+        res["async"] = "no error"
+    except ringcoll.RingcollError as exc:
+        res["async"] = type(exc).__name__
+    return res
+
+
+def _rank_fn(rank: int, ws: int, backend_string: str) -> dict:
+    pg = dist.group.WORLD
+    out = {"type": type(pg).__name__, "backend": str(dist.get_backend()), "name": pg.name(),
+           "backend_string": backend_string}
+    gloo = dist.new_group(backend="gloo")
+    out["implemented"] = _implemented(rank, ws)
+    out["others"] = _others(rank, ws)
+    out["matrix"] = _all_reduce_matrix(rank, gloo)
+    out["async"] = _async_and_futures(rank, ws)
+    out["subgroup"] = _subgroup(rank, ws)
+    out["errors"] = _errors(rank, ws)
+    comm = pg.communicator()
+    dist.destroy_process_group(pg)
+    out["closed_on_destroy"] = pg._comm is None and comm._closed
+    dist.init_process_group("gloo")  # spawn destroys the group itself at the end
+    return out
+
+
+@pytest.fixture(scope="module", params=CONFIGS, ids=lambda c: f"world{c[0]}-{c[1]}")
+def runs(request):
+    ws, backend_string = request.param
+    return ws, spawn(_rank_fn, ws, backend_string, timeout=SPAWN_TIMEOUT, backend=backend_string, env=ENV)
+
+
+def test_registered_on_import():
+    assert "ringcoll" in dist.Backend.backend_list
+    assert dist.Backend.RINGCOLL == "ringcoll"
+    backend.register()  # idempotent
+    assert dist.Backend.backend_list.count("ringcoll") == 1
+
+
+def test_default_group_is_ringcoll(runs):
+    _, outs = runs
+    for out in outs:
+        assert out["type"] == "RingcollProcessGroup"
+        assert out["backend"] == out["backend_string"]  # torch reports the string as given
+        assert out["name"] == "ringcoll"
+
+
+def test_implemented_collectives_run_on_ringcoll(runs):
+    ws, outs = runs
+    expected = {
+        "all_reduce": torch.full((5,), ws * (ws + 1) / 2),
+        "all_gather_into_tensor": torch.tensor([v for r in range(ws) for v in (r, 10 * r)], dtype=torch.int32),
+        "all_gather": torch.tensor([[float(r), float(-r)] for r in range(ws)]),
+    }
+    for rank, out in enumerate(outs):
+        seen = out["implemented"]
+        assert seen["bootstrap"]["value"] == ws
+        assert set(seen["bootstrap"]["delta"]) == {"gloo:all_gather"}, seen["bootstrap"]["delta"]
+        for name in ["all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_gather",
+                     "reduce_scatter", "barrier"]:
+            assert seen[name]["delta"] == {f"ringcoll:{name}": 1}, (rank, name, seen[name]["delta"])
+        assert seen["_allgather_base"]["delta"] == {"ringcoll:all_gather_into_tensor": 1}
+        assert seen["funcol_all_reduce"]["delta"] == {"ringcoll:all_reduce": 1}
+        assert seen["funcol_all_gather"]["delta"] == {"ringcoll:all_gather_into_tensor_coalesced": 1}
+        assert seen["funcol_reduce_scatter"]["delta"] == {"ringcoll:reduce_scatter_tensor_coalesced": 1}
+        assert torch.equal(torch.as_tensor(seen["funcol_all_reduce"]["value"]), torch.full((3,), ws * (ws - 1) / 2))
+        assert torch.equal(torch.as_tensor(seen["funcol_all_gather"]["value"]),
+                           torch.tensor([float(r) for r in range(ws) for _ in range(2)]))
+        assert torch.equal(torch.as_tensor(seen["funcol_reduce_scatter"]["value"]),
+                           torch.tensor([2.0 * rank, 2.0 * rank + 1]) * ws)
+        for name, want in expected.items():
+            assert torch.equal(seen[name]["value"], want), (rank, name, seen[name]["value"])
+        # rank k gets chunk k of sum_r (r+1) * arange(3P)
+        chunk = torch.arange(3.0 * ws)[3 * rank:3 * rank + 3] * (ws * (ws + 1) / 2)
+        assert torch.equal(seen["reduce_scatter_tensor"]["value"], chunk)
+        assert torch.equal(seen["reduce_scatter"]["value"], torch.full((2,), (ws - 1) * 100 + rank))
+
+
+def test_other_collectives_go_to_gloo(runs):
+    ws, outs = runs
+    for rank, out in enumerate(outs):
+        others = out["others"]
+        assert others["ringcoll_delta"] == {}, (rank, others["ringcoll_delta"])
+        got = others["got"]
+        assert torch.equal(got["broadcast"], torch.full((3,), float(ws - 1)))
+        assert torch.equal(got["all_to_all_single"], torch.tensor([float(rank + 10 * r) for r in range(ws)]))
+        assert torch.equal(got["scatter"], torch.tensor([float(10 + rank)]))
+        assert got["broadcast_object_list"] == {"hello": "world"}
+        bor = 0
+        for r in range(ws):
+            bor |= 0b1100 | r
+        assert got["all_reduce_bor"].item() == bor
+        assert torch.equal(got["all_reduce_noncontiguous"], torch.arange(6.0).view(2, 3).t() * (ws * (ws + 1) / 2))
+        if rank == 0:
+            assert torch.equal(got["gather"], torch.arange(float(ws)))
+            assert got["reduce"].item() == ws * (ws + 1) / 2
+        if rank == ws - 1:
+            assert got["send_recv"].item() == 42.0
+
+
+def test_all_reduce_every_op_and_dtype_equals_gloo(runs):
+    _, outs = runs
+    for rank, out in enumerate(outs):
+        assert out["matrix"]["mismatches"] == [], (rank, out["matrix"]["mismatches"])
+
+
+def test_all_reduce_routes_by_op_and_dtype(runs):
+    _, outs = runs
+    routes = outs[0]["matrix"]["routes"]
+    for dtype in DTYPES:
+        for op in ["SUM", "PRODUCT", "MIN", "MAX"]:
+            assert routes[f"{op}/{dtype}"] == ["ringcoll:all_reduce"], (op, dtype)
+        avg = routes[f"AVG/{dtype}"]
+        assert avg == (["ringcoll:all_reduce"] if dtype.is_floating_point else ["gloo:all_reduce"]), (dtype, avg)
+        if not dtype.is_floating_point:
+            assert routes[f"BAND/{dtype}"] == ["gloo:all_reduce"]
+
+
+def test_async_work_and_future(runs):
+    ws, outs = runs
+    total = ws * (ws - 1) / 2
+    for out in outs:
+        a = out["async"]
+        assert a["wait"] is True and a["completed"] is True
+        assert torch.equal(a["tensor"], torch.full((3,), total))
+        assert a["future_is_output"] is True
+
+
+def test_subgroups(runs):
+    ws, outs = runs
+    for rank, out in enumerate(outs):
+        sub = out["subgroup"]
+        assert sub["inherited_type"] == "RingcollProcessGroup"
+        assert sub["inherited_all_reduce"] == ws
+        if rank in (0, 1):
+            assert sub["sub_type"] == "RingcollProcessGroup"
+            assert sub["sub_all_reduce"] == 3.0
+
+
+def test_errors_reach_the_caller(runs):
+    _, outs = runs
+    for out in outs:
+        assert out["errors"]["sync"] == "RingcollMismatchError"
+        assert out["errors"]["async"] in ("RingcollError", "RingcollMismatchError")
+
+
+def test_destroy_process_group_releases_the_communicator(runs):
+    _, outs = runs
+    assert all(out["closed_on_destroy"] for out in outs)
+
+
+def _device_map_fn(rank: int, ws: int) -> dict:
+    t = torch.tensor([float(rank)])
+    before = dict(backend.call_counts)
+    dist.all_reduce(t)
+    return {"type": type(dist.group.WORLD).__name__, "sum": t.item(),
+            "ringcoll_calls": _delta(before).get("ringcoll:all_reduce", 0)}
+
+
+def test_device_map_form():
+    outs = spawn(_device_map_fn, 2, timeout=SPAWN_TIMEOUT, backend=DEVICE_MAP, env=ENV)
+    assert outs == [{"type": "RingcollProcessGroup", "sum": 1.0, "ringcoll_calls": 1}] * 2
