@@ -251,10 +251,17 @@ def _fast_exit(exitcode: int) -> None:
     import threading
 
     try:
-        me = threading.current_thread()
-        for t in threading.enumerate():
-            if t is not me and not t.daemon and t.is_alive():
-                t.join()
+        # What the interpreter itself does first at exit: run threading's exit hooks (they
+        # stop idle executor workers, e.g. a communicator's async thread), then join every
+        # non-daemon thread. A plain join loop would wait forever on an idle executor.
+        shutdown = getattr(threading, "_shutdown", None)
+        if shutdown is not None:
+            shutdown()
+        else:
+            me = threading.current_thread()
+            for t in threading.enumerate():
+                if t is not me and not t.daemon and t.is_alive():
+                    t.join()
     except BaseException:
         pass
     run_exitfuncs = getattr(atexit, "_run_exitfuncs", None)

@@ -353,3 +353,20 @@ def test_children_die_with_the_parent(tmp_path):
         parent.wait()
     pids = _read_pids(pidfile)
     assert _wait_for(lambda: not any(_alive(pid) for pid in pids), 10), "children outlived parent"
+
+
+def _async_on_cached_communicator(rank, world_size):
+    import torch
+
+    import ringcoll
+
+    ringcoll.all_reduce(torch.ones(3), async_op=True).wait()  # leaves an idle worker thread
+    return rank
+
+
+def test_rank_with_idle_async_worker_exits_promptly():
+    # The communicator's async worker is a non-daemon executor thread; the child's exit
+    # must stop it the way the interpreter does, not wait on it forever.
+    start = time.monotonic()
+    assert spawn(_async_on_cached_communicator, 2, timeout=60) == [0, 1]
+    assert time.monotonic() - start < 45
