@@ -90,9 +90,8 @@ def _rank_fn(rank: int, world_size: int) -> dict:
         everyone = [torch.empty_like(flat) for _ in range(world_size)]
         dist.all_gather(everyone, flat, group=gloo)
         gathered[name] = everyone
-    # The "hook_gloo" communicator lives in ringcoll.api's cache. Close it here: spawn's
-    # fast exit joins non-daemon threads before atexit would close it, and an idle
-    # communicator worker thread never ends (reported; see the lead's notes).
+    # The "hook_gloo" communicator lives in ringcoll.api's cache: close it before the
+    # process group goes away, as a training script should.
     ringcoll.destroy_communicators()
     return {"results": results, "counts": counts, "gathered": gathered}
 
