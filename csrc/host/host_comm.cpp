@@ -158,9 +158,13 @@ HostComm::HostComm(int rank, int world, const std::vector<std::string>& names, s
   try {
     bootstrap(names);
   } catch (...) {
-    // Tell peers that already mapped us, then leave nothing behind in /dev/shm.
-    if (!segments_.empty() && segments_[rank_].mapped()) flag_store_release(&header(rank_).aborted.value, 1);
-    for (const auto& name : names) unlink_segment(name);
+    // Tell peers that already mapped us, then leave nothing of this job in /dev/shm. Our
+    // own name is removed only if we created it: if creation failed because the name
+    // existed, that entry is someone else's.
+    const bool created_own = !segments_.empty() && segments_[rank_].mapped();
+    if (created_own) flag_store_release(&header(rank_).aborted.value, 1);
+    for (int r = 0; r < world_; ++r)
+      if (r != rank_ || created_own) unlink_segment(names[r]);
     segments_.clear();
     throw;
   }
@@ -169,7 +173,7 @@ HostComm::HostComm(int rank, int world, const std::vector<std::string>& names, s
 void HostComm::bootstrap(const std::vector<std::string>& names) {
   const size_t total = kHeaderBytes + buffer_bytes_;
   segments_.resize(world_);
-  segments_[rank_] = SegmentMapping::create(names[rank_], total);
+  segments_[rank_] = SegmentMapping::create(names[rank_], total, rank_);
   SegmentHeader& me = header(rank_);
   me.magic = kSegmentMagic;
   me.pid = getpid();
@@ -183,7 +187,7 @@ void HostComm::bootstrap(const std::vector<std::string>& names) {
                                            std::chrono::duration<double>(policy_.timeout_seconds));
   for (int peer = 0; peer < world_; ++peer) {
     while (peer != rank_ && !segments_[peer].mapped()) {
-      segments_[peer] = SegmentMapping::try_open(names[peer], total);
+      segments_[peer] = SegmentMapping::try_open(names[peer], total, peer);
       if (segments_[peer].mapped()) break;
       RINGCOLL_CHECK(Clock::now() < deadline, TimeoutError, "Communicator: rank ", rank_, " timed out after ",
                      policy_.timeout_seconds, " s waiting for rank ", peer, " to create its shared-memory segment");
@@ -212,6 +216,9 @@ bool HostComm::peers_look_alive(std::string* why) const {
              std::string(h.abort_reason, strnlen(h.abort_reason, sizeof(h.abort_reason)));
       return false;
     }
+    // A peer that completed the current call owes us nothing more in it (its data and
+    // acknowledgements are all published), so its exit is not an error until the next call.
+    if (calls_ > 0 && flag_load_acquire(&h.completed.value) >= calls_) continue;
     if (h.pid != 0 && h.pid_namespace == my_namespace && !process_alive(h.pid)) {
       *why = "rank " + std::to_string(peer) + " (pid " + std::to_string(h.pid) + ") has exited";
       return false;
@@ -312,6 +319,7 @@ void HostComm::run_collective(const char* op, const CallDescriptor& call, Body&&
   position_ = {};
   if (check_calls_ && world_ > 1) check_call(op, call);
   body();
+  flag_store_release(&header(rank_).completed.value, calls_);
 }
 
 // ---------------------------------------------------------------------------------------

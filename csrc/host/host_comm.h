@@ -42,6 +42,7 @@ struct SegmentHeader {
   Flag published;  // number of this rank's latest publication into its data area
   Flag consumed;   // number of the left neighbour's latest publication this rank has read
   Flag barrier;    // latest barrier generation this rank has entered
+  Flag completed;  // number of the latest call this rank has completed
   Flag aborted;    // nonzero once this rank's communicator broke; abort_reason says why
   DescriptorSlot descriptor;  // the call this rank is about to make (descriptor.h)
   char abort_reason[1024];

@@ -33,30 +33,31 @@ std::string random_segment_name() {
 namespace {
 // Map `bytes` of an open descriptor, then close the descriptor: the mapping keeps the
 // memory alive, so no file descriptor stays open per segment.
-void* map_and_close(int fd, size_t bytes, const std::string& name) {
+void* map_and_close(int fd, size_t bytes, int owner_rank) {
   void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   const int saved = errno;
   close(fd);
-  RINGCOLL_CHECK(base != MAP_FAILED, Error, "mmap of shared-memory segment ", name, " (", bytes,
+  RINGCOLL_CHECK(base != MAP_FAILED, Error, "mmap of rank ", owner_rank, "'s shared-memory segment (", bytes,
                  " bytes) failed: ", std::strerror(saved));
   return base;
 }
 }  // namespace
 
-SegmentMapping SegmentMapping::create(const std::string& name, size_t bytes) {
+SegmentMapping SegmentMapping::create(const std::string& name, size_t bytes, int owner_rank) {
   const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, S_IRUSR | S_IWUSR);
-  RINGCOLL_CHECK(fd >= 0, Error, "shm_open(O_EXCL) of ", name, " failed: ", std::strerror(errno));
+  RINGCOLL_CHECK(fd >= 0, Error, "creating rank ", owner_rank, "'s shared-memory segment failed: ",
+                 std::strerror(errno));
   // fchmod: the umask may have narrowed the mode, never widened it, but say 0600 exactly.
   if (fchmod(fd, S_IRUSR | S_IWUSR) != 0 || ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
     const int saved = errno;
     close(fd);
     shm_unlink(name.c_str());
-    RINGCOLL_CHECK(false, Error, "sizing shared-memory segment ", name, " to ", bytes,
+    RINGCOLL_CHECK(false, Error, "sizing rank ", owner_rank, "'s shared-memory segment to ", bytes,
                    " bytes failed: ", std::strerror(saved));
   }
   SegmentMapping m;
   try {
-    m.base_ = map_and_close(fd, bytes, name);
+    m.base_ = map_and_close(fd, bytes, owner_rank);
   } catch (...) {
     shm_unlink(name.c_str());
     throw;
@@ -65,10 +66,11 @@ SegmentMapping SegmentMapping::create(const std::string& name, size_t bytes) {
   return m;
 }
 
-SegmentMapping SegmentMapping::try_open(const std::string& name, size_t bytes) {
+SegmentMapping SegmentMapping::try_open(const std::string& name, size_t bytes, int owner_rank) {
   const int fd = shm_open(name.c_str(), O_RDWR, 0);
   if (fd < 0 && errno == ENOENT) return {};
-  RINGCOLL_CHECK(fd >= 0, Error, "shm_open of peer segment ", name, " failed: ", std::strerror(errno));
+  RINGCOLL_CHECK(fd >= 0, Error, "opening rank ", owner_rank, "'s shared-memory segment failed: ",
+                 std::strerror(errno));
   struct stat st {};
   if (fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) < bytes) {
     // The owner has created but not yet sized it: treat as not there yet.
@@ -76,7 +78,7 @@ SegmentMapping SegmentMapping::try_open(const std::string& name, size_t bytes) {
     return {};
   }
   SegmentMapping m;
-  m.base_ = map_and_close(fd, bytes, name);
+  m.base_ = map_and_close(fd, bytes, owner_rank);
   m.bytes_ = bytes;
   return m;
 }

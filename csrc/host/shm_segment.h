@@ -22,11 +22,12 @@ std::string random_segment_name();
 class SegmentMapping {
  public:
   SegmentMapping() = default;
-  // Create the segment (exclusively, mode 0600), size it and map it.
-  static SegmentMapping create(const std::string& name, size_t bytes);
+  // Create the segment (exclusively, mode 0600), size it and map it. Errors name the
+  // owner's rank, never the segment name (names stay out of logs).
+  static SegmentMapping create(const std::string& name, size_t bytes, int owner_rank);
   // Map an existing segment of at least `bytes`; returns an empty mapping if it does not
   // exist (yet). Throws on any other failure.
-  static SegmentMapping try_open(const std::string& name, size_t bytes);
+  static SegmentMapping try_open(const std::string& name, size_t bytes, int owner_rank);
 
   SegmentMapping(SegmentMapping&& other) noexcept { *this = std::move(other); }
   SegmentMapping& operator=(SegmentMapping&& other) noexcept;
