@@ -263,7 +263,7 @@ def plain_reference(case: dict, xs: list, group_rank: int):
     """What this rank's output must hold, flat: computed from every rank's input."""
     import torch
 
-    world, c, coll = len(xs), case["count"], case["collective"]
+    c, coll = case["count"], case["collective"]
     if coll == "all_reduce":
         return plain_reduce(xs, case["op"])
     if coll in ("reduce_scatter_tensor", "reduce_scatter"):

@@ -24,21 +24,11 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import ringcoll.zero
 from ringcoll.memory import ledger
 
-# torch 2.13 renamed the tensor form (the old name warns); older torch has only the old one.
-all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def make_data(n: int = 4096) -> TensorDataset:
-    g = torch.Generator().manual_seed(0)  # the same dataset on every rank
-    x = torch.rand(n, 8, generator=g) * 2 - 1
-    y = torch.sin(3 * x[:, :1]) + x[:, 1:2] * x[:, 2:3]
-    return TensorDataset(x, y)
-
+from common import make_data, make_loader, make_model, parameters_identical, train  # examples/common.py
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -53,16 +43,13 @@ def main() -> int:
     dist.init_process_group("gloo")  # env:// from torchrun
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)  # the ranks share the machine's cores
-    torch.manual_seed(0)  # ShardedOptimizer broadcasts rank 0's initial weights anyway
-    model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(),
-                                torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    model = make_model()
     params = list(model.parameters())
     opt = ringcoll.zero.ShardedOptimizer(params, torch.optim.Adam, stage=args.stage,
                                          bucket_bytes=args.bucket_bytes, lr=args.lr)
 
     data = make_data()
-    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0)
-    loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler)
+    sampler, loader = make_loader(data, args.batch_size, rank, world)
 
     n = sum(p.numel() for p in params)
     if rank == 0:
@@ -70,18 +57,9 @@ def main() -> int:
         print(f"ZeRO-{args.stage} on {world} ranks (gloo group, ringcoll ring), Adam; {n:,} parameters in "
               f"{len(opt.buckets)} buckets ({sizes}); {len(data)} samples, {len(loader)} steps/epoch/rank")
     start = time.perf_counter()
-    for epoch in range(args.epochs):
-        sampler.set_epoch(epoch)
-        total = torch.zeros(2, dtype=torch.float64)  # sum of losses, number of batches
-        for x, y in loader:
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            opt.zero_grad()
-            loss.backward()  # stage 2: buckets are reduce-scattered from inside backward
-            opt.step()  # Adam on this rank's shards, then all-gather into every rank's model
-            total += torch.tensor([loss.item(), 1.0], dtype=torch.float64)
-        dist.all_reduce(total)  # the mean loss over all ranks' batches of this epoch
-        if rank == 0:
-            print(f"epoch {epoch}: loss {total[0].item() / total[1].item():.5f}")
+    # Stage 2: buckets are reduce-scattered from inside backward; step() runs Adam on this
+    # rank's shards, then all-gathers them into every rank's model.
+    train(model, opt, sampler, loader, args.epochs, rank)
     elapsed = time.perf_counter() - start
 
     # What each rank holds after the last step (before zero_grad).
@@ -102,10 +80,7 @@ def main() -> int:
         print("\n".join(lines))
 
     # Every rank must hold bitwise the same parameters.
-    flat = torch.cat([p.detach().reshape(-1) for p in params])
-    everyone = torch.empty(world * flat.numel(), dtype=flat.dtype)
-    all_gather_into_tensor(everyone, flat)
-    same = all(torch.equal(chunk, flat) for chunk in everyone.view(world, -1))
+    same = parameters_identical(params, world)
     if rank == 0:
         print(f"{elapsed:.1f} s; parameters identical on all {world} ranks: {same}")
     ringcoll.destroy_communicators()

@@ -26,7 +26,6 @@ once rounds once). Every node must have the same number of ranks.
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 import torch
 import torch.distributed as dist

@@ -1,0 +1,54 @@
+"""What the training examples share: the task, the model, the loop and the final check.
+
+The task: fit y = sin(3 x0) + x1 * x2 with a small MLP on synthetic data, each rank on its
+own shard (DistributedSampler). The examples differ only in how gradients are combined.
+"""
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+# torch 2.13 renamed the tensor form (the old name warns); older torch has only the old one.
+all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def make_data(n: int = 4096) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)  # the same dataset on every rank
+    x = torch.rand(n, 8, generator=g) * 2 - 1
+    y = torch.sin(3 * x[:, :1]) + x[:, 1:2] * x[:, 2:3]
+    return TensorDataset(x, y)
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)  # DDP and ShardedOptimizer broadcast rank 0's initial weights anyway
+    return torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(),
+                               torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+
+
+def make_loader(data: TensorDataset, batch_size: int, rank: int, world: int):
+    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0)
+    return sampler, DataLoader(data, batch_size=batch_size, sampler=sampler)
+
+
+def train(model, opt, sampler, loader, epochs: int, rank: int) -> None:
+    """The plain loop; rank 0 prints the mean loss over all ranks' batches per epoch."""
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        total = torch.zeros(2, dtype=torch.float64)  # sum of losses, number of batches
+        for x, y in loader:
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            total += torch.tensor([loss.item(), 1.0], dtype=torch.float64)
+        dist.all_reduce(total)
+        if rank == 0:
+            print(f"epoch {epoch}: loss {total[0].item() / total[1].item():.5f}")
+
+
+def parameters_identical(params, world: int) -> bool:
+    """Whether every rank holds bitwise the same parameters (collective)."""
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    everyone = torch.empty(world * flat.numel(), dtype=flat.dtype)
+    all_gather_into_tensor(everyone, flat)
+    return all(torch.equal(chunk, flat) for chunk in everyone.view(world, -1))
