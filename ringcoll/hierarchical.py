@@ -98,6 +98,14 @@ class HierarchicalCommunicator:
         ours = reduce_op(name, op)
         return (ReduceOp.SUM, True) if ours is ReduceOp.AVG else (ours, False)
 
+    def _check_whole_and_part(self, name: str, whole_name: str, whole, part_name: str, part) -> None:
+        """Both valid tensors of one dtype, `whole` holding world_size x `part`'s elements."""
+        self.intra._check_tensor(name, whole_name, whole)
+        self.intra._check_tensor(name, part_name, part)
+        if whole.numel() != part.numel() * self.world_size or whole.dtype != part.dtype:
+            raise ValueError(f"{name}: {whole_name} must have world_size ({self.world_size}) x {part_name}'s "
+                             f"{part.numel()} elements, of its dtype ({part.dtype})")
+
     def _inter_op(self, op: ReduceOp):
         return getattr(dist.ReduceOp, op.name)
 
@@ -122,11 +130,7 @@ class HierarchicalCommunicator:
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM) -> None:
         """``output = op over ranks of input.view(P, -1)[rank]``."""
         name = "reduce_scatter_tensor"
-        self.intra._check_tensor(name, "output", output)
-        self.intra._check_tensor(name, "input", input)
-        if input.numel() != output.numel() * self.world_size or input.dtype != output.dtype:
-            raise ValueError(f"{name}: input must have world_size ({self.world_size}) x output's "
-                             f"{output.numel()} elements of output's dtype")
+        self._check_whole_and_part(name, "input", input, "output", output)
         level_op, divide = self._level_op(name, op, input.dtype)
         m = output.numel()
         chunks = input.view(self.world_size, m)
@@ -142,11 +146,7 @@ class HierarchicalCommunicator:
     def all_gather_into_tensor(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor) -> None:
         """``output_tensor.view(P, -1)[r] = input_tensor on rank r``."""
         name = "all_gather_into_tensor"
-        self.intra._check_tensor(name, "output_tensor", output_tensor)
-        self.intra._check_tensor(name, "input_tensor", input_tensor)
-        if output_tensor.numel() != input_tensor.numel() * self.world_size or input_tensor.dtype != output_tensor.dtype:
-            raise ValueError(f"{name}: output_tensor must have world_size ({self.world_size}) x input_tensor's "
-                             f"{input_tensor.numel()} elements of its dtype")
+        self._check_whole_and_part(name, "output_tensor", output_tensor, "input_tensor", input_tensor)
         m = input_tensor.numel()
         across_nodes = input_tensor.new_empty(self.num_nodes * m)
         dist.all_gather_into_tensor(across_nodes, input_tensor.reshape(-1).contiguous(), group=self.inter_group)

@@ -104,3 +104,26 @@ def _uneven(rank, world):
 def test_uneven_nodes_are_refused():
     for message in spawn(_uneven, 3):
         assert message.startswith("HierarchicalCommunicator: every node needs the same number of ranks")
+
+
+def _bad_sizes(rank, world):
+    from ringcoll.hierarchical import HierarchicalCommunicator
+
+    messages = []
+    with HierarchicalCommunicator(node_id=rank // 2) as h:
+        for call in (lambda: h.reduce_scatter_tensor(torch.empty(3), torch.empty(4 * 3 + 1)),
+                     lambda: h.all_gather_into_tensor(torch.empty(4 * 3), torch.empty(3, dtype=torch.int32)),
+                     lambda: h.all_reduce(torch.empty(4), op=dist.ReduceOp.BAND)):
+            try:
+                call()
+                messages.append("no error")
+            except ValueError as e:
+                messages.append(str(e))
+    return messages
+
+
+def test_bad_arguments_are_refused_by_name():
+    for messages in spawn(_bad_sizes, 4):
+        assert messages[0].startswith("reduce_scatter_tensor: input must have world_size (4)"), messages[0]
+        assert messages[1].startswith("all_gather_into_tensor: output_tensor must have world_size (4)"), messages[1]
+        assert messages[2].startswith("all_reduce: unsupported reduction op"), messages[2]
