@@ -23,9 +23,14 @@ _communicators: dict = {}
 
 
 def get_communicator(group=None, device="cpu") -> Communicator:
-    """The cached communicator for (group, device), built on first use."""
+    """The cached communicator for (group, device), built on first use. A process group of
+    the "ringcoll" backend already owns one: it is returned, not a second ring."""
+    from ringcoll.backend import RingcollProcessGroup
+
     group = group if group is not None else dist.group.WORLD
     device = torch.device(device)
+    if isinstance(group, RingcollProcessGroup) and device.type == "cpu":
+        return group.communicator()
     key = (group, str(device))
     comm = _communicators.get(key)
     if comm is None:

@@ -50,12 +50,8 @@ class RingcollHookState:
 
 def _communicator_for(group):
     from ringcoll.api import get_communicator
-    from ringcoll.backend import RingcollProcessGroup
 
-    pg = group if group is not None else dist.group.WORLD
-    if isinstance(pg, RingcollProcessGroup):
-        return pg.communicator()
-    return get_communicator(group, "cpu")
+    return get_communicator(group, "cpu")  # on a "ringcoll" group: the group's own ring
 
 
 def _state_communicator(state: Optional[object]):

@@ -232,6 +232,10 @@ def _rank_fn(rank: int, ws: int, backend_string: str) -> dict:
     out["subgroup"] = _subgroup(rank, ws)
     out["errors"] = _errors(rank, ws)
     comm = pg.communicator()
+    # The module-level drop-ins reuse the group's ring instead of building a second one.
+    import ringcoll
+
+    out["module_level_reuses_ring"] = ringcoll.get_communicator() is comm
     dist.destroy_process_group(pg)
     out["closed_on_destroy"] = pg._comm is None and comm._closed
     dist.init_process_group("gloo")  # spawn destroys the group itself at the end
@@ -254,6 +258,7 @@ def test_registered_on_import():
 def test_default_group_is_ringcoll(runs):
     _, outs = runs
     for out in outs:
+        assert out["module_level_reuses_ring"]
         assert out["type"] == "RingcollProcessGroup"
         assert out["backend"] == out["backend_string"]  # torch reports the string as given
         assert out["name"] == "ringcoll"
