@@ -137,6 +137,14 @@ class Communicator:
     Usable as a context manager; ``close()`` releases the shared memory.
     """
 
+    def __new__(cls, group=None, device=None, *args, **kwargs):
+        # Communicator(device="cuda...") is the CUDA transport's subclass (ringcoll/cuda.py).
+        if cls is Communicator and device is not None and torch.device(device).type == "cuda":
+            from ringcoll.cuda import CudaCommunicator
+
+            return super().__new__(CudaCommunicator)
+        return super().__new__(cls)
+
     def __init__(self, group=None, device=None, timeout=None, buffer_bytes=None, check=None):
         if not dist.is_initialized():
             raise RingcollError("Communicator: torch.distributed is not initialised; "

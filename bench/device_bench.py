@@ -1,0 +1,94 @@
+"""Short CUDA benchmark for bench/device_check.sh: ringcoll's three collectives at P ranks
+on one GPU (processes sharing it through CUDA IPC), 1 KiB .. 256 MiB, nccl-tests columns,
+with a device-to-device copy of the same bytes as the ceiling. Results are checked before
+timing (#wrong). Usage: python bench/device_bench.py P [max_bytes]
+"""
+
+import os
+import sys
+import time
+
+import torch
+
+from ringcoll.testing import spawn
+
+
+def _bench(rank, world, max_bytes, iters_small, iters_large):
+    import torch.distributed as dist
+
+    from ringcoll.cuda import CudaCommunicator
+
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    rows = []
+    with CudaCommunicator(device=dev, timeout=120) as comm:
+        size = 1024
+        while size <= max_bytes:
+            n = size // 4
+            n -= n % world
+            if n == 0:
+                size *= 4
+                continue
+            x = torch.full((n,), float(rank + 1), device=dev)
+            out = torch.empty(n, device=dev)
+            rs = torch.empty(n // world, device=dev)
+            ag_in = torch.full((n // world,), float(rank), device=dev)
+            # check first
+            comm.all_reduce(x, output=out)
+            comm.reduce_scatter_tensor(rs, x)
+            comm.all_gather_into_tensor(out, ag_in)
+            comm.synchronize()
+            wrong = {
+                "all_reduce": 0, "reduce_scatter": int((rs != world * (world + 1) / 2).sum()),
+                "all_gather": int((out != torch.arange(world, device=dev).repeat_interleave(n // world)).sum()),
+            }
+            comm.all_reduce(x, output=out)
+            comm.synchronize()
+            wrong["all_reduce"] = int((out != world * (world + 1) / 2).sum())
+            iters = iters_small if size < (16 << 20) else iters_large
+            calls = {
+                "all_reduce": lambda: comm.all_reduce(x, output=out),
+                "reduce_scatter": lambda: comm.reduce_scatter_tensor(rs, x),
+                "all_gather": lambda: comm.all_gather_into_tensor(out, ag_in),
+                "d2d_copy": lambda: out.copy_(x),
+            }
+            for name, call in calls.items():
+                dist.barrier()
+                call()
+                comm.synchronize()
+                torch.cuda.synchronize()
+                start = torch.cuda.Event(enable_timing=True)
+                stop = torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(iters):
+                    call()
+                stop.record()
+                comm.synchronize()
+                stop.synchronize()
+                us = start.elapsed_time(stop) * 1000 / iters
+                nbytes = n * 4
+                algbw = nbytes / us / 1e3  # GB/s
+                factor = {"all_reduce": 2 * (world - 1) / world, "reduce_scatter": (world - 1) / world,
+                          "all_gather": (world - 1) / world, "d2d_copy": 1.0}[name]
+                rows.append((nbytes, n, "float", "sum" if name != "all_gather" else "none", name, us, algbw,
+                             algbw * factor, wrong.get(name, 0)))
+            size *= 4
+    return rows if rank == 0 else None
+
+
+def main():
+    world = int(sys.argv[1])
+    max_bytes = int(sys.argv[2]) if len(sys.argv) > 2 else 256 << 20
+    t0 = time.time()
+    rows = spawn(_bench, world, max_bytes, 20, 5, timeout=110)[0]
+    print(f"# ringcoll CUDA, P={world} processes on one GPU, kernel={os.environ.get('RINGCOLL_CUDA_KERNEL', 'fused')}"
+          f", MPS={'on' if os.environ.get('CUDA_MPS_PIPE_DIRECTORY') else 'off'}")
+    print(f"{'size':>12} {'count':>10} {'type':>6} {'redop':>5} {'collective':>15} {'time(us)':>10} "
+          f"{'algbw(GB/s)':>12} {'busbw(GB/s)':>12} {'#wrong':>7}")
+    for r in rows:
+        print(f"{r[0]:>12} {r[1]:>10} {r[2]:>6} {r[3]:>5} {r[4]:>15} {r[5]:>10.1f} {r[6]:>12.2f} {r[7]:>12.2f} {r[8]:>7}")
+    print(f"# {time.time() - t0:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,244 @@
+// cuda_comm.cu: the CUDA transport's host side. IPC bootstrap, the launch of the ring
+// kernels (ring_kernels.cu) on the communicator's own stream, and error reporting from the
+// host-mapped records a kernel writes when a wait outlasts the timeout.
+#include "cuda_comm.h"
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstring>
+#include <sstream>
+#include <stdexcept>
+
+#include "ring_kernels.h"
+#include "ringcoll/check.h"
+#include "ringcoll/reduce.h"
+#include "ringcoll/ring.h"
+
+namespace ringcoll::cuda {
+
+size_t slot_bytes_for(size_t buffer_bytes, int world) {
+  const size_t per_slot = buffer_bytes / (static_cast<size_t>(kBanks) * static_cast<size_t>(world));
+  return per_slot / kSlotAlignment * kSlotAlignment;
+}
+
+namespace {
+struct HandleMessage {
+  cudaIpcMemHandle_t handle;
+  int32_t device;
+  int32_t rank;
+};
+}  // namespace
+
+CudaComm::CudaComm(int rank, int world, int device, size_t buffer_bytes, double timeout_seconds, bool check_calls,
+                   int variant)
+    : rank_(rank), world_(world), device_(device), buffer_bytes_(buffer_bytes),
+      slot_bytes_(slot_bytes_for(buffer_bytes, world)), timeout_seconds_(timeout_seconds), check_calls_(check_calls),
+      variant_(static_cast<KernelVariant>(variant)), peers_(static_cast<size_t>(world), nullptr) {
+  RINGCOLL_CHECK(world >= 1 && rank >= 0 && rank < world, std::invalid_argument, "Communicator: rank ", rank,
+                 " is outside world size ", world);
+  RINGCOLL_CHECK(world <= kMaxWorld, std::invalid_argument, "Communicator: the CUDA transport supports at most ",
+                 kMaxWorld, " ranks, got ", world);
+  RINGCOLL_CHECK(slot_bytes_ >= kSlotAlignment, std::invalid_argument, "Communicator: buffer_bytes=", buffer_bytes,
+                 " is too small for ", world, " ranks: need at least ", kSlotAlignment * kBanks * world);
+  RINGCOLL_CHECK(variant == 0 || variant == 1, std::invalid_argument, "Communicator: unknown CUDA kernel variant ",
+                 variant);
+  static_assert(2 * kMaxBlocks * kFlagStride <= kFlagAreaBytes, "flags must fit their area");
+  try {
+    RINGCOLL_CUDA_CHECK(cudaSetDevice(device_));
+    const size_t total = kFlagAreaBytes + static_cast<size_t>(kBanks) * world_ * slot_bytes_;
+    RINGCOLL_CUDA_CHECK(cudaMalloc(&base_, total));
+    // Flags start at 0 and only grow; peers map this allocation only after the handles
+    // went round (after this constructor), so the zeroing is done before anyone reads it.
+    RINGCOLL_CUDA_CHECK(cudaMemset(base_, 0, kFlagAreaBytes));
+    RINGCOLL_CUDA_CHECK(cudaMalloc(&state_, sizeof(uint64_t) * kMaxBlocks * kStateWords));
+    RINGCOLL_CUDA_CHECK(cudaMemset(state_, 0, sizeof(uint64_t) * kMaxBlocks * kStateWords));
+    RINGCOLL_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&errors_host_), sizeof(ErrorRecord) * kMaxBlocks,
+                                      cudaHostAllocMapped | cudaHostAllocPortable));
+    std::memset(errors_host_, 0, sizeof(ErrorRecord) * kMaxBlocks);
+    RINGCOLL_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&errors_device_), errors_host_, 0));
+    cudaStream_t stream;
+    RINGCOLL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    stream_ = stream;
+    cudaEvent_t done, ready;
+    RINGCOLL_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+    done_ = done;
+    RINGCOLL_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
+    ready_ = ready;
+    RINGCOLL_CUDA_CHECK(cudaDeviceSynchronize());  // the memsets are done before the handle leaves
+  } catch (...) {
+    close();
+    throw;
+  }
+  peers_[rank_] = base_;
+}
+
+CudaComm::~CudaComm() {
+  try {
+    close();
+  } catch (...) {
+  }
+}
+
+std::string CudaComm::handle_bytes() const {
+  ensure_usable("Communicator");
+  HandleMessage msg{};
+  RINGCOLL_CUDA_CHECK(cudaIpcGetMemHandle(&msg.handle, base_));
+  msg.device = device_;
+  msg.rank = rank_;
+  return std::string(reinterpret_cast<const char*>(&msg), sizeof(msg));
+}
+
+void CudaComm::open_peers(const std::vector<std::string>& handles) {
+  ensure_usable("Communicator");
+  RINGCOLL_CHECK(!peers_open_, Error, "Communicator: peers are already open");
+  RINGCOLL_CHECK(static_cast<int>(handles.size()) == world_, std::invalid_argument,
+                 "Communicator: expected one IPC handle per rank, got ", handles.size());
+  RINGCOLL_CUDA_CHECK(cudaSetDevice(device_));
+  peers_open_ = true;  // from here close() unmaps whatever was opened
+  for (int r = 0; r < world_; ++r) {
+    if (r == rank_) continue;
+    RINGCOLL_CHECK(handles[r].size() == sizeof(HandleMessage), std::invalid_argument,
+                   "Communicator: rank ", r, "'s IPC handle has ", handles[r].size(), " bytes, expected ",
+                   sizeof(HandleMessage));
+    HandleMessage msg;
+    std::memcpy(&msg, handles[r].data(), sizeof(msg));
+    RINGCOLL_CHECK(msg.rank == r, std::invalid_argument, "Communicator: handle ", r, " came from rank ", msg.rank);
+    if (msg.device != device_) {
+      int can = 0;
+      RINGCOLL_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, device_, msg.device));
+      RINGCOLL_CHECK(can, Error, "Communicator: rank ", rank_, " on GPU ", device_, " cannot access GPU ",
+                     msg.device, " of rank ", r, " (no peer access between them)");
+      const cudaError_t err = cudaDeviceEnablePeerAccess(msg.device, 0);
+      if (err == cudaErrorPeerAccessAlreadyEnabled) (void)cudaGetLastError();
+      else RINGCOLL_CUDA_CHECK(err);
+    }
+    void* mapped = nullptr;
+    RINGCOLL_CUDA_CHECK(cudaIpcOpenMemHandle(&mapped, msg.handle, cudaIpcMemLazyEnablePeerAccess));
+    peers_[r] = static_cast<char*>(mapped);
+  }
+}
+
+void CudaComm::ensure_usable(const char* op) const {
+  RINGCOLL_CHECK(!closed_, Error, op, ": communicator is closed");
+  RINGCOLL_CHECK(broken_reason_.empty(), Error, op, ": communicator is broken by an earlier error (",
+                 broken_reason_, "); create a new one");
+}
+
+void CudaComm::check_error() {
+  if (errors_host_ == nullptr || !broken_reason_.empty()) return;
+  for (int b = 0; b < kMaxBlocks; ++b) {
+    volatile ErrorRecord* rec = errors_host_ + b;
+    if (rec->valid == 0) continue;
+    std::atomic_thread_fence(std::memory_order_acquire);
+    std::ostringstream msg;
+    msg << "rank " << rec->rank << " timed out after " << timeout_seconds_ << " s waiting for "
+        << (rec->peer == left_neighbour(rank_, world_) ? "left neighbour " : "right neighbour ") << "rank "
+        << rec->peer << " to " << (rec->waiting_for_consume ? "consume data" : "publish data") << " (GPU kernel, block "
+        << rec->block << ", launch " << launches_ << " or earlier, slice " << rec->slice + 1 << ", ";
+    if (rec->step < 0) msg << "before ring step 1)";
+    else msg << "ring step " << rec->step + 1 << ")";
+    msg << "; flag is " << rec->seen << ", expected >= " << rec->expected;
+    broken_reason_ = "cuda collective: " + msg.str();
+    throw TimeoutError(broken_reason_);
+  }
+}
+
+void CudaComm::synchronize() {
+  if (closed_) return;
+  RINGCOLL_CUDA_CHECK(cudaSetDevice(device_));
+  RINGCOLL_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream_)));
+  check_error();
+}
+
+void CudaComm::launch(const char* op, int coll, uintptr_t input, uintptr_t output, int64_t count, int dtype,
+                      int reduce_op, uintptr_t stream, bool join) {
+  check_error();
+  ensure_usable(op);
+  RINGCOLL_CHECK(peers_open_ || world_ == 1, Error, op, ": peers are not mapped yet (open_peers)");
+  RINGCOLL_CHECK(coll == static_cast<int>(Collective::kAllGather) ||
+                     is_supported(static_cast<DType>(dtype), static_cast<ReduceOp>(reduce_op)),
+                 std::invalid_argument, op, ": unsupported dtype/op ", dtype, "/", reduce_op);
+  RINGCOLL_CUDA_CHECK(cudaSetDevice(device_));
+  auto user = reinterpret_cast<cudaStream_t>(stream);
+  auto own = static_cast<cudaStream_t>(stream_);
+  // Our stream runs after everything the caller queued so far (the inputs are ready), and
+  // successive collectives stay in order on it whatever streams callers use.
+  RINGCOLL_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(ready_), user));
+  RINGCOLL_CUDA_CHECK(cudaStreamWaitEvent(own, static_cast<cudaEvent_t>(ready_), 0));
+  const int64_t elem = coll == static_cast<int>(Collective::kAllGather) ? 1 : dtype_size(static_cast<DType>(dtype));
+  if (world_ == 1) {
+    const int64_t bytes = count * elem;
+    if (input != output && bytes > 0)
+      RINGCOLL_CUDA_CHECK(cudaMemcpyAsync(reinterpret_cast<void*>(output), reinterpret_cast<const void*>(input),
+                                          static_cast<size_t>(bytes), cudaMemcpyDeviceToDevice, own));
+  } else if (count > 0) {
+    RingParams p{};
+    p.my_base = base_;
+    p.left_base = peers_[left_neighbour(rank_, world_)];
+    p.right_base = peers_[right_neighbour(rank_, world_)];
+    p.state = state_;
+    p.errors = errors_device_;
+    p.input = reinterpret_cast<const void*>(input);
+    p.output = reinterpret_cast<void*>(output);
+    p.count = count;
+    p.slot_bytes = static_cast<int64_t>(slot_bytes_);
+    p.timeout_ns = static_cast<uint64_t>(timeout_seconds_ * 1e9);
+    p.rank = rank_;
+    p.world = world_;
+    p.collective = coll;
+    const bool fused = variant_ == KernelVariant::kFused;
+    launch_ring(p, dtype, reduce_op, fused ? kMaxBlocks : 1, fused, own);
+    ++launches_;
+  }
+  RINGCOLL_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(done_), own));
+  if (join) RINGCOLL_CUDA_CHECK(cudaStreamWaitEvent(user, static_cast<cudaEvent_t>(done_), 0));
+}
+
+void CudaComm::all_reduce(uintptr_t input, uintptr_t output, int64_t count, int dtype, int op, uintptr_t stream,
+                          bool join) {
+  launch("all_reduce", static_cast<int>(Collective::kAllReduce), input, output, count, dtype, op, stream, join);
+}
+
+void CudaComm::reduce_scatter(uintptr_t input, uintptr_t output, int64_t output_count, int dtype, int op,
+                              uintptr_t stream, bool join) {
+  launch("reduce_scatter", static_cast<int>(Collective::kReduceScatter), input, output, output_count * world_, dtype,
+         op, stream, join);
+}
+
+void CudaComm::all_gather(uintptr_t input, uintptr_t output, int64_t input_count, int dtype, uintptr_t stream,
+                          bool join) {
+  const int64_t bytes = input_count * dtype_size(static_cast<DType>(dtype));
+  launch("all_gather", static_cast<int>(Collective::kAllGather), input, output, bytes * world_, dtype, 0, stream,
+         join);
+}
+
+void CudaComm::close() {
+  if (closed_) return;
+  closed_ = true;
+  // Finish our own launches before anything they use goes away (errors ignored: close
+  // must not throw from a destructor, and a broken communicator is closed all the same).
+  cudaSetDevice(device_);
+  if (stream_ != nullptr) cudaStreamSynchronize(static_cast<cudaStream_t>(stream_));
+  // Unmap peers first: their memory is theirs, and our mapping must go before our own
+  // allocation in case a peer's process also maps ours (each side closes what it opened).
+  for (int r = 0; r < world_; ++r) {
+    if (r != rank_ && peers_[r] != nullptr) cudaIpcCloseMemHandle(peers_[r]);
+    peers_[r] = nullptr;
+  }
+  if (done_ != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(done_));
+  if (ready_ != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(ready_));
+  if (stream_ != nullptr) cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
+  if (errors_host_ != nullptr) cudaFreeHost(errors_host_);
+  if (state_ != nullptr) cudaFree(state_);
+  // Freeing memory a peer still maps is allowed (the pages stay until the peer closes its
+  // mapping); peers must not run collectives on it any more, which close() implies.
+  if (base_ != nullptr) cudaFree(base_);
+  done_ = ready_ = stream_ = nullptr;
+  errors_host_ = errors_device_ = nullptr;
+  state_ = nullptr;
+  base_ = nullptr;
+  cudaGetLastError();  // leave no sticky non-fatal error behind for the caller's next call
+}
+
+}  // namespace ringcoll::cuda

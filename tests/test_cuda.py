@@ -1,0 +1,207 @@
+"""The CUDA transport (csrc/cuda/, ringcoll/cuda.py) on a real GPU: P ranks as processes
+sharing one GPU through CUDA IPC. Skipped where torch sees no GPU.
+
+Inputs are built so every summation order gives the same bits (small integers in any
+dtype), so results are compared exactly with the expected values.
+"""
+
+import pytest
+import torch
+
+from ringcoll import _C
+from ringcoll.testing import spawn
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(not getattr(_C, "built_with_cuda", False), reason="built without the CUDA backend"),
+]
+
+VARIANTS = ("fused", "naive")
+DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8, torch.float64)
+
+
+def _value(rank, n, dtype, salt=0):
+    # small non-negative integers: exact in every dtype, sums of 4 ranks stay < 256
+    base = (torch.arange(n, dtype=torch.int64) * 7 + rank * 3 + salt) % 50
+    return base.to(dtype)
+
+
+def _expected_reduce(world, n, dtype, op):
+    stack = torch.stack([_value(r, n, torch.int64) for r in range(world)])
+    if op == "SUM":
+        out = stack.sum(0)
+    elif op == "MAX":
+        out = stack.max(0).values
+    elif op == "MIN":
+        out = stack.min(0).values
+    elif op == "AVG":
+        return (stack.to(torch.float64).sum(0) / world).to(dtype)
+    else:
+        raise AssertionError(op)
+    return out.to(dtype)
+
+
+def _collectives(rank, world, sizes, dtypes, ops, buffer_bytes):
+    import ringcoll
+    from ringcoll.cuda import CudaCommunicator
+
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    failures = []
+    with CudaCommunicator(device=dev, timeout=60, buffer_bytes=buffer_bytes) as comm:
+        for dtype in dtypes:
+            for n in sizes:
+                for op in ops:
+                    if op == "AVG" and not dtype.is_floating_point:
+                        continue
+                    rop = getattr(ringcoll.ReduceOp, op)
+                    # all-reduce, in place
+                    t = _value(rank, n, dtype).to(dev)
+                    comm.all_reduce(t, op=rop)
+                    exp = _expected_reduce(world, n, dtype, op)
+                    if not torch.equal(t.cpu(), exp):
+                        failures.append(("all_reduce", str(dtype), n, op))
+                    # all-reduce, out of place
+                    src = _value(rank, n, dtype, 1).to(dev)
+                    out = torch.full((n,), 99, dtype=dtype, device=dev)
+                    comm.all_reduce(src, op=rop, output=out)
+                    exp1 = torch.stack([_value(r, n, torch.int64, 1) for r in range(world)]).sum(0).to(dtype)
+                    if op == "SUM" and not torch.equal(out.cpu(), exp1):
+                        failures.append(("all_reduce_out", str(dtype), n, op))
+                    if not torch.equal(src.cpu(), _value(rank, n, dtype, 1)):
+                        failures.append(("all_reduce_input_changed", str(dtype), n, op))
+                    # reduce-scatter
+                    m = max(n // world, 1)
+                    inp = _value(rank, m * world, dtype).to(dev)
+                    rs = torch.empty(m, dtype=dtype, device=dev)
+                    comm.reduce_scatter_tensor(rs, inp, op=rop)
+                    exp_rs = _expected_reduce(world, m * world, dtype, op)[rank * m:(rank + 1) * m]
+                    if not torch.equal(rs.cpu(), exp_rs):
+                        failures.append(("reduce_scatter", str(dtype), m, op))
+                    # reduce-scatter in place (output = my chunk of input)
+                    inp2 = _value(rank, m * world, dtype).to(dev)
+                    comm.reduce_scatter_tensor(inp2[rank * m:(rank + 1) * m], inp2, op=rop)
+                    if not torch.equal(inp2[rank * m:(rank + 1) * m].cpu(), exp_rs):
+                        failures.append(("reduce_scatter_in_place", str(dtype), m, op))
+                # all-gather, out of place and in place
+                g_in = _value(rank, n, dtype).to(dev)
+                g_out = torch.empty(n * world, dtype=dtype, device=dev)
+                comm.all_gather_into_tensor(g_out, g_in)
+                exp_g = torch.cat([_value(r, n, dtype) for r in range(world)])
+                if not torch.equal(g_out.cpu(), exp_g):
+                    failures.append(("all_gather", str(dtype), n))
+                g2 = torch.zeros(n * world, dtype=dtype, device=dev)
+                g2[rank * n:(rank + 1) * n] = _value(rank, n, dtype).to(dev)
+                comm.all_gather_into_tensor(g2, g2[rank * n:(rank + 1) * n])
+                if not torch.equal(g2.cpu(), exp_g):
+                    failures.append(("all_gather_in_place", str(dtype), n))
+        comm.synchronize()
+    return failures
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_collectives_exact(world, variant):
+    sizes = (0, 1, world - 1, world + 1, 257, 4099)
+    results = spawn(_collectives, world, sizes, (torch.float32, torch.int32, torch.bfloat16), ("SUM", "MAX"),
+                    1 << 20, timeout=600, env={"RINGCOLL_CUDA_KERNEL": variant})
+    assert results == [[]] * world
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_dtype_and_op(variant):
+    results = spawn(_collectives, 2, (1000, 4096), DTYPES, ("SUM", "MIN", "MAX", "AVG"), 1 << 20,
+                    timeout=600, env={"RINGCOLL_CUDA_KERNEL": variant})
+    assert results == [[]] * 2
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_larger_than_buffer(variant):
+    # 8 KiB buffer, messages of up to ~1 MiB: dozens of slices through two banks
+    results = spawn(_collectives, 3, (3000, 100_003, 262_147), (torch.float32, torch.float16), ("SUM",), 8192,
+                    timeout=600, env={"RINGCOLL_CUDA_KERNEL": variant})
+    assert results == [[]] * 3
+
+
+def _async_and_lists(rank, world):
+    from ringcoll.cuda import CudaCommunicator
+
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    with CudaCommunicator(device=dev, timeout=60, buffer_bytes=1 << 16) as comm:
+        tensors = [torch.full((10_000,), float(rank + i), device=dev) for i in range(4)]
+        works = [comm.all_reduce(t, async_op=True) for t in tensors]
+        for w in works:
+            w.wait()
+        ok = all(torch.equal(t.cpu(), torch.full((10_000,), float(sum(r + i for r in range(world)))))
+                 for i, t in enumerate(tensors))
+        outs = [torch.empty(5, device=dev) for _ in range(world)]
+        comm.all_gather(outs, torch.full((5,), float(rank), device=dev))
+        ok = ok and all(torch.equal(o.cpu(), torch.full((5,), float(r))) for r, o in enumerate(outs))
+        rs = torch.empty(5, device=dev)
+        comm.reduce_scatter(rs, [torch.full((5,), float(r + rank), device=dev) for r in range(world)])
+        ok = ok and torch.equal(rs.cpu(), torch.full((5,), float(sum(rank + r for r in range(world)))))
+        comm.barrier()
+        return ok
+
+
+def test_async_lists_and_barrier():
+    assert spawn(_async_and_lists, 3, timeout=300) == [True] * 3
+
+
+def _timeout(rank, world):
+    import ringcoll
+    from ringcoll.cuda import CudaCommunicator
+
+    torch.cuda.set_device(0)
+    comm = CudaCommunicator(device="cuda:0", timeout=2)
+    if rank == 1:
+        import time
+
+        time.sleep(8)  # keep its buffer mapped until rank 0's kernel has timed out
+        return "absent", ""
+    t = torch.ones(1000, device="cuda:0")
+    comm.all_reduce(t)
+    try:
+        comm.synchronize()
+        return "no error", ""
+    except ringcoll.RingcollTimeoutError as e:
+        message = str(e)
+    try:
+        comm.all_reduce(t)
+        later = "no error"
+    except ringcoll.RingcollError as e:
+        later = str(e)
+    return message, later
+
+
+def test_timeout_names_rank_peer_and_step():
+    results = spawn(_timeout, 2, timeout=120)
+    message, later = results[0]
+    assert "rank 0 timed out" in message and "rank 1" in message and "ring step" in message, message
+    assert "broken" in later
+
+
+def _cupy(rank, world):
+    import cupy
+
+    from ringcoll.cuda import CudaCommunicator
+
+    torch.cuda.set_device(0)
+    with cupy.cuda.Device(0):
+        with CudaCommunicator(device="cuda:0", timeout=60) as comm:
+            a = cupy.full(1001, rank + 1, dtype=cupy.float32)
+            stream = cupy.cuda.get_current_stream().ptr
+            comm.all_reduce_array(a, stream=stream)
+            g = cupy.empty(7 * world, dtype=cupy.int32)
+            comm.all_gather_array(g, cupy.full(7, rank, dtype=cupy.int32), stream=stream)
+            cupy.cuda.get_current_stream().synchronize()
+            comm.synchronize()
+            return bool((a == sum(range(1, world + 1))).all()) and g.get().tolist() == sum(([r] * 7 for r in range(world)), [])
+
+
+def test_cupy_arrays():
+    pytest.importorskip("cupy")
+    assert spawn(_cupy, 2, timeout=300) == [True, True]
+
