@@ -146,26 +146,11 @@ class Communicator:
         return super().__new__(cls)
 
     def __init__(self, group=None, device=None, timeout=None, buffer_bytes=None, check=None):
-        if not dist.is_initialized():
-            raise RingcollError("Communicator: torch.distributed is not initialised; "
-                                "call dist.init_process_group first")
-        self.group = group if group is not None else dist.group.WORLD
-        self.device = torch.device(device if device is not None else "cpu")
-        self.timeout = _resolve_timeout(timeout)
-        self.buffer_bytes = _resolve_buffer_bytes(buffer_bytes)
-        self.check = _resolve_check(check)
-        self.rank = dist.get_rank(self.group)
-        self.world_size = dist.get_world_size(self.group)
-        if self.rank < 0:
-            raise ValueError("Communicator: this process is not a member of the given group")
-        if self.device.type != "cpu":
-            raise RingcollError(f"Communicator: no ringcoll transport for device {self.device} in this build; "
+        device = torch.device(device if device is not None else "cpu")
+        if device.type != "cpu":
+            raise RingcollError(f"Communicator: no ringcoll transport for device {device} in this build; "
                                 "the shared-memory transport serves CPU tensors")
-        minimum = 2 * 64 * self.world_size
-        if self.buffer_bytes < minimum:
-            raise ValueError(f"Communicator: buffer_bytes={self.buffer_bytes} is too small for "
-                             f"{self.world_size} ranks (minimum {minimum})")
-
+        self._configure(group, device, timeout, buffer_bytes, check, slot_alignment=64)
         # The segment names go round with the settings every rank must share.
         offers: list = [None] * self.world_size
         dist.all_gather_object(offers, (_C.random_segment_name(), self.check), group=self.group)
@@ -174,6 +159,29 @@ class Communicator:
             raise ValueError("Communicator: RINGCOLL_CHECK / check= differs between ranks: "
                              + ", ".join(f"rank {r}: {c}" for r, (_, c) in enumerate(offers)))
         self._impl = _C.HostComm(self.rank, self.world_size, names, self.buffer_bytes, self.timeout, self.check)
+        self._start()
+
+    def _configure(self, group, device: torch.device, timeout, buffer_bytes, check, slot_alignment: int) -> None:
+        """Settings every transport shares, validated before any rank allocates anything."""
+        if not dist.is_initialized():
+            raise RingcollError("Communicator: torch.distributed is not initialised; "
+                                "call dist.init_process_group first")
+        self.group = group if group is not None else dist.group.WORLD
+        self.device = device
+        self.timeout = _resolve_timeout(timeout)
+        self.buffer_bytes = _resolve_buffer_bytes(buffer_bytes)
+        self.check = _resolve_check(check)
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        if self.rank < 0:
+            raise ValueError("Communicator: this process is not a member of the given group")
+        minimum = 2 * slot_alignment * self.world_size  # two banks of one aligned slot per rank
+        if self.buffer_bytes < minimum:
+            raise ValueError(f"Communicator: buffer_bytes={self.buffer_bytes} is too small for "
+                             f"{self.world_size} ranks (minimum {minimum})")
+
+    def _start(self) -> None:
+        """Ready to run collectives: no async work queued yet."""
         self._worker: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._last_async: Optional[concurrent.futures.Future] = None
         self._lock = threading.Lock()  # one collective at a time on the ring

@@ -35,7 +35,6 @@ stream is not known, so pass ``stream=cupy.cuda.get_current_stream().ptr``).
 from __future__ import annotations
 
 import os
-import threading
 from typing import NamedTuple, Optional, Sequence
 
 import torch
@@ -43,8 +42,7 @@ import torch.distributed as dist
 
 from ringcoll import _C
 from ringcoll._types import ReduceOp, dtype_code, op_code
-from ringcoll.communicator import (Communicator, _resolve_buffer_bytes, _resolve_check,
-                                   _resolve_timeout)
+from ringcoll.communicator import Communicator
 from ringcoll.errors import RingcollError
 
 KERNEL_VARIANTS = {"fused": 0, "naive": 1}
@@ -206,31 +204,14 @@ class CudaCommunicator(Communicator):
     """
 
     def __init__(self, group=None, device=None, timeout=None, buffer_bytes=None, check=None):
-        if not dist.is_initialized():
-            raise RingcollError("Communicator: torch.distributed is not initialised; "
-                                "call dist.init_process_group first")
         _require_cuda_build()
-        self.group = group if group is not None else dist.group.WORLD
         device = torch.device(device if device is not None else "cuda")
         if device.type != "cuda":
             raise ValueError(f"Communicator: CudaCommunicator serves CUDA devices, not {device}")
-        self.device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
-        self.timeout = _resolve_timeout(timeout)
-        self.buffer_bytes = _resolve_buffer_bytes(buffer_bytes)
-        self.check = _resolve_check(check)
-        self.rank = dist.get_rank(self.group)
-        self.world_size = dist.get_world_size(self.group)
-        if self.rank < 0:
-            raise ValueError("Communicator: this process is not a member of the given group")
-        minimum = 2 * 128 * self.world_size
-        if self.buffer_bytes < minimum:
-            raise ValueError(f"Communicator: buffer_bytes={self.buffer_bytes} is too small for "
-                             f"{self.world_size} ranks (minimum {minimum})")
+        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+        self._configure(group, device, timeout, buffer_bytes, check, slot_alignment=128)
         self._impl = CudaTransport(self.group, self.device, self.timeout, self.buffer_bytes, self.check)
-        self._worker = None
-        self._last_async = None
-        self._lock = threading.Lock()
-        self._closed = False
+        self._start()
 
     def _run(self, call, outputs: list, keep_alive: Sequence, async_op: bool):
         with self._lock:
