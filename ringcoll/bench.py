@@ -585,7 +585,8 @@ def main(argv=None) -> int:
         return 2
 
     if args.device == "cuda":
-        return refuse("the CUDA backend is not in this build yet; use --device cpu")
+        return refuse("the GPU sweep waits for the CUDA transport to be verified on a GPU (bench/device_check.sh "
+                      "runs bench/device_bench.py there); use --device cpu")
     if args.op == "avg" and not DTYPES[args.dtype].is_floating_point:
         return refuse(f"--op avg needs a floating dtype, not {args.dtype}")
     unknown = set(args.collectives.split(",")) - set(COLLECTIVES)
