@@ -169,6 +169,20 @@ def _failure(state: dict, exc: BaseException, call_started: float) -> dict:
     return state
 
 
+def _all_reduce_until_error(comm, t, state: dict, max_calls: int) -> None:
+    """Call all_reduce until one raises (recorded in `state`) or max_calls have run."""
+    import ringcoll
+
+    state["kind"] = "no error"
+    for _ in range(max_calls):
+        call_started = time.monotonic()
+        try:
+            comm.all_reduce(t)
+        except ringcoll.RingcollError as exc:
+            _failure(state, exc, call_started)
+            return
+
+
 def _recover(rank: int, world: int, survivors: list, port: int) -> dict:
     """The recovery path: tear down the old default group, form a new one of the survivors
     on a new TCP store, build a fresh communicator and check an all_reduce on it."""
@@ -345,14 +359,7 @@ def _mid_collective_fault(rank, world, victim, tmpdir, port):
     comm.all_reduce(t)  # one full round first: the kill lands in a later, running call
     if rank == victim:
         threading.Timer(0.1, _die, (tmpdir, rank)).start()
-    state["kind"] = "no error"
-    for _ in range(10_000):
-        call_started = time.monotonic()
-        try:
-            comm.all_reduce(t)
-        except ringcoll.RingcollError as exc:
-            _failure(state, exc, call_started)
-            break
+    _all_reduce_until_error(comm, t, state, 10_000)
     state["broken"] = comm.broken
     comm.close()
     state["recovery"] = _recover(rank, world, [r for r in range(world) if r != victim], port)
@@ -514,14 +521,7 @@ def _stop_fault(rank, world, victim, tmpdir):
 
         helper = threading.Thread(target=stop_myself)
         helper.start()
-    state["kind"] = "no error"
-    for _ in range(100_000):
-        call_started = time.monotonic()
-        try:
-            comm.all_reduce(t)
-        except ringcoll.RingcollError as exc:
-            _failure(state, exc, call_started)
-            break
+    _all_reduce_until_error(comm, t, state, 100_000)
     if helper is not None:
         helper.join()
     state["broken"] = comm.broken
