@@ -158,11 +158,14 @@ HostComm::HostComm(int rank, int world, const std::vector<std::string>& names, s
   try {
     bootstrap(names);
   } catch (...) {
-    // Tell peers that already mapped us, then leave nothing of this job in /dev/shm. Our
-    // own name is removed only if we created it: if creation failed because the name
-    // existed, that entry is someone else's.
+    // Tell peers that already mapped us, and leave a note in every segment we mapped (its
+    // owner may not have mapped ours yet, and is about to lose the chance). Then leave
+    // nothing of this job in /dev/shm. Our own name is removed only if we created it: if
+    // creation failed because the name existed, that entry is someone else's.
     const bool created_own = !segments_.empty() && segments_[rank_].mapped();
     if (created_own) flag_store_release(&header(rank_).aborted.value, 1);
+    for (int r = 0; r < static_cast<int>(segments_.size()); ++r)
+      if (r != rank_ && segments_[r].mapped()) flag_store_release(&header(r).peer_gave_up.value, rank_ + 1);
     for (int r = 0; r < world_; ++r)
       if (r != rank_ || created_own) unlink_segment(names[r]);
     segments_.clear();
@@ -181,22 +184,34 @@ void HostComm::bootstrap(const std::vector<std::string>& names) {
   me.rank = rank_;
   me.world = world_;
 
-  // Map every peer's segment; a peer may not have created it yet, so retry until the timeout.
+  // Map every peer's segment; a peer may not have created it yet, so retry until the
+  // timeout. All missing peers are tried each round and the mapped ones health-checked, so a
+  // peer that died is noticed even while an earlier one is still slow to appear.
   using Clock = std::chrono::steady_clock;
   const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                            std::chrono::duration<double>(policy_.timeout_seconds));
-  for (int peer = 0; peer < world_; ++peer) {
-    while (peer != rank_ && !segments_[peer].mapped()) {
+  current_op_ = "Communicator";
+  for (;;) {
+    std::vector<int> missing;
+    for (int peer = 0; peer < world_; ++peer) {
+      if (peer == rank_ || segments_[peer].mapped()) continue;
       segments_[peer] = SegmentMapping::try_open(names[peer], total, peer);
-      if (segments_[peer].mapped()) break;
-      RINGCOLL_CHECK(Clock::now() < deadline, TimeoutError, "Communicator: rank ", rank_, " timed out after ",
-                     policy_.timeout_seconds, " s waiting for rank ", peer, " to create its shared-memory segment");
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      if (!segments_[peer].mapped()) missing.push_back(peer);
     }
+    if (missing.empty()) break;
+    std::ostringstream waiting;
+    waiting << "waiting for rank " << missing[0];
+    for (size_t i = 1; i < missing.size(); ++i) waiting << (i + 1 == missing.size() ? " and " : ", ") << missing[i];
+    waiting << " to create " << (missing.size() > 1 ? "their" : "its") << " shared-memory segment";
+    std::string why;
+    if (!peers_look_alive(&why))
+      fail<PeerError>(current_op_, "rank " + std::to_string(rank_) + " gave up " + waiting.str() + ": " + why);
+    RINGCOLL_CHECK(Clock::now() < deadline, TimeoutError, "Communicator: rank ", rank_, " timed out after ",
+                   policy_.timeout_seconds, " s ", waiting.str());
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   // Bootstrap barrier: once every rank has mapped every segment, no name is needed any more.
   flag_store_release(&me.attached.value, 1);
-  current_op_ = "Communicator";
   for (int peer = 0; peer < world_; ++peer) {
     if (peer != rank_) wait_for(peer, &SegmentHeader::attached, 1, "map every segment");
   }
@@ -208,8 +223,13 @@ void HostComm::bootstrap(const std::vector<std::string>& names) {
 
 bool HostComm::peers_look_alive(std::string* why) const {
   const uint64_t my_namespace = header(rank_).pid_namespace;
+  const uint64_t gave_up = flag_load_acquire(&header(rank_).peer_gave_up.value);
+  if (gave_up != 0) {
+    *why = "rank " + std::to_string(gave_up - 1) + " gave up while connecting (its own error says why)";
+    return false;
+  }
   for (int peer = 0; peer < world_; ++peer) {
-    if (peer == rank_) continue;
+    if (peer == rank_ || !segments_[peer].mapped()) continue;  // unmapped only during bootstrap
     const SegmentHeader& h = header(peer);
     if (flag_load_acquire(&h.aborted.value) != 0) {
       *why = "rank " + std::to_string(peer) + " has aborted: " +

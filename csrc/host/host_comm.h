@@ -44,6 +44,8 @@ struct SegmentHeader {
   Flag barrier;    // latest barrier generation this rank has entered
   Flag completed;  // number of the latest call this rank has completed
   Flag aborted;    // nonzero once this rank's communicator broke; abort_reason says why
+  Flag peer_gave_up;  // 1 + rank of a peer that gave up while connecting, written here by that
+                      // peer: it removed every name, so we may never get to map its segment
   DescriptorSlot descriptor;  // the call this rank is about to make (descriptor.h)
   char abort_reason[1024];
 };
