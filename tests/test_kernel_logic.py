@@ -1,8 +1,8 @@
-"""The CUDA kernels' strip arithmetic (csrc/include/ringcoll/strip.h), compiled for the host.
+"""The CUDA kernels' division of work (csrc/include/ringcoll/strip.h), compiled for the host.
 
-The kernels divide every chunk slice among thread blocks (strips) and every strip into a
-scalar head, 16-byte vectors and a scalar tail. These run on every commit, with no GPU,
-through ringcoll._C.strip: the very functions the kernels call.
+The kernels divide every chunk slice among thread blocks in fixed tiles, and every tile
+into a scalar head, 16-byte vectors and a scalar tail. These run on every commit, with no
+GPU, through ringcoll._C.strip: the very functions the kernels call.
 """
 
 import itertools
@@ -13,34 +13,52 @@ from ringcoll import _C
 
 S = _C.strip
 ELEM_SIZES = (1, 2, 4, 8)
-LENGTHS = sorted({*range(0, 70), 97, 127, 128, 129, 255, 256, 257, 1000, 1023, 1024, 4099, 65536, 65537,
-                  (1 << 20) + 3})
+LENGTHS = sorted({*range(0, 70), 97, 127, 128, 129, 255, 256, 257, 1000, 1023, 1024, 4099, 8191, 8192, 8193,
+                  65536, 65537, (1 << 20) + 3})
 BLOCKS = (1, 2, 3, 4, 7, 8, 16)
 
 
-@pytest.mark.parametrize("elem_size", ELEM_SIZES)
-def test_strips_tile_the_slice_exactly(elem_size):
-    for n, blocks in itertools.product(LENGTHS, BLOCKS):
-        bounds = [S.strip_begin(n, blocks, b, elem_size) for b in range(blocks)] + [S.strip_end(n, blocks, blocks - 1, elem_size)]
-        assert bounds[0] == 0 and bounds[-1] == n, (n, blocks, bounds)
-        assert all(a <= b for a, b in zip(bounds, bounds[1:])), (n, blocks, bounds)
-        for b in range(blocks):
-            assert S.strip_end(n, blocks, b, elem_size) == S.strip_begin(n, blocks, b + 1, elem_size)
+def block_elements(n, blocks, block, elem_size):
+    """The elements of an n-element slice that `block` touches, as device_ring.h walks them."""
+    out = []
+    for t in range(block, S.tile_count(n, elem_size), blocks):
+        out.extend(range(S.tile_begin(t, elem_size), S.tile_end(n, t, elem_size)))
+    return out
 
 
 @pytest.mark.parametrize("elem_size", ELEM_SIZES)
-def test_strips_start_on_16_byte_boundaries_and_are_balanced(elem_size):
-    g = S.strip_granule(elem_size)
-    assert g * elem_size == 16
+def test_tiles_cover_the_slice_once(elem_size):
     for n, blocks in itertools.product(LENGTHS, BLOCKS):
-        sizes = []
+        if n > 70000 and blocks not in (1, 8):
+            continue
+        seen = [0] * n
         for b in range(blocks):
-            begin, end = S.strip_begin(n, blocks, b, elem_size), S.strip_end(n, blocks, b, elem_size)
-            if begin < n:
-                assert (begin * elem_size) % 16 == 0, (n, blocks, b, begin)
-            sizes.append(end - begin)
-        # balanced to within one granule, plus the partial granule at the end of the slice
-        assert max(sizes) - min(sizes) < 2 * g, (n, blocks, sizes)
+            for i in block_elements(n, blocks, b, elem_size):
+                seen[i] += 1
+        assert all(c == 1 for c in seen), (n, blocks)
+
+
+@pytest.mark.parametrize("elem_size", ELEM_SIZES)
+def test_who_touches_an_element_does_not_depend_on_the_slice_length(elem_size):
+    """The invariant that makes per-block flags safe: when a slot is reused for a slice of
+    another length (the last slice of a call, another call), every element of it belongs
+    to the same block as before, so no block overwrites what another block's neighbour is
+    still reading."""
+    tile = S.tile_elems(elem_size)
+    assert tile * elem_size == S.tile_bytes
+    lengths = (1, tile - 1, tile, tile + 1, 3 * tile + 5, 17 * tile + 2)
+    for blocks in (2, 3, 8):
+        owner = {}
+        for n in lengths:
+            for b in range(blocks):
+                for i in block_elements(n, blocks, b, elem_size):
+                    assert owner.setdefault(i, b) == b, (n, blocks, i)
+
+
+@pytest.mark.parametrize("elem_size", ELEM_SIZES)
+def test_tiles_start_on_16_byte_boundaries(elem_size):
+    for t in range(40):
+        assert (S.tile_begin(t, elem_size) * elem_size) % 16 == 0
 
 
 def _check_split(n, elem_size, ptrs):
@@ -93,19 +111,20 @@ def test_vector_split_with_no_pointers_and_aligned_pointers():
     assert S.vector_split(3, 1, 0x1001) == (3, 0, 0)
 
 
-def test_kernel_strip_then_split_covers_a_slice():
-    """The kernel applies the split to each block's strip; together they cover the slice."""
+def test_tiles_then_split_cover_a_slice():
+    """The kernel applies the split to each of its tiles; together they cover the slice."""
     base = 0x7F0000000000
-    for elem_size, n, blocks in itertools.product(ELEM_SIZES, (0, 1, 31, 1000, 4099), (1, 8)):
+    for elem_size, n, blocks in itertools.product(ELEM_SIZES, (0, 1, 31, 1000, 4099, 20000), (1, 8)):
         seen = [0] * n
         for b in range(blocks):
-            begin, end = S.strip_begin(n, blocks, b, elem_size), S.strip_end(n, blocks, b, elem_size)
-            ptr = base + begin * elem_size
-            head, vec, tail = _check_split(end - begin, elem_size, (ptr, ptr + 4096, 0, 0))
-            for i in range(begin, end):
-                seen[i] += 1
-            if end - begin >= 32:
-                assert vec > 0 and head == 0  # aligned slice start -> aligned strips
+            for t in range(b, S.tile_count(n, elem_size), blocks):
+                begin, end = S.tile_begin(t, elem_size), S.tile_end(n, t, elem_size)
+                ptr = base + begin * elem_size
+                head, vec, tail = _check_split(end - begin, elem_size, (ptr, ptr + 4096, 0, 0))
+                for i in range(begin, end):
+                    seen[i] += 1
+                if end - begin >= 32:
+                    assert vec > 0 and head == 0  # aligned slice start -> aligned tiles
         assert all(c == 1 for c in seen)
 
 

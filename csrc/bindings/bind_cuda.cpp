@@ -1,9 +1,12 @@
-// bind_cuda.cpp: what the CUDA transport offers Python (ringcoll/cuda.py is its user), and
-// host-callable twins of the kernels' strip arithmetic (strip.h) for tests/test_kernel_logic.py,
-// which are bound in every build, with or without CUDA.
+// bind_cuda.cpp: what the CUDA transport offers Python (ringcoll/cuda.py is its user), and,
+// in every build with or without CUDA, what lets CI test the kernels' code on the CPU: the
+// strip arithmetic (strip.h, tests/test_kernel_logic.py) and the kernels themselves run by
+// the emulator (csrc/emulation/, tests/test_emulated_kernels.py).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "../cuda/kernel_abi.h"
+#include "../emulation/emulated_ring.h"
 #include "ringcoll/strip.h"
 
 #if defined(RINGCOLL_WITH_CUDA)
@@ -13,11 +16,12 @@
 namespace py = pybind11;
 
 void bind_cuda(py::module_& m) {
-  py::module_ s = m.def_submodule("strip", "strip.h, the kernels' division of a slice among blocks and vectors");
-  s.def("strip_begin", &ringcoll::strip_begin, py::arg("len"), py::arg("blocks"), py::arg("block"),
-        py::arg("elem_size"));
-  s.def("strip_end", &ringcoll::strip_end, py::arg("len"), py::arg("blocks"), py::arg("block"), py::arg("elem_size"));
-  s.def("strip_granule", &ringcoll::strip_granule, py::arg("elem_size"));
+  py::module_ s = m.def_submodule("strip", "strip.h, the kernels' division of a slice among blocks (tiles) and vectors");
+  s.def("tile_elems", &ringcoll::tile_elems, py::arg("elem_size"));
+  s.def("tile_count", &ringcoll::tile_count, py::arg("len"), py::arg("elem_size"));
+  s.def("tile_begin", &ringcoll::tile_begin, py::arg("tile"), py::arg("elem_size"));
+  s.def("tile_end", &ringcoll::tile_end, py::arg("len"), py::arg("tile"), py::arg("elem_size"));
+  s.attr("tile_bytes") = ringcoll::kTileBytes;
   s.def(
       "vector_split",
       [](int64_t len, int elem_size, uintptr_t a, uintptr_t b, uintptr_t c, uintptr_t d) {
@@ -28,12 +32,42 @@ void bind_cuda(py::module_& m) {
       "(head, vec, tail) element counts for pointers a..d (0 = unused)");
   s.attr("vector_bytes") = ringcoll::kVectorBytes;
 
-#if defined(RINGCOLL_WITH_CUDA)
-  using ringcoll::cuda::CudaComm;
-  m.attr("built_with_cuda") = true;
   m.attr("cuda_max_blocks") = ringcoll::cuda::kMaxBlocks;
   m.attr("cuda_max_world") = ringcoll::cuda::kMaxWorld;
   m.def("cuda_slot_bytes_for", &ringcoll::cuda::slot_bytes_for, py::arg("buffer_bytes"), py::arg("world"));
+
+  using ringcoll::emulation::CallResult;
+  using ringcoll::emulation::EmulatedCall;
+  using ringcoll::emulation::EmulatedRing;
+  py::module_ e = m.def_submodule("emulation", "the CUDA ring kernels run on the CPU, ranks and blocks as threads");
+  py::class_<EmulatedRing>(e, "Ring")
+      .def(py::init<int, size_t, double, int, int, bool>(), py::arg("world"), py::arg("buffer_bytes"),
+           py::arg("timeout"), py::arg("variant"), py::arg("threads_per_block") = 4, py::arg("check_calls") = true)
+      .def(
+          "run",
+          [](EmulatedRing& ring, const std::vector<py::tuple>& calls) {
+            std::vector<EmulatedCall> parsed;
+            for (const py::tuple& c : calls)
+              parsed.push_back({c[0].cast<int>(), c[1].cast<int>(), c[2].cast<int>(), c[3].cast<int>(),
+                                c[4].cast<uintptr_t>(), c[5].cast<uintptr_t>(), c[6].cast<int64_t>()});
+            std::vector<CallResult> results;
+            {
+              py::gil_scoped_release release;
+              results = ring.run(parsed);
+            }
+            py::list out;
+            for (const CallResult& r : results) out.append(py::make_tuple(r.error_type, r.message));
+            return out;
+          },
+          py::arg("calls"),
+          "calls: (rank, collective, dtype, op, input_ptr, output_ptr, count) per participating rank; "
+          "returns (error_type, message) per call, ('', '') on success")
+      .def_property_readonly("launches", &EmulatedRing::launches)
+      .def_property_readonly("slot_bytes", &EmulatedRing::slot_bytes);
+
+#if defined(RINGCOLL_WITH_CUDA)
+  using ringcoll::cuda::CudaComm;
+  m.attr("built_with_cuda") = true;
   py::class_<CudaComm>(m, "CudaComm")
       .def(py::init<int, int, int, size_t, double, bool, int>(), py::arg("rank"), py::arg("world"), py::arg("device"),
            py::arg("buffer_bytes"), py::arg("timeout"), py::arg("check_calls") = true, py::arg("variant") = 0,

@@ -17,10 +17,6 @@
 
 namespace ringcoll::cuda {
 
-size_t slot_bytes_for(size_t buffer_bytes, int world) {
-  const size_t per_slot = buffer_bytes / (static_cast<size_t>(kBanks) * static_cast<size_t>(world));
-  return per_slot / kSlotAlignment * kSlotAlignment;
-}
 
 namespace {
 struct HandleMessage {
@@ -43,7 +39,6 @@ CudaComm::CudaComm(int rank, int world, int device, size_t buffer_bytes, double 
                  " is too small for ", world, " ranks: need at least ", kSlotAlignment * kBanks * world);
   RINGCOLL_CHECK(variant == 0 || variant == 1, std::invalid_argument, "Communicator: unknown CUDA kernel variant ",
                  variant);
-  static_assert(2 * kMaxBlocks * kFlagStride <= kFlagAreaBytes, "flags must fit their area");
   try {
     RINGCOLL_CUDA_CHECK(cudaSetDevice(device_));
     const size_t total = kFlagAreaBytes + static_cast<size_t>(kBanks) * world_ * slot_bytes_;
@@ -127,20 +122,13 @@ void CudaComm::ensure_usable(const char* op) const {
 
 void CudaComm::check_error() {
   if (errors_host_ == nullptr || !broken_reason_.empty()) return;
-  for (int b = 0; b < kMaxBlocks; ++b) {
-    volatile ErrorRecord* rec = errors_host_ + b;
-    if (rec->valid == 0) continue;
-    std::atomic_thread_fence(std::memory_order_acquire);
-    std::ostringstream msg;
-    msg << "rank " << rec->rank << " timed out after " << timeout_seconds_ << " s waiting for "
-        << (rec->peer == left_neighbour(rank_, world_) ? "left neighbour " : "right neighbour ") << "rank "
-        << rec->peer << " to " << (rec->waiting_for_consume ? "consume data" : "publish data") << " (GPU kernel, block "
-        << rec->block << ", launch " << launches_ << " or earlier, slice " << rec->slice + 1 << ", ";
-    if (rec->step < 0) msg << "before ring step 1)";
-    else msg << "ring step " << rec->step + 1 << ")";
-    msg << "; flag is " << rec->seen << ", expected >= " << rec->expected;
-    broken_reason_ = "cuda collective: " + msg.str();
-    throw TimeoutError(broken_reason_);
+  const ErrorRecord* rec = first_error(errors_host_, kMaxBlocks);
+  if (rec == nullptr) return;
+  broken_reason_ = "cuda collective: " + error_message(*rec, world_, timeout_seconds_);
+  switch (error_cause(*rec)) {
+    case AbortCause::kTimedOut: throw TimeoutError(broken_reason_);
+    case AbortCause::kMismatch: throw MismatchError(broken_reason_);
+    default: throw PeerError(broken_reason_);
   }
 }
 
@@ -151,13 +139,12 @@ void CudaComm::synchronize() {
   check_error();
 }
 
-void CudaComm::launch(const char* op, int coll, uintptr_t input, uintptr_t output, int64_t count, int dtype,
-                      int reduce_op, uintptr_t stream, bool join) {
+void CudaComm::launch(const char* op, Collective coll, uintptr_t input, uintptr_t output, int64_t user_count,
+                      int dtype, int reduce_op, uintptr_t stream, bool join) {
   check_error();
   ensure_usable(op);
   RINGCOLL_CHECK(peers_open_ || world_ == 1, Error, op, ": peers are not mapped yet (open_peers)");
-  RINGCOLL_CHECK(coll == static_cast<int>(Collective::kAllGather) ||
-                     is_supported(static_cast<DType>(dtype), static_cast<ReduceOp>(reduce_op)),
+  RINGCOLL_CHECK(coll == Collective::kAllGather || is_supported(static_cast<DType>(dtype), static_cast<ReduceOp>(reduce_op)),
                  std::invalid_argument, op, ": unsupported dtype/op ", dtype, "/", reduce_op);
   RINGCOLL_CUDA_CHECK(cudaSetDevice(device_));
   auto user = reinterpret_cast<cudaStream_t>(stream);
@@ -166,14 +153,16 @@ void CudaComm::launch(const char* op, int coll, uintptr_t input, uintptr_t outpu
   // successive collectives stay in order on it whatever streams callers use.
   RINGCOLL_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(ready_), user));
   RINGCOLL_CUDA_CHECK(cudaStreamWaitEvent(own, static_cast<cudaEvent_t>(ready_), 0));
-  const int64_t elem = coll == static_cast<int>(Collective::kAllGather) ? 1 : dtype_size(static_cast<DType>(dtype));
+  const CallShape shape =
+      call_shape(coll, user_count, static_cast<DType>(dtype), static_cast<ReduceOp>(reduce_op), world_);
   if (world_ == 1) {
-    const int64_t bytes = count * elem;
+    const int64_t bytes = shape.count * shape.elem_size;
     if (input != output && bytes > 0)
       RINGCOLL_CUDA_CHECK(cudaMemcpyAsync(reinterpret_cast<void*>(output), reinterpret_cast<const void*>(input),
                                           static_cast<size_t>(bytes), cudaMemcpyDeviceToDevice, own));
-  } else if (count > 0) {
-    RingParams p{};
+  } else if (shape.count > 0 || check_calls_) {  // a zero-length call still takes part in the check
+    RingParams p = call_params(coll, shape, rank_, world_, slot_bytes_, timeout_seconds_, check_calls_, ++calls_,
+                               variant_);
     p.my_base = base_;
     p.left_base = peers_[left_neighbour(rank_, world_)];
     p.right_base = peers_[right_neighbour(rank_, world_)];
@@ -181,15 +170,9 @@ void CudaComm::launch(const char* op, int coll, uintptr_t input, uintptr_t outpu
     p.errors = errors_device_;
     p.input = reinterpret_cast<const void*>(input);
     p.output = reinterpret_cast<void*>(output);
-    p.count = count;
-    p.slot_bytes = static_cast<int64_t>(slot_bytes_);
-    p.timeout_ns = static_cast<uint64_t>(timeout_seconds_ * 1e9);
-    p.rank = rank_;
-    p.world = world_;
-    p.collective = coll;
-    const bool fused = variant_ == KernelVariant::kFused;
-    launch_ring(p, dtype, reduce_op, fused ? kMaxBlocks : 1, fused, own);
-    ++launches_;
+    for_each_launch(p, variant_, shape.elem_size, [&](const RingParams& q, int blocks, bool vectorise) {
+      launch_ring(q, dtype, reduce_op, blocks, vectorise, own);
+    });
   }
   RINGCOLL_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(done_), own));
   if (join) RINGCOLL_CUDA_CHECK(cudaStreamWaitEvent(user, static_cast<cudaEvent_t>(done_), 0));
@@ -197,20 +180,17 @@ void CudaComm::launch(const char* op, int coll, uintptr_t input, uintptr_t outpu
 
 void CudaComm::all_reduce(uintptr_t input, uintptr_t output, int64_t count, int dtype, int op, uintptr_t stream,
                           bool join) {
-  launch("all_reduce", static_cast<int>(Collective::kAllReduce), input, output, count, dtype, op, stream, join);
+  launch("all_reduce", Collective::kAllReduce, input, output, count, dtype, op, stream, join);
 }
 
 void CudaComm::reduce_scatter(uintptr_t input, uintptr_t output, int64_t output_count, int dtype, int op,
                               uintptr_t stream, bool join) {
-  launch("reduce_scatter", static_cast<int>(Collective::kReduceScatter), input, output, output_count * world_, dtype,
-         op, stream, join);
+  launch("reduce_scatter", Collective::kReduceScatter, input, output, output_count, dtype, op, stream, join);
 }
 
 void CudaComm::all_gather(uintptr_t input, uintptr_t output, int64_t input_count, int dtype, uintptr_t stream,
                           bool join) {
-  const int64_t bytes = input_count * dtype_size(static_cast<DType>(dtype));
-  launch("all_gather", static_cast<int>(Collective::kAllGather), input, output, bytes * world_, dtype, 0, stream,
-         join);
+  launch("all_gather", Collective::kAllGather, input, output, input_count, dtype, 0, stream, join);
 }
 
 void CudaComm::close() {

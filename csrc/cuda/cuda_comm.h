@@ -1,50 +1,16 @@
-// cuda_comm.h: the CUDA transport. P processes, each with one GPU buffer that every peer
-// maps through CUDA IPC; the ring of ring_loop.h runs in a kernel over them
-// (ring_kernels.cu). Nothing here names a CUDA type, so the bindings compile with g++.
-//
-// Per-rank IPC allocation (one cudaMalloc, one handle):
-//
-//   [ flag area: per thread block b < kMaxBlocks: published, consumed, each on its own 128-byte line | 4 KiB ]
-//   [ data area: kBanks x P slots of slot_bytes each                                                       ]
-//
-// Block b of rank k talks only to block b of ranks k-1 and k+1 (its own strip of every
-// chunk), so blocks never wait for each other. Per-block bookkeeping (step base and the
-// last publication of every slot, see ring_loop.h) lives in a private device array that
-// persists between launches, like HostComm's members.
-//
-// Not yet on CUDA: the call-descriptor check (descriptor.h, RINGCOLL_CHECK). `check` is
-// accepted and ignored; mismatched calls on the CUDA transport time out instead of raising
-// RingcollMismatchError.
+// cuda_comm.h: the CUDA transport. P processes, each with one GPU allocation (flags, then
+// data; kernel_abi.h has the layout) that every peer maps through CUDA IPC; the ring of
+// ring_loop.h runs in kernels over them (ring_kernels.cu, device_ring.h). Nothing here names
+// a CUDA type, so the bindings compile with g++.
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "kernel_abi.h"
+
 namespace ringcoll::cuda {
-
-constexpr int kBanks = 2;
-constexpr int kMaxBlocks = 8;          // fused kernel's grid; flag area sized for it
-constexpr int kMaxWorld = 16;          // per-thread copy of the slot bookkeeping is sized for it
-constexpr size_t kFlagAreaBytes = 4096;
-constexpr size_t kFlagStride = 128;    // one flag per 128-byte line
-constexpr size_t kSlotAlignment = 128;
-constexpr int kStateWords = 2 * kMaxWorld + 8;  // per block: [0] step base, [1..] last publication per slot
-
-// Where a kernel that gave up records why (host-mapped, one per block).
-struct ErrorRecord {
-  int32_t valid;     // written last
-  int32_t rank, peer, block;
-  int32_t waiting_for_consume;  // 0: waited for `peer` to publish, 1: to consume
-  int32_t step;      // -1 before the first ring step
-  int64_t slice;
-  uint64_t expected, seen;
-  uint64_t waited_ns;
-};
-
-enum class KernelVariant : int { kFused = 0, kNaive = 1 };
-
-size_t slot_bytes_for(size_t buffer_bytes, int world);
 
 class CudaComm {
  public:
@@ -67,8 +33,9 @@ class CudaComm {
                       bool join);
   void all_gather(uintptr_t input, uintptr_t output, int64_t input_count, int dtype, uintptr_t stream, bool join);
 
-  // Throw TimeoutError (and mark the communicator broken) if a kernel has recorded a
-  // timed-out wait. Cheap: reads host-mapped memory, no synchronisation.
+  // Throw (and mark the communicator broken) if a kernel has given up: TimeoutError,
+  // MismatchError or PeerError as its record says. Cheap: reads host-mapped memory, no
+  // synchronisation.
   void check_error();
   // Block until every launch so far has finished, then check_error().
   void synchronize();
@@ -88,8 +55,8 @@ class CudaComm {
 
  private:
   void ensure_usable(const char* op) const;
-  void launch(const char* op, int coll, uintptr_t input, uintptr_t output, int64_t count, int dtype, int reduce_op,
-              uintptr_t stream, bool join);
+  void launch(const char* op, Collective coll, uintptr_t input, uintptr_t output, int64_t user_count, int dtype,
+              int reduce_op, uintptr_t stream, bool join);
 
   int rank_, world_, device_;
   size_t buffer_bytes_, slot_bytes_;
@@ -105,7 +72,7 @@ class CudaComm {
   void* ready_ = nullptr;                // cudaEvent_t, recorded on the caller's stream
   std::vector<char*> peers_;             // peers_[r]: rank r's allocation mapped here (own for r == rank)
   bool peers_open_ = false;
-  uint64_t launches_ = 0;
+  uint64_t calls_ = 0;                   // collectives that reached the GPU (numbers the mismatch check)
   std::string broken_reason_;
   bool closed_ = false;
 };

@@ -284,31 +284,6 @@ void HostComm::wait_for(int peer, const uint64_t* address, uint64_t target, cons
   fail<PeerError>(current_op_, msg.str());
 }
 
-namespace {
-const char* collective_name(int32_t code) {
-  static const char* const kNames[] = {"all_reduce", "reduce_scatter", "all_gather", "barrier"};
-  return code >= 0 && code < 4 ? kNames[code] : "unknown collective";
-}
-const char* dtype_name(int32_t code) {
-  static const char* const kNames[] = {"float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64"};
-  return code >= 0 && code < kNumDTypes ? kNames[code] : "unknown dtype";
-}
-const char* op_name(int32_t code) {
-  static const char* const kNames[] = {"SUM", "PRODUCT", "MIN", "MAX", "AVG"};
-  return code >= 0 && code < kNumReduceOps ? kNames[code] : "unknown op";
-}
-std::string describe(const CallDescriptor& call) {
-  std::ostringstream text;
-  text << collective_name(call.collective) << "(";
-  if (call.collective != kBarrierCollective) {
-    text << dtype_name(call.dtype);
-    if (call.collective != static_cast<int32_t>(Collective::kAllGather)) text << ", " << op_name(call.op);
-    text << ", count=" << call.count;
-  }
-  return text.str() + ")";
-}
-}  // namespace
-
 void HostComm::check_call(const char* op, const CallDescriptor& call) {
   SegmentHeader& me = header(rank_);
   publish_descriptor(&me.descriptor, call, calls_);
@@ -319,7 +294,7 @@ void HostComm::check_call(const char* op, const CallDescriptor& call) {
     if (compare_descriptor(&header(peer).descriptor, call, calls_, &theirs) != PeerCall::kDiffers) continue;
     std::ostringstream msg;
     msg << "mismatched collective calls (call " << calls_ << " on this communicator): rank " << rank_ << " called "
-        << describe(call) << " but rank " << peer << " called " << describe(theirs)
+        << describe_call(call) << " but rank " << peer << " called " << describe_call(theirs)
         << "; no data was moved";
     fail<MismatchError>(op, msg.str());
   }

@@ -18,8 +18,13 @@
 // on" implies "matched", and the reader may skip that peer.
 #pragma once
 
+#include <sstream>
+#include <string>
+
 #include "ringcoll/flags.h"
 #include "ringcoll/platform.h"
+#include "ringcoll/reduce.h"
+#include "ringcoll/ring.h"
 
 namespace ringcoll {
 
@@ -30,12 +35,13 @@ struct CallDescriptor {
   int32_t collective;  // Collective, or kBarrierCollective
   int32_t dtype;       // DType
   int32_t op;          // ReduceOp (0 where the collective does not reduce)
-  int32_t reserved;
+  int32_t variant;     // CUDA transport: its kernel variant (ranks must agree); 0 on the CPU
   int64_t count;       // elements per rank's input of all-gather, output of reduce-scatter, tensor of all-reduce
 };
 
 RINGCOLL_INLINE bool same_call(const CallDescriptor& a, const CallDescriptor& b) {
-  return a.collective == b.collective && a.dtype == b.dtype && a.op == b.op && a.count == b.count;
+  return a.collective == b.collective && a.dtype == b.dtype && a.op == b.op && a.count == b.count &&
+         a.variant == b.variant;
 }
 
 // The descriptor area of one rank: one sequence flag, then the fields.
@@ -57,6 +63,7 @@ RINGCOLL_INLINE void publish_descriptor(DescriptorSlot* slot, const CallDescript
   __atomic_store_n(&slot->call.collective, call.collective, __ATOMIC_RELAXED);
   __atomic_store_n(&slot->call.dtype, call.dtype, __ATOMIC_RELAXED);
   __atomic_store_n(&slot->call.op, call.op, __ATOMIC_RELAXED);
+  __atomic_store_n(&slot->call.variant, call.variant, __ATOMIC_RELAXED);
   __atomic_store_n(&slot->call.count, call.count, __ATOMIC_RELAXED);
 #endif
   flag_store_release(&slot->seq, descriptor_seq_written(call_number));
@@ -77,11 +84,30 @@ RINGCOLL_INLINE PeerCall compare_descriptor(const DescriptorSlot* slot, const Ca
   theirs->collective = __atomic_load_n(&slot->call.collective, __ATOMIC_RELAXED);
   theirs->dtype = __atomic_load_n(&slot->call.dtype, __ATOMIC_RELAXED);
   theirs->op = __atomic_load_n(&slot->call.op, __ATOMIC_RELAXED);
+  theirs->variant = __atomic_load_n(&slot->call.variant, __ATOMIC_RELAXED);
   theirs->count = __atomic_load_n(&slot->call.count, __ATOMIC_RELAXED);
   __atomic_thread_fence(__ATOMIC_ACQUIRE);  // the fields are read before seq is re-checked
 #endif
   if (flag_load_acquire(&slot->seq) != seq) return PeerCall::kMovedOn;  // overwritten meanwhile
   return same_call(mine, *theirs) ? PeerCall::kMatches : PeerCall::kDiffers;
+}
+
+// A call as error messages show it, e.g. "all_reduce(float32, SUM, count=1024)". Host only.
+inline std::string describe_call(const CallDescriptor& call) {
+  static const char* const kCollectives[] = {"all_reduce", "reduce_scatter", "all_gather", "barrier"};
+  static const char* const kDTypes[] = {"float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64"};
+  static const char* const kOps[] = {"SUM", "PRODUCT", "MIN", "MAX", "AVG"};
+  std::ostringstream text;
+  text << (call.collective >= 0 && call.collective < 4 ? kCollectives[call.collective] : "unknown collective") << "(";
+  if (call.collective != kBarrierCollective) {
+    text << (call.dtype >= 0 && call.dtype < kNumDTypes ? kDTypes[call.dtype] : "unknown dtype");
+    if (call.collective != static_cast<int32_t>(Collective::kAllGather))
+      text << ", " << (call.op >= 0 && call.op < kNumReduceOps ? kOps[call.op] : "unknown op");
+    text << ", count=" << call.count;
+    if (call.variant != 0) text << ", kernel variant " << call.variant;
+  }
+  text << ")";
+  return text.str();
 }
 
 }  // namespace ringcoll

@@ -47,24 +47,24 @@ RINGCOLL_INLINE int64_t num_slices(int64_t count, int world, int64_t slice_elems
 }
 RINGCOLL_INLINE int slot_index(int bank, int chunk, int world) { return bank * world + chunk; }
 
-// Run collective `coll` on `count` elements (the full message: n for all-reduce, P*m for
-// reduce-scatter and all-gather). Returns false if a wait gave up.
+// One unit of ring work: step i of slice j, where i == -1 is the first send before step 0
+// (so a slice is the units -1, 0, .., steps-1). Units must run in order: each reads the
+// bookkeeping the previous one left. Returns false if a wait gave up. The CUDA teaching
+// variant launches one kernel per unit; everything else runs them all in run_ring.
 template <class Ctx>
-RINGCOLL_HD bool run_ring(Ctx& ctx, Collective coll, int64_t count) {
+RINGCOLL_HD bool ring_step(Ctx& ctx, Collective coll, int64_t count, int64_t j, int i) {
   const int rank = ctx.rank(), world = ctx.world();
   const int steps = ring_steps(coll, world);
   const int64_t slice_elems = ctx.slice_elems();
-  const int64_t slices = num_slices(count, world, slice_elems);
+  const int bank = static_cast<int>(j % ctx.banks());
+  const uint64_t base = ctx.step_base();  // numbers of this slice's publications start after it
+  const int64_t offset = j * slice_elems;  // of this slice inside every chunk
+  auto len_of = [&](int c) { return slice_length(chunk_length(count, world, c), slice_elems, j); };
+  ctx.set_position(j, i);
 
-  for (int64_t j = 0; j < slices; ++j) {
-    const int bank = static_cast<int>(j % ctx.banks());
-    const uint64_t base = ctx.step_base();
-    const int64_t offset = j * slice_elems;  // of this slice inside every chunk
-    auto len_of = [&](int c) { return slice_length(chunk_length(count, world, c), slice_elems, j); };
-
-    // Before step 0: put the first chunk to send into my buffer (and, for all-gather, my
-    // own chunk into the output).
-    ctx.set_position(j, -1);
+  if (i < 0) {
+    // Put the first chunk to send into my buffer (and, for all-gather, my own chunk into
+    // the output).
     const int first = first_send_chunk(coll, rank, world);
     uint64_t& first_slot_pub = ctx.last_publication(slot_index(bank, first, world));
     if (!ctx.wait_right_consumed(first_slot_pub)) return false;
@@ -72,30 +72,39 @@ RINGCOLL_HD bool run_ring(Ctx& ctx, Collective coll, int64_t count) {
     ctx.copy(ctx.my_slot(bank, first), own_output, ctx.input_at(first, offset), len_of(first));
     ctx.publish(base + 1);
     first_slot_pub = base + 1;
+  } else {
+    const int c = step_recv_chunk(coll, rank, i, world);
+    const bool forwards = step_forwards(coll, i, world);
+    const bool final_value = step_writes_output(coll, i, world);
+    uint64_t& slot_pub = ctx.last_publication(slot_index(bank, c, world));
 
-    for (int i = 0; i < steps; ++i) {
-      ctx.set_position(j, i);
-      const int c = step_recv_chunk(coll, rank, i, world);
-      const bool forwards = step_forwards(coll, i, world);
-      const bool final_value = step_writes_output(coll, i, world);
-      uint64_t& slot_pub = ctx.last_publication(slot_index(bank, c, world));
-
-      if (!ctx.wait_left_published(base + i + 1)) return false;
-      if (forwards && !ctx.wait_right_consumed(slot_pub)) return false;
-      auto* to_right = forwards ? ctx.my_slot(bank, c) : nullptr;
-      auto* to_output = final_value ? ctx.output_at(c, offset) : nullptr;
-      if (step_reduces(coll, i, world))
-        ctx.reduce(to_right, to_output, ctx.left_slot(bank, c), ctx.input_at(c, offset), len_of(c), final_value);
-      else
-        ctx.copy(to_right, to_output, ctx.left_slot(bank, c), len_of(c));
-      ctx.mark_consumed(base + i + 1);
-      if (forwards) {
-        ctx.publish(base + i + 2);
-        slot_pub = base + i + 2;
-      }
+    if (!ctx.wait_left_published(base + i + 1)) return false;
+    if (forwards && !ctx.wait_right_consumed(slot_pub)) return false;
+    auto* to_right = forwards ? ctx.my_slot(bank, c) : nullptr;
+    auto* to_output = final_value ? ctx.output_at(c, offset) : nullptr;
+    if (step_reduces(coll, i, world))
+      ctx.reduce(to_right, to_output, ctx.left_slot(bank, c), ctx.input_at(c, offset), len_of(c), final_value);
+    else
+      ctx.copy(to_right, to_output, ctx.left_slot(bank, c), len_of(c));
+    ctx.mark_consumed(base + i + 1);
+    if (forwards) {
+      ctx.publish(base + i + 2);
+      slot_pub = base + i + 2;
     }
-    ctx.step_base() = base + steps;
   }
+  if (i == steps - 1) ctx.step_base() = base + steps;  // the slice is done
+  return true;
+}
+
+// Run collective `coll` on `count` elements (the full message: n for all-reduce, P*m for
+// reduce-scatter and all-gather). Returns false if a wait gave up.
+template <class Ctx>
+RINGCOLL_HD bool run_ring(Ctx& ctx, Collective coll, int64_t count) {
+  const int steps = ring_steps(coll, ctx.world());
+  const int64_t slices = num_slices(count, ctx.world(), ctx.slice_elems());
+  for (int64_t j = 0; j < slices; ++j)
+    for (int i = -1; i < steps; ++i)
+      if (!ring_step(ctx, coll, count, j, i)) return false;
   return true;
 }
 

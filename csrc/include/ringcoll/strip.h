@@ -1,17 +1,18 @@
-// strip.h: how a GPU kernel divides one chunk slice among its thread blocks, and how one
-// block's strip divides into 16-byte vectors and scalar leftovers. Written once, used by
-// the CUDA kernels (csrc/cuda/ring_kernels.cu) and exposed to Python through host-callable
-// twins (ringcoll._C.strip), so tests/test_kernel_logic.py checks the very code the GPU runs.
+// strip.h: how a GPU kernel divides one chunk slice among its thread blocks, and how each
+// piece divides into 16-byte vectors and scalar leftovers. Written once, used by the CUDA
+// kernels (csrc/cuda/device_ring.h) and exposed to Python through host-callable twins
+// (ringcoll._C.strip), so tests/test_kernel_logic.py checks the very code the GPU runs.
 //
-// Strips. A slice of `len` elements is cut into `blocks` strips, block b taking
+// Tiles. A slice is cut into tiles of kTileBytes (one 16-byte vector per thread of a
+// 512-thread block); tile t is [t*E, min(len, (t+1)*E)) for E = kTileBytes / elem_size,
+// and block b does tiles b, b + blocks, b + 2*blocks, ... So which block touches element i
+// of a slot depends on i alone, never on the length of the slice in it. That matters: a
+// block waits only for its own neighbour block to have consumed a slot before refilling
+// it, which is safe only if no other block wrote or reads those elements in any earlier
+// use of the slot (with a longer or shorter slice, or another call). Every tile starts
+// 16-byte aligned whenever the slice does.
 //
-//     [ min(len, U_b * g), min(len, U_{b+1} * g) )     U_b = chunk_begin(ceil(len / g), blocks, b)
-//
-// where g = 16 / sizeof(T) elements is one 16-byte granule: strips are balanced to within a
-// granule (plus the partial granule at the end of the slice) and every strip but the last starts and ends on a granule boundary, so a block's
-// strip is 16-byte aligned whenever the slice start is.
-//
-// Vector split. A strip whose pointers all sit at the same offset modulo 16 (a multiple of
+// Vector split. A piece whose pointers all sit at the same offset modulo 16 (a multiple of
 // the element size) is done as: `head` scalar elements until the pointers reach a 16-byte
 // boundary, `vec` elements in 16-byte loads/stores, `tail` scalar elements. Pointers that
 // disagree modulo 16 cannot be vectorised together: all `head`, no vectors.
@@ -23,20 +24,16 @@
 namespace ringcoll {
 
 constexpr int kVectorBytes = 16;
+constexpr int64_t kTileBytes = 8192;
 
-RINGCOLL_INLINE int64_t strip_granule(int elem_size) {
-  return elem_size >= kVectorBytes ? 1 : kVectorBytes / elem_size;
+RINGCOLL_INLINE int64_t tile_elems(int elem_size) { return kTileBytes / elem_size; }
+RINGCOLL_INLINE int64_t tile_count(int64_t len, int elem_size) {
+  return (len + tile_elems(elem_size) - 1) / tile_elems(elem_size);
 }
-
-// First element of block `block`'s strip of a `len`-element slice; block == blocks gives len.
-RINGCOLL_INLINE int64_t strip_begin(int64_t len, int blocks, int block, int elem_size) {
-  const int64_t g = strip_granule(elem_size);
-  const int64_t units = (len + g - 1) / g;
-  const int64_t begin = chunk_begin(units, blocks, block) * g;
-  return begin < len ? begin : len;
-}
-RINGCOLL_INLINE int64_t strip_end(int64_t len, int blocks, int block, int elem_size) {
-  return strip_begin(len, blocks, block + 1, elem_size);
+RINGCOLL_INLINE int64_t tile_begin(int64_t tile, int elem_size) { return tile * tile_elems(elem_size); }
+RINGCOLL_INLINE int64_t tile_end(int64_t len, int64_t tile, int elem_size) {
+  const int64_t end = (tile + 1) * tile_elems(elem_size);
+  return end < len ? end : len;
 }
 
 struct VectorSplit {

@@ -1,0 +1,327 @@
+// device_ring.h: what one thread block of a ring kernel does. The step loop is ring_loop.h's,
+// the same template the CPU transport runs; this file supplies the device execution context
+// and the block's entry point, ring_block(). ring_kernels.cu wraps it in __global__ kernels;
+// csrc/emulation/ compiles it for the CPU, blocks as threads, so CI runs this very code.
+//
+// The algorithm, for P ranks (ring.h has the chunk indexing and the picture):
+//   reduce-scatter  P-1 steps: at step s rank k reads chunk k-s-2 from its left neighbour's
+//                   buffer, adds its own copy and (but at the last step) puts the sum in its
+//                   own buffer for its right neighbour. After P-1 steps rank k holds chunk k
+//                   reduced over all ranks.
+//   all-gather      P-1 steps: finished chunks travel round the ring, each rank copying what
+//                   it receives into its output and on to its right neighbour.
+//   all-reduce      reduce-scatter then all-gather: 2(P-1)/P * n elements sent per rank.
+// The message is cut into slices that fit one slot of the registered buffer (two banks, so
+// slice j+1 fills one bank while slice j is read from the other).
+//
+// Memory ordering. Within a block, one thread (thread 0) does every flag access:
+//   publish:  all threads store their part of the data; __syncthreads(); thread 0 does a
+//             st.release.sys of the flag. bar.sync orders the other threads' stores before
+//             thread 0's subsequent operations at CTA scope, and PTX release is cumulative:
+//             writes observed-before the release by the releasing thread (which includes
+//             those ordered before it by the barrier) become visible, at system scope, to
+//             whoever acquires the flag. This is the pattern the PTX memory model's
+//             causality order is built for (barrier then release), and the one vLLM's and
+//             mscclpp's one-writer flags rely on.
+//   wait:     thread 0 polls with ld.acquire.sys until the value arrives; __syncthreads();
+//             the other threads then read the data: acquire -> barrier is again a causality
+//             chain, so their reads see what the peer published.
+//   consumed: the same as publish, for reads: a peer overwrites a slot only after acquiring
+//             our `consumed`, which we release after a barrier that follows all our reads.
+// Peer data is read with plain (weak, coherent) loads, never __ldg / const __restrict__:
+// the same addresses are rewritten every step, and the non-coherent read-only path could
+// serve a stale line.
+//
+// Giving up. Waits are bounded by the communicator's timeout, measured with %globaltimer,
+// and end early when the awaited neighbour, or another block of this rank, has given up
+// (its `aborted` flag). A block that gives up records why in its host-mapped ErrorRecord,
+// sets this rank's `aborted` flag (so its neighbours stop too, and so on round the ring)
+// and returns; the host raises at its next check. Later launches on a rank that gave up
+// return at once.
+//
+// The mismatch check. Before any data moves, block 0 publishes this rank's call descriptor
+// (descriptor.h) and every block compares its left neighbour's with its own. Neighbours
+// compare round the whole ring, so a difference anywhere is found by some rank, and its
+// `aborted` flag carries "mismatch" to every other.
+#pragma once
+
+#include "kernel_abi.h"
+#include "ringcoll/flags.h"
+#include "ringcoll/reduce.h"
+#include "ringcoll/ring_loop.h"
+#include "ringcoll/strip.h"
+
+namespace ringcoll::cuda {
+
+// 16 bytes viewed as elements of T.
+template <typename T>
+union Pack {
+  static constexpr int kElems = kVectorBytes / sizeof(T);
+  uint4 raw;
+  T elems[kElems];
+};
+
+RINGCOLL_DEVICE inline uint4 load16(const void* p) { return *static_cast<const uint4*>(p); }
+RINGCOLL_DEVICE inline void store16(void* p, uint4 v) { *static_cast<uint4*>(p) = v; }
+
+// dst (if any) and dst2 (if any) = src over [0, len), by all threads of the block.
+template <typename T>
+RINGCOLL_DEVICE void copy_range(T* dst, T* dst2, const T* src, int64_t len, bool vectorise) {
+  if (dst2 == src) dst2 = nullptr;  // in place: the value is already there
+  if (dst == nullptr && dst2 == nullptr) return;
+  const VectorSplit split = vectorise ? vector_split(len, sizeof(T), reinterpret_cast<uintptr_t>(dst),
+                                                     reinterpret_cast<uintptr_t>(dst2), reinterpret_cast<uintptr_t>(src))
+                                      : VectorSplit{len, 0, 0};
+  const int64_t tid = threadIdx.x, stride = blockDim.x;
+  constexpr int64_t kPer = Pack<T>::kElems;
+  for (int64_t v = tid; v < split.vec / kPer; v += stride) {
+    const int64_t i = split.head + v * kPer;
+    const uint4 x = load16(src + i);
+    if (dst != nullptr) store16(dst + i, x);
+    if (dst2 != nullptr) store16(dst2 + i, x);
+  }
+  for (int64_t k = tid; k < split.head + split.tail; k += stride) {
+    const int64_t i = k < split.head ? k : k + split.vec;
+    const T x = src[i];
+    if (dst != nullptr) dst[i] = x;
+    if (dst2 != nullptr) dst2[i] = x;
+  }
+}
+
+template <typename T, class Op, bool kFinal>
+RINGCOLL_DEVICE inline T combine(T recv, T own, int world) {
+  if constexpr (kFinal) return combine_final_element<T, Op>(recv, own, world);
+  else return combine_element<T, Op>(recv, own);
+}
+
+// to_right (if any) and to_output (if any) = recv op own over [0, len). `own` may alias
+// `to_output` (in place): each element is read before it is written, by the same thread.
+template <typename T, class Op, bool kFinal>
+RINGCOLL_DEVICE void reduce_range(T* to_right, T* to_output, const T* recv, const T* own, int64_t len, int world,
+                                  bool vectorise) {
+  const VectorSplit split =
+      vectorise ? vector_split(len, sizeof(T), reinterpret_cast<uintptr_t>(to_right), reinterpret_cast<uintptr_t>(to_output),
+                               reinterpret_cast<uintptr_t>(recv), reinterpret_cast<uintptr_t>(own))
+                : VectorSplit{len, 0, 0};
+  const int64_t tid = threadIdx.x, stride = blockDim.x;
+  constexpr int64_t kPer = Pack<T>::kElems;
+  for (int64_t v = tid; v < split.vec / kPer; v += stride) {
+    const int64_t i = split.head + v * kPer;
+    Pack<T> a, b, r;
+    a.raw = load16(recv + i);
+    b.raw = load16(own + i);
+#pragma unroll
+    for (int e = 0; e < Pack<T>::kElems; ++e) r.elems[e] = combine<T, Op, kFinal>(a.elems[e], b.elems[e], world);
+    if (to_right != nullptr) store16(to_right + i, r.raw);
+    if (to_output != nullptr) store16(to_output + i, r.raw);
+  }
+  for (int64_t k = tid; k < split.head + split.tail; k += stride) {
+    const int64_t i = k < split.head ? k : k + split.vec;
+    const T x = combine<T, Op, kFinal>(recv[i], own[i], world);
+    if (to_right != nullptr) to_right[i] = x;
+    if (to_output != nullptr) to_output[i] = x;
+  }
+}
+
+// Where things sit in a rank's flag area (kernel_abi.h has the picture).
+enum class BlockFlag : int { kPublished = 0, kConsumed = 1 };
+RINGCOLL_DEVICE inline uint64_t* block_flag(const char* base, int block, BlockFlag which) {
+  return reinterpret_cast<uint64_t*>(const_cast<char*>(base) + (2 * block + static_cast<int>(which)) * kFlagStride);
+}
+RINGCOLL_DEVICE inline uint64_t* aborted_flag(const char* base) {
+  return reinterpret_cast<uint64_t*>(const_cast<char*>(base) + kAbortedOffset);
+}
+RINGCOLL_DEVICE inline DescriptorSlot* descriptor_slot(const char* base) {
+  return reinterpret_cast<DescriptorSlot*>(const_cast<char*>(base) + kDescriptorOffset);
+}
+
+// What a block's threads share (__shared__ on the GPU).
+struct BlockShared {
+  int failed;  // set by thread 0 when the block gave up
+};
+
+// Which flag a wait is for, as ErrorRecord::waiting_for says it.
+enum class Awaited : int { kPublish = 0, kConsume = 1, kDescriptor = 2 };
+
+// The device execution context of ring_loop.h. Every thread of the block holds its own
+// identical copy of the bookkeeping (step base, last publication per slot): all threads run
+// the same loop, so the copies agree without any sharing.
+template <typename T, class Op>
+class DeviceRingContext {
+ public:
+  RINGCOLL_DEVICE DeviceRingContext(const RingParams& p, BlockShared* shared, bool vectorise)
+      : p_(p), shared_(shared), vectorise_(vectorise), block_(blockIdx.x), blocks_(gridDim.x),
+        slice_elems_(p.slot_bytes / static_cast<int64_t>(sizeof(T))) {
+    const uint64_t* state = p.state + static_cast<int64_t>(block_) * kStateWords;
+    base_ = state[0];
+    for (int s = 0; s < kBanks * p.world; ++s) pubs_[s] = state[1 + s];
+  }
+  RINGCOLL_DEVICE void save() const {
+    uint64_t* state = p_.state + static_cast<int64_t>(block_) * kStateWords;
+    state[0] = base_;
+    for (int s = 0; s < kBanks * p_.world; ++s) state[1 + s] = pubs_[s];
+  }
+
+  RINGCOLL_DEVICE int rank() const { return p_.rank; }
+  RINGCOLL_DEVICE int world() const { return p_.world; }
+  RINGCOLL_DEVICE int banks() const { return kBanks; }
+  RINGCOLL_DEVICE int64_t slice_elems() const { return slice_elems_; }
+  RINGCOLL_DEVICE uint64_t& step_base() { return base_; }
+  RINGCOLL_DEVICE uint64_t& last_publication(int slot) { return pubs_[slot]; }
+  RINGCOLL_DEVICE void set_position(int64_t slice, int step) { slice_ = slice, step_ = step; }
+
+  RINGCOLL_DEVICE T* my_slot(int bank, int c) const { return slot_in(p_.my_base, bank, c); }
+  RINGCOLL_DEVICE const T* left_slot(int bank, int c) const { return slot_in(p_.left_base, bank, c); }
+  RINGCOLL_DEVICE const T* input_at(int c, int64_t offset) const {
+    return static_cast<const T*>(p_.input) + offset +
+           (p_.collective == static_cast<int>(Collective::kAllGather) ? 0 : chunk_begin(p_.count, p_.world, c));
+  }
+  RINGCOLL_DEVICE T* output_at(int c, int64_t offset) const {
+    return static_cast<T*>(p_.output) + offset +
+           (p_.collective == static_cast<int>(Collective::kReduceScatter) ? 0 : chunk_begin(p_.count, p_.world, c));
+  }
+
+  // This block's tiles of [0, len) (strip.h), each shared by the block's threads.
+  RINGCOLL_DEVICE void copy(T* to_right, T* to_output, const T* src, int64_t len) const {
+    for (int64_t t = block_; t < tile_count(len, sizeof(T)); t += blocks_) {
+      const int64_t b = tile_begin(t, sizeof(T)), e = tile_end(len, t, sizeof(T));
+      copy_range<T>(to_right ? to_right + b : nullptr, to_output ? to_output + b : nullptr, src + b, e - b, vectorise_);
+    }
+  }
+  RINGCOLL_DEVICE void reduce(T* to_right, T* to_output, const T* recv, const T* own, int64_t len, bool is_final) const {
+    for (int64_t t = block_; t < tile_count(len, sizeof(T)); t += blocks_) {
+      const int64_t b = tile_begin(t, sizeof(T)), e = tile_end(len, t, sizeof(T));
+      T* r = to_right ? to_right + b : nullptr;
+      T* o = to_output ? to_output + b : nullptr;
+      if (is_final) reduce_range<T, Op, true>(r, o, recv + b, own + b, e - b, p_.world, vectorise_);
+      else reduce_range<T, Op, false>(r, o, recv + b, own + b, e - b, p_.world, vectorise_);
+    }
+  }
+
+  RINGCOLL_DEVICE bool wait_left_published(uint64_t v) {
+    return wait(block_flag(p_.left_base, block_, BlockFlag::kPublished), v, left(), Awaited::kPublish);
+  }
+  RINGCOLL_DEVICE bool wait_right_consumed(uint64_t v) {
+    return wait(block_flag(p_.right_base, block_, BlockFlag::kConsumed), v, right(), Awaited::kConsume);
+  }
+  // See the file comment for why barrier + one release store orders every thread's writes.
+  RINGCOLL_DEVICE void publish(uint64_t v) { release(block_flag(p_.my_base, block_, BlockFlag::kPublished), v); }
+  RINGCOLL_DEVICE void mark_consumed(uint64_t v) { release(block_flag(p_.my_base, block_, BlockFlag::kConsumed), v); }
+
+  // The mismatch check (file comment). False if this block gave up.
+  RINGCOLL_DEVICE bool check_call() {
+    if (block_ == 0 && threadIdx.x == 0) publish_descriptor(descriptor_slot(p_.my_base), p_.call, p_.call_number);
+    const DescriptorSlot* theirs = descriptor_slot(p_.left_base);
+    if (!wait(&theirs->seq, descriptor_seq_written(p_.call_number), left(), Awaited::kDescriptor)) return false;
+    if (threadIdx.x == 0) {
+      CallDescriptor seen{};
+      if (compare_descriptor(theirs, p_.call, p_.call_number, &seen) == PeerCall::kDiffers)
+        give_up(AbortCause::kMismatch, AbortCause::kNone, left(), Awaited::kDescriptor, 0, 0, 0, &seen);
+    }
+    return block_agrees();
+  }
+
+ private:
+  RINGCOLL_DEVICE int left() const { return left_neighbour(p_.rank, p_.world); }
+  RINGCOLL_DEVICE int right() const { return right_neighbour(p_.rank, p_.world); }
+  RINGCOLL_DEVICE T* slot_in(const char* base, int bank, int c) const {
+    return reinterpret_cast<T*>(const_cast<char*>(base) + kFlagAreaBytes +
+                                static_cast<size_t>(slot_index(bank, c, p_.world)) * p_.slot_bytes);
+  }
+  RINGCOLL_DEVICE void release(uint64_t* flag, uint64_t v) {
+    __syncthreads();
+    if (threadIdx.x == 0) flag_store_release(flag, v);
+  }
+  // Every thread learns whether thread 0 gave up; false if it did.
+  RINGCOLL_DEVICE bool block_agrees() {
+    __syncthreads();
+    const bool ok = shared_->failed == 0;
+    __syncthreads();  // every thread has read `failed` before thread 0 may set it in a later wait
+    return ok;
+  }
+
+  // Thread 0 polls (bounded by the timeout, ended early when someone gave up), then the
+  // block learns the outcome together.
+  RINGCOLL_DEVICE bool wait(const uint64_t* flag, uint64_t target, int peer, Awaited what) {
+    if (threadIdx.x == 0 && flag_load_acquire(flag) < target) {
+      const char* peer_base = peer == left() ? p_.left_base : p_.right_base;
+      const uint64_t start = device_now_ns();
+      for (unsigned polls = 0;; ++polls) {
+        if (polls > 64) __nanosleep(200);  // a long wait: leave issue slots to the peer
+        const uint64_t seen = flag_load_acquire(flag);
+        if (seen >= target) break;
+        const uint64_t peer_cause = flag_load_relaxed(aborted_flag(peer_base));
+        if (peer_cause != 0) {
+          give_up(AbortCause::kPeerAborted, static_cast<AbortCause>(peer_cause), peer, what, target, seen, 0, nullptr);
+          break;
+        }
+        if (flag_load_relaxed(aborted_flag(p_.my_base)) != 0) {  // another block of mine gave up (and said why)
+          shared_->failed = 1;
+          break;
+        }
+        const uint64_t waited = device_now_ns() - start;
+        if (waited > p_.timeout_ns) {
+          give_up(AbortCause::kTimedOut, AbortCause::kNone, peer, what, target, seen, waited, nullptr);
+          break;
+        }
+      }
+    }
+    return block_agrees();
+  }
+
+  // Thread 0 only: record why this block stops, and tell this rank's other blocks and its
+  // neighbours (the aborted flag carries the cause at the origin).
+  RINGCOLL_DEVICE void give_up(AbortCause kind, AbortCause cause, int peer, Awaited what, uint64_t expected,
+                               uint64_t seen, uint64_t waited, const CallDescriptor* theirs) {
+    ErrorRecord* rec = p_.errors + block_;
+    rec->kind = static_cast<int32_t>(kind);
+    rec->cause = static_cast<int32_t>(cause);
+    rec->rank = p_.rank, rec->peer = peer, rec->block = block_;
+    rec->waiting_for = static_cast<int32_t>(what);
+    rec->step = step_, rec->slice = slice_, rec->call = p_.call_number;
+    rec->expected = expected, rec->seen = seen, rec->waited_ns = waited;
+    rec->mine = p_.call;
+    if (theirs != nullptr) rec->theirs = *theirs;
+    publish_record(&rec->valid);
+    const AbortCause origin = kind == AbortCause::kPeerAborted ? cause : kind;
+    flag_store_release(aborted_flag(p_.my_base), static_cast<uint64_t>(origin));
+    shared_->failed = 1;
+  }
+  // The record's fields become visible to the host before its `valid` word.
+  RINGCOLL_DEVICE static void publish_record(int32_t* valid) {
+#if defined(__CUDA_ARCH__)
+    __threadfence_system();
+    *reinterpret_cast<volatile int32_t*>(valid) = 1;
+#else
+    __atomic_store_n(valid, 1, __ATOMIC_RELEASE);
+#endif
+  }
+
+  RingParams p_;
+  BlockShared* shared_;
+  bool vectorise_;
+  int block_, blocks_;
+  int64_t slice_elems_;
+  uint64_t base_ = 0;
+  uint64_t pubs_[kBanks * kMaxWorld];
+  int64_t slice_ = 0;
+  int step_ = -1;
+};
+
+// One block's part of a launch (kernel_abi.h's RingParams says which).
+template <typename T, class Op>
+RINGCOLL_DEVICE void ring_block(const RingParams& p, BlockShared& shared, bool vectorise) {
+  if (threadIdx.x == 0) shared.failed = flag_load_relaxed(aborted_flag(p.my_base)) != 0;
+  __syncthreads();
+  const bool broken = shared.failed != 0;
+  __syncthreads();  // all have read it before thread 0 can change it
+  if (broken) return;  // this rank gave up earlier: launches queued behind that do nothing
+  DeviceRingContext<T, Op> ctx(p, &shared, vectorise);
+  const Collective coll = static_cast<Collective>(p.collective);
+  bool ok = !p.check_call || ctx.check_call();
+  if (ok) ok = p.one_step ? ring_step(ctx, coll, p.count, p.only_slice, p.only_step) : run_ring(ctx, coll, p.count);
+  // A block that gave up leaves its bookkeeping stale: the communicator is broken anyway.
+  if (ok && threadIdx.x == 0) ctx.save();
+}
+
+}  // namespace ringcoll::cuda

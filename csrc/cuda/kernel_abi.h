@@ -1,0 +1,213 @@
+// kernel_abi.h: what the host side of the CUDA transport and the ring kernels agree on.
+// The layout of each rank's IPC allocation, the launch parameters, the plan of launches for
+// one collective, and the error records a kernel leaves when it gives up, with their
+// translation into the message the host raises. No CUDA types: cuda_comm.cu (nvcc), the
+// bindings and the CPU emulation of the kernels (csrc/emulation/, g++) all include it.
+//
+// Per-rank IPC allocation (one cudaMalloc, one handle):
+//
+//   [ flag area, 4 KiB: per thread block b < kMaxBlocks: published, consumed  (128-byte lines)
+//                       aborted (one line): nonzero once this rank gave up; the value says why
+//                       the call descriptor (descriptor.h), for the mismatch check            ]
+//   [ data area: kBanks x P slots of slot_bytes each                                          ]
+//
+// Block b of rank k talks only to block b of ranks k-1 and k+1 (its own strip of every
+// chunk), so blocks never wait for each other. Per-block bookkeeping (step base and the
+// last publication of every slot, see ring_loop.h) lives in a private device array that
+// persists between launches, like HostComm's members.
+#pragma once
+
+#include <cstdint>
+#include <sstream>
+#include <string>
+
+#include "ringcoll/descriptor.h"
+#include "ringcoll/ring_loop.h"
+
+namespace ringcoll::cuda {
+
+constexpr int kBanks = 2;
+constexpr int kMaxBlocks = 8;          // the fast variant's grid; flag area sized for it
+constexpr int kMaxWorld = 16;          // per-thread copy of the slot bookkeeping is sized for it
+constexpr size_t kFlagAreaBytes = 4096;
+constexpr size_t kFlagStride = 128;    // one flag per 128-byte line
+constexpr size_t kAbortedOffset = 2 * kMaxBlocks * kFlagStride;
+constexpr size_t kDescriptorOffset = kAbortedOffset + kFlagStride;
+constexpr size_t kSlotAlignment = 128;
+constexpr int kStateWords = 2 * kMaxWorld + 8;  // per block: [0] step base, [1..] last publication per slot
+static_assert(kDescriptorOffset + sizeof(DescriptorSlot) <= kFlagAreaBytes, "flags must fit their area");
+static_assert(kBanks * kMaxWorld + 1 <= kStateWords, "bookkeeping must fit its words");
+
+// Bytes of one slot for a data area of `buffer_bytes` shared by kBanks x world slots.
+inline size_t slot_bytes_for(size_t buffer_bytes, int world) {
+  const size_t per_slot = buffer_bytes / (static_cast<size_t>(kBanks) * static_cast<size_t>(world));
+  return per_slot / kSlotAlignment * kSlotAlignment;
+}
+
+enum class KernelVariant : int {
+  kFused = 0,  // kMaxBlocks blocks, 16-byte vectors, one launch per collective
+  kNaive = 1,  // one block, scalar loops, one launch per ring step: the teaching version
+};
+
+// Why a rank gave up: the value of its `aborted` flag, and the kind of its error record.
+enum class AbortCause : int32_t {
+  kNone = 0,
+  kTimedOut = 1,    // a wait outlasted the communicator's timeout
+  kMismatch = 2,    // its call differs from its left neighbour's
+  kPeerAborted = 3, // (records only) a neighbour gave up; `cause` says why that one did
+};
+
+// Where a block that gave up records why (host-mapped, one per block).
+struct ErrorRecord {
+  int32_t valid;     // written last
+  int32_t kind;      // AbortCause
+  int32_t cause;     // kPeerAborted: the neighbour's AbortCause
+  int32_t rank, peer, block;
+  int32_t waiting_for;  // which flag: 0 publish, 1 consume, 2 descriptor
+  int32_t step;      // -1 before the first ring step
+  int64_t slice;
+  uint64_t call;     // the communicator's call number
+  uint64_t expected, seen;
+  uint64_t waited_ns;
+  CallDescriptor mine, theirs;  // kMismatch
+};
+
+struct RingParams {
+  char* my_base;            // my IPC allocation (flags, then data)
+  const char* left_base;    // my left neighbour's, mapped here
+  const char* right_base;   // my right neighbour's (its consumed flags and aborted flag are read)
+  uint64_t* state;          // kMaxBlocks x kStateWords, private
+  ErrorRecord* errors;      // kMaxBlocks records, host-mapped
+  const void* input;
+  void* output;
+  int64_t count;            // whole message (ring_loop.h's `count`), in elements of the kernel's type
+  int64_t slot_bytes;
+  uint64_t timeout_ns;
+  int rank, world;
+  int collective;           // ringcoll::Collective
+  // One launch per ring step (naive variant): the unit of ring_loop.h's ring_step to run.
+  bool one_step;
+  int64_t only_slice;
+  int only_step;
+  // The mismatch check (descriptor.h), made by the launch that starts the call.
+  bool check_call;
+  uint64_t call_number;
+  CallDescriptor call;
+};
+
+// What a call is, in the kernels' terms. `user_count` is what the caller passes: elements of
+// the all-reduce tensor, of the reduce-scatter output, of the all-gather input.
+struct CallShape {
+  int64_t count;      // RingParams::count: the whole message, in elements of the kernel's type
+  int elem_size;      // of the kernel's type (all-gather moves bytes)
+  CallDescriptor call;
+};
+inline CallShape call_shape(Collective coll, int64_t user_count, DType dtype, ReduceOp op, int world) {
+  const int64_t size = dtype_size(dtype);
+  const CallDescriptor call{static_cast<int32_t>(coll), static_cast<int32_t>(dtype),
+                            coll == Collective::kAllGather ? 0 : static_cast<int32_t>(op), 0, user_count};
+  switch (coll) {
+    case Collective::kAllReduce: return {user_count, static_cast<int>(size), call};
+    case Collective::kReduceScatter: return {user_count * world, static_cast<int>(size), call};
+    case Collective::kAllGather: break;
+  }
+  return {user_count * size * world, 1, call};
+}
+
+// The launch parameters of one call, but for where memory lives (my_base, left_base,
+// right_base, state, errors, input, output), which the caller fills in.
+inline RingParams call_params(Collective coll, const CallShape& shape, int rank, int world, size_t slot_bytes,
+                              double timeout_seconds, bool check_calls, uint64_t call_number, KernelVariant variant) {
+  RingParams p{};
+  p.count = shape.count;
+  p.slot_bytes = static_cast<int64_t>(slot_bytes);
+  p.timeout_ns = static_cast<uint64_t>(timeout_seconds * 1e9);
+  p.rank = rank;
+  p.world = world;
+  p.collective = static_cast<int>(coll);
+  p.check_call = check_calls;
+  p.call_number = call_number;
+  p.call = shape.call;
+  p.call.variant = static_cast<int32_t>(variant);  // ranks must also agree on the kernel variant
+  return p;
+}
+
+// The launches that make one collective: `launch(params, blocks, vectorise)` is called once
+// for the fused variant, once per ring step for the naive one; `elem_size` is the element
+// size of the kernel's type (1 for all-gather, which moves bytes).
+template <class Launch>
+void for_each_launch(RingParams p, KernelVariant variant, int elem_size, Launch&& launch) {
+  const bool fused = variant == KernelVariant::kFused;
+  if (fused || p.count == 0) {  // a zero-length call launches only to check the call
+    p.one_step = false;
+    launch(p, fused ? kMaxBlocks : 1, fused);
+    return;
+  }
+  const int steps = ring_steps(static_cast<Collective>(p.collective), p.world);
+  const int64_t slices = num_slices(p.count, p.world, p.slot_bytes / elem_size);
+  const bool check = p.check_call;
+  p.one_step = true;
+  for (int64_t j = 0; j < slices; ++j) {
+    for (int i = -1; i < steps; ++i) {
+      p.only_slice = j, p.only_step = i;
+      p.check_call = check && j == 0 && i == -1;
+      launch(p, 1, false);
+    }
+  }
+}
+
+// The record the host reports among a launch's blocks: a block's own finding (timeout,
+// mismatch) over a note that a neighbour gave up. Null if no block recorded anything.
+inline const ErrorRecord* first_error(const ErrorRecord* records, int blocks) {
+  const ErrorRecord* found = nullptr;
+  for (int b = 0; b < blocks; ++b) {
+    const ErrorRecord& r = records[b];
+    if (__atomic_load_n(&r.valid, __ATOMIC_ACQUIRE) == 0) continue;
+    if (found == nullptr || (found->kind == static_cast<int32_t>(AbortCause::kPeerAborted) &&
+                             r.kind != static_cast<int32_t>(AbortCause::kPeerAborted)))
+      found = &r;
+  }
+  return found;
+}
+
+// What the host raises for a record: the message, and which error (the cause at the origin:
+// a mismatch anywhere in the ring is a mismatch on every rank, as on the CPU transport).
+inline AbortCause error_cause(const ErrorRecord& r) {
+  return static_cast<AbortCause>(r.kind == static_cast<int32_t>(AbortCause::kPeerAborted) ? r.cause : r.kind);
+}
+
+inline std::string error_message(const ErrorRecord& r, int world, double timeout_seconds) {
+  std::ostringstream msg;
+  const char* side = r.peer == left_neighbour(r.rank, world) ? "left neighbour " : "right neighbour ";
+  static const char* const kWhat[] = {"publish data", "consume data", "announce its call"};
+  const char* what = kWhat[r.waiting_for >= 0 && r.waiting_for < 3 ? r.waiting_for : 0];
+  switch (static_cast<AbortCause>(r.kind)) {
+    case AbortCause::kTimedOut:
+      msg << "rank " << r.rank << " timed out after " << timeout_seconds << " s waiting for " << side << "rank "
+          << r.peer << " to " << what;
+      break;
+    case AbortCause::kMismatch:
+      msg << "mismatched collective calls (call " << r.call << " on this communicator): rank " << r.rank
+          << " called " << describe_call(r.mine) << " but its " << side << "rank " << r.peer << " called "
+          << describe_call(r.theirs) << "; no data was moved";
+      break;
+    default:
+      msg << "rank " << r.rank << " gave up waiting for " << side << "rank " << r.peer << " to " << what
+          << ": that rank abandoned the call because "
+          << (r.cause == static_cast<int32_t>(AbortCause::kMismatch) ? "ranks made mismatched calls"
+                                                                      : "a wait in the ring timed out")
+          << " (its own error says where)";
+  }
+  msg << " (GPU kernel, call " << r.call << ", block " << r.block << ", ";
+  if (r.waiting_for == 2) msg << "checking the call)";
+  else {
+    msg << "slice " << r.slice + 1 << ", ";
+    if (r.step < 0) msg << "before ring step 1)";
+    else msg << "ring step " << r.step + 1 << ")";
+  }
+  if (r.kind == static_cast<int32_t>(AbortCause::kTimedOut))
+    msg << "; flag is " << r.seen << ", expected >= " << r.expected;
+  return msg.str();
+}
+
+}  // namespace ringcoll::cuda

@@ -1,0 +1,155 @@
+// emulated_ring.cpp: the CUDA transport's ring kernels run on the CPU, so CI (no GPU) tests
+// the code the GPU runs: device_ring.h's ring_block, the launch plan of kernel_abi.h (both
+// variants), the flag protocol per block, slicing, bookkeeping kept between launches, the
+// mismatch check, and giving up (timeouts, and aborts that travel round the ring).
+//
+// What it is: P ranks as threads of this process, each with an "IPC allocation" in host
+// memory laid out as on the GPU; a launch of B blocks of T threads runs B*T std::threads
+// (cuda_shim.h: __syncthreads is a barrier per block, %globaltimer a steady clock).
+// What it is not: the GPU's memory model, IPC, streams or the compiled PTX. Those are
+// checked only on a GPU (tests/test_cuda.py, bench/device_check.sh).
+#include "emulated_ring.h"
+
+// clang-format off
+#include "cuda_shim.h"  // before device code: it supplies threadIdx, __syncthreads, ...
+// clang-format on
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+#include <thread>
+
+#include "../cuda/device_ring.h"
+#include "ringcoll/check.h"
+
+namespace ringcoll::emulation {
+
+using cuda::AbortCause;
+using cuda::ErrorRecord;
+using cuda::KernelVariant;
+using cuda::RingParams;
+
+namespace {
+
+// One launch: blocks x threads std::threads, each running ring_block as its GPU thread would.
+template <typename T, class Op>
+void launch_blocks(const RingParams& p, int blocks, int threads, bool vectorise) {
+  std::vector<cuda::BlockShared> shared(static_cast<size_t>(blocks));
+  std::vector<std::unique_ptr<BlockBarrier>> barriers;
+  for (int b = 0; b < blocks; ++b) barriers.push_back(std::make_unique<BlockBarrier>(threads));
+  std::vector<std::thread> running;
+  for (int b = 0; b < blocks; ++b) {
+    for (int t = 0; t < threads; ++t) {
+      running.emplace_back([&, b, t] {
+        threadIdx.x = t, blockIdx.x = b, blockDim.x = threads, gridDim.x = blocks;
+        current_block_barrier = barriers[b].get();
+        cuda::ring_block<T, Op>(p, shared[b], vectorise);
+      });
+    }
+  }
+  for (auto& thread : running) thread.join();
+}
+
+void launch(const RingParams& p, int dtype, int op, int blocks, int threads, bool vectorise) {
+  if (p.collective == static_cast<int>(Collective::kAllGather)) {
+    launch_blocks<uint8_t, SumOp>(p, blocks, threads, vectorise);
+  } else {
+    dispatch_dtype_op(static_cast<DType>(dtype), static_cast<ReduceOp>(op), [&](auto t, auto o) {
+      launch_blocks<decltype(t), decltype(o)>(p, blocks, threads, vectorise);
+    });
+  }
+}
+
+const char* error_type(AbortCause cause) {
+  switch (cause) {
+    case AbortCause::kTimedOut: return "RingcollTimeoutError";
+    case AbortCause::kMismatch: return "RingcollMismatchError";
+    default: return "RingcollPeerError";
+  }
+}
+
+}  // namespace
+
+struct EmulatedRing::Rank {
+  std::unique_ptr<char, decltype(&std::free)> memory{nullptr, &std::free};
+  std::vector<uint64_t> state;
+  std::vector<ErrorRecord> errors;
+  uint64_t calls = 0;
+  std::string broken_reason;
+};
+
+EmulatedRing::EmulatedRing(int world, size_t buffer_bytes, double timeout_seconds, int variant, int threads_per_block,
+                           bool check_calls)
+    : world_(world), slot_bytes_(cuda::slot_bytes_for(buffer_bytes, world)), timeout_seconds_(timeout_seconds),
+      variant_(variant), threads_(threads_per_block), check_calls_(check_calls) {
+  RINGCOLL_CHECK(world >= 1 && world <= cuda::kMaxWorld, std::invalid_argument, "EmulatedRing: world ", world,
+                 " is outside 1..", cuda::kMaxWorld);
+  RINGCOLL_CHECK(slot_bytes_ >= cuda::kSlotAlignment, std::invalid_argument, "EmulatedRing: buffer_bytes=",
+                 buffer_bytes, " is too small for ", world, " ranks");
+  RINGCOLL_CHECK(variant == 0 || variant == 1, std::invalid_argument, "EmulatedRing: unknown kernel variant ", variant);
+  RINGCOLL_CHECK(threads_per_block >= 1 && threads_per_block <= 64, std::invalid_argument,
+                 "EmulatedRing: threads_per_block must be in 1..64, got ", threads_per_block);
+  const size_t total = cuda::kFlagAreaBytes + static_cast<size_t>(cuda::kBanks) * world * slot_bytes_;
+  for (int r = 0; r < world; ++r) {
+    auto rank = std::make_unique<Rank>();
+    rank->memory.reset(static_cast<char*>(std::aligned_alloc(4096, (total + 4095) / 4096 * 4096)));
+    RINGCOLL_CHECK(rank->memory != nullptr, std::runtime_error, "EmulatedRing: out of memory");
+    std::memset(rank->memory.get(), 0, total);
+    rank->state.assign(static_cast<size_t>(cuda::kMaxBlocks) * cuda::kStateWords, 0);
+    rank->errors.assign(cuda::kMaxBlocks, ErrorRecord{});
+    ranks_.push_back(std::move(rank));
+  }
+}
+
+EmulatedRing::~EmulatedRing() = default;
+
+std::vector<CallResult> EmulatedRing::run(const std::vector<EmulatedCall>& calls) {
+  std::vector<bool> seen(static_cast<size_t>(world_), false);
+  for (const EmulatedCall& c : calls) {
+    RINGCOLL_CHECK(c.rank >= 0 && c.rank < world_ && !seen[c.rank], std::invalid_argument,
+                   "EmulatedRing.run: each call needs a distinct rank in 0..", world_ - 1, ", got ", c.rank);
+    seen[c.rank] = true;
+  }
+  std::vector<CallResult> results(calls.size());
+  std::vector<std::thread> ranks;
+  for (size_t k = 0; k < calls.size(); ++k) ranks.emplace_back([&, k] { results[k] = run_on_rank(calls[k]); });
+  for (auto& thread : ranks) thread.join();
+  return results;
+}
+
+// What CudaComm::launch does for one rank, with the GPU replaced by launch() above.
+CallResult EmulatedRing::run_on_rank(const EmulatedCall& c) {
+  Rank& me = *ranks_[c.rank];
+  if (!me.broken_reason.empty()) return {"RingcollError", "communicator is broken by an earlier error"};
+  const auto coll = static_cast<Collective>(c.collective);
+  if (coll != Collective::kAllGather && !is_supported(static_cast<DType>(c.dtype), static_cast<ReduceOp>(c.op)))
+    return {"ValueError", "unsupported dtype/op"};
+  const cuda::CallShape shape =
+      cuda::call_shape(coll, c.count, static_cast<DType>(c.dtype), static_cast<ReduceOp>(c.op), world_);
+  if (world_ == 1) {
+    if (c.input != c.output) std::memmove(reinterpret_cast<void*>(c.output), reinterpret_cast<const void*>(c.input),
+                                          static_cast<size_t>(shape.count * shape.elem_size));
+    return {};
+  }
+  if (shape.count == 0 && !check_calls_) return {};
+  const auto variant = static_cast<KernelVariant>(variant_);
+  RingParams p = cuda::call_params(coll, shape, c.rank, world_, slot_bytes_, timeout_seconds_, check_calls_,
+                                   ++me.calls, variant);
+  p.my_base = me.memory.get();
+  p.left_base = ranks_[left_neighbour(c.rank, world_)]->memory.get();
+  p.right_base = ranks_[right_neighbour(c.rank, world_)]->memory.get();
+  p.state = me.state.data();
+  p.errors = me.errors.data();
+  p.input = reinterpret_cast<const void*>(c.input);
+  p.output = reinterpret_cast<void*>(c.output);
+  cuda::for_each_launch(p, variant, shape.elem_size, [&](const RingParams& q, int blocks, bool vectorise) {
+    launch(q, c.dtype, c.op, blocks, threads_, vectorise);
+    ++launches_;
+  });
+  const ErrorRecord* rec = cuda::first_error(me.errors.data(), cuda::kMaxBlocks);
+  if (rec == nullptr) return {};
+  me.broken_reason = cuda::error_message(*rec, world_, timeout_seconds_);
+  return {error_type(cuda::error_cause(*rec)), me.broken_reason};
+}
+
+}  // namespace ringcoll::emulation

@@ -1,0 +1,49 @@
+// emulated_ring.h: the CUDA ring kernels run on the CPU (emulated_ring.cpp says what that
+// covers and what it does not). Bound as ringcoll._C.emulation for tests/test_emulated_kernels.py.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace ringcoll::emulation {
+
+// One rank's part of a collective: the arguments CudaComm's methods take.
+struct EmulatedCall {
+  int rank, collective, dtype, op;
+  uintptr_t input, output;
+  int64_t count;  // all-reduce: tensor elements; reduce-scatter: output elements; all-gather: input elements
+};
+
+// What the call raised: an empty type for success, else the Python error's name and message.
+struct CallResult {
+  std::string error_type, message;
+};
+
+class EmulatedRing {
+ public:
+  EmulatedRing(int world, size_t buffer_bytes, double timeout_seconds, int variant, int threads_per_block,
+               bool check_calls);
+  ~EmulatedRing();
+  // Run the given calls concurrently, one per listed rank; a rank not listed makes no call
+  // (a peer that never arrives). State persists between runs, as in a communicator.
+  std::vector<CallResult> run(const std::vector<EmulatedCall>& calls);
+  uint64_t launches() const { return launches_; }
+  size_t slot_bytes() const { return slot_bytes_; }
+
+ private:
+  struct Rank;
+  CallResult run_on_rank(const EmulatedCall& call);
+
+  int world_;
+  size_t slot_bytes_;
+  double timeout_seconds_;
+  int variant_, threads_;
+  bool check_calls_;
+  std::vector<std::unique_ptr<Rank>> ranks_;
+  std::atomic<uint64_t> launches_{0};
+};
+
+}  // namespace ringcoll::emulation

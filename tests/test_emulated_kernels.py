@@ -1,0 +1,291 @@
+"""The CUDA transport's kernels, run on the CPU by ringcoll._C.emulation (csrc/emulation/).
+
+The emulator compiles device_ring.h, the code every GPU thread block runs, for the host:
+ranks and the threads of every block become std::threads over host memory laid out as the
+GPU allocations are, and each rank's calls go through the same launch plan, parameters and
+error records as CudaComm. So on every commit, without a GPU, this checks the kernels'
+ring schedule, strips and vectors, the flag protocol per block, slicing through the
+registered buffer, the bookkeeping kept between launches, both variants (fused: one launch
+of 8 blocks; naive: one launch per ring step), the mismatch check and giving up.
+
+It does not check the GPU's memory model, IPC, streams, graphs or the compiled PTX: that
+is tests/test_cuda.py's job, on a GPU.
+
+Results are compared bit for bit with schedule.simulate(), the ring run in Python on numpy
+scalars in the ring's own order (float32/float16/float64 arithmetic there is IEEE, as in
+reduce.h), or, for every dtype and op, with small-integer inputs that every order sums
+exactly.
+"""
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from ringcoll import _C
+from ringcoll import schedule as S
+from ringcoll._types import DTYPE_CODES, ReduceOp
+from ringcoll.schedule import Collective
+
+E = _C.emulation
+FUSED, NAIVE = 0, 1
+VARIANTS = {"fused": FUSED, "naive": NAIVE}
+AR, RS, AG = int(Collective.ALL_REDUCE), int(Collective.REDUCE_SCATTER), int(Collective.ALL_GATHER)
+TIMEOUT = 20.0  # generous: a healthy emulated call never comes near it
+NUMPY = {torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64}
+
+
+TILE = _C.strip.tile_bytes  # a block's unit of work (strip.h)
+SMALL_SLOT = 512  # bytes: messages of a few thousand elements take several slices
+BIG_SLOT = 2 * TILE + TILE // 2  # several tiles: the fused variant's blocks share every slot
+
+
+def ring(world, variant, slot_bytes=SMALL_SLOT, timeout=TIMEOUT, threads=4, check_calls=True):
+    r = E.Ring(world, 2 * world * slot_bytes, timeout, variant, threads, check_calls)
+    assert r.slot_bytes == slot_bytes
+    return r
+
+
+def run_ok(r, calls):
+    results = r.run(calls)
+    assert all(kind == "" for kind, _ in results), results
+
+
+def reference(coll, inputs, dtype, op=ReduceOp.SUM):
+    """The ring's result per rank (reduce-scatter: its chunk), computed in ring order on
+    numpy scalars."""
+    np_type = NUMPY[dtype]
+    lists = [[np_type(v) for v in x.numpy()] for x in inputs]
+    sim = S.simulate(coll, lists, op=lambda a, b: np_type(a + b))
+    return [torch.from_numpy(np.array(o, dtype=np_type)) for o in sim.outputs]
+
+
+def same_bits(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+def test_random_floats_match_the_ring_order_bit_for_bit(variant, world, dtype):
+    g = torch.Generator().manual_seed(world * 10 + VARIANTS[variant])
+    r = ring(world, VARIANTS[variant])
+    slot_elems = r.slot_bytes // dtype.itemsize
+    # One element, fewer than P, one slot's worth per chunk, and several slices with ragged chunks.
+    for n in (1, world - 1, slot_elems * world, 3 * slot_elems * world + 2 * world + 1):
+        # all-reduce and reduce-scatter on the same n; all-gather of per-rank chunks
+        xs = [torch.randn(n, generator=g).to(dtype) for _ in range(world)]
+        ar = [torch.full((n,), 7, dtype=dtype) for _ in range(world)]
+        run_ok(r, [(k, AR, DTYPE_CODES[dtype], 0, xs[k].data_ptr(), ar[k].data_ptr(), n) for k in range(world)])
+        for k, want in enumerate(reference(Collective.ALL_REDUCE, xs, dtype)):
+            assert same_bits(ar[k], want), (n, k, ar[k], want)
+
+        m = max(n // world, 1)
+        ys = [torch.randn(m * world, generator=g).to(dtype) for _ in range(world)]
+        rs = [torch.zeros(m, dtype=dtype) for _ in range(world)]
+        run_ok(r, [(k, RS, DTYPE_CODES[dtype], 0, ys[k].data_ptr(), rs[k].data_ptr(), m) for k in range(world)])
+        for k, want in enumerate(reference(Collective.REDUCE_SCATTER, ys, dtype)):
+            assert same_bits(rs[k], want), (m, k)
+
+        zs = [torch.randn(m, generator=g).to(dtype) for _ in range(world)]
+        ag = [torch.zeros(m * world, dtype=dtype) for _ in range(world)]
+        run_ok(r, [(k, AG, DTYPE_CODES[dtype], 0, zs[k].data_ptr(), ag[k].data_ptr(), m) for k in range(world)])
+        for k in range(world):
+            assert same_bits(ag[k], torch.cat(zs)), (m, k)
+
+
+def small_ints(rank, n, dtype, salt=0):
+    # Exact in every dtype; sums of 4 ranks < 256, products stay small (values 1..3).
+    return ((torch.arange(n, dtype=torch.int64) * 7 + rank * 3 + salt) % 3 + 1).to(dtype)
+
+
+def exact_reduce(stack, op):
+    if op == ReduceOp.SUM:
+        return stack.sum(0)
+    if op == ReduceOp.PRODUCT:
+        return stack.prod(0)
+    if op == ReduceOp.MIN:
+        return stack.min(0).values
+    if op == ReduceOp.MAX:
+        return stack.max(0).values
+    return stack.to(torch.float64).sum(0) / stack.shape[0]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_dtype_and_op(variant):
+    world, n = 3, 1000
+    r = ring(world, VARIANTS[variant])
+    for dtype, code in DTYPE_CODES.items():
+        for op in ReduceOp:
+            if op == ReduceOp.AVG and not dtype.is_floating_point:
+                continue
+            xs = [small_ints(k, n, dtype) for k in range(world)]
+            want = exact_reduce(torch.stack([x.to(torch.int64) for x in xs]), op).to(dtype)
+            outs = [x.clone() for x in xs]  # in place, as all_reduce(t) is
+            run_ok(r, [(k, AR, code, int(op), outs[k].data_ptr(), outs[k].data_ptr(), n) for k in range(world)])
+            for k in range(world):
+                assert torch.equal(outs[k], want), (dtype, op, k)
+            m = n // world
+            rs = [torch.zeros(m, dtype=dtype) for _ in range(world)]
+            run_ok(r, [(k, RS, code, int(op), xs[k].data_ptr(), rs[k].data_ptr(), m) for k in range(world)])
+            for k in range(world):
+                assert torch.equal(rs[k], want[k * m:(k + 1) * m]), (dtype, op, k)
+        ag = [torch.zeros(n * world, dtype=dtype) for _ in range(world)]
+        run_ok(r, [(k, AG, code, 0, xs[k].data_ptr(), ag[k].data_ptr(), n) for k in range(world)])
+        for k in range(world):
+            assert torch.equal(ag[k], torch.cat(xs)), (dtype, k)
+
+
+@pytest.mark.parametrize("threads", [1, 5])
+@pytest.mark.parametrize("shift", [0, 1, 3])
+def test_misaligned_pointers_and_odd_block_sizes(threads, shift):
+    """Views starting `shift` float16 elements into their storage: the fused variant's
+    16-byte vectors need a scalar head and tail, on pointers that differ in alignment."""
+    world, n = 3, 2500
+    r = ring(world, FUSED, threads=threads)
+    xs = [torch.randn(n + 8).half() for _ in range(world)]
+    outs = [torch.zeros(n + 8).half() for _ in range(world)]
+    ins = [x[shift:shift + n] for x in xs]
+    dst = [o[(shift * 2) % 7:(shift * 2) % 7 + n] for o in outs]  # a different misalignment
+    run_ok(r, [(k, AR, DTYPE_CODES[torch.float16], 0, ins[k].data_ptr(), dst[k].data_ptr(), n) for k in range(world)])
+    want = reference(Collective.ALL_REDUCE, [x.clone() for x in ins], torch.float16)
+    for k in range(world):
+        assert same_bits(dst[k], want[k])
+        assert torch.count_nonzero(outs[k][:(shift * 2) % 7]) == 0  # nothing written outside
+
+
+@pytest.mark.parametrize("slot_bytes", [SMALL_SLOT, BIG_SLOT])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_state_carries_over_between_calls(variant, slot_bytes):
+    """Step bases and per-slot publication numbers persist in device memory between
+    launches: a long mixed sequence on one ring only works if they do. With BIG_SLOT the
+    fused variant's 8 blocks share each slot (tiles, strip.h) and slices of changing
+    length reuse it, the case where a block must never touch another block's elements."""
+    world = 4
+    r = ring(world, VARIANTS[variant], slot_bytes)
+    g = torch.Generator().manual_seed(5)
+    f32 = DTYPE_CODES[torch.float32]
+    longest = 3 * world * slot_bytes // 4  # up to three slices
+    for call in range(24):
+        n = int(torch.randint(0, longest, (1,), generator=g))
+        coll = (AR, RS, AG)[call % 3]
+        if coll == AR:
+            xs = [small_ints(k, n, torch.float32, call) for k in range(world)]
+            outs = [torch.zeros(n) for _ in range(world)]
+            want = [sum(xs)] * world
+            run_ok(r, [(k, AR, f32, 0, xs[k].data_ptr(), outs[k].data_ptr(), n) for k in range(world)])
+        elif coll == RS:
+            m = n // world
+            xs = [small_ints(k, m * world, torch.float32, call) for k in range(world)]
+            outs = [torch.zeros(m) for _ in range(world)]
+            want = [sum(xs)[k * m:(k + 1) * m] for k in range(world)]
+            run_ok(r, [(k, RS, f32, 0, xs[k].data_ptr(), outs[k].data_ptr(), m) for k in range(world)])
+        else:
+            m = n // world
+            xs = [small_ints(k, m, torch.float32, call) for k in range(world)]
+            outs = [torch.zeros(m * world) for _ in range(world)]
+            want = [torch.cat(xs)] * world
+            run_ok(r, [(k, AG, f32, 0, xs[k].data_ptr(), outs[k].data_ptr(), m) for k in range(world)])
+        for k in range(world):
+            assert torch.equal(outs[k], want[k]), (call, coll, n, k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_blocks_share_slots_across_ragged_slices(dtype):
+    """Many slices whose last one is short, in every call, repeated: the pattern that
+    corrupted data when blocks took strips of the slice's length instead of fixed tiles."""
+    world = 3
+    r = ring(world, FUSED, BIG_SLOT)
+    per_chunk = 4 * BIG_SLOT // dtype.itemsize + 37  # four full slices and a ragged one
+    n = per_chunk * world - 1
+    for call in range(6):
+        for op in (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MAX):
+            xs = [small_ints(k, n, dtype, call) for k in range(world)]
+            want = exact_reduce(torch.stack([x.to(torch.int64) for x in xs]), op)
+            want = want.to(dtype) if dtype != torch.int8 else want.to(torch.int8)
+            outs = [torch.zeros(n, dtype=dtype) for _ in range(world)]
+            run_ok(r, [(k, AR, DTYPE_CODES[dtype], int(op), xs[k].data_ptr(), outs[k].data_ptr(), n)
+                       for k in range(world)])
+            for k in range(world):
+                assert torch.equal(outs[k], want), (call, op, k, (outs[k] != want).nonzero()[:8])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_launch_plan(world):
+    """Fused: one launch per rank per call. Naive: one per ring step of every slice, plus
+    the first send of each slice."""
+    n = 5000
+    for variant in (FUSED, NAIVE):
+        r = ring(world, variant)
+        xs = [torch.ones(n) for _ in range(world)]
+        run_ok(r, [(k, AR, DTYPE_CODES[torch.float32], 0, xs[k].data_ptr(), xs[k].data_ptr(), n)
+                   for k in range(world)])
+        slices = S.num_slices(n, world, r.slot_bytes // 4)
+        steps = S.ring_steps(Collective.ALL_REDUCE, world)
+        per_rank = 1 if variant == FUSED else slices * (steps + 1)
+        assert slices > 1
+        assert r.launches == world * per_rank
+        assert all(torch.equal(x, torch.full((n,), float(world))) for x in xs)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_missing_rank_is_a_timeout_next_to_it_and_an_abort_beyond(variant):
+    world, timeout, n = 4, 1.0, 3000
+    r = ring(world, VARIANTS[variant], timeout=timeout)
+    xs = [torch.ones(n) for _ in range(world)]
+    present = [0, 1, 3]  # rank 2 never calls
+    started = time.monotonic()
+    results = dict(zip(present, r.run([(k, AR, DTYPE_CODES[torch.float32], 0, xs[k].data_ptr(), xs[k].data_ptr(), n)
+                                      for k in present])))
+    elapsed = time.monotonic() - started
+    kind, message = results[3]  # its left neighbour is the missing rank
+    assert kind == "RingcollTimeoutError", results
+    assert "rank 3 timed out after 1 s waiting for left neighbour rank 2 to announce its call" in message
+    for k in (0, 1):
+        assert results[k][0] in ("RingcollTimeoutError", "RingcollPeerError"), results
+        assert f"rank {k} " in results[k][1]
+    # Aborts travel round the ring: nobody waits out a second timeout after the first.
+    assert elapsed < 2 * timeout + 1.0, elapsed
+    # The communicator is broken from then on, on every rank that took part.
+    again = r.run([(k, AR, DTYPE_CODES[torch.float32], 0, xs[k].data_ptr(), xs[k].data_ptr(), n) for k in present])
+    assert all(kind == "RingcollError" and "broken" in msg for kind, msg in again), again
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_mismatched_calls_raise_on_every_rank_before_data_moves(variant):
+    world = 3
+    r = ring(world, VARIANTS[variant])
+    f32 = DTYPE_CODES[torch.float32]
+    counts = [1000, 999, 1000]  # rank 1 disagrees
+    xs = [torch.ones(c) for c in counts]
+    outs = [torch.full((c,), -1.0) for c in counts]
+    results = r.run([(k, AR, f32, 0, xs[k].data_ptr(), outs[k].data_ptr(), counts[k]) for k in range(world)])
+    for k, (kind, message) in enumerate(results):
+        assert kind == "RingcollMismatchError", results
+        assert torch.equal(outs[k], torch.full((counts[k],), -1.0)), k  # output untouched
+    direct = [m for _, m in results if "mismatched collective calls" in m]
+    assert direct, results
+    assert any("all_reduce(float32, SUM, count=999" in m and "all_reduce(float32, SUM, count=1000" in m
+               for m in direct), direct
+
+
+def test_zero_length_call_takes_part_in_the_check():
+    """A rank that calls with zero elements while the others call with five would otherwise
+    pair its next call with their current one."""
+    world = 3
+    r = ring(world, NAIVE)
+    f32 = DTYPE_CODES[torch.float32]
+    xs = [torch.ones(5) for _ in range(world)]
+    counts = [0, 5, 5]
+    results = r.run([(k, AR, f32, 0, xs[k].data_ptr(), xs[k].data_ptr(), counts[k]) for k in range(world)])
+    assert all(kind == "RingcollMismatchError" for kind, _ in results), results
+    assert any("count=0" in m for _, m in results), results
+
+
+def test_zero_length_calls_everywhere_succeed():
+    world = 3
+    r = ring(world, FUSED)
+    x = torch.ones(1)
+    for coll in (AR, RS, AG):
+        run_ok(r, [(k, coll, DTYPE_CODES[torch.float32], 0, x.data_ptr(), x.data_ptr(), 0) for k in range(world)])
