@@ -317,9 +317,8 @@ RINGCOLL_DEVICE void ring_block(const RingParams& p, BlockShared& shared, bool v
   __syncthreads();  // all have read it before thread 0 can change it
   if (broken) return;  // this rank gave up earlier: launches queued behind that do nothing
   DeviceRingContext<T, Op> ctx(p, &shared, vectorise);
-  const Collective coll = static_cast<Collective>(p.collective);
   bool ok = !p.check_call || ctx.check_call();
-  if (ok) ok = p.one_step ? ring_step(ctx, coll, p.count, p.only_slice, p.only_step) : run_ring(ctx, coll, p.count);
+  if (ok) ok = run_ring_units(ctx, static_cast<Collective>(p.collective), p.count, p.first_unit, p.last_unit);
   // A block that gave up leaves its bookkeeping stale: the communicator is broken anyway.
   if (ok && threadIdx.x == 0) ctx.save();
 }

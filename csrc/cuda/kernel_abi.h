@@ -85,10 +85,8 @@ struct RingParams {
   uint64_t timeout_ns;
   int rank, world;
   int collective;           // ringcoll::Collective
-  // One launch per ring step (naive variant): the unit of ring_loop.h's ring_step to run.
-  bool one_step;
-  int64_t only_slice;
-  int only_step;
+  // The units of ring_loop.h this launch runs: all of them (fused), or one (naive).
+  int64_t first_unit, last_unit;
   // The mismatch check (descriptor.h), made by the launch that starts the call.
   bool check_call;
   uint64_t call_number;
@@ -137,20 +135,17 @@ inline RingParams call_params(Collective coll, const CallShape& shape, int rank,
 // size of the kernel's type (1 for all-gather, which moves bytes).
 template <class Launch>
 void for_each_launch(RingParams p, KernelVariant variant, int elem_size, Launch&& launch) {
-  const bool fused = variant == KernelVariant::kFused;
-  if (fused || p.count == 0) {  // a zero-length call launches only to check the call
-    p.one_step = false;
-    launch(p, fused ? kMaxBlocks : 1, fused);
-    return;
-  }
-  const int steps = ring_steps(static_cast<Collective>(p.collective), p.world);
-  const int64_t slices = num_slices(p.count, p.world, p.slot_bytes / elem_size);
-  const bool check = p.check_call;
-  p.one_step = true;
-  for (int64_t j = 0; j < slices; ++j) {
-    for (int i = -1; i < steps; ++i) {
-      p.only_slice = j, p.only_step = i;
-      p.check_call = check && j == 0 && i == -1;
+  const int64_t units = ring_units(static_cast<Collective>(p.collective), p.count, p.world, p.slot_bytes / elem_size);
+  p.first_unit = 0, p.last_unit = units;
+  if (variant == KernelVariant::kFused) {
+    launch(p, kMaxBlocks, true);
+  } else if (units == 0) {
+    launch(p, 1, false);  // a zero-length call launches only to take part in the check
+  } else {
+    const bool check = p.check_call;
+    for (int64_t u = 0; u < units; ++u) {
+      p.first_unit = u, p.last_unit = u + 1;
+      p.check_call = check && u == 0;
       launch(p, 1, false);
     }
   }

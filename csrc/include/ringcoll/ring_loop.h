@@ -49,8 +49,7 @@ RINGCOLL_INLINE int slot_index(int bank, int chunk, int world) { return bank * w
 
 // One unit of ring work: step i of slice j, where i == -1 is the first send before step 0
 // (so a slice is the units -1, 0, .., steps-1). Units must run in order: each reads the
-// bookkeeping the previous one left. Returns false if a wait gave up. The CUDA teaching
-// variant launches one kernel per unit; everything else runs them all in run_ring.
+// bookkeeping the previous one left. Returns false if a wait gave up.
 template <class Ctx>
 RINGCOLL_HD bool ring_step(Ctx& ctx, Collective coll, int64_t count, int64_t j, int i) {
   const int rank = ctx.rank(), world = ctx.world();
@@ -96,16 +95,26 @@ RINGCOLL_HD bool ring_step(Ctx& ctx, Collective coll, int64_t count, int64_t j, 
   return true;
 }
 
-// Run collective `coll` on `count` elements (the full message: n for all-reduce, P*m for
-// reduce-scatter and all-gather). Returns false if a wait gave up.
+// The ring's work as a sequence of units, slice by slice: unit u is step
+// (u mod (steps+1)) - 1 of slice u div (steps+1). A whole collective is units
+// [0, ring_units(...)); the CUDA teaching variant launches one kernel per unit.
+RINGCOLL_INLINE int64_t ring_units(Collective coll, int64_t count, int world, int64_t slice_elems) {
+  return num_slices(count, world, slice_elems) * (ring_steps(coll, world) + 1);
+}
+
+// Run units [first, last) of collective `coll` on `count` elements (the full message: n for
+// all-reduce, P*m for reduce-scatter and all-gather). Returns false if a wait gave up.
+template <class Ctx>
+RINGCOLL_HD bool run_ring_units(Ctx& ctx, Collective coll, int64_t count, int64_t first, int64_t last) {
+  const int per_slice = ring_steps(coll, ctx.world()) + 1;
+  for (int64_t u = first; u < last; ++u)
+    if (!ring_step(ctx, coll, count, u / per_slice, static_cast<int>(u % per_slice) - 1)) return false;
+  return true;
+}
+
 template <class Ctx>
 RINGCOLL_HD bool run_ring(Ctx& ctx, Collective coll, int64_t count) {
-  const int steps = ring_steps(coll, ctx.world());
-  const int64_t slices = num_slices(count, ctx.world(), ctx.slice_elems());
-  for (int64_t j = 0; j < slices; ++j)
-    for (int i = -1; i < steps; ++i)
-      if (!ring_step(ctx, coll, count, j, i)) return false;
-  return true;
+  return run_ring_units(ctx, coll, count, 0, ring_units(coll, count, ctx.world(), ctx.slice_elems()));
 }
 
 }  // namespace ringcoll
