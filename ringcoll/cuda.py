@@ -15,16 +15,19 @@ stream wait on an event recorded after the collective. Neither blocks the host;
 ``synchronize()`` does.
 
 Errors. A kernel whose wait outlasts the timeout records where (rank, peer, step) in
-host-mapped memory and returns. The host sees it at the next synchronisation point:
-``synchronize()``, ``Work.wait()``, ``barrier()`` or the next collective call, which raise
-RingcollTimeoutError and leave the communicator broken.
+host-mapped memory, sets its rank's ``aborted`` flag (which its neighbours' waits watch, so
+the whole ring stops) and returns. Before any data moves each rank's kernel compares its
+call (collective, dtype, op, count, kernel variant) with its left neighbour's, so
+mismatched calls raise RingcollMismatchError on every rank, as on the CPU transport
+(``check=False`` / RINGCOLL_CHECK=0 turns the check off). The host sees a kernel's error at
+the next synchronisation point: ``synchronize()``, ``Work.wait()``, ``barrier()`` or the
+next collective call, which raise and leave the communicator broken.
 
-Not yet on CUDA: the call-descriptor check (``check=``/RINGCOLL_CHECK is accepted and
-ignored): ranks that call different collectives time out rather than raising
-RingcollMismatchError.
-
-Kernel variant: ``RINGCOLL_CUDA_KERNEL=fused`` (default: several thread blocks, 16-byte
-vectors) or ``naive`` (one block, scalar loops); read at construction, must agree on all ranks.
+Kernel variant: ``RINGCOLL_CUDA_KERNEL=fused`` (default: 8 thread blocks, 16-byte vectors,
+one launch per collective) or ``naive`` (one block, scalar loops, one launch per ring
+step: the teaching version); read at construction, must agree on all ranks (checked).
+The kernels' code also runs on the CPU in CI, through ``_C.emulation``
+(tests/test_emulated_kernels.py).
 
 CuPy (or any ``__cuda_array_interface__`` producer): :func:`as_device_array` reads the
 pointer, shape and typestr, and :meth:`CudaCommunicator.all_reduce_array` and friends run a

@@ -289,3 +289,22 @@ def test_zero_length_calls_everywhere_succeed():
     x = torch.ones(1)
     for coll in (AR, RS, AG):
         run_ok(r, [(k, coll, DTYPE_CODES[torch.float32], 0, x.data_ptr(), x.data_ptr(), 0) for k in range(world)])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_without_the_check(variant):
+    """check_calls=False (RINGCOLL_CHECK=0): no descriptor traffic, same results, and a
+    missing peer is still a timeout."""
+    world, n = 3, 5000
+    r = ring(world, VARIANTS[variant], BIG_SLOT, timeout=0.5, check_calls=False)
+    f32 = DTYPE_CODES[torch.float32]
+    xs = [small_ints(k, n, torch.float32) for k in range(world)]
+    want = sum(xs)
+    run_ok(r, [(k, AR, f32, 0, xs[k].data_ptr(), xs[k].data_ptr(), n) for k in range(world)])
+    assert all(torch.equal(x, want) for x in xs)
+    results = r.run([(k, AR, f32, 0, xs[k].data_ptr(), xs[k].data_ptr(), n) for k in (0, 1)])
+    kind, message = results[0]  # rank 0 waits for its left neighbour, the absent rank 2
+    assert kind == "RingcollTimeoutError", results
+    assert "rank 0 timed out after 0.5 s waiting for left neighbour rank 2 to publish data" in message, message
+    assert "ring step 1" in message and "call " not in message, message  # no call numbers without the check
+    assert results[1][0] in ("RingcollTimeoutError", "RingcollPeerError"), results

@@ -161,8 +161,7 @@ void CudaComm::launch(const char* op, Collective coll, uintptr_t input, uintptr_
       RINGCOLL_CUDA_CHECK(cudaMemcpyAsync(reinterpret_cast<void*>(output), reinterpret_cast<const void*>(input),
                                           static_cast<size_t>(bytes), cudaMemcpyDeviceToDevice, own));
   } else if (shape.count > 0 || check_calls_) {  // a zero-length call still takes part in the check
-    RingParams p = call_params(coll, shape, rank_, world_, slot_bytes_, timeout_seconds_, check_calls_, ++calls_,
-                               variant_);
+    RingParams p = call_params(coll, shape, rank_, world_, slot_bytes_, timeout_seconds_, check_calls_, variant_);
     p.my_base = base_;
     p.left_base = peers_[left_neighbour(rank_, world_)];
     p.right_base = peers_[right_neighbour(rank_, world_)];

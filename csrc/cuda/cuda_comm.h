@@ -72,7 +72,6 @@ class CudaComm {
   void* ready_ = nullptr;                // cudaEvent_t, recorded on the caller's stream
   std::vector<char*> peers_;             // peers_[r]: rank r's allocation mapped here (own for r == rank)
   bool peers_open_ = false;
-  uint64_t calls_ = 0;                   // collectives that reached the GPU (numbers the mismatch check)
   std::string broken_reason_;
   bool closed_ = false;
 };

@@ -155,11 +155,13 @@ class DeviceRingContext {
     const uint64_t* state = p.state + static_cast<int64_t>(block_) * kStateWords;
     base_ = state[0];
     for (int s = 0; s < kBanks * p.world; ++s) pubs_[s] = state[1 + s];
+    calls_ = state[kCallWord];
   }
   RINGCOLL_DEVICE void save() const {
     uint64_t* state = p_.state + static_cast<int64_t>(block_) * kStateWords;
     state[0] = base_;
     for (int s = 0; s < kBanks * p_.world; ++s) state[1 + s] = pubs_[s];
+    state[kCallWord] = calls_;
   }
 
   RINGCOLL_DEVICE int rank() const { return p_.rank; }
@@ -210,12 +212,13 @@ class DeviceRingContext {
 
   // The mismatch check (file comment). False if this block gave up.
   RINGCOLL_DEVICE bool check_call() {
-    if (block_ == 0 && threadIdx.x == 0) publish_descriptor(descriptor_slot(p_.my_base), p_.call, p_.call_number);
+    const uint64_t call = ++calls_;
+    if (block_ == 0 && threadIdx.x == 0) publish_descriptor(descriptor_slot(p_.my_base), p_.call, call);
     const DescriptorSlot* theirs = descriptor_slot(p_.left_base);
-    if (!wait(&theirs->seq, descriptor_seq_written(p_.call_number), left(), Awaited::kDescriptor)) return false;
+    if (!wait(&theirs->seq, descriptor_seq_written(call), left(), Awaited::kDescriptor)) return false;
     if (threadIdx.x == 0) {
       CallDescriptor seen{};
-      if (compare_descriptor(theirs, p_.call, p_.call_number, &seen) == PeerCall::kDiffers)
+      if (compare_descriptor(theirs, p_.call, call, &seen) == PeerCall::kDiffers)
         give_up(AbortCause::kMismatch, AbortCause::kNone, left(), Awaited::kDescriptor, 0, 0, 0, &seen);
     }
     return block_agrees();
@@ -278,7 +281,7 @@ class DeviceRingContext {
     rec->cause = static_cast<int32_t>(cause);
     rec->rank = p_.rank, rec->peer = peer, rec->block = block_;
     rec->waiting_for = static_cast<int32_t>(what);
-    rec->step = step_, rec->slice = slice_, rec->call = p_.call_number;
+    rec->step = step_, rec->slice = slice_, rec->call = calls_;
     rec->expected = expected, rec->seen = seen, rec->waited_ns = waited;
     rec->mine = p_.call;
     if (theirs != nullptr) rec->theirs = *theirs;
@@ -304,6 +307,7 @@ class DeviceRingContext {
   int64_t slice_elems_;
   uint64_t base_ = 0;
   uint64_t pubs_[kBanks * kMaxWorld];
+  uint64_t calls_ = 0;  // calls checked so far, this one included once check_call() ran
   int64_t slice_ = 0;
   int step_ = -1;
 };

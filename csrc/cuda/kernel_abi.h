@@ -34,9 +34,13 @@ constexpr size_t kFlagStride = 128;    // one flag per 128-byte line
 constexpr size_t kAbortedOffset = 2 * kMaxBlocks * kFlagStride;
 constexpr size_t kDescriptorOffset = kAbortedOffset + kFlagStride;
 constexpr size_t kSlotAlignment = 128;
-constexpr int kStateWords = 2 * kMaxWorld + 8;  // per block: [0] step base, [1..] last publication per slot
+// Per block: [0] step base, [1..] last publication per slot, [kCallWord] calls checked so far.
+// The call number lives on the device, not the host, so a collective captured in a CUDA
+// graph gets a new number at every replay.
+constexpr int kStateWords = 2 * kMaxWorld + 8;
+constexpr int kCallWord = kStateWords - 1;
+static_assert(kBanks * kMaxWorld + 1 <= kCallWord, "bookkeeping must fit its words");
 static_assert(kDescriptorOffset + sizeof(DescriptorSlot) <= kFlagAreaBytes, "flags must fit their area");
-static_assert(kBanks * kMaxWorld + 1 <= kStateWords, "bookkeeping must fit its words");
 
 // Bytes of one slot for a data area of `buffer_bytes` shared by kBanks x world slots.
 inline size_t slot_bytes_for(size_t buffer_bytes, int world) {
@@ -66,7 +70,7 @@ struct ErrorRecord {
   int32_t waiting_for;  // which flag: 0 publish, 1 consume, 2 descriptor
   int32_t step;      // -1 before the first ring step
   int64_t slice;
-  uint64_t call;     // the communicator's call number
+  uint64_t call;     // the communicator's call number (0: unknown, the check is off)
   uint64_t expected, seen;
   uint64_t waited_ns;
   CallDescriptor mine, theirs;  // kMismatch
@@ -89,7 +93,6 @@ struct RingParams {
   int64_t first_unit, last_unit;
   // The mismatch check (descriptor.h), made by the launch that starts the call.
   bool check_call;
-  uint64_t call_number;
   CallDescriptor call;
 };
 
@@ -115,7 +118,7 @@ inline CallShape call_shape(Collective coll, int64_t user_count, DType dtype, Re
 // The launch parameters of one call, but for where memory lives (my_base, left_base,
 // right_base, state, errors, input, output), which the caller fills in.
 inline RingParams call_params(Collective coll, const CallShape& shape, int rank, int world, size_t slot_bytes,
-                              double timeout_seconds, bool check_calls, uint64_t call_number, KernelVariant variant) {
+                              double timeout_seconds, bool check_calls, KernelVariant variant) {
   RingParams p{};
   p.count = shape.count;
   p.slot_bytes = static_cast<int64_t>(slot_bytes);
@@ -124,7 +127,6 @@ inline RingParams call_params(Collective coll, const CallShape& shape, int rank,
   p.world = world;
   p.collective = static_cast<int>(coll);
   p.check_call = check_calls;
-  p.call_number = call_number;
   p.call = shape.call;
   p.call.variant = static_cast<int32_t>(variant);  // ranks must also agree on the kernel variant
   return p;
@@ -193,7 +195,9 @@ inline std::string error_message(const ErrorRecord& r, int world, double timeout
                                                                       : "a wait in the ring timed out")
           << " (its own error says where)";
   }
-  msg << " (GPU kernel, call " << r.call << ", block " << r.block << ", ";
+  msg << " (GPU kernel, ";
+  if (r.call > 0) msg << "call " << r.call << ", ";
+  msg << "block " << r.block << ", ";
   if (r.waiting_for == 2) msg << "checking the call)";
   else {
     msg << "slice " << r.slice + 1 << ", ";

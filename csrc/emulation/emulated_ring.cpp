@@ -74,7 +74,6 @@ struct EmulatedRing::Rank {
   std::unique_ptr<char, decltype(&std::free)> memory{nullptr, &std::free};
   std::vector<uint64_t> state;
   std::vector<ErrorRecord> errors;
-  uint64_t calls = 0;
   std::string broken_reason;
 };
 
@@ -133,8 +132,7 @@ CallResult EmulatedRing::run_on_rank(const EmulatedCall& c) {
   }
   if (shape.count == 0 && !check_calls_) return {};
   const auto variant = static_cast<KernelVariant>(variant_);
-  RingParams p = cuda::call_params(coll, shape, c.rank, world_, slot_bytes_, timeout_seconds_, check_calls_,
-                                   ++me.calls, variant);
+  RingParams p = cuda::call_params(coll, shape, c.rank, world_, slot_bytes_, timeout_seconds_, check_calls_, variant);
   p.my_base = me.memory.get();
   p.left_base = ranks_[left_neighbour(c.rank, world_)]->memory.get();
   p.right_base = ranks_[right_neighbour(c.rank, world_)]->memory.get();
