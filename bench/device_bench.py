@@ -1,7 +1,9 @@
 """Short CUDA benchmark for bench/device_check.sh: ringcoll's three collectives at P ranks
 on one GPU (processes sharing it through CUDA IPC), 1 KiB .. 256 MiB, nccl-tests columns,
-with a device-to-device copy of the same bytes as the ceiling. Results are checked before
-timing (#wrong). Usage: python bench/device_bench.py P [max_bytes]
+with a device-to-device copy of the same bytes as the ceiling, and NCCL's collectives beside
+ours where NCCL can run (one GPU per rank, or NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1;
+older NCCL refuses several ranks on one GPU, and the table then says so). Results are
+checked before timing (#wrong). Usage: python bench/device_bench.py P [max_bytes]
 """
 
 import os
@@ -18,8 +20,11 @@ def _bench(rank, world, max_bytes, iters_small, iters_large):
 
     from ringcoll.cuda import CudaCommunicator
 
-    torch.cuda.set_device(0)
-    dev = torch.device("cuda", 0)
+    per_rank_gpu = torch.cuda.device_count() >= world
+    index = rank if per_rank_gpu else 0
+    torch.cuda.set_device(index)
+    dev = torch.device("cuda", index)
+    nccl = dist.new_group(backend="nccl") if nccl_usable(world) else None
     rows = []
     with CudaCommunicator(device=dev, timeout=120) as comm:
         size = 1024
@@ -52,6 +57,12 @@ def _bench(rank, world, max_bytes, iters_small, iters_large):
                 "all_gather": lambda: comm.all_gather_into_tensor(out, ag_in),
                 "d2d_copy": lambda: out.copy_(x),
             }
+            if nccl is not None:
+                calls.update({
+                    "nccl_all_reduce": lambda: dist.all_reduce(out, group=nccl),
+                    "nccl_reduce_scatter": lambda: dist.reduce_scatter_tensor(rs, x, group=nccl),
+                    "nccl_all_gather": lambda: dist.all_gather_into_tensor(out, ag_in, group=nccl),
+                })
             for name, call in calls.items():
                 dist.barrier()
                 call()
@@ -68,21 +79,28 @@ def _bench(rank, world, max_bytes, iters_small, iters_large):
                 us = start.elapsed_time(stop) * 1000 / iters
                 nbytes = n * 4
                 algbw = nbytes / us / 1e3  # GB/s
+                base = name.removeprefix("nccl_")
                 factor = {"all_reduce": 2 * (world - 1) / world, "reduce_scatter": (world - 1) / world,
-                          "all_gather": (world - 1) / world, "d2d_copy": 1.0}[name]
-                rows.append((nbytes, n, "float", "sum" if name != "all_gather" else "none", name, us, algbw,
+                          "all_gather": (world - 1) / world, "d2d_copy": 1.0}[base]
+                rows.append((nbytes, n, "float", "none" if base == "all_gather" else "sum", name, us, algbw,
                              algbw * factor, wrong.get(name, 0)))
             size *= 4
     return rows if rank == 0 else None
+
+
+def nccl_usable(world) -> bool:
+    return torch.cuda.device_count() >= world or torch.cuda.nccl.version() >= (2, 30, 0)
 
 
 def main():
     world = int(sys.argv[1])
     max_bytes = int(sys.argv[2]) if len(sys.argv) > 2 else 256 << 20
     t0 = time.time()
-    rows = spawn(_bench, world, max_bytes, 20, 5, timeout=110)[0]
+    rows = spawn(_bench, world, max_bytes, 20, 5, timeout=110, env={"NCCL_MULTI_RANK_GPU_ENABLE": "1"})[0]
     print(f"# ringcoll CUDA, P={world} processes on one GPU, kernel={os.environ.get('RINGCOLL_CUDA_KERNEL', 'fused')}"
           f", MPS={'on' if os.environ.get('CUDA_MPS_PIPE_DIRECTORY') else 'off'}")
+    if not nccl_usable(world):
+        print(f"# NCCL {torch.cuda.nccl.version()} cannot run {world} ranks on one GPU (needs 2.30+): no NCCL rows")
     print(f"{'size':>12} {'count':>10} {'type':>6} {'redop':>5} {'collective':>15} {'time(us)':>10} "
           f"{'algbw(GB/s)':>12} {'busbw(GB/s)':>12} {'#wrong':>7}")
     for r in rows:

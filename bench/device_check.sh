@@ -52,4 +52,7 @@ echo "== benchmark"
 for p in 2 4; do
   timeout 120 "$PY" bench/device_bench.py "$p" $((256 << 20)) 2>&1 | tee "$OUT/bench_p$p.txt"
 done
+# The teaching variant (one launch per ring step), smaller sizes: what per-step launches cost,
+# and whether they help when processes are time-sliced (MPS off).
+RINGCOLL_CUDA_KERNEL=naive timeout 60 "$PY" bench/device_bench.py 2 $((16 << 20)) 2>&1 | tee "$OUT/bench_p2_naive.txt"
 exit "$tests_rc"

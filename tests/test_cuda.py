@@ -179,7 +179,9 @@ def _timeout(rank, world):
 def test_timeout_names_rank_peer_and_step():
     results = spawn(_timeout, 2, timeout=120)
     message, later = results[0]
-    assert "rank 0 timed out" in message and "rank 1" in message and "ring step" in message, message
+    # With the call check on, rank 0's kernel is first held up waiting for rank 1's call.
+    assert "rank 0 timed out" in message and "rank 1 to announce its call" in message, message
+    assert "GPU kernel, call 1" in message, message
     assert "broken" in later
 
 
@@ -205,3 +207,107 @@ def test_cupy_arrays():
     pytest.importorskip("cupy")
     assert spawn(_cupy, 2, timeout=300) == [True, True]
 
+
+
+def _mismatch(rank, world):
+    import ringcoll
+    from ringcoll.cuda import CudaCommunicator
+
+    torch.cuda.set_device(0)
+    with CudaCommunicator(device="cuda:0", timeout=30) as comm:
+        n = 1000 if rank != 1 else 999  # rank 1 disagrees
+        t = torch.full((n,), -1.0, device="cuda:0")
+        comm.all_reduce(t)
+        try:
+            comm.synchronize()
+            return "no error", ""
+        except ringcoll.RingcollMismatchError as e:
+            untouched = bool((t == -1.0).all())
+            return str(e), untouched
+
+
+def test_mismatched_calls_raise_on_every_rank():
+    results = spawn(_mismatch, 3, timeout=120)
+    for message, untouched in results:
+        assert untouched is True, results  # nothing was written
+    assert any("count=999" in m and "count=1000" in m for m, _ in results), results
+
+
+def _graph(rank, world):
+    from ringcoll.cuda import CudaCommunicator
+
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    with CudaCommunicator(device=dev, timeout=60, buffer_bytes=1 << 16) as comm:
+        static = torch.zeros(50_000, device=dev)  # several slices through a 64 KiB buffer
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside the capture, as torch advises
+            comm.all_reduce(static)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            comm.all_reduce(static)
+        ok = []
+        for i in range(3):
+            static.fill_(float(rank + i))
+            graph.replay()
+            torch.cuda.synchronize()
+            ok.append(torch.equal(static.cpu(), torch.full((50_000,), float(sum(r + i for r in range(world))))))
+        # Eager calls after the replays still pair up (call numbers are kept on the device).
+        t = torch.ones(10, device=dev)
+        comm.all_reduce(t)
+        comm.synchronize()
+        ok.append(torch.equal(t.cpu(), torch.full((10,), float(world))))
+        return ok
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_cuda_graph_capture_and_replay(variant):
+    assert spawn(_graph, 2, timeout=300, env={"RINGCOLL_CUDA_KERNEL": variant}) == [[True] * 4] * 2
+
+
+def _nccl_reference(rank, world, per_rank_gpu):
+    """ringcoll against NCCL on the same inputs: exact for integers, to rounding for floats
+    (the two reduce in different orders)."""
+    import torch.distributed as dist
+
+    from ringcoll.cuda import CudaCommunicator
+
+    index = rank if per_rank_gpu else 0
+    torch.cuda.set_device(index)
+    dev = torch.device("cuda", index)
+    nccl = dist.new_group(backend="nccl")
+    g = torch.Generator().manual_seed(rank)
+    failures = []
+    with CudaCommunicator(device=dev, timeout=60, buffer_bytes=1 << 18) as comm:
+        for n in (1, 1000, 300_001):
+            for dtype in (torch.int32, torch.float32, torch.bfloat16):
+                x = (torch.randint(-50, 50, (n,), generator=g) if dtype == torch.int32
+                     else torch.randn(n, generator=g)).to(dtype).to(dev)
+                for op_name in ("SUM", "MAX"):
+                    ours, theirs = x.clone(), x.clone()
+                    comm.all_reduce(ours, op=getattr(dist.ReduceOp, op_name))
+                    dist.all_reduce(theirs, op=getattr(dist.ReduceOp, op_name), group=nccl)
+                    comm.synchronize()
+                    torch.cuda.synchronize()
+                    exact = dtype == torch.int32 or op_name == "MAX"
+                    tol = {"rtol": 0, "atol": 0} if exact else {"rtol": 2e-2 if dtype == torch.bfloat16 else 1e-5,
+                                                                 "atol": 1e-2 if dtype == torch.bfloat16 else 1e-5}
+                    try:
+                        torch.testing.assert_close(ours.cpu(), theirs.cpu(), **tol)
+                    except AssertionError as e:
+                        failures.append((n, str(dtype), op_name, str(e)[:200]))
+    return failures
+
+
+def test_against_nccl():
+    """NCCL as the reference, where it can run: one GPU per rank, or several ranks on one
+    GPU with NCCL >= 2.30 and NCCL_MULTI_RANK_GPU_ENABLE=1 (older NCCL refuses that)."""
+    world = 2
+    per_rank_gpu = torch.cuda.device_count() >= world
+    if not per_rank_gpu and torch.cuda.nccl.version() < (2, 30, 0):
+        pytest.skip(f"NCCL {torch.cuda.nccl.version()} refuses several ranks on one GPU (needs 2.30+)")
+    results = spawn(_nccl_reference, world, per_rank_gpu, timeout=300, backend="gloo",
+                    env={"NCCL_MULTI_RANK_GPU_ENABLE": "1"})
+    assert results == [[]] * world
