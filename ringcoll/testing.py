@@ -185,6 +185,7 @@ _child_main(*_args, conn=_conn)
 def _child_main(rank, world_size, backend, pg_timeout_s, payload, parent_pid, hold_on_error,
                 *, conn):
     _set_pdeathsig(parent_pid)
+    _dump_stacks_on_request()
     dist = None
     phase = "setup"
     try:
@@ -237,6 +238,39 @@ def _child_main(rank, world_size, backend, pg_timeout_s, payload, parent_pid, ho
     except BaseException:
         pass
     _fast_exit(exitcode)
+
+
+_STACK_SIGNAL = signal.SIGUSR1
+_STACK_FILE_ENV = "RINGCOLL_SPAWN_STACK_FILE"
+
+
+def _dump_stacks_on_request() -> None:
+    """On SIGUSR1 write every thread's Python stack to the file the parent named, so a rank
+    that hangs past the timeout is reported with where it hung."""
+    path = os.environ.get(_STACK_FILE_ENV)
+    if path:
+        import faulthandler
+
+        faulthandler.register(_STACK_SIGNAL, file=open(path, "w"), all_threads=True)  # noqa: SIM115 - kept open
+
+
+def _collect_stacks(ranks) -> None:
+    """Ask each rank about to be killed for its stacks and keep what arrives within a moment."""
+    asked = []
+    for r in ranks:
+        try:
+            os.kill(r.proc.pid, _STACK_SIGNAL)
+            asked.append(r)
+        except (OSError, TypeError):
+            pass
+    if asked:
+        time.sleep(0.5)
+    for r in asked:
+        try:
+            with open(r.stack_file) as f:
+                r.stacks = f.read().strip() or None
+        except OSError:
+            pass
 
 
 def _fast_exit(exitcode: int) -> None:
@@ -301,12 +335,15 @@ def _describe_exit(code: Optional[int]) -> str:
 
 
 class _Rank:
-    __slots__ = ("rank", "proc", "conn", "report", "dead", "seq", "kill_reason", "conn_eof")
+    __slots__ = ("rank", "proc", "conn", "report", "dead", "seq", "kill_reason", "conn_eof", "stack_file",
+                 "stacks")
 
-    def __init__(self, rank, proc, conn):
+    def __init__(self, rank, proc, conn, stack_file):
         self.rank = rank
         self.proc = proc
         self.conn = conn
+        self.stack_file = stack_file  # where the child's faulthandler writes its threads' stacks
+        self.stacks = None  # what it wrote when it was still running at the timeout
         self.report = None  # decoded report tuple
         self.dead = False  # exited before reporting
         self.seq = None  # arrival order of the report / death
@@ -394,7 +431,7 @@ def _outcome(r: _Rank, timeout: float) -> Outcome:
     if r.kill_reason == TIMED_OUT:
         return Outcome(r.rank, False, None, TIMED_OUT,
                        f"rank {r.rank} was still running after the {timeout:g} s timeout; "
-                       f"killed ({_describe_exit(code)})", None, code)
+                       f"killed ({_describe_exit(code)})", r.stacks, code)
     if r.kill_reason == TERMINATED:
         return Outcome(r.rank, False, None, TERMINATED,
                        f"rank {r.rank} was still running after another rank failed; "
@@ -419,6 +456,7 @@ def _run_once(fn_payload, world_size, timeout, deadline, backend, env, pg_timeou
     ranks: List[_Rank] = []
     order: List[int] = []
     retry_port = False
+    stack_dir = tempfile.TemporaryDirectory(prefix="ringcoll-spawn-")
     try:
         # Start every rank before waiting on any: each start costs a Python +
         # torch import, which the children then do in parallel.
@@ -432,6 +470,8 @@ def _run_once(fn_payload, world_size, timeout, deadline, backend, env, pg_timeou
                 "LOCAL_RANK": str(rank),
                 "LOCAL_WORLD_SIZE": str(world_size),
             }
+            stack_file = os.path.join(stack_dir.name, f"rank{rank}.txt")
+            child_env[_STACK_FILE_ENV] = stack_file
             child_env.update(env)
             boot_globals = {
                 "__name__": "__ringcoll_spawn__",
@@ -446,7 +486,7 @@ def _run_once(fn_payload, world_size, timeout, deadline, backend, env, pg_timeou
                 proc.start()
             finally:
                 _close(child_conn)
-            ranks.append(_Rank(rank, proc, parent_conn))
+            ranks.append(_Rank(rank, proc, parent_conn, stack_file))
 
         first_failure_at = None
         while True:
@@ -457,6 +497,7 @@ def _run_once(fn_payload, world_size, timeout, deadline, backend, env, pg_timeou
             if now >= deadline:
                 for r in pending:
                     r.kill_reason = TIMED_OUT
+                _collect_stacks(pending)
                 break
             until = deadline
             if fail_fast and first_failure_at is not None:
@@ -521,6 +562,7 @@ def _run_once(fn_payload, world_size, timeout, deadline, backend, env, pg_timeou
         _terminate([r.proc for r in ranks])
         for r in ranks:
             _close(r.conn)
+        stack_dir.cleanup()
 
 
 def _run(fn, world_size, args, timeout, backend, env, init_timeout, fail_fast):
@@ -594,6 +636,13 @@ def _format_failures(failures: List[Outcome], first: Outcome, outcomes: List[Out
     return "\n".join(lines)
 
 
+def _stacks_text(o: Outcome, limit: int = 6000) -> str:
+    if not o.traceback:
+        return ""
+    text = o.traceback if len(o.traceback) <= limit else "...\n" + o.traceback[-limit:]
+    return "\n    its threads when the timeout struck:\n" + "".join(f"      {line}\n" for line in text.splitlines())
+
+
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
           backend: str = "gloo", env: Optional[Dict[str, Optional[str]]] = None,
           init_timeout: Optional[float] = None) -> List[Any]:
@@ -620,6 +669,6 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 
         raise SpawnTimeout(
             f"timeout after {timeout:g} s: rank(s) {ranks} still running (killed)"
             + (f"; rank(s) {done} had returned" if done else "")
-            + "".join(f"\n  {o.message}" for o in timed_out),
+            + "".join(f"\n  {o.message}" + _stacks_text(o) for o in timed_out),
             ranks, outcomes, timeout)
     return [o.value for o in outcomes]

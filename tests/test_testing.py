@@ -297,6 +297,9 @@ def test_timeout_kills_stragglers(tmp_path):
     assert "rank(s) [1]" in str(err)
     assert err.outcomes[0].ok and err.outcomes[0].value == 0
     assert err.outcomes[1].exc_type == "SpawnTimeout"
+    # Where the hung rank was, from its own stack, so a hang can be debugged from the report.
+    assert "its threads when the timeout struck" in str(err)
+    assert "in _write_pid_and_sleep" in str(err) and "in _write_pid_and_sleep" in err.outcomes[1].traceback
     pids = _read_pids(pidfile)
     assert len(pids) == 2
     assert not any(_alive(pid) for pid in pids)

@@ -60,6 +60,8 @@ CudaComm::CudaComm(int rank, int world, int device, size_t buffer_bytes, double 
     done_ = done;
     RINGCOLL_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
     ready_ = ready;
+    const uint64_t hello = kHelloMagic ^ static_cast<uint64_t>(rank_);
+    RINGCOLL_CUDA_CHECK(cudaMemcpy(base_ + kHelloOffset, &hello, sizeof(hello), cudaMemcpyHostToDevice));
     RINGCOLL_CUDA_CHECK(cudaDeviceSynchronize());  // the memsets are done before the handle leaves
   } catch (...) {
     close();
@@ -111,6 +113,14 @@ void CudaComm::open_peers(const std::vector<std::string>& handles) {
     void* mapped = nullptr;
     RINGCOLL_CUDA_CHECK(cudaIpcOpenMemHandle(&mapped, msg.handle, cudaIpcMemLazyEnablePeerAccess));
     peers_[r] = static_cast<char*>(mapped);
+    // A mapping that opens but does not reach the peer's memory (seen in sandboxes and with
+    // broken peer access) would otherwise surface as a timeout inside the first kernel.
+    uint64_t hello = 0;
+    RINGCOLL_CUDA_CHECK(cudaMemcpy(&hello, peers_[r] + kHelloOffset, sizeof(hello), cudaMemcpyDeviceToHost));
+    RINGCOLL_CHECK(hello == (kHelloMagic ^ static_cast<uint64_t>(r)), Error, "Communicator: rank ", rank_,
+                   " mapped rank ", r, "'s GPU memory through CUDA IPC but reads ", hello,
+                   " instead of its hello word ", kHelloMagic ^ static_cast<uint64_t>(r),
+                   "; IPC between these processes does not work here");
   }
 }
 

@@ -8,7 +8,8 @@
 //
 //   [ flag area, 4 KiB: per thread block b < kMaxBlocks: published, consumed  (128-byte lines)
 //                       aborted (one line): nonzero once this rank gave up; the value says why
-//                       the call descriptor (descriptor.h), for the mismatch check            ]
+//                       the call descriptor (descriptor.h), for the mismatch check
+//                       hello: magic ^ rank, read by each peer after mapping, to prove it works ]
 //   [ data area: kBanks x P slots of slot_bytes each                                          ]
 //
 // Block b of rank k talks only to block b of ranks k-1 and k+1 (its own strip of every
@@ -33,6 +34,8 @@ constexpr size_t kFlagAreaBytes = 4096;
 constexpr size_t kFlagStride = 128;    // one flag per 128-byte line
 constexpr size_t kAbortedOffset = 2 * kMaxBlocks * kFlagStride;
 constexpr size_t kDescriptorOffset = kAbortedOffset + kFlagStride;
+constexpr size_t kHelloOffset = kDescriptorOffset + kFlagStride;  // proves a peer's mapping works
+constexpr uint64_t kHelloMagic = 0x72696e67636f6c6cULL;           // "ringcoll"; the word holds magic ^ rank
 constexpr size_t kSlotAlignment = 128;
 // Per block: [0] step base, [1..] last publication per slot, [kCallWord] calls checked so far.
 // The call number lives on the device, not the host, so a collective captured in a CUDA
@@ -40,7 +43,8 @@ constexpr size_t kSlotAlignment = 128;
 constexpr int kStateWords = 2 * kMaxWorld + 8;
 constexpr int kCallWord = kStateWords - 1;
 static_assert(kBanks * kMaxWorld + 1 <= kCallWord, "bookkeeping must fit its words");
-static_assert(kDescriptorOffset + sizeof(DescriptorSlot) <= kFlagAreaBytes, "flags must fit their area");
+static_assert(kDescriptorOffset + sizeof(DescriptorSlot) <= kHelloOffset, "the descriptor must fit its line");
+static_assert(kHelloOffset + sizeof(uint64_t) <= kFlagAreaBytes, "flags must fit their area");
 
 // Bytes of one slot for a data area of `buffer_bytes` shared by kBanks x world slots.
 inline size_t slot_bytes_for(size_t buffer_bytes, int world) {
