@@ -245,7 +245,10 @@ def _rank_fn(rank: int, ws: int, backend_string: str) -> dict:
 @pytest.fixture(scope="module", params=CONFIGS, ids=lambda c: f"world{c[0]}-{c[1]}")
 def runs(request):
     ws, backend_string = request.param
-    return ws, spawn(_rank_fn, ws, backend_string, timeout=SPAWN_TIMEOUT, backend=backend_string, env=ENV)
+    # A gloo-level hang (the process group timeout) then raises with a traceback instead of
+    # running into the spawn timeout.
+    return ws, spawn(_rank_fn, ws, backend_string, timeout=SPAWN_TIMEOUT, backend=backend_string, env=ENV,
+                     init_timeout=60)
 
 
 def test_registered_on_import():
