@@ -43,6 +43,9 @@ def parse_bytes(text: str) -> int:
     return int(digits) * _SIZE_SUFFIXES[suffix]
 
 
+MAX_TIMEOUT_SECONDS = 1e9  # ~31 years: a bound that still fits every clock it is converted to
+
+
 def _resolve_timeout(timeout) -> float:
     if timeout is None:
         timeout = os.environ.get("RINGCOLL_TIMEOUT", DEFAULT_TIMEOUT_SECONDS)
@@ -51,6 +54,9 @@ def _resolve_timeout(timeout) -> float:
     seconds = float(timeout)
     if not seconds > 0:
         raise ValueError(f"Communicator: timeout must be a positive number of seconds, got {timeout!r}")
+    if not seconds <= MAX_TIMEOUT_SECONDS:  # also catches inf and nan
+        raise ValueError(f"Communicator: timeout must be at most {MAX_TIMEOUT_SECONDS:g} s, got {timeout!r}: "
+                         "ringcoll never waits without a bound")
     return seconds
 
 
@@ -151,15 +157,26 @@ class Communicator:
             raise RingcollError(f"Communicator: no ringcoll transport for device {device} in this build; "
                                 "the shared-memory transport serves CPU tensors")
         self._configure(group, device, timeout, buffer_bytes, check, slot_alignment=64)
-        # The segment names go round with the settings every rank must share.
-        offers: list = [None] * self.world_size
-        dist.all_gather_object(offers, (_C.random_segment_name(), self.check), group=self.group)
-        names = [name for name, _ in offers]
-        if len({check for _, check in offers}) != 1:
-            raise ValueError("Communicator: RINGCOLL_CHECK / check= differs between ranks: "
-                             + ", ".join(f"rank {r}: {c}" for r, (_, c) in enumerate(offers)))
+        names = self._exchange(_C.random_segment_name())
         self._impl = _C.HostComm(self.rank, self.world_size, names, self.buffer_bytes, self.timeout, self.check)
         self._start()
+
+    def _exchange(self, mine, **settings) -> list:
+        """Send this rank's `mine` (segment name, IPC handle) round the group together with
+        the settings every rank must share (the call check, the buffer size, and any the
+        transport adds); returns every rank's `mine`. Raises ValueError, on every rank, if a
+        setting differs: peers would otherwise read each other's buffers with different
+        layouts."""
+        settings = {"RINGCOLL_CHECK / check=": self.check, "RINGCOLL_BUFFER_BYTES / buffer_bytes=": self.buffer_bytes,
+                    **settings}
+        offers: list = [None] * self.world_size
+        dist.all_gather_object(offers, (mine, settings), group=self.group)
+        for name in settings:
+            values = [theirs[name] for _, theirs in offers]
+            if len(set(values)) != 1:
+                raise ValueError(f"Communicator: {name} differs between ranks: "
+                                 + ", ".join(f"rank {r}: {v}" for r, v in enumerate(values)))
+        return [theirs for theirs, _ in offers]
 
     def _configure(self, group, device: torch.device, timeout, buffer_bytes, check, slot_alignment: int) -> None:
         """Settings every transport shares, validated before any rank allocates anything."""

@@ -122,23 +122,24 @@ class CudaTransport:
     (``all_reduce(src, dst, count, dtype, op)``, ...) over ``_C.CudaComm``, plus ``run``,
     which launches a call on the current stream (sync) or returns a :class:`CudaWork`."""
 
-    def __init__(self, group, device: torch.device, timeout: float, buffer_bytes: int, check: bool):
+    def __init__(self, owner: Communicator):
         _require_cuda_build()
-        self.device = device
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        self.device = device = owner.device
+        self.rank = owner.rank
+        self.world_size = owner.world_size
         variant = kernel_variant()
         index = device.index if device.index is not None else torch.cuda.current_device()
-        self._comm = _C.CudaComm(self.rank, self.world_size, index, buffer_bytes, timeout, check, variant)
-        offers: list = [None] * self.world_size
-        dist.all_gather_object(offers, (self._comm.handle_bytes(), variant), group=group)
-        if len({v for _, v in offers}) != 1:
+        self._comm = _C.CudaComm(self.rank, self.world_size, index, owner.buffer_bytes, owner.timeout, owner.check,
+                                 variant)
+        try:
+            variant_name = next(name for name, code in KERNEL_VARIANTS.items() if code == variant)
+            handles = owner._exchange(self._comm.handle_bytes(), **{"RINGCOLL_CUDA_KERNEL": variant_name})
+        except BaseException:
             self._comm.close()
-            raise ValueError("Communicator: RINGCOLL_CUDA_KERNEL differs between ranks: "
-                             + ", ".join(f"rank {r}: {v}" for r, (_, v) in enumerate(offers)))
-        self._comm.open_peers([h for h, _ in offers])
+            raise
+        self._comm.open_peers(handles)
         # Every rank must have mapped every peer before anyone may close (and free) its buffer.
-        dist.barrier(group=group)
+        dist.barrier(group=owner.group)
         self._stream = torch.cuda.ExternalStream(self._comm.stream_handle, device=device)
         self._launch_stream = 0
         self._join = True
@@ -213,7 +214,7 @@ class CudaCommunicator(Communicator):
             raise ValueError(f"Communicator: CudaCommunicator serves CUDA devices, not {device}")
         device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         self._configure(group, device, timeout, buffer_bytes, check, slot_alignment=128)
-        self._impl = CudaTransport(self.group, self.device, self.timeout, self.buffer_bytes, self.check)
+        self._impl = CudaTransport(self)
         self._start()
 
     def _run(self, call, outputs: list, keep_alive: Sequence, async_op: bool):

@@ -17,6 +17,7 @@ reduce.h), or, for every dtype and op, with small-integer inputs that every orde
 exactly.
 """
 
+import os
 import time
 
 import numpy as np
@@ -308,3 +309,124 @@ def test_without_the_check(variant):
     assert "rank 0 timed out after 0.5 s waiting for left neighbour rank 2 to publish data" in message, message
     assert "ring step 1" in message and "call " not in message, message  # no call numbers without the check
     assert results[1][0] in ("RingcollTimeoutError", "RingcollPeerError"), results
+
+
+@pytest.mark.parametrize("world", [5, 8])
+def test_larger_worlds(world):
+    for variant in (FUSED, NAIVE):
+        r = ring(world, variant, BIG_SLOT if variant == FUSED else SMALL_SLOT)
+        f32 = DTYPE_CODES[torch.float32]
+        for n in (world * 1000 + 3, 17):
+            xs = [small_ints(k, n, torch.float32) for k in range(world)]
+            outs = [torch.zeros(n) for _ in range(world)]
+            run_ok(r, [(k, AR, f32, 0, xs[k].data_ptr(), outs[k].data_ptr(), n) for k in range(world)])
+            assert all(torch.equal(o, sum(xs)) for o in outs), (variant, n)
+
+
+# --- fuzzed: hypothesis draws a ring and a sequence of calls on it -------------------------
+
+hypothesis = pytest.importorskip("hypothesis")
+st = hypothesis.strategies
+EXACT_OPS = [ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX]
+
+
+@st.composite
+def call_sequences(draw):
+    world = draw(st.integers(2, 5))
+    variant = draw(st.sampled_from([FUSED, NAIVE]))
+    slot_bytes = draw(st.sampled_from([128, 384, SMALL_SLOT, BIG_SLOT]))
+    threads = draw(st.sampled_from([1, 2, 3]))
+    calls = draw(st.lists(st.tuples(st.sampled_from([AR, RS, AG]),
+                                    st.sampled_from([torch.float32, torch.float16, torch.int64, torch.uint8]),
+                                    st.sampled_from(EXACT_OPS),
+                                    st.integers(0, 3 * BIG_SLOT // 4),  # elements per rank
+                                    st.integers(0, 3)),                 # element offset into storage
+                          min_size=1, max_size=5))
+    return world, variant, slot_bytes, threads, calls
+
+
+# RINGCOLL_EMULATOR_EXAMPLES=N for a longer run (bench/results/ records one).
+@hypothesis.settings(max_examples=int(os.environ.get("RINGCOLL_EMULATOR_EXAMPLES", "80")), deadline=None, database=None, derandomize=True,
+                     suppress_health_check=list(hypothesis.HealthCheck))
+@hypothesis.given(call_sequences())
+def test_fuzzed_call_sequences(case):
+    """Any ring (world, variant, slot size, threads per block) and any sequence of calls on
+    it (collective, dtype, op, size, pointer misalignment) gives the exact result, with
+    every rank running its whole sequence without waiting for the others between calls."""
+    world, variant, slot_bytes, threads, calls = case
+    r = ring(world, variant, slot_bytes, threads=threads)
+    submitted, checks = [], []
+    for coll, dtype, op, count, shift in calls:
+        m = count // world if coll != AR else count
+        in_n = {AR: m, RS: m * world, AG: m}[coll]
+        out_n = {AR: m, RS: m, AG: m * world}[coll]
+        xs = [small_ints(k, in_n + shift, dtype)[shift:] for k in range(world)]
+        outs = [torch.zeros(out_n + shift, dtype=dtype)[shift:] for _ in range(world)]
+        submitted += [(k, coll, DTYPE_CODES[dtype], int(op), xs[k].data_ptr(), outs[k].data_ptr(), m)
+                      for k in range(world)]
+        if coll == AG:
+            want = [torch.cat(xs)] * world
+        else:
+            full = exact_reduce(torch.stack([x.to(torch.int64) for x in xs]), op).to(dtype)
+            want = [full] * world if coll == AR else [full[k * m:(k + 1) * m] for k in range(world)]
+        checks.append((xs, outs, want, (coll, dtype, op, count, shift)))  # xs: alive until the run
+    run_ok(r, submitted)
+    for _, outs, want, label in checks:
+        for k in range(world):
+            assert torch.equal(outs[k], want[k]), (label, k)
+
+
+def test_ranks_run_ahead_after_zero_length_calls():
+    """Counts [0, 0, 5]: rank 1 matches rank 0, has nothing to move and runs on into its next
+    call, so rank 2 may find its left neighbour already past this call. That can only be a
+    zero-length call, and rank 2's moves data: a mismatch, found at once, not a timeout."""
+    world, f32 = 3, DTYPE_CODES[torch.float32]
+    for trial in range(10):
+        r = ring(world, FUSED, timeout=20)
+        x = torch.ones(5)
+        calls = [(0, AR, f32, 0, x.data_ptr(), x.data_ptr(), 0),
+                 (1, AR, f32, 0, x.data_ptr(), x.data_ptr(), 0),
+                 (1, AR, f32, 0, x.data_ptr(), x.data_ptr(), 0),  # runs ahead
+                 (2, AR, f32, 0, x.data_ptr(), x.data_ptr(), 5)]
+        started = time.monotonic()
+        results = r.run(calls)
+        assert time.monotonic() - started < 10, results  # nobody waited out the 20 s timeout
+        kinds = [kind for kind, _ in results]
+        assert kinds[0] == kinds[3] == "RingcollMismatchError", (trial, results)
+        # Rank 1's first call agrees with rank 0's, and succeeds unless rank 0 gave up first;
+        # either way rank 1 learns of the mismatch (and is broken from then on).
+        assert kinds[1:3] in (["", "RingcollMismatchError"], ["RingcollMismatchError", "RingcollError"]), \
+            (trial, results)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_closing_after_the_last_call_does_not_disturb_peers(variant):
+    """A rank that closes right after its last call while its peers are still finishing
+    theirs: its `closed` flag is set only after everything it published, and peers read
+    a neighbour's flag before the data flag, so they finish normally."""
+    world, n, f32 = 3, 20_000, DTYPE_CODES[torch.float32]
+    for trial in range(8):
+        r = ring(world, VARIANTS[variant], BIG_SLOT)
+        xs = [small_ints(k, n, torch.float32, trial) for k in range(world)]
+        want = sum(xs)
+        calls = [(k, AR, f32, 0, xs[k].data_ptr(), xs[k].data_ptr(), n) for k in range(world)]
+        calls.append((trial % world, E.Ring.CLOSE, 0, 0, 0, 0, 0))
+        run_ok(r, calls)
+        assert all(torch.equal(x, want) for x in xs), trial
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_rank_that_closed_is_named_by_the_peers_left_waiting(variant):
+    world, n, f32 = 3, 3000, DTYPE_CODES[torch.float32]
+    r = ring(world, VARIANTS[variant], timeout=20)
+    xs = [torch.ones(n) for _ in range(world)]
+    calls = [(k, AR, f32, 0, xs[k].data_ptr(), xs[k].data_ptr(), n) for k in range(world)]
+    calls.append((2, E.Ring.CLOSE, 0, 0, 0, 0, 0))
+    calls += [(k, AR, f32, 0, xs[k].data_ptr(), xs[k].data_ptr(), n) for k in (0, 1)]
+    started = time.monotonic()
+    results = r.run(calls)
+    assert time.monotonic() - started < 10, results  # not the 20 s timeout
+    assert results[:4] == [("", "")] * 4, results
+    second = results[4:]
+    assert all(kind == "RingcollPeerError" for kind, _ in second), second
+    assert any("rank 2 closed its communicator" in message for _, message in second), second

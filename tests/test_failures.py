@@ -2,6 +2,7 @@
 every rank that can notice, a broken communicator stays broken, and nothing is left in
 /dev/shm after a normal run or after a rank is SIGKILLed mid-collective."""
 
+import datetime
 import os
 import signal
 import threading
@@ -142,3 +143,12 @@ def test_segment_name_is_random_and_private():
     assert len(names) == 100
     for name in names:
         assert name.startswith("/ringcoll-") and len(name) == len("/ringcoll-") + 32
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("inf"), float("nan"), 1e12, datetime.timedelta.max])
+def test_timeout_must_be_positive_and_finite(bad):
+    from ringcoll.communicator import _resolve_timeout
+
+    with pytest.raises(ValueError, match="Communicator: timeout must be"):
+        _resolve_timeout(bad)
+    assert _resolve_timeout(datetime.timedelta(minutes=30)) == 1800.0

@@ -144,6 +144,24 @@ def test_check_setting_must_agree_across_ranks():
     assert spawn(_check_setting, 2, "1") == ["ok", "ok"]
 
 
+def _buffer_setting(rank, world, sizes):
+    import ringcoll
+
+    try:
+        ringcoll.Communicator(timeout=10, buffer_bytes=sizes[rank]).close()
+        return "ok"
+    except ValueError as e:
+        return str(e)
+
+
+def test_buffer_size_must_agree_across_ranks():
+    """Peers read each other's buffers with their own slot layout: sizes must match."""
+    for message in spawn(_buffer_setting, 3, [1 << 16, 1 << 17, 1 << 16]):
+        assert message.startswith("Communicator: RINGCOLL_BUFFER_BYTES / buffer_bytes= differs between ranks: "
+                                  "rank 0: 65536, rank 1: 131072, rank 2: 65536"), message
+    assert spawn(_buffer_setting, 2, [1 << 16, 1 << 16]) == ["ok", "ok"]
+
+
 def _unchecked(rank, world):
     import ringcoll
 

@@ -60,9 +60,11 @@ void bind_cuda(py::module_& m) {
             return out;
           },
           py::arg("calls"),
-          "calls: (rank, collective, dtype, op, input_ptr, output_ptr, count) per participating rank; "
+          "calls: (rank, collective, dtype, op, input_ptr, output_ptr, count), collective Ring.CLOSE to close; "
+          "each rank runs its calls in order, not waiting for the others between calls; "
           "returns (error_type, message) per call, ('', '') on success")
       .def_property_readonly("launches", &EmulatedRing::launches)
+      .def_property_readonly_static("CLOSE", [](py::object) { return ringcoll::emulation::kClose; })
       .def_property_readonly("slot_bytes", &EmulatedRing::slot_bytes);
 
 #if defined(RINGCOLL_WITH_CUDA)

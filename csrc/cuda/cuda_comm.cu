@@ -179,9 +179,15 @@ void CudaComm::launch(const char* op, Collective coll, uintptr_t input, uintptr_
     p.errors = errors_device_;
     p.input = reinterpret_cast<const void*>(input);
     p.output = reinterpret_cast<void*>(output);
-    for_each_launch(p, variant_, shape.elem_size, [&](const RingParams& q, int blocks, bool vectorise) {
-      launch_ring(q, dtype, reduce_op, blocks, vectorise, own);
-    });
+    try {
+      for_each_launch(p, variant_, shape.elem_size, [&](const RingParams& q, int blocks, bool vectorise) {
+        launch_ring(q, dtype, reduce_op, blocks, vectorise, own);
+      });
+    } catch (const std::exception& e) {
+      // Some of the call's launches may be queued: this rank's numbering no longer matches.
+      broken_reason_ = std::string(op) + ": a kernel launch failed: " + e.what();
+      throw;
+    }
   }
   RINGCOLL_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(done_), own));
   if (join) RINGCOLL_CUDA_CHECK(cudaStreamWaitEvent(user, static_cast<cudaEvent_t>(done_), 0));
@@ -205,10 +211,12 @@ void CudaComm::all_gather(uintptr_t input, uintptr_t output, int64_t input_count
 void CudaComm::close() {
   if (closed_) return;
   closed_ = true;
-  // Finish our own launches before anything they use goes away (errors ignored: close
-  // must not throw from a destructor, and a broken communicator is closed all the same).
+  // Finish every launch that uses our memory before any of it goes away: our stream's, and
+  // any replay of a CUDA graph that captured one (errors ignored: close must not throw from
+  // a destructor, and a broken communicator is closed all the same).
   cudaSetDevice(device_);
-  if (stream_ != nullptr) cudaStreamSynchronize(static_cast<cudaStream_t>(stream_));
+  cudaDeviceSynchronize();
+  announce_closed();
   // Unmap peers first: their memory is theirs, and our mapping must go before our own
   // allocation in case a peer's process also maps ours (each side closes what it opened).
   for (int r = 0; r < world_; ++r) {
@@ -228,6 +236,18 @@ void CudaComm::close() {
   state_ = nullptr;
   base_ = nullptr;
   cudaGetLastError();  // leave no sticky non-fatal error behind for the caller's next call
+}
+
+// Set our `aborted` flag to kClosed (unless a kernel already set a cause), so a neighbour
+// still waiting for us stops now instead of at its timeout. Our kernels are finished, so
+// everything they published is visible before this; device_ring.h's waits rely on that.
+void CudaComm::announce_closed() {
+  if (base_ == nullptr || !peers_open_ || world_ == 1) return;
+  uint64_t* flag = reinterpret_cast<uint64_t*>(base_ + kAbortedOffset);
+  uint64_t cause = 0;
+  if (cudaMemcpy(&cause, flag, sizeof(cause), cudaMemcpyDeviceToHost) != cudaSuccess || cause != 0) return;
+  cause = static_cast<uint64_t>(AbortCause::kClosed);
+  cudaMemcpy(flag, &cause, sizeof(cause), cudaMemcpyHostToDevice);
 }
 
 }  // namespace ringcoll::cuda

@@ -55,6 +55,7 @@ class CudaComm {
 
  private:
   void ensure_usable(const char* op) const;
+  void announce_closed();
   void launch(const char* op, Collective coll, uintptr_t input, uintptr_t output, int64_t user_count, int dtype,
               int reduce_op, uintptr_t stream, bool join);
 

@@ -218,7 +218,11 @@ class DeviceRingContext {
     if (!wait(&theirs->seq, descriptor_seq_written(call), left(), Awaited::kDescriptor)) return false;
     if (threadIdx.x == 0) {
       CallDescriptor seen{};
-      if (compare_descriptor(theirs, p_.call, call, &seen) == PeerCall::kDiffers)
+      const PeerCall verdict = compare_descriptor(theirs, p_.call, call, &seen);
+      // A left neighbour that already moved on finished this call without our data, which
+      // only a call with no data to move can do: if ours moves data, the calls differ.
+      if (verdict == PeerCall::kMovedOn && p_.count > 0) seen.collective = -1;  // "zero-length, moved on"
+      if (verdict == PeerCall::kDiffers || seen.collective < 0)
         give_up(AbortCause::kMismatch, AbortCause::kNone, left(), Awaited::kDescriptor, 0, 0, 0, &seen);
     }
     return block_agrees();
@@ -244,18 +248,26 @@ class DeviceRingContext {
   }
 
   // Thread 0 polls (bounded by the timeout, ended early when someone gave up), then the
-  // block learns the outcome together.
+  // block learns the outcome together. Both neighbours' `aborted` flags are read *before*
+  // the awaited flag: a neighbour sets it only after everything it published, so a
+  // neighbour that finished its part and closed is never mistaken for one that left us
+  // waiting. A closed neighbour stops us only if it is the one we wait for.
   RINGCOLL_DEVICE bool wait(const uint64_t* flag, uint64_t target, int peer, Awaited what) {
     if (threadIdx.x == 0 && flag_load_acquire(flag) < target) {
+      const int other = peer == left() ? right() : left();
       const char* peer_base = peer == left() ? p_.left_base : p_.right_base;
+      const char* other_base = peer == left() ? p_.right_base : p_.left_base;
       const uint64_t start = device_now_ns();
       for (unsigned polls = 0;; ++polls) {
         if (polls > 64) __nanosleep(200);  // a long wait: leave issue slots to the peer
+        const uint64_t peer_cause = flag_load_acquire(aborted_flag(peer_base));
+        const uint64_t other_cause = flag_load_acquire(aborted_flag(other_base));
         const uint64_t seen = flag_load_acquire(flag);
         if (seen >= target) break;
-        const uint64_t peer_cause = flag_load_relaxed(aborted_flag(peer_base));
-        if (peer_cause != 0) {
-          give_up(AbortCause::kPeerAborted, static_cast<AbortCause>(peer_cause), peer, what, target, seen, 0, nullptr);
+        if (peer_cause != 0 || (other_cause != 0 && other_cause != static_cast<uint64_t>(AbortCause::kClosed))) {
+          const bool awaited = peer_cause != 0;
+          give_up(AbortCause::kPeerAborted, static_cast<AbortCause>(awaited ? peer_cause : other_cause), peer, what,
+                  target, seen, 0, nullptr, awaited ? peer : other);
           break;
         }
         if (flag_load_relaxed(aborted_flag(p_.my_base)) != 0) {  // another block of mine gave up (and said why)
@@ -273,21 +285,23 @@ class DeviceRingContext {
   }
 
   // Thread 0 only: record why this block stops, and tell this rank's other blocks and its
-  // neighbours (the aborted flag carries the cause at the origin).
+  // neighbours (the aborted flag carries the cause at the origin; the first cause stays).
   RINGCOLL_DEVICE void give_up(AbortCause kind, AbortCause cause, int peer, Awaited what, uint64_t expected,
-                               uint64_t seen, uint64_t waited, const CallDescriptor* theirs) {
+                               uint64_t seen, uint64_t waited, const CallDescriptor* theirs, int aborted_rank = -1) {
     ErrorRecord* rec = p_.errors + block_;
     rec->kind = static_cast<int32_t>(kind);
     rec->cause = static_cast<int32_t>(cause);
-    rec->rank = p_.rank, rec->peer = peer, rec->block = block_;
+    rec->rank = p_.rank, rec->peer = peer, rec->block = block_, rec->aborted_rank = aborted_rank;
     rec->waiting_for = static_cast<int32_t>(what);
     rec->step = step_, rec->slice = slice_, rec->call = calls_;
     rec->expected = expected, rec->seen = seen, rec->waited_ns = waited;
     rec->mine = p_.call;
     if (theirs != nullptr) rec->theirs = *theirs;
     publish_record(&rec->valid);
-    const AbortCause origin = kind == AbortCause::kPeerAborted ? cause : kind;
-    flag_store_release(aborted_flag(p_.my_base), static_cast<uint64_t>(origin));
+    // Pass on the cause at the origin; a neighbour that closed on us becomes "a rank left".
+    const AbortCause origin = kind != AbortCause::kPeerAborted ? kind
+                              : cause == AbortCause::kClosed ? AbortCause::kPeerLeft : cause;
+    flag_set_once(aborted_flag(p_.my_base), static_cast<uint64_t>(origin));
     shared_->failed = 1;
   }
   // The record's fields become visible to the host before its `valid` word.

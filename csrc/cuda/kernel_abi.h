@@ -63,7 +63,19 @@ enum class AbortCause : int32_t {
   kTimedOut = 1,    // a wait outlasted the communicator's timeout
   kMismatch = 2,    // its call differs from its left neighbour's
   kPeerAborted = 3, // (records only) a neighbour gave up; `cause` says why that one did
+  kClosed = 4,      // (flag only) the rank closed its communicator after its last call
+  kPeerLeft = 5,    // (flag only) a neighbour it was waiting for had closed: passed on like a timeout
 };
+
+// What a neighbour's `aborted` value says, for messages.
+inline const char* abort_cause_text(int32_t cause) {
+  switch (static_cast<AbortCause>(cause)) {
+    case AbortCause::kMismatch: return "abandoned the call: ranks made mismatched calls";
+    case AbortCause::kClosed: return "closed its communicator";
+    case AbortCause::kPeerLeft: return "abandoned the call: a rank closed its communicator while others waited for it";
+    default: return "abandoned the call: a wait in the ring timed out";
+  }
+}
 
 // Where a block that gave up records why (host-mapped, one per block).
 struct ErrorRecord {
@@ -72,6 +84,7 @@ struct ErrorRecord {
   int32_t cause;     // kPeerAborted: the neighbour's AbortCause
   int32_t rank, peer, block;
   int32_t waiting_for;  // which flag: 0 publish, 1 consume, 2 descriptor
+  int32_t aborted_rank;  // kPeerAborted: the neighbour that gave up (the awaited one, or the other)
   int32_t step;      // -1 before the first ring step
   int64_t slice;
   uint64_t call;     // the communicator's call number (0: unknown, the check is off)
@@ -126,7 +139,8 @@ inline RingParams call_params(Collective coll, const CallShape& shape, int rank,
   RingParams p{};
   p.count = shape.count;
   p.slot_bytes = static_cast<int64_t>(slot_bytes);
-  p.timeout_ns = static_cast<uint64_t>(timeout_seconds * 1e9);
+  const double ns = timeout_seconds * 1e9;
+  p.timeout_ns = ns < 1.8e19 ? static_cast<uint64_t>(ns) : UINT64_MAX;  // NaN and inf included
   p.rank = rank;
   p.world = world;
   p.collective = static_cast<int>(coll);
@@ -190,14 +204,12 @@ inline std::string error_message(const ErrorRecord& r, int world, double timeout
     case AbortCause::kMismatch:
       msg << "mismatched collective calls (call " << r.call << " on this communicator): rank " << r.rank
           << " called " << describe_call(r.mine) << " but its " << side << "rank " << r.peer << " called "
-          << describe_call(r.theirs) << "; no data was moved";
+          << (r.theirs.collective >= 0 ? describe_call(r.theirs) : "a zero-length collective and has moved on")
+          << "; no data was moved";
       break;
     default:
-      msg << "rank " << r.rank << " gave up waiting for " << side << "rank " << r.peer << " to " << what
-          << ": that rank abandoned the call because "
-          << (r.cause == static_cast<int32_t>(AbortCause::kMismatch) ? "ranks made mismatched calls"
-                                                                      : "a wait in the ring timed out")
-          << " (its own error says where)";
+      msg << "rank " << r.rank << " stopped waiting for " << side << "rank " << r.peer << " to " << what << ": rank "
+          << r.aborted_rank << " " << abort_cause_text(r.cause) << " (its own error says more)";
   }
   msg << " (GPU kernel, ";
   if (r.call > 0) msg << "call " << r.call << ", ";

@@ -103,17 +103,32 @@ EmulatedRing::EmulatedRing(int world, size_t buffer_bytes, double timeout_second
 EmulatedRing::~EmulatedRing() = default;
 
 std::vector<CallResult> EmulatedRing::run(const std::vector<EmulatedCall>& calls) {
-  std::vector<bool> seen(static_cast<size_t>(world_), false);
-  for (const EmulatedCall& c : calls) {
-    RINGCOLL_CHECK(c.rank >= 0 && c.rank < world_ && !seen[c.rank], std::invalid_argument,
-                   "EmulatedRing.run: each call needs a distinct rank in 0..", world_ - 1, ", got ", c.rank);
-    seen[c.rank] = true;
+  // Each rank runs its calls in the order given, on its own thread, never waiting for the
+  // other ranks between calls: a rank may run ahead, as a GPU rank's host thread does.
+  std::vector<std::vector<size_t>> by_rank(static_cast<size_t>(world_));
+  for (size_t k = 0; k < calls.size(); ++k) {
+    RINGCOLL_CHECK(calls[k].rank >= 0 && calls[k].rank < world_, std::invalid_argument,
+                   "EmulatedRing.run: rank ", calls[k].rank, " is outside 0..", world_ - 1);
+    by_rank[calls[k].rank].push_back(k);
   }
   std::vector<CallResult> results(calls.size());
   std::vector<std::thread> ranks;
-  for (size_t k = 0; k < calls.size(); ++k) ranks.emplace_back([&, k] { results[k] = run_on_rank(calls[k]); });
+  for (const auto& mine : by_rank) {
+    if (mine.empty()) continue;
+    ranks.emplace_back([&, mine] {
+      for (size_t k : mine) results[k] = calls[k].collective == kClose ? close_rank(calls[k].rank) : run_on_rank(calls[k]);
+    });
+  }
   for (auto& thread : ranks) thread.join();
   return results;
+}
+
+// What CudaComm::close does to the flags: tell the neighbours this rank is gone, unless it
+// already gave up (then its flag holds the cause).
+CallResult EmulatedRing::close_rank(int rank) {
+  flag_set_once(cuda::aborted_flag(ranks_[rank]->memory.get()), static_cast<uint64_t>(AbortCause::kClosed));
+  ranks_[rank]->broken_reason = "closed";
+  return {};
 }
 
 // What CudaComm::launch does for one rank, with the GPU replaced by launch() above.

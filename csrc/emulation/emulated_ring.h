@@ -10,7 +10,9 @@
 
 namespace ringcoll::emulation {
 
-// One rank's part of a collective: the arguments CudaComm's methods take.
+// One rank's part of a collective: the arguments CudaComm's methods take; or, with
+// collective == kClose, the rank closing its communicator.
+constexpr int kClose = -1;
 struct EmulatedCall {
   int rank, collective, dtype, op;
   uintptr_t input, output;
@@ -27,8 +29,9 @@ class EmulatedRing {
   EmulatedRing(int world, size_t buffer_bytes, double timeout_seconds, int variant, int threads_per_block,
                bool check_calls);
   ~EmulatedRing();
-  // Run the given calls concurrently, one per listed rank; a rank not listed makes no call
-  // (a peer that never arrives). State persists between runs, as in a communicator.
+  // Run the given calls: each rank runs its own in order, concurrently with the other ranks
+  // and without waiting for them between calls. A rank not listed makes no call (a peer that
+  // never arrives). State persists between runs, as in a communicator.
   std::vector<CallResult> run(const std::vector<EmulatedCall>& calls);
   uint64_t launches() const { return launches_; }
   size_t slot_bytes() const { return slot_bytes_; }
@@ -36,6 +39,7 @@ class EmulatedRing {
  private:
   struct Rank;
   CallResult run_on_rank(const EmulatedCall& call);
+  CallResult close_rank(int rank);
 
   int world_;
   size_t slot_bytes_;

@@ -52,20 +52,18 @@ struct alignas(64) DescriptorSlot {
 
 RINGCOLL_INLINE uint64_t descriptor_seq_written(uint64_t call_number) { return 2 * call_number + 2; }
 
-// Fields are accessed as 32/64-bit relaxed atomics: a reader may race a writer, and the
-// sequence flag, not the fields, decides whether what it read counts.
+// The sequence lock (Boehm's): the writer makes seq odd, fences, writes the fields, then
+// releases the even seq; the reader acquires seq, reads the fields, fences, re-reads seq.
+// Fields are relaxed words: a reader may race a writer, and seq decides whether what it
+// read counts. One code path for host and device: only the primitives of flags.h differ.
 RINGCOLL_INLINE void publish_descriptor(DescriptorSlot* slot, const CallDescriptor& call, uint64_t call_number) {
   flag_store_release(&slot->seq, 2 * call_number + 1);
-#if defined(__CUDA_ARCH__)
-  slot->call = call;
-  __threadfence_system();
-#else
-  __atomic_store_n(&slot->call.collective, call.collective, __ATOMIC_RELAXED);
-  __atomic_store_n(&slot->call.dtype, call.dtype, __ATOMIC_RELAXED);
-  __atomic_store_n(&slot->call.op, call.op, __ATOMIC_RELAXED);
-  __atomic_store_n(&slot->call.variant, call.variant, __ATOMIC_RELAXED);
-  __atomic_store_n(&slot->call.count, call.count, __ATOMIC_RELAXED);
-#endif
+  fence_release();  // the odd seq is visible before any new field
+  word_store_relaxed(&slot->call.collective, call.collective);
+  word_store_relaxed(&slot->call.dtype, call.dtype);
+  word_store_relaxed(&slot->call.op, call.op);
+  word_store_relaxed(&slot->call.variant, call.variant);
+  word_store_relaxed(&slot->call.count, call.count);
   flag_store_release(&slot->seq, descriptor_seq_written(call_number));
 }
 
@@ -78,17 +76,13 @@ RINGCOLL_INLINE PeerCall compare_descriptor(const DescriptorSlot* slot, const Ca
                                             uint64_t call_number, CallDescriptor* theirs) {
   const uint64_t seq = flag_load_acquire(&slot->seq);
   if (seq != descriptor_seq_written(call_number)) return PeerCall::kMovedOn;
-#if defined(__CUDA_ARCH__)
-  *theirs = slot->call;
-#else
-  theirs->collective = __atomic_load_n(&slot->call.collective, __ATOMIC_RELAXED);
-  theirs->dtype = __atomic_load_n(&slot->call.dtype, __ATOMIC_RELAXED);
-  theirs->op = __atomic_load_n(&slot->call.op, __ATOMIC_RELAXED);
-  theirs->variant = __atomic_load_n(&slot->call.variant, __ATOMIC_RELAXED);
-  theirs->count = __atomic_load_n(&slot->call.count, __ATOMIC_RELAXED);
-  __atomic_thread_fence(__ATOMIC_ACQUIRE);  // the fields are read before seq is re-checked
-#endif
-  if (flag_load_acquire(&slot->seq) != seq) return PeerCall::kMovedOn;  // overwritten meanwhile
+  theirs->collective = word_load_relaxed(&slot->call.collective);
+  theirs->dtype = word_load_relaxed(&slot->call.dtype);
+  theirs->op = word_load_relaxed(&slot->call.op);
+  theirs->variant = word_load_relaxed(&slot->call.variant);
+  theirs->count = word_load_relaxed(&slot->call.count);
+  fence_acquire();  // the fields are read before seq is re-checked
+  if (flag_load_relaxed(&slot->seq) != seq) return PeerCall::kMovedOn;  // overwritten meanwhile
   return same_call(mine, *theirs) ? PeerCall::kMatches : PeerCall::kDiffers;
 }
 

@@ -58,6 +58,53 @@ RINGCOLL_INLINE uint64_t flag_load_relaxed(const uint64_t* flag) {
 #endif
 }
 
+// Set a flag that is written once (the first writer wins; later ones leave it), with
+// release ordering. For flags several writers may race to set, like a rank's `aborted`.
+RINGCOLL_INLINE void flag_set_once(uint64_t* flag, uint64_t value) {
+#if defined(__CUDA_ARCH__)
+  __threadfence_system();
+  atomicCAS_system(reinterpret_cast<unsigned long long*>(flag), 0ULL, static_cast<unsigned long long>(value));
+#else
+  uint64_t expected = 0;
+  __atomic_compare_exchange_n(flag, &expected, value, false, __ATOMIC_RELEASE, __ATOMIC_RELAXED);
+#endif
+}
+
+// Plain words read or written while another thread may race them (the fields a sequence
+// lock guards): no tearing, no ordering; pair them with the fences below.
+template <typename T>
+RINGCOLL_INLINE void word_store_relaxed(T* p, T value) {
+#if defined(__CUDA_ARCH__)
+  *static_cast<volatile T*>(p) = value;
+#else
+  __atomic_store_n(p, value, __ATOMIC_RELAXED);
+#endif
+}
+template <typename T>
+RINGCOLL_INLINE T word_load_relaxed(const T* p) {
+#if defined(__CUDA_ARCH__)
+  return *static_cast<const volatile T*>(p);
+#else
+  return __atomic_load_n(p, __ATOMIC_RELAXED);
+#endif
+}
+// Fences at system scope (on the device: fence.sc.sys, stronger than needed, the only
+// system-scope fence CUDA C++ exposes directly).
+RINGCOLL_INLINE void fence_release() {
+#if defined(__CUDA_ARCH__)
+  __threadfence_system();
+#else
+  __atomic_thread_fence(__ATOMIC_RELEASE);
+#endif
+}
+RINGCOLL_INLINE void fence_acquire() {
+#if defined(__CUDA_ARCH__)
+  __threadfence_system();
+#else
+  __atomic_thread_fence(__ATOMIC_ACQUIRE);
+#endif
+}
+
 #if defined(__CUDACC__)
 // Nanoseconds from the GPU's global timer: the device-side clock for bounded waits.
 __device__ inline uint64_t device_now_ns() {
