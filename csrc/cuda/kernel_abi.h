@@ -12,7 +12,7 @@
 //                       hello: magic ^ rank, read by each peer after mapping, to prove it works ]
 //   [ data area: kBanks x P slots of slot_bytes each                                          ]
 //
-// Block b of rank k talks only to block b of ranks k-1 and k+1 (its own strip of every
+// Block b of rank k talks only to block b of ranks k-1 and k+1 (its own tiles of every
 // chunk), so blocks never wait for each other. Per-block bookkeeping (step base and the
 // last publication of every slot, see ring_loop.h) lives in a private device array that
 // persists between launches, like HostComm's members.

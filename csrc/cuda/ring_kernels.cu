@@ -3,7 +3,7 @@
 //
 // Variants (RINGCOLL_CUDA_KERNEL, chosen per communicator; all ranks must agree, and the
 // mismatch check compares it):
-//   fused   kMaxBlocks thread blocks, each owning a strip of every chunk slice (strip.h)
+//   fused   kMaxBlocks thread blocks, each owning fixed 8 KiB tiles of every slot (strip.h)
 //           with its own flags, so blocks never wait for one another; 16-byte vector
 //           loads/stores wherever the pointers allow, a scalar head and tail elsewhere; one
 //           launch per collective, every slice and ring step inside it.

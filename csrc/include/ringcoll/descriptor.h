@@ -16,6 +16,10 @@
 // A peer that finished call c's check compared its descriptor with everyone's, and the
 // first rank to finish saw all P descriptors of call c published and equal; so "moved
 // on" implies "matched", and the reader may skip that peer.
+//
+// The CUDA kernels use the same descriptor and lock but compare with their left neighbour
+// only (round the ring, that still finds any difference), so for them "moved on" means
+// something else: see check_call in csrc/cuda/device_ring.h.
 #pragma once
 
 #include <sstream>

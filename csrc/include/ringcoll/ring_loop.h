@@ -8,7 +8,7 @@
 //   user memory      ctx.input_at(c, offset) / ctx.output_at(c, offset)
 //   strip work       ctx.copy(dst, dst2, src, len)      dst2 may be null
 //                    ctx.reduce(dst, dst2, recv, own, len, is_final)
-//                    (on a GPU each thread block handles its strip of [0, len))
+//                    (on a GPU each thread block handles its own tiles of [0, len), strip.h)
 //   the protocol     ctx.wait_left_published(v), ctx.publish(v),
 //                    ctx.wait_right_consumed(v), ctx.mark_consumed(v)
 //                    each wait returns false when it gave up (timeout, peer gone)
