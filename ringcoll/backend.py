@@ -395,6 +395,39 @@ class RingcollProcessGroup(dist.ProcessGroup):
         comm = self.communicator()
         return self._run("barrier", lambda a: comm.barrier(async_op=a), [], opts)
 
+    # --- everything else: straight to gloo -----------------------------------------------
+    # Forwarded here rather than left to c10d's dispatch (the backend registered above):
+    # through that path, broadcast on this Python subclass deadlocked now and then (both
+    # ranks inside broadcast, one never posting its receive; reproduced in a few hundred
+    # calls, never with plain gloo).
+
+    def broadcast(self, tensors, opts=None):
+        return self._gloo("broadcast").broadcast(tensors, opts if opts is not None else _c10d.BroadcastOptions())
+
+    def reduce(self, *args):
+        return self._gloo("reduce").reduce(*args)
+
+    def gather(self, *args):
+        return self._gloo("gather").gather(*args)
+
+    def scatter(self, *args):
+        return self._gloo("scatter").scatter(*args)
+
+    def alltoall_base(self, *args):
+        return self._gloo("alltoall_base").alltoall_base(*args)
+
+    def alltoall(self, *args):
+        return self._gloo("alltoall").alltoall(*args)
+
+    def send(self, *args):
+        return self._gloo("send").send(*args)
+
+    def recv(self, *args):
+        return self._gloo("recv").recv(*args)
+
+    def recv_anysource(self, *args):
+        return self._gloo("recv_anysource").recv_anysource(*args)
+
     # --- lifetime -----------------------------------------------------------------------
 
     def shutdown(self) -> None:

@@ -435,7 +435,7 @@ def _outcome(r: _Rank, timeout: float) -> Outcome:
     if r.kill_reason == TERMINATED:
         return Outcome(r.rank, False, None, TERMINATED,
                        f"rank {r.rank} was still running after another rank failed; "
-                       f"terminated ({_describe_exit(code)})", None, code)
+                       f"terminated ({_describe_exit(code)})", r.stacks, code)
     return Outcome(r.rank, False, None, PROCESS_DIED,
                    f"rank {r.rank} died without returning or raising "
                    f"({_describe_exit(code)})", None, code)
@@ -504,6 +504,7 @@ def _run_once(fn_payload, world_size, timeout, deadline, backend, env, pg_timeou
                 if now >= first_failure_at + _FAIL_GRACE:
                     for r in pending:
                         r.kill_reason = TERMINATED
+                    _collect_stacks(pending)  # where they were while the failed rank waited for them
                     break
                 until = min(until, first_failure_at + _FAIL_GRACE)
             by_obj = {}
@@ -633,6 +634,7 @@ def _format_failures(failures: List[Outcome], first: Outcome, outcomes: List[Out
         lines.append("")
         lines.append("still running and killed: "
                      + ", ".join(f"rank {o.rank}" for o in others))
+        lines.extend(f"rank {o.rank}:{_stacks_text(o)}" for o in others if o.traceback)
     return "\n".join(lines)
 
 
