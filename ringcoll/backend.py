@@ -27,7 +27,9 @@ What goes where::
 
 The internal gloo group is a ``ProcessGroupGloo`` built in the creator from the same store
 (under its own prefix), rank, size and timeout, and registered as this process group's CPU
-backend, so every method not overridden here falls through c10d's own dispatch to gloo.
+backend. The common collectives ringcoll does not implement are forwarded to it from
+Python (see "everything else" below); any method not overridden here falls through c10d's
+own dispatch to gloo.
 Routing depends only on what every rank of a correct program passes alike (device, dtype,
 op, sizes, list lengths), so all ranks take the same path.
 
@@ -231,7 +233,7 @@ class RingcollProcessGroup(dist.ProcessGroup):
         self._size = size
         self._timeout = timeout
         self.fallback = dist.ProcessGroupGloo(dist.PrefixStore("ringcoll-gloo/", store), rank, size, timeout)
-        # Every method not overridden below reaches gloo through c10d's own dispatch.
+        # Methods not overridden below reach gloo through c10d's own dispatch.
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self.fallback)
         self._comm = None
         self._bootstrap_thread = None  # the thread building the communicator
