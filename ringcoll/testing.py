@@ -255,7 +255,7 @@ def _dump_stacks_on_request() -> None:
 
 
 def _collect_stacks(ranks) -> None:
-    """Ask each rank about to be killed for its stacks and keep what arrives within a moment."""
+    """Ask each rank about to be killed for its stacks and keep what arrives within half a second."""
     asked = []
     for r in ranks:
         try:
@@ -343,7 +343,7 @@ class _Rank:
         self.proc = proc
         self.conn = conn
         self.stack_file = stack_file  # where the child's faulthandler writes its threads' stacks
-        self.stacks = None  # what it wrote when it was still running at the timeout
+        self.stacks = None  # what it wrote when we killed it (timed out, or another rank failed)
         self.report = None  # decoded report tuple
         self.dead = False  # exited before reporting
         self.seq = None  # arrival order of the report / death
