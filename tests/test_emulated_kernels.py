@@ -8,8 +8,10 @@ ring schedule, strips and vectors, the flag protocol per block, slicing through 
 registered buffer, the bookkeeping kept between launches, both variants (fused: one launch
 of 8 blocks; naive: one launch per ring step), the mismatch check and giving up.
 
-It does not check the GPU's memory model, IPC, streams, graphs or the compiled PTX: that
-is tests/test_cuda.py's job, on a GPU.
+x86 is TSO, so a missing acquire or release still gives exact results here;
+test_kernels_have_no_data_races builds the same code with ThreadSanitizer, which sees it.
+It does not check the GPU's memory model itself (scopes), IPC, streams, graphs or the
+compiled PTX: that is tests/test_cuda.py's job, on a GPU.
 
 Results are compared bit for bit with schedule.simulate(), the ring run in Python on numpy
 scalars in the ring's own order (float32/float16/float64 arithmetic there is IEEE, as in
