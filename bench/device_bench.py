@@ -1,9 +1,12 @@
 """Short CUDA benchmark for bench/device_check.sh: ringcoll's three collectives at P ranks
-on one GPU (processes sharing it through CUDA IPC), 1 KiB .. 256 MiB, nccl-tests columns,
-with a device-to-device copy of the same bytes as the ceiling, and NCCL's collectives beside
-ours where NCCL can run (one GPU per rank, or NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1;
-older NCCL refuses several ranks on one GPU, and the table then says so). Results are
-checked before timing (#wrong). Usage: python bench/device_bench.py P [max_bytes]
+on one GPU (processes sharing it through CUDA IPC), 1 KiB .. max_bytes in steps of 4x,
+nccl-tests columns, with a device-to-device copy of the same bytes as the ceiling, and
+NCCL's collectives beside ours where NCCL can run (one GPU per rank, or NCCL >= 2.30 with
+NCCL_MULTI_RANK_GPU_ENABLE=1; older NCCL refuses several ranks on one GPU, and the header
+then says so). Results are checked before timing (#wrong). Rank 0 prints each row as it is
+measured; with RINGCOLL_BENCH_BUDGET=S (seconds) the run stops going to larger sizes once
+S seconds have passed, so a cut-short run still reports what it measured.
+Usage: python bench/device_bench.py P [max_bytes]
 """
 
 import os
@@ -14,8 +17,16 @@ import torch
 
 from ringcoll.testing import spawn
 
+COLUMNS = (f"{'size':>12} {'count':>10} {'type':>6} {'redop':>5} {'collective':>15} {'time(us)':>10} "
+           f"{'algbw(GB/s)':>12} {'busbw(GB/s)':>12} {'#wrong':>7}")
 
-def _bench(rank, world, max_bytes, iters_small, iters_large):
+
+def _print_row(nbytes, n, redop, name, us, algbw, busbw, wrong):
+    print(f"{nbytes:>12} {n:>10} {'float':>6} {redop:>5} {name:>15} {us:>10.1f} {algbw:>12.2f} {busbw:>12.2f} {wrong:>7}",
+          flush=True)
+
+
+def _bench(rank, world, max_bytes, iters_small, iters_large, deadline):
     import torch.distributed as dist
 
     from ringcoll.cuda import CudaCommunicator
@@ -25,10 +36,17 @@ def _bench(rank, world, max_bytes, iters_small, iters_large):
     torch.cuda.set_device(index)
     dev = torch.device("cuda", index)
     nccl = dist.new_group(backend="nccl") if nccl_usable(world) else None
-    rows = []
-    with CudaCommunicator(device=dev, timeout=120) as comm:
+    rows = 0
+    with CudaCommunicator(device=dev, timeout=60) as comm:
         size = 1024
         while size <= max_bytes:
+            # Every rank must stop at the same size: rank 0's clock decides.
+            out_of_time = torch.tensor([float(rank == 0 and time.time() > deadline)])
+            dist.all_reduce(out_of_time)
+            if out_of_time.item():
+                if rank == 0:
+                    print(f"# time budget spent: sizes above {size // 4} bytes not measured", flush=True)
+                break
             n = size // 4
             n -= n % world
             if n == 0:
@@ -82,10 +100,12 @@ def _bench(rank, world, max_bytes, iters_small, iters_large):
                 base = name.removeprefix("nccl_")
                 factor = {"all_reduce": 2 * (world - 1) / world, "reduce_scatter": (world - 1) / world,
                           "all_gather": (world - 1) / world, "d2d_copy": 1.0}[base]
-                rows.append((nbytes, n, "float", "none" if base == "all_gather" else "sum", name, us, algbw,
-                             algbw * factor, wrong.get(name, 0)))
+                if rank == 0:
+                    _print_row(nbytes, n, "none" if base == "all_gather" else "sum", name, us, algbw,
+                               algbw * factor, wrong.get(name, 0))
+                rows += 1
             size *= 4
-    return rows if rank == 0 else None
+    return rows
 
 
 def nccl_usable(world) -> bool:
@@ -95,16 +115,19 @@ def nccl_usable(world) -> bool:
 def main():
     world = int(sys.argv[1])
     max_bytes = int(sys.argv[2]) if len(sys.argv) > 2 else 256 << 20
+    budget = float(os.environ.get("RINGCOLL_BENCH_BUDGET", "100"))
+    if not torch.cuda.is_available():
+        sys.exit("device_bench: torch sees no CUDA device (torch.cuda.is_available() is False)")
     t0 = time.time()
-    rows = spawn(_bench, world, max_bytes, 20, 5, timeout=110, env={"NCCL_MULTI_RANK_GPU_ENABLE": "1"})[0]
     print(f"# ringcoll CUDA, P={world} processes on one GPU, kernel={os.environ.get('RINGCOLL_CUDA_KERNEL', 'fused')}"
-          f", MPS={'on' if os.environ.get('CUDA_MPS_PIPE_DIRECTORY') else 'off'}")
+          f", MPS={'on' if os.environ.get('CUDA_MPS_PIPE_DIRECTORY') else 'off'}, float32, up to {max_bytes} bytes"
+          f", budget {budget:.0f} s")
     if not nccl_usable(world):
         print(f"# NCCL {torch.cuda.nccl.version()} cannot run {world} ranks on one GPU (needs 2.30+): no NCCL rows")
-    print(f"{'size':>12} {'count':>10} {'type':>6} {'redop':>5} {'collective':>15} {'time(us)':>10} "
-          f"{'algbw(GB/s)':>12} {'busbw(GB/s)':>12} {'#wrong':>7}")
-    for r in rows:
-        print(f"{r[0]:>12} {r[1]:>10} {r[2]:>6} {r[3]:>5} {r[4]:>15} {r[5]:>10.1f} {r[6]:>12.2f} {r[7]:>12.2f} {r[8]:>7}")
+    print(COLUMNS, flush=True)
+    # Sizes stop at 60% of the budget: the size under way when it runs out must still finish.
+    spawn(_bench, world, max_bytes, 20, 5, t0 + 0.6 * budget, timeout=budget + 5,
+          env={"NCCL_MULTI_RANK_GPU_ENABLE": "1"})
     print(f"# {time.time() - t0:.1f} s")
 
 

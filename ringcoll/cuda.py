@@ -38,6 +38,7 @@ stream is not known, so pass ``stream=cupy.cuda.get_current_stream().ptr``).
 from __future__ import annotations
 
 import os
+import warnings
 from typing import NamedTuple, Optional, Sequence
 
 import torch
@@ -137,7 +138,11 @@ class CudaTransport:
         except BaseException:
             self._comm.close()
             raise
-        self._comm.open_peers(handles)
+        try:
+            self._comm.open_peers(handles)
+        except BaseException:
+            self._comm.close()
+            raise
         # Every rank must have mapped every peer before anyone may close (and free) its buffer.
         dist.barrier(group=owner.group)
         self._stream = torch.cuda.ExternalStream(self._comm.stream_handle, device=device)
@@ -184,7 +189,12 @@ class CudaTransport:
         self._comm.synchronize()
 
     def close(self):
+        """Collective (cuda_comm.cu says why): returns once every peer has closed too, or
+        after the timeout, keeping this rank's buffer until the process exits."""
         self._comm.close()
+        if self._comm.kept_on_close:
+            warnings.warn(f"ringcoll: rank {self.rank} keeps its GPU buffer until the process exits, since "
+                          f"peers may still map it: {self._comm.kept_on_close}", RuntimeWarning, stacklevel=3)
 
     @property
     def broken(self) -> bool:

@@ -118,8 +118,10 @@ def test_every_dtype_and_op(variant):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_larger_than_buffer(variant):
-    # 8 KiB buffer, messages of up to ~1 MiB: dozens of slices through two banks
-    results = spawn(_collectives, 3, (3000, 100_003, 262_147), (torch.float32, torch.float16), ("SUM",), 8192,
+    # 64 KiB buffer (10,880-byte slots at P = 3), messages of up to ~1 MiB: up to ~33 slices
+    # per call through two banks. (Smaller slots mean more ring steps, each of which can
+    # cost a timeslice when the ranks' kernels are time-sliced, without MPS.)
+    results = spawn(_collectives, 3, (3000, 100_003, 262_147), (torch.float32, torch.float16), ("SUM",), 1 << 16,
                     timeout=600, env={"RINGCOLL_CUDA_KERNEL": variant})
     assert results == [[]] * 3
 
@@ -183,6 +185,44 @@ def test_timeout_names_rank_peer_and_step():
     assert "rank 0 timed out" in message and "rank 1 to announce its call" in message, message
     assert "GPU kernel, call 1" in message, message
     assert "broken" in later
+
+
+def _close(rank, world, late_seconds, timeout):
+    import time
+    import warnings
+
+    from ringcoll.cuda import CudaCommunicator
+
+    torch.cuda.set_device(0)
+    comm = CudaCommunicator(device="cuda:0", timeout=timeout)
+    t = torch.ones(1 << 20, device="cuda:0")
+    comm.all_reduce(t)
+    comm.synchronize()
+    if rank == 1:
+        time.sleep(late_seconds)
+    started = time.monotonic()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        comm.close()
+    took = time.monotonic() - started
+    if rank == 0:
+        time.sleep(max(0.0, late_seconds - took) + 1)  # stay alive while rank 1 reads our `finished` word
+    return took, [str(w.message) for w in caught], bool((t == world).all())
+
+
+def test_close_waits_for_every_peer_then_frees():
+    # Rank 1 closes 1.5 s late: rank 0's close waits for it (CUDA forbids freeing memory a
+    # peer still maps), and both free their buffers without a warning.
+    (took0, warned0, ok0), (took1, warned1, ok1) = spawn(_close, 2, 1.5, 10.0, timeout=120)
+    assert ok0 and ok1
+    assert took0 >= 1.0 and took1 < 1.0, (took0, took1)
+    assert warned0 == [] and warned1 == [], (warned0, warned1)
+
+
+def test_close_keeps_the_buffer_when_a_peer_does_not_close_in_time():
+    (took0, warned0, _), _ = spawn(_close, 2, 6.0, 2.0, timeout=120)
+    assert 1.5 <= took0 < 5.0, took0
+    assert len(warned0) == 1 and "rank(s) 1 did not close within the timeout" in warned0[0], warned0
 
 
 def _cupy(rank, world):

@@ -86,6 +86,7 @@ void bind_cuda(py::module_& m) {
       .def("check_error", &CudaComm::check_error)
       .def("synchronize", &CudaComm::synchronize, py::call_guard<py::gil_scoped_release>())
       .def("close", &CudaComm::close, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("kept_on_close", &CudaComm::kept_on_close)
       .def_property_readonly("stream_handle", &CudaComm::stream_handle)
       .def_property_readonly("rank", &CudaComm::rank)
       .def_property_readonly("world", &CudaComm::world)

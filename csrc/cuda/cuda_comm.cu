@@ -5,10 +5,13 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <sstream>
 #include <stdexcept>
+#include <thread>
 
 #include "ring_kernels.h"
 #include "ringcoll/check.h"
@@ -93,6 +96,15 @@ void CudaComm::open_peers(const std::vector<std::string>& handles) {
                  "Communicator: expected one IPC handle per rank, got ", handles.size());
   RINGCOLL_CUDA_CHECK(cudaSetDevice(device_));
   peers_open_ = true;  // from here close() unmaps whatever was opened
+  try {
+    map_peers(handles);
+  } catch (const std::exception& e) {
+    broken_reason_ = std::string("bootstrap failed: ") + e.what();  // close() then waits for no one
+    throw;
+  }
+}
+
+void CudaComm::map_peers(const std::vector<std::string>& handles) {
   for (int r = 0; r < world_; ++r) {
     if (r == rank_) continue;
     RINGCOLL_CHECK(handles[r].size() == sizeof(HandleMessage), std::invalid_argument,
@@ -208,17 +220,32 @@ void CudaComm::all_gather(uintptr_t input, uintptr_t output, int64_t input_count
   launch("all_gather", Collective::kAllGather, input, output, input_count, dtype, 0, stream, join);
 }
 
+// Closing. CUDA calls it undefined to cudaFree an allocation another process still maps
+// (cudaIpcOpenMemHandle's documentation), and a neighbour that is one step behind may still
+// be reading our last slot when our own kernels are done. So close() is collective:
+//   1. wait for every launch that uses our memory (our stream's, and any CUDA-graph replay);
+//   2. say so in our `finished` word, and set `aborted` to "closed" unless a kernel already
+//      gave up (a neighbour still waiting for us then stops at once, naming us);
+//   3. wait, bounded by the timeout, until every peer's `finished` word is set: from then on
+//      no kernel reads our memory;
+//   4. unmap the peers, then free our own allocation.
+// Step 3 leaves one window the documentation still covers: a peer that finished may not yet
+// have unmapped us when we free (its unmapping cannot be signalled through memory it just
+// unmapped; that would take a host round trip). Nothing reads the memory in that window.
+// If a peer never finishes (it died, or it is broken and will not close), or our own
+// communicator is broken (a peer's kernel may still be stopping), our allocation is kept,
+// not freed: the driver releases it when this process exits, and kept_on_close() says why.
 void CudaComm::close() {
   if (closed_) return;
   closed_ = true;
-  // Finish every launch that uses our memory before any of it goes away: our stream's, and
-  // any replay of a CUDA graph that captured one (errors ignored: close must not throw from
-  // a destructor, and a broken communicator is closed all the same).
+  // Errors below are ignored: close must not throw from a destructor, and a broken
+  // communicator is closed all the same.
   cudaSetDevice(device_);
   cudaDeviceSynchronize();
   announce_closed();
-  // Unmap peers first: their memory is theirs, and our mapping must go before our own
-  // allocation in case a peer's process also maps ours (each side closes what it opened).
+  const bool shared = peers_open_ && world_ > 1;  // peers map our allocation
+  if (shared && !broken_reason_.empty()) kept_on_close_ = "the communicator is broken (" + broken_reason_ + ")";
+  else if (shared) wait_until_peers_finished();
   for (int r = 0; r < world_; ++r) {
     if (r != rank_ && peers_[r] != nullptr) cudaIpcCloseMemHandle(peers_[r]);
     peers_[r] = nullptr;
@@ -228,9 +255,7 @@ void CudaComm::close() {
   if (stream_ != nullptr) cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
   if (errors_host_ != nullptr) cudaFreeHost(errors_host_);
   if (state_ != nullptr) cudaFree(state_);
-  // Freeing memory a peer still maps is allowed (the pages stay until the peer closes its
-  // mapping); peers must not run collectives on it any more, which close() implies.
-  if (base_ != nullptr) cudaFree(base_);
+  if (base_ != nullptr && kept_on_close_.empty()) cudaFree(base_);
   done_ = ready_ = stream_ = nullptr;
   errors_host_ = errors_device_ = nullptr;
   state_ = nullptr;
@@ -238,11 +263,47 @@ void CudaComm::close() {
   cudaGetLastError();  // leave no sticky non-fatal error behind for the caller's next call
 }
 
-// Set our `aborted` flag to kClosed (unless a kernel already set a cause), so a neighbour
-// still waiting for us stops now instead of at its timeout. Our kernels are finished, so
-// everything they published is visible before this; device_ring.h's waits rely on that.
+// Step 3 of close(): poll every peer's `finished` word through our mapping of it, with naps,
+// until all are set or the timeout passes; if not, kept_on_close_ names the ranks.
+void CudaComm::wait_until_peers_finished() {
+  using Clock = std::chrono::steady_clock;
+  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                           std::chrono::duration<double>(timeout_seconds_));
+  std::vector<bool> finished(static_cast<size_t>(world_), false);
+  finished[rank_] = true;
+  for (auto nap = std::chrono::microseconds(20);; nap = std::min(nap * 2, std::chrono::microseconds(20000))) {
+    bool all = true;
+    for (int r = 0; r < world_; ++r) {
+      if (finished[r] || peers_[r] == nullptr) continue;
+      uint64_t word = 0;
+      if (cudaMemcpy(&word, peers_[r] + kFinishedOffset, sizeof(word), cudaMemcpyDeviceToHost) != cudaSuccess) {
+        cudaGetLastError();
+        kept_on_close_ = "rank " + std::to_string(r) + "'s memory could not be read";
+        return;
+      }
+      finished[r] = word != 0;
+      all = all && finished[r];
+    }
+    if (all) return;
+    if (Clock::now() > deadline) {
+      std::ostringstream who;
+      for (int r = 0; r < world_; ++r) who << (finished[r] ? "" : " " + std::to_string(r));
+      kept_on_close_ = "rank(s)" + who.str() + " did not close within the timeout (" +
+                       std::to_string(timeout_seconds_) + " s)";
+      return;
+    }
+    std::this_thread::sleep_for(nap);
+  }
+}
+
+// Step 2 of close(): our kernels are finished, so everything they published is visible
+// before these words; device_ring.h's waits rely on that. `aborted` becomes "closed" unless
+// a kernel already set a cause, so a neighbour still waiting for us stops now instead of at
+// its timeout.
 void CudaComm::announce_closed() {
   if (base_ == nullptr || !peers_open_ || world_ == 1) return;
+  const uint64_t one = 1;
+  cudaMemcpy(base_ + kFinishedOffset, &one, sizeof(one), cudaMemcpyHostToDevice);
   uint64_t* flag = reinterpret_cast<uint64_t*>(base_ + kAbortedOffset);
   uint64_t cause = 0;
   if (cudaMemcpy(&cause, flag, sizeof(cause), cudaMemcpyDeviceToHost) != cudaSuccess || cause != 0) return;

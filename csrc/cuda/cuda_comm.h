@@ -39,7 +39,10 @@ class CudaComm {
   void check_error();
   // Block until every launch so far has finished, then check_error().
   void synchronize();
+  // Collective, like NCCL's finalize-then-destroy: see cuda_comm.cu. Never throws.
   void close();
+  // Why close() left this rank's allocation to be freed at process exit; empty if it freed it.
+  const std::string& kept_on_close() const { return kept_on_close_; }
 
   uintptr_t stream_handle() const { return reinterpret_cast<uintptr_t>(stream_); }
   int rank() const { return rank_; }
@@ -55,7 +58,9 @@ class CudaComm {
 
  private:
   void ensure_usable(const char* op) const;
+  void map_peers(const std::vector<std::string>& handles);
   void announce_closed();
+  void wait_until_peers_finished();
   void launch(const char* op, Collective coll, uintptr_t input, uintptr_t output, int64_t user_count, int dtype,
               int reduce_op, uintptr_t stream, bool join);
 
@@ -75,6 +80,7 @@ class CudaComm {
   bool peers_open_ = false;
   std::string broken_reason_;
   bool closed_ = false;
+  std::string kept_on_close_;
 };
 
 }  // namespace ringcoll::cuda
