@@ -435,9 +435,10 @@ def test_a_rank_that_closed_is_named_by_the_peers_left_waiting(variant):
 
 
 def test_kernels_have_no_data_races(tmp_path):
-    """The kernels under ThreadSanitizer (tests/sanitize/emulator_races.cpp): on x86 a
-    missing release or acquire still gives exact results, TSan reports it. Removing the
-    barrier before a flag's release, or making the release relaxed, fails this test."""
+    """The kernels under ThreadSanitizer (tests/sanitize/emulator_races.cpp), healthy calls
+    and the paths that give up: on x86 a missing release or acquire still gives exact
+    results, TSan reports it. Removing the barrier before a flag's release, or making the
+    release relaxed, fails this test."""
     import shutil
     import subprocess
     from pathlib import Path
@@ -459,3 +460,4 @@ def test_kernels_have_no_data_races(tmp_path):
     assert "ThreadSanitizer" not in run.stderr, run.stderr[-6000:]
     assert run.returncode == 0, run.stdout + run.stderr[-2000:]
     assert run.stdout.count("wrong 0") == 12, run.stdout
+    assert run.stdout.count("ranks without an error: 0") == 2, run.stdout

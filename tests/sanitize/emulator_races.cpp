@@ -10,8 +10,9 @@
 //
 // Each case runs a few back-to-back calls of one collective on int32 sums (exact), with a
 // buffer small enough that every call is cut into several slices, so slots are reused
-// within a call and across calls, on both kernel variants. Exit status: 0 when every result
-// is exact (TSan itself exits non-zero on a report, halt_on_error or not).
+// within a call and across calls, on both kernel variants; then the paths that give up (a
+// rank that never calls, mismatched calls). Exit status: 0 when every result is exact and
+// every failure raised where it should (TSan itself exits non-zero on a report).
 #include <cstdint>
 #include <cstdio>
 #include <vector>
@@ -72,6 +73,23 @@ int64_t run_case(int world, int variant, int collective, int64_t count, int call
   return wrong;
 }
 
+// The giving-up paths: error records, `aborted` flags travelling round the ring, the
+// descriptor's sequence lock. Returns 1 unless every rank raised the expected error.
+int run_failure_case(const char* what, int world, const std::vector<int64_t>& counts, const char* expected) {
+  EmulatedRing ring(world, 4096 * world, /*timeout=*/0.5, /*variant=*/0, /*threads_per_block=*/3, true);
+  std::vector<std::vector<int32_t>> in(world, std::vector<int32_t>(4096, 1)), out(world, std::vector<int32_t>(4096));
+  std::vector<EmulatedCall> plan;
+  for (int r = 0; r < world; ++r) {
+    if (counts[r] < 0) continue;  // this rank never calls
+    plan.push_back({r, kAllReduce, kInt32, kSum, reinterpret_cast<uintptr_t>(in[r].data()),
+                    reinterpret_cast<uintptr_t>(out[r].data()), counts[r]});
+  }
+  int bad = 0;
+  for (const auto& result : ring.run(plan)) bad += result.error_type.empty();
+  std::printf("%-26s ranks without an error: %d (each should raise, e.g. %s)\n", what, bad, expected);
+  return bad == 0 ? 0 : 1;
+}
+
 }  // namespace
 
 int main() {
@@ -89,5 +107,8 @@ int main() {
       }
     }
   }
-  return wrong == 0 ? 0 : 1;
+  int failures = 0;
+  failures += run_failure_case("missing rank 2 of 3", 3, {4000, 4000, -1}, "RingcollTimeoutError");
+  failures += run_failure_case("mismatched counts", 3, {4000, 4000, 3999}, "RingcollMismatchError");
+  return wrong == 0 && failures == 0 ? 0 : 1;
 }
