@@ -2,7 +2,8 @@
 # device_check.sh: one command for a lent GPU machine (see /work/.library/device/): build
 # ringcoll with the CUDA backend for sm_90, run the GPU tests, then a short benchmark at
 # P = 2 and 4 processes on one GPU. Everything it writes goes under $OUT (default ./out).
-# Budget: about 4 minutes on an H200; every step has its own limit, ~7 minutes at worst.
+# Budget: about 4-5 minutes on an H200; every step has its own limit, 9.5 minutes at worst
+# (under the device tool's 10-minute limit per command).
 #
 # MPS. Without the MPS daemon, kernels of different processes on one GPU are time-sliced:
 # only one process's kernel runs at a time, so a ring kernel spinning on its neighbour's
@@ -21,7 +22,7 @@ exec > >(tee "$OUT/device_check.log") 2>&1
 tee_pid=$!
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)"
 echo "== nvcc: $(command -v nvcc) $(nvcc --version 2>/dev/null | tail -1); python: $("$PY" -c 'import sys, sysconfig; print(sys.version.split()[0], sysconfig.get_paths()["include"])')"
-"$PY" -c "import torch; print('== torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version() if torch.cuda.is_available() else '-')"
+timeout 30 "$PY" -c "import torch; print('== torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version() if torch.cuda.is_available() else '-')"
 
 mps_started=0
 stop_mps() { [ "$mps_started" = 1 ] && { echo quit | nvidia-cuda-mps-control; mps_started=0; }; true; }
@@ -31,7 +32,7 @@ if command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/ringcoll-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/ringcoll-mps-log
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
   if nvidia-cuda-mps-control -d && mps_started=1 &&
-     timeout 60 "$PY" -c "import torch; assert torch.ones(1, device='cuda').sum().item() == 1"; then
+     timeout 30 "$PY" -c "import torch; assert torch.ones(1, device='cuda').sum().item() == 1"; then
     echo "== MPS daemon started, and a CUDA process runs under it"
   else
     stop_mps
@@ -47,20 +48,20 @@ echo "== build (sm_90)"
 t0=$(date +%s)
 # In place, with the machine's own setuptools/pybind11/cmake/ninja: nothing is installed into
 # its Python (no downloads there), and tests and spawned ranks import ./ringcoll.
-RINGCOLL_CUDA_ARCHS=90 RINGCOLL_REQUIRE_CUDA=1 timeout 180 "$PY" setup.py -q build_ext --inplace \
+RINGCOLL_CUDA_ARCHS=90 RINGCOLL_REQUIRE_CUDA=1 timeout 120 "$PY" setup.py -q build_ext --inplace \
   > "$OUT/build.log" 2>&1 || { echo "build FAILED"; tail -50 "$OUT/build.log"; exit 1; }
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 echo "build ok in $(( $(date +%s) - t0 )) s"
-timeout 60 "$PY" -c "import ringcoll._C as c; assert c.built_with_cuda, 'no CUDA backend'; print('built_with_cuda', c.built_with_cuda)" || exit 1
+timeout 30 "$PY" -c "import ringcoll._C as c; assert c.built_with_cuda, 'no CUDA backend'; print('built_with_cuda', c.built_with_cuda)" || exit 1
 # Without a GPU every test below would skip and "pass": refuse instead.
-timeout 60 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'torch sees no CUDA device')" || exit 1
+timeout 30 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'torch sees no CUDA device')" || exit 1
 
 # Tests in two rounds, the features first (async, timeouts, mismatch, close, graphs, CuPy,
 # NCCL), then the exhaustive value checks, whose many ring steps cost most when processes
 # are time-sliced. Per-test limit where pytest-timeout is there; SIGINT at the round's
 # limit, so pytest still prints which test was running and its summary.
 per_test=()
-"$PY" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout=100)
+"$PY" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout=80)
 EXHAUSTIVE="collectives_exact or every_dtype or larger_than_buffer"
 tests_rc=0
 run_tests() {  # name, limit (s), -k expression
@@ -71,8 +72,8 @@ run_tests() {  # name, limit (s), -k expression
   echo "pytest ($1) rc=$rc"
   [ "$rc" = 0 ] || tests_rc=1
 }
-run_tests features 110 "not ($EXHAUSTIVE)"
-run_tests exhaustive 120 "$EXHAUSTIVE"
+run_tests features 100 "not ($EXHAUSTIVE)"
+run_tests exhaustive 100 "$EXHAUSTIVE"
 
 # Each run stops going to larger sizes when its time budget is spent (rows are printed as
 # they are measured, so a cut-short run still reports what it measured).
@@ -83,10 +84,10 @@ bench() {  # file, limit (s), kernel variant, P, max_bytes
     "$PY" bench/device_bench.py "$4" "$5" 2>&1 | tee "$OUT/$1"
   [ "${PIPESTATUS[0]}" = 0 ] || bench_failed=1
 }
-bench bench_p2.txt 45 fused 2 $((256 << 20))
-bench bench_p4.txt 45 fused 4 $((256 << 20))
+bench bench_p2.txt 40 fused 2 $((256 << 20))
+bench bench_p4.txt 40 fused 4 $((256 << 20))
 # The teaching variant (one launch per ring step): what per-step launches cost, and whether
 # they help when processes are time-sliced (MPS off).
-bench bench_p2_naive.txt 30 naive 2 $((16 << 20))
+bench bench_p2_naive.txt 25 naive 2 $((16 << 20))
 echo "== done: tests $([ $tests_rc = 0 ] && echo ok || echo FAILED), benchmark $([ $bench_failed = 0 ] && echo ok || echo FAILED)"
 [ "$tests_rc" = 0 ] && [ "$bench_failed" = 0 ]
