@@ -411,9 +411,10 @@ def test_closing_after_the_last_call_does_not_disturb_peers(variant):
         r = ring(world, VARIANTS[variant], BIG_SLOT)
         xs = [small_ints(k, n, torch.float32, trial) for k in range(world)]
         want = sum(xs)
+        first = trial % world  # its close is listed first; every rank closes right after its call
         calls = [(k, AR, f32, 0, xs[k].data_ptr(), xs[k].data_ptr(), n) for k in range(world)]
-        calls.append((trial % world, E.Ring.CLOSE, 0, 0, 0, 0, 0))
-        run_ok(r, calls)
+        calls += [(k, E.Ring.CLOSE, 0, 0, 0, 0, 0) for k in [first] + [k for k in range(world) if k != first]]
+        assert r.run(calls) == [("", "")] * (2 * world), trial  # and every rank freed its buffer
         assert all(torch.equal(x, want) for x in xs), trial
 
 
@@ -425,13 +426,46 @@ def test_a_rank_that_closed_is_named_by_the_peers_left_waiting(variant):
     calls = [(k, AR, f32, 0, xs[k].data_ptr(), xs[k].data_ptr(), n) for k in range(world)]
     calls.append((2, E.Ring.CLOSE, 0, 0, 0, 0, 0))
     calls += [(k, AR, f32, 0, xs[k].data_ptr(), xs[k].data_ptr(), n) for k in (0, 1)]
+    calls += [(k, E.Ring.CLOSE, 0, 0, 0, 0, 0) for k in (0, 1)]
     started = time.monotonic()
     results = r.run(calls)
     assert time.monotonic() - started < 10, results  # not the 20 s timeout
     assert results[:4] == [("", "")] * 4, results
-    second = results[4:]
+    second = results[4:6]
     assert all(kind == "RingcollPeerError" for kind, _ in second), second
     assert any("rank 2 closed its communicator" in message for _, message in second), second
+    # Rank 2's close waited for 0 and 1 to close (it frees); theirs did not wait (broken: a
+    # peer's kernel might still be stopping, so they keep their buffers).
+    assert results[3] == ("", ""), results
+    assert all(kind == "" and message.startswith("the communicator is broken") for kind, message in results[6:]), \
+        results
+
+
+def test_close_waits_until_every_peer_has_finished():
+    """CUDA forbids freeing memory another process maps, and a neighbour may still read our
+    last slot: a rank's close returns only once every peer closed (cuda_comm.cu, close)."""
+    import threading
+
+    r = ring(3, FUSED, timeout=20)
+    xs = [torch.ones(3000) for _ in range(3)]
+    run_ok(r, [(k, AR, DTYPE_CODES[torch.float32], 0, xs[k].data_ptr(), xs[k].data_ptr(), 3000) for k in range(3)])
+    early = {}
+    closing = threading.Thread(target=lambda: early.update(result=r.run([(0, E.Ring.CLOSE, 0, 0, 0, 0, 0)])))
+    closing.start()
+    time.sleep(0.5)
+    assert closing.is_alive() and not early  # still waiting for ranks 1 and 2
+    assert r.run([(k, E.Ring.CLOSE, 0, 0, 0, 0, 0) for k in (1, 2)]) == [("", "")] * 2
+    closing.join(10)
+    assert early["result"] == [("", "")]
+    assert r.run([(0, E.Ring.CLOSE, 0, 0, 0, 0, 0)]) == [("", "")]  # closing again does nothing
+
+
+def test_close_keeps_the_buffer_when_a_peer_never_closes():
+    r = ring(3, NAIVE, timeout=0.5)
+    started = time.monotonic()
+    [(kind, message)] = r.run([(1, E.Ring.CLOSE, 0, 0, 0, 0, 0)])
+    assert 0.5 <= time.monotonic() - started < 5
+    assert kind == "" and message == "rank(s) 0 2 did not close within the timeout (0.5 s)", message
 
 
 def test_kernels_have_no_data_races(tmp_path):

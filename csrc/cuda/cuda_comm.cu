@@ -5,14 +5,12 @@
 
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cstring>
 #include <sstream>
 #include <stdexcept>
-#include <thread>
 
+#include "close_protocol.h"
 #include "ring_kernels.h"
 #include "ringcoll/check.h"
 #include "ringcoll/reduce.h"
@@ -227,7 +225,7 @@ void CudaComm::all_gather(uintptr_t input, uintptr_t output, int64_t input_count
 //   2. say so in our `finished` word, and set `aborted` to "closed" unless a kernel already
 //      gave up (a neighbour still waiting for us then stops at once, naming us);
 //   3. wait, bounded by the timeout, until every peer's `finished` word is set: from then on
-//      no kernel reads our memory;
+//      no kernel reads our memory (close_protocol.h; the emulator runs the same loop in CI);
 //   4. unmap the peers, then free our own allocation.
 // Step 3 leaves one window the documentation still covers: a peer that finished may not yet
 // have unmapped us when we free (its unmapping cannot be signalled through memory it just
@@ -245,7 +243,14 @@ void CudaComm::close() {
   announce_closed();
   const bool shared = peers_open_ && world_ > 1;  // peers map our allocation
   if (shared && !broken_reason_.empty()) kept_on_close_ = "the communicator is broken (" + broken_reason_ + ")";
-  else if (shared) wait_until_peers_finished();
+  else if (shared)
+    kept_on_close_ = wait_until_peers_finished(rank_, world_, timeout_seconds_, [&](int r, uint64_t* word) {
+      if (peers_[r] == nullptr) return false;
+      if (cudaMemcpy(word, peers_[r] + kFinishedOffset, sizeof(*word), cudaMemcpyDeviceToHost) == cudaSuccess)
+        return true;
+      cudaGetLastError();
+      return false;
+    });
   for (int r = 0; r < world_; ++r) {
     if (r != rank_ && peers_[r] != nullptr) cudaIpcCloseMemHandle(peers_[r]);
     peers_[r] = nullptr;
@@ -261,39 +266,6 @@ void CudaComm::close() {
   state_ = nullptr;
   base_ = nullptr;
   cudaGetLastError();  // leave no sticky non-fatal error behind for the caller's next call
-}
-
-// Step 3 of close(): poll every peer's `finished` word through our mapping of it, with naps,
-// until all are set or the timeout passes; if not, kept_on_close_ names the ranks.
-void CudaComm::wait_until_peers_finished() {
-  using Clock = std::chrono::steady_clock;
-  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                           std::chrono::duration<double>(timeout_seconds_));
-  std::vector<bool> finished(static_cast<size_t>(world_), false);
-  finished[rank_] = true;
-  for (auto nap = std::chrono::microseconds(20);; nap = std::min(nap * 2, std::chrono::microseconds(20000))) {
-    bool all = true;
-    for (int r = 0; r < world_; ++r) {
-      if (finished[r] || peers_[r] == nullptr) continue;
-      uint64_t word = 0;
-      if (cudaMemcpy(&word, peers_[r] + kFinishedOffset, sizeof(word), cudaMemcpyDeviceToHost) != cudaSuccess) {
-        cudaGetLastError();
-        kept_on_close_ = "rank " + std::to_string(r) + "'s memory could not be read";
-        return;
-      }
-      finished[r] = word != 0;
-      all = all && finished[r];
-    }
-    if (all) return;
-    if (Clock::now() > deadline) {
-      std::ostringstream who;
-      for (int r = 0; r < world_; ++r) who << (finished[r] ? "" : " " + std::to_string(r));
-      kept_on_close_ = "rank(s)" + who.str() + " did not close within the timeout (" +
-                       std::to_string(timeout_seconds_) + " s)";
-      return;
-    }
-    std::this_thread::sleep_for(nap);
-  }
 }
 
 // Step 2 of close(): our kernels are finished, so everything they published is visible

@@ -60,7 +60,6 @@ class CudaComm {
   void ensure_usable(const char* op) const;
   void map_peers(const std::vector<std::string>& handles);
   void announce_closed();
-  void wait_until_peers_finished();
   void launch(const char* op, Collective coll, uintptr_t input, uintptr_t output, int64_t user_count, int dtype,
               int reduce_op, uintptr_t stream, bool join);
 

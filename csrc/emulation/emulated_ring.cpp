@@ -19,6 +19,7 @@
 #include <stdexcept>
 #include <thread>
 
+#include "../cuda/close_protocol.h"
 #include "../cuda/device_ring.h"
 #include "ringcoll/check.h"
 
@@ -75,6 +76,7 @@ struct EmulatedRing::Rank {
   std::vector<uint64_t> state;
   std::vector<ErrorRecord> errors;
   std::string broken_reason;
+  bool closed = false;
 };
 
 EmulatedRing::EmulatedRing(int world, size_t buffer_bytes, double timeout_seconds, int variant, int threads_per_block,
@@ -123,12 +125,28 @@ std::vector<CallResult> EmulatedRing::run(const std::vector<EmulatedCall>& calls
   return results;
 }
 
-// What CudaComm::close does to the flags: tell the neighbours this rank is gone, unless it
-// already gave up (then its flag holds the cause).
+// What CudaComm::close does (cuda_comm.cu, steps 2 and 3; this rank's calls are all done,
+// as after its cudaDeviceSynchronize): set `finished` and, unless a kernel already gave up,
+// `aborted` = closed; then, unless broken, wait for every peer's `finished`. The result's
+// message says why the rank would keep its allocation (CudaComm::kept_on_close), "" if not.
 CallResult EmulatedRing::close_rank(int rank) {
-  flag_set_once(cuda::aborted_flag(ranks_[rank]->memory.get()), static_cast<uint64_t>(AbortCause::kClosed));
-  ranks_[rank]->broken_reason = "closed";
-  return {};
+  Rank& me = *ranks_[rank];
+  if (me.closed) return {};
+  char* base = me.memory.get();
+  flag_store_release(reinterpret_cast<uint64_t*>(base + cuda::kFinishedOffset), 1);
+  flag_set_once(cuda::aborted_flag(base), static_cast<uint64_t>(AbortCause::kClosed));
+  std::string kept;
+  if (world_ > 1 && !me.broken_reason.empty()) {
+    kept = "the communicator is broken (" + me.broken_reason + ")";
+  } else if (world_ > 1) {
+    kept = cuda::wait_until_peers_finished(rank, world_, timeout_seconds_, [&](int r, uint64_t* word) {
+      *word = flag_load_acquire(reinterpret_cast<const uint64_t*>(ranks_[r]->memory.get() + cuda::kFinishedOffset));
+      return true;
+    });
+  }
+  me.closed = true;
+  me.broken_reason = "closed";
+  return {"", kept};
 }
 
 // What CudaComm::launch does for one rank, with the GPU replaced by launch() above.

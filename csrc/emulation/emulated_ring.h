@@ -20,6 +20,7 @@ struct EmulatedCall {
 };
 
 // What the call raised: an empty type for success, else the Python error's name and message.
+// For a close: an empty type, and in `message` why the rank keeps its allocation ("" if not).
 struct CallResult {
   std::string error_type, message;
 };
