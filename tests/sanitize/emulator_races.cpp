@@ -10,9 +10,10 @@
 //
 // Each case runs a few back-to-back calls of one collective on int32 sums (exact), with a
 // buffer small enough that every call is cut into several slices, so slots are reused
-// within a call and across calls, on both kernel variants; then the paths that give up (a
-// rank that never calls, mismatched calls). Exit status: 0 when every result is exact and
-// every failure raised where it should (TSan itself exits non-zero on a report).
+// within a call and across calls, on both kernel variants, then every rank closes (the
+// close protocol's `finished` words); then the paths that give up (a rank that never
+// calls, mismatched calls). Exit status: 0 when every result is exact and every failure
+// raised where it should (TSan itself exits non-zero on a report).
 #include <cstdint>
 #include <cstdio>
 #include <vector>
@@ -49,9 +50,10 @@ int64_t run_case(int world, int variant, int collective, int64_t count, int call
     for (int r = 0; r < world; ++r)
       plan.push_back({r, collective, kInt32, kSum, reinterpret_cast<uintptr_t>(in[r][c].data()),
                       reinterpret_cast<uintptr_t>(out[r][c].data()), count});
+  for (int r = 0; r < world; ++r) plan.push_back({r, ringcoll::emulation::kClose, 0, 0, 0, 0, 0});  // collective close
   int64_t wrong = 0;
   for (const auto& result : ring.run(plan)) {
-    if (!result.error_type.empty()) {
+    if (!result.error_type.empty() || !result.message.empty()) {
       std::printf("  error %s: %s\n", result.error_type.c_str(), result.message.c_str());
       ++wrong;
     }
