@@ -27,9 +27,9 @@ What goes where::
 
 The internal gloo group is a ``ProcessGroupGloo`` built in the creator from the same store
 (under its own prefix), rank, size and timeout, and registered as this process group's CPU
-backend. The common collectives ringcoll does not implement are forwarded to it from
-Python (see "everything else" below); any method not overridden here falls through c10d's
-own dispatch to gloo.
+backend. The collectives ringcoll does not implement are forwarded to it from Python (see
+"everything else" below: left to c10d's dispatch they can deadlock, through torch's own
+trampoline); any other method falls through c10d's own dispatch to gloo.
 Routing depends only on what every rank of a correct program passes alike (device, dtype,
 op, sizes, list lengths), so all ranks take the same path.
 
@@ -398,10 +398,16 @@ class RingcollProcessGroup(dist.ProcessGroup):
         return self._run("barrier", lambda a: comm.barrier(async_op=a), [], opts)
 
     # --- everything else: straight to gloo -----------------------------------------------
-    # Forwarded here rather than left to c10d's dispatch (the backend registered above):
-    # through that path, broadcast on this Python subclass deadlocked now and then (both
-    # ranks inside broadcast, one never posting its receive; reproduced in a few hundred
-    # calls, never with plain gloo).
+    # Forwarded here rather than left to c10d's dispatch (the backend registered above).
+    # For a method a Python subclass does not override, torch's pybind11 trampoline calls
+    # the C++ base class while still holding the GIL it took to look for an override; the
+    # base enqueues on gloo and waits for gloo's queue mutex, which a gloo worker holds
+    # while it needs the GIL to free a finished work's Python-made tensors: a lock-order
+    # inversion that hung broadcast within a few hundred calls (never with plain gloo).
+    # bench/c10d_python_pg_deadlock.py reproduces it without ringcoll. The gloo object's
+    # own bindings release the GIL, so these calls are safe; so is every method ringcoll
+    # overrides above. The trampoline's other such methods (all_to_all_single and the
+    # coalesced forms) fall back to the older names overridden here.
 
     def broadcast(self, tensors, opts=None):
         return self._gloo("broadcast").broadcast(tensors, opts if opts is not None else _c10d.BroadcastOptions())
@@ -426,6 +432,9 @@ class RingcollProcessGroup(dist.ProcessGroup):
 
     def recv(self, *args):
         return self._gloo("recv").recv(*args)
+
+    def allreduce_coalesced(self, *args):
+        return self._gloo("allreduce_coalesced").allreduce_coalesced(*args)
 
     def recv_anysource(self, *args):
         return self._gloo("recv_anysource").recv_anysource(*args)

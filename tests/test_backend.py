@@ -386,8 +386,10 @@ def test_device_map_form():
 
 def _many_forwarded_calls(rank, ws, loops):
     """Calls ringcoll leaves to gloo, many times over: through c10d's own dispatch on this
-    Python subclass they deadlocked now and then (both ranks inside broadcast, one never
-    posting its receive), which is why backend.py forwards them itself."""
+    Python subclass they deadlocked now and then (a lock-order inversion between the GIL
+    and gloo's queue mutex, bench/c10d_python_pg_deadlock.py), which is why backend.py
+    forwards them itself."""
+    import warnings
     for i in range(loops):
         objs = [{"call": i}] if rank == 0 else [None]
         dist.broadcast_object_list(objs, src=0)
@@ -399,6 +401,16 @@ def _many_forwarded_calls(rank, ws, loops):
         dist.reduce(red, dst=0)
         if rank == 0 and red.item() != ws:
             return f"call {i}: reduce gave {red.item()}"
+        if i % 10 == 0:
+            pair = [torch.ones(2), torch.ones(3)]
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)  # deprecated in torch, still served
+                dist.all_reduce_coalesced(pair)
+            if not all(bool((t == ws).all()) for t in pair):
+                return f"call {i}: all_reduce_coalesced gave {pair}"
+    forwarded = {name: backend.call_counts[f"gloo:{name}"] for name in ("broadcast", "reduce", "allreduce_coalesced")}
+    if min(forwarded.values()) == 0:
+        return f"not forwarded by ringcoll's backend: {forwarded}"
     return "ok"
 
 
