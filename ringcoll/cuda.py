@@ -29,10 +29,11 @@ step: the teaching version); read at construction, must agree on all ranks (chec
 The kernels' code also runs on the CPU in CI, through ``_C.emulation``
 (tests/test_emulated_kernels.py).
 
-CuPy (or any ``__cuda_array_interface__`` producer): :func:`as_device_array` reads the
-pointer, shape and typestr, and :meth:`CudaCommunicator.all_reduce_array` and friends run a
-collective on such arrays on the given stream (default: the array's producer's current
-stream is not known, so pass ``stream=cupy.cuda.get_current_stream().ptr``).
+CuPy (or any DLPack / ``__cuda_array_interface__`` producer): the collectives take such
+arrays wherever they take tensors, viewing them as tensors over the same memory, on
+torch's current stream. :meth:`CudaCommunicator.all_reduce_array` and friends run on a
+stream given explicitly instead (``stream=cupy.cuda.get_current_stream().ptr``), reading
+pointer, shape and typestr with :func:`as_device_array`.
 """
 
 from __future__ import annotations
@@ -249,7 +250,29 @@ class CudaCommunicator(Communicator):
         with self._lock:
             self._impl.close()
 
-    # --- CuPy and other __cuda_array_interface__ arrays ------------------------------------
+    # --- CuPy arrays wherever tensors go ---------------------------------------------------
+    # A CuPy array (or any DLPack / __cuda_array_interface__ producer) is viewed as a torch
+    # tensor over the same memory, no copy (_tensor_view), and then validated and run like
+    # one, on torch's current stream. DLPack's stream handshake orders the collective after
+    # the producer's queued work; CuPy's default stream is the same legacy stream as torch's.
+    # For work on another stream, the *_array forms below take the stream explicitly.
+
+    def all_reduce(self, tensor, op=ReduceOp.SUM, async_op: bool = False, *, output=None):
+        return super().all_reduce(_tensor_view(tensor), op, async_op, output=_tensor_view(output))
+
+    def reduce_scatter_tensor(self, output, input, op=ReduceOp.SUM, async_op: bool = False):
+        return super().reduce_scatter_tensor(_tensor_view(output), _tensor_view(input), op, async_op)
+
+    def all_gather_into_tensor(self, output_tensor, input_tensor, async_op: bool = False):
+        return super().all_gather_into_tensor(_tensor_view(output_tensor), _tensor_view(input_tensor), async_op)
+
+    def all_gather(self, tensor_list: list, tensor, async_op: bool = False):
+        return super().all_gather([_tensor_view(t) for t in tensor_list], _tensor_view(tensor), async_op)
+
+    def reduce_scatter(self, output, input_list: list, op=ReduceOp.SUM, async_op: bool = False):
+        return super().reduce_scatter(_tensor_view(output), [_tensor_view(t) for t in input_list], op, async_op)
+
+    # --- CuPy and other __cuda_array_interface__ arrays, on a given stream ------------------
 
     def all_reduce_array(self, array, op=ReduceOp.SUM, *, output=None, stream: Optional[int] = None) -> None:
         """In place (or into ``output``): all-reduce of a CUDA array. ``stream``: a
@@ -284,6 +307,19 @@ class CudaCommunicator(Communicator):
             else:
                 code = op_code(name, op, src.dtype)
                 getattr(comm, name)(src.ptr, dst.ptr, count, dtype, code, stream, True)
+
+
+def _tensor_view(array):
+    """A torch tensor over the same memory as `array` (DLPack first, which also carries
+    bfloat16, else __cuda_array_interface__); tensors and None pass through, anything else
+    is left for the collective's own validation to name."""
+    if array is None or isinstance(array, torch.Tensor):
+        return array
+    if hasattr(array, "__dlpack__"):
+        return torch.from_dlpack(array)
+    if hasattr(array, "__cuda_array_interface__"):
+        return torch.as_tensor(array)  # no dtype or device given: a view, never a copy
+    return array
 
 
 class DeviceArray(NamedTuple):

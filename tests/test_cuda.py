@@ -240,7 +240,15 @@ def _cupy(rank, world):
             comm.all_gather_array(g, cupy.full(7, rank, dtype=cupy.int32), stream=stream)
             cupy.cuda.get_current_stream().synchronize()
             comm.synchronize()
-            return bool((a == sum(range(1, world + 1))).all()) and g.get().tolist() == sum(([r] * 7 for r in range(world)), [])
+            ok = bool((a == sum(range(1, world + 1))).all()) and g.get().tolist() == sum(([r] * 7 for r in range(world)), [])
+            # The tensor methods take CuPy arrays too (viewed, not copied: in place stays in place).
+            b = cupy.full(513, rank + 1, dtype=cupy.float32)
+            comm.all_reduce(b)
+            rs = cupy.empty(3, dtype=cupy.int64)
+            comm.reduce_scatter_tensor(rs, cupy.arange(3 * world, dtype=cupy.int64))
+            comm.synchronize()
+            return ok and bool((b == sum(range(1, world + 1))).all()) and \
+                rs.get().tolist() == [world * (3 * rank + i) for i in range(3)]
 
 
 def test_cupy_arrays():

@@ -24,3 +24,21 @@ def test_cuda_device_gives_the_cuda_transport_or_a_clear_error():
             assert (outcome, detail) == ("built", "CudaCommunicator")
         else:
             assert outcome == "error" and detail.startswith("Communicator: CUDA tensors were requested"), detail
+
+
+def test_array_producers_are_viewed_not_copied():
+    # CudaCommunicator's collectives take CuPy arrays by viewing them as tensors
+    # (ringcoll.cuda._tensor_view): a copy would silently lose every write to the output.
+    # numpy stands in for CuPy here (DLPack on the CPU); the GPU tier runs CuPy itself.
+    import numpy as np
+    import torch
+
+    from ringcoll.cuda import _tensor_view
+
+    array = np.arange(5, dtype=np.float32)
+    view = _tensor_view(array)
+    view += 10
+    assert isinstance(view, torch.Tensor) and array.tolist() == [10.0, 11.0, 12.0, 13.0, 14.0]
+    tensor = torch.ones(2)
+    assert _tensor_view(tensor) is tensor and _tensor_view(None) is None
+    assert _tensor_view("not an array") == "not an array"  # left for the collective's validation to name
