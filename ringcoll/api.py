@@ -12,6 +12,7 @@ as with any collective. ``destroy_communicators()`` closes them all (also done a
 from __future__ import annotations
 
 import atexit
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -45,11 +46,27 @@ SERVED_DEVICE_TYPES = ("cpu", "cuda")
 def _for_tensor(op: str, tensor, group) -> Communicator:
     """The communicator for `tensor`'s device; a device no transport serves is bad input."""
     if not isinstance(tensor, torch.Tensor):
+        view = _cuda_array_view(tensor)  # CuPy and other CUDA array producers go to their GPU's ring
+        if view is not None:
+            return get_communicator(group, view.device)
         return get_communicator(group, "cpu")  # the communicator's own validation names the problem
     if tensor.device.type not in SERVED_DEVICE_TYPES:
         raise ValueError(f"{op}: tensor is on {tensor.device}; ringcoll serves "
                          + " and ".join(SERVED_DEVICE_TYPES) + " tensors")
     return get_communicator(group, tensor.device)
+
+
+def _cuda_array_view(array) -> Optional[torch.Tensor]:
+    """A tensor over the memory of a DLPack / __cuda_array_interface__ array on a GPU, else None."""
+    if not (hasattr(array, "__dlpack__") or hasattr(array, "__cuda_array_interface__")):
+        return None
+    from ringcoll.cuda import _tensor_view
+
+    try:
+        view = _tensor_view(array)
+    except Exception:  # noqa: BLE001 - not an array torch can view: the CPU validation names it
+        return None
+    return view if isinstance(view, torch.Tensor) and view.is_cuda else None
 
 
 def destroy_communicators() -> None:

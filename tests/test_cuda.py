@@ -247,8 +247,16 @@ def _cupy(rank, world):
             rs = cupy.empty(3, dtype=cupy.int64)
             comm.reduce_scatter_tensor(rs, cupy.arange(3 * world, dtype=cupy.int64))
             comm.synchronize()
-            return ok and bool((b == sum(range(1, world + 1))).all()) and \
+            ok = ok and bool((b == sum(range(1, world + 1))).all()) and \
                 rs.get().tolist() == [world * (3 * rank + i) for i in range(3)]
+        # So does the torch.distributed-style API: a CuPy array goes to its GPU's ring.
+        import ringcoll
+
+        c = cupy.full(9, rank + 1, dtype=cupy.float32)
+        ringcoll.all_reduce(c)
+        ok = ok and c.get().tolist() == [float(sum(range(1, world + 1)))] * 9
+        ringcoll.destroy_communicators()
+        return ok
 
 
 def test_cupy_arrays():
