@@ -3,8 +3,8 @@ collectives it leaves to gloo itself (ringcoll/backend.py, docs/training.md).
 
 A Python subclass of c10d's ProcessGroup that registers a ProcessGroupGloo as its CPU
 backend and overrides nothing; two ranks call broadcast_object_list and broadcast in a
-loop. With torch 2.13 on a 2-core machine it hung within 1,500 rounds in 3 runs out of 3;
-with plain gloo ("gloo" argument) 3 out of 3 finished. Usage:
+loop. With torch 2.13 on a 2-core machine it hung within 1,500 rounds in 4 runs out of 4;
+with plain gloo ("gloo" argument) 3 runs out of 3 finished. Usage:
 
     python bench/c10d_python_pg_deadlock.py [pypg|gloo] [rounds]
 

@@ -45,7 +45,7 @@ def _bench(rank, world, max_bytes, iters_small, iters_large, deadline):
             dist.all_reduce(out_of_time)
             if out_of_time.item():
                 if rank == 0:
-                    print(f"# time budget spent: sizes above {size // 4} bytes not measured", flush=True)
+                    print(f"# time budget spent: sizes from {size} bytes on not measured", flush=True)
                 break
             n = size // 4
             n -= n % world

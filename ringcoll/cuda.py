@@ -141,12 +141,12 @@ class CudaTransport:
             raise
         try:
             self._comm.open_peers(handles)
+            # Every rank must have mapped every peer before anyone may close (and free) its buffer.
+            dist.barrier(group=owner.group)
+            self._stream = torch.cuda.ExternalStream(self._comm.stream_handle, device=device)
         except BaseException:
-            self._comm.close()
+            self._comm.close(wait_for_peers=False)  # peers may be mapping us: keep the buffer
             raise
-        # Every rank must have mapped every peer before anyone may close (and free) its buffer.
-        dist.barrier(group=owner.group)
-        self._stream = torch.cuda.ExternalStream(self._comm.stream_handle, device=device)
         self._launch_stream = 0
         self._join = True
         self._scratch = torch.zeros(1, dtype=torch.int32, device=device)  # barrier's payload
@@ -189,10 +189,11 @@ class CudaTransport:
     def synchronize(self):
         self._comm.synchronize()
 
-    def close(self):
+    def close(self, wait_for_peers: bool = True):
         """Collective (cuda_comm.cu says why): returns once every peer has closed too, or
-        after the timeout, keeping this rank's buffer until the process exits."""
-        self._comm.close()
+        after the timeout, keeping this rank's buffer until the process exits. Without
+        `wait_for_peers` it does not wait and keeps the buffer."""
+        self._comm.close(wait_for_peers)
         if self._comm.kept_on_close:
             warnings.warn(f"ringcoll: rank {self.rank} keeps its GPU buffer until the process exits, since "
                           f"peers may still map it: {self._comm.kept_on_close}", RuntimeWarning, stacklevel=3)
@@ -244,11 +245,26 @@ class CudaCommunicator(Communicator):
             self._impl.synchronize()
 
     def close(self) -> None:
+        """Collective: returns once every peer has closed too, so call it on every rank at
+        the same point (or use ``with``, or ``ringcoll.destroy_communicators()``)."""
+        self._close(wait_for_peers=True)
+
+    def __del__(self):
+        # The garbage collector may get here on one rank only, at any point: waiting for
+        # peers there could stall that rank for the whole timeout, so the buffer is kept
+        # until the process exits instead (with a RuntimeWarning saying so).
+        try:
+            if not getattr(self, "_closed", True):
+                self._close(wait_for_peers=False)
+        except Exception:
+            pass
+
+    def _close(self, wait_for_peers: bool) -> None:
         if self._closed:
             return
         self._closed = True
         with self._lock:
-            self._impl.close()
+            self._impl.close(wait_for_peers)
 
     # --- CuPy arrays wherever tensors go ---------------------------------------------------
     # A CuPy array (or any DLPack / __cuda_array_interface__ producer) is viewed as a torch
@@ -316,7 +332,7 @@ def _tensor_view(array):
     if array is None or isinstance(array, torch.Tensor):
         return array
     if hasattr(array, "__dlpack__"):
-        return torch.from_dlpack(array)
+        return torch.from_dlpack(array, copy=False)  # raises rather than copy
     if hasattr(array, "__cuda_array_interface__"):
         return torch.as_tensor(array)  # no dtype or device given: a view, never a copy
     return array

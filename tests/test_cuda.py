@@ -206,7 +206,7 @@ def _close(rank, world, late_seconds, timeout):
         comm.close()
     took = time.monotonic() - started
     if rank == 0:
-        time.sleep(max(0.0, late_seconds - took) + 1)  # stay alive while rank 1 reads our `finished` word
+        time.sleep(max(0.0, late_seconds - took) + 1)  # alive (its buffer kept) while rank 1 writes its word
     return took, [str(w.message) for w in caught], bool((t == world).all())
 
 

@@ -85,7 +85,7 @@ void bind_cuda(py::module_& m) {
            py::arg("dtype"), py::arg("stream"), py::arg("join") = true, py::call_guard<py::gil_scoped_release>())
       .def("check_error", &CudaComm::check_error)
       .def("synchronize", &CudaComm::synchronize, py::call_guard<py::gil_scoped_release>())
-      .def("close", &CudaComm::close, py::call_guard<py::gil_scoped_release>())
+      .def("close", &CudaComm::close, py::arg("wait_for_peers") = true, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("kept_on_close", &CudaComm::kept_on_close)
       .def_property_readonly("stream_handle", &CudaComm::stream_handle)
       .def_property_readonly("rank", &CudaComm::rank)

@@ -1,7 +1,9 @@
 // close_protocol.h: step 3 of closing a CUDA communicator (cuda_comm.cu states the whole
-// protocol): wait until every peer's `finished` word is set, i.e. until no kernel of any
-// peer will read our memory again, so that it may be freed. Host code with no CUDA types:
-// CudaComm reads the words through its IPC mappings, the emulator (csrc/emulation/) from
+// protocol): wait until every peer has written its `finished` word into our allocation,
+// i.e. until no kernel of any peer will read our memory again and no peer will write to it,
+// so that it may be freed. The words are pushed, not pulled: a rank that has them all frees
+// at once, so nobody may read a peer's memory while closing. Host code with no CUDA types:
+// CudaComm reads its own allocation through the GPU, the emulator (csrc/emulation/) from
 // host memory, so CI runs this very loop.
 #pragma once
 
@@ -15,7 +17,7 @@
 
 namespace ringcoll::cuda {
 
-// read_finished(r, &word) reads rank r's `finished` word; false if it cannot be read.
+// read_finished(r, &word) reads word r of our own `finished` array; false if it cannot.
 // Polls with growing naps (20 us .. 20 ms). Returns "" once every peer's word is set, else
 // why not: which ranks did not close within the timeout, or which could not be read.
 template <typename ReadFinished>
@@ -30,7 +32,7 @@ std::string wait_until_peers_finished(int rank, int world, double timeout_second
     for (int r = 0; r < world; ++r) {
       if (finished[r]) continue;
       uint64_t word = 0;
-      if (!read_finished(r, &word)) return "rank " + std::to_string(r) + "'s memory could not be read";
+      if (!read_finished(r, &word)) return "the word of rank " + std::to_string(r) + " could not be read";
       finished[r] = word != 0;
       if (!finished[r]) missing += " " + std::to_string(r);
     }

@@ -73,7 +73,7 @@ CudaComm::CudaComm(int rank, int world, int device, size_t buffer_bytes, double 
 
 CudaComm::~CudaComm() {
   try {
-    close();
+    close(/*wait_for_peers=*/false);  // a destructor must not stall (Python holds the GIL here)
   } catch (...) {
   }
 }
@@ -222,35 +222,45 @@ void CudaComm::all_gather(uintptr_t input, uintptr_t output, int64_t input_count
 // (cudaIpcOpenMemHandle's documentation), and a neighbour that is one step behind may still
 // be reading our last slot when our own kernels are done. So close() is collective:
 //   1. wait for every launch that uses our memory (our stream's, and any CUDA-graph replay);
-//   2. say so in our `finished` word, and set `aborted` to "closed" unless a kernel already
-//      gave up (a neighbour still waiting for us then stops at once, naming us);
-//   3. wait, bounded by the timeout, until every peer's `finished` word is set: from then on
-//      no kernel reads our memory (close_protocol.h; the emulator runs the same loop in CI);
+//      a kernel error the host has not checked yet still makes the communicator broken;
+//   2. write our `finished` word into every peer's allocation, and set our `aborted` to
+//      "closed" unless a kernel already gave up (a neighbour still waiting for us then
+//      stops at once, naming us);
+//   3. wait, bounded by the timeout, until every peer's word has arrived in ours: from then
+//      on no peer reads or writes our memory (close_protocol.h; the emulator runs the same
+//      loop in CI). Words are pushed, not pulled, so no rank ever reads the memory of a
+//      peer that may already have freed it;
 //   4. unmap the peers, then free our own allocation.
-// Step 3 leaves one window the documentation still covers: a peer that finished may not yet
-// have unmapped us when we free (its unmapping cannot be signalled through memory it just
-// unmapped; that would take a host round trip). Nothing reads the memory in that window.
-// If a peer never finishes (it died, or it is broken and will not close), or our own
-// communicator is broken (a peer's kernel may still be stopping), our allocation is kept,
-// not freed: the driver releases it when this process exits, and kept_on_close() says why.
-void CudaComm::close() {
+// One window remains that the documentation still covers: a finished peer may not yet have
+// unmapped us when we free (that cannot be signalled through the memory being unmapped; it
+// would take a host round trip). Nothing touches the memory in that window.
+// Our allocation is kept, not freed (the driver releases it when the process exits, and
+// kept_on_close() says why) when a peer does not close within the timeout (it died, or
+// never closes), when the communicator is broken (a peer's kernel may still be stopping; a
+// dead peer would make us wait the whole timeout), or without `wait_for_peers` (a
+// finalizer, which must not stall one rank at an arbitrary point).
+void CudaComm::close(bool wait_for_peers) {
   if (closed_) return;
   closed_ = true;
   // Errors below are ignored: close must not throw from a destructor, and a broken
   // communicator is closed all the same.
   cudaSetDevice(device_);
   cudaDeviceSynchronize();
+  if (broken_reason_.empty() && errors_host_ != nullptr) {
+    const ErrorRecord* rec = first_error(errors_host_, kMaxBlocks);
+    if (rec != nullptr) broken_reason_ = "cuda collective: " + error_message(*rec, world_, timeout_seconds_);
+  }
   announce_closed();
   const bool shared = peers_open_ && world_ > 1;  // peers map our allocation
-  if (shared && !broken_reason_.empty()) kept_on_close_ = "the communicator is broken (" + broken_reason_ + ")";
-  else if (shared)
+  if (shared && !broken_reason_.empty()) {
+    kept_on_close_ = "the communicator is broken (" + broken_reason_ + ")";
+  } else if (shared && !wait_for_peers) {
+    kept_on_close_ = "it was closed without waiting for its peers (by the garbage collector)";
+  } else if (shared) {
     kept_on_close_ = wait_until_peers_finished(rank_, world_, timeout_seconds_, [&](int r, uint64_t* word) {
-      if (peers_[r] == nullptr) return false;
-      if (cudaMemcpy(word, peers_[r] + kFinishedOffset, sizeof(*word), cudaMemcpyDeviceToHost) == cudaSuccess)
-        return true;
-      cudaGetLastError();
-      return false;
+      return copy_flag(word, base_ + finished_word_offset(r), cudaMemcpyDeviceToHost);
     });
+  }
   for (int r = 0; r < world_; ++r) {
     if (r != rank_ && peers_[r] != nullptr) cudaIpcCloseMemHandle(peers_[r]);
     peers_[r] = nullptr;
@@ -269,18 +279,29 @@ void CudaComm::close() {
 }
 
 // Step 2 of close(): our kernels are finished, so everything they published is visible
-// before these words; device_ring.h's waits rely on that. `aborted` becomes "closed" unless
-// a kernel already set a cause, so a neighbour still waiting for us stops now instead of at
-// its timeout.
+// before these words; device_ring.h's waits rely on that.
 void CudaComm::announce_closed() {
   if (base_ == nullptr || !peers_open_ || world_ == 1) return;
   const uint64_t one = 1;
-  cudaMemcpy(base_ + kFinishedOffset, &one, sizeof(one), cudaMemcpyHostToDevice);
+  for (int r = 0; r < world_; ++r) {
+    if (r != rank_ && peers_[r] != nullptr) copy_flag(peers_[r] + finished_word_offset(rank_), &one, cudaMemcpyHostToDevice);
+  }
   uint64_t* flag = reinterpret_cast<uint64_t*>(base_ + kAbortedOffset);
   uint64_t cause = 0;
-  if (cudaMemcpy(&cause, flag, sizeof(cause), cudaMemcpyDeviceToHost) != cudaSuccess || cause != 0) return;
+  if (!copy_flag(&cause, flag, cudaMemcpyDeviceToHost) || cause != 0) return;
   cause = static_cast<uint64_t>(AbortCause::kClosed);
-  cudaMemcpy(flag, &cause, sizeof(cause), cudaMemcpyHostToDevice);
+  copy_flag(flag, &cause, cudaMemcpyHostToDevice);
+}
+
+// One flag word between host and device, on our own non-blocking stream: a plain cudaMemcpy
+// would go on the legacy default stream and queue behind other threads' work there.
+bool CudaComm::copy_flag(void* dst, const void* src, int kind) {
+  auto own = static_cast<cudaStream_t>(stream_);
+  const bool ok = own != nullptr &&
+                  cudaMemcpyAsync(dst, src, sizeof(uint64_t), static_cast<cudaMemcpyKind>(kind), own) == cudaSuccess &&
+                  cudaStreamSynchronize(own) == cudaSuccess;
+  if (!ok) cudaGetLastError();
+  return ok;
 }
 
 }  // namespace ringcoll::cuda

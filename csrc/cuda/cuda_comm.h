@@ -40,7 +40,8 @@ class CudaComm {
   // Block until every launch so far has finished, then check_error().
   void synchronize();
   // Collective, like NCCL's finalize-then-destroy: see cuda_comm.cu. Never throws.
-  void close();
+  // Without wait_for_peers (finalizers) it does not wait, and keeps its allocation.
+  void close(bool wait_for_peers = true);
   // Why close() left this rank's allocation to be freed at process exit; empty if it freed it.
   const std::string& kept_on_close() const { return kept_on_close_; }
 
@@ -60,6 +61,7 @@ class CudaComm {
   void ensure_usable(const char* op) const;
   void map_peers(const std::vector<std::string>& handles);
   void announce_closed();
+  bool copy_flag(void* dst, const void* src, int kind);
   void launch(const char* op, Collective coll, uintptr_t input, uintptr_t output, int64_t user_count, int dtype,
               int reduce_op, uintptr_t stream, bool join);
 

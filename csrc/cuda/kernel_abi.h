@@ -10,7 +10,8 @@
 //                       aborted (one line): nonzero once this rank gave up; the value says why
 //                       the call descriptor (descriptor.h), for the mismatch check
 //                       hello: magic ^ rank, read by each peer after mapping, to prove it works
-//                       finished: set by close() once this rank's kernels are all done     ]
+//                       finished[r], r < kMaxWorld: written here by rank r's close() once
+//                       rank r's kernels are all done (pushed, so closing reads no peer) ]
 //   [ data area: kBanks x P slots of slot_bytes each                                          ]
 //
 // Block b of rank k talks only to block b of ranks k-1 and k+1 (its own tiles of every
@@ -37,9 +38,10 @@ constexpr size_t kAbortedOffset = 2 * kMaxBlocks * kFlagStride;
 constexpr size_t kDescriptorOffset = kAbortedOffset + kFlagStride;
 constexpr size_t kHelloOffset = kDescriptorOffset + kFlagStride;  // proves a peer's mapping works
 constexpr uint64_t kHelloMagic = 0x72696e67636f6c6cULL;           // "ringcoll"; the word holds magic ^ rank
-// Nonzero once close() has seen every kernel of this rank finish: from then on this rank
-// reads no peer's memory, so peers may let theirs go (CudaComm::close).
+// finished[r]: rank r writes 1 into word r of every peer's allocation once all its kernels
+// are done; a rank that has all of them may free its memory (CudaComm::close).
 constexpr size_t kFinishedOffset = kHelloOffset + kFlagStride;
+inline size_t finished_word_offset(int rank) { return kFinishedOffset + sizeof(uint64_t) * static_cast<size_t>(rank); }
 constexpr size_t kSlotAlignment = 128;
 // Per block: [0] step base, [1..] last publication per slot, [kCallWord] calls checked so far.
 // The call number lives on the device, not the host, so a collective captured in a CUDA
@@ -48,7 +50,7 @@ constexpr int kStateWords = 2 * kMaxWorld + 8;
 constexpr int kCallWord = kStateWords - 1;
 static_assert(kBanks * kMaxWorld + 1 <= kCallWord, "bookkeeping must fit its words");
 static_assert(kDescriptorOffset + sizeof(DescriptorSlot) <= kHelloOffset, "the descriptor must fit its line");
-static_assert(kFinishedOffset + sizeof(uint64_t) <= kFlagAreaBytes, "flags must fit their area");
+static_assert(kFinishedOffset + kMaxWorld * sizeof(uint64_t) <= kFlagAreaBytes, "flags must fit their area");
 
 // Bytes of one slot for a data area of `buffer_bytes` shared by kBanks x world slots.
 inline size_t slot_bytes_for(size_t buffer_bytes, int world) {

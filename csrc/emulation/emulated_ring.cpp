@@ -13,6 +13,7 @@
 // clang-format off
 #include "cuda_shim.h"  // before device code: it supplies threadIdx, __syncthreads, ...
 // clang-format on
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -77,6 +78,7 @@ struct EmulatedRing::Rank {
   std::vector<ErrorRecord> errors;
   std::string broken_reason;
   bool closed = false;
+  std::atomic<bool> freed{false};  // closed and let its memory go: nobody may touch it since
 };
 
 EmulatedRing::EmulatedRing(int world, size_t buffer_bytes, double timeout_seconds, int variant, int threads_per_block,
@@ -125,25 +127,34 @@ std::vector<CallResult> EmulatedRing::run(const std::vector<EmulatedCall>& calls
   return results;
 }
 
-// What CudaComm::close does (cuda_comm.cu, steps 2 and 3; this rank's calls are all done,
-// as after its cudaDeviceSynchronize): set `finished` and, unless a kernel already gave up,
-// `aborted` = closed; then, unless broken, wait for every peer's `finished`. The result's
-// message says why the rank would keep its allocation (CudaComm::kept_on_close), "" if not.
+// What CudaComm::close does (cuda_comm.cu, steps 2 to 4; this rank's calls are all done,
+// as after its cudaDeviceSynchronize): write our `finished` word into every peer's memory,
+// set `aborted` = closed unless a kernel already gave up, then, unless broken, wait until
+// every peer's word is in ours, and "free" (mark freed: a later write into it by anyone is
+// a protocol error, reported by the writer's close). The result's message says why the
+// rank would keep its allocation (CudaComm::kept_on_close), "" if it freed it.
 CallResult EmulatedRing::close_rank(int rank) {
   Rank& me = *ranks_[rank];
   if (me.closed) return {};
+  for (int r = 0; r < world_; ++r) {
+    if (r == rank) continue;
+    if (ranks_[r]->freed.load())
+      return {"AssertionError", "rank " + std::to_string(r) + " freed its memory before rank " + std::to_string(rank) +
+                                    " closed"};
+    flag_store_release(reinterpret_cast<uint64_t*>(ranks_[r]->memory.get() + cuda::finished_word_offset(rank)), 1);
+  }
   char* base = me.memory.get();
-  flag_store_release(reinterpret_cast<uint64_t*>(base + cuda::kFinishedOffset), 1);
   flag_set_once(cuda::aborted_flag(base), static_cast<uint64_t>(AbortCause::kClosed));
   std::string kept;
   if (world_ > 1 && !me.broken_reason.empty()) {
     kept = "the communicator is broken (" + me.broken_reason + ")";
   } else if (world_ > 1) {
     kept = cuda::wait_until_peers_finished(rank, world_, timeout_seconds_, [&](int r, uint64_t* word) {
-      *word = flag_load_acquire(reinterpret_cast<const uint64_t*>(ranks_[r]->memory.get() + cuda::kFinishedOffset));
+      *word = flag_load_acquire(reinterpret_cast<const uint64_t*>(base + cuda::finished_word_offset(r)));
       return true;
     });
   }
+  me.freed = kept.empty();
   me.closed = true;
   me.broken_reason = "closed";
   return {"", kept};
