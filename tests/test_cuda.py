@@ -187,6 +187,46 @@ def test_timeout_names_rank_peer_and_step():
     assert "broken" in later
 
 
+def _bad_input(rank, world):
+    import numpy as np
+
+    import ringcoll
+    from ringcoll.cuda import CudaCommunicator
+
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    with CudaCommunicator(device=dev, timeout=30) as comm:
+        out = torch.full((4,), -1.0, device=dev)
+        cases = {
+            "cpu tensor": lambda: comm.all_reduce(torch.ones(4), output=out),
+            "numpy array": lambda: comm.all_reduce(np.ones(4, dtype=np.float32), output=out),
+            "non-contiguous": lambda: comm.all_reduce(torch.ones(4, 2, device=dev).t(), output=out),
+            "dtype mismatch": lambda: comm.all_reduce(torch.ones(4, device=dev, dtype=torch.float64), output=out),
+            "wrong size": lambda: comm.reduce_scatter_tensor(out, torch.ones(4 * world + 1, device=dev)),
+            "AVG of int": lambda: comm.all_reduce(torch.ones(4, device=dev, dtype=torch.int32), op=ringcoll.ReduceOp.AVG),
+        }
+        outcomes = {}
+        for name, call in cases.items():
+            try:
+                call()
+                outcomes[name] = "no error"
+            except (TypeError, ValueError) as e:
+                outcomes[name] = type(e).__name__ if str(e).split(":")[0] in ("all_reduce", "reduce_scatter_tensor") \
+                    else f"unnamed op: {e}"
+        comm.synchronize()
+        untouched = bool((out == -1).all())
+        t = torch.ones(4, device=dev)
+        comm.all_reduce(t)  # nothing was launched for the bad calls: the ring is still in step
+        comm.synchronize()
+        return outcomes, untouched, t.tolist()
+
+
+def test_bad_input_is_refused_by_name_before_anything_is_written():
+    for outcomes, untouched, after in spawn(_bad_input, 2, timeout=120):
+        assert all(kind in ("TypeError", "ValueError") for kind in outcomes.values()), outcomes
+        assert untouched and after == [2.0] * 4, (untouched, after)
+
+
 def _close(rank, world, late_seconds, timeout):
     import time
     import warnings
