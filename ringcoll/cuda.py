@@ -196,7 +196,7 @@ class CudaTransport:
         self._comm.close(wait_for_peers)
         if self._comm.kept_on_close:
             warnings.warn(f"ringcoll: rank {self.rank} keeps its GPU buffer until the process exits, since "
-                          f"peers may still map it: {self._comm.kept_on_close}", RuntimeWarning, stacklevel=3)
+                          f"peers may still map it: {self._comm.kept_on_close}", RuntimeWarning, stacklevel=4)  # the caller of close()
 
     @property
     def broken(self) -> bool:
