@@ -194,9 +194,9 @@ class CudaTransport:
         after the timeout, keeping this rank's buffer until the process exits. Without
         `wait_for_peers` it does not wait and keeps the buffer."""
         self._comm.close(wait_for_peers)
-        if self._comm.kept_on_close:
+        if self._comm.kept_on_close:  # stacklevel: the caller of CudaCommunicator.close()
             warnings.warn(f"ringcoll: rank {self.rank} keeps its GPU buffer until the process exits, since "
-                          f"peers may still map it: {self._comm.kept_on_close}", RuntimeWarning, stacklevel=4)  # the caller of close()
+                          f"peers may still map it: {self._comm.kept_on_close}", RuntimeWarning, stacklevel=4)
 
     @property
     def broken(self) -> bool:
