@@ -64,28 +64,40 @@ union Pack {
 RINGCOLL_DEVICE inline uint4 load16(const void* p) { return *static_cast<const uint4*>(p); }
 RINGCOLL_DEVICE inline void store16(void* p, uint4 v) { *static_cast<uint4*>(p) = v; }
 
+// How a block's threads cover [0, len) of some pointers: in 16-byte vectors where all of
+// them allow (and `vectorise`), else and around those one element at a time. vec_at(i)
+// handles elements i .. i + Pack<T>::kElems - 1, one_at(i) element i; thread t takes
+// vectors t, t + blockDim.x, ..., then the head and tail elements likewise.
+template <typename T, class VecAt, class OneAt>
+RINGCOLL_DEVICE void for_each_in_range(int64_t len, bool vectorise, const void* a, const void* b, const void* c,
+                                       const void* d, VecAt&& vec_at, OneAt&& one_at) {
+  const VectorSplit split =
+      vectorise ? vector_split(len, sizeof(T), reinterpret_cast<uintptr_t>(a), reinterpret_cast<uintptr_t>(b),
+                               reinterpret_cast<uintptr_t>(c), reinterpret_cast<uintptr_t>(d))
+                : VectorSplit{len, 0, 0};
+  const int64_t tid = threadIdx.x, stride = blockDim.x;
+  constexpr int64_t kPer = Pack<T>::kElems;
+  for (int64_t v = tid; v < split.vec / kPer; v += stride) vec_at(split.head + v * kPer);
+  for (int64_t k = tid; k < split.head + split.tail; k += stride) one_at(k < split.head ? k : k + split.vec);
+}
+
 // dst (if any) and dst2 (if any) = src over [0, len), by all threads of the block.
 template <typename T>
 RINGCOLL_DEVICE void copy_range(T* dst, T* dst2, const T* src, int64_t len, bool vectorise) {
   if (dst2 == src) dst2 = nullptr;  // in place: the value is already there
   if (dst == nullptr && dst2 == nullptr) return;
-  const VectorSplit split = vectorise ? vector_split(len, sizeof(T), reinterpret_cast<uintptr_t>(dst),
-                                                     reinterpret_cast<uintptr_t>(dst2), reinterpret_cast<uintptr_t>(src))
-                                      : VectorSplit{len, 0, 0};
-  const int64_t tid = threadIdx.x, stride = blockDim.x;
-  constexpr int64_t kPer = Pack<T>::kElems;
-  for (int64_t v = tid; v < split.vec / kPer; v += stride) {
-    const int64_t i = split.head + v * kPer;
-    const uint4 x = load16(src + i);
-    if (dst != nullptr) store16(dst + i, x);
-    if (dst2 != nullptr) store16(dst2 + i, x);
-  }
-  for (int64_t k = tid; k < split.head + split.tail; k += stride) {
-    const int64_t i = k < split.head ? k : k + split.vec;
-    const T x = src[i];
-    if (dst != nullptr) dst[i] = x;
-    if (dst2 != nullptr) dst2[i] = x;
-  }
+  for_each_in_range<T>(
+      len, vectorise, dst, dst2, src, nullptr,
+      [&](int64_t i) {
+        const uint4 x = load16(src + i);
+        if (dst != nullptr) store16(dst + i, x);
+        if (dst2 != nullptr) store16(dst2 + i, x);
+      },
+      [&](int64_t i) {
+        const T x = src[i];
+        if (dst != nullptr) dst[i] = x;
+        if (dst2 != nullptr) dst2[i] = x;
+      });
 }
 
 template <typename T, class Op, bool kFinal>
@@ -99,28 +111,22 @@ RINGCOLL_DEVICE inline T combine(T recv, T own, int world) {
 template <typename T, class Op, bool kFinal>
 RINGCOLL_DEVICE void reduce_range(T* to_right, T* to_output, const T* recv, const T* own, int64_t len, int world,
                                   bool vectorise) {
-  const VectorSplit split =
-      vectorise ? vector_split(len, sizeof(T), reinterpret_cast<uintptr_t>(to_right), reinterpret_cast<uintptr_t>(to_output),
-                               reinterpret_cast<uintptr_t>(recv), reinterpret_cast<uintptr_t>(own))
-                : VectorSplit{len, 0, 0};
-  const int64_t tid = threadIdx.x, stride = blockDim.x;
-  constexpr int64_t kPer = Pack<T>::kElems;
-  for (int64_t v = tid; v < split.vec / kPer; v += stride) {
-    const int64_t i = split.head + v * kPer;
-    Pack<T> a, b, r;
-    a.raw = load16(recv + i);
-    b.raw = load16(own + i);
+  for_each_in_range<T>(
+      len, vectorise, to_right, to_output, recv, own,
+      [&](int64_t i) {
+        Pack<T> a, b, r;
+        a.raw = load16(recv + i);
+        b.raw = load16(own + i);
 #pragma unroll
-    for (int e = 0; e < Pack<T>::kElems; ++e) r.elems[e] = combine<T, Op, kFinal>(a.elems[e], b.elems[e], world);
-    if (to_right != nullptr) store16(to_right + i, r.raw);
-    if (to_output != nullptr) store16(to_output + i, r.raw);
-  }
-  for (int64_t k = tid; k < split.head + split.tail; k += stride) {
-    const int64_t i = k < split.head ? k : k + split.vec;
-    const T x = combine<T, Op, kFinal>(recv[i], own[i], world);
-    if (to_right != nullptr) to_right[i] = x;
-    if (to_output != nullptr) to_output[i] = x;
-  }
+        for (int e = 0; e < Pack<T>::kElems; ++e) r.elems[e] = combine<T, Op, kFinal>(a.elems[e], b.elems[e], world);
+        if (to_right != nullptr) store16(to_right + i, r.raw);
+        if (to_output != nullptr) store16(to_output + i, r.raw);
+      },
+      [&](int64_t i) {
+        const T x = combine<T, Op, kFinal>(recv[i], own[i], world);
+        if (to_right != nullptr) to_right[i] = x;
+        if (to_output != nullptr) to_output[i] = x;
+      });
 }
 
 // Where things sit in a rank's flag area (kernel_abi.h has the picture).
