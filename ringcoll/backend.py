@@ -412,32 +412,9 @@ class RingcollProcessGroup(dist.ProcessGroup):
     def broadcast(self, tensors, opts=None):
         return self._gloo("broadcast").broadcast(tensors, opts if opts is not None else _c10d.BroadcastOptions())
 
-    def reduce(self, *args):
-        return self._gloo("reduce").reduce(*args)
-
-    def gather(self, *args):
-        return self._gloo("gather").gather(*args)
-
-    def scatter(self, *args):
-        return self._gloo("scatter").scatter(*args)
-
-    def alltoall_base(self, *args):
-        return self._gloo("alltoall_base").alltoall_base(*args)
-
-    def alltoall(self, *args):
-        return self._gloo("alltoall").alltoall(*args)
-
-    def send(self, *args):
-        return self._gloo("send").send(*args)
-
-    def recv(self, *args):
-        return self._gloo("recv").recv(*args)
-
-    def allreduce_coalesced(self, *args):
-        return self._gloo("allreduce_coalesced").allreduce_coalesced(*args)
-
-    def recv_anysource(self, *args):
-        return self._gloo("recv_anysource").recv_anysource(*args)
+    # The rest take c10d's arguments unchanged (defined after the class by _forward_to_gloo).
+    FORWARDED_TO_GLOO = ("reduce", "gather", "scatter", "alltoall_base", "alltoall", "send", "recv",
+                         "recv_anysource", "allreduce_coalesced")
 
     # --- lifetime -----------------------------------------------------------------------
 
@@ -451,6 +428,21 @@ class RingcollProcessGroup(dist.ProcessGroup):
 
     def abort(self) -> None:
         self.shutdown()
+
+
+def _forward_to_gloo(name: str):
+    """A RingcollProcessGroup method that hands the call, as c10d made it, to the internal
+    gloo group (counted in call_counts as "gloo:<name>")."""
+    def forward(self, *args):
+        return getattr(self._gloo(name), name)(*args)
+
+    forward.__name__ = name
+    forward.__qualname__ = f"RingcollProcessGroup.{name}"
+    return forward
+
+
+for _name in RingcollProcessGroup.FORWARDED_TO_GLOO:
+    setattr(RingcollProcessGroup, _name, _forward_to_gloo(_name))
 
 
 def _create(store, rank: int, size: int, timeout: datetime.timedelta) -> RingcollProcessGroup:
