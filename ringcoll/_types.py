@@ -2,7 +2,8 @@
 
 The extension knows no torch: it takes a dtype code and an op code. This module is the
 one place that turns torch dtypes and ``torch.distributed.ReduceOp`` values into them, and
-that refuses what ringcoll does not support, with a message naming the op.
+that refuses what ringcoll does not support, with a message naming the op. The dtypes
+themselves are listed once, in reduce.h, and read from there (``_C.dtype_table``).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import enum
 
 import torch
+
+from ringcoll import _C
 
 
 class ReduceOp(enum.IntEnum):
@@ -22,18 +25,11 @@ class ReduceOp(enum.IntEnum):
     AVG = 4  # SUM, then one division by the world size; floating dtypes only
 
 
-# Codes of reduce.h's DType enum.
-DTYPE_CODES: dict[torch.dtype, int] = {
-    torch.float32: 0,
-    torch.float64: 1,
-    torch.float16: 2,
-    torch.bfloat16: 3,
-    torch.int8: 4,
-    torch.uint8: 5,
-    torch.int32: 6,
-    torch.int64: 7,
-}
-FLOATING_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16})
+#: name -> torch dtype, in reduce.h's order ("float32", ..., "int64")
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name, _code, _size, _floating in _C.dtype_table}
+#: torch dtype -> the code of reduce.h's DType enum
+DTYPE_CODES: dict[torch.dtype, int] = {getattr(torch, name): code for name, code, _size, _floating in _C.dtype_table}
+FLOATING_DTYPES = frozenset(getattr(torch, name) for name, _code, _size, floating in _C.dtype_table if floating)
 
 
 def dtype_code(op_name: str, dtype: torch.dtype) -> int:

@@ -19,18 +19,18 @@ import torch.distributed as dist
 
 from ringcoll._types import ReduceOp
 from ringcoll.communicator import Communicator
+from ringcoll.views import cuda_tensor_view
 
 _communicators: dict = {}
 
 
 def get_communicator(group=None, device="cpu") -> Communicator:
     """The cached communicator for (group, device), built on first use. A process group of
-    the "ringcoll" backend already owns one: it is returned, not a second ring."""
-    from ringcoll.backend import RingcollProcessGroup
-
+    the "ringcoll" backend (ringcoll/training/backend.py) already owns one: it is returned,
+    not a second ring."""
     group = group if group is not None else dist.group.WORLD
     device = torch.device(device)
-    if isinstance(group, RingcollProcessGroup) and device.type == "cpu":
+    if getattr(group, "owns_ringcoll_communicator", False) and device.type == "cpu":
         return group.communicator()
     key = (group, str(device))
     comm = _communicators.get(key)
@@ -46,7 +46,7 @@ SERVED_DEVICE_TYPES = ("cpu", "cuda")
 def _for_tensor(op: str, tensor, group) -> Communicator:
     """The communicator for `tensor`'s device; a device no transport serves is bad input."""
     if not isinstance(tensor, torch.Tensor):
-        view = _cuda_array_view(tensor)  # CuPy and other CUDA array producers go to their GPU's ring
+        view = cuda_tensor_view(tensor)  # CuPy and other CUDA array producers go to their GPU's ring
         if view is not None:
             return get_communicator(group, view.device)
         return get_communicator(group, "cpu")  # the communicator's own validation names the problem
@@ -54,19 +54,6 @@ def _for_tensor(op: str, tensor, group) -> Communicator:
         raise ValueError(f"{op}: tensor is on {tensor.device}; ringcoll serves "
                          + " and ".join(SERVED_DEVICE_TYPES) + " tensors")
     return get_communicator(group, tensor.device)
-
-
-def _cuda_array_view(array) -> Optional[torch.Tensor]:
-    """A tensor over the memory of a DLPack / __cuda_array_interface__ array on a GPU, else None."""
-    if not (hasattr(array, "__dlpack__") or hasattr(array, "__cuda_array_interface__")):
-        return None
-    from ringcoll.cuda import _tensor_view
-
-    try:
-        view = _tensor_view(array)
-    except Exception:  # noqa: BLE001 - not an array torch can view: the CPU validation names it
-        return None
-    return view if isinstance(view, torch.Tensor) and view.is_cuda else None
 
 
 def destroy_communicators() -> None:

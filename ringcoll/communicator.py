@@ -1,23 +1,28 @@
 """The Communicator: one ring of P ranks over one process group and one device.
 
+It owns what every transport shares: the settings (validated alike on every rank), the
+argument checks, the Work handles and closing. The bytes are moved by a transport chosen by
+device in one place (ringcoll/transports/): POSIX shared memory for CPU tensors, CUDA IPC
+for CUDA tensors. A call goes, in all::
+
+    Communicator.all_reduce          validate, turn tensors into a RingCall (addresses, codes)
+      -> transport.submit            host: this thread or the worker; CUDA: the streams
+        -> _C.HostComm / _C.CudaComm csrc/host/host_comm.cpp, csrc/cuda/cuda_comm.cu
+
 Construction is collective (every rank of the group calls it, in the same order as every
-other collective): each rank draws a name for its shared-memory segment, the names go
-round with ``dist.all_gather_object`` on the group, and the extension creates, maps and
-unlinks the segments (csrc/host/host_comm.cpp). After that no collective touches the
-process group again.
+other collective): each rank's transport builds its buffer and the handles (segment names,
+IPC handles) go round with ``dist.all_gather_object`` on the group. After that no collective
+touches the process group again.
 
 Every method validates its arguments completely before any data moves, so bad input
 raises ValueError / TypeError (message starting with the op name) and leaves the output
-untouched. Collectives run on the calling thread; with ``async_op=True`` they run, in
-call order, on one worker thread of the communicator and a :class:`Work` is returned.
+untouched. With ``async_op=True`` a :class:`Work` is returned.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import datetime
 import os
-import threading
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -26,6 +31,8 @@ import torch.distributed as dist
 from ringcoll import _C
 from ringcoll._types import ReduceOp, dtype_code, op_code
 from ringcoll.errors import RingcollError
+from ringcoll.transports import RingCall, Settings, transport_for
+from ringcoll.views import as_device_array, check_count, tensor_view
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
 DEFAULT_BUFFER_BYTES = 4 << 20  # per rank; messages of any size are sliced through it
@@ -76,26 +83,33 @@ def _resolve_buffer_bytes(buffer_bytes) -> int:
 class Work:
     """Handle of an async collective, like the object ``torch.distributed`` returns.
 
-    ``wait()`` blocks until the collective finished and re-raises its error, if any.
+    ``wait()`` re-raises the collective's error, if any. On CPU it blocks until the
+    collective finished; on CUDA it makes the current stream wait for it, as NCCL's does
+    (``synchronize()`` blocks the host). The transport's Completion (transports/base.py)
+    says how.
     """
 
-    def __init__(self, future: concurrent.futures.Future, result: list, keep_alive: Sequence = ()):
-        self._future = future
+    def __init__(self, completion, result: list, keep_alive: Sequence = ()):
+        self._completion = completion
         self._result = result  # the output tensors
         self._keep_alive = keep_alive  # inputs and scratch the extension reads by address
 
     def wait(self, timeout: Optional[float] = None) -> bool:
-        self._future.result(timeout=timeout)
+        self._completion.wait(timeout)
         return True
 
+    def synchronize(self) -> None:
+        """Block the host until the collective finished; raises its error, if any."""
+        self._completion.synchronize()
+
     def is_completed(self) -> bool:
-        return self._future.done()
+        return self._completion.done()
 
     def is_success(self) -> bool:
-        return self._future.done() and self._future.exception() is None
+        return self._completion.done() and self._completion.error() is None
 
     def exception(self):
-        return self._future.exception() if self._future.done() else None
+        return self._completion.error()
 
     def result(self) -> list:
         self.wait()
@@ -105,14 +119,14 @@ class Work:
         """A torch Future completed with the output tensors (for DDP communication hooks)."""
         torch_future: torch.futures.Future = torch.futures.Future()
 
-        def finish(done: concurrent.futures.Future) -> None:
-            error = done.exception()
+        def finish() -> None:
+            error = self._completion.error()
             if error is not None:
                 torch_future.set_exception(error)
             else:
                 torch_future.set_result(self._result)
 
-        self._future.add_done_callback(finish)
+        self._completion.on_done(finish)
         return torch_future
 
 
@@ -131,7 +145,8 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 class Communicator:
     """A ring over the ranks of ``group`` (the default group when None) for tensors on
-    ``device`` (CPU: the shared-memory transport).
+    ``device`` (default CPU: the shared-memory transport; ``"cuda"`` / ``"cuda:N"``: CUDA IPC,
+    the current CUDA device when no index is given).
 
     ``timeout``: seconds (or a timedelta) any single wait may last before it raises
     RingcollTimeoutError; default ``RINGCOLL_TIMEOUT`` or 300. ``buffer_bytes``: size of each
@@ -140,26 +155,21 @@ class Communicator:
     across ranks before moving data (RingcollMismatchError on every rank if they differ);
     default ``RINGCOLL_CHECK`` or on. It must be the same on all ranks.
 
-    Usable as a context manager; ``close()`` releases the shared memory.
+    Usable as a context manager; ``close()`` releases the buffers. On CUDA ``close()`` is
+    collective (every peer must close before anyone frees memory the others map).
     """
-
-    def __new__(cls, group=None, device=None, *args, **kwargs):
-        # Communicator(device="cuda...") is the CUDA transport's subclass (ringcoll/cuda.py).
-        if cls is Communicator and device is not None and torch.device(device).type == "cuda":
-            from ringcoll.cuda import CudaCommunicator
-
-            return super().__new__(CudaCommunicator)
-        return super().__new__(cls)
 
     def __init__(self, group=None, device=None, timeout=None, buffer_bytes=None, check=None):
         device = torch.device(device if device is not None else "cpu")
-        if device.type != "cpu":
-            raise RingcollError(f"Communicator: no ringcoll transport for device {device} in this build; "
-                                "the shared-memory transport serves CPU tensors")
-        self._configure(group, device, timeout, buffer_bytes, check, slot_alignment=64)
-        names = self._exchange(_C.random_segment_name())
-        self._impl = _C.HostComm(self.rank, self.world_size, names, self.buffer_bytes, self.timeout, self.check)
-        self._start()
+        transport_cls = transport_for(device)
+        self._configure(group, transport_cls.resolve_device(device), timeout, buffer_bytes, check,
+                        transport_cls.slot_alignment)
+        self._closed = True  # until the transport exists: nothing to close
+        settings = Settings(self.group, self.device, self.rank, self.world_size, self.timeout, self.buffer_bytes,
+                            self.check)
+        self._transport = transport_cls(settings, self._exchange)
+        self._view = tensor_view if transport_cls.takes_arrays else (lambda t: t)
+        self._closed = False
 
     def _exchange(self, mine, **settings) -> list:
         """Send this rank's `mine` (segment name, IPC handle) round the group together with
@@ -192,29 +202,24 @@ class Communicator:
         self.world_size = dist.get_world_size(self.group)
         if self.rank < 0:
             raise ValueError("Communicator: this process is not a member of the given group")
-        minimum = 2 * slot_alignment * self.world_size  # two banks of one aligned slot per rank
+        minimum = _C.min_buffer_bytes(self.world_size, slot_alignment)
         if self.buffer_bytes < minimum:
             raise ValueError(f"Communicator: buffer_bytes={self.buffer_bytes} is too small for "
                              f"{self.world_size} ranks (minimum {minimum})")
 
-    def _start(self) -> None:
-        """Ready to run collectives: no async work queued yet."""
-        self._worker: Optional[concurrent.futures.ThreadPoolExecutor] = None
-        self._last_async: Optional[concurrent.futures.Future] = None
-        self._lock = threading.Lock()  # one collective at a time on the ring
-        self._closed = False
-
     # --- lifetime -------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Finish queued async work, then unmap the shared memory. Idempotent."""
+        """Finish queued work, then release the buffers. Idempotent. On CUDA it is
+        collective: it returns once every peer has closed too, so call it on every rank at
+        the same point (or use ``with``, or ``ringcoll.destroy_communicators()``)."""
+        self._close(wait_for_peers=True)
+
+    def _close(self, wait_for_peers: bool) -> None:
         if self._closed:
             return
         self._closed = True
-        if self._worker is not None:
-            self._worker.shutdown(wait=True)
-        with self._lock:
-            self._impl.close()
+        self._transport.close(wait_for_peers)
 
     def __enter__(self) -> "Communicator":
         return self
@@ -223,15 +228,28 @@ class Communicator:
         self.close()
 
     def __del__(self):
+        # The garbage collector may get here on one rank only, at any point: waiting for
+        # peers there could stall that rank for the whole timeout, so a CUDA buffer is kept
+        # until the process exits instead (with a RuntimeWarning saying so).
         try:
             if not getattr(self, "_closed", True):
-                self.close()
+                self._close(wait_for_peers=False)
         except Exception:
             pass
 
     @property
     def broken(self) -> bool:
-        return self._impl.broken
+        return self._transport.broken
+
+    @property
+    def transport(self):
+        """The transport object (HostTransport or CudaTransport) moving this ring's bytes."""
+        return self._transport
+
+    def synchronize(self) -> None:
+        """Block until every collective issued so far finished (on CUDA: raise a recorded
+        kernel error)."""
+        self._transport.synchronize()
 
     # --- validation, one place ------------------------------------------------------------
 
@@ -272,28 +290,16 @@ class Communicator:
 
     # --- running --------------------------------------------------------------------------
 
-    def _run(self, call: Callable[[], None], outputs: list, keep_alive: Sequence, async_op: bool):
-        """Run `call` now (sync) or queue it (async) behind earlier async work."""
-        if not async_op:
-            pending = self._last_async
-            if pending is not None:
-                concurrent.futures.wait([pending])  # keep call order; its error is its own
-            with self._lock:
-                call()
-            return None
-        if self._worker is None:
-            self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ringcoll")
-
-        def locked_call():
-            with self._lock:
-                call()
-
-        future = self._worker.submit(locked_call)
-        self._last_async = future
-        # The closure holds every tensor the extension reads by address, until it has run.
-        return Work(future, list(outputs), keep_alive)
+    def _submit(self, call: RingCall, outputs: list, keep_alive: Sequence, async_op: bool,
+                then: Optional[Callable[[], None]] = None) -> Optional[Work]:
+        """Hand `call` to the transport; a Work when async. The Work holds every tensor the
+        extension reads by address until the call has run."""
+        completion = self._transport.submit(call, outputs, keep_alive, async_op, then)
+        return None if completion is None else Work(completion, list(outputs), keep_alive)
 
     # --- the collectives ------------------------------------------------------------------
+    # On CUDA, arrays (CuPy, DLPack) are first viewed as tensors over the same memory
+    # (ringcoll/views.py), then validated and run like tensors.
 
     def all_reduce(self, tensor: torch.Tensor, op=ReduceOp.SUM, async_op: bool = False, *,
                    output: Optional[torch.Tensor] = None):
@@ -304,70 +310,108 @@ class Communicator:
         leave ``tensor`` unchanged, NCCL's out-of-place form.
         """
         name = "all_reduce"
+        tensor, output = self._view(tensor), self._view(output)
         self._ensure_open(name)
         if output is None:
             self._check_tensor(name, "tensor", tensor)
             output = tensor
         else:
             self._check_pair(name, output, tensor, 1)
-        dtype, code = dtype_code(name, tensor.dtype), op_code(name, op, tensor.dtype)
-        src, dst, count = tensor.data_ptr(), output.data_ptr(), tensor.numel()
-        return self._run(lambda: self._impl.all_reduce(src, dst, count, dtype, code), [output], (tensor,), async_op)
+        call = RingCall(name, tensor.data_ptr(), output.data_ptr(), tensor.numel(), dtype_code(name, tensor.dtype),
+                        op_code(name, op, tensor.dtype))
+        return self._submit(call, [output], (tensor,), async_op)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM,
                               async_op: bool = False):
         """``output = op over ranks of input.view(P, -1)[rank]``; input has P x output.numel()
         elements. In place when output is exactly chunk ``rank`` of input."""
         name = "reduce_scatter_tensor"
+        output, input = self._view(output), self._view(input)
         self._ensure_open(name)
         self._check_pair(name, output, input, 1 / self.world_size)
-        dtype, code = dtype_code(name, input.dtype), op_code(name, op, input.dtype)
-        src, dst, count = input.data_ptr(), output.data_ptr(), output.numel()
-        return self._run(lambda: self._impl.reduce_scatter(src, dst, count, dtype, code), [output], (input,), async_op)
+        call = RingCall("reduce_scatter", input.data_ptr(), output.data_ptr(), output.numel(),
+                        dtype_code(name, input.dtype), op_code(name, op, input.dtype))
+        return self._submit(call, [output], (input,), async_op)
 
     def all_gather_into_tensor(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                                async_op: bool = False):
         """``output_tensor.view(P, -1)[r] = input_tensor on rank r`` for every r. In place when
         input_tensor is exactly chunk ``rank`` of output_tensor."""
         name = "all_gather_into_tensor"
+        output_tensor, input_tensor = self._view(output_tensor), self._view(input_tensor)
         self._ensure_open(name)
         self._check_pair(name, output_tensor, input_tensor, self.world_size)
-        dtype = dtype_code(name, input_tensor.dtype)
-        src, dst, count = input_tensor.data_ptr(), output_tensor.data_ptr(), input_tensor.numel()
-        return self._run(lambda: self._impl.all_gather(src, dst, count, dtype), [output_tensor], (input_tensor,),
-                         async_op)
+        call = RingCall("all_gather", input_tensor.data_ptr(), output_tensor.data_ptr(), input_tensor.numel(),
+                        dtype_code(name, input_tensor.dtype), None)
+        return self._submit(call, [output_tensor], (input_tensor,), async_op)
 
     def all_gather(self, tensor_list: list, tensor: torch.Tensor, async_op: bool = False):
         """``tensor_list[r] = tensor on rank r``. Gathers into one flat buffer, then copies out."""
         name = "all_gather"
+        tensor_list, tensor = self._view_list(tensor_list), self._view(tensor)
         self._ensure_open(name)
         self._check_list(name, "tensor_list", tensor_list, tensor)
         flat = torch.empty(self.world_size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-        dtype, src, dst, count = dtype_code(name, tensor.dtype), tensor.data_ptr(), flat.data_ptr(), tensor.numel()
+        count = tensor.numel()
+        call = RingCall("all_gather", tensor.data_ptr(), flat.data_ptr(), count, dtype_code(name, tensor.dtype), None)
 
-        def call():
-            self._impl.all_gather(src, dst, count, dtype)
+        def copy_out() -> None:
             for r, out in enumerate(tensor_list):
                 out.copy_(flat[r * count:(r + 1) * count].view_as(out))
 
-        return self._run(call, list(tensor_list), (tensor, flat), async_op)
+        return self._submit(call, list(tensor_list), (tensor, flat), async_op, then=copy_out)
 
     def reduce_scatter(self, output: torch.Tensor, input_list: list, op=ReduceOp.SUM, async_op: bool = False):
         """``output = op over ranks of input_list[rank]``. Packs the list into one flat buffer."""
         name = "reduce_scatter"
+        output, input_list = self._view(output), self._view_list(input_list)
         self._ensure_open(name)
         self._check_list(name, "input_list", input_list, output)
         code = op_code(name, op, output.dtype)
         # The packed copy is taken now, so output may alias an entry of input_list.
         flat = torch.cat([t.reshape(-1) for t in input_list]) if input_list else output.new_empty(0)
-        dtype, src, dst, count = dtype_code(name, output.dtype), flat.data_ptr(), output.data_ptr(), output.numel()
-        return self._run(lambda: self._impl.reduce_scatter(src, dst, count, dtype, code), [output],
-                         (flat, *input_list), async_op)
+        call = RingCall(name, flat.data_ptr(), output.data_ptr(), output.numel(), dtype_code(name, output.dtype), code)
+        return self._submit(call, [output], (flat, *input_list), async_op)
 
     def barrier(self, async_op: bool = False):
-        """Return once every rank of the group has entered the barrier."""
+        """Return once every rank of the group has entered the barrier (on CUDA: always
+        synchronous, like NCCL's)."""
         self._ensure_open("barrier")
-        return self._run(self._impl.barrier, [], (), async_op)
+        completion = self._transport.barrier(async_op)
+        return None if completion is None else Work(completion, [], ())
+
+    # --- CuPy and other __cuda_array_interface__ arrays, on a given stream (CUDA only) ------
+
+    def all_reduce_array(self, array, op=ReduceOp.SUM, *, output=None, stream: Optional[int] = None) -> None:
+        """In place (or into ``output``): all-reduce of a CUDA array. ``stream``: a
+        cudaStream_t as an int (CuPy: ``cupy.cuda.get_current_stream().ptr``); default torch's
+        current stream."""
+        src = as_device_array(array)
+        dst = as_device_array(output) if output is not None else src
+        check_count("all_reduce", dst, src.count)
+        self._launch_array("all_reduce", src, dst, src.count, op, stream)
+
+    def reduce_scatter_array(self, output, input, op=ReduceOp.SUM, *, stream: Optional[int] = None) -> None:
+        src, dst = as_device_array(input), as_device_array(output)
+        check_count("reduce_scatter", src, dst.count * self.world_size)
+        self._launch_array("reduce_scatter", src, dst, dst.count, op, stream)
+
+    def all_gather_array(self, output, input, *, stream: Optional[int] = None) -> None:
+        src, dst = as_device_array(input), as_device_array(output)
+        check_count("all_gather", dst, src.count * self.world_size)
+        self._launch_array("all_gather", src, dst, src.count, None, stream)
+
+    def _launch_array(self, name: str, src, dst, count: int, op, stream) -> None:
+        self._ensure_open(name)
+        if src.dtype != dst.dtype:
+            raise TypeError(f"{name}: output dtype {dst.dtype} differs from input dtype {src.dtype}")
+        dtype = dtype_code(name, src.dtype)
+        code = None if name == "all_gather" else op_code(name, op, src.dtype)
+        self._transport.launch_on_stream(RingCall(name, src.ptr, dst.ptr, count, dtype, code), stream)
+
+    def _view_list(self, tensors):
+        """Each entry viewed (CUDA); anything but a list or tuple is left for _check_list to name."""
+        return [self._view(t) for t in tensors] if isinstance(tensors, (list, tuple)) else tensors
 
     def _check_list(self, op: str, what: str, tensors, reference: torch.Tensor) -> None:
         self._check_tensor(op, "tensor" if what == "tensor_list" else "output", reference)
@@ -381,3 +425,14 @@ class Communicator:
                 raise TypeError(f"{op}: {what}[{i}] has dtype {t.dtype}, expected {reference.dtype}")
             if t.numel() != reference.numel():
                 raise ValueError(f"{op}: {what}[{i}] has {t.numel()} elements, expected {reference.numel()}")
+
+
+class CudaCommunicator(Communicator):
+    """``Communicator(device="cuda...")``, spelled as a class (default: the current CUDA
+    device). Same methods; it only refuses a non-CUDA device."""
+
+    def __init__(self, group=None, device=None, timeout=None, buffer_bytes=None, check=None):
+        device = torch.device(device if device is not None else "cuda")
+        if device.type != "cuda":
+            raise ValueError(f"Communicator: CudaCommunicator serves CUDA devices, not {device}")
+        super().__init__(group, device, timeout, buffer_bytes, check)

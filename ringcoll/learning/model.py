@@ -136,10 +136,10 @@ def scaling_table(compute_seconds: float, grad_bytes: float, worlds: Iterable[in
 
 
 def main(argv=None) -> None:
-    """python -m ringcoll.model: the scaling table for a step of compute and a gradient."""
+    """python -m ringcoll.learning.model: the scaling table for a step of compute and a gradient."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m ringcoll.model", description=main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m ringcoll.learning.model", description=main.__doc__)
     p.add_argument("--compute-ms", type=float, required=True, help="one rank's forward+backward time")
     p.add_argument("--grad-mb", type=float, required=True, help="gradient bytes all-reduced per step (MB)")
     p.add_argument("--alpha-us", type=float, required=True, help="latency per ring step (ringcoll-bench --fit)")

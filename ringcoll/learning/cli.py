@@ -1,10 +1,10 @@
 """The ``ringcoll`` command: teaching tools.
 
     ringcoll trace COLLECTIVE --world P --n N [--png FILE]
-        a ring collective step by step (ringcoll.trace), from the real schedule
+        a ring collective step by step (ringcoll.learning.trace), from the real schedule
     ringcoll memory --params N [--world P] [--batch B --seq S --hidden H --layers L --heads A]
                     [--checkpointing-only] [--no-attention-scores] [--measure]
-        per-GPU memory of Adam training, ZeRO stages 0-3 (ringcoll.memory)
+        per-GPU memory of Adam training, ZeRO stages 0-3 (ringcoll.learning.memory)
 
 The benchmark is a separate command, ``ringcoll-bench``.
 """
@@ -15,7 +15,7 @@ import argparse
 import sys
 from typing import List, Optional
 
-from ringcoll import memory, trace
+from ringcoll.learning import memory, trace
 
 
 def _run_trace(args: argparse.Namespace) -> int:
@@ -52,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("trace", help="print (and draw) a ring collective step by step",
-                       description="Run a ring collective on small integers with ringcoll.schedule.simulate "
+                       description="Run a ring collective on small integers with ringcoll.learning.schedule.simulate "
                                    "and print, step by step, the chunk each rank sends, receives and reduces, "
                                    "and what every rank holds.")
     t.add_argument("collective", choices=list(trace.COLLECTIVES))

@@ -53,8 +53,8 @@ each ringcoll wait; gloo uses the init_process_group timeout.
 Limits (torch 2.13): the Python ProcessGroup replaces the whole process group, so a device
 map naming another backend for a second device (``"cpu:ringcoll,cuda:nccl"``) does not
 give that device its backend; ``"ringcoll"``, ``"cpu:ringcoll"`` and
-``"cpu:ringcoll,cuda:ringcoll"`` work, and CUDA tensors raise until ringcoll's CUDA
-transport (or an internal NCCL group) lands. ``dist.monitored_barrier`` checks the backend
+``"cpu:ringcoll,cuda:ringcoll"`` work, and CUDA tensors raise: the backend does not yet
+route them to the CUDA transport, which ``ringcoll.all_reduce`` & co. reach directly. ``dist.monitored_barrier`` checks the backend
 name and refuses anything but gloo, as it does for NCCL.
 
 Observability: :data:`call_counts` counts calls per route, e.g. ``call_counts["ringcoll:all_reduce"]``
@@ -74,6 +74,7 @@ import torch
 import torch.distributed as dist
 
 from ringcoll._types import DTYPE_CODES, FLOATING_DTYPES, ReduceOp, reduce_op
+from ringcoll.communicator import Communicator
 
 BACKEND_NAME = "ringcoll"
 
@@ -86,34 +87,6 @@ _c10d = torch._C._distributed_c10d
 # --- Work --------------------------------------------------------------------------------
 
 
-class _DoneWork(dist._Work):
-    """Work of a collective that already ran on the calling thread."""
-
-    def __init__(self, outputs: list):
-        super().__init__()
-        self._outputs = outputs
-        self._future = torch.futures.Future()
-        self._future.set_result(outputs)
-
-    def wait(self, timeout=None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-    def is_success(self) -> bool:
-        return True
-
-    def exception(self):
-        return None
-
-    def result(self) -> list:
-        return self._outputs
-
-    def get_future(self) -> torch.futures.Future:
-        return self._future
-
-
 def _seconds(timeout) -> Optional[float]:
     """c10d passes a timedelta; zero or negative (kNoTimeout) means no limit."""
     if timeout is None:
@@ -122,49 +95,27 @@ def _seconds(timeout) -> Optional[float]:
     return seconds if seconds > 0 else None
 
 
-class _AsyncWork(dist._Work):
-    """Work of a collective queued on the communicator's worker thread (a ringcoll.Work)."""
-
-    def __init__(self, work, outputs: list):
-        super().__init__()
-        self._work = work
-        self._outputs = outputs
-        self._future = work.get_future()
-
-    def wait(self, timeout=None) -> bool:
-        return self._work.wait(_seconds(timeout))
-
-    def is_completed(self) -> bool:
-        return self._work.is_completed()
-
-    def is_success(self) -> bool:
-        return self._work.is_success()
-
-    def exception(self):
-        return self._work.exception()
-
-    def result(self) -> list:
-        self.wait()
-        return self._outputs
-
-    def get_future(self) -> torch.futures.Future:
-        return self._future
-
-
-class _AsyncWorks(dist._Work):
-    """Work of several collectives queued in order on the communicator's worker thread."""
+class _C10dWork(dist._Work):
+    """c10d's view of the ringcoll Works of one call: none when it already ran on the
+    calling thread, one for an async collective, several for the coalesced forms (queued
+    in order on the communicator's worker thread)."""
 
     def __init__(self, works: list, outputs: list):
         super().__init__()
         self._works = works
         self._outputs = outputs
+        if not works:
+            self._future = torch.futures.Future()
+            self._future.set_result(outputs)
+        elif len(works) == 1:
+            self._future = works[0].get_future()
+        else:
+            def all_done(fut):
+                for each in fut.value():
+                    each.wait()  # re-raises the first error
+                return outputs
 
-        def all_done(fut):
-            for each in fut.value():
-                each.wait()  # re-raises the first error
-            return outputs
-
-        self._future = torch.futures.collect_all([w.get_future() for w in works]).then(all_done)
+            self._future = torch.futures.collect_all([w.get_future() for w in works]).then(all_done)
 
     def wait(self, timeout=None) -> bool:
         for w in self._works:
@@ -250,13 +201,14 @@ class RingcollProcessGroup(dist.ProcessGroup):
 
     # --- the communicator ---------------------------------------------------------------
 
+    #: ringcoll.get_communicator(group) returns communicator() for such a group, not a second ring
+    owns_ringcoll_communicator = True
+
     def communicator(self):
         """The ringcoll Communicator over this group's ranks, built on first use (collective)."""
         comm = self._comm
         if comm is not None:
             return comm
-        from ringcoll.communicator import Communicator
-
         with self._comm_lock:
             if self._comm is None:
                 if self._closed:
@@ -277,8 +229,9 @@ class RingcollProcessGroup(dist.ProcessGroup):
         if self._bootstrapping or not _servable(tensors):
             if any(isinstance(t, torch.Tensor) and t.device.type != "cpu" for t in tensors):
                 devices = sorted({str(t.device) for t in tensors})
-                raise RuntimeError(f"ringcoll backend: tensors on {', '.join(devices)} are not served yet "
-                                   "(CPU only in this build); use backend='nccl' for CUDA tensors")
+                raise RuntimeError(f"ringcoll backend: tensors on {', '.join(devices)} are not served by the "
+                                   "backend yet (it serves CPU tensors); use ringcoll.all_reduce & co. on "
+                                   "them, or backend='nccl'")
             return False
         return True
 
@@ -286,9 +239,9 @@ class RingcollProcessGroup(dist.ProcessGroup):
         """start(async_op) runs the collective on the ring; sync unless opts.asyncOp."""
         call_counts[f"ringcoll:{name}"] += 1
         if getattr(opts, "asyncOp", True):
-            return _AsyncWork(start(True), outputs)
+            return _C10dWork([start(True)], outputs)
         start(False)
-        return _DoneWork(outputs)
+        return _C10dWork([], outputs)
 
     def _gloo(self, name: str):
         call_counts[f"gloo:{name}"] += 1
@@ -374,7 +327,7 @@ class RingcollProcessGroup(dist.ProcessGroup):
                 and self._to_ringcoll([*outputs, *inputs])):
             comm = self.communicator()
             call_counts["ringcoll:all_gather_into_tensor_coalesced"] += 1
-            return _AsyncWorks([comm.all_gather_into_tensor(o, i, async_op=True) for o, i in zip(outputs, inputs)],
+            return _C10dWork([comm.all_gather_into_tensor(o, i, async_op=True) for o, i in zip(outputs, inputs)],
                                list(outputs))
         return self._gloo("all_gather_into_tensor_coalesced").allgather_into_tensor_coalesced(outputs, inputs, opts)
 
@@ -387,7 +340,7 @@ class RingcollProcessGroup(dist.ProcessGroup):
             comm = self.communicator()
             call_counts["ringcoll:reduce_scatter_tensor_coalesced"] += 1
             works = [comm.reduce_scatter_tensor(o, i, op=op, async_op=True) for o, i in zip(outputs, inputs)]
-            return _AsyncWorks(works, list(outputs))
+            return _C10dWork(works, list(outputs))
         return self._gloo("reduce_scatter_tensor_coalesced").reduce_scatter_tensor_coalesced(outputs, inputs, opts)
 
     def barrier(self, opts=None):

@@ -1,8 +1,8 @@
 """``ringcoll trace``: a ring collective printed (and drawn) step by step.
 
-Everything shown comes from :func:`ringcoll.schedule.simulate`, which runs the collective
+Everything shown comes from :func:`ringcoll.learning.schedule.simulate`, which runs the collective
 using only the schedule functions mirrored from ``ring.h`` (tied to the C++ by
-``tests/test_schedule.py``). Nothing here restates the schedule: the chunk a rank sends,
+``tests/pure/test_schedule.py``). Nothing here restates the schedule: the chunk a rank sends,
 the chunk it receives, whether it reduces or copies, and what it holds afterwards are the
 simulation's records of the real ring.
 
@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 from typing import Any, List, Optional, Sequence
 
-from ringcoll.schedule import (
+from ringcoll.learning.schedule import (
     Collective,
     Simulation,
     StepRecord,

@@ -2,7 +2,7 @@
 
     import ringcoll
     model = DistributedDataParallel(model)                  # any backend, e.g. gloo
-    model.register_comm_hook(ringcoll.ddp.RingcollHookState(), ringcoll.ddp_hook)
+    model.register_comm_hook(ringcoll.training.ddp.RingcollHookState(), ringcoll.ddp_hook)
     # or, like torch's default_hooks.allreduce_hook: model.register_comm_hook(None, ringcoll.ddp_hook)
 
 DDP calls the hook once per gradient bucket, as soon as the bucket's gradients are ready
@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ringcoll._types import FLOATING_DTYPES, ReduceOp
+from ringcoll.api import get_communicator
 
 __all__ = ["RingcollHookState", "ddp_hook"]
 
@@ -49,8 +50,6 @@ class RingcollHookState:
 
 
 def _communicator_for(group):
-    from ringcoll.api import get_communicator
-
     return get_communicator(group, "cpu")  # on a "ringcoll" group: the group's own ring
 
 
@@ -60,7 +59,7 @@ def _state_communicator(state: Optional[object]):
         return state.communicator
     if state is None or isinstance(state, dist.ProcessGroup):
         return _communicator_for(state)
-    raise TypeError(f"ddp_hook: state must be a ringcoll.ddp.RingcollHookState, a ProcessGroup or None, "
+    raise TypeError(f"ddp_hook: state must be a ringcoll.training.ddp.RingcollHookState, a ProcessGroup or None, "
                     f"got {type(state).__name__}")
 
 

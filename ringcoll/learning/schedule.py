@@ -3,7 +3,7 @@ slicing helpers of ``ring_loop.h``, plus :func:`simulate`, which runs a whole co
 on Python lists so every step can be printed and checked.
 
 The C++ headers are the single source of ring indexing for every transport; this module
-restates them for reading, and ``tests/test_schedule.py`` checks it against the compiled
+restates them for reading, and ``tests/pure/test_schedule.py`` checks it against the compiled
 twins in ``ringcoll._C.schedule`` so the two can never drift apart.
 
 The ring

@@ -24,7 +24,7 @@ keeps an fp32 master copy of the weights, which the optimizer updates and then r
 fp16: 2N + 2N + 12N = 16N. ``fp32`` is plain single precision, what ``--measure`` runs on
 a CPU. The master copy is counted as optimizer state, as ZeRO does, so ZeRO-1 shards it.
 
-Worked examples (tests/test_memory.py checks them exactly)::
+Worked examples (tests/pure/test_memory.py checks them exactly)::
 
     N = 7e9,  mixed:         14 + 14 + 56 = 84 GB       (2N + 2N + 8N)
     N = 7e9,  mixed+master:  14 + 14 + 84 = 112 GB      (16 bytes per parameter)

@@ -24,7 +24,7 @@ Usage::
 
     import torch
     import torch.distributed as dist
-    from ringcoll.testing import spawn
+    from ringcoll.harness.launcher import spawn
 
     def _sum_ranks(rank, world_size, scale):      # top level: must pickle
         t = torch.tensor([float(rank)])
@@ -160,7 +160,7 @@ def _safe_str(obj: Any) -> str:
 
 
 # The child's Process target is the builtin ``exec`` running this bootstrap,
-# not _child_main itself: unpickling a target from ringcoll.testing would import
+# not _child_main itself: unpickling a target from ringcoll.harness.launcher would import
 # the ringcoll package (and torch) before ``env`` is in place.  This way the
 # variables are set before anything of ours or the caller's is imported, and a
 # failing ``import ringcoll`` is still reported with its traceback.
@@ -172,7 +172,7 @@ for _k, _v in _env.items():
     else:
         os.environ[_k] = _v
 try:
-    from ringcoll.testing import _child_main
+    from ringcoll.harness.launcher import _child_main
 except BaseException as _exc:
     import pickle, traceback
     _conn.send_bytes(pickle.dumps(("err", "setup", type(_exc).__name__, str(_exc),

@@ -42,8 +42,9 @@ from typing import Callable, Optional
 
 import torch
 
-from ringcoll import model
-from ringcoll.communicator import parse_bytes
+from ringcoll.learning import model
+from ringcoll._types import DTYPES
+from ringcoll.communicator import Communicator, parse_bytes
 
 # --- the collectives: definitions around one shared harness -------------------------------
 
@@ -63,10 +64,6 @@ COLLECTIVES = {
     "all_reduce": CollectiveDef("all_reduce", True, lambda count, world: (count, count)),
     "reduce_scatter": CollectiveDef("reduce_scatter", True, lambda count, world: (count, count // world)),
     "all_gather": CollectiveDef("all_gather", False, lambda count, world: (count // world, count)),
-}
-DTYPES = {
-    "float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "int8": torch.int8, "uint8": torch.uint8, "int32": torch.int32, "int64": torch.int64,
 }
 OPS = ("sum", "prod", "min", "max", "avg")
 
@@ -333,9 +330,7 @@ def run_rank(rank: int, world: int, config: Config, with_mpi: bool = False) -> l
     """One rank: ringcoll and its references on the same process group."""
     import torch.distributed as dist
 
-    import ringcoll
-
-    with ringcoll.Communicator(buffer_bytes=config.buffer_bytes) as comm:
+    with Communicator(buffer_bytes=config.buffer_bytes) as comm:
         backends = [TorchBackend(comm)] + ([TorchBackend(None)] if config.gloo else [])
         backends += [MpiBackend()] if with_mpi else []
         rows = bench_all(backends, rank, world, config)
@@ -349,12 +344,10 @@ def check_cost(comm, rank: int, world: int, config: Config) -> list[dict]:
     """All-reduce at the smallest and largest size with the call check (RINGCOLL_CHECK) on
     and off: what the mismatch detection costs. The two are measured trial by trial in
     turn, so a slow phase of the machine hits both."""
-    import ringcoll
-
     rows = []
     counts = message_counts(config, world)
     one_trial = dataclasses.replace(config, trials=1)
-    with ringcoll.Communicator(buffer_bytes=config.buffer_bytes, check=False) as unchecked:
+    with Communicator(buffer_bytes=config.buffer_bytes, check=False) as unchecked:
         for count in sorted({counts[0], counts[-1]}):
             row = {"kind": "check_cost", "collective": "all_reduce", "count": count}
             times = {"on": [], "off": []}
@@ -395,7 +388,7 @@ def run_under_mpirun(world: int, config: Config) -> list[dict]:
             port = s.getsockname()[1]
         env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        cmd = [shutil.which("mpirun"), "--oversubscribe", "-np", str(world), sys.executable, "-m", "ringcoll.bench",
+        cmd = [shutil.which("mpirun"), "--oversubscribe", "-np", str(world), sys.executable, "-m", "ringcoll.harness.bench",
                "--mpi-worker", config_file, rows_file]
         proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, timeout=3600)
         if proc.returncode != 0 or not os.path.exists(rows_file):
@@ -498,7 +491,7 @@ def format_table(rows: list[dict], world: int, config: Config, fitted: dict, mpi
         if fitted.get(name):
             f = fitted[name]
             lines.append(f"# model: alpha = {f.alpha * 1e6:.2f} us per ring step, beta = {f.beta / 1e9:.2f} GB/s per "
-                         f"link, fitted to ringcoll's out-of-place times (ringcoll.model)")
+                         f"link, fitted to ringcoll's out-of-place times (ringcoll.learning.model)")
     if costs:
         lines += ["", "# call check (RINGCOLL_CHECK, mismatch detection): all_reduce out-of-place, measured in turn"]
         for c in costs:
@@ -578,7 +571,7 @@ def main(argv=None) -> int:
     if args.mpi_worker:
         mpi_worker(*args.mpi_worker)
         return 0
-    from ringcoll.testing import spawn
+    from ringcoll.harness.launcher import spawn
 
     def refuse(message: str) -> int:
         print(f"ringcoll-bench: {message}", file=sys.stderr)

@@ -1,0 +1,65 @@
+"""What every transport is given and what it must offer.
+
+A transport moves one collective's bytes round the ring on one kind of memory. It sees
+addresses and codes, never tensors: the Communicator (ringcoll/communicator.py) has
+validated the arguments and turned them into a :class:`RingCall`. The interface, which
+``host.HostTransport`` and ``cuda.CudaTransport`` both implement::
+
+    slot_alignment              bytes each slot of the registered buffer is aligned to (_C)
+    takes_arrays                whether DLPack / CUDA-array-interface arrays are accepted
+    __init__(settings, exchange)  collective: build the buffers; `exchange(mine, **shared)`
+                                sends this rank's handle round the group, returns all ranks'
+    submit(call, outputs, keep_alive, async_op, then)
+                                run `call`, then `then()` (torch work that must follow it,
+                                e.g. the list forms' copies); sync: return None once later
+                                work is ordered after it; async: return a Completion
+    launch_on_stream(call, stream)   run `call` on a caller-given stream (CUDA only)
+    barrier(async_op)           return (or a Completion) once every rank has entered
+    synchronize()               block until everything submitted so far finished
+    close(wait_for_peers)       release the buffers; idempotent
+    broken, broken_reason       the ring stopped (timeout, dead peer, mismatch): every call raises
+
+A Completion is what ``ringcoll.Work`` wraps: ``wait(timeout)`` (raise the collective's
+error), ``done()``, ``error()`` (the error known so far, or None), ``on_done(fn)`` and
+``synchronize()`` (block the host).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+
+class Settings(NamedTuple):
+    """What the Communicator resolved, validated on every rank before anything is built."""
+
+    group: object  # the torch.distributed process group that bootstraps the ring
+    device: torch.device
+    rank: int
+    world_size: int
+    timeout: float  # seconds any single wait may last
+    buffer_bytes: int  # each rank's registered buffer
+    check: bool  # compare every call across ranks before data moves
+
+
+class RingCall(NamedTuple):
+    """One collective as a transport runs it. ``user_count`` is the count the user's call
+    names: the whole tensor for all_reduce, the output for reduce_scatter, the input for
+    all_gather (the extension's convention, csrc/include/ringcoll/call.h)."""
+
+    collective: str  # "all_reduce" | "reduce_scatter" | "all_gather"
+    src: int  # input address
+    dst: int  # output address
+    user_count: int
+    dtype: int  # reduce.h's DType code
+    op: Optional[int]  # reduce.h's ReduceOp code; None for all_gather
+
+    def run(self, comm, *stream_args) -> None:
+        """Call the extension's method for this collective on `comm` (HostComm or CudaComm);
+        `stream_args` are the CUDA transport's (stream, join)."""
+        method = getattr(comm, self.collective)
+        if self.op is None:
+            method(self.src, self.dst, self.user_count, self.dtype, *stream_args)
+        else:
+            method(self.src, self.dst, self.user_count, self.dtype, self.op, *stream_args)

@@ -1,0 +1,208 @@
+"""The CUDA transport, Python side: a ring of P processes whose GPU buffers are mapped into
+one another through CUDA IPC (csrc/cuda/).
+
+Bootstrap (collective over the group, like the shared-memory transport): each rank builds a
+``_C.CudaComm`` (cudaMalloc of flags + data, cudaIpcGetMemHandle), the handle bytes go
+round with ``dist.all_gather_object``, and each rank opens its peers' handles. After that
+a collective is one kernel launch and needs no host communication.
+
+Streams. A collective runs on the communicator's own CUDA stream, after all work already
+queued on the caller's current stream (so inputs are ready). Synchronous calls then make
+the current stream wait for it: like NCCL, the call returns before the GPU has finished,
+and later work on the current stream is ordered after the collective. With
+``async_op=True`` the current stream does not wait; ``work.wait()`` makes the then-current
+stream wait on an event recorded after the collective. Neither blocks the host;
+``synchronize()`` does.
+
+Errors. A kernel whose wait outlasts the timeout records where (rank, peer, step) in
+host-mapped memory, sets its rank's ``aborted`` flag (which its neighbours' waits watch, so
+the whole ring stops) and returns. Before any data moves each rank's kernel compares its
+call (collective, dtype, op, count, kernel variant) with its left neighbour's, so
+mismatched calls raise RingcollMismatchError on every rank, as on the CPU transport
+(``check=False`` / RINGCOLL_CHECK=0 turns the check off). The host sees a kernel's error at
+the next synchronisation point: ``synchronize()``, ``Work.wait()``, ``barrier()`` or the
+next collective call, which raise and leave the communicator broken.
+
+Kernel variant: ``RINGCOLL_CUDA_KERNEL=fused`` (default: 8 thread blocks, 16-byte vectors,
+one launch per collective) or ``naive`` (one block, scalar loops, one launch per ring
+step: the teaching version); read at construction, must agree on all ranks (checked).
+The kernels' code also runs on the CPU in CI, through ``_C.emulation``
+(tests/pure/test_emulated_kernels.py).
+
+CuPy (or any DLPack / ``__cuda_array_interface__`` producer): the Communicator views such
+arrays as tensors over the same memory (ringcoll/views.py) and runs them on torch's current
+stream; its ``*_array`` methods run on a stream given explicitly instead
+(``stream=cupy.cuda.get_current_stream().ptr``, through :meth:`CudaTransport.launch_on_stream`).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ringcoll import _C
+from ringcoll._types import ReduceOp, dtype_code
+from ringcoll.errors import RingcollError
+from ringcoll.transports.base import RingCall, Settings
+
+KERNEL_VARIANTS = {"fused": 0, "naive": 1}
+
+
+def kernel_variant() -> int:
+    name = os.environ.get("RINGCOLL_CUDA_KERNEL", "fused").strip().lower()
+    if name not in KERNEL_VARIANTS:
+        raise ValueError(f"Communicator: RINGCOLL_CUDA_KERNEL={name!r}; expected one of "
+                         + ", ".join(KERNEL_VARIANTS))
+    return KERNEL_VARIANTS[name]
+
+
+def _require_cuda_build() -> None:
+    if not getattr(_C, "built_with_cuda", False):
+        raise RingcollError("Communicator: this ringcoll build has no CUDA backend (nvcc was not found "
+                            "when it was built); rebuild with nvcc on PATH to use CUDA tensors")
+    if not torch.cuda.is_available():
+        raise RingcollError("Communicator: CUDA tensors were requested but torch sees no CUDA device")
+
+
+class StreamCompletion:
+    """An async CUDA collective, as ringcoll.Work sees it: ``wait()`` makes the current stream
+    wait for it (no host blocking), then reports any kernel error already recorded."""
+
+    def __init__(self, transport: "CudaTransport", event: torch.cuda.Event):
+        self._transport = transport
+        self._event = event
+
+    def wait(self, timeout: Optional[float]) -> None:
+        torch.cuda.current_stream(self._transport.device).wait_event(self._event)
+        self._transport.check_error()
+
+    def done(self) -> bool:
+        return self._event.query()
+
+    def error(self) -> Optional[BaseException]:
+        try:
+            self._transport.check_error()
+        except RingcollError as e:
+            return e
+        return None
+
+    def on_done(self, fn: Callable[[], None]) -> None:
+        self.wait(None)  # ordered on the current stream: later work there sees the result
+        fn()
+
+    def synchronize(self) -> None:
+        self._event.synchronize()
+        self._transport.check_error()
+
+
+class CudaTransport:
+    """CUDA IPC ring over ``_C.CudaComm`` (see the module doc)."""
+
+    slot_alignment = _C.cuda_slot_alignment
+    takes_arrays = True
+
+    @staticmethod
+    def resolve_device(device: torch.device) -> torch.device:
+        """The device with its index; raises RingcollError where CUDA cannot be used."""
+        _require_cuda_build()
+        return torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+
+    def __init__(self, settings: Settings, exchange: Callable[..., list]):
+        _require_cuda_build()
+        self.device = device = settings.device
+        self.rank = settings.rank
+        variant = kernel_variant()
+        self._comm = _C.CudaComm(self.rank, settings.world_size, device.index, settings.buffer_bytes,
+                                 settings.timeout, settings.check, variant)
+        try:
+            variant_name = next(name for name, code in KERNEL_VARIANTS.items() if code == variant)
+            handles = exchange(self._comm.handle_bytes(), **{"RINGCOLL_CUDA_KERNEL": variant_name})
+        except BaseException:
+            self._comm.close()
+            raise
+        try:
+            self._comm.open_peers(handles)
+            # Every rank must have mapped every peer before anyone may close (and free) its buffer.
+            dist.barrier(group=settings.group)
+            self._stream = torch.cuda.ExternalStream(self._comm.stream_handle, device=device)
+        except BaseException:
+            self._comm.close(wait_for_peers=False)  # peers may be mapping us: keep the buffer
+            raise
+        self._barrier_word = torch.zeros(1, dtype=torch.int32, device=device)
+        self._barrier_call = RingCall("all_reduce", self._barrier_word.data_ptr(), self._barrier_word.data_ptr(), 1,
+                                      dtype_code("barrier", torch.int32), int(ReduceOp.SUM))
+        self._lock = threading.Lock()  # launches from several host threads stay whole
+
+    def _current_stream(self) -> int:
+        return torch.cuda.current_stream(self.device).cuda_stream
+
+    def submit(self, call: RingCall, outputs: list, keep_alive: Sequence, async_op: bool,
+               then: Optional[Callable[[], None]] = None) -> Optional[StreamCompletion]:
+        """Sync: the kernel follows the current stream's work and the current stream waits
+        for it. Async: it follows the current stream's work, nothing waits; the Completion's
+        wait() makes the then-current stream wait."""
+        with self._lock:
+            self._comm.check_error()
+            call.run(self._comm, self._current_stream(), not async_op)
+            if not async_op:
+                if then is not None:
+                    then()  # on the current stream, which now follows the kernel
+                return None
+            with torch.cuda.stream(self._stream):
+                if then is not None:
+                    then()  # on our stream, after the kernel
+            event = torch.cuda.Event()
+            event.record(self._stream)
+            for t in list(outputs) + list(keep_alive):
+                if isinstance(t, torch.Tensor) and t.is_cuda:
+                    t.record_stream(self._stream)  # the caching allocator must not reuse them early
+            return StreamCompletion(self, event)
+
+    def launch_on_stream(self, call: RingCall, stream: Optional[int]) -> None:
+        """`call` on a caller-given cudaStream_t (an int; default torch's current stream),
+        which then waits for it."""
+        with self._lock:
+            self._comm.check_error()
+            call.run(self._comm, self._current_stream() if stream is None else int(stream), True)
+
+    def barrier(self, async_op: bool) -> None:
+        """An all-reduce of one int on the device, then a host wait for it (like NCCL's);
+        always synchronous."""
+        with self._lock:
+            self._barrier_call.run(self._comm, self._current_stream(), True)
+            self._comm.synchronize()
+        return None
+
+    def check_error(self) -> None:
+        self._comm.check_error()
+
+    def synchronize(self) -> None:
+        with self._lock:
+            self._comm.synchronize()
+
+    def close(self, wait_for_peers: bool = True) -> None:
+        """Collective (cuda_comm.cu says why): returns once every peer has closed too, or
+        after the timeout, keeping this rank's buffer until the process exits. Without
+        `wait_for_peers` it does not wait and keeps the buffer."""
+        with self._lock:
+            self._comm.close(wait_for_peers)
+        if self._comm.kept_on_close:  # stacklevel: the caller of Communicator.close()
+            warnings.warn(f"ringcoll: rank {self.rank} keeps its GPU buffer until the process exits, since "
+                          f"peers may still map it: {self._comm.kept_on_close}", RuntimeWarning, stacklevel=4)
+
+    @property
+    def broken(self) -> bool:
+        return self._comm.broken
+
+    @property
+    def broken_reason(self) -> str:
+        return self._comm.broken_reason
+
+    @property
+    def comm(self):
+        return self._comm

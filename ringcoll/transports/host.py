@@ -1,0 +1,112 @@
+"""The shared-memory transport: CPU tensors of P processes on one machine (csrc/host/).
+
+Bootstrap: each rank draws a name for its shared-memory segment, the names go round the
+group, and the extension creates, maps and unlinks the segments (host_comm.cpp). After that
+no collective touches the process group again.
+
+Collectives run on the calling thread; with ``async_op=True`` they run, in call order, on
+one worker thread and a Completion (a ``concurrent.futures.Future``'s) is returned. One
+collective at a time is on the ring: a synchronous call first waits for the queued ones.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from typing import Callable, Optional, Sequence
+
+from ringcoll import _C
+from ringcoll.transports.base import RingCall, Settings
+
+
+class ThreadCompletion:
+    """A collective queued on the worker thread, as ringcoll.Work sees it."""
+
+    def __init__(self, future: concurrent.futures.Future):
+        self._future = future
+
+    def wait(self, timeout: Optional[float]) -> None:
+        self._future.result(timeout=timeout)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def error(self) -> Optional[BaseException]:
+        return self._future.exception() if self._future.done() else None
+
+    def on_done(self, fn: Callable[[], None]) -> None:
+        self._future.add_done_callback(lambda _: fn())
+
+    def synchronize(self) -> None:
+        self._future.result()
+
+
+class HostTransport:
+    slot_alignment = _C.host_slot_alignment
+    takes_arrays = False  # a CPU array is not viewed as a tensor: the caller passes tensors
+
+    @staticmethod
+    def resolve_device(device):
+        return device
+
+    def __init__(self, settings: Settings, exchange: Callable[..., list]):
+        names = exchange(_C.random_segment_name())
+        self._comm = _C.HostComm(settings.rank, settings.world_size, names, settings.buffer_bytes,
+                                 settings.timeout, settings.check)
+        self._worker: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._last_async: Optional[concurrent.futures.Future] = None
+        self._lock = threading.Lock()  # one collective at a time on the ring
+
+    def submit(self, call: RingCall, outputs: list, keep_alive: Sequence, async_op: bool,
+               then: Optional[Callable[[], None]] = None) -> Optional[ThreadCompletion]:
+        def run() -> None:
+            call.run(self._comm)
+            if then is not None:
+                then()
+
+        return self._submit(run, async_op)
+
+    def barrier(self, async_op: bool) -> Optional[ThreadCompletion]:
+        return self._submit(self._comm.barrier, async_op)
+
+    def _submit(self, run: Callable[[], None], async_op: bool) -> Optional[ThreadCompletion]:
+        """Run `run` now (sync) or queue it (async) behind earlier async work."""
+        if not async_op:
+            self.synchronize()  # keep call order; a queued call's error is its own
+            with self._lock:
+                run()
+            return None
+        if self._worker is None:
+            self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ringcoll")
+
+        def locked_run() -> None:
+            with self._lock:
+                run()
+
+        self._last_async = self._worker.submit(locked_run)
+        return ThreadCompletion(self._last_async)
+
+    def synchronize(self) -> None:
+        """Wait until the queued async calls have run; their errors are their Works'."""
+        pending = self._last_async
+        if pending is not None:
+            concurrent.futures.wait([pending])
+
+    def launch_on_stream(self, call: RingCall, stream) -> None:
+        raise ValueError(f"{call.collective}: arrays on a given stream need a CUDA communicator; "
+                         "this one serves CPU tensors")
+
+    def close(self, wait_for_peers: bool = True) -> None:
+        """Finish queued async work, then unmap the shared memory."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+        with self._lock:
+            self._comm.close()
+
+    @property
+    def broken(self) -> bool:
+        return self._comm.broken
+
+    @property
+    def broken_reason(self) -> str:
+        return self._comm.broken_reason
