@@ -1,6 +1,6 @@
 """Hypothesis fuzzer: ringcoll against gloo and a plain reference, on a pool of 5 ranks.
 
-    python bench/fuzz.py --examples 10000 [--seed S] [--case-timeout 60]
+    python -m ringcoll.harness.fuzz --examples 10000 [--seed S] [--case-timeout 60]
 
 Each example is one collective call, drawn by hypothesis (:func:`cases`): world size 1-5,
 the collective (all_reduce, reduce_scatter_tensor, all_gather_into_tensor, and the list
@@ -30,8 +30,9 @@ example):
   rank's all_reduce / all_gather result is bitwise identical.
 * The parent waits for each case at most ``case_timeout`` seconds; a case that runs over
   (a hang), a worker that dies, or a case in which any rank raised tears the pool down
-  (SIGTERM, then SIGKILL, all reaped; workers also carry PR_SET_PDEATHSIG) and the next
-  case starts a fresh pool, so hypothesis shrinks such failures on a clean ring every time.
+  (SIGTERM, then SIGKILL, all reaped; workers also carry PR_SET_PDEATHSIG: the process
+  launcher's helpers) and the next case starts a fresh pool, so hypothesis shrinks such
+  failures on a clean ring every time.
   (A wrong value alone keeps the pool: every rank finished the call, so the ring is in step,
   and a restart costs ~10 s.) ``close()`` (also at exit) leaves no process behind.
 
@@ -50,27 +51,28 @@ from __future__ import annotations
 
 import argparse
 import collections
-import ctypes
 import datetime
 import hashlib
 import multiprocessing
 import os
 import platform
-import signal
-import socket
 import sys
 import time
 import traceback
 import zlib
 from multiprocessing.connection import wait as _wait
 
+from ringcoll import _types, api
+from ringcoll.communicator import Communicator, Work
+from ringcoll.harness.launcher import _close, _free_port, _set_pdeathsig, _terminate
+
 POOL_SIZE = 5
 COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_gather", "reduce_scatter")
 REDUCING = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter")
-DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64")
-FLOATING = ("float32", "float64", "float16", "bfloat16")
-ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int8": 1, "uint8": 1, "int32": 4,
-            "int64": 8}
+# Cases name their dtype (readable in a failure report); every dtype ringcoll supports.
+DTYPES = tuple(_types.DTYPES)
+FLOATING = tuple(name for name, dtype in _types.DTYPES.items() if dtype in _types.FLOATING_DTYPES)
+ITEMSIZE = {name: dtype.itemsize for name, dtype in _types.DTYPES.items()}
 OPS = ("SUM", "PRODUCT", "MIN", "MAX", "AVG")
 # Registered buffer per rank for Communicator cases: small, so that slicing runs on most
 # calls. 704 is just above the 5-rank minimum (2 banks x 5 ranks x 64 B); 704 and 1000 do
@@ -132,16 +134,16 @@ def cases():
         op = None
         if collective in REDUCING:
             op = draw(st.sampled_from(OPS if dtype in FLOATING else OPS[:4]))
-        api = draw(st.sampled_from(("comm", "module")))
-        buffer_bytes = draw(st.sampled_from(BUFFER_CHOICES)) if api == "comm" else MODULE_BUFFER
+        which_api = draw(st.sampled_from(("comm", "module")))
+        buffer_bytes = draw(st.sampled_from(BUFFER_CHOICES)) if which_api == "comm" else MODULE_BUFFER
         count = draw(_count_strategy(st, collective, world, dtype, buffer_bytes))
         in_place = draw(st.booleans())
-        if api == "module" and collective == "all_reduce":
+        if which_api == "module" and collective == "all_reduce":
             in_place = True  # the out-of-place all_reduce(output=) is a Communicator extra
         return {
             "collective": collective, "dtype": dtype, "op": op, "world": world, "group": group,
             "ranks": ranks, "count": count, "in_place": in_place, "async_op": draw(st.booleans()),
-            "api": api, "buffer_bytes": buffer_bytes,
+            "api": which_api, "buffer_bytes": buffer_bytes,
             "offset": draw(st.integers(0, 1)),  # 1: every tensor starts one element into its buffer
             "specials": draw(st.booleans()),  # inf / NaN (floats), extremes (integers)
             "torch_op": draw(st.booleans()),  # op spelled dist.ReduceOp.X instead of ringcoll.ReduceOp.X
@@ -156,19 +158,6 @@ def describe(case: dict) -> str:
 
 
 # ============================================================================ worker side
-
-def _set_pdeathsig(parent_pid: int) -> None:
-    """SIGKILL this worker when the parent dies (Linux), so no run leaves orphans."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, ctypes.c_ulong(signal.SIGKILL), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
-    except Exception:
-        pass
-    if os.getppid() != parent_pid:
-        os._exit(1)
-
 
 def _seed_of(*parts) -> int:
     return zlib.crc32("|".join(str(p) for p in parts).encode())
@@ -317,9 +306,7 @@ class _Worker:
         import torch
         import torch.distributed as dist
 
-        import ringcoll
-
-        self.torch, self.dist, self.ringcoll = torch, dist, ringcoll
+        self.torch, self.dist = torch, dist
         self.rank, self.size = rank, size
         self.groups: dict = {}  # (group kind, ranks) -> process group (None: the default group)
         self.comms: dict = {}  # (group kind, ranks, buffer_bytes) -> Communicator
@@ -336,8 +323,7 @@ class _Worker:
     def communicator(self, case, group):
         key = (case["group"], tuple(case["ranks"]), case["buffer_bytes"])
         if key not in self.comms:
-            self.comms[key] = self.ringcoll.Communicator(group=group, buffer_bytes=case["buffer_bytes"],
-                                                         timeout=COMM_TIMEOUT)
+            self.comms[key] = Communicator(group=group, buffer_bytes=case["buffer_bytes"], timeout=COMM_TIMEOUT)
         return self.comms[key]
 
     def handle(self, case: dict):
@@ -387,7 +373,7 @@ class _Worker:
     # --- ringcoll --------------------------------------------------------------------------
 
     def run(self, case, group, grank, world):
-        torch, ringcoll = self.torch, self.ringcoll
+        torch = self.torch
         dtype = getattr(torch, case["dtype"])
         coll, c, op_name = case["collective"], case["count"], case["op"]
         xs = [make_input(case, r, world) for r in range(world)]
@@ -402,11 +388,11 @@ class _Worker:
                 return getattr(comm, name)(*args, **kw)
         else:
             def call(name, *args, **kw):
-                return getattr(ringcoll, name)(*args, group=group, **kw)
+                return getattr(api, name)(*args, group=group, **kw)  # the module-level drop-ins
 
         op_kw = {}
         if op_name is not None:
-            op_kw["op"] = getattr(self.dist.ReduceOp, op_name) if case["torch_op"] else ringcoll.ReduceOp[op_name]
+            op_kw["op"] = getattr(self.dist.ReduceOp, op_name) if case["torch_op"] else _types.ReduceOp[op_name]
         a = case["async_op"]
         off = case["offset"]
         bases = []  # (label, base tensor, first, last element the call may write)
@@ -478,7 +464,7 @@ class _Worker:
                     unchanged.append((f"input_list[{r}]", inputs[r], x[r * c:(r + 1) * c]))
 
         if a:
-            if not isinstance(ret, ringcoll.Work):
+            if not isinstance(ret, Work):
                 failures.append(f"async_op=True returned {type(ret).__name__}, not a Work")
             elif ret.wait() is not True:
                 failures.append("Work.wait() did not return True")
@@ -509,10 +495,9 @@ class _Worker:
                 digest)
 
 
-def _worker_main(rank, size, port, conn, parent_pid, env):
+def _worker_main(rank, size, port, conn, parent_pid):
     """A pool worker: init gloo (world `size`), then answer cases until told to stop."""
-    _set_pdeathsig(parent_pid)
-    os.environ.update(env)
+    _set_pdeathsig(parent_pid)  # SIGKILL this worker when the parent dies: no run leaves orphans
     try:
         import warnings
 
@@ -541,7 +526,7 @@ def _worker_main(rank, size, port, conn, parent_pid, env):
     try:
         for comm in worker.comms.values():
             comm.close()
-        worker.ringcoll.destroy_communicators()
+        api.destroy_communicators()
     except BaseException:  # noqa: BLE001
         pass
     try:
@@ -551,16 +536,15 @@ def _worker_main(rank, size, port, conn, parent_pid, env):
     os._exit(0)  # skip interpreter and process-group teardown: nothing left to flush
 
 
-# The worker process runs this via the builtin exec, so it loads this file by path under a
-# fixed name: it works whether the parent imported bench/fuzz.py as a module (pytest) or
-# runs it as a script.
+# The worker process runs this via the builtin exec, not _worker_main as its target:
+# unpickling that target would import ringcoll (and torch) before `_env` is in place, as in
+# the launcher's bootstrap. (Under ``python -m ringcoll.harness.fuzz``, "spawn" imports the
+# main module, this one, first anyway; the worker's torch.set_num_threads(1) still holds.)
 _BOOT = """
-import importlib.util, sys
-_spec = importlib.util.spec_from_file_location("ringcoll_bench_fuzz_worker", _path)
-_mod = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = _mod
-_spec.loader.exec_module(_mod)
-_mod._worker_main(*_args)
+import os
+os.environ.update(_env)
+from ringcoll.harness.fuzz import _worker_main
+_worker_main(*_args)
 """
 
 
@@ -568,12 +552,6 @@ _mod._worker_main(*_args)
 
 class PoolError(RuntimeError):
     """A case timed out, a worker died or the pool could not start (the pool is torn down)."""
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class FuzzPool:
@@ -610,8 +588,7 @@ class FuzzPool:
         try:
             for rank in range(self.size):
                 parent_conn, child_conn = ctx.Pipe(duplex=True)
-                boot = {"_path": os.path.abspath(__file__),
-                        "_args": (rank, self.size, port, child_conn, os.getpid(), env)}
+                boot = {"_env": env, "_args": (rank, self.size, port, child_conn, os.getpid())}
                 proc = ctx.Process(target=exec, args=(_BOOT, boot), name=f"ringcoll-fuzz-rank{rank}", daemon=True)
                 proc.start()
                 child_conn.close()
@@ -677,21 +654,9 @@ class FuzzPool:
             end = time.monotonic() + 5.0
             for p in self.procs:
                 p.join(max(0.0, end - time.monotonic()))
-        for p in self.procs:
-            if p.exitcode is None:
-                p.terminate()
-        end = time.monotonic() + 3.0
-        for p in self.procs:
-            p.join(max(0.0, end - time.monotonic()))
-        for p in self.procs:
-            if p.exitcode is None:
-                p.kill()
-                p.join(10.0)
+        _terminate(self.procs)
         for conn in self.conns:
-            try:
-                conn.close()
-            except Exception:
-                pass
+            _close(conn)
         self.procs, self.conns = [], []
 
     def __enter__(self) -> "FuzzPool":
