@@ -1,5 +1,5 @@
 """Reproduces, without ringcoll, the deadlock that made ringcoll's backend forward the
-collectives it leaves to gloo itself (ringcoll/backend.py, docs/training.md).
+collectives it leaves to gloo itself (ringcoll/training/backend.py, docs/training.md).
 
 A Python subclass of c10d's ProcessGroup that registers a ProcessGroupGloo as its CPU
 backend and overrides nothing; two ranks call broadcast_object_list and broadcast in a

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from ringcoll.testing import spawn
+from ringcoll.harness.launcher import spawn
 
 COLUMNS = (f"{'size':>12} {'count':>10} {'type':>6} {'redop':>5} {'collective':>15} {'time(us)':>10} "
            f"{'algbw(GB/s)':>12} {'busbw(GB/s)':>12} {'#wrong':>7}")
@@ -29,7 +29,7 @@ def _print_row(nbytes, n, redop, name, us, algbw, busbw, wrong):
 def _bench(rank, world, max_bytes, iters_small, iters_large, deadline):
     import torch.distributed as dist
 
-    from ringcoll.cuda import CudaCommunicator
+    from ringcoll import CudaCommunicator
 
     per_rank_gpu = torch.cuda.device_count() >= world
     index = rank if per_rank_gpu else 0

@@ -2,7 +2,7 @@
 
     python bench/soak.py --calls 100000 --world 3
 
-runs ``--calls`` collectives on ``--world`` ranks (processes, ringcoll.testing.spawn), all on
+runs ``--calls`` collectives on ``--world`` ranks (processes, ringcoll.harness.launcher.spawn), all on
 ONE Communicator with a small buffer (64 KiB by default), in a random but reproducible mix:
 all_reduce (in place and with ``output=``), reduce_scatter_tensor, all_gather_into_tensor,
 the list forms all_gather / reduce_scatter, and barrier; sizes from 0 to 4x the buffer
@@ -27,7 +27,7 @@ The run fails (exit code 1, a line saying what grew or what was wrong) on any wr
 any error or any growth. The samples are printed as a table; rank 0 also prints each sample
 as it is taken (``--quiet``: not).
 
-``run_soak(Config(...))`` is the same thing as a function (tests/test_faults.py runs a short
+``run_soak(Config(...))`` is the same thing as a function (tests/faults/test_faults.py runs a short
 one); it returns a :class:`Report`. The rank function must be importable by name in the
 child processes, so import this file as the module ``soak`` (put bench/ on sys.path).
 """
@@ -303,7 +303,7 @@ def _soak_rank(rank: int, world: int, cfg: Config):
 # --- the parent ---------------------------------------------------------------------------
 
 def run_soak(cfg: Config) -> Report:
-    from ringcoll.testing import SpawnError, spawn
+    from ringcoll.harness.launcher import SpawnError, spawn
 
     cfg = cfg.resolved()
     before = shm_entries()

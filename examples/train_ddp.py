@@ -41,7 +41,7 @@ def main() -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = DDP(make_model(), bucket_cap_mb=0.01)  # small buckets: several all-reduces per step, overlapped
     if args.hook:
-        model.register_comm_hook(ringcoll.ddp.RingcollHookState(), ringcoll.ddp_hook)
+        model.register_comm_hook(ringcoll.training.ddp.RingcollHookState(), ringcoll.ddp_hook)
 
     data = make_data()
     sampler, loader = make_loader(data, args.batch_size, rank, world)

@@ -1,4 +1,4 @@
-"""Train a small model with ZeRO stage 2 (ringcoll.zero.ShardedOptimizer) on CPU.
+"""Train a small model with ZeRO stage 2 (ringcoll.training.zero.ShardedOptimizer) on CPU.
 
     torchrun --nproc_per_node 2 examples/train_zero.py
     torchrun --nproc_per_node 2 examples/train_zero.py --stage 1
@@ -12,7 +12,7 @@ the updated shards are all-gathered back into every rank's parameters after each
 
 The process group is plain gloo (torchrun's env:// rendezvous); ringcoll builds its
 shared-memory ring over it. Rank 0 prints the loss per epoch, then what each rank holds
-(optimizer state and gradients beside the unsharded optimizer and ringcoll.memory's
+(optimizer state and gradients beside the unsharded optimizer and ringcoll.learning.memory's
 formula), and the script checks at the end that every rank's parameters are bitwise
 identical (exit status 1 if not).
 """
@@ -25,8 +25,8 @@ import time
 import torch
 import torch.distributed as dist
 
-import ringcoll.zero
-from ringcoll.memory import ledger
+import ringcoll.training.zero
+from ringcoll.learning.memory import ledger
 
 from common import make_data, make_loader, make_model, parameters_identical, train  # examples/common.py
 
@@ -45,7 +45,7 @@ def main() -> int:
     torch.set_num_threads(1)  # the ranks share the machine's cores
     model = make_model()
     params = list(model.parameters())
-    opt = ringcoll.zero.ShardedOptimizer(params, torch.optim.Adam, stage=args.stage,
+    opt = ringcoll.training.zero.ShardedOptimizer(params, torch.optim.Adam, stage=args.stage,
                                          bucket_bytes=args.bucket_bytes, lr=args.lr)
 
     data = make_data()

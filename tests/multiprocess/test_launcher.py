@@ -1,4 +1,4 @@
-"""Tests for ringcoll.testing (the multi-process launcher), with real processes.
+"""Tests for ringcoll.harness.launcher (the multi-process launcher), with real processes.
 
 Every spawn costs a Python + torch import per rank (~1-3 s on a small
 machine), so spawns are shared through module-scoped fixtures where several
@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import ringcoll.testing as rt
-from ringcoll.testing import Outcome, SpawnError, SpawnTimeout, spawn, spawn_outcomes
+import ringcoll.harness.launcher as rt
+from ringcoll.harness.launcher import Outcome, SpawnError, SpawnTimeout, spawn, spawn_outcomes
 
 # Evaluated when a child unpickles a function from this module, i.e. after the
 # launcher has applied `env`: proves env entries are in place before fn's
@@ -196,7 +196,7 @@ def test_busy_master_port_is_retried(monkeypatch):
 
 def test_import_failure_in_child_is_reported(monkeypatch):
     # e.g. a syntax error in ringcoll itself: the rank reports it with a traceback
-    broken = rt._BOOTSTRAP.replace("from ringcoll.testing import", "from ringcoll.no_such_mod import")
+    broken = rt._BOOTSTRAP.replace("from ringcoll.harness.launcher import", "from ringcoll.no_such_mod import")
     assert broken != rt._BOOTSTRAP
     monkeypatch.setattr(rt, "_BOOTSTRAP", broken)
     with pytest.raises(SpawnError) as ei:
@@ -343,8 +343,8 @@ def test_children_die_with_the_parent(tmp_path):
     here = os.path.dirname(os.path.abspath(__file__))
     code = textwrap.dedent(f"""
         import sys
-        sys.path[:0] = [{here!r}, {os.path.dirname(here)!r}]
-        from ringcoll.testing import spawn
+        sys.path[:0] = [{here!r}, {os.path.dirname(os.path.dirname(here))!r}]
+        from ringcoll.harness.launcher import spawn
         import {__name__.rsplit('.', 1)[-1]} as t
         spawn(t._write_pid_and_sleep, 2, {str(pidfile)!r}, (0, 1), timeout=120)
     """)

@@ -4,8 +4,8 @@
 // tests cannot see one. ThreadSanitizer can: it tracks happens-before through every atomic
 // (flags.h's helpers are C++ atomics on the host) and reports any payload read or write that
 // is not ordered after the write it races with. Built and run by
-// tests/test_emulated_kernels.py::test_kernels_have_no_data_races; standalone:
-//   g++ -std=c++20 -O1 -g -fsanitize=thread -Icsrc/include tests/sanitize/emulator_races.cpp \
+// tests/pure/test_emulated_kernels.py::test_kernels_have_no_data_races; standalone:
+//   g++ -std=c++20 -O1 -g -fsanitize=thread -Icsrc/include tests/pure/sanitize/emulator_races.cpp \
 //       csrc/emulation/emulated_ring.cpp -o /tmp/races && /tmp/races
 //
 // Each case runs a few back-to-back calls of one collective on int32 sums (exact), with a

@@ -2,9 +2,9 @@
 
 import pytest
 
-from ringcoll import memory
-from ringcoll.cli import main
-from ringcoll.memory import GB, TransformerShape, activation_bytes, ledger
+from ringcoll.learning import memory
+from ringcoll.learning.cli import main
+from ringcoll.learning.memory import GB, TransformerShape, activation_bytes, ledger
 
 SHAPE_7B = TransformerShape(batch=1, seq=2048, hidden=4096, layers=32, heads=32)
 

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 import ringcoll
-from ringcoll.testing import spawn
+from ringcoll.harness.launcher import spawn
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16,
           torch.int8, torch.uint8, torch.int32, torch.int64]

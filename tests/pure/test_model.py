@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from ringcoll import model
+from ringcoll.learning import model
 
 
 def test_ring_times_match_the_textbook_formulas():

@@ -1,4 +1,4 @@
-"""ZeRO stages 1 and 2 (ringcoll.zero.ShardedOptimizer) against the plain optimizer.
+"""ZeRO stages 1 and 2 (ringcoll.training.zero.ShardedOptimizer) against the plain optimizer.
 
 Reference: on every rank, a copy of the same model trained with the plain torch optimizer
 on gradients averaged over ranks with gloo (``dist.all_reduce`` SUM, then / P), which is
@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ringcoll.testing import spawn
+from ringcoll.harness.launcher import spawn
 
 STEPS = 4
 MICRO_BATCHES = 2
@@ -90,7 +90,7 @@ def _max_diff(a, b):
 
 def _run_case(rank, world, stage, name, clip=None):
     """Train the sharded and the reference model side by side; return measurements."""
-    import ringcoll.zero
+    import ringcoll.training.zero
 
     cls, kwargs = OPTIMIZERS[name]
     torch.manual_seed(0)
@@ -98,7 +98,7 @@ def _run_case(rank, world, stage, name, clip=None):
     model = Net()
     model.load_state_dict(ref.state_dict())
     ref_opt = cls(ref.parameters(), **kwargs)
-    opt = ringcoll.zero.ShardedOptimizer(model.parameters(), cls, stage=stage, bucket_bytes=BUCKET_BYTES, **kwargs)
+    opt = ringcoll.training.zero.ShardedOptimizer(model.parameters(), cls, stage=stage, bucket_bytes=BUCKET_BYTES, **kwargs)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     out = {"grads_after_backward": [], "norms": []}
@@ -163,7 +163,7 @@ def _run_case(rank, world, stage, name, clip=None):
 def _resume_from_plain(rank, world, stage, name, ref_sd, local_sd):
     """A fresh ShardedOptimizer loads the plain optimizer's state (load_full_state_dict)
     and trains on in step with the reference; another loads the local shard state."""
-    import ringcoll.zero
+    import ringcoll.training.zero
 
     cls, kwargs = OPTIMIZERS[name]
     torch.manual_seed(1)
@@ -172,7 +172,7 @@ def _resume_from_plain(rank, world, stage, name, ref_sd, local_sd):
     model.load_state_dict(ref.state_dict())
     ref_opt = cls(ref.parameters(), **kwargs)
     ref_opt.load_state_dict(ref_sd)
-    opt = ringcoll.zero.ShardedOptimizer(model.parameters(), cls, stage=stage, bucket_bytes=BUCKET_BYTES, **kwargs)
+    opt = ringcoll.training.zero.ShardedOptimizer(model.parameters(), cls, stage=stage, bucket_bytes=BUCKET_BYTES, **kwargs)
     opt.load_full_state_dict(ref_sd)
     for step in range(2):
         _loss(ref, rank, step, 0).backward()
@@ -186,7 +186,7 @@ def _resume_from_plain(rank, world, stage, name, ref_sd, local_sd):
         opt.zero_grad()
     resumed = _max_diff(model, ref)
 
-    other = ringcoll.zero.ShardedOptimizer(Net().parameters(), cls, stage=stage, bucket_bytes=BUCKET_BYTES, **kwargs)
+    other = ringcoll.training.zero.ShardedOptimizer(Net().parameters(), cls, stage=stage, bucket_bytes=BUCKET_BYTES, **kwargs)
     other.load_state_dict(local_sd)
     reloaded = other.state_dict()
     got = reloaded["optimizer"]["state"]
@@ -198,13 +198,13 @@ def _resume_from_plain(rank, world, stage, name, ref_sd, local_sd):
 def _extras(rank, world):
     """bfloat16 with fp32 master shards, an unused parameter (bucket completed at step),
     clip_grad_norm_ against the reference, and refused arguments."""
-    import ringcoll.zero
+    import ringcoll.training.zero
 
     out = {}
     torch.manual_seed(0)
     model = Net(dtype=torch.bfloat16, unused=True)
     unused_before = model.unused.detach().clone()
-    opt = ringcoll.zero.ShardedOptimizer(model.parameters(), torch.optim.Adam, stage=2, bucket_bytes=BUCKET_BYTES,
+    opt = ringcoll.training.zero.ShardedOptimizer(model.parameters(), torch.optim.Adam, stage=2, bucket_bytes=BUCKET_BYTES,
                                          lr=1e-2)
     losses = []
     for step in range(STEPS):
@@ -226,11 +226,11 @@ def _extras(rank, world):
     # no gradient counts as zero: Adam without weight decay leaves it where it was
     out["bf16_unused_unchanged"] = torch.equal(model.unused.detach(), unused_before)
 
-    # ringcoll.memory's ledger for an all-fp32 model with Adam, term by term
+    # ringcoll.learning.memory's ledger for an all-fp32 model with Adam, term by term
     for stage in (1, 2):
         torch.manual_seed(0)
         mlp = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 31))
-        opt = ringcoll.zero.ShardedOptimizer(mlp.parameters(), torch.optim.Adam, stage=stage,
+        opt = ringcoll.training.zero.ShardedOptimizer(mlp.parameters(), torch.optim.Adam, stage=stage,
                                              bucket_bytes=4096, lr=1e-3)
         mlp(torch.randn(4, 32)).square().mean().backward()
         opt.step()
@@ -239,7 +239,7 @@ def _extras(rank, world):
     # stage 2 keeps at most max_buckets_in_flight + 1 (filling) full-size buckets alive
     torch.manual_seed(0)
     deep = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(8)])
-    opt = ringcoll.zero.ShardedOptimizer(deep.parameters(), torch.optim.Adam, stage=2, bucket_bytes=1088, lr=1e-3)
+    opt = ringcoll.training.zero.ShardedOptimizer(deep.parameters(), torch.optim.Adam, stage=2, bucket_bytes=1088, lr=1e-3)
     deep(torch.randn(4, 16)).square().sum().backward()
     out["in_flight"] = (opt.peak_flat_grad_bytes, [b.padded * 4 for b in opt.buckets], opt.max_buckets_in_flight)
     opt.step()
@@ -248,11 +248,11 @@ def _extras(rank, world):
     errors = []
     for kwargs in ({"stage": 3}, {"stage": 1, "bucket_bytes": 0}, {"stage": 1 + rank}):
         try:
-            ringcoll.zero.ShardedOptimizer(Net(unused=rank == 1).parameters(), torch.optim.SGD, lr=0.1, **kwargs)
+            ringcoll.training.zero.ShardedOptimizer(Net(unused=rank == 1).parameters(), torch.optim.SGD, lr=0.1, **kwargs)
         except ValueError as exc:
             errors.append(str(exc))
     try:  # a different model on one rank: refused on every rank, before any data moves
-        ringcoll.zero.ShardedOptimizer(Net(unused=rank == 1).parameters(), torch.optim.SGD, lr=0.1)
+        ringcoll.training.zero.ShardedOptimizer(Net(unused=rank == 1).parameters(), torch.optim.SGD, lr=0.1)
     except ValueError as exc:
         errors.append(str(exc))
     out["errors"] = errors
@@ -364,7 +364,7 @@ def test_bfloat16_master_weights_and_unused_parameter():
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_memory_ledger(stage):
-    """All-fp32 model with Adam: measured bytes = ringcoll.memory.ledger(N, P, stage, "fp32")
+    """All-fp32 model with Adam: measured bytes = ringcoll.learning.memory.ledger(N, P, stage, "fp32")
     term by term, up to the padding (< 1 element per bucket) and Adam's step counters."""
     for out in (r["extras"] for r in _results(2)):
         report, buckets = out[f"ledger{stage}"]

@@ -1,6 +1,6 @@
 """CPU tier: asking for the CUDA transport gives it where a GPU is, and a clear error where not."""
 
-from ringcoll.testing import spawn
+from ringcoll.harness.launcher import spawn
 
 
 def _cuda_communicator_or_clear_error(rank, world):
@@ -28,12 +28,12 @@ def test_cuda_device_gives_the_cuda_transport_or_a_clear_error():
 
 def test_array_producers_are_viewed_not_copied():
     # CudaCommunicator's collectives take CuPy arrays by viewing them as tensors
-    # (ringcoll.cuda._tensor_view): a copy would silently lose every write to the output.
+    # (ringcoll.views.tensor_view): a copy would silently lose every write to the output.
     # numpy stands in for CuPy here (DLPack on the CPU); the GPU tier runs CuPy itself.
     import numpy as np
     import torch
 
-    from ringcoll.cuda import _tensor_view
+    from ringcoll.views import tensor_view as _tensor_view
 
     array = np.arange(5, dtype=np.float32)
     view = _tensor_view(array)

@@ -4,7 +4,7 @@ One spawn per world size (2 and 3) runs, from the same seed on the same data, a 
 steps of the same small MLP four times:
 
     "ringcoll"     DDP on the default group, init_process_group(backend="ringcoll"):
-                   DDP's own all-reduce of each bucket goes through ringcoll.backend
+                   DDP's own all-reduce of each bucket goes through ringcoll.training.backend
     "gloo"         DDP on a gloo group of the same ranks (the reference)
     "hook"         DDP on the gloo group + ringcoll.ddp_hook, state RingcollHookState():
                    the default group's (ringcoll backend's) communicator
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import ringcoll
-from ringcoll.testing import spawn
+from ringcoll.harness.launcher import spawn
 
 STEPS = 4
 BUCKET_CAP_MB = 0.002  # ~500 floats per bucket: the MLP below makes several buckets
@@ -60,7 +60,7 @@ def _train(rank: int, process_group, hook=None, state=None) -> tuple[list, list]
 
 
 def _rank_fn(rank: int, world_size: int) -> dict:
-    from ringcoll import backend
+    from ringcoll.training import backend
 
     assert isinstance(dist.group.WORLD, backend.RingcollProcessGroup)
     gloo = dist.new_group(backend="gloo")
@@ -74,7 +74,7 @@ def _rank_fn(rank: int, world_size: int) -> dict:
 
     # ringcoll.ddp_hook itself is registered (DDP checks its annotations), once with a
     # RingcollHookState (which counts the buckets), once with the gloo group as state.
-    state = ringcoll.ddp.RingcollHookState()
+    state = ringcoll.training.ddp.RingcollHookState()
     before = dict(backend.call_counts)
     results["hook"] = _train(rank, gloo, ringcoll.ddp_hook, state)
     counts["hook"] = {k: v - before.get(k, 0) for k, v in backend.call_counts.items()}

@@ -5,7 +5,7 @@ every check inside the ranks and returns what it saw; the tests below assert on 
 short third spawn checks the "cpu:ringcoll,cuda:ringcoll" form). The reference is gloo on the same ranks: a
 ``dist.new_group(backend="gloo")`` beside the ringcoll default group, same inputs.
 
-Routing is observed through ``ringcoll.backend.call_counts``: a collective ringcoll
+Routing is observed through ``ringcoll.training.backend.call_counts``: a collective ringcoll
 implements must add one to "ringcoll:<op>" and a collective it does not (broadcast,
 all_to_all, send/recv, gather, scatter, reduce, object collectives) must leave every
 "ringcoll:*" count alone and still give the right answer (the internal gloo group).
@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 import ringcoll
-from ringcoll import backend
-from ringcoll.testing import spawn
+from ringcoll.training import backend
+from ringcoll.harness.launcher import spawn
 
 SPAWN_TIMEOUT = 120.0
 ENV = {"RINGCOLL_TIMEOUT": "60", "RINGCOLL_CHECK": None}

@@ -1,4 +1,4 @@
-"""Tier 1: the ring schedule. ringcoll/schedule.py against its C++ twin (ring.h and the
+"""Tier 1: the ring schedule. ringcoll/learning/schedule.py against its C++ twin (ring.h and the
 slicing helpers of ring_loop.h, exposed as ringcoll._C.schedule), then the properties
 the ring must have, checked from first principles rather than by restating the formulas,
 then simulate() against the plain reference computation."""
@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ringcoll import _C
-from ringcoll import schedule as S
-from ringcoll.schedule import Collective
+from ringcoll.learning import schedule as S
+from ringcoll.learning.schedule import Collective
 
 CS = _C.schedule
 WORLDS = range(1, 10)

@@ -4,9 +4,9 @@ import re
 
 import pytest
 
-from ringcoll import schedule
-from ringcoll.cli import main
-from ringcoll.trace import COLLECTIVES, default_inputs, draw, reference, trace
+from ringcoll.learning import schedule
+from ringcoll.learning.cli import main
+from ringcoll.learning.trace import COLLECTIVES, default_inputs, draw, reference, trace
 
 STEP = re.compile(r"^step (\d+) ")
 TRANSFER = re.compile(r"^  rank (\d+): sends chunk (\d+) to rank (\d+), receives chunk (\d+) from rank (\d+): (.*)$")

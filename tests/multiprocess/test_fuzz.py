@@ -3,25 +3,18 @@ dtype, op, size up to a few small buffers, in place, async, subgroups, module-le
 and runs each on one pool of 5 worker processes against gloo and a plain reference.
 
 This is the quick profile (a few hundred examples, derandomized, no example database); the
-long one is ``python bench/fuzz.py --examples 10000`` (bench/results/*-fuzz-long.txt). The
-machinery lives in bench/fuzz.py; its module doc says how cases are built and checked.
+long one is ``python -m ringcoll.harness.fuzz --examples 10000`` (bench/results/*-fuzz-long.txt).
+The machinery lives in ringcoll/harness/fuzz.py; its module doc says how cases are built and
+checked.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-import sys
-
 import pytest
 
-pytest.importorskip("hypothesis")
+from ringcoll.harness import fuzz
 
-_PATH = pathlib.Path(__file__).resolve().parent.parent / "bench" / "fuzz.py"
-_spec = importlib.util.spec_from_file_location("ringcoll_bench_fuzz", _PATH)
-fuzz = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = fuzz
-_spec.loader.exec_module(fuzz)
+pytest.importorskip("hypothesis")
 
 QUICK_EXAMPLES = 500
 

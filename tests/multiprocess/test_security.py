@@ -36,7 +36,7 @@ from ringcoll.errors import RingcollTimeoutError
 NAME_RE = re.compile(r"^/ringcoll-[0-9a-f]{32}$")
 ANY_NAME_RE = re.compile(r"ringcoll-[0-9a-f]{32}")
 NOBODY = 65534
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def shm_path(name: str) -> str:
@@ -201,11 +201,11 @@ JOB = textwrap.dedent("""
     import json, os, sys, time
     import torch
     import torch.distributed as dist
-    from ringcoll.testing import spawn
+    from ringcoll.harness.launcher import spawn
 
     def rank_fn(rank, world, absent):
         import ringcoll
-        import ringcoll.communicator as rc
+        import ringcoll.transports.host as rc
         real, seen = rc._C, []
 
         class Recording:

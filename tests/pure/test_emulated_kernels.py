@@ -11,7 +11,7 @@ of 8 blocks; naive: one launch per ring step), the mismatch check and giving up.
 x86 is TSO, so a missing acquire or release still gives exact results here;
 test_kernels_have_no_data_races builds the same code with ThreadSanitizer, which sees it.
 It does not check the GPU's memory model itself (scopes), IPC, streams, graphs or the
-compiled PTX: that is tests/test_cuda.py's job, on a GPU.
+compiled PTX: that is tests/gpu/test_cuda.py's job, on a GPU.
 
 Results are compared bit for bit with schedule.simulate(), the ring run in Python on numpy
 scalars in the ring's own order (float32/float16/float64 arithmetic there is IEEE, as in
@@ -27,9 +27,9 @@ import pytest
 import torch
 
 from ringcoll import _C
-from ringcoll import schedule as S
+from ringcoll.learning import schedule as S
 from ringcoll._types import DTYPE_CODES, ReduceOp
-from ringcoll.schedule import Collective
+from ringcoll.learning.schedule import Collective
 
 E = _C.emulation
 FUSED, NAIVE = 0, 1
@@ -469,7 +469,7 @@ def test_close_keeps_the_buffer_when_a_peer_never_closes():
 
 
 def test_kernels_have_no_data_races(tmp_path):
-    """The kernels under ThreadSanitizer (tests/sanitize/emulator_races.cpp), healthy calls
+    """The kernels under ThreadSanitizer (tests/pure/sanitize/emulator_races.cpp), healthy calls
     and the paths that give up: on x86 a missing release or acquire still gives exact
     results, TSan reports it. Removing the barrier before a flag's release, or making the
     release relaxed, fails this test."""
@@ -477,7 +477,7 @@ def test_kernels_have_no_data_races(tmp_path):
     import subprocess
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     compiler = shutil.which("g++")
     assert compiler, "g++ is needed to build the sanitizer check"
     binary = tmp_path / "emulator_races"
@@ -485,7 +485,7 @@ def test_kernels_have_no_data_races(tmp_path):
     # every word that lock guards is a C++ atomic, so TSan has nothing to misreport there.
     build = subprocess.run(
         [compiler, "-std=c++20", "-O1", "-g", "-fsanitize=thread", "-Wno-tsan", f"-I{root / 'csrc/include'}",
-         str(root / "tests/sanitize/emulator_races.cpp"), str(root / "csrc/emulation/emulated_ring.cpp"),
+         str(root / "tests/pure/sanitize/emulator_races.cpp"), str(root / "csrc/emulation/emulated_ring.cpp"),
          "-o", str(binary)],
         capture_output=True, text=True, timeout=600)
     assert build.returncode == 0, build.stderr[-4000:]

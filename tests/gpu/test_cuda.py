@@ -1,4 +1,4 @@
-"""The CUDA transport (csrc/cuda/, ringcoll/cuda.py) on a real GPU: P ranks as processes
+"""The CUDA transport (csrc/cuda/, ringcoll/transports/cuda.py) on a real GPU: P ranks as processes
 sharing one GPU through CUDA IPC. Skipped where torch sees no GPU.
 
 Inputs are built so every summation order gives the same bits (small integers in any
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ringcoll import _C
-from ringcoll.testing import spawn
+from ringcoll.harness.launcher import spawn
 
 pytestmark = [
     pytest.mark.gpu,
@@ -44,7 +44,7 @@ def _expected_reduce(world, n, dtype, op):
 
 def _collectives(rank, world, sizes, dtypes, ops, buffer_bytes):
     import ringcoll
-    from ringcoll.cuda import CudaCommunicator
+    from ringcoll import CudaCommunicator
 
     torch.cuda.set_device(0)
     dev = torch.device("cuda", 0)
@@ -127,7 +127,7 @@ def test_larger_than_buffer(variant):
 
 
 def _async_and_lists(rank, world):
-    from ringcoll.cuda import CudaCommunicator
+    from ringcoll import CudaCommunicator
 
     torch.cuda.set_device(0)
     dev = torch.device("cuda", 0)
@@ -154,7 +154,7 @@ def test_async_lists_and_barrier():
 
 def _timeout(rank, world):
     import ringcoll
-    from ringcoll.cuda import CudaCommunicator
+    from ringcoll import CudaCommunicator
 
     torch.cuda.set_device(0)
     comm = CudaCommunicator(device="cuda:0", timeout=2)
@@ -191,7 +191,7 @@ def _bad_input(rank, world):
     import numpy as np
 
     import ringcoll
-    from ringcoll.cuda import CudaCommunicator
+    from ringcoll import CudaCommunicator
 
     torch.cuda.set_device(0)
     dev = torch.device("cuda", 0)
@@ -231,7 +231,7 @@ def _close(rank, world, late_seconds, timeout):
     import time
     import warnings
 
-    from ringcoll.cuda import CudaCommunicator
+    from ringcoll import CudaCommunicator
 
     torch.cuda.set_device(0)
     comm = CudaCommunicator(device="cuda:0", timeout=timeout)
@@ -268,7 +268,7 @@ def test_close_keeps_the_buffer_when_a_peer_does_not_close_in_time():
 def _cupy(rank, world):
     import cupy
 
-    from ringcoll.cuda import CudaCommunicator
+    from ringcoll import CudaCommunicator
 
     torch.cuda.set_device(0)
     with cupy.cuda.Device(0):
@@ -307,7 +307,7 @@ def test_cupy_arrays():
 
 def _mismatch(rank, world):
     import ringcoll
-    from ringcoll.cuda import CudaCommunicator
+    from ringcoll import CudaCommunicator
 
     torch.cuda.set_device(0)
     with CudaCommunicator(device="cuda:0", timeout=30) as comm:
@@ -330,7 +330,7 @@ def test_mismatched_calls_raise_on_every_rank():
 
 
 def _graph(rank, world):
-    from ringcoll.cuda import CudaCommunicator
+    from ringcoll import CudaCommunicator
 
     torch.cuda.set_device(0)
     dev = torch.device("cuda", 0)
@@ -368,7 +368,7 @@ def _nccl_reference(rank, world, per_rank_gpu):
     (the two reduce in different orders)."""
     import torch.distributed as dist
 
-    from ringcoll.cuda import CudaCommunicator
+    from ringcoll import CudaCommunicator
 
     index = rank if per_rank_gpu else 0
     torch.cuda.set_device(index)

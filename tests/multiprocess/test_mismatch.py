@@ -1,9 +1,9 @@
-"""Mismatched calls are an error on every rank, before any data moves (issue 7, item 1)."""
+"""Mismatched calls are an error on every rank, before any data moves."""
 
 import pytest
 import torch
 
-from ringcoll.testing import spawn
+from ringcoll.harness.launcher import spawn
 
 
 def _call(comm, kind, rank, world):

@@ -1,5 +1,10 @@
-"""Fault injection on P = 3 ranks: a rank is SIGKILLed during bootstrap, mid-collective or
-during close(), or SIGSTOPped for longer than the timeout and then resumed.
+"""Faults: no unbounded wait, clear errors on every rank that can notice, a broken
+communicator stays broken, nothing left in /dev/shm, and a way to recover.
+
+The plain cases come last: a peer that never arrives, a rank killed mid-collective at P = 2,
+the segments' lifetime and names, the timeout's bounds. Most of the file is fault injection
+on P = 3 ranks: a rank is SIGKILLed during bootstrap, mid-collective or during close(), or
+SIGSTOPped for longer than the timeout and then resumed.
 
 For every rank position and every point the survivors must
 
@@ -44,7 +49,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ringcoll.testing import spawn_outcomes
+from ringcoll.harness.launcher import spawn, spawn_outcomes
 
 P = 3
 TIMEOUT = 2.0  # the communicator's timeout in every scenario here
@@ -54,7 +59,7 @@ SPAWN_TIMEOUT = 90.0
 PG_TIMEOUT = 30.0  # gloo's process-group timeout: never what bounds a survivor here
 SMALL_BUFFER = 64 * 1024
 LONG = 1 << 20  # float32 elements: 4 MiB through a 64 KiB buffer, many slices per call
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 # Every (point, victim) pair with RINGCOLL_FAULTS_FULL=1 (24 fault launches); by default every
 # rank position is killed in each phase and every point is covered, in 15.
 FULL = os.environ.get("RINGCOLL_FAULTS_FULL") == "1"
@@ -140,7 +145,7 @@ def _die(tmpdir: str, rank: int) -> None:
 
 
 class _PatchedC:
-    """Stands in for ringcoll.communicator._C inside one rank: everything is the real
+    """Stands in for ringcoll.transports.host._C inside one rank: everything is the real
     extension except the attributes given."""
 
     def __init__(self, real, **overrides):
@@ -153,7 +158,7 @@ class _PatchedC:
 
 def _record_names(state: dict):
     """Patch the rank's Communicator so the segment names it is given are recorded."""
-    import ringcoll.communicator as rc
+    import ringcoll.transports.host as rc
 
     real = rc._C
 
@@ -234,7 +239,7 @@ BOOTSTRAP_ALLOWED = {
 
 def _bootstrap_fault(rank, world, victim, point, tmpdir, port):
     import ringcoll
-    import ringcoll.communicator as rc
+    import ringcoll.transports.host as rc
 
     _stamp(tmpdir, "pid", rank, os.getpid())
     state = {"pid": os.getpid(), "names": []}
@@ -419,16 +424,16 @@ def _close_fault(rank, world, victim, point, tmpdir, port):
     else:
         comm.barrier()
         if rank == victim:
-            real_impl = comm._impl
+            real_transport = comm._transport
 
-            class DyingImpl:
+            class DyingTransport:
                 def __getattr__(self, name):
-                    return getattr(real_impl, name)
+                    return getattr(real_transport, name)
 
-                def close(self):
+                def close(self, *args):
                     _die(tmpdir, rank)
 
-            comm._impl = DyingImpl()
+            comm._transport = DyingTransport()
     call_started = time.monotonic()
     in_close.set()
     comm.close()
@@ -621,3 +626,148 @@ def test_quick_soak_has_no_growth():
     assert report.wrong == 0 and report.checked >= 3 * 100, soak.format_report(report)
     assert len(report.samples) == 3000 // 250 + 1
     assert sum(report.kinds.values()) == 3000 and all(report.kinds.values()), report.kinds
+
+
+# ============================================================================ the plain cases
+
+SHORT_TIMEOUT = 2.0
+
+
+@pytest.fixture
+def no_leftover_segments():
+    before = shm_entries()
+    yield
+    assert shm_entries() == before, "a test left ringcoll segments in /dev/shm"
+
+
+# --- a peer that never arrives ----------------------------------------------------------
+
+def _absent_peer(rank, world, timeout, check):
+    import ringcoll
+
+    comm = ringcoll.Communicator(timeout=timeout, check=check)
+    absent = world - 1
+    if rank == absent:
+        # Arrives only after the others have given up: it must fail fast, not wait again.
+        time.sleep(timeout + 3.0)
+    t = torch.ones(1000)
+    start = time.monotonic()
+    try:
+        comm.all_reduce(t)
+    except ringcoll.RingcollError as e:
+        elapsed = time.monotonic() - start
+        # Every later call raises at once: the communicator is broken.
+        later_start = time.monotonic()
+        try:
+            comm.all_reduce(t)
+            later = "no error"
+        except ringcoll.RingcollError as e2:
+            later = str(e2)
+        later_elapsed = time.monotonic() - later_start
+        comm.close()
+        return type(e).__name__, str(e), elapsed, later, later_elapsed, comm.broken
+    return "no error", "", time.monotonic() - start, "", 0.0, False
+
+
+@pytest.mark.usefixtures("no_leftover_segments")
+@pytest.mark.parametrize("world,check", [(2, True), (3, True), (3, False)])
+def test_peer_that_never_arrives_times_out_on_waiting_ranks(world, check):
+    # With the call check on, the wait that times out is the one for the absent rank's
+    # descriptor; with it off, a wait inside the ring.
+    results = spawn(_absent_peer, world, SHORT_TIMEOUT, check, timeout=90)
+    for rank, (kind, message, elapsed, later, later_elapsed, broken) in enumerate(results[:-1]):
+        # Ranks that wait on the absent peer (directly or through a neighbour that gave up)
+        assert kind in ("RingcollTimeoutError", "RingcollPeerError"), (rank, kind, message)
+        assert elapsed < SHORT_TIMEOUT + 2.0, (rank, elapsed, message)
+        assert message.startswith("all_reduce: rank "), message
+        assert "waiting for" in message and "(call 1, " in message, message
+        assert ("ring step" in message) if not check else ("announce its call" in message or "ring step" in message)
+        assert "broken" in later and later_elapsed < 0.5, later
+        assert broken
+    # Rank 0's left neighbour is the absent rank: it is the one that times out.
+    assert results[0][0] == "RingcollTimeoutError"
+    assert f"rank {world - 1}" in results[0][1]
+    # The latecomer sees that the others aborted and fails at once instead of waiting.
+    kind, message, elapsed, _, _, broken = results[-1]
+    assert kind == "RingcollPeerError", message
+    assert "aborted" in message and elapsed < 1.5, (elapsed, message)
+    assert broken
+
+
+# --- a rank killed mid-collective -------------------------------------------------------
+
+def _killed_mid_collective(rank, world, victim):
+    import ringcoll
+
+    comm = ringcoll.Communicator(timeout=60.0, buffer_bytes=64 * 1024)
+    t = torch.ones(4 << 20)  # 16 MiB through a 64 KiB buffer: many slices, long enough to interrupt
+    comm.all_reduce(t)  # one full round first: the kill lands in a later, running call
+    if rank == victim:
+        threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    start = time.monotonic()
+    try:
+        for _ in range(1000):
+            comm.all_reduce(t)
+    except ringcoll.RingcollError as e:
+        return type(e).__name__, str(e), time.monotonic() - start
+    return "no error", "", time.monotonic() - start
+
+
+# P = 3 with every victim is test_kill_mid_collective above (with recovery); this is P = 2.
+@pytest.mark.usefixtures("no_leftover_segments")
+@pytest.mark.parametrize("world,victim", [(2, 1)])
+def test_rank_killed_mid_collective(world, victim):
+    outcomes = spawn_outcomes(_killed_mid_collective, world, victim, timeout=90)
+    victim_outcome = outcomes[victim]
+    assert not victim_outcome.ok and victim_outcome.exitcode == -signal.SIGKILL
+    for o in outcomes:
+        if o.rank == victim:
+            continue
+        assert o.ok, o.traceback
+        kind, message, elapsed = o.value
+        # Far sooner than the 60 s timeout: the survivors notice the exit itself.
+        assert kind == "RingcollPeerError", message
+        assert elapsed < 10.0, elapsed
+        assert "has exited" in message or "aborted" in message, message
+    # The autouse fixture checks /dev/shm is clean.
+
+
+# --- segments: created 0600, unlinked once mapped ---------------------------------------
+
+def _segments_unlinked(rank, world):
+    import ringcoll
+
+    with ringcoll.Communicator() as comm:
+        # Construction returns only after every rank mapped every segment and unlinked it.
+        names_after_construction = shm_entries()
+        t = torch.full((10,), float(rank))
+        comm.all_reduce(t)
+        return names_after_construction, t.tolist()
+
+
+@pytest.mark.usefixtures("no_leftover_segments")
+def test_segments_are_unlinked_once_mapped():
+    before = shm_entries()
+    for names_after_construction, values in spawn(_segments_unlinked, 3):
+        assert names_after_construction == before
+        assert values == [3.0] * 10
+
+
+@pytest.mark.usefixtures("no_leftover_segments")
+def test_segment_name_is_random_and_private():
+    from ringcoll import _C
+
+    names = {_C.random_segment_name() for _ in range(100)}
+    assert len(names) == 100
+    for name in names:
+        assert name.startswith("/ringcoll-") and len(name) == len("/ringcoll-") + 32
+
+
+@pytest.mark.usefixtures("no_leftover_segments")
+@pytest.mark.parametrize("bad", [0, -1, float("inf"), float("nan"), 1e12, datetime.timedelta.max])
+def test_timeout_must_be_positive_and_finite(bad):
+    from ringcoll.communicator import _resolve_timeout
+
+    with pytest.raises(ValueError, match="Communicator: timeout must be"):
+        _resolve_timeout(bad)
+    assert _resolve_timeout(datetime.timedelta(minutes=30)) == 1800.0

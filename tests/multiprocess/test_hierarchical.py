@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ringcoll.testing import spawn
+from ringcoll.harness.launcher import spawn
 
 
 def _inputs(rank, numel, dtype, op):
@@ -22,7 +22,7 @@ SHORT = [(torch.float32, "SUM"), (torch.int32, "MIN")]
 
 def _hierarchical_vs_gloo(rank, world, layout, cases):
     import ringcoll
-    from ringcoll.hierarchical import HierarchicalCommunicator
+    from ringcoll.training.hierarchical import HierarchicalCommunicator
 
     failures = []
     node = layout[rank]
@@ -79,7 +79,7 @@ def test_two_nodes_of_two_match_gloo(layout, cases):
 
 
 def _node_from_env(rank, world):
-    from ringcoll.hierarchical import HierarchicalCommunicator
+    from ringcoll.training.hierarchical import HierarchicalCommunicator
 
     with HierarchicalCommunicator() as h:  # LOCAL_WORLD_SIZE=2 from the environment
         t = torch.full((10,), float(rank))
@@ -92,7 +92,7 @@ def test_node_boundary_from_local_world_size():
 
 
 def _uneven(rank, world):
-    from ringcoll.hierarchical import HierarchicalCommunicator
+    from ringcoll.training.hierarchical import HierarchicalCommunicator
 
     try:
         HierarchicalCommunicator(node_id="a" if rank < 2 else "b")
@@ -107,7 +107,7 @@ def test_uneven_nodes_are_refused():
 
 
 def _bad_sizes(rank, world):
-    from ringcoll.hierarchical import HierarchicalCommunicator
+    from ringcoll.training.hierarchical import HierarchicalCommunicator
 
     messages = []
     with HierarchicalCommunicator(node_id=rank // 2) as h:

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from ringcoll import bench
+from ringcoll.harness import bench
 
 
 def test_expected_results_are_the_plain_reference():
