@@ -63,3 +63,18 @@ class RingCall(NamedTuple):
             method(self.src, self.dst, self.user_count, self.dtype, *stream_args)
         else:
             method(self.src, self.dst, self.user_count, self.dtype, self.op, *stream_args)
+
+
+class Transport:
+    """What the two transports share: the extension object ``self._comm`` (HostComm or
+    CudaComm) and how a broken ring is seen through it."""
+
+    _comm = None
+
+    @property
+    def broken(self) -> bool:
+        return self._comm.broken
+
+    @property
+    def broken_reason(self) -> str:
+        return self._comm.broken_reason

@@ -48,7 +48,7 @@ import torch.distributed as dist
 from ringcoll import _C
 from ringcoll._types import ReduceOp, dtype_code
 from ringcoll.errors import RingcollError
-from ringcoll.transports.base import RingCall, Settings
+from ringcoll.transports.base import RingCall, Settings, Transport
 
 KERNEL_VARIANTS = {"fused": 0, "naive": 1}
 
@@ -100,7 +100,7 @@ class StreamCompletion:
         self._transport.check_error()
 
 
-class CudaTransport:
+class CudaTransport(Transport):
     """CUDA IPC ring over ``_C.CudaComm`` (see the module doc)."""
 
     slot_alignment = _C.cuda_slot_alignment
@@ -194,14 +194,6 @@ class CudaTransport:
         if self._comm.kept_on_close:  # stacklevel: the caller of Communicator.close()
             warnings.warn(f"ringcoll: rank {self.rank} keeps its GPU buffer until the process exits, since "
                           f"peers may still map it: {self._comm.kept_on_close}", RuntimeWarning, stacklevel=4)
-
-    @property
-    def broken(self) -> bool:
-        return self._comm.broken
-
-    @property
-    def broken_reason(self) -> str:
-        return self._comm.broken_reason
 
     @property
     def comm(self):

@@ -16,7 +16,7 @@ import threading
 from typing import Callable, Optional, Sequence
 
 from ringcoll import _C
-from ringcoll.transports.base import RingCall, Settings
+from ringcoll.transports.base import RingCall, Settings, Transport
 
 
 class ThreadCompletion:
@@ -41,7 +41,7 @@ class ThreadCompletion:
         self._future.result()
 
 
-class HostTransport:
+class HostTransport(Transport):
     slot_alignment = _C.host_slot_alignment
     takes_arrays = False  # a CPU array is not viewed as a tensor: the caller passes tensors
 
@@ -102,11 +102,3 @@ class HostTransport:
             self._worker.shutdown(wait=True)
         with self._lock:
             self._comm.close()
-
-    @property
-    def broken(self) -> bool:
-        return self._comm.broken
-
-    @property
-    def broken_reason(self) -> str:
-        return self._comm.broken_reason
