@@ -10,7 +10,7 @@ def _cuda_communicator_or_clear_error(rank, world):
         comm = ringcoll.Communicator(device="cuda")
     except ringcoll.RingcollError as e:
         return "error", str(e)
-    kind = type(comm).__name__
+    kind = type(comm.transport).__name__
     comm.close()
     return "built", kind
 
@@ -21,7 +21,7 @@ def test_cuda_device_gives_the_cuda_transport_or_a_clear_error():
 
     for outcome, detail in spawn(_cuda_communicator_or_clear_error, 2):
         if torch.cuda.is_available():
-            assert (outcome, detail) == ("built", "CudaCommunicator")
+            assert (outcome, detail) == ("built", "CudaTransport")
         else:
             assert outcome == "error" and detail.startswith("Communicator: CUDA tensors were requested"), detail
 
