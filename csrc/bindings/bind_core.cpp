@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "ringcoll/call.h"
 #include "ringcoll/check.h"
 #include "ringcoll/reduce.h"
 #include "ringcoll/ring.h"
@@ -60,4 +61,15 @@ void bind_core(py::module_& m) {
   m.def("reduce_arrays", &reduce_arrays, py::arg("out"), py::arg("a"), py::arg("b"), py::arg("count"),
         py::arg("dtype"), py::arg("op"), py::arg("final") = false, py::arg("world") = 1);
   m.def("dtype_size", [](int d) { return dtype_size(static_cast<DType>(d)); });
+
+  // The buffer's shape (call.h), so Python validates buffer_bytes without restating it.
+  m.attr("banks") = kBanks;
+  m.def(
+      "min_buffer_bytes",
+      [](int world, size_t slot_alignment) {
+        RINGCOLL_CHECK(world >= 1 && slot_alignment >= 1, std::invalid_argument, "min_buffer_bytes: world=", world,
+                       " and slot_alignment=", slot_alignment, " must be positive");
+        return min_buffer_bytes(world, slot_alignment);
+      },
+      py::arg("world"), py::arg("slot_alignment"), "the smallest buffer_bytes the transports accept");
 }

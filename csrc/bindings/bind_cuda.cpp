@@ -34,6 +34,7 @@ void bind_cuda(py::module_& m) {
 
   m.attr("cuda_max_blocks") = ringcoll::cuda::kMaxBlocks;
   m.attr("cuda_max_world") = ringcoll::cuda::kMaxWorld;
+  m.attr("cuda_slot_alignment") = ringcoll::cuda::kSlotAlignment;
   m.def("cuda_slot_bytes_for", &ringcoll::cuda::slot_bytes_for, py::arg("buffer_bytes"), py::arg("world"));
 
   using ringcoll::emulation::CallResult;

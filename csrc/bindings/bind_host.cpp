@@ -18,6 +18,7 @@ void* as_mut_ptr(uintptr_t address) { return reinterpret_cast<void*>(address); }
 void bind_host(py::module_& m) {
   m.def("random_segment_name", &ringcoll::host::random_segment_name);
   m.def("slot_bytes_for", &ringcoll::host::slot_bytes_for, py::arg("buffer_bytes"), py::arg("world"));
+  m.attr("host_slot_alignment") = ringcoll::host::kSlotAlignment;
   py::class_<HostComm>(m, "HostComm")
       .def(py::init<int, int, const std::vector<std::string>&, size_t, double, bool>(), py::arg("rank"),
            py::arg("world"), py::arg("names"), py::arg("buffer_bytes"), py::arg("timeout"),
