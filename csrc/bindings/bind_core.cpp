@@ -61,6 +61,13 @@ void bind_core(py::module_& m) {
   m.def("reduce_arrays", &reduce_arrays, py::arg("out"), py::arg("a"), py::arg("b"), py::arg("count"),
         py::arg("dtype"), py::arg("op"), py::arg("final") = false, py::arg("world") = 1);
   m.def("dtype_size", [](int d) { return dtype_size(static_cast<DType>(d)); });
+  // reduce.h's dtype list, in code order: (name, code, size_bytes, is_floating).
+  py::list dtypes;
+  for (int code = 0; code < kNumDTypes; ++code) {
+    const DTypeInfo info = dtype_info(static_cast<DType>(code));
+    dtypes.append(py::make_tuple(info.name, code, info.size_bytes, info.is_floating));
+  }
+  m.attr("dtype_table") = py::tuple(dtypes);
 
   // The buffer's shape (call.h), so Python validates buffer_bytes without restating it.
   m.attr("banks") = kBanks;

@@ -93,12 +93,11 @@ RINGCOLL_INLINE PeerCall compare_descriptor(const DescriptorSlot* slot, const Ca
 // A call as error messages show it, e.g. "all_reduce(float32, SUM, count=1024)". Host only.
 inline std::string describe_call(const CallDescriptor& call) {
   static const char* const kCollectives[] = {"all_reduce", "reduce_scatter", "all_gather", "barrier"};
-  static const char* const kDTypes[] = {"float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64"};
   static const char* const kOps[] = {"SUM", "PRODUCT", "MIN", "MAX", "AVG"};
   std::ostringstream text;
   text << (call.collective >= 0 && call.collective < 4 ? kCollectives[call.collective] : "unknown collective") << "(";
   if (call.collective != kBarrierCollective) {
-    text << (call.dtype >= 0 && call.dtype < kNumDTypes ? kDTypes[call.dtype] : "unknown dtype");
+    text << dtype_info(static_cast<DType>(call.dtype)).name;
     if (call.collective != static_cast<int32_t>(Collective::kAllGather))
       text << ", " << (call.op >= 0 && call.op < kNumReduceOps ? kOps[call.op] : "unknown op");
     text << ", count=" << call.count;

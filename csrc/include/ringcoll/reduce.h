@@ -17,34 +17,63 @@
 
 namespace ringcoll {
 
-// Codes shared with Python (ringcoll/_types.py); never renumber.
-enum class DType : int {
-  kFloat32 = 0, kFloat64 = 1, kFloat16 = 2, kBFloat16 = 3,
-  kInt8 = 4, kUInt8 = 5, kInt32 = 6, kInt64 = 7,
-};
-enum class ReduceOp : int { kSum = 0, kProduct = 1, kMin = 2, kMax = 3, kAvg = 4 };
-
-constexpr int kNumDTypes = 8;
-constexpr int kNumReduceOps = 5;
-
-RINGCOLL_INLINE int dtype_size(DType d) {
-  switch (d) {
-    case DType::kFloat64: case DType::kInt64: return 8;
-    case DType::kFloat32: case DType::kInt32: return 4;
-    case DType::kFloat16: case DType::kBFloat16: return 2;
-    default: return 1;
-  }
-}
-RINGCOLL_INLINE bool dtype_is_floating(DType d) {
-  return d == DType::kFloat32 || d == DType::kFloat64 || d == DType::kFloat16 || d == DType::kBFloat16;
-}
-
 // ---------------------------------------------------------------------------------------
 // 16-bit floating storage types. Plain structs holding the bits, so the same code compiles
 // with g++ and nvcc without cuda_fp16.h; conversions are written out to show the rounding.
 
 struct Half { uint16_t bits; };
 struct BFloat16 { uint16_t bits; };
+
+// ---------------------------------------------------------------------------------------
+// The dtypes, listed once: X(enumerator, name, code, storage type, is_floating). Names are
+// torch's spellings, codes what Python passes (never renumber: append). Whatever in C++
+// names, sizes or dispatches on a dtype expands this list; Python reads it as
+// ringcoll._C.dtype_table.
+#define RINGCOLL_DTYPES(X)                    \
+  X(kFloat32, "float32", 0, float, true)      \
+  X(kFloat64, "float64", 1, double, true)     \
+  X(kFloat16, "float16", 2, Half, true)       \
+  X(kBFloat16, "bfloat16", 3, BFloat16, true) \
+  X(kInt8, "int8", 4, int8_t, false)          \
+  X(kUInt8, "uint8", 5, uint8_t, false)       \
+  X(kInt32, "int32", 6, int32_t, false)       \
+  X(kInt64, "int64", 7, int64_t, false)
+
+enum class DType : int {
+#define RINGCOLL_DTYPE_ENUMERATOR(e, name, code, T, floating) e = code,
+  RINGCOLL_DTYPES(RINGCOLL_DTYPE_ENUMERATOR)
+#undef RINGCOLL_DTYPE_ENUMERATOR
+};
+
+#define RINGCOLL_DTYPE_CODE(e, name, code, T, floating) code,
+constexpr int kDTypeCodes[] = {RINGCOLL_DTYPES(RINGCOLL_DTYPE_CODE)};
+#undef RINGCOLL_DTYPE_CODE
+constexpr int kNumDTypes = sizeof(kDTypeCodes) / sizeof(kDTypeCodes[0]);
+// Code c is entry c of the list, so a dtype code can index a table.
+constexpr bool dtype_codes_in_order(int i = 0) {
+  return i == kNumDTypes || (kDTypeCodes[i] == i && dtype_codes_in_order(i + 1));
+}
+static_assert(dtype_codes_in_order(), "RINGCOLL_DTYPES: codes must run 0, 1, 2, ... in list order");
+
+struct DTypeInfo {
+  const char* name;
+  int size_bytes;
+  bool is_floating;
+};
+RINGCOLL_INLINE DTypeInfo dtype_info(DType d) {
+  switch (d) {
+#define RINGCOLL_DTYPE_INFO(e, name, code, T, floating) \
+  case DType::e: return DTypeInfo{name, static_cast<int>(sizeof(T)), floating};
+    RINGCOLL_DTYPES(RINGCOLL_DTYPE_INFO)
+#undef RINGCOLL_DTYPE_INFO
+  }
+  return DTypeInfo{"unknown dtype", 0, false};
+}
+RINGCOLL_INLINE int dtype_size(DType d) { return dtype_info(d).size_bytes; }
+RINGCOLL_INLINE bool dtype_is_floating(DType d) { return dtype_info(d).is_floating; }
+
+enum class ReduceOp : int { kSum = 0, kProduct = 1, kMin = 2, kMax = 3, kAvg = 4 };
+constexpr int kNumReduceOps = 5;
 
 RINGCOLL_INLINE uint32_t float_bits(float f) {
   union { float f; uint32_t u; } v{f};
@@ -185,37 +214,28 @@ RINGCOLL_INLINE bool is_supported(DType d, ReduceOp op) {
          static_cast<int>(op) < kNumReduceOps && (op != ReduceOp::kAvg || dtype_is_floating(d));
 }
 
-template <typename T, typename Fn>
+// AVG exists for floating types only: integer types never instantiate AvgOp.
+template <typename T, bool kFloating, typename Fn>
 decltype(auto) dispatch_op(ReduceOp op, Fn&& fn) {
   switch (op) {
     case ReduceOp::kSum: return fn(T{}, SumOp{});
     case ReduceOp::kProduct: return fn(T{}, ProductOp{});
     case ReduceOp::kMin: return fn(T{}, MinOp{});
-    case ReduceOp::kMax: return fn(T{}, MaxOp{});
-    default: return fn(T{}, AvgOp{});
+    case ReduceOp::kMax: break;
+    default:
+      if constexpr (kFloating) return fn(T{}, AvgOp{});
   }
-}
-template <typename T, typename Fn>
-decltype(auto) dispatch_integer_op(ReduceOp op, Fn&& fn) {
-  switch (op) {
-    case ReduceOp::kSum: return fn(T{}, SumOp{});
-    case ReduceOp::kProduct: return fn(T{}, ProductOp{});
-    case ReduceOp::kMin: return fn(T{}, MinOp{});
-    default: return fn(T{}, MaxOp{});
-  }
+  return fn(T{}, MaxOp{});
 }
 template <typename Fn>
 decltype(auto) dispatch_dtype_op(DType d, ReduceOp op, Fn&& fn) {
   switch (d) {
-    case DType::kFloat32: return dispatch_op<float>(op, fn);
-    case DType::kFloat64: return dispatch_op<double>(op, fn);
-    case DType::kFloat16: return dispatch_op<Half>(op, fn);
-    case DType::kBFloat16: return dispatch_op<BFloat16>(op, fn);
-    case DType::kInt8: return dispatch_integer_op<int8_t>(op, fn);
-    case DType::kUInt8: return dispatch_integer_op<uint8_t>(op, fn);
-    case DType::kInt32: return dispatch_integer_op<int32_t>(op, fn);
-    default: return dispatch_integer_op<int64_t>(op, fn);
+#define RINGCOLL_DTYPE_DISPATCH(e, name, code, T, floating) \
+  case DType::e: return dispatch_op<T, floating>(op, fn);
+    RINGCOLL_DTYPES(RINGCOLL_DTYPE_DISPATCH)
+#undef RINGCOLL_DTYPE_DISPATCH
   }
+  return dispatch_op<int64_t, false>(op, fn);  // not a dtype: never reached (is_supported)
 }
 
 }  // namespace ringcoll
