@@ -182,11 +182,11 @@ class DeviceRingContext {
   RINGCOLL_DEVICE const T* left_slot(int bank, int c) const { return slot_in(p_.left_base, bank, c); }
   RINGCOLL_DEVICE const T* input_at(int c, int64_t offset) const {
     return static_cast<const T*>(p_.input) + offset +
-           (p_.collective == static_cast<int>(Collective::kAllGather) ? 0 : chunk_begin(p_.count, p_.world, c));
+           (p_.collective == static_cast<int>(Collective::kAllGather) ? 0 : chunk_begin(p_.ring_count, p_.world, c));
   }
   RINGCOLL_DEVICE T* output_at(int c, int64_t offset) const {
     return static_cast<T*>(p_.output) + offset +
-           (p_.collective == static_cast<int>(Collective::kReduceScatter) ? 0 : chunk_begin(p_.count, p_.world, c));
+           (p_.collective == static_cast<int>(Collective::kReduceScatter) ? 0 : chunk_begin(p_.ring_count, p_.world, c));
   }
 
   // This block's tiles of [0, len) (strip.h), each shared by the block's threads.
@@ -227,7 +227,7 @@ class DeviceRingContext {
       const PeerCall verdict = compare_descriptor(theirs, p_.call, call, &seen);
       // A left neighbour that already moved on finished this call without our data, which
       // only a call with no data to move can do: if ours moves data, the calls differ.
-      if (verdict == PeerCall::kMovedOn && p_.count > 0) seen.collective = -1;  // "zero-length, moved on"
+      if (verdict == PeerCall::kMovedOn && p_.ring_count > 0) seen.collective = -1;  // "zero-length, moved on"
       if (verdict == PeerCall::kDiffers || seen.collective < 0)
         give_up(AbortCause::kMismatch, AbortCause::kNone, left(), Awaited::kDescriptor, 0, 0, 0, &seen);
     }
@@ -342,7 +342,7 @@ RINGCOLL_DEVICE void ring_block(const RingParams& p, BlockShared& shared, bool v
   if (broken) return;  // this rank gave up earlier: launches queued behind that do nothing
   DeviceRingContext<T, Op> ctx(p, &shared, vectorise);
   bool ok = !p.check_call || ctx.check_call();
-  if (ok) ok = run_ring_units(ctx, static_cast<Collective>(p.collective), p.count, p.first_unit, p.last_unit);
+  if (ok) ok = run_ring_units(ctx, static_cast<Collective>(p.collective), p.ring_count, p.first_unit, p.last_unit);
   // A block that gave up leaves its bookkeeping stale: the communicator is broken anyway.
   if (ok && threadIdx.x == 0) ctx.save();
 }

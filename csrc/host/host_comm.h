@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "ringcoll/call.h"
 #include "ringcoll/descriptor.h"
 #include "ringcoll/flags.h"
 #include "ringcoll/reduce.h"
@@ -26,7 +27,6 @@ namespace ringcoll::host {
 constexpr uint64_t kSegmentMagic = 0x72696e67636f6c6cull;  // "ringcoll"
 constexpr size_t kHeaderBytes = 4096;
 constexpr size_t kSlotAlignment = 64;  // a cache line: slots never share one
-constexpr int kBanks = 2;              // double buffering across slices
 
 // One flag per cache line, so a writer never invalidates its neighbour's flag.
 struct alignas(64) Flag {
@@ -51,9 +51,6 @@ struct SegmentHeader {
 };
 static_assert(sizeof(SegmentHeader) <= kHeaderBytes, "header must fit its page");
 
-// Bytes of one slot for a data area of `buffer_bytes` shared by kBanks x world slots.
-size_t slot_bytes_for(size_t buffer_bytes, int world);
-
 // How host waits spend their time: spinning only pays when every rank has a core.
 WaitPolicy host_wait_policy(int world, double timeout_seconds);
 
@@ -68,10 +65,10 @@ class HostComm {
   HostComm(const HostComm&) = delete;
   HostComm& operator=(const HostComm&) = delete;
 
-  // Pointers are raw addresses of contiguous arrays; counts are elements.
-  void all_reduce(const void* input, void* output, int64_t count, DType dtype, ReduceOp op);
-  void reduce_scatter(const void* input, void* output, int64_t output_count, DType dtype, ReduceOp op);
-  void all_gather(const void* input, void* output, int64_t input_count, DType dtype);
+  // Pointers are raw addresses of contiguous arrays; counts are user counts (call.h).
+  void all_reduce(const void* input, void* output, int64_t user_count, DType dtype, ReduceOp op);
+  void reduce_scatter(const void* input, void* output, int64_t user_count, DType dtype, ReduceOp op);
+  void all_gather(const void* input, void* output, int64_t user_count, DType dtype);
   void barrier();
   void close();
 
@@ -84,7 +81,7 @@ class HostComm {
   double timeout() const { return policy_.timeout_seconds; }
   void set_timeout(double seconds) { policy_.timeout_seconds = seconds; }
 
-  // --- used by the ring context (host_ring.h); not part of the Python surface ---
+  // --- used by the ring context (HostRingContext, host_comm.cpp); not part of the Python surface ---
   SegmentHeader& header(int r) const { return *reinterpret_cast<SegmentHeader*>(segments_[r].base()); }
   char* data(int r) const { return segments_[r].base() + kHeaderBytes; }
   uint64_t& step_base() { return step_base_; }
@@ -108,6 +105,7 @@ class HostComm {
   // Whether every peer could still make progress: no peer aborted, no peer process gone.
   bool peers_look_alive(std::string* why) const;
   template <typename Body> void run_collective(const char* op, const CallDescriptor& call, Body&& body);
+  void run_ring_call(const char* op, const RingCall& call, const void* input, void* output);
   // Publish `call` and compare it with every peer's (descriptor.h); throws MismatchError.
   void check_call(const char* op, const CallDescriptor& call);
 
