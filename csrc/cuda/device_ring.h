@@ -3,16 +3,8 @@
 // and the block's entry point, ring_block(). ring_kernels.cu wraps it in __global__ kernels;
 // csrc/emulation/ compiles it for the CPU, blocks as threads, so CI runs this very code.
 //
-// The algorithm, for P ranks (ring.h has the chunk indexing and the picture):
-//   reduce-scatter  P-1 steps: at step s rank k reads chunk k-s-2 from its left neighbour's
-//                   buffer, adds its own copy and (but at the last step) puts the sum in its
-//                   own buffer for its right neighbour. After P-1 steps rank k holds chunk k
-//                   reduced over all ranks.
-//   all-gather      P-1 steps: finished chunks travel round the ring, each rank copying what
-//                   it receives into its output and on to its right neighbour.
-//   all-reduce      reduce-scatter then all-gather: 2(P-1)/P * n elements sent per rank.
-// The message is cut into slices that fit one slot of the registered buffer (two banks, so
-// slice j+1 fills one bank while slice j is read from the other).
+// The algorithm is ring.h's (and docs/ring.md's), its step loop and slicing ring_loop.h's;
+// the flag words it uses are mapped in docs/flags.md.
 //
 // Memory ordering. Within a block, one thread (thread 0) does every flag access:
 //   publish:  all threads store their part of the data; __syncthreads(); thread 0 does a

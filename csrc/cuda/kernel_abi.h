@@ -6,13 +6,10 @@
 //
 // Per-rank IPC allocation (one cudaMalloc, one handle):
 //
-//   [ flag area, 4 KiB: per thread block b < kMaxBlocks: published, consumed  (128-byte lines)
-//                       aborted (one line): nonzero once this rank gave up; the value says why
-//                       the call descriptor (descriptor.h), for the mismatch check
-//                       hello: magic ^ rank, read by each peer after mapping, to prove it works
-//                       finished[r], r < kMaxWorld: written here by rank r's close() once
-//                       rank r's kernels are all done (pushed, so closing reads no peer) ]
-//   [ data area: kBanks x P slots of slot_bytes each                                          ]
+//   [ flag area, 4 KiB: per block b < kMaxBlocks published, consumed; aborted; the call
+//                       descriptor; hello; finished[r] for r < kMaxWorld (128-byte lines;
+//                       docs/flags.md says who writes and reads each word)              ]
+//   [ data area: kBanks x P slots of slot_bytes each (call.h)                           ]
 //
 // Block b of rank k talks only to block b of ranks k-1 and k+1 (its own tiles of every
 // chunk), so blocks never wait for each other. Per-block bookkeeping (step base and the

@@ -1,5 +1,6 @@
 // ring_kernels.cu: the ring kernels. Each thread block runs device_ring.h's ring_block; the
-// file comment there states the algorithm, the memory ordering and how waits give up.
+// file comment there states the memory ordering and how waits give up (the algorithm is
+// ring.h's).
 //
 // Variants (RINGCOLL_CUDA_KERNEL, chosen per communicator; all ranks must agree, and the
 // mismatch check compares it):

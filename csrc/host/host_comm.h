@@ -4,11 +4,10 @@
 // Segment layout (one per rank, mapped by all):
 //
 //   [ SegmentHeader: identity and flags, one cache line per flag | 4 KiB ]
-//   [ data area: banks x P slots of slot_bytes each                      ]
+//   [ data area: kBanks x P slots of slot_bytes each (call.h)            ]
 //
-// Rank k writes only its own header's flags and its own data area; it reads its left
-// neighbour's data area and the flags of its two neighbours (all peers' `aborted` flags
-// when something goes wrong).
+// Rank k writes its own data area and, but for `peer_gave_up`, only its own header; it
+// reads its left neighbour's data area. docs/flags.md says who writes and reads each flag.
 #pragma once
 
 #include <cstdint>
@@ -38,16 +37,15 @@ struct SegmentHeader {
   int64_t pid;
   uint64_t pid_namespace;  // liveness checks only make sense inside one pid namespace
   int32_t rank, world;
-  Flag attached;   // 1 once this rank has mapped every peer's segment (bootstrap barrier)
-  Flag published;  // number of this rank's latest publication into its data area
-  Flag consumed;   // number of the left neighbour's latest publication this rank has read
-  Flag barrier;    // latest barrier generation this rank has entered
-  Flag completed;  // number of the latest call this rank has completed
-  Flag aborted;    // nonzero once this rank's communicator broke; abort_reason says why
-  Flag peer_gave_up;  // 1 + rank of a peer that gave up while connecting, written here by that
-                      // peer: it removed every name, so we may never get to map its segment
-  DescriptorSlot descriptor;  // the call this rank is about to make (descriptor.h)
-  char abort_reason[1024];
+  Flag attached;
+  Flag published;
+  Flag consumed;
+  Flag barrier;
+  Flag completed;
+  Flag aborted;
+  Flag peer_gave_up;
+  DescriptorSlot descriptor;
+  char abort_reason[1024];  // why `aborted` is set, written before it
 };
 static_assert(sizeof(SegmentHeader) <= kHeaderBytes, "header must fit its page");
 
