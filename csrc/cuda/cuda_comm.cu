@@ -162,8 +162,8 @@ void CudaComm::launch(const char* op, Collective coll, uintptr_t input, uintptr_
   check_error();
   ensure_usable(op);
   RINGCOLL_CHECK(peers_open_ || world_ == 1, Error, op, ": peers are not mapped yet (open_peers)");
-  RINGCOLL_CHECK(coll == Collective::kAllGather || is_supported(static_cast<DType>(dtype), static_cast<ReduceOp>(reduce_op)),
-                 std::invalid_argument, op, ": unsupported dtype/op ", dtype, "/", reduce_op);
+  RINGCOLL_CHECK(is_supported(coll, static_cast<DType>(dtype), static_cast<ReduceOp>(reduce_op)), std::invalid_argument,
+                 op, ": unsupported dtype/op ", dtype, "/", reduce_op);
   RINGCOLL_CUDA_CHECK(cudaSetDevice(device_));
   auto user = reinterpret_cast<cudaStream_t>(stream);
   auto own = static_cast<cudaStream_t>(stream_);

@@ -160,7 +160,7 @@ CallResult EmulatedRing::run_on_rank(const EmulatedCall& c) {
   Rank& me = *ranks_[c.rank];
   if (!me.broken_reason.empty()) return {"RingcollError", "communicator is broken by an earlier error"};
   const auto coll = static_cast<Collective>(c.collective);
-  if (coll != Collective::kAllGather && !is_supported(static_cast<DType>(c.dtype), static_cast<ReduceOp>(c.op)))
+  if (!is_supported(coll, static_cast<DType>(c.dtype), static_cast<ReduceOp>(c.op)))
     return {"ValueError", "unsupported dtype/op"};
   const RingCall call = ring_call(coll, c.user_count, static_cast<DType>(c.dtype), static_cast<ReduceOp>(c.op), world_);
   const auto input = reinterpret_cast<const void*>(c.input);

@@ -63,6 +63,12 @@ RINGCOLL_INLINE RingCall ring_call(Collective coll, int64_t user_count, DType dt
   return RingCall{coll, user_count * size * world, 1, descriptor};
 }
 
+// What the GPU transports refuse before anything moves (the host trusts Python's checks):
+// a reduction a dtype lacks. All-gather takes any dtype: it moves bytes.
+RINGCOLL_INLINE bool is_supported(Collective coll, DType dtype, ReduceOp op) {
+  return coll == Collective::kAllGather || is_supported(dtype, op);
+}
+
 // The ring's element type and op for a call: all-gather moves bytes, so one instantiation
 // (uint8_t; its op unused) serves every dtype; the reducing collectives dispatch on
 // (dtype, op). `fn` takes (T{}, Op{}) tags, as dispatch_dtype_op's.
