@@ -35,7 +35,12 @@ void bind_cuda(py::module_& m) {
   m.attr("cuda_max_blocks") = ringcoll::cuda::kMaxBlocks;
   m.attr("cuda_max_world") = ringcoll::cuda::kMaxWorld;
   m.attr("cuda_slot_alignment") = ringcoll::cuda::kSlotAlignment;
-  m.def("cuda_slot_bytes_for", &ringcoll::cuda::slot_bytes_for, py::arg("buffer_bytes"), py::arg("world"));
+  m.def(
+      "cuda_slot_bytes_for",
+      [](size_t buffer_bytes, int world) {
+        return ringcoll::slot_bytes_for(buffer_bytes, world, ringcoll::cuda::kSlotAlignment);
+      },
+      py::arg("buffer_bytes"), py::arg("world"));
 
   using ringcoll::emulation::CallResult;
   using ringcoll::emulation::EmulatedCall;

@@ -17,7 +17,12 @@ void* as_mut_ptr(uintptr_t address) { return reinterpret_cast<void*>(address); }
 
 void bind_host(py::module_& m) {
   m.def("random_segment_name", &ringcoll::host::random_segment_name);
-  m.def("slot_bytes_for", &ringcoll::host::slot_bytes_for, py::arg("buffer_bytes"), py::arg("world"));
+  m.def(
+      "slot_bytes_for",
+      [](size_t buffer_bytes, int world) {
+        return ringcoll::slot_bytes_for(buffer_bytes, world, ringcoll::host::kSlotAlignment);
+      },
+      py::arg("buffer_bytes"), py::arg("world"));
   m.attr("host_slot_alignment") = ringcoll::host::kSlotAlignment;
   py::class_<HostComm>(m, "HostComm")
       .def(py::init<int, int, const std::vector<std::string>&, size_t, double, bool>(), py::arg("rank"),

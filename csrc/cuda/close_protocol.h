@@ -1,10 +1,8 @@
 // close_protocol.h: step 3 of closing a CUDA communicator (cuda_comm.cu states the whole
-// protocol): wait until every peer has written its `finished` word into our allocation,
-// i.e. until no kernel of any peer will read our memory again and no peer will write to it,
-// so that it may be freed. The words are pushed, not pulled: a rank that has them all frees
-// at once, so nobody may read a peer's memory while closing. Host code with no CUDA types:
-// CudaComm reads its own allocation through the GPU, the emulator (csrc/emulation/) from
-// host memory, so CI runs this very loop.
+// protocol, docs/flags.md the `finished` words): wait until every peer's word has arrived in
+// our allocation, so that it may be freed. Host code with no CUDA types: CudaComm reads its
+// own allocation through the GPU, the emulator (csrc/emulation/) from host memory, so CI
+// runs this very loop.
 #pragma once
 
 #include <algorithm>

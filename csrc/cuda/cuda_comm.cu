@@ -18,7 +18,6 @@
 
 namespace ringcoll::cuda {
 
-
 namespace {
 struct HandleMessage {
   cudaIpcMemHandle_t handle;
@@ -30,14 +29,13 @@ struct HandleMessage {
 CudaComm::CudaComm(int rank, int world, int device, size_t buffer_bytes, double timeout_seconds, bool check_calls,
                    int variant)
     : rank_(rank), world_(world), device_(device), buffer_bytes_(buffer_bytes),
-      slot_bytes_(slot_bytes_for(buffer_bytes, world)), timeout_seconds_(timeout_seconds), check_calls_(check_calls),
+      slot_bytes_(slot_bytes_for(buffer_bytes, world, kSlotAlignment)), timeout_seconds_(timeout_seconds), check_calls_(check_calls),
       variant_(static_cast<KernelVariant>(variant)), peers_(static_cast<size_t>(world), nullptr) {
   RINGCOLL_CHECK(world >= 1 && rank >= 0 && rank < world, std::invalid_argument, "Communicator: rank ", rank,
                  " is outside world size ", world);
   RINGCOLL_CHECK(world <= kMaxWorld, std::invalid_argument, "Communicator: the CUDA transport supports at most ",
                  kMaxWorld, " ranks, got ", world);
-  RINGCOLL_CHECK(slot_bytes_ >= kSlotAlignment, std::invalid_argument, "Communicator: buffer_bytes=", buffer_bytes,
-                 " is too small for ", world, " ranks: need at least ", kSlotAlignment * kBanks * world);
+  check_buffer_bytes("Communicator", buffer_bytes, world, kSlotAlignment);
   RINGCOLL_CHECK(variant == 0 || variant == 1, std::invalid_argument, "Communicator: unknown CUDA kernel variant ",
                  variant);
   try {
@@ -164,8 +162,8 @@ void CudaComm::launch(const char* op, Collective coll, uintptr_t input, uintptr_
   check_error();
   ensure_usable(op);
   RINGCOLL_CHECK(peers_open_ || world_ == 1, Error, op, ": peers are not mapped yet (open_peers)");
-  RINGCOLL_CHECK(coll == Collective::kAllGather || is_supported(static_cast<DType>(dtype), static_cast<ReduceOp>(reduce_op)),
-                 std::invalid_argument, op, ": unsupported dtype/op ", dtype, "/", reduce_op);
+  RINGCOLL_CHECK(is_supported(coll, static_cast<DType>(dtype), static_cast<ReduceOp>(reduce_op)), std::invalid_argument,
+                 op, ": unsupported dtype/op ", dtype, "/", reduce_op);
   RINGCOLL_CUDA_CHECK(cudaSetDevice(device_));
   auto user = reinterpret_cast<cudaStream_t>(stream);
   auto own = static_cast<cudaStream_t>(stream_);
@@ -173,49 +171,42 @@ void CudaComm::launch(const char* op, Collective coll, uintptr_t input, uintptr_
   // successive collectives stay in order on it whatever streams callers use.
   RINGCOLL_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(ready_), user));
   RINGCOLL_CUDA_CHECK(cudaStreamWaitEvent(own, static_cast<cudaEvent_t>(ready_), 0));
-  const CallShape shape =
-      call_shape(coll, user_count, static_cast<DType>(dtype), static_cast<ReduceOp>(reduce_op), world_);
-  if (world_ == 1) {
-    const int64_t bytes = shape.count * shape.elem_size;
-    if (input != output && bytes > 0)
-      RINGCOLL_CUDA_CHECK(cudaMemcpyAsync(reinterpret_cast<void*>(output), reinterpret_cast<const void*>(input),
-                                          static_cast<size_t>(bytes), cudaMemcpyDeviceToDevice, own));
-  } else if (shape.count > 0 || check_calls_) {  // a zero-length call still takes part in the check
-    RingParams p = call_params(coll, shape, rank_, world_, slot_bytes_, timeout_seconds_, check_calls_, variant_);
-    p.my_base = base_;
-    p.left_base = peers_[left_neighbour(rank_, world_)];
-    p.right_base = peers_[right_neighbour(rank_, world_)];
-    p.state = state_;
-    p.errors = errors_device_;
-    p.input = reinterpret_cast<const void*>(input);
-    p.output = reinterpret_cast<void*>(output);
+  const RingCall call = ring_call(coll, user_count, static_cast<DType>(dtype), static_cast<ReduceOp>(reduce_op), world_);
+  auto copy = [&](void* dst, const void* src, size_t bytes) {
+    RINGCOLL_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, own));
+  };
+  run_call(call, world_, reinterpret_cast<const void*>(input), reinterpret_cast<void*>(output), copy, [&] {
+    const LaunchMemory memory{base_, peers_[left_neighbour(rank_, world_)], peers_[right_neighbour(rank_, world_)],
+                              state_, errors_device_, reinterpret_cast<const void*>(input),
+                              reinterpret_cast<void*>(output)};
+    const RingParams p = call_params(call, rank_, world_, slot_bytes_, timeout_seconds_, check_calls_, variant_, memory);
     try {
-      for_each_launch(p, variant_, shape.elem_size, [&](const RingParams& q, int blocks, bool vectorise) {
-        launch_ring(q, dtype, reduce_op, blocks, vectorise, own);
+      for_each_launch(p, variant_, call.elem_size, [&](const RingParams& q, int blocks, bool vectorise) {
+        launch_ring(q, blocks, vectorise, own);
       });
     } catch (const std::exception& e) {
       // Some of the call's launches may be queued: this rank's numbering no longer matches.
       broken_reason_ = std::string(op) + ": a kernel launch failed: " + e.what();
       throw;
     }
-  }
+  });
   RINGCOLL_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(done_), own));
   if (join) RINGCOLL_CUDA_CHECK(cudaStreamWaitEvent(user, static_cast<cudaEvent_t>(done_), 0));
 }
 
-void CudaComm::all_reduce(uintptr_t input, uintptr_t output, int64_t count, int dtype, int op, uintptr_t stream,
-                          bool join) {
-  launch("all_reduce", Collective::kAllReduce, input, output, count, dtype, op, stream, join);
+void CudaComm::all_reduce(uintptr_t input, uintptr_t output, int64_t user_count, int dtype, int op,
+                          uintptr_t stream, bool join) {
+  launch("all_reduce", Collective::kAllReduce, input, output, user_count, dtype, op, stream, join);
 }
 
-void CudaComm::reduce_scatter(uintptr_t input, uintptr_t output, int64_t output_count, int dtype, int op,
+void CudaComm::reduce_scatter(uintptr_t input, uintptr_t output, int64_t user_count, int dtype, int op,
                               uintptr_t stream, bool join) {
-  launch("reduce_scatter", Collective::kReduceScatter, input, output, output_count, dtype, op, stream, join);
+  launch("reduce_scatter", Collective::kReduceScatter, input, output, user_count, dtype, op, stream, join);
 }
 
-void CudaComm::all_gather(uintptr_t input, uintptr_t output, int64_t input_count, int dtype, uintptr_t stream,
+void CudaComm::all_gather(uintptr_t input, uintptr_t output, int64_t user_count, int dtype, uintptr_t stream,
                           bool join) {
-  launch("all_gather", Collective::kAllGather, input, output, input_count, dtype, 0, stream, join);
+  launch("all_gather", Collective::kAllGather, input, output, user_count, dtype, 0, stream, join);
 }
 
 // Closing. CUDA calls it undefined to cudaFree an allocation another process still maps

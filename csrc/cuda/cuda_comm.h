@@ -25,13 +25,15 @@ class CudaComm {
   // Map every peer's allocation; handles[r] is what rank r's handle_bytes() returned.
   void open_peers(const std::vector<std::string>& handles);
 
-  // Raw device addresses; `stream` is a cudaStream_t as an integer (0: legacy default).
+  // Raw device addresses; counts are user counts (call.h); `stream` is a cudaStream_t as an
+  // integer (0: legacy default).
   // The kernel runs on the communicator's own stream after `stream`'s prior work; with
   // `join`, `stream` then waits for it (no host synchronisation either way).
-  void all_reduce(uintptr_t input, uintptr_t output, int64_t count, int dtype, int op, uintptr_t stream, bool join);
-  void reduce_scatter(uintptr_t input, uintptr_t output, int64_t output_count, int dtype, int op, uintptr_t stream,
+  void all_reduce(uintptr_t input, uintptr_t output, int64_t user_count, int dtype, int op, uintptr_t stream,
+                  bool join);
+  void reduce_scatter(uintptr_t input, uintptr_t output, int64_t user_count, int dtype, int op, uintptr_t stream,
                       bool join);
-  void all_gather(uintptr_t input, uintptr_t output, int64_t input_count, int dtype, uintptr_t stream, bool join);
+  void all_gather(uintptr_t input, uintptr_t output, int64_t user_count, int dtype, uintptr_t stream, bool join);
 
   // Throw (and mark the communicator broken) if a kernel has given up: TimeoutError,
   // MismatchError or PeerError as its record says. Cheap: reads host-mapped memory, no

@@ -3,16 +3,8 @@
 // and the block's entry point, ring_block(). ring_kernels.cu wraps it in __global__ kernels;
 // csrc/emulation/ compiles it for the CPU, blocks as threads, so CI runs this very code.
 //
-// The algorithm, for P ranks (ring.h has the chunk indexing and the picture):
-//   reduce-scatter  P-1 steps: at step s rank k reads chunk k-s-2 from its left neighbour's
-//                   buffer, adds its own copy and (but at the last step) puts the sum in its
-//                   own buffer for its right neighbour. After P-1 steps rank k holds chunk k
-//                   reduced over all ranks.
-//   all-gather      P-1 steps: finished chunks travel round the ring, each rank copying what
-//                   it receives into its output and on to its right neighbour.
-//   all-reduce      reduce-scatter then all-gather: 2(P-1)/P * n elements sent per rank.
-// The message is cut into slices that fit one slot of the registered buffer (two banks, so
-// slice j+1 fills one bank while slice j is read from the other).
+// The algorithm is ring.h's (and docs/ring.md's), its step loop and slicing ring_loop.h's;
+// the flag words it uses are mapped in docs/flags.md.
 //
 // Memory ordering. Within a block, one thread (thread 0) does every flag access:
 //   publish:  all threads store their part of the data; __syncthreads(); thread 0 does a
@@ -182,11 +174,11 @@ class DeviceRingContext {
   RINGCOLL_DEVICE const T* left_slot(int bank, int c) const { return slot_in(p_.left_base, bank, c); }
   RINGCOLL_DEVICE const T* input_at(int c, int64_t offset) const {
     return static_cast<const T*>(p_.input) + offset +
-           (p_.collective == static_cast<int>(Collective::kAllGather) ? 0 : chunk_begin(p_.count, p_.world, c));
+           (p_.collective == static_cast<int>(Collective::kAllGather) ? 0 : chunk_begin(p_.ring_count, p_.world, c));
   }
   RINGCOLL_DEVICE T* output_at(int c, int64_t offset) const {
     return static_cast<T*>(p_.output) + offset +
-           (p_.collective == static_cast<int>(Collective::kReduceScatter) ? 0 : chunk_begin(p_.count, p_.world, c));
+           (p_.collective == static_cast<int>(Collective::kReduceScatter) ? 0 : chunk_begin(p_.ring_count, p_.world, c));
   }
 
   // This block's tiles of [0, len) (strip.h), each shared by the block's threads.
@@ -227,7 +219,7 @@ class DeviceRingContext {
       const PeerCall verdict = compare_descriptor(theirs, p_.call, call, &seen);
       // A left neighbour that already moved on finished this call without our data, which
       // only a call with no data to move can do: if ours moves data, the calls differ.
-      if (verdict == PeerCall::kMovedOn && p_.count > 0) seen.collective = -1;  // "zero-length, moved on"
+      if (verdict == PeerCall::kMovedOn && p_.ring_count > 0) seen.collective = -1;  // "zero-length, moved on"
       if (verdict == PeerCall::kDiffers || seen.collective < 0)
         give_up(AbortCause::kMismatch, AbortCause::kNone, left(), Awaited::kDescriptor, 0, 0, 0, &seen);
     }
@@ -342,7 +334,7 @@ RINGCOLL_DEVICE void ring_block(const RingParams& p, BlockShared& shared, bool v
   if (broken) return;  // this rank gave up earlier: launches queued behind that do nothing
   DeviceRingContext<T, Op> ctx(p, &shared, vectorise);
   bool ok = !p.check_call || ctx.check_call();
-  if (ok) ok = run_ring_units(ctx, static_cast<Collective>(p.collective), p.count, p.first_unit, p.last_unit);
+  if (ok) ok = run_ring_units(ctx, static_cast<Collective>(p.collective), p.ring_count, p.first_unit, p.last_unit);
   // A block that gave up leaves its bookkeeping stale: the communicator is broken anyway.
   if (ok && threadIdx.x == 0) ctx.save();
 }

@@ -6,13 +6,10 @@
 //
 // Per-rank IPC allocation (one cudaMalloc, one handle):
 //
-//   [ flag area, 4 KiB: per thread block b < kMaxBlocks: published, consumed  (128-byte lines)
-//                       aborted (one line): nonzero once this rank gave up; the value says why
-//                       the call descriptor (descriptor.h), for the mismatch check
-//                       hello: magic ^ rank, read by each peer after mapping, to prove it works
-//                       finished[r], r < kMaxWorld: written here by rank r's close() once
-//                       rank r's kernels are all done (pushed, so closing reads no peer) ]
-//   [ data area: kBanks x P slots of slot_bytes each                                          ]
+//   [ flag area, 4 KiB: per block b < kMaxBlocks published, consumed; aborted; the call
+//                       descriptor; hello; finished[r] for r < kMaxWorld (128-byte lines;
+//                       docs/flags.md says who writes and reads each word)              ]
+//   [ data area: kBanks x P slots of slot_bytes each (call.h)                           ]
 //
 // Block b of rank k talks only to block b of ranks k-1 and k+1 (its own tiles of every
 // chunk), so blocks never wait for each other. Per-block bookkeeping (step base and the
@@ -24,25 +21,23 @@
 #include <sstream>
 #include <string>
 
+#include "ringcoll/call.h"
 #include "ringcoll/descriptor.h"
 #include "ringcoll/ring_loop.h"
 
 namespace ringcoll::cuda {
 
-constexpr int kBanks = 2;
 constexpr int kMaxBlocks = 8;          // the fast variant's grid; flag area sized for it
 constexpr int kMaxWorld = 16;          // per-thread copy of the slot bookkeeping is sized for it
 constexpr size_t kFlagAreaBytes = 4096;
 constexpr size_t kFlagStride = 128;    // one flag per 128-byte line
 constexpr size_t kAbortedOffset = 2 * kMaxBlocks * kFlagStride;
 constexpr size_t kDescriptorOffset = kAbortedOffset + kFlagStride;
-constexpr size_t kHelloOffset = kDescriptorOffset + kFlagStride;  // proves a peer's mapping works
-constexpr uint64_t kHelloMagic = 0x72696e67636f6c6cULL;           // "ringcoll"; the word holds magic ^ rank
-// finished[r]: rank r writes 1 into word r of every peer's allocation once all its kernels
-// are done; a rank that has all of them may free its memory (CudaComm::close).
+constexpr size_t kHelloOffset = kDescriptorOffset + kFlagStride;
+constexpr uint64_t kHelloMagic = 0x72696e67636f6c6cULL;  // "ringcoll"; the word holds magic ^ rank
 constexpr size_t kFinishedOffset = kHelloOffset + kFlagStride;
 inline size_t finished_word_offset(int rank) { return kFinishedOffset + sizeof(uint64_t) * static_cast<size_t>(rank); }
-constexpr size_t kSlotAlignment = 128;
+constexpr size_t kSlotAlignment = 128;  // a GPU cache line
 // Per block: [0] step base, [1..] last publication per slot, [kCallWord] calls checked so far.
 // The call number lives on the device, not the host, so a collective captured in a CUDA
 // graph gets a new number at every replay.
@@ -51,12 +46,6 @@ constexpr int kCallWord = kStateWords - 1;
 static_assert(kBanks * kMaxWorld + 1 <= kCallWord, "bookkeeping must fit its words");
 static_assert(kDescriptorOffset + sizeof(DescriptorSlot) <= kHelloOffset, "the descriptor must fit its line");
 static_assert(kFinishedOffset + kMaxWorld * sizeof(uint64_t) <= kFlagAreaBytes, "flags must fit their area");
-
-// Bytes of one slot for a data area of `buffer_bytes` shared by kBanks x world slots.
-inline size_t slot_bytes_for(size_t buffer_bytes, int world) {
-  const size_t per_slot = buffer_bytes / (static_cast<size_t>(kBanks) * static_cast<size_t>(world));
-  return per_slot / kSlotAlignment * kSlotAlignment;
-}
 
 enum class KernelVariant : int {
   kFused = 0,  // kMaxBlocks blocks, 16-byte vectors, one launch per collective
@@ -107,61 +96,62 @@ struct RingParams {
   ErrorRecord* errors;      // kMaxBlocks records, host-mapped
   const void* input;
   void* output;
-  int64_t count;            // whole message (ring_loop.h's `count`), in elements of the kernel's type
+  int64_t ring_count;       // in elements of the kernel's type (call.h)
   int64_t slot_bytes;
   uint64_t timeout_ns;
   int rank, world;
   int collective;           // ringcoll::Collective
   // The units of ring_loop.h this launch runs: all of them (fused), or one (naive).
   int64_t first_unit, last_unit;
-  // The mismatch check (descriptor.h), made by the launch that starts the call.
+  // The mismatch check (descriptor.h), made by the launch that starts the call. `call`
+  // also says which kernel runs (dispatch_call).
   bool check_call;
   CallDescriptor call;
 };
 
-// What a call is, in the kernels' terms. `user_count` is what the caller passes: elements of
-// the all-reduce tensor, of the reduce-scatter output, of the all-gather input.
-struct CallShape {
-  int64_t count;      // RingParams::count: the whole message, in elements of the kernel's type
-  int elem_size;      // of the kernel's type (all-gather moves bytes)
-  CallDescriptor call;
+// Where a rank's kernels find memory (RingParams has the meaning of each).
+struct LaunchMemory {
+  char* my_base;
+  const char* left_base;
+  const char* right_base;
+  uint64_t* state;
+  ErrorRecord* errors;
+  const void* input;
+  void* output;
 };
-inline CallShape call_shape(Collective coll, int64_t user_count, DType dtype, ReduceOp op, int world) {
-  const int64_t size = dtype_size(dtype);
-  const CallDescriptor call{static_cast<int32_t>(coll), static_cast<int32_t>(dtype),
-                            coll == Collective::kAllGather ? 0 : static_cast<int32_t>(op), 0, user_count};
-  switch (coll) {
-    case Collective::kAllReduce: return {user_count, static_cast<int>(size), call};
-    case Collective::kReduceScatter: return {user_count * world, static_cast<int>(size), call};
-    case Collective::kAllGather: break;
-  }
-  return {user_count * size * world, 1, call};
-}
 
-// The launch parameters of one call, but for where memory lives (my_base, left_base,
-// right_base, state, errors, input, output), which the caller fills in.
-inline RingParams call_params(Collective coll, const CallShape& shape, int rank, int world, size_t slot_bytes,
-                              double timeout_seconds, bool check_calls, KernelVariant variant) {
+// The launch parameters of one call.
+inline RingParams call_params(const RingCall& call, int rank, int world, size_t slot_bytes, double timeout_seconds,
+                              bool check_calls, KernelVariant variant, const LaunchMemory& memory) {
   RingParams p{};
-  p.count = shape.count;
+  p.my_base = memory.my_base;
+  p.left_base = memory.left_base;
+  p.right_base = memory.right_base;
+  p.state = memory.state;
+  p.errors = memory.errors;
+  p.input = memory.input;
+  p.output = memory.output;
+  p.ring_count = call.ring_count;
   p.slot_bytes = static_cast<int64_t>(slot_bytes);
   const double ns = timeout_seconds * 1e9;
   p.timeout_ns = ns < 1.8e19 ? static_cast<uint64_t>(ns) : UINT64_MAX;  // NaN and inf included
   p.rank = rank;
   p.world = world;
-  p.collective = static_cast<int>(coll);
+  p.collective = static_cast<int>(call.collective);
   p.check_call = check_calls;
-  p.call = shape.call;
+  p.call = call.descriptor;
   p.call.variant = static_cast<int32_t>(variant);  // ranks must also agree on the kernel variant
   return p;
 }
 
 // The launches that make one collective: `launch(params, blocks, vectorise)` is called once
-// for the fused variant, once per ring step for the naive one; `elem_size` is the element
-// size of the kernel's type (1 for all-gather, which moves bytes).
+// for the fused variant, once per ring step for the naive one, not at all for a call with
+// nothing to move or check; `elem_size` is RingCall::elem_size.
 template <class Launch>
 void for_each_launch(RingParams p, KernelVariant variant, int elem_size, Launch&& launch) {
-  const int64_t units = ring_units(static_cast<Collective>(p.collective), p.count, p.world, p.slot_bytes / elem_size);
+  const int64_t units =
+      ring_units(static_cast<Collective>(p.collective), p.ring_count, p.world, p.slot_bytes / elem_size);
+  if (units == 0 && !p.check_call) return;  // a zero-length call still takes part in the check
   p.first_unit = 0, p.last_unit = units;
   if (variant == KernelVariant::kFused) {
     launch(p, kMaxBlocks, true);

@@ -1,5 +1,6 @@
 // ring_kernels.cu: the ring kernels. Each thread block runs device_ring.h's ring_block; the
-// file comment there states the algorithm, the memory ordering and how waits give up.
+// file comment there states the memory ordering and how waits give up (the algorithm is
+// ring.h's).
 //
 // Variants (RINGCOLL_CUDA_KERNEL, chosen per communicator; all ranks must agree, and the
 // mismatch check compares it):
@@ -31,16 +32,11 @@ __global__ void __launch_bounds__(kThreads) ring_kernel(RingParams p, bool vecto
 
 }  // namespace
 
-void launch_ring(const RingParams& params, int dtype, int op, int blocks, bool vectorise, void* stream) {
+void launch_ring(const RingParams& params, int blocks, bool vectorise, void* stream) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (params.collective == static_cast<int>(Collective::kAllGather)) {
-    // All-gather only moves bytes: one instantiation serves every dtype.
-    ring_kernel<uint8_t, SumOp><<<blocks, kThreads, 0, s>>>(params, vectorise);
-  } else {
-    dispatch_dtype_op(static_cast<DType>(dtype), static_cast<ReduceOp>(op), [&](auto t, auto o) {
-      ring_kernel<decltype(t), decltype(o)><<<blocks, kThreads, 0, s>>>(params, vectorise);
-    });
-  }
+  dispatch_call(params.call, [&](auto t, auto o) {
+    ring_kernel<decltype(t), decltype(o)><<<blocks, kThreads, 0, s>>>(params, vectorise);
+  });
   RINGCOLL_CUDA_CHECK(cudaGetLastError());
 }
 

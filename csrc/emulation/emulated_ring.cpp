@@ -52,14 +52,9 @@ void launch_blocks(const RingParams& p, int blocks, int threads, bool vectorise)
   for (auto& thread : running) thread.join();
 }
 
-void launch(const RingParams& p, int dtype, int op, int blocks, int threads, bool vectorise) {
-  if (p.collective == static_cast<int>(Collective::kAllGather)) {
-    launch_blocks<uint8_t, SumOp>(p, blocks, threads, vectorise);
-  } else {
-    dispatch_dtype_op(static_cast<DType>(dtype), static_cast<ReduceOp>(op), [&](auto t, auto o) {
-      launch_blocks<decltype(t), decltype(o)>(p, blocks, threads, vectorise);
-    });
-  }
+// ring_kernels.cu's launch_ring, with threads for the GPU.
+void launch(const RingParams& p, int blocks, int threads, bool vectorise) {
+  dispatch_call(p.call, [&](auto t, auto o) { launch_blocks<decltype(t), decltype(o)>(p, blocks, threads, vectorise); });
 }
 
 const char* error_type(AbortCause cause) {
@@ -83,16 +78,16 @@ struct EmulatedRing::Rank {
 
 EmulatedRing::EmulatedRing(int world, size_t buffer_bytes, double timeout_seconds, int variant, int threads_per_block,
                            bool check_calls)
-    : world_(world), slot_bytes_(cuda::slot_bytes_for(buffer_bytes, world)), timeout_seconds_(timeout_seconds),
+    : world_(world), slot_bytes_(slot_bytes_for(buffer_bytes, world, cuda::kSlotAlignment)),
+      timeout_seconds_(timeout_seconds),
       variant_(variant), threads_(threads_per_block), check_calls_(check_calls) {
   RINGCOLL_CHECK(world >= 1 && world <= cuda::kMaxWorld, std::invalid_argument, "EmulatedRing: world ", world,
                  " is outside 1..", cuda::kMaxWorld);
-  RINGCOLL_CHECK(slot_bytes_ >= cuda::kSlotAlignment, std::invalid_argument, "EmulatedRing: buffer_bytes=",
-                 buffer_bytes, " is too small for ", world, " ranks");
+  check_buffer_bytes("EmulatedRing", buffer_bytes, world, cuda::kSlotAlignment);
   RINGCOLL_CHECK(variant == 0 || variant == 1, std::invalid_argument, "EmulatedRing: unknown kernel variant ", variant);
   RINGCOLL_CHECK(threads_per_block >= 1 && threads_per_block <= 64, std::invalid_argument,
                  "EmulatedRing: threads_per_block must be in 1..64, got ", threads_per_block);
-  const size_t total = cuda::kFlagAreaBytes + static_cast<size_t>(cuda::kBanks) * world * slot_bytes_;
+  const size_t total = cuda::kFlagAreaBytes + static_cast<size_t>(kBanks) * world * slot_bytes_;
   for (int r = 0; r < world; ++r) {
     auto rank = std::make_unique<Rank>();
     rank->memory.reset(static_cast<char*>(std::aligned_alloc(4096, (total + 4095) / 4096 * 4096)));
@@ -165,28 +160,23 @@ CallResult EmulatedRing::run_on_rank(const EmulatedCall& c) {
   Rank& me = *ranks_[c.rank];
   if (!me.broken_reason.empty()) return {"RingcollError", "communicator is broken by an earlier error"};
   const auto coll = static_cast<Collective>(c.collective);
-  if (coll != Collective::kAllGather && !is_supported(static_cast<DType>(c.dtype), static_cast<ReduceOp>(c.op)))
+  if (!is_supported(coll, static_cast<DType>(c.dtype), static_cast<ReduceOp>(c.op)))
     return {"ValueError", "unsupported dtype/op"};
-  const cuda::CallShape shape =
-      cuda::call_shape(coll, c.count, static_cast<DType>(c.dtype), static_cast<ReduceOp>(c.op), world_);
-  if (world_ == 1) {
-    if (c.input != c.output) std::memmove(reinterpret_cast<void*>(c.output), reinterpret_cast<const void*>(c.input),
-                                          static_cast<size_t>(shape.count * shape.elem_size));
-    return {};
-  }
-  if (shape.count == 0 && !check_calls_) return {};
-  const auto variant = static_cast<KernelVariant>(variant_);
-  RingParams p = cuda::call_params(coll, shape, c.rank, world_, slot_bytes_, timeout_seconds_, check_calls_, variant);
-  p.my_base = me.memory.get();
-  p.left_base = ranks_[left_neighbour(c.rank, world_)]->memory.get();
-  p.right_base = ranks_[right_neighbour(c.rank, world_)]->memory.get();
-  p.state = me.state.data();
-  p.errors = me.errors.data();
-  p.input = reinterpret_cast<const void*>(c.input);
-  p.output = reinterpret_cast<void*>(c.output);
-  cuda::for_each_launch(p, variant, shape.elem_size, [&](const RingParams& q, int blocks, bool vectorise) {
-    launch(q, c.dtype, c.op, blocks, threads_, vectorise);
-    ++launches_;
+  const RingCall call = ring_call(coll, c.user_count, static_cast<DType>(c.dtype), static_cast<ReduceOp>(c.op), world_);
+  const auto input = reinterpret_cast<const void*>(c.input);
+  const auto output = reinterpret_cast<void*>(c.output);
+  auto copy = [](void* dst, const void* src, size_t bytes) { std::memmove(dst, src, bytes); };
+  run_call(call, world_, input, output, copy, [&] {
+    const auto variant = static_cast<KernelVariant>(variant_);
+    const cuda::LaunchMemory memory{me.memory.get(), ranks_[left_neighbour(c.rank, world_)]->memory.get(),
+                                    ranks_[right_neighbour(c.rank, world_)]->memory.get(), me.state.data(),
+                                    me.errors.data(), input, output};
+    const RingParams p =
+        cuda::call_params(call, c.rank, world_, slot_bytes_, timeout_seconds_, check_calls_, variant, memory);
+    cuda::for_each_launch(p, variant, call.elem_size, [&](const RingParams& q, int blocks, bool vectorise) {
+      launch(q, blocks, threads_, vectorise);
+      ++launches_;
+    });
   });
   const ErrorRecord* rec = cuda::first_error(me.errors.data(), cuda::kMaxBlocks);
   if (rec == nullptr) return {};

@@ -16,7 +16,7 @@ constexpr int kClose = -1;
 struct EmulatedCall {
   int rank, collective, dtype, op;
   uintptr_t input, output;
-  int64_t count;  // all-reduce: tensor elements; reduce-scatter: output elements; all-gather: input elements
+  int64_t user_count;  // call.h
 };
 
 // What the call raised: an empty type for success, else the Python error's name and message.

@@ -19,11 +19,6 @@
 
 namespace ringcoll::host {
 
-size_t slot_bytes_for(size_t buffer_bytes, int world) {
-  const size_t per_slot = buffer_bytes / (static_cast<size_t>(kBanks) * static_cast<size_t>(world));
-  return per_slot / kSlotAlignment * kSlotAlignment;
-}
-
 size_t streaming_threshold_bytes() {
   // Past the last-level cache an output is written to memory anyway; below it, it may
   // still be in cache when the caller reads it. 8 MiB: a quarter of this EPYC's L3.
@@ -71,11 +66,11 @@ bool process_alive(int64_t pid) {
 template <typename T, class Op>
 class HostRingContext {
  public:
-  HostRingContext(HostComm& comm, Collective coll, const void* input, void* output, int64_t count)
-      : comm_(comm), coll_(coll), input_(static_cast<const T*>(input)), output_(static_cast<T*>(output)),
-        count_(count), slice_elems_(static_cast<int64_t>(comm.slot_bytes() / sizeof(T))),
-        slices_(num_slices(count, comm.world(), slice_elems_)),
-        stream_output_(static_cast<size_t>(output_bytes(coll, count)) >= streaming_threshold_bytes()) {}
+  HostRingContext(HostComm& comm, const RingCall& call, const void* input, void* output)
+      : comm_(comm), coll_(call.collective), input_(static_cast<const T*>(input)), output_(static_cast<T*>(output)),
+        ring_count_(call.ring_count), slice_elems_(static_cast<int64_t>(comm.slot_bytes() / sizeof(T))),
+        slices_(num_slices(ring_count_, comm.world(), slice_elems_)),
+        stream_output_(output_bytes() >= streaming_threshold_bytes()) {}
 
   int rank() const { return comm_.rank(); }
   int world() const { return comm_.world(); }
@@ -91,10 +86,10 @@ class HostRingContext {
   const T* left_slot(int bank, int c) const { return slot_in(comm_.data(left_neighbour(rank(), world())), bank, c); }
   // All-gather's input is just my chunk; reduce-scatter's output is just my chunk.
   const T* input_at(int c, int64_t offset) const {
-    return input_ + offset + (coll_ == Collective::kAllGather ? 0 : chunk_begin(count_, world(), c));
+    return input_ + offset + (coll_ == Collective::kAllGather ? 0 : chunk_begin(ring_count_, world(), c));
   }
   T* output_at(int c, int64_t offset) const {
-    return output_ + offset + (coll_ == Collective::kReduceScatter ? 0 : chunk_begin(count_, world(), c));
+    return output_ + offset + (coll_ == Collective::kReduceScatter ? 0 : chunk_begin(ring_count_, world(), c));
   }
 
   void copy(T* to_right, T* to_output, const T* src, int64_t len) const {
@@ -117,8 +112,9 @@ class HostRingContext {
   void mark_consumed(uint64_t v) { flag_store_release(&comm_.header(rank()).consumed.value, v); }
 
  private:
-  int64_t output_bytes(Collective coll, int64_t count) const {
-    return (coll == Collective::kReduceScatter ? count / world() : count) * static_cast<int64_t>(sizeof(T));
+  size_t output_bytes() const {
+    const int64_t elems = coll_ == Collective::kReduceScatter ? ring_count_ / world() : ring_count_;
+    return static_cast<size_t>(elems) * sizeof(T);
   }
   T* slot_in(char* data, int bank, int c) const {
     return reinterpret_cast<T*>(data + static_cast<size_t>(slot_index(bank, c, world())) * comm_.slot_bytes());
@@ -127,14 +123,14 @@ class HostRingContext {
   Collective coll_;
   const T* input_;
   T* output_;
-  int64_t count_, slice_elems_, slices_;
+  int64_t ring_count_, slice_elems_, slices_;
   bool stream_output_;  // the output is too large to stay in cache: write around it
 };
 
 template <typename T, class Op>
-void run_host_ring(HostComm& comm, Collective coll, const void* input, void* output, int64_t count) {
-  HostRingContext<T, Op> ctx(comm, coll, input, output, count);
-  run_ring(ctx, coll, count);
+void run_host_ring(HostComm& comm, const RingCall& call, const void* input, void* output) {
+  HostRingContext<T, Op> ctx(comm, call, input, output);
+  run_ring(ctx, call.collective, call.ring_count);
   stream_fence();  // the caller may hand the output to another thread right away
 }
 
@@ -145,16 +141,15 @@ void run_host_ring(HostComm& comm, Collective coll, const void* input, void* out
 
 HostComm::HostComm(int rank, int world, const std::vector<std::string>& names, size_t buffer_bytes,
                    double timeout_seconds, bool check_calls)
-    : rank_(rank), world_(world), buffer_bytes_(buffer_bytes), slot_bytes_(slot_bytes_for(buffer_bytes, world)),
+    : rank_(rank), world_(world), buffer_bytes_(buffer_bytes),
+      slot_bytes_(slot_bytes_for(buffer_bytes, world, kSlotAlignment)),
       policy_(host_wait_policy(world, timeout_seconds)), check_calls_(check_calls),
       last_publication_(static_cast<size_t>(kBanks) * static_cast<size_t>(world), 0) {
   RINGCOLL_CHECK(world >= 1 && rank >= 0 && rank < world, std::invalid_argument, "Communicator: rank ", rank,
                  " is outside world size ", world);
   RINGCOLL_CHECK(static_cast<int>(names.size()) == world, std::invalid_argument,
                  "Communicator: expected one segment name per rank, got ", names.size());
-  RINGCOLL_CHECK(slot_bytes_ >= kSlotAlignment, std::invalid_argument, "Communicator: buffer_bytes=",
-                 buffer_bytes, " is too small for ", world, " ranks: need at least ",
-                 kSlotAlignment * kBanks * world);
+  check_buffer_bytes("Communicator", buffer_bytes, world, kSlotAlignment);
   try {
     bootstrap(names);
   } catch (...) {
@@ -320,47 +315,29 @@ void HostComm::run_collective(const char* op, const CallDescriptor& call, Body&&
 // ---------------------------------------------------------------------------------------
 // The collectives
 
-void HostComm::all_reduce(const void* input, void* output, int64_t count, DType dtype, ReduceOp op) {
-  const CallDescriptor call{static_cast<int32_t>(Collective::kAllReduce), static_cast<int32_t>(dtype),
-                            static_cast<int32_t>(op), 0, count};
-  run_collective("all_reduce", call, [&] {
-    if (world_ == 1) {
-      if (input != output) std::memcpy(output, input, static_cast<size_t>(count) * dtype_size(dtype));
-      return;  // every op's finalize is the identity for one rank (AVG divides by 1)
-    }
-    dispatch_dtype_op(dtype, op, [&](auto t, auto o) {
-      run_host_ring<decltype(t), decltype(o)>(*this, Collective::kAllReduce, input, output, count);
+void HostComm::run_ring_call(const char* op, const RingCall& call, const void* input, void* output) {
+  run_collective(op, call.descriptor, [&] {
+    auto copy = [](void* dst, const void* src, size_t bytes) { std::memcpy(dst, src, bytes); };
+    run_call(call, world_, input, output, copy, [&] {
+      dispatch_call(call.descriptor, [&](auto t, auto o) {
+        run_host_ring<decltype(t), decltype(o)>(*this, call, input, output);
+      });
     });
   });
 }
 
-void HostComm::reduce_scatter(const void* input, void* output, int64_t output_count, DType dtype, ReduceOp op) {
-  const CallDescriptor call{static_cast<int32_t>(Collective::kReduceScatter), static_cast<int32_t>(dtype),
-                            static_cast<int32_t>(op), 0, output_count};
-  run_collective("reduce_scatter", call, [&] {
-    if (world_ == 1) {
-      if (input != output) std::memcpy(output, input, static_cast<size_t>(output_count) * dtype_size(dtype));
-      return;
-    }
-    dispatch_dtype_op(dtype, op, [&](auto t, auto o) {
-      run_host_ring<decltype(t), decltype(o)>(*this, Collective::kReduceScatter, input, output,
-                                              output_count * world_);
-    });
-  });
+void HostComm::all_reduce(const void* input, void* output, int64_t user_count, DType dtype, ReduceOp op) {
+  run_ring_call("all_reduce", ring_call(Collective::kAllReduce, user_count, dtype, op, world_), input, output);
 }
 
-void HostComm::all_gather(const void* input, void* output, int64_t input_count, DType dtype) {
-  const CallDescriptor call{static_cast<int32_t>(Collective::kAllGather), static_cast<int32_t>(dtype), 0, 0,
-                            input_count};
-  run_collective("all_gather", call, [&] {
-    const int64_t bytes = input_count * dtype_size(dtype);
-    if (world_ == 1) {
-      if (input != output) std::memcpy(output, input, static_cast<size_t>(bytes));
-      return;
-    }
-    // All-gather only moves bytes: one instantiation serves every dtype (the op is unused).
-    run_host_ring<uint8_t, SumOp>(*this, Collective::kAllGather, input, output, bytes * world_);
-  });
+void HostComm::reduce_scatter(const void* input, void* output, int64_t user_count, DType dtype, ReduceOp op) {
+  run_ring_call("reduce_scatter", ring_call(Collective::kReduceScatter, user_count, dtype, op, world_), input,
+                output);
+}
+
+void HostComm::all_gather(const void* input, void* output, int64_t user_count, DType dtype) {
+  run_ring_call("all_gather", ring_call(Collective::kAllGather, user_count, dtype, ReduceOp::kSum, world_), input,
+                output);
 }
 
 void HostComm::barrier() {

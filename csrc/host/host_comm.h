@@ -4,17 +4,17 @@
 // Segment layout (one per rank, mapped by all):
 //
 //   [ SegmentHeader: identity and flags, one cache line per flag | 4 KiB ]
-//   [ data area: banks x P slots of slot_bytes each                      ]
+//   [ data area: kBanks x P slots of slot_bytes each (call.h)            ]
 //
-// Rank k writes only its own header's flags and its own data area; it reads its left
-// neighbour's data area and the flags of its two neighbours (all peers' `aborted` flags
-// when something goes wrong).
+// Rank k writes its own data area and, but for `peer_gave_up`, only its own header; it
+// reads its left neighbour's data area. docs/flags.md says who writes and reads each flag.
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "ringcoll/call.h"
 #include "ringcoll/descriptor.h"
 #include "ringcoll/flags.h"
 #include "ringcoll/reduce.h"
@@ -26,7 +26,6 @@ namespace ringcoll::host {
 constexpr uint64_t kSegmentMagic = 0x72696e67636f6c6cull;  // "ringcoll"
 constexpr size_t kHeaderBytes = 4096;
 constexpr size_t kSlotAlignment = 64;  // a cache line: slots never share one
-constexpr int kBanks = 2;              // double buffering across slices
 
 // One flag per cache line, so a writer never invalidates its neighbour's flag.
 struct alignas(64) Flag {
@@ -38,21 +37,17 @@ struct SegmentHeader {
   int64_t pid;
   uint64_t pid_namespace;  // liveness checks only make sense inside one pid namespace
   int32_t rank, world;
-  Flag attached;   // 1 once this rank has mapped every peer's segment (bootstrap barrier)
-  Flag published;  // number of this rank's latest publication into its data area
-  Flag consumed;   // number of the left neighbour's latest publication this rank has read
-  Flag barrier;    // latest barrier generation this rank has entered
-  Flag completed;  // number of the latest call this rank has completed
-  Flag aborted;    // nonzero once this rank's communicator broke; abort_reason says why
-  Flag peer_gave_up;  // 1 + rank of a peer that gave up while connecting, written here by that
-                      // peer: it removed every name, so we may never get to map its segment
-  DescriptorSlot descriptor;  // the call this rank is about to make (descriptor.h)
-  char abort_reason[1024];
+  Flag attached;
+  Flag published;
+  Flag consumed;
+  Flag barrier;
+  Flag completed;
+  Flag aborted;
+  Flag peer_gave_up;
+  DescriptorSlot descriptor;
+  char abort_reason[1024];  // why `aborted` is set, written before it
 };
 static_assert(sizeof(SegmentHeader) <= kHeaderBytes, "header must fit its page");
-
-// Bytes of one slot for a data area of `buffer_bytes` shared by kBanks x world slots.
-size_t slot_bytes_for(size_t buffer_bytes, int world);
 
 // How host waits spend their time: spinning only pays when every rank has a core.
 WaitPolicy host_wait_policy(int world, double timeout_seconds);
@@ -68,10 +63,10 @@ class HostComm {
   HostComm(const HostComm&) = delete;
   HostComm& operator=(const HostComm&) = delete;
 
-  // Pointers are raw addresses of contiguous arrays; counts are elements.
-  void all_reduce(const void* input, void* output, int64_t count, DType dtype, ReduceOp op);
-  void reduce_scatter(const void* input, void* output, int64_t output_count, DType dtype, ReduceOp op);
-  void all_gather(const void* input, void* output, int64_t input_count, DType dtype);
+  // Pointers are raw addresses of contiguous arrays; counts are user counts (call.h).
+  void all_reduce(const void* input, void* output, int64_t user_count, DType dtype, ReduceOp op);
+  void reduce_scatter(const void* input, void* output, int64_t user_count, DType dtype, ReduceOp op);
+  void all_gather(const void* input, void* output, int64_t user_count, DType dtype);
   void barrier();
   void close();
 
@@ -84,7 +79,7 @@ class HostComm {
   double timeout() const { return policy_.timeout_seconds; }
   void set_timeout(double seconds) { policy_.timeout_seconds = seconds; }
 
-  // --- used by the ring context (host_ring.h); not part of the Python surface ---
+  // --- used by the ring context (HostRingContext, host_comm.cpp); not part of the Python surface ---
   SegmentHeader& header(int r) const { return *reinterpret_cast<SegmentHeader*>(segments_[r].base()); }
   char* data(int r) const { return segments_[r].base() + kHeaderBytes; }
   uint64_t& step_base() { return step_base_; }
@@ -108,6 +103,7 @@ class HostComm {
   // Whether every peer could still make progress: no peer aborted, no peer process gone.
   bool peers_look_alive(std::string* why) const;
   template <typename Body> void run_collective(const char* op, const CallDescriptor& call, Body&& body);
+  void run_ring_call(const char* op, const RingCall& call, const void* input, void* output);
   // Publish `call` and compare it with every peer's (descriptor.h); throws MismatchError.
   void check_call(const char* op, const CallDescriptor& call);
 

@@ -4,16 +4,22 @@
 // Two counts, never to be confused:
 //   user_count  what the caller passes: elements of the all-reduce tensor, of the
 //               reduce-scatter output, of the all-gather input (per rank)
-//   ring_count  the whole message the ring cuts into P chunks (ring_loop.h's `count`), in
-//               elements of the type the ring moves
+//   ring_count  the whole message the ring cuts into P chunks (ring_loop.h), in elements
+//               of the type the ring moves: n for all-reduce, P*m for reduce-scatter, and
+//               for all-gather, which only moves bytes, P*m*dtype_size bytes
 //
-// The registered buffer of every rank is kBanks x P slots, each slot a multiple of the
-// transport's slot alignment (64 bytes on the host: a cache line; 128 on the GPU).
+// The registered buffer of every rank is kBanks x P slots, each a multiple of the
+// transport's slot alignment (host: 64 bytes, a cache line; CUDA: 128).
 #pragma once
 
 #include <cstddef>
+#include <stdexcept>
 
+#include "ringcoll/check.h"
+#include "ringcoll/descriptor.h"
 #include "ringcoll/platform.h"
+#include "ringcoll/reduce.h"
+#include "ringcoll/ring.h"
 
 namespace ringcoll {
 
@@ -28,6 +34,58 @@ RINGCOLL_INLINE size_t slot_bytes_for(size_t buffer_bytes, int world, size_t slo
 // The smallest buffer_bytes a transport accepts: one aligned slot per bank and rank.
 RINGCOLL_INLINE size_t min_buffer_bytes(int world, size_t slot_alignment) {
   return static_cast<size_t>(kBanks) * slot_alignment * static_cast<size_t>(world);
+}
+
+// Throws std::invalid_argument, naming `who`, when buffer_bytes is below that minimum.
+inline void check_buffer_bytes(const char* who, size_t buffer_bytes, int world, size_t slot_alignment) {
+  RINGCOLL_CHECK(buffer_bytes >= min_buffer_bytes(world, slot_alignment), std::invalid_argument, who,
+                 ": buffer_bytes=", buffer_bytes, " is too small for ", world, " ranks: need at least ",
+                 min_buffer_bytes(world, slot_alignment));
+}
+
+// One call, as the ring sees it.
+struct RingCall {
+  Collective collective;
+  int64_t ring_count;
+  int elem_size;              // bytes of the type the ring moves
+  CallDescriptor descriptor;  // what ranks compare first (descriptor.h); its count is user_count
+};
+
+RINGCOLL_INLINE RingCall ring_call(Collective coll, int64_t user_count, DType dtype, ReduceOp op, int world) {
+  const int size = dtype_size(dtype);
+  const CallDescriptor descriptor{static_cast<int32_t>(coll), static_cast<int32_t>(dtype),
+                                  coll == Collective::kAllGather ? 0 : static_cast<int32_t>(op), 0, user_count};
+  switch (coll) {
+    case Collective::kAllReduce: return RingCall{coll, user_count, size, descriptor};
+    case Collective::kReduceScatter: return RingCall{coll, user_count * world, size, descriptor};
+    case Collective::kAllGather: break;
+  }
+  return RingCall{coll, user_count * size * world, 1, descriptor};
+}
+
+// What the GPU transports refuse before anything moves (the host trusts Python's checks):
+// a reduction a dtype lacks. All-gather takes any dtype: it moves bytes.
+RINGCOLL_INLINE bool is_supported(Collective coll, DType dtype, ReduceOp op) {
+  return coll == Collective::kAllGather || is_supported(dtype, op);
+}
+
+// The ring's element type and op for a call: all-gather moves bytes, so one instantiation
+// (uint8_t; its op unused) serves every dtype; the reducing collectives dispatch on
+// (dtype, op). `fn` takes (T{}, Op{}) tags, as dispatch_dtype_op's.
+template <typename Fn>
+void dispatch_call(const CallDescriptor& call, Fn&& fn) {
+  if (call.collective == static_cast<int32_t>(Collective::kAllGather)) fn(uint8_t{}, SumOp{});
+  else dispatch_dtype_op(static_cast<DType>(call.dtype), static_cast<ReduceOp>(call.op), fn);
+}
+
+// Run a call on a transport: `ring()` when there are peers. With one rank every
+// collective's output is its input (each op's finalize is the identity for one rank: AVG
+// divides by 1), so `copy(dst, src, bytes)` does it, called only when bytes must move.
+template <class Copy, class Ring>
+void run_call(const RingCall& call, int world, const void* input, void* output, Copy&& copy, Ring&& ring) {
+  if (world > 1) return ring();
+  const size_t bytes = static_cast<size_t>(call.ring_count) * static_cast<size_t>(call.elem_size);
+  if (input != output && bytes > 0) copy(output, input, bytes);
 }
 
 }  // namespace ringcoll

@@ -40,11 +40,11 @@ struct CallDescriptor {
   int32_t dtype;       // DType
   int32_t op;          // ReduceOp (0 where the collective does not reduce)
   int32_t variant;     // CUDA transport: its kernel variant (ranks must agree); 0 on the CPU
-  int64_t count;       // elements per rank's input of all-gather, output of reduce-scatter, tensor of all-reduce
+  int64_t user_count;  // the count the caller passed (call.h)
 };
 
 RINGCOLL_INLINE bool same_call(const CallDescriptor& a, const CallDescriptor& b) {
-  return a.collective == b.collective && a.dtype == b.dtype && a.op == b.op && a.count == b.count &&
+  return a.collective == b.collective && a.dtype == b.dtype && a.op == b.op && a.user_count == b.user_count &&
          a.variant == b.variant;
 }
 
@@ -67,7 +67,7 @@ RINGCOLL_INLINE void publish_descriptor(DescriptorSlot* slot, const CallDescript
   word_store_relaxed(&slot->call.dtype, call.dtype);
   word_store_relaxed(&slot->call.op, call.op);
   word_store_relaxed(&slot->call.variant, call.variant);
-  word_store_relaxed(&slot->call.count, call.count);
+  word_store_relaxed(&slot->call.user_count, call.user_count);
   flag_store_release(&slot->seq, descriptor_seq_written(call_number));
 }
 
@@ -84,7 +84,7 @@ RINGCOLL_INLINE PeerCall compare_descriptor(const DescriptorSlot* slot, const Ca
   theirs->dtype = word_load_relaxed(&slot->call.dtype);
   theirs->op = word_load_relaxed(&slot->call.op);
   theirs->variant = word_load_relaxed(&slot->call.variant);
-  theirs->count = word_load_relaxed(&slot->call.count);
+  theirs->user_count = word_load_relaxed(&slot->call.user_count);
   fence_acquire();  // the fields are read before seq is re-checked
   if (flag_load_relaxed(&slot->seq) != seq) return PeerCall::kMovedOn;  // overwritten meanwhile
   return same_call(mine, *theirs) ? PeerCall::kMatches : PeerCall::kDiffers;
@@ -100,7 +100,7 @@ inline std::string describe_call(const CallDescriptor& call) {
     text << dtype_info(static_cast<DType>(call.dtype)).name;
     if (call.collective != static_cast<int32_t>(Collective::kAllGather))
       text << ", " << (call.op >= 0 && call.op < kNumReduceOps ? kOps[call.op] : "unknown op");
-    text << ", count=" << call.count;
+    text << ", count=" << call.user_count;
     if (call.variant != 0) text << ", kernel variant " << call.variant;
   }
   text << ")";

@@ -1,10 +1,12 @@
-// flags.h: the flag protocol, and every wait in ringcoll.
+// flags.h: the flag protocol, and every wait in ringcoll. Which flag words there are, who
+// writes and reads each, its values and where it lives: docs/flags.md, the one map of them.
 //
-// A flag is a 64-bit counter in shared (host) or IPC (device) memory with exactly one
-// writer. The writer publishes data, then stores a new, larger value with *release*
-// ordering; a reader waits until it *acquires* a value >= the one it expects, then reads
-// the data. Values only grow (they are ring-step numbers of the communicator), so no flag
-// is ever reset and a late reader can never mistake an old value for a new one.
+// A flag is a 64-bit counter in shared (host) or IPC (device) memory with one writer. The
+// writer publishes data, then stores a new, larger value with *release* ordering; a reader
+// waits until it *acquires* a value >= the one it expects, then reads the data. Values only
+// grow (publication, call and generation numbers of the communicator; 0 then a cause or a
+// 1 for the flags set once), so no flag is ever reset and a late reader can never mistake
+// an old value for a new one.
 //
 // Every access to a flag goes through one of the helpers below, whose names say what
 // ordering they give. No bare volatile spins anywhere.

@@ -41,8 +41,8 @@ RINGCOLL_INLINE int64_t slice_length(int64_t chunk_len, int64_t slice_elems, int
   return left <= 0 ? 0 : (left < slice_elems ? left : slice_elems);
 }
 // Number of slices a message needs: every chunk fits in that many slices.
-RINGCOLL_INLINE int64_t num_slices(int64_t count, int world, int64_t slice_elems) {
-  const int64_t longest = max_chunk_length(count, world);
+RINGCOLL_INLINE int64_t num_slices(int64_t ring_count, int world, int64_t slice_elems) {
+  const int64_t longest = max_chunk_length(ring_count, world);
   return (longest + slice_elems - 1) / slice_elems;
 }
 RINGCOLL_INLINE int slot_index(int bank, int chunk, int world) { return bank * world + chunk; }
@@ -51,14 +51,14 @@ RINGCOLL_INLINE int slot_index(int bank, int chunk, int world) { return bank * w
 // (so a slice is the units -1, 0, .., steps-1). Units must run in order: each reads the
 // bookkeeping the previous one left. Returns false if a wait gave up.
 template <class Ctx>
-RINGCOLL_HD bool ring_step(Ctx& ctx, Collective coll, int64_t count, int64_t j, int i) {
+RINGCOLL_HD bool ring_step(Ctx& ctx, Collective coll, int64_t ring_count, int64_t j, int i) {
   const int rank = ctx.rank(), world = ctx.world();
   const int steps = ring_steps(coll, world);
   const int64_t slice_elems = ctx.slice_elems();
   const int bank = static_cast<int>(j % ctx.banks());
   const uint64_t base = ctx.step_base();  // numbers of this slice's publications start after it
   const int64_t offset = j * slice_elems;  // of this slice inside every chunk
-  auto len_of = [&](int c) { return slice_length(chunk_length(count, world, c), slice_elems, j); };
+  auto len_of = [&](int c) { return slice_length(chunk_length(ring_count, world, c), slice_elems, j); };
   ctx.set_position(j, i);
 
   if (i < 0) {
@@ -98,23 +98,23 @@ RINGCOLL_HD bool ring_step(Ctx& ctx, Collective coll, int64_t count, int64_t j, 
 // The ring's work as a sequence of units, slice by slice: unit u is step
 // (u mod (steps+1)) - 1 of slice u div (steps+1). A whole collective is units
 // [0, ring_units(...)); the CUDA teaching variant launches one kernel per unit.
-RINGCOLL_INLINE int64_t ring_units(Collective coll, int64_t count, int world, int64_t slice_elems) {
-  return num_slices(count, world, slice_elems) * (ring_steps(coll, world) + 1);
+RINGCOLL_INLINE int64_t ring_units(Collective coll, int64_t ring_count, int world, int64_t slice_elems) {
+  return num_slices(ring_count, world, slice_elems) * (ring_steps(coll, world) + 1);
 }
 
-// Run units [first, last) of collective `coll` on `count` elements (the full message: n for
-// all-reduce, P*m for reduce-scatter and all-gather). Returns false if a wait gave up.
+// Run units [first, last) of collective `coll` on a message of `ring_count` elements
+// (call.h). Returns false if a wait gave up.
 template <class Ctx>
-RINGCOLL_HD bool run_ring_units(Ctx& ctx, Collective coll, int64_t count, int64_t first, int64_t last) {
+RINGCOLL_HD bool run_ring_units(Ctx& ctx, Collective coll, int64_t ring_count, int64_t first, int64_t last) {
   const int per_slice = ring_steps(coll, ctx.world()) + 1;
   for (int64_t u = first; u < last; ++u)
-    if (!ring_step(ctx, coll, count, u / per_slice, static_cast<int>(u % per_slice) - 1)) return false;
+    if (!ring_step(ctx, coll, ring_count, u / per_slice, static_cast<int>(u % per_slice) - 1)) return false;
   return true;
 }
 
 template <class Ctx>
-RINGCOLL_HD bool run_ring(Ctx& ctx, Collective coll, int64_t count) {
-  return run_ring_units(ctx, coll, count, 0, ring_units(coll, count, ctx.world(), ctx.slice_elems()));
+RINGCOLL_HD bool run_ring(Ctx& ctx, Collective coll, int64_t ring_count) {
+  return run_ring_units(ctx, coll, ring_count, 0, ring_units(coll, ring_count, ctx.world(), ctx.slice_elems()));
 }
 
 }  // namespace ringcoll
