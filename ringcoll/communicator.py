@@ -5,7 +5,7 @@ argument checks, the Work handles and closing. The bytes are moved by a transpor
 device in one place (ringcoll/transports/): POSIX shared memory for CPU tensors, CUDA IPC
 for CUDA tensors. A call goes, in all::
 
-    Communicator.all_reduce          validate, turn tensors into a RingCall (addresses, codes)
+    Communicator.all_reduce          validate, turn tensors into a CollectiveCall (addresses, codes)
       -> transport.submit            host: this thread or the worker; CUDA: the streams
         -> _C.HostComm / _C.CudaComm csrc/host/host_comm.cpp, csrc/cuda/cuda_comm.cu
 
@@ -31,7 +31,7 @@ import torch.distributed as dist
 from ringcoll import _C
 from ringcoll._types import ReduceOp, dtype_code, op_code
 from ringcoll.errors import RingcollError
-from ringcoll.transports import RingCall, Settings, transport_for
+from ringcoll.transports import CollectiveCall, Settings, transport_for
 from ringcoll.views import as_device_array, check_count, tensor_view
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
@@ -290,7 +290,7 @@ class Communicator:
 
     # --- running --------------------------------------------------------------------------
 
-    def _submit(self, call: RingCall, outputs: list, keep_alive: Sequence, async_op: bool,
+    def _submit(self, call: CollectiveCall, outputs: list, keep_alive: Sequence, async_op: bool,
                 then: Optional[Callable[[], None]] = None) -> Optional[Work]:
         """Hand `call` to the transport; a Work when async. The Work holds every tensor the
         extension reads by address until the call has run."""
@@ -317,7 +317,7 @@ class Communicator:
             output = tensor
         else:
             self._check_pair(name, output, tensor, 1)
-        call = RingCall(name, tensor.data_ptr(), output.data_ptr(), tensor.numel(), dtype_code(name, tensor.dtype),
+        call = CollectiveCall(name, tensor.data_ptr(), output.data_ptr(), tensor.numel(), dtype_code(name, tensor.dtype),
                         op_code(name, op, tensor.dtype))
         return self._submit(call, [output], (tensor,), async_op)
 
@@ -329,7 +329,7 @@ class Communicator:
         output, input = self._view(output), self._view(input)
         self._ensure_open(name)
         self._check_pair(name, output, input, 1 / self.world_size)
-        call = RingCall("reduce_scatter", input.data_ptr(), output.data_ptr(), output.numel(),
+        call = CollectiveCall("reduce_scatter", input.data_ptr(), output.data_ptr(), output.numel(),
                         dtype_code(name, input.dtype), op_code(name, op, input.dtype))
         return self._submit(call, [output], (input,), async_op)
 
@@ -341,7 +341,7 @@ class Communicator:
         output_tensor, input_tensor = self._view(output_tensor), self._view(input_tensor)
         self._ensure_open(name)
         self._check_pair(name, output_tensor, input_tensor, self.world_size)
-        call = RingCall("all_gather", input_tensor.data_ptr(), output_tensor.data_ptr(), input_tensor.numel(),
+        call = CollectiveCall("all_gather", input_tensor.data_ptr(), output_tensor.data_ptr(), input_tensor.numel(),
                         dtype_code(name, input_tensor.dtype), None)
         return self._submit(call, [output_tensor], (input_tensor,), async_op)
 
@@ -353,7 +353,7 @@ class Communicator:
         self._check_list(name, "tensor_list", tensor_list, tensor)
         flat = torch.empty(self.world_size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
         count = tensor.numel()
-        call = RingCall("all_gather", tensor.data_ptr(), flat.data_ptr(), count, dtype_code(name, tensor.dtype), None)
+        call = CollectiveCall("all_gather", tensor.data_ptr(), flat.data_ptr(), count, dtype_code(name, tensor.dtype), None)
 
         def copy_out() -> None:
             for r, out in enumerate(tensor_list):
@@ -370,7 +370,7 @@ class Communicator:
         code = op_code(name, op, output.dtype)
         # The packed copy is taken now, so output may alias an entry of input_list.
         flat = torch.cat([t.reshape(-1) for t in input_list]) if input_list else output.new_empty(0)
-        call = RingCall(name, flat.data_ptr(), output.data_ptr(), output.numel(), dtype_code(name, output.dtype), code)
+        call = CollectiveCall(name, flat.data_ptr(), output.data_ptr(), output.numel(), dtype_code(name, output.dtype), code)
         return self._submit(call, [output], (flat, *input_list), async_op)
 
     def barrier(self, async_op: bool = False):
@@ -407,7 +407,7 @@ class Communicator:
             raise TypeError(f"{name}: output dtype {dst.dtype} differs from input dtype {src.dtype}")
         dtype = dtype_code(name, src.dtype)
         code = None if name == "all_gather" else op_code(name, op, src.dtype)
-        self._transport.launch_on_stream(RingCall(name, src.ptr, dst.ptr, count, dtype, code), stream)
+        self._transport.launch_on_stream(CollectiveCall(name, src.ptr, dst.ptr, count, dtype, code), stream)
 
     def _view_list(self, tensors):
         """Each entry viewed (CUDA); anything but a list or tuple is left for _check_list to name."""

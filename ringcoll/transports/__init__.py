@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ringcoll.errors import RingcollError
-from ringcoll.transports.base import RingCall, Settings
+from ringcoll.transports.base import CollectiveCall, Settings
 from ringcoll.transports.host import HostTransport
 
 
@@ -27,4 +27,4 @@ def transport_for(device: torch.device):
                         "the shared-memory transport serves CPU tensors, the CUDA IPC one CUDA tensors")
 
 
-__all__ = ["RingCall", "Settings", "HostTransport", "transport_for"]
+__all__ = ["CollectiveCall", "Settings", "HostTransport", "transport_for"]

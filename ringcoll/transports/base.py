@@ -2,7 +2,7 @@
 
 A transport moves one collective's bytes round the ring on one kind of memory. It sees
 addresses and codes, never tensors: the Communicator (ringcoll/communicator.py) has
-validated the arguments and turned them into a :class:`RingCall`. The interface, which
+validated the arguments and turned them into a :class:`CollectiveCall`. The interface, which
 ``host.HostTransport`` and ``cuda.CudaTransport`` both implement::
 
     slot_alignment              bytes each slot of the registered buffer is aligned to (_C)
@@ -43,10 +43,11 @@ class Settings(NamedTuple):
     check: bool  # compare every call across ranks before data moves
 
 
-class RingCall(NamedTuple):
-    """One collective as a transport runs it. ``user_count`` is the count the user's call
-    names: the whole tensor for all_reduce, the output for reduce_scatter, the input for
-    all_gather (the extension's convention, csrc/include/ringcoll/call.h)."""
+class CollectiveCall(NamedTuple):
+    """One collective as the user called it, in addresses and codes. ``user_count`` is the
+    count the user's call names: the whole tensor for all_reduce, the output for
+    reduce_scatter, the input for all_gather. The extension turns it into the ring's work
+    (``ring_call()`` in csrc/include/ringcoll/call.h, whose RingCall has the ring's count)."""
 
     collective: str  # "all_reduce" | "reduce_scatter" | "all_gather"
     src: int  # input address

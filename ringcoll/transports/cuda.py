@@ -48,7 +48,7 @@ import torch.distributed as dist
 from ringcoll import _C
 from ringcoll._types import ReduceOp, dtype_code
 from ringcoll.errors import RingcollError
-from ringcoll.transports.base import RingCall, Settings, Transport
+from ringcoll.transports.base import CollectiveCall, Settings, Transport
 
 KERNEL_VARIANTS = {"fused": 0, "naive": 1}
 
@@ -134,14 +134,14 @@ class CudaTransport(Transport):
             self._comm.close(wait_for_peers=False)  # peers may be mapping us: keep the buffer
             raise
         self._barrier_word = torch.zeros(1, dtype=torch.int32, device=device)
-        self._barrier_call = RingCall("all_reduce", self._barrier_word.data_ptr(), self._barrier_word.data_ptr(), 1,
+        self._barrier_call = CollectiveCall("all_reduce", self._barrier_word.data_ptr(), self._barrier_word.data_ptr(), 1,
                                       dtype_code("barrier", torch.int32), int(ReduceOp.SUM))
         self._lock = threading.Lock()  # launches from several host threads stay whole
 
     def _current_stream(self) -> int:
         return torch.cuda.current_stream(self.device).cuda_stream
 
-    def submit(self, call: RingCall, outputs: list, keep_alive: Sequence, async_op: bool,
+    def submit(self, call: CollectiveCall, outputs: list, keep_alive: Sequence, async_op: bool,
                then: Optional[Callable[[], None]] = None) -> Optional[StreamCompletion]:
         """Sync: the kernel follows the current stream's work and the current stream waits
         for it. Async: it follows the current stream's work, nothing waits; the Completion's
@@ -163,7 +163,7 @@ class CudaTransport(Transport):
                     t.record_stream(self._stream)  # the caching allocator must not reuse them early
             return StreamCompletion(self, event)
 
-    def launch_on_stream(self, call: RingCall, stream: Optional[int]) -> None:
+    def launch_on_stream(self, call: CollectiveCall, stream: Optional[int]) -> None:
         """`call` on a caller-given cudaStream_t (an int; default torch's current stream),
         which then waits for it."""
         with self._lock:

@@ -16,7 +16,7 @@ import threading
 from typing import Callable, Optional, Sequence
 
 from ringcoll import _C
-from ringcoll.transports.base import RingCall, Settings, Transport
+from ringcoll.transports.base import CollectiveCall, Settings, Transport
 
 
 class ThreadCompletion:
@@ -57,7 +57,7 @@ class HostTransport(Transport):
         self._last_async: Optional[concurrent.futures.Future] = None
         self._lock = threading.Lock()  # one collective at a time on the ring
 
-    def submit(self, call: RingCall, outputs: list, keep_alive: Sequence, async_op: bool,
+    def submit(self, call: CollectiveCall, outputs: list, keep_alive: Sequence, async_op: bool,
                then: Optional[Callable[[], None]] = None) -> Optional[ThreadCompletion]:
         def run() -> None:
             call.run(self._comm)
@@ -92,7 +92,7 @@ class HostTransport(Transport):
         if pending is not None:
             concurrent.futures.wait([pending])
 
-    def launch_on_stream(self, call: RingCall, stream) -> None:
+    def launch_on_stream(self, call: CollectiveCall, stream) -> None:
         raise ValueError(f"{call.collective}: arrays on a given stream need a CUDA communicator; "
                          "this one serves CPU tensors")
 
