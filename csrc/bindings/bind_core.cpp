@@ -1,5 +1,5 @@
 // bind_core.cpp: errors, the ring schedule and the reduction functors, exposed so that the
-// Python mirror (ringcoll/schedule.py) and the tier-1 tests can be checked against them.
+// Python mirror (ringcoll/learning/schedule.py) and the tier-1 tests can be checked against them.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -39,7 +39,7 @@ void bind_core(py::module_& m) {
   py::register_exception<PeerError>(m, "RingcollPeerError", base_error.ptr());
   py::register_exception<MismatchError>(m, "RingcollMismatchError", base_error.ptr());
 
-  py::module_ s = m.def_submodule("schedule", "ring.h, for checking ringcoll/schedule.py");
+  py::module_ s = m.def_submodule("schedule", "ring.h, for checking ringcoll/learning/schedule.py");
   s.def("chunk_begin", &chunk_begin, py::arg("n"), py::arg("world"), py::arg("chunk"));
   s.def("chunk_end", &chunk_end, py::arg("n"), py::arg("world"), py::arg("chunk"));
   s.def("left_neighbour", &left_neighbour);

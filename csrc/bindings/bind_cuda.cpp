@@ -1,7 +1,7 @@
-// bind_cuda.cpp: what the CUDA transport offers Python (ringcoll/cuda.py is its user), and,
-// in every build with or without CUDA, what lets CI test the kernels' code on the CPU: the
-// strip arithmetic (strip.h, tests/test_kernel_logic.py) and the kernels themselves run by
-// the emulator (csrc/emulation/, tests/test_emulated_kernels.py).
+// bind_cuda.cpp: what the CUDA transport offers Python (ringcoll/transports/cuda.py is its
+// user), and, in every build with or without CUDA, what lets CI test the kernels' code on the
+// CPU: the strip arithmetic (strip.h, tests/pure/test_kernel_logic.py) and the kernels
+// themselves run by the emulator (csrc/emulation/, tests/pure/test_emulated_kernels.py).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 

@@ -7,7 +7,7 @@
 // memory laid out as on the GPU; a launch of B blocks of T threads runs B*T std::threads
 // (cuda_shim.h: __syncthreads is a barrier per block, %globaltimer a steady clock).
 // What it is not: the GPU's memory model, IPC, streams or the compiled PTX. Those are
-// checked only on a GPU (tests/test_cuda.py, bench/device_check.sh).
+// checked only on a GPU (tests/gpu/test_cuda.py, bench/device_check.sh).
 #include "emulated_ring.h"
 
 // clang-format off

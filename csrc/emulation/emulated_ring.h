@@ -1,5 +1,5 @@
 // emulated_ring.h: the CUDA ring kernels run on the CPU (emulated_ring.cpp says what that
-// covers and what it does not). Bound as ringcoll._C.emulation for tests/test_emulated_kernels.py.
+// covers and what it does not). Bound as ringcoll._C.emulation for tests/pure/test_emulated_kernels.py.
 #pragma once
 
 #include <atomic>

@@ -1,6 +1,6 @@
 // ring.h: the ring algorithm and its indexing, written once (docs/ring.md shows it run).
 // Every transport (host shared memory, CUDA IPC) and the Python mirror
-// ringcoll/schedule.py use exactly these functions; elsewhere the code points here.
+// ringcoll/learning/schedule.py use exactly these functions; elsewhere the code points here.
 //
 // P ranks stand on a ring: rank k receives from its left neighbour k-1 and sends to its
 // right neighbour k+1 (mod P). A message of n elements is cut into P chunks:

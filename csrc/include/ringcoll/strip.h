@@ -1,7 +1,7 @@
 // strip.h: how a GPU kernel divides one chunk slice among its thread blocks, and how each
 // piece divides into 16-byte vectors and scalar leftovers. Written once, used by the CUDA
 // kernels (csrc/cuda/device_ring.h) and exposed to Python through host-callable twins
-// (ringcoll._C.strip), so tests/test_kernel_logic.py checks the very code the GPU runs.
+// (ringcoll._C.strip), so tests/pure/test_kernel_logic.py checks the very code the GPU runs.
 //
 // Tiles. A slice is cut into tiles of kTileBytes (one 16-byte vector per thread of a
 // 512-thread block); tile t is [t*E, min(len, (t+1)*E)) for E = kTileBytes / elem_size,
