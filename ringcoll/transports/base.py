@@ -7,6 +7,7 @@ validated the arguments and turned them into a :class:`CollectiveCall`. The inte
 
     slot_alignment              bytes each slot of the registered buffer is aligned to (_C)
     takes_arrays                whether DLPack / CUDA-array-interface arrays are accepted
+    resolve_device(device)      (static) the device with its index; raises where unusable
     __init__(settings, exchange)  collective: build the buffers; `exchange(mine, **shared)`
                                 sends this rank's handle round the group, returns all ranks'
     submit(call, outputs, keep_alive, async_op, then)
@@ -16,7 +17,7 @@ validated the arguments and turned them into a :class:`CollectiveCall`. The inte
     launch_on_stream(call, stream)   run `call` on a caller-given stream (CUDA only)
     barrier(async_op)           return (or a Completion) once every rank has entered
     synchronize()               block until everything submitted so far finished
-    close(wait_for_peers)       release the buffers; idempotent
+    close(wait_for_peers)       release the buffers (the Communicator calls it once)
     broken, broken_reason       the ring stopped (timeout, dead peer, mismatch): every call raises
 
 A Completion is what ``ringcoll.Work`` wraps: ``wait(timeout)`` (raise the collective's

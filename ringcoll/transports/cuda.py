@@ -113,8 +113,7 @@ class CudaTransport(Transport):
         return torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
 
     def __init__(self, settings: Settings, exchange: Callable[..., list]):
-        _require_cuda_build()
-        self.device = device = settings.device
+        self.device = device = settings.device  # resolved (and CUDA checked) by resolve_device
         self.rank = settings.rank
         variant = kernel_variant()
         self._comm = _C.CudaComm(self.rank, settings.world_size, device.index, settings.buffer_bytes,
@@ -134,8 +133,9 @@ class CudaTransport(Transport):
             self._comm.close(wait_for_peers=False)  # peers may be mapping us: keep the buffer
             raise
         self._barrier_word = torch.zeros(1, dtype=torch.int32, device=device)
-        self._barrier_call = CollectiveCall("all_reduce", self._barrier_word.data_ptr(), self._barrier_word.data_ptr(), 1,
-                                      dtype_code("barrier", torch.int32), int(ReduceOp.SUM))
+        word = self._barrier_word.data_ptr()
+        self._barrier_call = CollectiveCall("all_reduce", word, word, 1, dtype_code("barrier", torch.int32),
+                                            int(ReduceOp.SUM))
         self._lock = threading.Lock()  # launches from several host threads stay whole
 
     def _current_stream(self) -> int:

@@ -42,12 +42,14 @@ class ThreadCompletion:
 
 
 class HostTransport(Transport):
+    """Shared-memory ring over ``_C.HostComm`` (see the module doc)."""
+
     slot_alignment = _C.host_slot_alignment
     takes_arrays = False  # a CPU array is not viewed as a tensor: the caller passes tensors
 
     @staticmethod
     def resolve_device(device):
-        return device
+        return device  # "cpu": nothing to pick
 
     def __init__(self, settings: Settings, exchange: Callable[..., list]):
         names = exchange(_C.random_segment_name())
