@@ -12,7 +12,6 @@ as with any collective. ``destroy_communicators()`` closes them all (also done a
 from __future__ import annotations
 
 import atexit
-from typing import Optional
 
 import torch
 import torch.distributed as dist

@@ -54,8 +54,9 @@ Limits (torch 2.13): the Python ProcessGroup replaces the whole process group, s
 map naming another backend for a second device (``"cpu:ringcoll,cuda:nccl"``) does not
 give that device its backend; ``"ringcoll"``, ``"cpu:ringcoll"`` and
 ``"cpu:ringcoll,cuda:ringcoll"`` work, and CUDA tensors raise: the backend does not yet
-route them to the CUDA transport, which ``ringcoll.all_reduce`` & co. reach directly. ``dist.monitored_barrier`` checks the backend
-name and refuses anything but gloo, as it does for NCCL.
+route them to the CUDA transport, which ``ringcoll.all_reduce`` & co. reach directly.
+``dist.monitored_barrier`` checks the backend name and refuses anything but gloo, as it
+does for NCCL.
 
 Observability: :data:`call_counts` counts calls per route, e.g. ``call_counts["ringcoll:all_reduce"]``
 and ``call_counts["gloo:all_reduce"]`` (explicit fall-backs from the overridden methods;
