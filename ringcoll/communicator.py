@@ -305,7 +305,12 @@ class Communicator:
                    output: Optional[torch.Tensor] = None):
         """In place: ``tensor = op(tensor on rank 0, ..., tensor on rank P-1)``.
 
-        Reference: ``torch.stack(all_ranks_tensors).sum(0)`` for SUM (``/ P`` more for AVG).
+        Reference: ``torch.stack(all_ranks_tensors).sum(0)`` for SUM (``/ P`` more for AVG),
+        exact for integers and up to rounding for float32/float64. float16 and bfloat16 are
+        rounded after every combine, so they match, bit for bit, a fold round the ring with
+        one rounding per step: element i of chunk c (ring.h's chunks) is
+        ``((x[c+1] + x[c+2]) + ...) + x[c]`` over ranks (indices mod P) in that dtype, not
+        ``stack.sum(0)``, which rounds once.
         ``output`` (keyword, not in torch.distributed): write the result there instead and
         leave ``tensor`` unchanged, NCCL's out-of-place form.
         """
@@ -320,6 +325,31 @@ class Communicator:
         call = CollectiveCall(name, tensor.data_ptr(), output.data_ptr(), tensor.numel(), dtype_code(name, tensor.dtype),
                         op_code(name, op, tensor.dtype))
         return self._submit(call, [output], (tensor,), async_op)
+
+    def all_reduce_coalesced(self, tensors: list, op=ReduceOp.SUM, async_op: bool = False):
+        """Each tensor all-reduced in place, as one flat call: the tensors are packed into
+        one buffer, reduced once (one ring, not one per tensor), and copied back."""
+        name = "all_reduce_coalesced"
+        tensors = self._view_list(tensors)
+        self._ensure_open(name)
+        if not isinstance(tensors, (list, tuple)) or not tensors:
+            raise TypeError(f"{name}: tensors must be a non-empty list of tensors")
+        for i, t in enumerate(tensors):
+            self._check_tensor(name, f"tensors[{i}]", t)
+            if t.dtype != tensors[0].dtype:
+                raise TypeError(f"{name}: tensors[{i}] has dtype {t.dtype}, expected {tensors[0].dtype}")
+        code = op_code(name, op, tensors[0].dtype)
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        call = CollectiveCall("all_reduce", flat.data_ptr(), flat.data_ptr(), flat.numel(),
+                              dtype_code(name, flat.dtype), code)
+
+        def copy_back() -> None:
+            offset = 0
+            for t in tensors:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+        return self._submit(call, list(tensors), (flat,), async_op, then=copy_back)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM,
                               async_op: bool = False):

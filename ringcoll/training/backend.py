@@ -18,12 +18,17 @@ What goes where::
 
     all_reduce, reduce_scatter_tensor (_reduce_scatter_base, reduce_scatter_single),
     all_gather_into_tensor (_allgather_base, all_gather_single), all_gather (list),
-    reduce_scatter (list), barrier, and the coalesced tensor forms functional
-    collectives use                                           -> ringcoll Communicator
+    reduce_scatter (list), barrier, allreduce_coalesced (one flat call) and the
+    coalesced tensor forms functional collectives use         -> ringcoll Communicator
         when every tensor is a contiguous CPU tensor of a dtype ringcoll supports
         and the op is SUM/PRODUCT/MIN/MAX (AVG for floating dtypes); else -> gloo
     everything else (broadcast, send/recv, all_to_all, gather, scatter, reduce,
-    allreduce_coalesced, broadcast_object_list, ...)          -> internal gloo group
+    broadcast_object_list, ...)                               -> internal gloo group
+
+Every call form c10d's ProcessGroup accepts works: ``pg.allreduce(t, op=MAX)``,
+``pg.allreduce([t], MAX)``, ``pg.broadcast(t, root=0)``, ``pg.send([t], dstRank=1, tag=0)``,
+``pg.barrier(timedelta)``, ... (tested form by form against gloo). Async work runs on the
+communicator's worker thread with the caller's grad and inference mode.
 
 The internal gloo group is a ``ProcessGroupGloo`` built in the creator from the same store
 (under its own prefix), rank, size and timeout, and registered as this process group's CPU
@@ -169,6 +174,22 @@ def _as_list(tensors) -> list:
     return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
 
 
+def _options(cls, opts, op=None, timeout=None):
+    """c10d's options object for a call made in any of ProcessGroup's forms: ``(tensors,
+    opts)``, ``(tensors, op)``, ``(tensor, op)``, ``op=``/``timeout=`` keywords, or a
+    timedelta where the options go (``barrier(timeout)``). A None opts means the defaults."""
+    if isinstance(opts, datetime.timedelta):
+        opts, timeout = None, opts
+    elif opts is not None and not isinstance(opts, cls):  # the op, given positionally
+        opts, op = None, opts
+    opts = opts if opts is not None else cls()
+    if op is not None:
+        opts.reduceOp = op
+    if timeout is not None:
+        opts.timeout = timeout
+    return opts
+
+
 # --- the process group -------------------------------------------------------------------
 
 
@@ -250,9 +271,9 @@ class RingcollProcessGroup(dist.ProcessGroup):
 
     # --- the collectives ringcoll implements --------------------------------------------
 
-    def allreduce(self, tensors, opts=None):
+    def allreduce(self, tensors, opts=None, op=None, timeout=None):
         tensors = _as_list(tensors)
-        opts = opts if opts is not None else _c10d.AllreduceOptions()
+        opts = _options(_c10d.AllreduceOptions, opts, op, timeout)
         op = _ringcoll_op(opts.reduceOp, tensors[0].dtype) if tensors else None
         if len(tensors) == 1 and op is not None and self._to_ringcoll(tensors):
             t = tensors[0]
@@ -290,9 +311,12 @@ class RingcollProcessGroup(dist.ProcessGroup):
     def _allgather_base(self, output, input, opts=None):
         return self._all_gather_tensor(output, input, opts)
 
-    def allgather(self, output_tensors, input_tensors, opts=None):
-        """torch's list form: output_tensors = [[t_0, ..., t_{P-1}]], input_tensors = [t]."""
-        opts = opts if opts is not None else _c10d.AllgatherOptions()
+    def allgather(self, output_tensors, input_tensors, opts=None, timeout=None):
+        """torch's list form: output_tensors = [[t_0, ..., t_{P-1}]], input_tensors = [t]
+        (or ProcessGroup's other form: [t_0, ..., t_{P-1}], t)."""
+        if isinstance(input_tensors, torch.Tensor):
+            output_tensors = [list(output_tensors)]
+        opts = _options(_c10d.AllgatherOptions, opts, timeout=timeout)
         input_tensors = _as_list(input_tensors)
         if (len(input_tensors) == 1 and len(output_tensors) == 1 and len(output_tensors[0]) == self._size
                 and len({t.numel() for t in output_tensors[0]}) == 1
@@ -303,10 +327,12 @@ class RingcollProcessGroup(dist.ProcessGroup):
             return self._run("all_gather", lambda a: comm.all_gather(outs, t, async_op=a), output_tensors, opts)
         return self._gloo("all_gather").allgather(output_tensors, input_tensors, opts)
 
-    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
-        """torch's list form: output_tensors = [out], input_tensors = [[in_0, ..., in_{P-1}]]."""
-        opts = opts if opts is not None else _c10d.ReduceScatterOptions()
-        output_tensors = _as_list(output_tensors)
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None, op=None, timeout=None):
+        """torch's list form: output_tensors = [out], input_tensors = [[in_0, ..., in_{P-1}]]
+        (or ProcessGroup's other form: out, [in_0, ..., in_{P-1}], op)."""
+        if isinstance(output_tensors, torch.Tensor):
+            output_tensors, input_tensors = [output_tensors], [list(input_tensors)]
+        opts = _options(_c10d.ReduceScatterOptions, opts, op, timeout)
         op = _ringcoll_op(opts.reduceOp, output_tensors[0].dtype) if output_tensors else None
         if (op is not None and len(output_tensors) == 1 and len(input_tensors) == 1
                 and len(input_tensors[0]) == self._size
@@ -344,8 +370,18 @@ class RingcollProcessGroup(dist.ProcessGroup):
             return _C10dWork(works, list(outputs))
         return self._gloo("reduce_scatter_tensor_coalesced").reduce_scatter_tensor_coalesced(outputs, inputs, opts)
 
-    def barrier(self, opts=None):
-        opts = opts if opts is not None else _c10d.BarrierOptions()
+    def allreduce_coalesced(self, tensors, opts=None):
+        """One flat all-reduce of every tensor (as NCCL's grouped calls), copied back."""
+        opts = opts if opts is not None else _c10d.AllreduceCoalescedOptions()
+        op = _ringcoll_op(opts.reduceOp, tensors[0].dtype) if tensors else None
+        if op is not None and self._to_ringcoll(tensors):
+            comm = self.communicator()
+            return self._run("all_reduce_coalesced",
+                             lambda a: comm.all_reduce_coalesced(list(tensors), op=op, async_op=a), list(tensors), opts)
+        return self._gloo("all_reduce_coalesced").allreduce_coalesced(tensors, opts)
+
+    def barrier(self, opts=None, timeout=None):
+        opts = _options(_c10d.BarrierOptions, opts, timeout=timeout)
         if self._bootstrapping:
             return self._gloo("barrier").barrier(opts)
         comm = self.communicator()
@@ -363,12 +399,11 @@ class RingcollProcessGroup(dist.ProcessGroup):
     # overrides above. The trampoline's other such methods (all_to_all_single and the
     # coalesced forms) fall back to the older names overridden here.
 
-    def broadcast(self, tensors, opts=None):
-        return self._gloo("broadcast").broadcast(tensors, opts if opts is not None else _c10d.BroadcastOptions())
-
-    # The rest take c10d's arguments unchanged (defined after the class by _forward_to_gloo).
-    FORWARDED_TO_GLOO = ("reduce", "gather", "scatter", "alltoall_base", "alltoall", "send", "recv",
-                         "recv_anysource", "allreduce_coalesced")
+    # They take c10d's arguments unchanged, in any of ProcessGroup's forms (positional or
+    # keyword: broadcast(t, root=0), send([t], dstRank=1, tag=0), ...); defined after the
+    # class by _forward_to_gloo.
+    FORWARDED_TO_GLOO = ("broadcast", "reduce", "gather", "scatter", "alltoall_base", "alltoall", "send", "recv",
+                         "recv_anysource")
 
     # --- lifetime -----------------------------------------------------------------------
 
@@ -387,8 +422,10 @@ class RingcollProcessGroup(dist.ProcessGroup):
 def _forward_to_gloo(name: str):
     """A RingcollProcessGroup method that hands the call, as c10d made it, to the internal
     gloo group (counted in call_counts as "gloo:<name>")."""
-    def forward(self, *args):
-        return getattr(self._gloo(name), name)(*args)
+    def forward(self, *args, **kwargs):
+        if args and args[-1] is None:  # c10d's "default options", which gloo's binding spells by omission
+            args = args[:-1]
+        return getattr(self._gloo(name), name)(*args, **kwargs)
 
     forward.__name__ = name
     forward.__qualname__ = f"RingcollProcessGroup.{name}"

@@ -15,6 +15,8 @@ import concurrent.futures
 import threading
 from typing import Callable, Optional, Sequence
 
+import torch
+
 from ringcoll import _C
 from ringcoll.transports.base import CollectiveCall, Settings, Transport
 
@@ -81,8 +83,13 @@ class HostTransport(Transport):
         if self._worker is None:
             self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ringcoll")
 
+        # The worker thread does not inherit the caller's thread-local autograd state: carry
+        # it, so the copies after the ring behave as they would on the calling thread (an
+        # output made under inference_mode may only be written under it).
+        grad_enabled, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
         def locked_run() -> None:
-            with self._lock:
+            with self._lock, torch.inference_mode(inference), torch.set_grad_enabled(grad_enabled):
                 run()
 
         self._last_async = self._worker.submit(locked_run)

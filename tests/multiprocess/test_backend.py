@@ -13,6 +13,8 @@ all_to_all, send/recv, gather, scatter, reduce, object collectives) must leave e
 
 from __future__ import annotations
 
+import datetime
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -408,9 +410,12 @@ def _many_forwarded_calls(rank, ws, loops):
                 dist.all_reduce_coalesced(pair)
             if not all(bool((t == ws).all()) for t in pair):
                 return f"call {i}: all_reduce_coalesced gave {pair}"
-    forwarded = {name: backend.call_counts[f"gloo:{name}"] for name in ("broadcast", "reduce", "allreduce_coalesced")}
-    if min(forwarded.values()) == 0:
-        return f"not forwarded by ringcoll's backend: {forwarded}"
+    # Not left to c10d's dispatch: forwarded to gloo by the backend, or (all_reduce_coalesced)
+    # run on the ring.
+    handled = {route: backend.call_counts[route]
+               for route in ("gloo:broadcast", "gloo:reduce", "ringcoll:all_reduce_coalesced")}
+    if min(handled.values()) == 0:
+        return f"not handled by ringcoll's backend itself: {handled}"
     return "ok"
 
 
@@ -418,3 +423,78 @@ def test_forwarded_collectives_do_not_deadlock():
     # Before the forwarding, 300 rounds hung in the first or second of three launches.
     assert spawn(_many_forwarded_calls, 2, 300, timeout=120, backend="ringcoll", env=ENV, init_timeout=30) == \
         ["ok", "ok"]
+
+
+# --- every call form c10d's ProcessGroup accepts, and the caller's thread state ------------
+
+def _call_forms(pg, rank, ws) -> dict:
+    """Each ProcessGroup call form on `pg`, waited for; the tensors it produced."""
+    MAX, SUM = dist.ReduceOp.MAX, dist.ReduceOp.SUM
+    got = {}
+
+    def run(name, fn, *tensors):
+        fn().wait()
+        got[name] = [t.clone() for t in tensors]
+
+    base = lambda: torch.arange(5.0) * (rank + 1) - rank  # noqa: E731
+    t = base(); run("allreduce(t, op=MAX)", lambda: pg.allreduce(t, op=MAX), t)
+    t = base(); run("allreduce([t], op=MAX)", lambda: pg.allreduce([t], op=MAX), t)
+    t = base(); run("allreduce([t], MAX)", lambda: pg.allreduce([t], MAX), t)
+    t = base(); run("allreduce(t)", lambda: pg.allreduce(t), t)
+    t = base(); run("broadcast(t, root=0)", lambda: pg.broadcast(t, root=0), t)
+    t = base(); run("broadcast(t, 1)", lambda: pg.broadcast(t, ws - 1), t)
+    t = base(); run("reduce(t, root=0, op=SUM)", lambda: pg.reduce(t, root=0, op=SUM), t)
+    outs, t = [torch.empty(5) for _ in range(ws)], base()
+    run("allgather(outs, t)", lambda: pg.allgather(outs, t), *outs)
+    out, ins = torch.empty(5), [base() + r for r in range(ws)]
+    run("reduce_scatter(out, ins, op=MAX)", lambda: pg.reduce_scatter(out, ins, op=MAX), out)
+    run("barrier()", lambda: pg.barrier())
+    run("barrier(timedelta)", lambda: pg.barrier(datetime.timedelta(seconds=30)))
+    if rank == 0:
+        run("send([t], dstRank=1, tag=0)", lambda: pg.send([torch.tensor([7.0, 8.0])], dstRank=1, tag=0))
+    elif rank == 1:
+        r = torch.zeros(2)
+        run("recv([r], srcRank=0, tag=0)", lambda: pg.recv([r], srcRank=0, tag=0), r)
+    a, b = base(), base()[:3] * 2
+    run("allreduce_coalesced", lambda: pg.allreduce_coalesced([a, b], _c10d_options("AllreduceCoalescedOptions")), a, b)
+    with torch.inference_mode():
+        outs, t = [torch.empty(5) for _ in range(ws)], base()
+        run("inference_mode allgather", lambda: pg.allgather([outs], [t]), *outs)
+        outs = [torch.empty(5) for _ in range(ws)]
+        run("inference_mode dist.all_gather async",
+            lambda: dist.all_gather(outs, t, group=pg, async_op=True), *outs)
+    return got
+
+
+def _c10d_options(name):
+    return getattr(torch._C._distributed_c10d, name)()
+
+
+def _forms_fn(rank, ws) -> dict:
+    gloo = dist.new_group(backend="gloo")
+    before = _ringcoll_counts()
+    ours = _call_forms(dist.group.WORLD, rank, ws)
+    routed = {k: v - before.get(k, 0) for k, v in _ringcoll_counts().items() if v != before.get(k, 0)}
+    # torch.distributed's own coalesced call, through the backend and through gloo
+    ours_pair = [torch.arange(4.0) + rank, torch.arange(3.0) * (rank + 1)]
+    gloo_pair = [t.clone() for t in ours_pair]
+    dist.all_reduce_coalesced(ours_pair, op=dist.ReduceOp.SUM)
+    dist.all_reduce_coalesced(gloo_pair, op=dist.ReduceOp.SUM, group=gloo)
+    return {"ours": ours, "gloo": _call_forms(gloo, rank, ws), "routed": routed,
+            "coalesced_api": (ours_pair, gloo_pair)}
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_every_call_form_matches_gloo(ws):
+    for rank, out in enumerate(spawn(_forms_fn, ws, timeout=SPAWN_TIMEOUT, backend="ringcoll", env=ENV,
+                                     init_timeout=60)):
+        assert out["ours"].keys() == out["gloo"].keys(), rank
+        for form, tensors in out["gloo"].items():
+            assert all(torch.equal(x, y) for x, y in zip(out["ours"][form], tensors)), (rank, form, out["ours"][form],
+                                                                                      tensors)
+        # The collectives ringcoll implements ran on the ring, coalesced one included.
+        assert out["routed"].get("ringcoll:all_reduce", 0) >= 4, out["routed"]
+        assert out["routed"].get("ringcoll:all_reduce_coalesced") == 1, out["routed"]
+        assert out["routed"].get("ringcoll:all_gather", 0) >= 3, out["routed"]
+        ours, ref = out["coalesced_api"]
+        assert all(torch.equal(x, y) for x, y in zip(ours, ref)), (ours, ref)

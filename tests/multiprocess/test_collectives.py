@@ -603,6 +603,48 @@ def test_collectives_match_gloo(world):
     _report(spawn(_matrix_rank, world, timeout=SPAWN_TIMEOUT, env=CLEAN_ENV))
 
 
+# --- all_reduce_coalesced: one flat ring call for several tensors ------------------------
+
+def _coalesced_rank(rank, world):
+    """Every dtype x op: all_reduce_coalesced of tensors of awkward sizes (through a 4 KiB
+    buffer, so the flat message is sliced) equals gloo's all_reduce of each; sync and async;
+    mixed dtypes and an empty list refused before anything is written."""
+    failures = []
+    with ringcoll.Communicator(buffer_bytes=4096) as comm:
+        for dtype in DTYPES:
+            for op_name in OPS:
+                if op_name == "AVG" and dtype not in BITS:
+                    continue
+                sizes = (1, 0, world + 1, 3001)
+                xs = [make_input(_kind(op_name), dtype, n, _seed("coalesced", dtype, op_name, rank, n)) for n in sizes]
+                expected = gloo_all_reduce(xs, op_name, world)
+                for async_op in (False, True):
+                    ours = [x.clone() for x in xs]
+                    work = comm.all_reduce_coalesced(ours, op=_ops(op_name)[async_op], async_op=async_op)
+                    if work is not None:
+                        work.wait()
+                    for n, got, want in zip(sizes, ours, expected):
+                        if not torch.equal(_bits(got), _bits(want.to(dtype))):
+                            failures.append(f"rank {rank}: all_reduce_coalesced {dtype} {op_name} n={n} "
+                                            f"async={async_op}: {got[:4].tolist()} != {want[:4].tolist()}")
+        a, b = torch.ones(3), torch.ones(3, dtype=torch.float64)
+        for label, tensors, exc in (("mixed dtypes", [a, b], TypeError), ("empty list", [], TypeError)):
+            try:
+                comm.all_reduce_coalesced(tensors)
+                failures.append(f"rank {rank}: all_reduce_coalesced {label}: did not raise")
+            except exc as e:
+                if not str(e).startswith("all_reduce_coalesced:"):
+                    failures.append(f"rank {rank}: all_reduce_coalesced {label}: message {e}")
+        if not torch.equal(a, torch.ones(3)):
+            failures.append(f"rank {rank}: all_reduce_coalesced wrote to a before refusing")
+    return failures
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_all_reduce_coalesced_matches_gloo(world):
+    _report(spawn(_coalesced_rank, world, timeout=SPAWN_TIMEOUT, env=CLEAN_ENV))
+
+
 # --- validation ----------------------------------------------------------------------------
 
 def _expect_error(chk, label, exc_type, op_name, call, untouched=()):
