@@ -1,7 +1,8 @@
 """Hierarchical collectives: ringcoll's ring inside a node, torch.distributed between nodes.
 
 Ranks are grouped by node (an explicit ``node_id``, else ``RINGCOLL_NODE_ID``, else
-``rank // LOCAL_WORLD_SIZE``). With N nodes of L ranks each, and ``local`` a rank's index
+``rank // LOCAL_WORLD_SIZE``, else the ranks that can share memory: one kernel and one
+/dev/shm). With N nodes of L ranks each, and ``local`` a rank's index
 inside its node:
 
     all-reduce      1. reduce-scatter inside the node (ringcoll): local rank l now holds
@@ -32,6 +33,7 @@ import torch.distributed as dist
 
 from ringcoll._types import ReduceOp, op_code, reduce_op
 from ringcoll.communicator import Communicator
+from ringcoll.transports.host import shared_memory_domain
 
 
 def _node_of(rank: int, node_id) -> object:
@@ -40,10 +42,9 @@ def _node_of(rank: int, node_id) -> object:
     if "RINGCOLL_NODE_ID" in os.environ:
         return os.environ["RINGCOLL_NODE_ID"]
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
-    if local_world <= 0:
-        raise ValueError("HierarchicalCommunicator: cannot tell which node this rank is on; pass node_id=, "
-                         "or set RINGCOLL_NODE_ID or LOCAL_WORLD_SIZE")
-    return rank // local_world
+    if local_world > 0:
+        return rank // local_world
+    return shared_memory_domain()
 
 
 class HierarchicalCommunicator:

@@ -12,13 +12,44 @@ collective at a time is on the ring: a synchronous call first waits for the queu
 from __future__ import annotations
 
 import concurrent.futures
+import os
+import socket
 import threading
 from typing import Callable, Optional, Sequence
 
 import torch
 
 from ringcoll import _C
+from ringcoll.errors import RingcollError
 from ringcoll.transports.base import CollectiveCall, Settings, Transport
+
+
+def shared_memory_domain() -> str:
+    """What two processes must share to map each other's segments: the same kernel (boot
+    id: a hostname can repeat, and containers share one) and the same /dev/shm file system
+    (device number: a container or a private mount namespace may mount its own)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = socket.gethostname()  # no procfs (not Linux): the best name we have
+    return f"{boot}/shm-dev-{os.stat('/dev/shm').st_dev if os.path.isdir('/dev/shm') else 'none'}"
+
+
+def _require_one_domain(domains: list) -> None:
+    """Raise at once, on every rank alike (they all hold the same list), when ranks cannot
+    share memory: their segments could never appear to each other, so waiting would only
+    run into the timeout."""
+    if len(set(domains)) == 1:
+        return
+    hosts: dict = {}
+    for rank, domain in enumerate(domains):
+        hosts.setdefault(domain, []).append(rank)
+    groups = "; ".join(f"ranks {', '.join(map(str, ranks))} on {domain}" for domain, ranks in hosts.items())
+    raise RingcollError("Communicator: the shared-memory transport needs every rank on one machine (one "
+                        f"kernel and one /dev/shm), but the ranks are on {len(hosts)}: {groups}. Across "
+                        "machines use ringcoll.training.hierarchical.HierarchicalCommunicator (the ring inside "
+                        "each machine, torch.distributed between them).")
 
 
 class ThreadCompletion:
@@ -54,7 +85,9 @@ class HostTransport(Transport):
         return device  # "cpu": nothing to pick
 
     def __init__(self, settings: Settings, exchange: Callable[..., list]):
-        names = exchange(_C.random_segment_name())
+        offers = exchange((_C.random_segment_name(), shared_memory_domain()))
+        _require_one_domain([domain for _, domain in offers])
+        names = [name for name, _ in offers]
         self._comm = _C.HostComm(settings.rank, settings.world_size, names, settings.buffer_bytes,
                                  settings.timeout, settings.check)
         self._worker: Optional[concurrent.futures.ThreadPoolExecutor] = None

@@ -1,0 +1,110 @@
+"""Ranks that cannot share memory (two "hosts"): a clear error at once, not a timeout.
+
+Two hosts are simulated on this machine: ranks of the second host enter a mount namespace
+of their own (unshare CLONE_NEWNS) and mount one directory over /dev/shm, so their shared
+memory is not the first host's, as on two machines. Needs root (CI runs as root); where the
+namespace cannot be made the test fails saying so, it does not skip.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from ringcoll.harness.launcher import spawn
+
+CLONE_NEWNS = 0x00020000
+MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
+ENV = {"RINGCOLL_TIMEOUT": "60"}  # a wait for a segment that never appears would take this long
+
+
+def _enter_second_host(shm_dir: str) -> None:
+    """This process's /dev/shm becomes `shm_dir`, in a mount namespace of its own."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    steps = [("unshare", lambda: libc.unshare(CLONE_NEWNS)),
+             ("make / private", lambda: libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None)),
+             ("bind /dev/shm", lambda: libc.mount(shm_dir.encode(), b"/dev/shm", None, MS_BIND, None))]
+    for what, step in steps:
+        if step() != 0:
+            raise OSError(ctypes.get_errno(), f"cannot simulate a second host ({what}; needs root): "
+                          + os.strerror(ctypes.get_errno()))
+
+
+def _two_hosts(rank, world, shm_dir):
+    import ringcoll
+    from ringcoll.training.hierarchical import HierarchicalCommunicator
+    from ringcoll.transports.host import shared_memory_domain
+
+    if rank >= world // 2:
+        _enter_second_host(shm_dir)
+    out = {"domain": shared_memory_domain()}
+    started = time.monotonic()
+    try:
+        ringcoll.Communicator()
+        out["direct"] = ("no error", "")
+    except ringcoll.RingcollError as e:
+        out["direct"] = (type(e).__name__, str(e))
+    out["direct_seconds"] = time.monotonic() - started
+    # What the error suggests: the ring inside each host, gloo between them, against gloo
+    # over all ranks. (The launcher sets LOCAL_WORLD_SIZE, so the node is named here.)
+    x = torch.arange(10, dtype=torch.float64) * (rank + 1)
+    with HierarchicalCommunicator(node_id=shared_memory_domain(), buffer_bytes=4096) as h:
+        ours = x.clone()
+        h.all_reduce(ours)
+        out["hierarchical_nodes"] = h.num_nodes
+    ref = x.clone()
+    dist.all_reduce(ref)
+    out["hierarchical_equal"] = torch.equal(ours, ref)
+    return out
+
+
+def test_ranks_on_two_hosts_get_a_clear_error_at_once(tmp_path):
+    shm_dir = tmp_path / "second-host-shm"
+    shm_dir.mkdir()
+    results = spawn(_two_hosts, 4, str(shm_dir), timeout=120, env=ENV)
+    domains = [r["domain"] for r in results]
+    assert domains[0] == domains[1] != domains[2] == domains[3], domains
+    for rank, r in enumerate(results):
+        kind, message = r["direct"]
+        assert kind == "RingcollError", (rank, kind, message)
+        assert "ranks 0, 1 on" in message and "ranks 2, 3 on" in message, message
+        assert "HierarchicalCommunicator" in message, message
+        assert r["direct_seconds"] < 10, r["direct_seconds"]  # not the 60 s timeout
+        assert r["hierarchical_nodes"] == 2 and r["hierarchical_equal"], r
+    assert not list(shm_dir.iterdir())  # nothing created, nothing left
+
+
+def _backend_two_hosts(rank, world, shm_dir):
+    if rank >= world // 2:
+        _enter_second_host(shm_dir)
+    started = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(4))
+        return "no error", "", time.monotonic() - started
+    except RuntimeError as e:
+        return type(e).__name__, str(e), time.monotonic() - started
+
+
+def test_backend_over_two_hosts_fails_at_once_naming_them(tmp_path):
+    shm_dir = tmp_path / "second-host-shm"
+    shm_dir.mkdir()
+    for kind, message, seconds in spawn(_backend_two_hosts, 4, str(shm_dir), timeout=120, env=ENV,
+                                        backend="ringcoll"):
+        assert kind == "RingcollError" and "ranks 2, 3 on" in message, (kind, message)
+        assert seconds < 10, seconds
+
+
+def test_hierarchical_node_defaults_to_the_shared_memory_domain(monkeypatch):
+    from ringcoll.training.hierarchical import _node_of
+    from ringcoll.transports.host import shared_memory_domain
+
+    monkeypatch.delenv("RINGCOLL_NODE_ID", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert _node_of(3, None) == shared_memory_domain()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert _node_of(3, None) == 1
+    assert _node_of(3, "given") == "given"
