@@ -108,14 +108,15 @@ RINGCOLL_AVX2_F16C inline __m256 finalize8(AvgOp, __m256 x, __m256 world) { retu
 
 }  // namespace v16
 
-// out[i] (and out2[i], if out2) = recv[i] op own[i] for i < len - len % 16; returns that
-// count. `own` may be `out` itself: each block is read before it is written.
+// One combine on 8 lanes, as combine_element / combine_final_element.
 template <class Op, bool kFinal>
 RINGCOLL_AVX2_F16C inline __m256 value8(__m256 a, __m256 b, __m256 world) {
   __m256 x = v16::combine8(Op{}, a, b);
   if constexpr (kFinal) x = v16::finalize8(Op{}, x, world);
   return _mm256_blendv_ps(x, a, v16::is_nan8(a));  // nan_a_wins
 }
+// out[i] (and out2[i], if out2) = recv[i] op own[i] for i < len - len % 16; returns that
+// count. `own` may be `out` itself: each block is read before it is written.
 template <typename T, class Op, bool kFinal>
 RINGCOLL_AVX2_F16C int64_t reduce16_avx2(T* out, T* out2, const T* recv, const T* own, int64_t len, int world) {
   const __m256 w = _mm256_set1_ps(static_cast<float>(world));
