@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "host_vector16.h"
 #include "ringcoll/reduce.h"
 
 #if defined(__SSE2__)
@@ -73,20 +74,27 @@ void copy_strip(T* dst, T* dst2, const T* src, int64_t len, bool stream_dst2) {
 
 // to_right[i] (if any) and to_output[i] (if any) = recv[i] op own[i], finalized when
 // kFinal. `own` may alias `to_output` (in-place), so nothing here is __restrict.
+// `allow_vector` false forces the scalar loop (for tests: it is the reference).
 template <typename T, class Op, bool kFinal>
 void reduce_strip(T* to_right, T* to_output, const T* recv, const T* own, int64_t len, int world,
-                  bool stream_output) {
+                  bool stream_output, bool allow_vector = true) {
   auto value = [world](T a, T b) {
     if constexpr (kFinal) return combine_final_element<T, Op>(a, b, world);
     else return combine_element<T, Op>(a, b);
   };
-  if (to_output == nullptr || !stream_output) {
-    if (to_output != nullptr && to_right != nullptr) {
-      for (int64_t i = 0; i < len; ++i) to_right[i] = to_output[i] = value(recv[i], own[i]);
+  // out[i] (and out2[i], if any) for i < n: the vector path's blocks where it has one
+  // (host_vector16.h), the scalar loop for the rest.
+  auto reduce_span = [&](T* out, T* out2, const T* r, const T* o, int64_t n) {
+    int64_t i = reduce_strip_vector<T, Op, kFinal>(out, out2, r, o, n, world, allow_vector);
+    if (out2 != nullptr) {
+      for (; i < n; ++i) out[i] = out2[i] = value(r[i], o[i]);
     } else {
-      T* out = to_right != nullptr ? to_right : to_output;
-      for (int64_t i = 0; i < len; ++i) out[i] = value(recv[i], own[i]);
+      for (; i < n; ++i) out[i] = value(r[i], o[i]);
     }
+  };
+  if (to_output == nullptr || !stream_output) {
+    if (to_output != nullptr && to_right != nullptr) reduce_span(to_right, to_output, recv, own, len);
+    else reduce_span(to_right != nullptr ? to_right : to_output, nullptr, recv, own, len);
     return;
   }
   // Output streamed: compute a block into the slot (which the neighbour reads from cache)
@@ -97,7 +105,7 @@ void reduce_strip(T* to_right, T* to_output, const T* recv, const T* own, int64_
   for (int64_t i = 0; i < len; i += kBlock) {
     const int64_t n = len - i < kBlock ? len - i : kBlock;
     T* staged = to_right != nullptr ? to_right + i : scratch;
-    for (int64_t j = 0; j < n; ++j) staged[j] = value(recv[i + j], own[i + j]);
+    reduce_span(staged, nullptr, recv + i, own + i, n);
     stream_copy(to_output + i, staged, static_cast<size_t>(n) * sizeof(T));
   }
 }

@@ -12,6 +12,8 @@ the code path (see reference()); reduce.h's rule, first operand wins, is pinned 
 """
 
 
+import platform
+
 import numpy as np
 import pytest
 import torch
@@ -34,11 +36,11 @@ BITS = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float16: t
 INF, NAN = float("inf"), float("nan")
 
 
-def reduce_arrays(a, b, op, final=False, world=1):
+def reduce_arrays(a, b, op, final=False, world=1, path="auto"):
     assert a.dtype == b.dtype and a.shape == b.shape and a.is_contiguous() and b.is_contiguous()
     out = torch.full_like(a, 0)
     _C.reduce_arrays(out.data_ptr(), a.data_ptr(), b.data_ptr(), a.numel(), DTYPE_CODES[a.dtype], op,
-                     final=final, world=world)
+                     final=final, world=world, path=path)
     return out
 
 
@@ -312,3 +314,118 @@ def test_in_place_and_numpy_pointers():
     out = np.empty_like(x)
     _C.reduce_arrays(out.ctypes.data, x.ctypes.data, y.ctypes.data, x.size, DTYPE_CODES[torch.float16], MAX)
     np.testing.assert_array_equal(out, np.maximum(x, y))
+
+
+def test_unknown_path_is_rejected():
+    a = torch.ones(4)
+    with pytest.raises(ValueError):
+        _C.reduce_arrays(a.data_ptr(), a.data_ptr(), a.data_ptr(), 4, DTYPE_CODES[torch.float32], SUM, path="avx")
+
+
+# ---------------------------------------------------------------------------------------
+# The vectorised 16-bit loop (csrc/host/host_vector16.h) against the scalar one, bit for
+# bit, NaN bits included: path="auto" is what the ring runs, path="scalar" the reference.
+
+HALVES = [torch.float16, torch.bfloat16]
+HALF_IDS = ["float16", "bfloat16"]
+# (final, world): the plain combine and the last one of a chunk for every world size.
+VARIANTS = [(False, 1)] + [(True, w) for w in range(1, 6)]
+
+
+def cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+def test_vector_path_is_selected_where_the_cpu_has_it():
+    # Not a skip: on a CPU with AVX2 and F16C the comparisons below must exercise the
+    # vector loop, or they would compare the scalar loop with itself.
+    has = platform.machine() in ("x86_64", "AMD64") and {"avx2", "f16c"} <= cpu_flags()
+    assert _C.host_vector_isa == ("avx2+f16c" if has else "none")
+
+
+def bits16(t):
+    return t.view(torch.int16)
+
+
+def assert_paths_agree(a, b, op, final, world):
+    got = bits16(reduce_arrays(a, b, op, final, world, path="auto"))
+    expected = bits16(reduce_arrays(a, b, op, final, world, path="scalar"))
+    bad = torch.nonzero(got != expected).flatten()
+    if bad.numel():
+        hx = lambda t, i: hex(bits16(t)[i].item() & 0xFFFF)
+        rows = [f"  [{i}] a={hx(a, i)} b={hx(b, i)}: vector {hx(got, i)}, scalar {hx(expected, i)}"
+                for i in bad[:8].tolist()]
+        pytest.fail(f"{OP_NAMES[op]} final={final} world={world}: {bad.numel()} of {got.numel()} differ:\n"
+                    + "\n".join(rows))
+
+
+@pytest.mark.parametrize("op", OPS, ids=[OP_NAMES[op] for op in OPS])
+@pytest.mark.parametrize("dtype", HALVES, ids=HALF_IDS)
+def test_vector_matches_scalar_on_every_value(dtype, op):
+    # All 65536 bit patterns of one operand (NaNs with every payload, infinities,
+    # subnormals, -0), against random patterns and against themselves, in both orders.
+    g = torch.Generator().manual_seed(13 + op)
+    every = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)
+    others = [torch.randint(-(1 << 15), 1 << 15, (every.numel(),), dtype=torch.int16, generator=g) for _ in range(3)]
+    for other in others + [every, every.flip(0)]:
+        for x, y in ((every, other), (other, every)):
+            for final, world in VARIANTS:
+                assert_paths_agree(x.view(dtype), y.view(dtype), op, final, world)
+
+
+@pytest.mark.parametrize("op", OPS, ids=[OP_NAMES[op] for op in OPS])
+@pytest.mark.parametrize("dtype", HALVES, ids=HALF_IDS)
+def test_vector_matches_scalar_on_near_values(dtype, op):
+    # Ordinary magnitudes close to each other, where rounding (and ties) matter most.
+    a, b = random_pair(dtype, count=50000, seed=op + 11)
+    for final, world in VARIANTS:
+        assert_paths_agree(a, b, op, final, world)
+
+
+@pytest.mark.parametrize("dtype", HALVES, ids=HALF_IDS)
+def test_vector_lengths_offsets_and_in_place(dtype):
+    # Lengths around the 8-element blocks (the scalar loop does the last len % 8), at
+    # every 2-byte offset from a 32-byte boundary for each pointer, out of place and in
+    # place; the elements next to the output stay untouched.
+    g = torch.Generator().manual_seed(5)
+    lengths = list(range(71)) + [127, 128, 129, 1000, 4099]
+    pool = lambda: torch.randint(-(1 << 15), 1 << 15, (4200,), dtype=torch.int16, generator=g)
+    for n in lengths:
+        for off_a, off_b, off_out in ((0, 0, 0), (1, 3, 5), (7, 2, 1), (3, 3, 3)):
+            for op in OPS:
+                final, world = (True, 3) if op == AVG else (n % 2 == 1, 1 + n % 5)
+                a, b = pool(), pool()
+                x, y = a[off_a:off_a + n].view(dtype), b[off_b:off_b + n].view(dtype)
+                results = []
+                for path in ("auto", "scalar"):
+                    out = torch.full((n + 16,), 0x1234, dtype=torch.int16)
+                    o = out[off_out:off_out + n]
+                    _C.reduce_arrays(o.data_ptr(), x.data_ptr(), y.data_ptr(), n, DTYPE_CODES[dtype], op,
+                                     final=final, world=world, path=path)
+                    assert (out[:off_out] == 0x1234).all() and (out[off_out + n:] == 0x1234).all(), (n, path)
+                    own = y.clone()  # in place: the output is the own operand, as in the ring
+                    _C.reduce_arrays(own.data_ptr(), x.data_ptr(), own.data_ptr(), n, DTYPE_CODES[dtype], op,
+                                     final=final, world=world, path=path)
+                    assert torch.equal(own.view(torch.int16), o), (n, path, op)
+                    results.append(o)
+                assert torch.equal(results[0], results[1]), (n, off_a, off_b, off_out, OP_NAMES[op])
+
+
+@pytest.mark.parametrize("dtype", HALVES, ids=HALF_IDS)
+def test_two_nans_give_the_first_one(dtype):
+    # IEEE leaves open which NaN `a + b` returns when both are; reduce.h pins it for the
+    # 16-bit types (nan_a_wins): the received partial `a`, quieted by the rounding. That
+    # is what makes the vector and scalar loops' NaN bits comparable at all.
+    a_bits, b_bits = (0x7D01, 0xFE33) if dtype == torch.float16 else (0x7F81, 0xFFD3)
+    quiet_a = 0x7E00 if dtype == torch.float16 else 0x7FC1  # half_from_float / bfloat16_from_float of a
+    a = torch.full((24,), a_bits, dtype=torch.int16).view(dtype)
+    b = torch.full((24,), b_bits - (1 << 16), dtype=torch.int16).view(dtype)
+    for op in OPS:
+        for final, world in VARIANTS:
+            for path in ("auto", "scalar"):
+                got = bits16(reduce_arrays(a, b, op, final, world, path=path))
+                assert (got == quiet_a).all(), (OP_NAMES[op], final, path, hex(got[0].item() & 0xFFFF))

@@ -6,7 +6,8 @@
 //     one rounding per combine, as torch does for `a + b` on half tensors.
 //   * integers wrap on overflow (torch's behaviour); the arithmetic is done on the unsigned
 //     type because signed overflow is undefined in C++.
-//   * MIN / MAX propagate NaN, like torch.minimum / torch.maximum.
+//   * MIN / MAX propagate NaN, like torch.minimum / torch.maximum; for 16-bit floats a NaN
+//     `a` is the result of every op (nan_a_wins), so the NaN's bits are defined too.
 //   * AVG is SUM followed by one division by the world size at the end (finalize), for
 //     floating types only.
 #pragma once
@@ -189,15 +190,35 @@ struct AvgOp {
   template <typename C> RINGCOLL_INLINE static C finalize(C x, int world) { return x / static_cast<C>(world); }
 };
 
+// Which NaN comes out when both operands are NaN: IEEE lets `a + b` return either, and
+// compilers swap the operands of a commutative operation freely, so one source line can give
+// different NaN bits at different call sites (a loop's vectorised body and its scalar tail,
+// say). For float16 / bfloat16, whose host loop has a second, vectorised path that must match
+// the scalar one bit for bit (host_vector16.h), the rule is pinned: a NaN `a` is the result,
+// as MIN / MAX already have it; narrow() quiets it. One NaN operand gave that NaN anyway.
+template <typename T, typename C>
+RINGCOLL_INLINE C nan_a_wins(C a, C result) {
+  if constexpr (std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>) {
+    // A mask, not `is_nan(a) ? a : result`: GCC does not if-convert a float compare, and
+    // the branch would keep it from vectorising the scalar loop.
+    const uint32_t a_is_nan = 0u - static_cast<uint32_t>(is_nan(a));
+    return bits_float((float_bits(a) & a_is_nan) | (float_bits(result) & ~a_is_nan));
+  } else {
+    return result;
+  }
+}
+
 // One element: a (received partial) op b (own contribution), rounded once to storage.
 template <typename T, class Op>
 RINGCOLL_INLINE T combine_element(T a, T b) {
-  return narrow<T>(Op::combine(widen(a), widen(b)));
+  const auto x = widen(a);
+  return narrow<T>(nan_a_wins<T>(x, Op::combine(x, widen(b))));
 }
 // The last combine of a chunk: rounding happens once, after finalize.
 template <typename T, class Op>
 RINGCOLL_INLINE T combine_final_element(T a, T b, int world) {
-  return narrow<T>(Op::finalize(Op::combine(widen(a), widen(b)), world));
+  const auto x = widen(a);
+  return narrow<T>(nan_a_wins<T>(x, Op::finalize(Op::combine(x, widen(b)), world)));
 }
 template <typename T, class Op>
 RINGCOLL_INLINE T finalize_element(T x, int world) {
