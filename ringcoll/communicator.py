@@ -143,6 +143,13 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
+def _call(name: str, collective: str, src: torch.Tensor, dst: torch.Tensor, user_count: int,
+          op: Optional[int] = None) -> CollectiveCall:
+    """The transports' record of a validated call: addresses and codes (`name` is the op
+    the user called, for messages)."""
+    return CollectiveCall(collective, src.data_ptr(), dst.data_ptr(), user_count, dtype_code(name, src.dtype), op)
+
+
 class Communicator:
     """A ring over the ranks of ``group`` (the default group when None) for tensors on
     ``device`` (default CPU: the shared-memory transport; ``"cuda"`` / ``"cuda:N"``: CUDA IPC,
@@ -322,8 +329,7 @@ class Communicator:
             output = tensor
         else:
             self._check_pair(name, output, tensor, 1)
-        call = CollectiveCall(name, tensor.data_ptr(), output.data_ptr(), tensor.numel(), dtype_code(name, tensor.dtype),
-                        op_code(name, op, tensor.dtype))
+        call = _call(name, name, tensor, output, tensor.numel(), op_code(name, op, tensor.dtype))
         return self._submit(call, [output], (tensor,), async_op)
 
     def all_reduce_coalesced(self, tensors: list, op=ReduceOp.SUM, async_op: bool = False):
@@ -340,8 +346,7 @@ class Communicator:
                 raise TypeError(f"{name}: tensors[{i}] has dtype {t.dtype}, expected {tensors[0].dtype}")
         code = op_code(name, op, tensors[0].dtype)
         flat = torch.cat([t.reshape(-1) for t in tensors])
-        call = CollectiveCall("all_reduce", flat.data_ptr(), flat.data_ptr(), flat.numel(),
-                              dtype_code(name, flat.dtype), code)
+        call = _call(name, "all_reduce", flat, flat, flat.numel(), code)
 
         def copy_back() -> None:
             offset = 0
@@ -359,8 +364,7 @@ class Communicator:
         output, input = self._view(output), self._view(input)
         self._ensure_open(name)
         self._check_pair(name, output, input, 1 / self.world_size)
-        call = CollectiveCall("reduce_scatter", input.data_ptr(), output.data_ptr(), output.numel(),
-                        dtype_code(name, input.dtype), op_code(name, op, input.dtype))
+        call = _call(name, "reduce_scatter", input, output, output.numel(), op_code(name, op, input.dtype))
         return self._submit(call, [output], (input,), async_op)
 
     def all_gather_into_tensor(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
@@ -371,8 +375,7 @@ class Communicator:
         output_tensor, input_tensor = self._view(output_tensor), self._view(input_tensor)
         self._ensure_open(name)
         self._check_pair(name, output_tensor, input_tensor, self.world_size)
-        call = CollectiveCall("all_gather", input_tensor.data_ptr(), output_tensor.data_ptr(), input_tensor.numel(),
-                        dtype_code(name, input_tensor.dtype), None)
+        call = _call(name, "all_gather", input_tensor, output_tensor, input_tensor.numel())
         return self._submit(call, [output_tensor], (input_tensor,), async_op)
 
     def all_gather(self, tensor_list: list, tensor: torch.Tensor, async_op: bool = False):
@@ -383,7 +386,7 @@ class Communicator:
         self._check_list(name, "tensor_list", tensor_list, tensor)
         flat = torch.empty(self.world_size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
         count = tensor.numel()
-        call = CollectiveCall("all_gather", tensor.data_ptr(), flat.data_ptr(), count, dtype_code(name, tensor.dtype), None)
+        call = _call(name, "all_gather", tensor, flat, count)
 
         def copy_out() -> None:
             for r, out in enumerate(tensor_list):
@@ -400,7 +403,7 @@ class Communicator:
         code = op_code(name, op, output.dtype)
         # The packed copy is taken now, so output may alias an entry of input_list.
         flat = torch.cat([t.reshape(-1) for t in input_list]) if input_list else output.new_empty(0)
-        call = CollectiveCall(name, flat.data_ptr(), output.data_ptr(), output.numel(), dtype_code(name, output.dtype), code)
+        call = _call(name, name, flat, output, output.numel(), code)
         return self._submit(call, [output], (flat, *input_list), async_op)
 
     def barrier(self, async_op: bool = False):
