@@ -48,8 +48,9 @@ def _require_one_domain(domains: list) -> None:
     groups = "; ".join(f"ranks {', '.join(map(str, ranks))} on {domain}" for domain, ranks in hosts.items())
     raise RingcollError("Communicator: the shared-memory transport needs every rank on one machine (one "
                         f"kernel and one /dev/shm), but the ranks are on {len(hosts)}: {groups}. Across "
-                        "machines use ringcoll.training.hierarchical.HierarchicalCommunicator (the ring inside "
-                        "each machine, torch.distributed between them).")
+                        "machines use init_process_group(\"ringcoll\"), which goes hierarchical by itself, or "
+                        "ringcoll.training.hierarchical.HierarchicalCommunicator (the ring inside each machine, "
+                        "torch.distributed between them).")
 
 
 class ThreadCompletion:
@@ -74,39 +75,18 @@ class ThreadCompletion:
         self._future.result()
 
 
-class HostTransport(Transport):
-    """Shared-memory ring over ``_C.HostComm`` (see the module doc)."""
+class CallQueue:
+    """Collectives in call order: run now on the calling thread (sync) or queued on one
+    worker thread (async). A synchronous call first waits for the queued ones, and one
+    call at a time runs, so every rank's calls reach the ring in the order they were made.
+    The hierarchical communicator (training/hierarchical.py) orders its calls the same way."""
 
-    slot_alignment = _C.host_slot_alignment
-    takes_arrays = False  # a CPU array is not viewed as a tensor: the caller passes tensors
-
-    @staticmethod
-    def resolve_device(device):
-        return device  # "cpu": nothing to pick
-
-    def __init__(self, settings: Settings, exchange: Callable[..., list]):
-        offers = exchange((_C.random_segment_name(), shared_memory_domain()))
-        _require_one_domain([domain for _, domain in offers])
-        names = [name for name, _ in offers]
-        self._comm = _C.HostComm(settings.rank, settings.world_size, names, settings.buffer_bytes,
-                                 settings.timeout, settings.check)
+    def __init__(self):
         self._worker: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._last_async: Optional[concurrent.futures.Future] = None
-        self._lock = threading.Lock()  # one collective at a time on the ring
+        self._lock = threading.Lock()  # one collective at a time
 
-    def submit(self, call: CollectiveCall, outputs: list, keep_alive: Sequence, async_op: bool,
-               then: Optional[Callable[[], None]] = None) -> Optional[ThreadCompletion]:
-        def run() -> None:
-            call.run(self._comm)
-            if then is not None:
-                then()
-
-        return self._submit(run, async_op)
-
-    def barrier(self, async_op: bool) -> Optional[ThreadCompletion]:
-        return self._submit(self._comm.barrier, async_op)
-
-    def _submit(self, run: Callable[[], None], async_op: bool) -> Optional[ThreadCompletion]:
+    def submit(self, run: Callable[[], None], async_op: bool) -> Optional[ThreadCompletion]:
         """Run `run` now (sync) or queue it (async) behind earlier async work."""
         if not async_op:
             self.synchronize()  # keep call order; a queued call's error is its own
@@ -129,10 +109,52 @@ class HostTransport(Transport):
         return ThreadCompletion(self._last_async)
 
     def synchronize(self) -> None:
-        """Wait until the queued async calls have run; their errors are their Works'."""
+        """Wait until the queued calls have run; their errors are their Works'."""
         pending = self._last_async
         if pending is not None:
             concurrent.futures.wait([pending])
+
+    def close(self, last: Callable[[], None]) -> None:
+        """Finish the queued calls, then run `last` (the release) alone."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+        with self._lock:
+            last()
+
+
+class HostTransport(Transport):
+    """Shared-memory ring over ``_C.HostComm`` (see the module doc)."""
+
+    slot_alignment = _C.host_slot_alignment
+    takes_arrays = False  # a CPU array is not viewed as a tensor: the caller passes tensors
+
+    @staticmethod
+    def resolve_device(device):
+        return device  # "cpu": nothing to pick
+
+    def __init__(self, settings: Settings, exchange: Callable[..., list]):
+        offers = exchange((_C.random_segment_name(), shared_memory_domain()))
+        _require_one_domain([domain for _, domain in offers])
+        names = [name for name, _ in offers]
+        self._comm = _C.HostComm(settings.rank, settings.world_size, names, settings.buffer_bytes,
+                                 settings.timeout, settings.check)
+        self._calls = CallQueue()
+
+    def submit(self, call: CollectiveCall, outputs: list, keep_alive: Sequence, async_op: bool,
+               then: Optional[Callable[[], None]] = None) -> Optional[ThreadCompletion]:
+        def run() -> None:
+            call.run(self._comm)
+            if then is not None:
+                then()
+
+        return self._calls.submit(run, async_op)
+
+    def barrier(self, async_op: bool) -> Optional[ThreadCompletion]:
+        return self._calls.submit(self._comm.barrier, async_op)
+
+    def synchronize(self) -> None:
+        """Wait until the queued async calls have run; their errors are their Works'."""
+        self._calls.synchronize()
 
     def launch_on_stream(self, call: CollectiveCall, stream) -> None:
         raise ValueError(f"{call.collective}: arrays on a given stream need a CUDA communicator; "
@@ -140,7 +162,4 @@ class HostTransport(Transport):
 
     def close(self, wait_for_peers: bool = True) -> None:
         """Finish queued async work, then unmap the shared memory."""
-        if self._worker is not None:
-            self._worker.shutdown(wait=True)
-        with self._lock:
-            self._comm.close()
+        self._calls.close(self._comm.close)
