@@ -28,7 +28,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ringcoll import _C
+from ringcoll import _C, packing
 from ringcoll._types import ReduceOp, dtype_code, op_code
 from ringcoll.errors import RingcollError
 from ringcoll.transports import CollectiveCall, Settings, transport_for
@@ -150,7 +150,82 @@ def _call(name: str, collective: str, src: torch.Tensor, dst: torch.Tensor, user
     return CollectiveCall(collective, src.data_ptr(), dst.data_ptr(), user_count, dtype_code(name, src.dtype), op)
 
 
-class Communicator:
+class ArgumentChecks:
+    """The argument checks, one place for both communicators (this one and the hierarchical
+    one in training/hierarchical.py). They read ``self.device``, ``self.world_size`` and
+    ``self.rank``, and raise TypeError / ValueError naming the op before anything moves."""
+
+    device: torch.device
+    world_size: int
+    rank: int
+
+    def _check_tensor(self, op: str, what: str, t) -> None:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {what} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device != self.device and not (self.device.type == "cpu" and t.device.type == "cpu"):
+            raise ValueError(f"{op}: {what} is on {t.device}, but this communicator serves {self.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"{op}: {what} must be contiguous")
+        dtype_code(op, t.dtype)
+
+    def _check_pair(self, op: str, output: torch.Tensor, input: torch.Tensor, output_per_input: float) -> None:
+        """Both tensors valid, same dtype, output.numel() == input.numel() * output_per_input,
+        and either disjoint or output/input aliasing exactly this rank's chunk."""
+        self._check_tensor(op, "output", output)
+        self._check_tensor(op, "input", input)
+        if output.dtype != input.dtype:
+            raise TypeError(f"{op}: output dtype {output.dtype} differs from input dtype {input.dtype}")
+        if output.numel() != input.numel() * output_per_input:
+            if output_per_input >= 1:
+                expected = f"world_size ({self.world_size}) x input size ({input.numel()}) = {int(input.numel() * output_per_input)}"
+            else:
+                expected = f"input size ({input.numel()}) / world_size ({self.world_size}) = {input.numel() / self.world_size:g}"
+            raise ValueError(f"{op}: output has {output.numel()} elements, expected {expected}")
+        whole, part = (output, input) if output_per_input >= 1 else (input, output)
+        # In place means the smaller tensor is exactly this rank's chunk of the larger one
+        # (for equal sizes: the same tensor).
+        chunk_offset = 0 if output_per_input == 1 else self.rank * part.numel() * part.element_size()
+        in_place = part.data_ptr() == whole.data_ptr() + chunk_offset
+        if _overlaps(whole, part) and not in_place:
+            raise ValueError(f"{op}: output and input overlap; in place, the smaller one must be exactly "
+                             f"this rank's chunk (rank {self.rank}) of the larger one")
+
+    def _check_list(self, op: str, what: str, tensors, reference: torch.Tensor) -> None:
+        self._check_tensor(op, "tensor" if what == "tensor_list" else "output", reference)
+        if not isinstance(tensors, (list, tuple)):
+            raise TypeError(f"{op}: {what} must be a list of tensors, got {type(tensors).__name__}")
+        if len(tensors) != self.world_size:
+            raise ValueError(f"{op}: {what} has {len(tensors)} tensors, expected world_size = {self.world_size}")
+        for i, t in enumerate(tensors):
+            self._check_tensor(op, f"{what}[{i}]", t)
+            if t.dtype != reference.dtype:
+                raise TypeError(f"{op}: {what}[{i}] has dtype {t.dtype}, expected {reference.dtype}")
+            if t.numel() != reference.numel():
+                raise ValueError(f"{op}: {what}[{i}] has {t.numel()} elements, expected {reference.numel()}")
+
+    def _check_same_dtype(self, op: str, what: str, tensors) -> None:
+        """A non-empty list of valid tensors of one dtype."""
+        if not isinstance(tensors, (list, tuple)) or not tensors:
+            raise TypeError(f"{op}: {what} must be a non-empty list of tensors")
+        for i, t in enumerate(tensors):
+            self._check_tensor(op, f"{what}[{i}]", t)
+            if t.dtype != tensors[0].dtype:
+                raise TypeError(f"{op}: {what}[{i}] has dtype {t.dtype}, expected {tensors[0].dtype}")
+
+    def _check_pairs(self, op: str, outputs, inputs, output_per_input: float) -> None:
+        """The coalesced forms: two lists of one length and one dtype, each pair as _check_pair."""
+        self._check_same_dtype(op, "outputs", outputs)
+        self._check_same_dtype(op, "inputs", inputs)
+        if len(outputs) != len(inputs):
+            raise ValueError(f"{op}: {len(outputs)} outputs for {len(inputs)} inputs")
+        for i, (output, input) in enumerate(zip(outputs, inputs)):
+            try:
+                self._check_pair(op, output, input, output_per_input)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"{op}: pair {i}: {str(e)[len(op) + 2:]}") from None
+
+
+class Communicator(ArgumentChecks):
     """A ring over the ranks of ``group`` (the default group when None) for tensors on
     ``device`` (default CPU: the shared-memory transport; ``"cuda"`` / ``"cuda:N"``: CUDA IPC,
     the current CUDA device when no index is given).
@@ -258,39 +333,6 @@ class Communicator:
         kernel error)."""
         self._transport.synchronize()
 
-    # --- validation, one place ------------------------------------------------------------
-
-    def _check_tensor(self, op: str, what: str, t) -> None:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{op}: {what} must be a torch.Tensor, got {type(t).__name__}")
-        if t.device != self.device and not (self.device.type == "cpu" and t.device.type == "cpu"):
-            raise ValueError(f"{op}: {what} is on {t.device}, but this communicator serves {self.device}")
-        if not t.is_contiguous():
-            raise ValueError(f"{op}: {what} must be contiguous")
-        dtype_code(op, t.dtype)
-
-    def _check_pair(self, op: str, output: torch.Tensor, input: torch.Tensor, output_per_input: float) -> None:
-        """Both tensors valid, same dtype, output.numel() == input.numel() * output_per_input,
-        and either disjoint or output/input aliasing exactly this rank's chunk."""
-        self._check_tensor(op, "output", output)
-        self._check_tensor(op, "input", input)
-        if output.dtype != input.dtype:
-            raise TypeError(f"{op}: output dtype {output.dtype} differs from input dtype {input.dtype}")
-        if output.numel() != input.numel() * output_per_input:
-            if output_per_input >= 1:
-                expected = f"world_size ({self.world_size}) x input size ({input.numel()}) = {int(input.numel() * output_per_input)}"
-            else:
-                expected = f"input size ({input.numel()}) / world_size ({self.world_size}) = {input.numel() / self.world_size:g}"
-            raise ValueError(f"{op}: output has {output.numel()} elements, expected {expected}")
-        whole, part = (output, input) if output_per_input >= 1 else (input, output)
-        # In place means the smaller tensor is exactly this rank's chunk of the larger one
-        # (for equal sizes: the same tensor).
-        chunk_offset = 0 if output_per_input == 1 else self.rank * part.numel() * part.element_size()
-        in_place = part.data_ptr() == whole.data_ptr() + chunk_offset
-        if _overlaps(whole, part) and not in_place:
-            raise ValueError(f"{op}: output and input overlap; in place, the smaller one must be exactly "
-                             f"this rank's chunk (rank {self.rank}) of the larger one")
-
     def _ensure_open(self, op: str) -> None:
         if self._closed:
             raise RingcollError(f"{op}: communicator is closed")
@@ -338,23 +380,11 @@ class Communicator:
         name = "all_reduce_coalesced"
         tensors = self._view_list(tensors)
         self._ensure_open(name)
-        if not isinstance(tensors, (list, tuple)) or not tensors:
-            raise TypeError(f"{name}: tensors must be a non-empty list of tensors")
-        for i, t in enumerate(tensors):
-            self._check_tensor(name, f"tensors[{i}]", t)
-            if t.dtype != tensors[0].dtype:
-                raise TypeError(f"{name}: tensors[{i}] has dtype {t.dtype}, expected {tensors[0].dtype}")
+        self._check_same_dtype(name, "tensors", tensors)
         code = op_code(name, op, tensors[0].dtype)
-        flat = torch.cat([t.reshape(-1) for t in tensors])
+        flat = packing.concat(tensors)
         call = _call(name, "all_reduce", flat, flat, flat.numel(), code)
-
-        def copy_back() -> None:
-            offset = 0
-            for t in tensors:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
-
-        return self._submit(call, list(tensors), (flat,), async_op, then=copy_back)
+        return self._submit(call, list(tensors), (flat,), async_op, then=lambda: packing.split_into(flat, tensors))
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM,
                               async_op: bool = False):
@@ -384,15 +414,10 @@ class Communicator:
         tensor_list, tensor = self._view_list(tensor_list), self._view(tensor)
         self._ensure_open(name)
         self._check_list(name, "tensor_list", tensor_list, tensor)
-        flat = torch.empty(self.world_size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-        count = tensor.numel()
-        call = _call(name, "all_gather", tensor, flat, count)
-
-        def copy_out() -> None:
-            for r, out in enumerate(tensor_list):
-                out.copy_(flat[r * count:(r + 1) * count].view_as(out))
-
-        return self._submit(call, list(tensor_list), (tensor, flat), async_op, then=copy_out)
+        flat = tensor.new_empty(self.world_size * tensor.numel())
+        call = _call(name, "all_gather", tensor, flat, tensor.numel())
+        return self._submit(call, list(tensor_list), (tensor, flat), async_op,
+                            then=lambda: packing.split_into(flat, tensor_list))
 
     def reduce_scatter(self, output: torch.Tensor, input_list: list, op=ReduceOp.SUM, async_op: bool = False):
         """``output = op over ranks of input_list[rank]``. Packs the list into one flat buffer."""
@@ -402,9 +427,36 @@ class Communicator:
         self._check_list(name, "input_list", input_list, output)
         code = op_code(name, op, output.dtype)
         # The packed copy is taken now, so output may alias an entry of input_list.
-        flat = torch.cat([t.reshape(-1) for t in input_list]) if input_list else output.new_empty(0)
+        flat = packing.concat(input_list)
         call = _call(name, name, flat, output, output.numel(), code)
         return self._submit(call, [output], (flat, *input_list), async_op)
+
+    def all_gather_into_tensor_coalesced(self, outputs: list, inputs: list, async_op: bool = False):
+        """all_gather_into_tensor for each (outputs[i], inputs[i]) pair, as one flat call
+        (ringcoll/packing.py): what FSDP2 and the functional collectives issue."""
+        name = "all_gather_into_tensor_coalesced"
+        outputs, inputs = self._view_list(outputs), self._view_list(inputs)
+        self._ensure_open(name)
+        self._check_pairs(name, outputs, inputs, self.world_size)
+        flat_in = packing.concat(inputs)
+        gathered = flat_in.new_empty(self.world_size * flat_in.numel())
+        call = _call(name, "all_gather", flat_in, gathered, flat_in.numel())
+        return self._submit(call, list(outputs), (flat_in, gathered), async_op,
+                            then=lambda: packing.gathered_rows_into(gathered, outputs, self.world_size))
+
+    def reduce_scatter_tensor_coalesced(self, outputs: list, inputs: list, op=ReduceOp.SUM,
+                                        async_op: bool = False):
+        """reduce_scatter_tensor for each (outputs[i], inputs[i]) pair, as one flat call."""
+        name = "reduce_scatter_tensor_coalesced"
+        outputs, inputs = self._view_list(outputs), self._view_list(inputs)
+        self._ensure_open(name)
+        self._check_pairs(name, outputs, inputs, 1 / self.world_size)
+        code = op_code(name, op, inputs[0].dtype)
+        flat_in = packing.chunks_by_rank(inputs, self.world_size)
+        mine = flat_in.new_empty(flat_in.numel() // self.world_size)
+        call = _call(name, "reduce_scatter", flat_in, mine, mine.numel(), code)
+        return self._submit(call, list(outputs), (flat_in, mine), async_op,
+                            then=lambda: packing.split_into(mine, outputs))
 
     def barrier(self, async_op: bool = False):
         """Return once every rank of the group has entered the barrier (on CUDA: always
@@ -445,19 +497,6 @@ class Communicator:
     def _view_list(self, tensors):
         """Each entry viewed (CUDA); anything but a list or tuple is left for _check_list to name."""
         return [self._view(t) for t in tensors] if isinstance(tensors, (list, tuple)) else tensors
-
-    def _check_list(self, op: str, what: str, tensors, reference: torch.Tensor) -> None:
-        self._check_tensor(op, "tensor" if what == "tensor_list" else "output", reference)
-        if not isinstance(tensors, (list, tuple)):
-            raise TypeError(f"{op}: {what} must be a list of tensors, got {type(tensors).__name__}")
-        if len(tensors) != self.world_size:
-            raise ValueError(f"{op}: {what} has {len(tensors)} tensors, expected world_size = {self.world_size}")
-        for i, t in enumerate(tensors):
-            self._check_tensor(op, f"{what}[{i}]", t)
-            if t.dtype != reference.dtype:
-                raise TypeError(f"{op}: {what}[{i}] has dtype {t.dtype}, expected {reference.dtype}")
-            if t.numel() != reference.numel():
-                raise ValueError(f"{op}: {what}[{i}] has {t.numel()} elements, expected {reference.numel()}")
 
 
 class CudaCommunicator(Communicator):

@@ -645,6 +645,67 @@ def test_all_reduce_coalesced_matches_gloo(world):
     _report(spawn(_coalesced_rank, world, timeout=SPAWN_TIMEOUT, env=CLEAN_ENV))
 
 
+def _coalesced_tensor_forms_rank(rank, world):
+    """reduce_scatter_tensor_coalesced (every dtype x op) and all_gather_into_tensor_coalesced
+    (every dtype) of pairs of awkward sizes, as one flat call each through a 4 KiB buffer,
+    equal gloo's per-pair answers; sync and async; a bad pair refused, naming it, before
+    anything is written."""
+    failures = []
+    counts = (1, 0, world + 1, 701)
+    with ringcoll.Communicator(buffer_bytes=4096) as comm:
+        for dtype in DTYPES:
+            for op_name in OPS:
+                if op_name == "AVG" and dtype not in BITS:
+                    continue
+                xs = [make_input(_kind(op_name), dtype, c * world, _seed("rs-coalesced", dtype, op_name, rank, c))
+                      for c in counts]
+                expected = gloo_reduce_scatter(xs, counts, op_name, world)
+                for async_op in (False, True):
+                    outs = [torch.full((c,), 7, dtype=dtype) for c in counts]
+                    work = comm.reduce_scatter_tensor_coalesced(outs, xs, op=_ops(op_name)[async_op], async_op=async_op)
+                    if work is not None:
+                        work.wait()
+                    for c, got, want in zip(counts, outs, expected):
+                        if not torch.equal(_bits(got), _bits(want.to(dtype))):
+                            failures.append(f"rank {rank}: reduce_scatter_tensor_coalesced {dtype} {op_name} c={c} "
+                                            f"async={async_op}: {got[:4].tolist()} != {want[:4].tolist()}")
+            xs = [make_input("bits", dtype, c, _seed("ag-coalesced", dtype, rank, c)) for c in counts]
+            expected = gloo_all_gather(xs, world)
+            for async_op in (False, True):
+                outs = [torch.full((c * world,), 7, dtype=dtype) for c in counts]
+                work = comm.all_gather_into_tensor_coalesced(outs, xs, async_op=async_op)
+                if work is not None:
+                    work.wait()
+                for c, got, want in zip(counts, outs, expected):
+                    if not torch.equal(_bits(got), _bits(want)):
+                        failures.append(f"rank {rank}: all_gather_into_tensor_coalesced {dtype} c={c} "
+                                        f"async={async_op}: {got[:4].tolist()} != {want[:4].tolist()}")
+        out, good = torch.zeros(2), torch.ones(2 * world)
+        bad_cases = (
+            ("reduce_scatter_tensor_coalesced", ValueError, "pair 1: output has 2 elements",
+             lambda: comm.reduce_scatter_tensor_coalesced([out, out.clone()], [good, torch.ones(2 * world + 1)])),
+            ("reduce_scatter_tensor_coalesced", ValueError, "2 outputs for 1 inputs",
+             lambda: comm.reduce_scatter_tensor_coalesced([out, out.clone()], [good])),
+            ("all_gather_into_tensor_coalesced", TypeError, "inputs[1] has dtype torch.float64",
+             lambda: comm.all_gather_into_tensor_coalesced([good, good.clone()], [out, out.double()])),
+        )
+        for op_name, exc, words, call in bad_cases:
+            try:
+                call()
+                failures.append(f"rank {rank}: {op_name} ({words}): did not raise")
+            except exc as e:
+                if not (str(e).startswith(f"{op_name}:") and words in str(e)):
+                    failures.append(f"rank {rank}: {op_name}: message {e}")
+        if not (torch.equal(out, torch.zeros(2)) and torch.equal(good, torch.ones(2 * world))):
+            failures.append(f"rank {rank}: a refused coalesced call wrote to its tensors")
+    return failures
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_coalesced_tensor_forms_match_gloo(world):
+    _report(spawn(_coalesced_tensor_forms_rank, world, timeout=SPAWN_TIMEOUT, env=CLEAN_ENV))
+
+
 # --- validation ----------------------------------------------------------------------------
 
 def _expect_error(chk, label, exc_type, op_name, call, untouched=()):
