@@ -22,18 +22,25 @@ inside its node:
 
 AVG is SUM at both levels and one division by P at the end (gloo has no AVG, and dividing
 once rounds once). Every node must have the same number of ranks.
+
+It has the Communicator's methods, checks and call order (the list and coalesced forms
+packed into one flat call by ringcoll/packing.py, ``async_op=True`` queued on one worker
+thread as the shared-memory transport does), so the torch.distributed backend uses it in
+the ring's place when its ranks are on several machines (training/backend.py).
 """
 
 from __future__ import annotations
 
 import os
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from ringcoll import packing
 from ringcoll._types import ReduceOp, op_code, reduce_op
-from ringcoll.communicator import Communicator
-from ringcoll.transports.host import shared_memory_domain
+from ringcoll.communicator import ArgumentChecks, Communicator, Work
+from ringcoll.transports.host import CallQueue, shared_memory_domain
 
 
 def _node_of(rank: int, node_id) -> object:
@@ -47,26 +54,41 @@ def _node_of(rank: int, node_id) -> object:
     return shared_memory_domain()
 
 
-class HierarchicalCommunicator:
+def uneven_nodes_message(who: str, members: dict) -> Optional[str]:
+    """Why nodes of different sizes cannot run hierarchically, or None when they are even.
+    `members` maps each node to its ranks."""
+    if len({len(ranks) for ranks in members.values()}) == 1:
+        return None
+    layout = "; ".join(f"node {node}: {len(ranks)} (ranks {', '.join(map(str, ranks))})"
+                       for node, ranks in members.items())
+    return (f"{who}: every node needs the same number of ranks, got {layout}. The levels are "
+            "one ring per node and one group per local index, so start the same number of ranks "
+            "on every machine (torchrun --nproc-per-node N on each), or use backend='gloo'")
+
+
+class HierarchicalCommunicator(ArgumentChecks):
     """All-reduce, reduce-scatter and all-gather over nodes of ranks (module docstring).
 
-    Construction is collective over ``group`` (default: the default group): it creates one
-    intra-node ringcoll Communicator per node and one inter-node gloo group per local index.
+    Construction is collective over ``group`` (default: the default group): each rank makes
+    the two groups it belongs to, its node's (the intra-node ringcoll Communicator is built
+    on it) and its local index's (``inter_backend``, gloo by default), in that order on
+    every rank. Ranks outside ``group`` need not take part.
     """
 
-    def __init__(self, group=None, node_id=None, timeout=None, buffer_bytes=None, inter_backend: str = "gloo"):
+    def __init__(self, group=None, node_id=None, timeout=None, buffer_bytes=None, inter_backend: str = "gloo",
+                 check=None):
         self.group = group if group is not None else dist.group.WORLD
+        self.device = torch.device("cpu")
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         nodes: list = [None] * self.world_size
         dist.all_gather_object(nodes, _node_of(self.rank, node_id), group=self.group)
         order = sorted(set(nodes), key=nodes.index)  # nodes in order of their first rank
         members = {node: [r for r in range(self.world_size) if nodes[r] == node] for node in order}
-        sizes = {len(m) for m in members.values()}
-        if len(sizes) != 1:
-            raise ValueError("HierarchicalCommunicator: every node needs the same number of ranks, got "
-                             + ", ".join(f"node {n}: {len(m)}" for n, m in members.items()))
-        self.num_nodes, self.local_size = len(order), sizes.pop()
+        uneven = uneven_nodes_message("HierarchicalCommunicator", members)
+        if uneven:
+            raise ValueError(uneven)
+        self.num_nodes, self.local_size = len(order), len(members[order[0]])
         self.node_index = order.index(nodes[self.rank])
         self.local_rank = members[nodes[self.rank]].index(self.rank)
         # rank_at[node index][local index] = group rank: the layout both levels index into.
@@ -75,15 +97,18 @@ class HierarchicalCommunicator:
         def global_ranks(ranks):
             return [dist.get_global_rank(self.group, r) if self.group is not dist.group.WORLD else r for r in ranks]
 
-        # new_group is collective over the default group: every rank creates every group, in one order.
-        intra_groups = [dist.new_group(global_ranks(m), backend="gloo") for m in self.rank_at]
-        inter_groups = [dist.new_group(global_ranks([m[l] for m in self.rank_at]), backend=inter_backend)
-                        for l in range(self.local_size)]
-        self.intra = Communicator(group=intra_groups[self.node_index], timeout=timeout, buffer_bytes=buffer_bytes)
-        self.inter_group = inter_groups[self.local_rank]
+        # use_local_synchronization: only the members make a group, so this also works inside
+        # a subgroup, and the node's group comes first on every rank (no crossed waits).
+        node_group = dist.new_group(global_ranks(self.rank_at[self.node_index]), backend="gloo",
+                                    use_local_synchronization=True)
+        self.inter_group = dist.new_group(global_ranks([m[self.local_rank] for m in self.rank_at]),
+                                          backend=inter_backend, use_local_synchronization=True)
+        self.intra = Communicator(group=node_group, timeout=timeout, buffer_bytes=buffer_bytes, check=check)
+        self._calls = CallQueue()
 
     def close(self) -> None:
-        self.intra.close()
+        """Finish queued work, then release the intra-node ring. Idempotent."""
+        self._calls.close(self.intra.close)
 
     def __enter__(self) -> "HierarchicalCommunicator":
         return self
@@ -99,40 +124,29 @@ class HierarchicalCommunicator:
         ours = reduce_op(name, op)
         return (ReduceOp.SUM, True) if ours is ReduceOp.AVG else (ours, False)
 
-    def _check_whole_and_part(self, name: str, whole_name: str, whole, part_name: str, part) -> None:
-        """Both valid tensors of one dtype, `whole` holding world_size x `part`'s elements."""
-        self.intra._check_tensor(name, whole_name, whole)
-        self.intra._check_tensor(name, part_name, part)
-        if whole.numel() != part.numel() * self.world_size or whole.dtype != part.dtype:
-            raise ValueError(f"{name}: {whole_name} must have world_size ({self.world_size}) x {part_name}'s "
-                             f"{part.numel()} elements, of its dtype ({part.dtype})")
-
     def _inter_op(self, op: ReduceOp):
         return getattr(dist.ReduceOp, op.name)
 
-    # --- the collectives ------------------------------------------------------------------
+    def _submit(self, run: Callable[[], None], outputs: list, async_op: bool) -> Optional[Work]:
+        """Run the validated call now, or queued in call order (a Work, as the ring's)."""
+        completion = self._calls.submit(run, async_op)
+        return None if completion is None else Work(completion, outputs)
 
-    def all_reduce(self, tensor: torch.Tensor, op=ReduceOp.SUM) -> None:
-        """In place, over every rank of every node (see the module docstring)."""
-        name = "all_reduce"
-        self.intra._check_tensor(name, "tensor", tensor)
-        level_op, divide = self._level_op(name, op, tensor.dtype)
-        n, local = tensor.numel(), self.local_size
+    # --- the three algorithms, on flat contiguous tensors ----------------------------------
+
+    def _all_reduce_flat(self, flat: torch.Tensor, level_op: ReduceOp, divide: bool) -> None:
+        n, local = flat.numel(), self.local_size
         shard = -(-n // local)  # ceil: the padded message splits into L equal shards
-        padded = tensor.new_zeros(shard * local)
-        padded[:n].copy_(tensor.reshape(-1))
+        padded = flat.new_zeros(shard * local)
+        padded[:n].copy_(flat)
         mine = padded.new_empty(shard)
         self.intra.reduce_scatter_tensor(mine, padded, op=level_op)
         dist.all_reduce(mine, op=self._inter_op(level_op), group=self.inter_group)
         self.intra.all_gather_into_tensor(padded, mine)
-        result = padded[:n].view_as(tensor)
-        tensor.copy_(result / self.world_size if divide else result)
+        flat.copy_(padded[:n] / self.world_size if divide else padded[:n])
 
-    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM) -> None:
-        """``output = op over ranks of input.view(P, -1)[rank]``."""
-        name = "reduce_scatter_tensor"
-        self._check_whole_and_part(name, "input", input, "output", output)
-        level_op, divide = self._level_op(name, op, input.dtype)
+    def _reduce_scatter_flat(self, output: torch.Tensor, input: torch.Tensor, level_op: ReduceOp,
+                             divide: bool) -> None:
         m = output.numel()
         chunks = input.view(self.world_size, m)
         # Regroup: local index l's block holds the chunks of ranks rank_at[0][l], rank_at[1][l], ...
@@ -144,17 +158,105 @@ class HierarchicalCommunicator:
         dist.reduce_scatter_tensor(result, mine, op=self._inter_op(level_op), group=self.inter_group)
         output.copy_((result / self.world_size if divide else result).view_as(output))
 
-    def all_gather_into_tensor(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor) -> None:
-        """``output_tensor.view(P, -1)[r] = input_tensor on rank r``."""
-        name = "all_gather_into_tensor"
-        self._check_whole_and_part(name, "output_tensor", output_tensor, "input_tensor", input_tensor)
-        m = input_tensor.numel()
-        across_nodes = input_tensor.new_empty(self.num_nodes * m)
-        dist.all_gather_into_tensor(across_nodes, input_tensor.reshape(-1).contiguous(), group=self.inter_group)
-        by_local = input_tensor.new_empty(self.local_size * self.num_nodes * m)
+    def _all_gather_flat(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        m = input.numel()
+        across_nodes = input.new_empty(self.num_nodes * m)
+        dist.all_gather_into_tensor(across_nodes, input.reshape(-1), group=self.inter_group)
+        by_local = input.new_empty(self.local_size * self.num_nodes * m)
         self.intra.all_gather_into_tensor(by_local, across_nodes)
         blocks = by_local.view(self.local_size, self.num_nodes, m)
-        out = output_tensor.view(self.world_size, m)
+        out = output.view(self.world_size, m)
         for node in range(self.num_nodes):
             for l in range(self.local_size):
                 out[self.rank_at[node][l]].copy_(blocks[l, node])
+
+    # --- the collectives: the Communicator's signatures -----------------------------------
+
+    def all_reduce(self, tensor: torch.Tensor, op=ReduceOp.SUM, async_op: bool = False):
+        """In place, over every rank of every node (see the module docstring)."""
+        name = "all_reduce"
+        self._check_tensor(name, "tensor", tensor)
+        level_op, divide = self._level_op(name, op, tensor.dtype)
+        return self._submit(lambda: self._all_reduce_flat(tensor.view(-1), level_op, divide), [tensor], async_op)
+
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM,
+                              async_op: bool = False):
+        """``output = op over ranks of input.view(P, -1)[rank]``."""
+        name = "reduce_scatter_tensor"
+        self._check_pair(name, output, input, 1 / self.world_size)
+        level_op, divide = self._level_op(name, op, input.dtype)
+        return self._submit(lambda: self._reduce_scatter_flat(output, input, level_op, divide), [output], async_op)
+
+    def all_gather_into_tensor(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                               async_op: bool = False):
+        """``output_tensor.view(P, -1)[r] = input_tensor on rank r``."""
+        self._check_pair("all_gather_into_tensor", output_tensor, input_tensor, self.world_size)
+        return self._submit(lambda: self._all_gather_flat(output_tensor, input_tensor), [output_tensor], async_op)
+
+    def all_gather(self, tensor_list: list, tensor: torch.Tensor, async_op: bool = False):
+        """``tensor_list[r] = tensor on rank r``."""
+        self._check_list("all_gather", "tensor_list", tensor_list, tensor)
+        flat = tensor.new_empty(self.world_size * tensor.numel())
+
+        def run() -> None:
+            self._all_gather_flat(flat, tensor)
+            packing.split_into(flat, tensor_list)
+
+        return self._submit(run, list(tensor_list), async_op)
+
+    def reduce_scatter(self, output: torch.Tensor, input_list: list, op=ReduceOp.SUM, async_op: bool = False):
+        """``output = op over ranks of input_list[rank]``."""
+        name = "reduce_scatter"
+        self._check_list(name, "input_list", input_list, output)
+        level_op, divide = self._level_op(name, op, output.dtype)
+        flat = packing.concat(input_list)  # taken now: output may alias an entry
+        return self._submit(lambda: self._reduce_scatter_flat(output, flat, level_op, divide), [output], async_op)
+
+    def all_reduce_coalesced(self, tensors: list, op=ReduceOp.SUM, async_op: bool = False):
+        """Each tensor all-reduced in place, as one flat call."""
+        name = "all_reduce_coalesced"
+        self._check_same_dtype(name, "tensors", tensors)
+        level_op, divide = self._level_op(name, op, tensors[0].dtype)
+        flat = packing.concat(tensors)
+
+        def run() -> None:
+            self._all_reduce_flat(flat, level_op, divide)
+            packing.split_into(flat, tensors)
+
+        return self._submit(run, list(tensors), async_op)
+
+    def all_gather_into_tensor_coalesced(self, outputs: list, inputs: list, async_op: bool = False):
+        """all_gather_into_tensor for each (outputs[i], inputs[i]) pair, as one flat call."""
+        self._check_pairs("all_gather_into_tensor_coalesced", outputs, inputs, self.world_size)
+        flat_in = packing.concat(inputs)
+        gathered = flat_in.new_empty(self.world_size * flat_in.numel())
+
+        def run() -> None:
+            self._all_gather_flat(gathered, flat_in)
+            packing.gathered_rows_into(gathered, outputs, self.world_size)
+
+        return self._submit(run, list(outputs), async_op)
+
+    def reduce_scatter_tensor_coalesced(self, outputs: list, inputs: list, op=ReduceOp.SUM,
+                                        async_op: bool = False):
+        """reduce_scatter_tensor for each (outputs[i], inputs[i]) pair, as one flat call."""
+        name = "reduce_scatter_tensor_coalesced"
+        self._check_pairs(name, outputs, inputs, 1 / self.world_size)
+        level_op, divide = self._level_op(name, op, inputs[0].dtype)
+        flat_in = packing.chunks_by_rank(inputs, self.world_size)
+        mine = flat_in.new_empty(flat_in.numel() // self.world_size)
+
+        def run() -> None:
+            self._reduce_scatter_flat(mine, flat_in, level_op, divide)
+            packing.split_into(mine, outputs)
+
+        return self._submit(run, list(outputs), async_op)
+
+    def barrier(self, async_op: bool = False):
+        """Every rank of the node has entered (the ring), then every node (one rank of each
+        node per local index, over the inter-node group): so every rank has."""
+        def run() -> None:
+            self.intra.barrier()
+            dist.barrier(group=self.inter_group)
+
+        return self._submit(run, [], async_op)

@@ -117,13 +117,16 @@ def _bad_sizes(rank, world):
             try:
                 call()
                 messages.append("no error")
-            except ValueError as e:
+            except (TypeError, ValueError) as e:
                 messages.append(str(e))
     return messages
 
 
 def test_bad_arguments_are_refused_by_name():
     for messages in spawn(_bad_sizes, 4):
-        assert messages[0].startswith("reduce_scatter_tensor: input must have world_size (4)"), messages[0]
-        assert messages[1].startswith("all_gather_into_tensor: output_tensor must have world_size (4)"), messages[1]
+        # The Communicator's checks and messages (one place: communicator.ArgumentChecks).
+        assert messages[0].startswith("reduce_scatter_tensor: output has 3 elements, expected input size (13) / "
+                                      "world_size (4)"), messages[0]
+        assert messages[1] == "all_gather_into_tensor: output dtype torch.float32 differs from input dtype torch.int32", \
+            messages[1]
         assert messages[2].startswith("all_reduce: unsupported reduction op"), messages[2]
