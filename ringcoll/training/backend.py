@@ -18,8 +18,9 @@ What goes where::
 
     all_reduce, reduce_scatter_tensor (_reduce_scatter_base, reduce_scatter_single),
     all_gather_into_tensor (_allgather_base, all_gather_single), all_gather (list),
-    reduce_scatter (list), barrier, allreduce_coalesced (one flat call) and the
-    coalesced tensor forms functional collectives use         -> ringcoll Communicator
+    reduce_scatter (list), barrier, and the coalesced forms (allreduce_coalesced,
+    allgather_into_tensor_coalesced, reduce_scatter_tensor_coalesced: one flat
+    call each, as NCCL's grouped calls)                          -> ringcoll Communicator
         when every tensor is a contiguous CPU tensor of a dtype ringcoll supports
         and the op is SUM/PRODUCT/MIN/MAX (AVG for floating dtypes); else -> gloo
     everything else (broadcast, send/recv, all_to_all, gather, scatter, reduce,
@@ -37,6 +38,15 @@ backend. The collectives ringcoll does not implement are forwarded to it from Py
 trampoline); any other method falls through c10d's own dispatch to gloo.
 Routing depends only on what every rank of a correct program passes alike (device, dtype,
 op, sizes, list lengths), so all ranks take the same path.
+
+Several machines. When the group is made (in the creator, through the store), every rank
+says which shared-memory domain it is in (``transports.host.shared_memory_domain``: the
+kernel's boot id and the /dev/shm file system). All in one: the communicator is one ring.
+On several machines (``torchrun --nnodes 2``) it is a
+:class:`~ringcoll.training.hierarchical.HierarchicalCommunicator` instead, with the same
+methods: the ring inside each machine, gloo between them; nothing in the user's script
+changes. Machines with different numbers of ranks are refused there, on every rank, with a
+message saying what to do (start the same number on each).
 
 Bootstrap. The ringcoll Communicator is built on the first call that goes to ringcoll (the
 same point on every rank, as collectives are called in the same order), with
@@ -81,6 +91,9 @@ import torch.distributed as dist
 
 from ringcoll._types import DTYPE_CODES, FLOATING_DTYPES, ReduceOp, reduce_op
 from ringcoll.communicator import Communicator
+from ringcoll.errors import RingcollError
+from ringcoll.training.hierarchical import HierarchicalCommunicator, uneven_nodes_message
+from ringcoll.transports.host import shared_memory_domain
 
 BACKEND_NAME = "ringcoll"
 
@@ -102,40 +115,32 @@ def _seconds(timeout) -> Optional[float]:
 
 
 class _C10dWork(dist._Work):
-    """c10d's view of the ringcoll Works of one call: none when it already ran on the
-    calling thread, one for an async collective, several for the coalesced forms (queued
-    in order on the communicator's worker thread)."""
+    """c10d's view of one ringcoll call: `work` is its ringcoll Work when it runs async on
+    the communicator's worker thread, None when it already ran on the calling thread."""
 
-    def __init__(self, works: list, outputs: list):
+    def __init__(self, work, outputs: list):
         super().__init__()
-        self._works = works
+        self._work = work
         self._outputs = outputs
-        if not works:
+        if work is None:
             self._future = torch.futures.Future()
             self._future.set_result(outputs)
-        elif len(works) == 1:
-            self._future = works[0].get_future()
         else:
-            def all_done(fut):
-                for each in fut.value():
-                    each.wait()  # re-raises the first error
-                return outputs
-
-            self._future = torch.futures.collect_all([w.get_future() for w in works]).then(all_done)
+            self._future = work.get_future()
 
     def wait(self, timeout=None) -> bool:
-        for w in self._works:
-            w.wait(_seconds(timeout))
+        if self._work is not None:
+            self._work.wait(_seconds(timeout))  # re-raises the collective's error
         return True
 
     def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self._works)
+        return self._work is None or self._work.is_completed()
 
     def is_success(self) -> bool:
-        return all(w.is_success() for w in self._works)
+        return self._work is None or self._work.is_success()
 
     def exception(self):
-        return next((w.exception() for w in self._works if w.exception() is not None), None)
+        return None if self._work is None else self._work.exception()
 
     def result(self) -> list:
         self.wait()
@@ -208,6 +213,7 @@ class RingcollProcessGroup(dist.ProcessGroup):
         self.fallback = dist.ProcessGroupGloo(dist.PrefixStore("ringcoll-gloo/", store), rank, size, timeout)
         # Methods not overridden below reach gloo through c10d's own dispatch.
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self.fallback)
+        self.hosts = _exchange_hosts(store, rank, size, timeout)
         self._comm = None
         self._bootstrap_thread = None  # the thread building the communicator
         self._comm_lock = threading.Lock()
@@ -226,8 +232,15 @@ class RingcollProcessGroup(dist.ProcessGroup):
     #: ringcoll.get_communicator(group) returns communicator() for such a group, not a second ring
     owns_ringcoll_communicator = True
 
+    @property
+    def spans_hosts(self) -> bool:
+        """Whether this group's ranks are on several machines (shared-memory domains)."""
+        return len(set(self.hosts)) > 1
+
     def communicator(self):
-        """The ringcoll Communicator over this group's ranks, built on first use (collective)."""
+        """The ringcoll Communicator over this group's ranks, built on first use
+        (collective); over several machines a HierarchicalCommunicator: the ring inside
+        each, gloo between them."""
         comm = self._comm
         if comm is not None:
             return comm
@@ -238,7 +251,11 @@ class RingcollProcessGroup(dist.ProcessGroup):
                 timeout = None if os.environ.get("RINGCOLL_TIMEOUT") else self._timeout
                 self._bootstrap_thread = threading.get_ident()  # its name exchange goes to gloo
                 try:
-                    self._comm = Communicator(group=self, device="cpu", timeout=timeout)
+                    if self.spans_hosts:
+                        self._comm = HierarchicalCommunicator(group=self, node_id=self.hosts[self._rank],
+                                                              timeout=timeout)
+                    else:
+                        self._comm = Communicator(group=self, device="cpu", timeout=timeout)
                 finally:
                     self._bootstrap_thread = None
             return self._comm
@@ -261,9 +278,9 @@ class RingcollProcessGroup(dist.ProcessGroup):
         """start(async_op) runs the collective on the ring; sync unless opts.asyncOp."""
         call_counts[f"ringcoll:{name}"] += 1
         if getattr(opts, "asyncOp", True):
-            return _C10dWork([start(True)], outputs)
+            return _C10dWork(start(True), outputs)
         start(False)
-        return _C10dWork([], outputs)
+        return _C10dWork(None, outputs)
 
     def _gloo(self, name: str):
         call_counts[f"gloo:{name}"] += 1
@@ -344,8 +361,8 @@ class RingcollProcessGroup(dist.ProcessGroup):
                              output_tensors, opts)
         return self._gloo("reduce_scatter").reduce_scatter(output_tensors, input_tensors, opts)
 
-    # The coalesced tensor forms (functional collectives: DTensor, torch.compile) queue one
-    # ringcoll call per pair, in order, behind each other on the worker thread.
+    # The coalesced forms (FSDP2, DDP's coalesced paths, functional collectives): one flat
+    # ring call each, as NCCL's grouped calls (ringcoll/packing.py).
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         opts = opts if opts is not None else _c10d.AllgatherOptions()
@@ -353,9 +370,9 @@ class RingcollProcessGroup(dist.ProcessGroup):
                 and all(o.numel() == i.numel() * self._size for o, i in zip(outputs, inputs))
                 and self._to_ringcoll([*outputs, *inputs])):
             comm = self.communicator()
-            call_counts["ringcoll:all_gather_into_tensor_coalesced"] += 1
-            return _C10dWork([comm.all_gather_into_tensor(o, i, async_op=True) for o, i in zip(outputs, inputs)],
-                               list(outputs))
+            return self._run("all_gather_into_tensor_coalesced",
+                             lambda a: comm.all_gather_into_tensor_coalesced(list(outputs), list(inputs), async_op=a),
+                             list(outputs), opts)
         return self._gloo("all_gather_into_tensor_coalesced").allgather_into_tensor_coalesced(outputs, inputs, opts)
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
@@ -365,9 +382,10 @@ class RingcollProcessGroup(dist.ProcessGroup):
                 and all(o.numel() * self._size == i.numel() for o, i in zip(outputs, inputs))
                 and self._to_ringcoll([*outputs, *inputs])):
             comm = self.communicator()
-            call_counts["ringcoll:reduce_scatter_tensor_coalesced"] += 1
-            works = [comm.reduce_scatter_tensor(o, i, op=op, async_op=True) for o, i in zip(outputs, inputs)]
-            return _C10dWork(works, list(outputs))
+            return self._run("reduce_scatter_tensor_coalesced",
+                             lambda a: comm.reduce_scatter_tensor_coalesced(list(outputs), list(inputs), op=op,
+                                                                            async_op=a),
+                             list(outputs), opts)
         return self._gloo("reduce_scatter_tensor_coalesced").reduce_scatter_tensor_coalesced(outputs, inputs, opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
@@ -434,6 +452,29 @@ def _forward_to_gloo(name: str):
 
 for _name in RingcollProcessGroup.FORWARDED_TO_GLOO:
     setattr(RingcollProcessGroup, _name, _forward_to_gloo(_name))
+
+
+def _exchange_hosts(store, rank: int, size: int, timeout: datetime.timedelta) -> list:
+    """Every rank's shared-memory domain (the machine, as shared memory sees it:
+    transports/host.py), through the store, when the group is made: so a group over several
+    machines is known before anything is mapped, and one with machines of different rank
+    counts is refused here, on every rank alike, saying what to do."""
+    prefix = "ringcoll-host/"
+    store.set(f"{prefix}{rank}", shared_memory_domain())
+    hosts = []
+    for peer in range(size):
+        try:
+            hosts.append(store.get(f"{prefix}{peer}").decode())
+        except Exception as exc:  # the store's timeout: the peer never reached init_process_group
+            raise RingcollError(f"ringcoll backend: rank {peer} did not say which machine it is on within "
+                                f"{timeout} ({type(exc).__name__}: {exc})") from exc
+    members: dict = {}
+    for peer, host in enumerate(hosts):
+        members.setdefault(host, []).append(peer)
+    uneven = uneven_nodes_message("ringcoll backend", members)
+    if uneven:
+        raise RingcollError(uneven)
+    return hosts
 
 
 def _create(store, rank: int, size: int, timeout: datetime.timedelta) -> RingcollProcessGroup:
