@@ -52,3 +52,9 @@ def parameters_identical(params, world: int) -> bool:
     everyone = torch.empty(world * flat.numel(), dtype=flat.dtype)
     all_gather_into_tensor(everyone, flat)
     return all(torch.equal(chunk, flat) for chunk in everyone.view(world, -1))
+
+
+def parameter_checksum(params) -> float:
+    """The sum of |p| over every parameter, in float64: one number to compare runs by (two
+    runs whose sums were added in different orders agree to rounding, not bit for bit)."""
+    return sum(p.detach().double().abs().sum().item() for p in params)

@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ringcoll  # registers the "ringcoll" backend with torch.distributed
 
-from common import make_data, make_loader, make_model, parameters_identical, train  # examples/common.py
+from common import make_data, make_loader, make_model, parameter_checksum, parameters_identical, train  # examples/common.py
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -35,9 +35,11 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--hook", action="store_true",
                         help="gloo process group + ringcoll.ddp_hook instead of the ringcoll backend")
+    parser.add_argument("--backend", default="ringcoll", choices=("ringcoll", "gloo"),
+                        help="the process group's backend without --hook (gloo: the reference run)")
     args = parser.parse_args()
 
-    dist.init_process_group("gloo" if args.hook else "ringcoll")  # env:// from torchrun
+    dist.init_process_group("gloo" if args.hook else args.backend)  # env:// from torchrun
     rank, world = dist.get_rank(), dist.get_world_size()
     model = DDP(make_model(), bucket_cap_mb=0.01)  # small buckets: several all-reduces per step, overlapped
     if args.hook:
@@ -55,7 +57,8 @@ def main() -> int:
 
     same = parameters_identical(model.module.parameters(), world)
     if rank == 0:
-        print(f"{time.perf_counter() - start:.1f} s; parameters identical on all {world} ranks: {same}")
+        print(f"{time.perf_counter() - start:.1f} s; parameters identical on all {world} ranks: {same}; "
+              f"checksum {parameter_checksum(model.module.parameters()):.12e}")
     dist.destroy_process_group()
     return 0 if same else 1
 

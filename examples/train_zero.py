@@ -10,8 +10,12 @@ of parameters. Gradients are reduce-scattered on ringcoll's ring as soon as a bu
 complete during backward (stage 2: each rank keeps only its shard of the gradient), and
 the updated shards are all-gathered back into every rank's parameters after each step.
 
-The process group is plain gloo (torchrun's env:// rendezvous); ringcoll builds its
-shared-memory ring over it. Rank 0 prints the loss per epoch, then what each rank holds
+The process group is ringcoll's (``init_process_group("ringcoll")``, torchrun's env://
+rendezvous), so the optimizer's reduce-scatters and all-gathers run on the backend's ring;
+over several machines (``torchrun --nnodes 2``; examples/two_hosts.py simulates two) the
+backend makes them hierarchical by itself: the ring inside each machine, gloo between them.
+With ``--backend gloo`` the process group is plain gloo and ringcoll builds its own
+shared-memory ring over it (one machine only). Rank 0 prints the loss per epoch, then what each rank holds
 (optimizer state and gradients beside the unsharded optimizer and ringcoll.learning.memory's
 formula), and the script checks at the end that every rank's parameters are bitwise
 identical (exit status 1 if not).
@@ -28,7 +32,7 @@ import torch.distributed as dist
 import ringcoll.training.zero
 from ringcoll.learning.memory import ledger
 
-from common import make_data, make_loader, make_model, parameters_identical, train  # examples/common.py
+from common import make_data, make_loader, make_model, parameter_checksum, parameters_identical, train  # examples/common.py
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -38,9 +42,10 @@ def main() -> int:
     parser.add_argument("--stage", type=int, default=2, choices=(1, 2))
     parser.add_argument("--bucket-bytes", type=int, default=8192,
                         help="small, so that the model makes several buckets (default of the class: 25 MiB)")
+    parser.add_argument("--backend", default="ringcoll", choices=("ringcoll", "gloo"))
     args = parser.parse_args()
 
-    dist.init_process_group("gloo")  # env:// from torchrun
+    dist.init_process_group(args.backend)  # env:// from torchrun
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)  # the ranks share the machine's cores
     model = make_model()
@@ -54,7 +59,7 @@ def main() -> int:
     n = sum(p.numel() for p in params)
     if rank == 0:
         sizes = ", ".join(f"{b.numel:,}" for b in opt.buckets)
-        print(f"ZeRO-{args.stage} on {world} ranks (gloo group, ringcoll ring), Adam; {n:,} parameters in "
+        print(f"ZeRO-{args.stage} on {world} ranks ({args.backend} group, ringcoll ring), Adam; {n:,} parameters in "
               f"{len(opt.buckets)} buckets ({sizes}); {len(data)} samples, {len(loader)} steps/epoch/rank")
     start = time.perf_counter()
     # Stage 2: buckets are reduce-scattered from inside backward; step() runs Adam on this
@@ -82,7 +87,8 @@ def main() -> int:
     # Every rank must hold bitwise the same parameters.
     same = parameters_identical(params, world)
     if rank == 0:
-        print(f"{elapsed:.1f} s; parameters identical on all {world} ranks: {same}")
+        print(f"{elapsed:.1f} s; parameters identical on all {world} ranks: {same}; "
+              f"checksum {parameter_checksum(params):.12e}")
     ringcoll.destroy_communicators()
     # Leave together. Without this barrier about 1 run in 8 here ended with rank 0 aborting
     # at exit inside torch ("terminate called without an active exception", exit -6) after
