@@ -70,7 +70,7 @@ EXHAUSTIVE="collectives_exact or every_dtype or larger_than_buffer"
 tests_rc=0
 run_tests() {  # name, limit (s), -k expression
   echo "== GPU tests: $1"
-  timeout -s INT -k 15 "$2" env --default-signal=INT "$PY" -m pytest -m gpu -v -rfE --durations=0 "${per_test[@]}" tests/gpu/test_cuda.py -k "$3" \
+  timeout -s INT -k 15 "$2" env --default-signal=INT "$PY" -m pytest -m gpu -v -rfE --durations=0 "${per_test[@]}" tests/gpu/test_cuda.py tests/gpu/test_backend_cuda.py -k "$3" \
     2>&1 | tee "$OUT/pytest_gpu_$1.txt"
   local rc=${PIPESTATUS[0]}
   echo "pytest ($1) rc=$rc"

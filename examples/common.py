@@ -4,6 +4,8 @@ The task: fit y = sin(3 x0) + x1 * x2 with a small MLP on synthetic data, each r
 own shard (DistributedSampler). The examples differ only in how gradients are combined.
 """
 
+import os
+
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -19,6 +21,16 @@ def make_data(n: int = 4096) -> TensorDataset:
     return TensorDataset(x, y)
 
 
+def pick_device(name: str) -> torch.device:
+    """"cpu", or "cuda": this rank's GPU (LOCAL_RANK, shared round-robin when there are
+    fewer GPUs than ranks: the CUDA ring maps peers on one GPU through CUDA IPC too)."""
+    if name == "cpu":
+        return torch.device("cpu")
+    index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
 def make_model() -> torch.nn.Module:
     torch.manual_seed(0)  # DDP and ShardedOptimizer broadcast rank 0's initial weights anyway
     return torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(),
@@ -32,15 +44,17 @@ def make_loader(data: TensorDataset, batch_size: int, rank: int, world: int):
 
 def train(model, opt, sampler, loader, epochs: int, rank: int) -> None:
     """The plain loop; rank 0 prints the mean loss over all ranks' batches per epoch."""
+    device = next(model.parameters()).device
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
-        total = torch.zeros(2, dtype=torch.float64)  # sum of losses, number of batches
+        total = torch.zeros(2, dtype=torch.float64, device=device)  # sum of losses, number of batches
         for x, y in loader:
+            x, y = x.to(device), y.to(device)
             loss = torch.nn.functional.mse_loss(model(x), y)
             opt.zero_grad()
             loss.backward()
             opt.step()
-            total += torch.tensor([loss.item(), 1.0], dtype=torch.float64)
+            total += torch.tensor([loss.item(), 1.0], dtype=torch.float64, device=device)
         dist.all_reduce(total)
         if rank == 0:
             print(f"epoch {epoch}: loss {total[0].item() / total[1].item():.5f}")
@@ -49,7 +63,7 @@ def train(model, opt, sampler, loader, epochs: int, rank: int) -> None:
 def parameters_identical(params, world: int) -> bool:
     """Whether every rank holds bitwise the same parameters (collective)."""
     flat = torch.cat([p.detach().reshape(-1) for p in params])
-    everyone = torch.empty(world * flat.numel(), dtype=flat.dtype)
+    everyone = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
     all_gather_into_tensor(everyone, flat)
     return all(torch.equal(chunk, flat) for chunk in everyone.view(world, -1))
 

@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node 2 examples/train_ddp.py
     torchrun --nproc_per_node 2 examples/train_ddp.py --hook      # gloo group + ringcoll.ddp_hook
+    torchrun --nproc_per_node 2 examples/train_ddp.py --device cuda   # on the GPU: the CUDA ring
 
 Without --hook, the default process group is ringcoll's (``init_process_group("ringcoll")``):
 DDP's gradient all-reduces run on ringcoll's shared-memory ring, and what ringcoll does not
@@ -26,7 +27,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ringcoll  # registers the "ringcoll" backend with torch.distributed
 
-from common import make_data, make_loader, make_model, parameter_checksum, parameters_identical, train  # examples/common.py
+from common import (make_data, make_loader, make_model, parameter_checksum, parameters_identical,  # examples/common.py
+                    pick_device, train)
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -35,15 +37,19 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--hook", action="store_true",
                         help="gloo process group + ringcoll.ddp_hook instead of the ringcoll backend")
-    parser.add_argument("--backend", default="ringcoll", choices=("ringcoll", "gloo"),
-                        help="the process group's backend without --hook (gloo: the reference run)")
+    parser.add_argument("--backend", default="ringcoll", choices=("ringcoll", "gloo", "nccl"),
+                        help="the process group's backend without --hook (gloo, nccl: the reference runs)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="cuda: the model on this rank's GPU, its gradients on ringcoll's CUDA ring")
     args = parser.parse_args()
 
     dist.init_process_group("gloo" if args.hook else args.backend)  # env:// from torchrun
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = DDP(make_model(), bucket_cap_mb=0.01)  # small buckets: several all-reduces per step, overlapped
+    device = pick_device(args.device)
+    model = DDP(make_model().to(device), bucket_cap_mb=0.01,  # small buckets: several all-reduces per step, overlapped
+                device_ids=[device.index] if device.type == "cuda" else None)
     if args.hook:
-        model.register_comm_hook(ringcoll.training.ddp.RingcollHookState(), ringcoll.ddp_hook)
+        model.register_comm_hook(ringcoll.training.ddp.RingcollHookState(device=device), ringcoll.ddp_hook)
 
     data = make_data()
     sampler, loader = make_loader(data, args.batch_size, rank, world)

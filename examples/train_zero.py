@@ -32,7 +32,8 @@ import torch.distributed as dist
 import ringcoll.training.zero
 from ringcoll.learning.memory import ledger
 
-from common import make_data, make_loader, make_model, parameter_checksum, parameters_identical, train  # examples/common.py
+from common import (make_data, make_loader, make_model, parameter_checksum, parameters_identical,  # examples/common.py
+                    pick_device, train)
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -43,12 +44,14 @@ def main() -> int:
     parser.add_argument("--bucket-bytes", type=int, default=8192,
                         help="small, so that the model makes several buckets (default of the class: 25 MiB)")
     parser.add_argument("--backend", default="ringcoll", choices=("ringcoll", "gloo"))
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="cuda: the model on this rank's GPU, the shards on ringcoll's CUDA ring")
     args = parser.parse_args()
 
     dist.init_process_group(args.backend)  # env:// from torchrun
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)  # the ranks share the machine's cores
-    model = make_model()
+    model = make_model().to(pick_device(args.device))
     params = list(model.parameters())
     opt = ringcoll.training.zero.ShardedOptimizer(params, torch.optim.Adam, stage=args.stage,
                                          bucket_bytes=args.bucket_bytes, lr=args.lr)

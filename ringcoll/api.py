@@ -29,8 +29,8 @@ def get_communicator(group=None, device="cpu") -> Communicator:
     not a second ring."""
     group = group if group is not None else dist.group.WORLD
     device = torch.device(device)
-    if getattr(group, "owns_ringcoll_communicator", False) and device.type == "cpu":
-        return group.communicator()
+    if getattr(group, "owns_ringcoll_communicator", False):
+        return group.communicator(device)
     key = (group, str(device))
     comm = _communicators.get(key)
     if comm is None:

@@ -20,11 +20,25 @@ What goes where::
     all_gather_into_tensor (_allgather_base, all_gather_single), all_gather (list),
     reduce_scatter (list), barrier, and the coalesced forms (allreduce_coalesced,
     allgather_into_tensor_coalesced, reduce_scatter_tensor_coalesced: one flat
-    call each, as NCCL's grouped calls)                          -> ringcoll Communicator
-        when every tensor is a contiguous CPU tensor of a dtype ringcoll supports
-        and the op is SUM/PRODUCT/MIN/MAX (AVG for floating dtypes); else -> gloo
-    everything else (broadcast, send/recv, all_to_all, gather, scatter, reduce,
-    broadcast_object_list, ...)                               -> internal gloo group
+    call each, as NCCL's grouped calls)                      -> a ringcoll Communicator
+        when every tensor is contiguous, of one dtype ringcoll supports, on one
+        device, and the op is SUM/PRODUCT/MIN/MAX (AVG for floating dtypes):
+        CPU tensors to the shared-memory ring, tensors on cuda:N to the CUDA ring
+        of that GPU (one communicator per device, made on first use, closed with
+        the group; ``routing_device`` decides); else -> the fall-back
+    everything else: FORWARDED_TO_GLOO below (broadcast, reduce, gather, scatter,
+    all_to_all, send/recv) and what c10d dispatches itself (object collectives, ...)
+                                                             -> the fall-back
+
+The fall-back is the internal gloo group for CPU tensors; for CUDA tensors an internal
+NCCL group where torch has NCCL and a GPU (else gloo, which takes CUDA tensors for
+broadcast, all-reduce and all-gather; ``RINGCOLL_CUDA_FALLBACK=gloo`` chooses it, as
+needed when several ranks share one GPU, which NCCL refuses).
+
+CUDA streams, as NCCL's under torch: a collective is enqueued after the work on the
+caller's current stream and makes it wait (sync) or not (``async_op=True``: the Work's
+``wait()`` makes the then-current stream wait); the call does not block the host.
+(transports/cuda.py.)
 
 Every call form c10d's ProcessGroup accepts works: ``pg.allreduce(t, op=MAX)``,
 ``pg.allreduce([t], MAX)``, ``pg.broadcast(t, root=0)``, ``pg.send([t], dstRank=1, tag=0)``,
@@ -68,8 +82,7 @@ each ringcoll wait; gloo uses the init_process_group timeout.
 Limits (torch 2.13): the Python ProcessGroup replaces the whole process group, so a device
 map naming another backend for a second device (``"cpu:ringcoll,cuda:nccl"``) does not
 give that device its backend; ``"ringcoll"``, ``"cpu:ringcoll"`` and
-``"cpu:ringcoll,cuda:ringcoll"`` work, and CUDA tensors raise: the backend does not yet
-route them to the CUDA transport, which ``ringcoll.all_reduce`` & co. reach directly.
+``"cpu:ringcoll,cuda:ringcoll"`` work and serve both devices as above.
 ``dist.monitored_barrier`` checks the backend name and refuses anything but gloo, as it
 does for NCCL.
 
@@ -166,13 +179,44 @@ def _ringcoll_op(op, dtype: torch.dtype) -> Optional[ReduceOp]:
     return ours
 
 
-def _servable(tensors) -> bool:
-    """Contiguous CPU tensors of one dtype ringcoll supports."""
+SERVED_DEVICE_TYPES = ("cpu", "cuda")
+
+
+def routing_device(tensors) -> Optional[torch.device]:
+    """The device whose ring serves a call on `tensors`: their one device (CPU: the
+    shared-memory ring; cuda:N: that GPU's CUDA ring) when they are contiguous, of one dtype
+    ringcoll supports and all on that device; None sends the call to the fall-back (gloo, or
+    NCCL for CUDA tensors). It reads only what every rank of a correct program passes alike,
+    so all ranks take the same path."""
     if not tensors:
-        return False
-    dtype = tensors[0].dtype
-    return all(isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous() and t.dtype == dtype
-               for t in tensors) and dtype in DTYPE_CODES
+        return None
+    first = tensors[0]
+    if first.dtype not in DTYPE_CODES or first.device.type not in SERVED_DEVICE_TYPES:
+        return None
+    if all(t.is_contiguous() and t.dtype == first.dtype and t.device == first.device for t in tensors):
+        return first.device
+    return None
+
+
+def _communicator_device(device) -> torch.device:
+    """The key of a communicator: "cpu", or a CUDA device with its index (without a GPU the
+    device is left as given, for the Communicator to refuse by name)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu") if device.type == "cpu" else device
+
+
+def _tensors_in(args):
+    """Every tensor in a call's arguments (nested lists, tuples and dicts of them)."""
+    if isinstance(args, torch.Tensor):
+        yield args
+    elif isinstance(args, (list, tuple)):
+        for a in args:
+            yield from _tensors_in(a)
+    elif isinstance(args, dict):
+        for a in args.values():
+            yield from _tensors_in(a)
 
 
 def _as_list(tensors) -> list:
@@ -211,11 +255,14 @@ class RingcollProcessGroup(dist.ProcessGroup):
         self._size = size
         self._timeout = timeout
         self.fallback = dist.ProcessGroupGloo(dist.PrefixStore("ringcoll-gloo/", store), rank, size, timeout)
-        # Methods not overridden below reach gloo through c10d's own dispatch.
+        # Methods not overridden below reach gloo (NCCL for CUDA tensors) through c10d's own dispatch.
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self.fallback)
+        self.cuda_fallback = _nccl_if_usable(store, rank, size, timeout)  # None: gloo takes CUDA tensors too
+        if self.cuda_fallback is not None:
+            self._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, self.cuda_fallback)
         self.hosts = _exchange_hosts(store, rank, size, timeout)
-        self._comm = None
-        self._bootstrap_thread = None  # the thread building the communicator
+        self._comms: dict = {}  # device -> its communicator, built on first use
+        self._bootstrap_thread = None  # the thread building a communicator
         self._comm_lock = threading.Lock()
         self._closed = False
 
@@ -237,42 +284,42 @@ class RingcollProcessGroup(dist.ProcessGroup):
         """Whether this group's ranks are on several machines (shared-memory domains)."""
         return len(set(self.hosts)) > 1
 
-    def communicator(self):
-        """The ringcoll Communicator over this group's ranks, built on first use
-        (collective); over several machines a HierarchicalCommunicator: the ring inside
-        each, gloo between them."""
-        comm = self._comm
+    def communicator(self, device="cpu"):
+        """The ringcoll Communicator over this group's ranks for tensors on `device` (CPU:
+        the shared-memory ring; ``cuda:N``: the CUDA ring of that GPU), built on first use
+        (collective: every rank's first call for a device comes at the same point); over
+        several machines a HierarchicalCommunicator: the ring inside each, gloo (NCCL for
+        CUDA) between them."""
+        device = _communicator_device(device)
+        comm = self._comms.get(device)
         if comm is not None:
             return comm
         with self._comm_lock:
-            if self._comm is None:
+            if device not in self._comms:
                 if self._closed:
                     raise RuntimeError("ringcoll backend: the process group has been shut down")
                 timeout = None if os.environ.get("RINGCOLL_TIMEOUT") else self._timeout
-                self._bootstrap_thread = threading.get_ident()  # its name exchange goes to gloo
+                self._bootstrap_thread = threading.get_ident()  # its handle exchange goes to gloo
                 try:
                     if self.spans_hosts:
-                        self._comm = HierarchicalCommunicator(group=self, node_id=self.hosts[self._rank],
-                                                              timeout=timeout)
+                        comm = HierarchicalCommunicator(group=self, node_id=self.hosts[self._rank], device=device,
+                                                        timeout=timeout)
                     else:
-                        self._comm = Communicator(group=self, device="cpu", timeout=timeout)
+                        comm = Communicator(group=self, device=device, timeout=timeout)
                 finally:
                     self._bootstrap_thread = None
-            return self._comm
+                self._comms[device] = comm
+            return self._comms[device]
 
     @property
     def _bootstrapping(self) -> bool:
         return self._bootstrap_thread == threading.get_ident()
 
-    def _to_ringcoll(self, tensors) -> bool:
-        if self._bootstrapping or not _servable(tensors):
-            if any(isinstance(t, torch.Tensor) and t.device.type != "cpu" for t in tensors):
-                devices = sorted({str(t.device) for t in tensors})
-                raise RuntimeError(f"ringcoll backend: tensors on {', '.join(devices)} are not served by the "
-                                   "backend yet (it serves CPU tensors); use ringcoll.all_reduce & co. on "
-                                   "them, or backend='nccl'")
-            return False
-        return True
+    def _ring_for(self, tensors):
+        """The communicator that serves `tensors` (routing_device says which), or None: the
+        call goes to the fall-back."""
+        device = None if self._bootstrapping else routing_device(tensors)
+        return None if device is None else self.communicator(device)
 
     def _run(self, name: str, start: Callable[[bool], object], outputs: list, opts) -> dist._Work:
         """start(async_op) runs the collective on the ring; sync unless opts.asyncOp."""
@@ -282,9 +329,12 @@ class RingcollProcessGroup(dist.ProcessGroup):
         start(False)
         return _C10dWork(None, outputs)
 
-    def _gloo(self, name: str):
-        call_counts[f"gloo:{name}"] += 1
-        return self.fallback
+    def _fallback(self, name: str, tensors=()):
+        """The backend for a call ringcoll does not serve: NCCL for CUDA tensors where it can
+        run, else gloo (counted in call_counts as "nccl:<name>" / "gloo:<name>")."""
+        on_cuda = self.cuda_fallback is not None and any(t.is_cuda for t in _tensors_in(tensors))
+        call_counts[f"{'nccl' if on_cuda else 'gloo'}:{name}"] += 1
+        return self.cuda_fallback if on_cuda else self.fallback
 
     # --- the collectives ringcoll implements --------------------------------------------
 
@@ -292,21 +342,19 @@ class RingcollProcessGroup(dist.ProcessGroup):
         tensors = _as_list(tensors)
         opts = _options(_c10d.AllreduceOptions, opts, op, timeout)
         op = _ringcoll_op(opts.reduceOp, tensors[0].dtype) if tensors else None
-        if len(tensors) == 1 and op is not None and self._to_ringcoll(tensors):
+        if len(tensors) == 1 and op is not None and (comm := self._ring_for(tensors)) is not None:
             t = tensors[0]
-            comm = self.communicator()
             return self._run("all_reduce", lambda a: comm.all_reduce(t, op=op, async_op=a), tensors, opts)
-        return self._gloo("all_reduce").allreduce(tensors, opts)
+        return self._fallback("all_reduce", tensors).allreduce(tensors, opts)
 
     def _reduce_scatter_tensor(self, output, input, opts):
         opts = opts if opts is not None else _c10d.ReduceScatterOptions()
         op = _ringcoll_op(opts.reduceOp, input.dtype)
         if (op is not None and output.numel() * self._size == input.numel()
-                and self._to_ringcoll([output, input])):
-            comm = self.communicator()
+                and (comm := self._ring_for([output, input])) is not None):
             return self._run("reduce_scatter_tensor",
                              lambda a: comm.reduce_scatter_tensor(output, input, op=op, async_op=a), [output], opts)
-        return self._gloo("reduce_scatter_tensor")._reduce_scatter_base(output, input, opts)
+        return self._fallback("reduce_scatter_tensor", [input])._reduce_scatter_base(output, input, opts)
 
     def reduce_scatter_single(self, output, input, opts=None):
         return self._reduce_scatter_tensor(output, input, opts)
@@ -316,11 +364,10 @@ class RingcollProcessGroup(dist.ProcessGroup):
 
     def _all_gather_tensor(self, output, input, opts):
         opts = opts if opts is not None else _c10d.AllgatherOptions()
-        if output.numel() == input.numel() * self._size and self._to_ringcoll([output, input]):
-            comm = self.communicator()
+        if output.numel() == input.numel() * self._size and (comm := self._ring_for([output, input])) is not None:
             return self._run("all_gather_into_tensor",
                              lambda a: comm.all_gather_into_tensor(output, input, async_op=a), [output], opts)
-        return self._gloo("all_gather_into_tensor")._allgather_base(output, input, opts)
+        return self._fallback("all_gather_into_tensor", [input])._allgather_base(output, input, opts)
 
     def all_gather_single(self, output, input, opts=None):
         return self._all_gather_tensor(output, input, opts)
@@ -338,11 +385,10 @@ class RingcollProcessGroup(dist.ProcessGroup):
         if (len(input_tensors) == 1 and len(output_tensors) == 1 and len(output_tensors[0]) == self._size
                 and len({t.numel() for t in output_tensors[0]}) == 1
                 and output_tensors[0][0].numel() == input_tensors[0].numel()
-                and self._to_ringcoll([input_tensors[0], *output_tensors[0]])):
+                and (comm := self._ring_for([input_tensors[0], *output_tensors[0]])) is not None):
             outs, t = list(output_tensors[0]), input_tensors[0]
-            comm = self.communicator()
             return self._run("all_gather", lambda a: comm.all_gather(outs, t, async_op=a), output_tensors, opts)
-        return self._gloo("all_gather").allgather(output_tensors, input_tensors, opts)
+        return self._fallback("all_gather", input_tensors).allgather(output_tensors, input_tensors, opts)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None, op=None, timeout=None):
         """torch's list form: output_tensors = [out], input_tensors = [[in_0, ..., in_{P-1}]]
@@ -354,12 +400,11 @@ class RingcollProcessGroup(dist.ProcessGroup):
         if (op is not None and len(output_tensors) == 1 and len(input_tensors) == 1
                 and len(input_tensors[0]) == self._size
                 and all(t.numel() == output_tensors[0].numel() for t in input_tensors[0])
-                and self._to_ringcoll([output_tensors[0], *input_tensors[0]])):
+                and (comm := self._ring_for([output_tensors[0], *input_tensors[0]])) is not None):
             out, ins = output_tensors[0], list(input_tensors[0])
-            comm = self.communicator()
             return self._run("reduce_scatter", lambda a: comm.reduce_scatter(out, ins, op=op, async_op=a),
                              output_tensors, opts)
-        return self._gloo("reduce_scatter").reduce_scatter(output_tensors, input_tensors, opts)
+        return self._fallback("reduce_scatter", output_tensors).reduce_scatter(output_tensors, input_tensors, opts)
 
     # The coalesced forms (FSDP2, DDP's coalesced paths, functional collectives): one flat
     # ring call each, as NCCL's grouped calls (ringcoll/packing.py).
@@ -368,44 +413,43 @@ class RingcollProcessGroup(dist.ProcessGroup):
         opts = opts if opts is not None else _c10d.AllgatherOptions()
         if (len(outputs) == len(inputs) > 0
                 and all(o.numel() == i.numel() * self._size for o, i in zip(outputs, inputs))
-                and self._to_ringcoll([*outputs, *inputs])):
-            comm = self.communicator()
+                and (comm := self._ring_for([*outputs, *inputs])) is not None):
             return self._run("all_gather_into_tensor_coalesced",
                              lambda a: comm.all_gather_into_tensor_coalesced(list(outputs), list(inputs), async_op=a),
                              list(outputs), opts)
-        return self._gloo("all_gather_into_tensor_coalesced").allgather_into_tensor_coalesced(outputs, inputs, opts)
+        return self._fallback("all_gather_into_tensor_coalesced", inputs).allgather_into_tensor_coalesced(
+            outputs, inputs, opts)
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         opts = opts if opts is not None else _c10d.ReduceScatterOptions()
         op = _ringcoll_op(opts.reduceOp, inputs[0].dtype) if inputs else None
         if (op is not None and len(outputs) == len(inputs) > 0
                 and all(o.numel() * self._size == i.numel() for o, i in zip(outputs, inputs))
-                and self._to_ringcoll([*outputs, *inputs])):
-            comm = self.communicator()
+                and (comm := self._ring_for([*outputs, *inputs])) is not None):
             return self._run("reduce_scatter_tensor_coalesced",
                              lambda a: comm.reduce_scatter_tensor_coalesced(list(outputs), list(inputs), op=op,
                                                                             async_op=a),
                              list(outputs), opts)
-        return self._gloo("reduce_scatter_tensor_coalesced").reduce_scatter_tensor_coalesced(outputs, inputs, opts)
+        return self._fallback("reduce_scatter_tensor_coalesced", inputs).reduce_scatter_tensor_coalesced(
+            outputs, inputs, opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
         """One flat all-reduce of every tensor (as NCCL's grouped calls), copied back."""
         opts = opts if opts is not None else _c10d.AllreduceCoalescedOptions()
         op = _ringcoll_op(opts.reduceOp, tensors[0].dtype) if tensors else None
-        if op is not None and self._to_ringcoll(tensors):
-            comm = self.communicator()
+        if op is not None and (comm := self._ring_for(tensors)) is not None:
             return self._run("all_reduce_coalesced",
                              lambda a: comm.all_reduce_coalesced(list(tensors), op=op, async_op=a), list(tensors), opts)
-        return self._gloo("all_reduce_coalesced").allreduce_coalesced(tensors, opts)
+        return self._fallback("all_reduce_coalesced", tensors).allreduce_coalesced(tensors, opts)
 
     def barrier(self, opts=None, timeout=None):
         opts = _options(_c10d.BarrierOptions, opts, timeout=timeout)
         if self._bootstrapping:
-            return self._gloo("barrier").barrier(opts)
+            return self._fallback("barrier").barrier(opts)
         comm = self.communicator()
         return self._run("barrier", lambda a: comm.barrier(async_op=a), [], opts)
 
-    # --- everything else: straight to gloo -----------------------------------------------
+    # --- everything else: straight to the fall-back (gloo; NCCL for CUDA tensors) --------
     # Forwarded here rather than left to c10d's dispatch (the backend registered above).
     # For a method a Python subclass does not override, torch's pybind11 trampoline calls
     # the C++ base class while still holding the GIL it took to look for an override; the
@@ -426,11 +470,11 @@ class RingcollProcessGroup(dist.ProcessGroup):
     # --- lifetime -----------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        """Called by dist.destroy_process_group: release the shared memory."""
+        """Called by dist.destroy_process_group: release every communicator's buffers."""
         self._closed = True
         with self._comm_lock:
-            comm, self._comm = self._comm, None
-        if comm is not None:
+            comms, self._comms = list(self._comms.values()), {}
+        for comm in comms:
             comm.close()
 
     def abort(self) -> None:
@@ -439,11 +483,11 @@ class RingcollProcessGroup(dist.ProcessGroup):
 
 def _forward_to_gloo(name: str):
     """A RingcollProcessGroup method that hands the call, as c10d made it, to the internal
-    gloo group (counted in call_counts as "gloo:<name>")."""
+    fall-back group (counted in call_counts as "gloo:<name>" or "nccl:<name>")."""
     def forward(self, *args, **kwargs):
         if args and args[-1] is None:  # c10d's "default options", which gloo's binding spells by omission
             args = args[:-1]
-        return getattr(self._gloo(name), name)(*args, **kwargs)
+        return getattr(self._fallback(name, (args, kwargs)), name)(*args, **kwargs)
 
     forward.__name__ = name
     forward.__qualname__ = f"RingcollProcessGroup.{name}"
@@ -452,6 +496,25 @@ def _forward_to_gloo(name: str):
 
 for _name in RingcollProcessGroup.FORWARDED_TO_GLOO:
     setattr(RingcollProcessGroup, _name, _forward_to_gloo(_name))
+
+
+CUDA_FALLBACKS = ("nccl", "gloo")
+
+
+def _nccl_if_usable(store, rank: int, size: int, timeout: datetime.timedelta):
+    """The internal NCCL group that CUDA tensors ringcoll does not serve go to, or None (no
+    GPU, no NCCL, or RINGCOLL_CUDA_FALLBACK=gloo: gloo then takes them, as it takes CUDA
+    tensors for broadcast, all-reduce and all-gather; choose gloo when several ranks share
+    one GPU, which NCCL refuses)."""
+    choice = os.environ.get("RINGCOLL_CUDA_FALLBACK", "nccl").strip().lower()
+    if choice not in CUDA_FALLBACKS:
+        raise ValueError(f"ringcoll backend: RINGCOLL_CUDA_FALLBACK={choice!r}; expected one of "
+                         + ", ".join(CUDA_FALLBACKS))
+    if choice != "nccl" or not torch.cuda.is_available() or not dist.is_nccl_available():
+        return None
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return dist.ProcessGroupNCCL(dist.PrefixStore("ringcoll-nccl/", store), rank, size, options)
 
 
 def _exchange_hosts(store, rank: int, size: int, timeout: datetime.timedelta) -> list:
@@ -485,7 +548,7 @@ def register() -> None:
     """Register "ringcoll" with torch.distributed (``import ringcoll`` does it). Idempotent."""
     if BACKEND_NAME.upper() in getattr(dist.Backend, "_plugins", {}):
         return
-    dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=False, devices=["cpu"])
+    dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=False, devices=list(SERVED_DEVICE_TYPES))
 
 
 def _register_on_import() -> None:

@@ -32,7 +32,9 @@ __all__ = ["RingcollHookState", "ddp_hook"]
 
 class RingcollHookState:
     """State for :func:`ddp_hook`: the ranks to average over (``group``; None is the default
-    group; it must hold the same ranks as DDP's process group) and the ringcoll communicator.
+    group; it must hold the same ranks as DDP's process group) and the ringcoll communicator
+    for the device the model's gradients are on (``device``: "cpu", or "cuda" for the current
+    GPU's CUDA ring).
 
     The communicator is built when the state is (collectively: every rank constructs its
     state at the same point), so the first backward does not pay for it. On a process
@@ -40,33 +42,39 @@ class RingcollHookState:
     counts the buckets the hook has started.
     """
 
-    def __init__(self, group=None, communicator=None):
+    def __init__(self, group=None, communicator=None, device="cpu"):
         self.group = group
-        self.communicator = communicator if communicator is not None else _communicator_for(group)
+        self.communicator = communicator if communicator is not None else _communicator_for(group, device)
         self.calls = 0
 
     def __repr__(self) -> str:
         return f"RingcollHookState(group={self.group!r}, world_size={self.communicator.world_size})"
 
 
-def _communicator_for(group):
-    return get_communicator(group, "cpu")  # on a "ringcoll" group: the group's own ring
+def _communicator_for(group, device):
+    return get_communicator(group, device)  # on a "ringcoll" group: the group's own ring
 
 
-def _state_communicator(state: Optional[object]):
+def _state_communicator(state: Optional[object], bucket: dist.GradBucket):
+    """The communicator for the bucket's device; the state is checked before the bucket is read."""
+    if not (state is None or isinstance(state, (RingcollHookState, dist.ProcessGroup))):
+        raise TypeError(f"ddp_hook: state must be a ringcoll.training.ddp.RingcollHookState, a ProcessGroup or None, "
+                        f"got {type(state).__name__}")
+    tensor = bucket.buffer()
     if isinstance(state, RingcollHookState):
         state.calls += 1
+        served = state.communicator.device
+        if tensor.device != served and not (served.type == tensor.device.type == "cpu"):
+            raise ValueError(f"ddp_hook: the bucket is on {tensor.device}, but the hook state's communicator "
+                             f"serves {served}: make it with RingcollHookState(device={str(tensor.device)!r})")
         return state.communicator
-    if state is None or isinstance(state, dist.ProcessGroup):
-        return _communicator_for(state)
-    raise TypeError(f"ddp_hook: state must be a ringcoll.training.ddp.RingcollHookState, a ProcessGroup or None, "
-                    f"got {type(state).__name__}")
+    return _communicator_for(state, tensor.device)
 
 
 def ddp_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """All-reduce ``bucket.buffer()`` with ringcoll, asynchronously; the Future resolves to the
     averaged bucket (same tensor, in place)."""
-    comm = _state_communicator(state)
+    comm = _state_communicator(state, bucket)
     tensor = bucket.buffer()
     if tensor.dtype in FLOATING_DTYPES:
         work = comm.all_reduce(tensor, op=ReduceOp.AVG, async_op=True)

@@ -31,6 +31,7 @@ the ring's place when its ranks are on several machines (training/backend.py).
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 from typing import Callable, Optional
 
@@ -40,7 +41,7 @@ import torch.distributed as dist
 from ringcoll import packing
 from ringcoll._types import ReduceOp, op_code, reduce_op
 from ringcoll.communicator import ArgumentChecks, Communicator, Work
-from ringcoll.transports.host import CallQueue, shared_memory_domain
+from ringcoll.transports.host import CallQueue, ThreadCompletion, shared_memory_domain
 
 
 def _node_of(rank: int, node_id) -> object:
@@ -70,15 +71,17 @@ class HierarchicalCommunicator(ArgumentChecks):
     """All-reduce, reduce-scatter and all-gather over nodes of ranks (module docstring).
 
     Construction is collective over ``group`` (default: the default group): each rank makes
-    the two groups it belongs to, its node's (the intra-node ringcoll Communicator is built
-    on it) and its local index's (``inter_backend``, gloo by default), in that order on
-    every rank. Ranks outside ``group`` need not take part.
+    the two groups it belongs to, its node's (the intra-node ringcoll Communicator for
+    ``device`` is built on it) and its local index's (``inter_backend``: by default gloo for
+    CPU tensors, NCCL for CUDA ones), in that order on every rank. Ranks outside ``group``
+    need not take part.
     """
 
-    def __init__(self, group=None, node_id=None, timeout=None, buffer_bytes=None, inter_backend: str = "gloo",
-                 check=None):
+    def __init__(self, group=None, node_id=None, timeout=None, buffer_bytes=None, inter_backend: Optional[str] = None,
+                 check=None, device="cpu"):
         self.group = group if group is not None else dist.group.WORLD
-        self.device = torch.device("cpu")
+        self.device = torch.device(device)
+        inter_backend = inter_backend or ("nccl" if self.device.type == "cuda" else "gloo")
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         nodes: list = [None] * self.world_size
@@ -103,7 +106,9 @@ class HierarchicalCommunicator(ArgumentChecks):
                                     use_local_synchronization=True)
         self.inter_group = dist.new_group(global_ranks([m[self.local_rank] for m in self.rank_at]),
                                           backend=inter_backend, use_local_synchronization=True)
-        self.intra = Communicator(group=node_group, timeout=timeout, buffer_bytes=buffer_bytes, check=check)
+        self.intra = Communicator(group=node_group, device=self.device, timeout=timeout, buffer_bytes=buffer_bytes,
+                                  check=check)
+        self.device = self.intra.device  # with its index
         self._calls = CallQueue()
 
     def close(self) -> None:
@@ -128,7 +133,16 @@ class HierarchicalCommunicator(ArgumentChecks):
         return getattr(dist.ReduceOp, op.name)
 
     def _submit(self, run: Callable[[], None], outputs: list, async_op: bool) -> Optional[Work]:
-        """Run the validated call now, or queued in call order (a Work, as the ring's)."""
+        """Run the validated call now, or queued in call order (a Work, as the ring's). On
+        CUDA both levels enqueue on the current stream without blocking the host (the ring
+        and NCCL alike), so the call runs now even when async: its Work is already done."""
+        if self.device.type == "cuda":
+            self._calls.submit(run, async_op=False)
+            if not async_op:
+                return None
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result(None)
+            return Work(ThreadCompletion(done), outputs)
         completion = self._calls.submit(run, async_op)
         return None if completion is None else Work(completion, outputs)
 

@@ -239,7 +239,7 @@ def _rank_fn(rank: int, ws: int, backend_string: str) -> dict:
 
     out["module_level_reuses_ring"] = ringcoll.get_communicator() is comm
     dist.destroy_process_group(pg)
-    out["closed_on_destroy"] = pg._comm is None and comm._closed
+    out["closed_on_destroy"] = pg._comms == {} and comm._closed
     dist.init_process_group("gloo")  # spawn destroys the group itself at the end
     return out
 

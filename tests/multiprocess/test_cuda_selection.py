@@ -42,3 +42,33 @@ def test_array_producers_are_viewed_not_copied():
     tensor = torch.ones(2)
     assert _tensor_view(tensor) is tensor and _tensor_view(None) is None
     assert _tensor_view("not an array") == "not an array"  # left for the collective's validation to name
+
+
+def _backend_cuda_route(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    import ringcoll
+
+    pg = dist.group.WORLD
+    try:
+        comm = pg.communicator("cuda")
+        outcome = ("built", type(comm.transport).__name__, ringcoll.get_communicator(pg, "cuda") is comm)
+    except ringcoll.RingcollError as e:
+        outcome = ("error", str(e), None)
+    t = torch.full((3,), float(rank))
+    dist.all_reduce(t)  # the CPU ring is unaffected either way
+    return outcome, t.tolist()
+
+
+def test_backend_routes_cuda_tensors_to_the_cuda_ring_of_their_device():
+    # The backend's communicator for a CUDA device is the CUDA transport (one per device,
+    # shared with ringcoll.get_communicator); without a GPU, the same clear error as above.
+    import torch
+
+    for outcome, cpu_sum in spawn(_backend_cuda_route, 2, backend="ringcoll"):
+        assert cpu_sum == [1.0, 1.0, 1.0]
+        if torch.cuda.is_available():
+            assert outcome == ("built", "CudaTransport", True)
+        else:
+            assert outcome[0] == "error" and outcome[1].startswith("Communicator: CUDA tensors were requested"), outcome
