@@ -14,9 +14,9 @@ driver: why it forks and how the tests see the backend, in its docstring). Then:
 * every exception in the selection must still fail on ringcoll (else it is stale);
 * the ranks' ``call_counts`` show the ring itself ran (not only the forwarded gloo calls).
 
-Measured on the project's 2-core machine (with other jobs running, load average 8): 130 s
-for the four suite runs (world 2: 51 s, world 3: 77 s, gloo and ringcoll side by side), and
-30 s for the FSDP2 check beside it (``test_fsdp2.py``).
+Measured on the project's 2-core machine, with other jobs running (load average 2-8): the
+four suite runs take 100-130 s (world 2: 41-51 s, world 3: 60-77 s, gloo and ringcoll side
+by side), the FSDP2 check beside them (``test_fsdp2.py``) 22-30 s; the whole tier 128 s.
 
 By hand, one run (a test name, or several with commas, or the whole selection)::
 
