@@ -36,7 +36,7 @@ By hand, from the repository root (ringcoll built or installed)::
 
 ``--tests`` takes names of ``_DistTestBase`` methods (comma-separated), or ``all`` for the
 whole suite (285 tests, 80-115 s); without it the driver runs the tier's selection
-(``selection.py``). A failing test prints its ranks' tracebacks, as PyTorch's do.
+(``suite_selection.py``). A failing test prints its ranks' tracebacks, as PyTorch's do.
 """
 
 from __future__ import annotations
@@ -56,9 +56,9 @@ def _prepare_environment(world_size: int) -> None:
     """What distributed_test.py and common_distributed.py read at import time."""
     os.environ["BACKEND"] = "gloo"  # the skip decorators are evaluated as for gloo (see above)
     os.environ["WORLD_SIZE"] = str(world_size)
-    # TestDistBackend.setUp makes a fresh TEMP_DIR (barrier files, the init file) per test;
-    # this one only has to exist for anything read before that.
-    os.environ.setdefault("TEMP_DIR", tempfile.mkdtemp(prefix="ringcoll-conf-"))
+    # TestDistBackend.setUp makes a fresh TEMP_DIR (barrier files, the init file) per test
+    # and points this variable at it; until then it only has to name a folder that exists.
+    os.environ.setdefault("TEMP_DIR", tempfile.gettempdir())
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     # A hung test fails after this many seconds instead of common_distributed's 300.
     os.environ.setdefault("DISTRIBUTED_TESTS_DEFAULT_TIMEOUT", "90")
@@ -74,7 +74,9 @@ def make_test_class(backend: str):
 
     distributed_test.BACKEND = backend  # inherited by the forked ranks: init_process_group's backend
 
-    class TestDistBackendWithFork(distributed_test.TestDistBackend, distributed_test.DistributedTest._DistTestBase):
+    base = distributed_test.DistributedTest._DistTestBase
+
+    class TestDistBackendWithFork(distributed_test.TestDistBackend, base):
         def setUp(self):
             super().setUp()
             self._start_processes(torch.multiprocessing.get_context("fork").Process)
@@ -155,7 +157,7 @@ def run(backend: str, world_size: int, tests: list, verbosity: int = 1) -> dict:
 
 def main(argv=None) -> int:
     sys.path.insert(0, HERE)
-    from selection import SELECTION
+    from suite_selection import SELECTION
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", required=True, help='"gloo" or "ringcoll"')

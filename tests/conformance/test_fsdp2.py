@@ -86,7 +86,8 @@ def _fsdp_rank(rank: int, ws: int, setups: list) -> dict:
     from ringcoll.training import backend
 
     gloo = dist.new_group(backend="gloo")
-    meshes = {"gloo": DeviceMesh.from_group(gloo, "cpu"), "ringcoll": DeviceMesh.from_group(dist.group.WORLD, "cpu")}
+    meshes = {"gloo": DeviceMesh.from_group(gloo, "cpu"),
+              "ringcoll": DeviceMesh.from_group(dist.group.WORLD, "cpu")}
     out = {"default_group": type(dist.group.WORLD).__name__}
     for name, dtype, exact in setups:
         params = {}

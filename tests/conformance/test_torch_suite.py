@@ -2,8 +2,8 @@
 
 torch ships the tests it runs for its own backends (``DistributedTest._DistTestBase`` in
 ``torch/testing/_internal/distributed/distributed_test.py``). This tier runs a selection of
-them (``selection.py``: every test that reaches ringcoll's code, plus samples of what the
-backend forwards to gloo) on CPU at world sizes 2 and 3, once with ``backend="gloo"`` and
+them (``suite_selection.py``: every test that reaches ringcoll's code, plus samples of what
+the backend forwards to gloo) on CPU at world sizes 2 and 3, once with ``backend="gloo"`` and
 once with ``backend="ringcoll"``, each in a subprocess running ``dist_suite.py`` (the
 driver: why it forks and how the tests see the backend, in its docstring). Then:
 
@@ -40,7 +40,7 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-from selection import SELECTION  # noqa: E402
+from suite_selection import SELECTION  # noqa: E402
 
 #: Tests gloo passes and ringcoll cannot, because they are about the backend's name.
 EXCEPTIONS = {
