@@ -14,9 +14,10 @@ driver: why it forks and how the tests see the backend, in its docstring). Then:
 * every exception in the selection must still fail on ringcoll (else it is stale);
 * the ranks' ``call_counts`` show the ring itself ran (not only the forwarded gloo calls).
 
-Measured on the project's 2-core machine, with other jobs running (load average 2-8): the
-four suite runs take 100-130 s (world 2: 41-51 s, world 3: 60-77 s, gloo and ringcoll side
-by side), the FSDP2 check beside them (``test_fsdp2.py``) 22-30 s; the whole tier 128 s.
+Measured on the project's 2-core machine, with other jobs running: the four suite runs
+take 100-130 s (world 2: 41-56 s, world 3: 60-77 s, gloo and ringcoll side by side), the
+FSDP2 check beside them (``test_fsdp2.py``) 22-40 s; the whole tier 128 s at load average 2,
+177 s at 13-15.
 
 By hand, one run (a test name, or several with commas, or the whole selection)::
 
