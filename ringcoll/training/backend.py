@@ -103,6 +103,7 @@ import torch
 import torch.distributed as dist
 
 from ringcoll._types import DTYPE_CODES, FLOATING_DTYPES, ReduceOp, reduce_op
+from ringcoll.api import SERVED_DEVICE_TYPES
 from ringcoll.communicator import Communicator
 from ringcoll.errors import RingcollError
 from ringcoll.training.hierarchical import HierarchicalCommunicator, uneven_nodes_message
@@ -177,9 +178,6 @@ def _ringcoll_op(op, dtype: torch.dtype) -> Optional[ReduceOp]:
     if ours is ReduceOp.AVG and dtype not in FLOATING_DTYPES:
         return None
     return ours
-
-
-SERVED_DEVICE_TYPES = ("cpu", "cuda")
 
 
 def routing_device(tensors) -> Optional[torch.device]:
