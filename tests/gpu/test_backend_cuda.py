@@ -150,3 +150,31 @@ def test_training_examples_run_on_cuda(script):
                           capture_output=True, text=True, timeout=240, env=env, cwd=root)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "parameters identical on all 2 ranks: True" in proc.stdout, proc.stdout
+
+
+def _hierarchical_on_cuda(rank, world):
+    from ringcoll.training.hierarchical import HierarchicalCommunicator
+
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    with HierarchicalCommunicator(node_id=rank // 2, device=dev, timeout=60) as h:  # NCCL between "nodes"
+        t = torch.full((1001,), float(rank + 1), device=dev)
+        h.all_reduce(t)
+        out = torch.empty(7, dtype=torch.int32, device=dev)
+        h.reduce_scatter_tensor(out, torch.arange(7 * world, dtype=torch.int32, device=dev) + rank)
+        gathered = torch.empty(3 * world, device=dev)
+        h.all_gather_into_tensor(gathered, torch.full((3,), float(rank), device=dev))
+        torch.cuda.synchronize()
+        want_rs = (torch.arange(7 * world) * world + sum(range(world))).view(world, 7)[rank]
+        return (torch.equal(t.cpu(), torch.full((1001,), float(world * (world + 1) // 2))),
+                torch.equal(out.cpu().long(), want_rs),
+                torch.equal(gathered.cpu(), torch.arange(world).repeat_interleave(3).float()))
+
+
+def test_hierarchical_on_cuda_with_nccl_between_nodes():
+    """2 "nodes" x 2 ranks: the CUDA ring inside each, NCCL across (on one GPU, NCCL needs
+    2.30+ and NCCL_MULTI_RANK_GPU_ENABLE=1 for several ranks there)."""
+    if torch.cuda.device_count() < 2 and torch.cuda.nccl.version() < (2, 30, 0):
+        pytest.skip(f"NCCL {torch.cuda.nccl.version()} refuses several ranks on one GPU (needs 2.30+)")
+    results = spawn(_hierarchical_on_cuda, 4, timeout=240, env={**ENV, "NCCL_MULTI_RANK_GPU_ENABLE": "1"})
+    assert results == [(True, True, True)] * 4
