@@ -40,16 +40,30 @@ def dtype_code(op_name: str, dtype: torch.dtype) -> int:
         raise TypeError(f"{op_name}: unsupported dtype {dtype}; ringcoll supports {supported}") from None
 
 
-def reduce_op(op_name: str, op) -> ReduceOp:
-    """ringcoll.ReduceOp from a ringcoll.ReduceOp or a torch.distributed.ReduceOp value."""
-    if isinstance(op, ReduceOp):
-        return op
+def _torch_ops() -> dict:
+    """torch.distributed.ReduceOp's values -> ours (built on first use: torch.distributed
+    need not be imported for ringcoll's own ops)."""
     import torch.distributed as dist
 
-    for ours in ReduceOp:
-        theirs = getattr(dist.ReduceOp, ours.name, None)
+    return {getattr(dist.ReduceOp, ours.name): ours for ours in ReduceOp if hasattr(dist.ReduceOp, ours.name)}
+
+
+_TORCH_OPS: dict = {}
+
+
+def reduce_op(op_name: str, op) -> ReduceOp:
+    """ringcoll.ReduceOp from a ringcoll.ReduceOp or a torch.distributed.ReduceOp value."""
+    if type(op) is ReduceOp:
+        return op
+    if not _TORCH_OPS:
+        _TORCH_OPS.update(_torch_ops())
+    try:
+        return _TORCH_OPS[op]
+    except (KeyError, TypeError):  # not one of them, or a value that cannot be hashed (PREMUL_SUM's)
+        pass
+    for theirs, ours in _TORCH_OPS.items():  # a ReduceOp object that compares equal to one of them
         try:
-            if theirs is not None and op == theirs:
+            if op == theirs:
                 return ours
         except TypeError:
             pass
@@ -59,6 +73,9 @@ def reduce_op(op_name: str, op) -> ReduceOp:
 
 def op_code(op_name: str, op, dtype: torch.dtype) -> int:
     ours = reduce_op(op_name, op)
-    if ours is ReduceOp.AVG and dtype not in FLOATING_DTYPES:
+    if ours is _AVG and dtype not in FLOATING_DTYPES:
         raise ValueError(f"{op_name}: ReduceOp.AVG is only defined for floating dtypes, not {dtype}")
     return int(ours)
+
+
+_AVG = ReduceOp.AVG  # a module global: an enum member's lookup costs a call's worth of time

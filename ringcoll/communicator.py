@@ -162,7 +162,7 @@ class ArgumentChecks:
     def _check_tensor(self, op: str, what: str, t) -> None:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: {what} must be a torch.Tensor, got {type(t).__name__}")
-        if t.device != self.device and not (self.device.type == "cpu" and t.device.type == "cpu"):
+        if not (t.is_cpu if self.device.type == "cpu" else t.device == self.device):
             raise ValueError(f"{op}: {what} is on {t.device}, but this communicator serves {self.device}")
         if not t.is_contiguous():
             raise ValueError(f"{op}: {what} must be contiguous")

@@ -60,11 +60,11 @@ class CollectiveCall(NamedTuple):
     def run(self, comm, *stream_args) -> None:
         """Call the extension's method for this collective on `comm` (HostComm or CudaComm);
         `stream_args` are the CUDA transport's (stream, join)."""
-        method = getattr(comm, self.collective)
-        if self.op is None:
-            method(self.src, self.dst, self.user_count, self.dtype, *stream_args)
+        collective, src, dst, user_count, dtype, op = self  # one unpack: this runs on every call
+        if op is None:
+            getattr(comm, collective)(src, dst, user_count, dtype, *stream_args)
         else:
-            method(self.src, self.dst, self.user_count, self.dtype, self.op, *stream_args)
+            getattr(comm, collective)(src, dst, user_count, dtype, op, *stream_args)
 
 
 class Transport:

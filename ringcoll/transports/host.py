@@ -89,7 +89,8 @@ class CallQueue:
     def submit(self, run: Callable[[], None], async_op: bool) -> Optional[ThreadCompletion]:
         """Run `run` now (sync) or queue it (async) behind earlier async work."""
         if not async_op:
-            self.synchronize()  # keep call order; a queued call's error is its own
+            if self._last_async is not None:
+                self.synchronize()  # keep call order; a queued call's error is its own
             with self._lock:
                 run()
             return None
@@ -142,10 +143,13 @@ class HostTransport(Transport):
 
     def submit(self, call: CollectiveCall, outputs: list, keep_alive: Sequence, async_op: bool,
                then: Optional[Callable[[], None]] = None) -> Optional[ThreadCompletion]:
+        comm = self._comm
+        if then is None:
+            return self._calls.submit(lambda: call.run(comm), async_op)
+
         def run() -> None:
-            call.run(self._comm)
-            if then is not None:
-                then()
+            call.run(comm)
+            then()
 
         return self._calls.submit(run, async_op)
 
