@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -108,6 +109,11 @@ class Backend:
         """The forms it offers for `coll`: "out" (out-of-place) and/or "in" (in-place)."""
         return ("out", "in")
 
+    def unsupported(self, coll: CollectiveDef, dtype: torch.dtype, op: str) -> str:
+        """Why this collective, dtype and op are not timed here ("" when they are): shown in
+        the reference's column instead of a time."""
+        return ""
+
     def run(self, coll: str, inp, out, op: str, in_place: bool, rank: int, world: int) -> None:
         raise NotImplementedError
 
@@ -118,19 +124,42 @@ class Backend:
         raise NotImplementedError
 
 
-class TorchBackend(Backend):
+def no_avg(coll: CollectiveDef, op: str) -> str:
+    """The label of a reference without a native AVG (gloo, Open MPI, oneCCL)."""
+    return "no AVG" if coll.reduces and op == "avg" else ""
+
+
+class DistBackend(Backend):
+    """A reference that synchronises the timing through torch.distributed (the run's gloo group)."""
+
+    def barrier(self):
+        torch.distributed.barrier()
+
+    def reduce_over_ranks(self, value, kind):
+        dist = torch.distributed
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if kind == "max" else dist.ReduceOp.MIN)
+        return float(t)
+
+
+class TorchBackend(DistBackend):
     """ringcoll (a Communicator) or torch.distributed itself (gloo), same call shapes."""
 
-    def __init__(self, comm=None):
+    def __init__(self, comm=None, forms: Optional[tuple] = None):
         import torch.distributed as dist
 
-        self.dist, self.comm = dist, comm
+        self.dist, self.comm, self._forms = dist, comm, forms
         self.name = "ringcoll" if comm is not None else dist.get_backend()
 
     def forms(self, coll):
+        if self._forms:
+            return self._forms
         if self.comm is not None:
             return ("out", "in")
         return ("in",) if coll == "all_reduce" else ("out",)  # torch.distributed's only forms
+
+    def unsupported(self, coll, dtype, op):
+        return "" if self.comm is not None else no_avg(coll, op)
 
     def _op(self, op: str):
         name = {"sum": "SUM", "prod": "PRODUCT", "min": "MIN", "max": "MAX", "avg": "AVG"}[op]
@@ -154,17 +183,15 @@ class TorchBackend(Backend):
         else:
             self.dist.barrier()
 
-    def reduce_over_ranks(self, value, kind):
-        t = torch.tensor([value], dtype=torch.float64)
-        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX if kind == "max" else self.dist.ReduceOp.MIN)
-        return float(t)
-
 
 class MpiBackend(Backend):
     """Open MPI through mpi4py, on numpy views of the same tensors (run under mpirun)."""
 
     def forms(self, coll):
         return ("out",)
+
+    def unsupported(self, coll, dtype, op):
+        return no_avg(coll, op)
 
     def __init__(self):
         from mpi4py import MPI
@@ -231,16 +258,22 @@ def _busy_wait(seconds: float) -> None:
         pass
 
 
-def measure(call: Callable[[], None], backend: Backend, config: Config, rank: int) -> tuple[float, float]:
-    """(slowest rank's, fastest rank's) seconds per call: each the median over trials of the
-    mean of a timed loop. All ranks run the same number of iterations."""
+def _stepper(call: Callable[[], None], config: Config, rank: int) -> Callable[[], None]:
+    """`call`, after the straggler's delay on the straggler rank."""
     delay = config.delay_us * 1e-6 if rank == config.straggler_rank else 0.0
+    if not delay:
+        return call
 
     def step():
-        if delay:
-            _busy_wait(delay)
+        _busy_wait(delay)
         call()
 
+    return step
+
+
+def calibrate(call: Callable[[], None], backend: Backend, config: Config, rank: int) -> int:
+    """Warm up, then the iterations a timed loop needs to last --min-ms (the same on every rank)."""
+    step = _stepper(call, config, rank)
     for _ in range(config.warmup):
         step()
     backend.barrier()
@@ -248,18 +281,19 @@ def measure(call: Callable[[], None], backend: Backend, config: Config, rank: in
     start = time.perf_counter()
     step()
     one = backend.reduce_over_ranks(time.perf_counter() - start, "max")
-    iters = max(config.iters, min(100000, math.ceil(config.min_seconds / max(one, 1e-9))))
-    slowest, fastest = [], []
-    for _ in range(config.trials):
-        backend.barrier()
+    return max(config.iters, min(100000, math.ceil(config.min_seconds / max(one, 1e-9))))
+
+
+def timed_loop(call: Callable[[], None], backend: Backend, iters: int, config: Config, rank: int) -> tuple[float, float]:
+    """One trial: (slowest rank's, fastest rank's) mean seconds per call over `iters` calls."""
+    step = _stepper(call, config, rank)
+    backend.barrier()
+    step()
+    start = time.perf_counter()
+    for _ in range(iters):
         step()
-        start = time.perf_counter()
-        for _ in range(iters):
-            step()
-        mine = (time.perf_counter() - start) / iters
-        slowest.append(backend.reduce_over_ranks(mine, "max"))
-        fastest.append(backend.reduce_over_ranks(mine, "min"))
-    return statistics.median(slowest), statistics.median(fastest)
+    mine = (time.perf_counter() - start) / iters
+    return backend.reduce_over_ranks(mine, "max"), backend.reduce_over_ranks(mine, "min")
 
 
 def _buffers(coll: CollectiveDef, count: int, world: int, rank: int, dtype, op: str, in_place: bool):
@@ -275,38 +309,45 @@ def _buffers(coll: CollectiveDef, count: int, world: int, rank: int, dtype, op: 
     return inp, out, result
 
 
-def _unsupported(backend: Backend, coll: CollectiveDef, op: str) -> Optional[str]:
-    """Why `backend` cannot run this collective with this op, if it cannot."""
-    if coll.reduces and op == "avg" and backend.name in ("gloo", "mpi"):
-        return f"{backend.name} has no AVG"
-    return None
-
-
-def bench_one(backend: Backend, coll: CollectiveDef, count: int, rank: int, world: int, config: Config) -> dict:
-    """Check, then time, one collective at one size on one backend (every rank returns it)."""
+def bench_size(backends: list, coll: CollectiveDef, count: int, rank: int, world: int, config: Config) -> list[dict]:
+    """One collective at one size on every backend (one row each; every rank returns them):
+    check every backend's every form first, then time them in turn, trial by trial
+    (ABAB...), so that a slow phase of this noisy machine hits ringcoll and each reference
+    alike; each time is the median over the trials."""
     dtype = DTYPES[config.dtype]
-    row = {"collective": coll.name, "backend": backend.name, "bytes": count * torch.empty(0, dtype=dtype).element_size(),
-           "count": count, "type": config.dtype, "redop": config.op if coll.reduces else "none", "world": world}
-    unsupported = _unsupported(backend, coll, config.op)
-    if unsupported:
-        row["unsupported"] = unsupported
-        return row
     expected = expected_result(coll, rank, world, count, dtype, config.op)
-    for form in backend.forms(coll.name):
-        in_place = form == "in"
-        inp, out, result = _buffers(coll, count, world, rank, dtype, config.op, in_place)
-        call = lambda: backend.run(coll.name, inp, out, config.op, in_place, rank, world)  # noqa: E731
-        call()
-        wrong = int((result != expected).sum())
-        row[f"{form}_wrong"] = int(backend.reduce_over_ranks(float(wrong), "max"))
-        slowest, fastest = measure(call, backend, config, rank)
-        row[f"{form}_time_us"], row[f"{form}_fastest_us"] = slowest * 1e6, fastest * 1e6
-    return row
+    rows, timed = [], []  # timed: (row, form, backend, call, iterations)
+    for backend in backends:
+        row = {"collective": coll.name, "backend": backend.name, "bytes": count * dtype.itemsize, "count": count,
+               "type": config.dtype, "redop": config.op if coll.reduces else "none", "world": world}
+        rows.append(row)
+        unsupported = backend.unsupported(coll, dtype, config.op)
+        if unsupported:
+            row["unsupported"] = unsupported
+            continue
+        for form in backend.forms(coll.name):
+            in_place = form == "in"
+            inp, out, result = _buffers(coll, count, world, rank, dtype, config.op, in_place)
+            call = functools.partial(backend.run, coll.name, inp, out, config.op, in_place, rank, world)
+            call()
+            wrong = int((result != expected).sum())
+            row[f"{form}_wrong"] = int(backend.reduce_over_ranks(float(wrong), "max"))
+            timed.append((row, form, backend, call, calibrate(call, backend, config, rank)))
+    trials = {id(entry): [] for entry in timed}
+    for _ in range(config.trials):
+        for entry in timed:
+            row, form, backend, call, iters = entry
+            trials[id(entry)].append(timed_loop(call, backend, iters, config, rank))
+    for entry in timed:
+        row, form = entry[0], entry[1]
+        slowest, fastest = zip(*trials[id(entry)])
+        row[f"{form}_time_us"] = statistics.median(slowest) * 1e6
+        row[f"{form}_fastest_us"] = statistics.median(fastest) * 1e6
+    return rows
 
 
 def bench_all(backends: list, rank: int, world: int, config: Config) -> list[dict]:
-    """Every collective and size, each measured on every backend in turn: interleaving
-    keeps ringcoll and its references in the same moments of a noisy machine."""
+    """Every collective and size, each measured on every backend in turn (bench_size)."""
     progress = None
     counts = message_counts(config, world)
     if rank == 0 and config.progress:
@@ -317,10 +358,9 @@ def bench_all(backends: list, rank: int, world: int, config: Config) -> list[dic
     rows = []
     for name in config.collectives:
         for count in counts:
-            for backend in backends:
-                rows.append(bench_one(backend, COLLECTIVES[name], count, rank, world, config))
-                if progress is not None:
-                    progress.update(1)
+            rows += bench_size(backends, COLLECTIVES[name], count, rank, world, config)
+            if progress is not None:
+                progress.update(len(backends))
     if progress is not None:
         progress.close()
     return rows
@@ -342,29 +382,16 @@ def run_rank(rank: int, world: int, config: Config, with_mpi: bool = False) -> l
 
 def check_cost(comm, rank: int, world: int, config: Config) -> list[dict]:
     """All-reduce at the smallest and largest size with the call check (RINGCOLL_CHECK) on
-    and off: what the mismatch detection costs. The two are measured trial by trial in
-    turn, so a slow phase of the machine hits both."""
+    and off: what the mismatch detection costs, the two timed in turn like any reference."""
     rows = []
     counts = message_counts(config, world)
-    one_trial = dataclasses.replace(config, trials=1)
     with Communicator(buffer_bytes=config.buffer_bytes, check=False) as unchecked:
+        backends = [TorchBackend(comm, forms=("out",)), TorchBackend(unchecked, forms=("out",))]
         for count in sorted({counts[0], counts[-1]}):
-            row = {"kind": "check_cost", "collective": "all_reduce", "count": count}
-            times = {"on": [], "off": []}
-            for label, c in (("on", comm), ("off", unchecked)):
-                r = bench_one(TorchBackend(c), COLLECTIVES["all_reduce"], count, rank, world, one_trial)
-                row["bytes"], row[f"{label}_wrong"] = r["bytes"], r["out_wrong"]
-                times[label].append(r["out_time_us"])
-            for _ in range(config.trials - 1):
-                for label, c in (("on", comm), ("off", unchecked)):
-                    inp, out, _ = _buffers(COLLECTIVES["all_reduce"], count, world, rank, DTYPES[config.dtype],
-                                           config.op, in_place=False)
-                    backend = TorchBackend(c)
-                    slowest, _ = measure(lambda: backend.run("all_reduce", inp, out, config.op, False, rank, world),
-                                         backend, one_trial, rank)
-                    times[label].append(slowest * 1e6)
-            row["on_time_us"], row["off_time_us"] = statistics.median(times["on"]), statistics.median(times["off"])
-            rows.append(row)
+            on, off = bench_size(backends, COLLECTIVES["all_reduce"], count, rank, world, config)
+            rows.append({"kind": "check_cost", "collective": "all_reduce", "count": count, "bytes": on["bytes"],
+                         "on_wrong": on["out_wrong"], "off_wrong": off["out_wrong"],
+                         "on_time_us": on["out_time_us"], "off_time_us": off["out_time_us"]})
     return rows
 
 

@@ -60,7 +60,7 @@ class CorruptingBackend(bench.Backend):
 def test_harness_counts_wrong_elements():
     config = bench.Config(min_bytes=64, max_bytes=64, warmup=0, iters=1, trials=1, min_seconds=0, progress=False)
     for name in bench.COLLECTIVES:
-        row = bench.bench_one(CorruptingBackend(), bench.COLLECTIVES[name], 16, 0, 1, config)
+        row, = bench.bench_size([CorruptingBackend()], bench.COLLECTIVES[name], 16, 0, 1, config)
         assert row["out_wrong"] == 1 and row["in_wrong"] == 1, row
         assert bench.total_wrong([row]) == 2
 
