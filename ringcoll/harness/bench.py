@@ -26,8 +26,10 @@ Exits with status 1 if any result, ours or a reference's, is wrong.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
+import importlib.util
 import json
 import math
 import os
@@ -123,6 +125,9 @@ class Backend:
     def reduce_over_ranks(self, value: float, kind: str) -> float:
         raise NotImplementedError
 
+    def close(self) -> None:
+        """Remove what it leaves behind, once every rank is done."""
+
 
 def no_avg(coll: CollectiveDef, op: str) -> str:
     """The label of a reference without a native AVG (gloo, Open MPI, oneCCL)."""
@@ -191,6 +196,8 @@ class MpiBackend(Backend):
         return ("out",)
 
     def unsupported(self, coll, dtype, op):
+        if coll.reduces and dtype in (torch.bfloat16, torch.float16):
+            return f"MPI has no {str(dtype).replace('torch.', '')}"  # numpy has no bfloat16 either
         return no_avg(coll, op)
 
     def __init__(self):
@@ -201,6 +208,8 @@ class MpiBackend(Backend):
 
     def run(self, coll, inp, out, op, in_place, rank, world):
         mpi_op = {"sum": self.MPI.SUM, "prod": self.MPI.PROD, "min": self.MPI.MIN, "max": self.MPI.MAX}[op]
+        if inp.dtype in (torch.bfloat16, torch.float16):  # all-gather: moved as bytes
+            inp, out = inp.view(torch.int16), out.view(torch.int16)
         a, b = inp.numpy(), out.numpy()
         if coll == "all_reduce":
             self.comm.Allreduce(a, b, op=mpi_op)
@@ -214,6 +223,158 @@ class MpiBackend(Backend):
 
     def reduce_over_ranks(self, value, kind):
         return self.comm.allreduce(value, op=self.MPI.MAX if kind == "max" else self.MPI.MIN)
+
+
+# --- the peers: optional references, timed only where they really run ------------------------
+#
+# DeepSpeed and oneCCL are installed by hand (docs/benchmark.md). Where a peer would hand a
+# call to gloo, or get it wrong without a word, its column says so instead of timing it under
+# the peer's name; where it runs, its result is checked like any other reference's.
+
+SHM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # DeepSpeed's shared-memory kernels
+ONECCL_WHEEL = "oneccl-cpu-devel==2021.16.2"  # the newest whose libccl.so.1 is complete (docs/benchmark.md)
+
+
+def deepspeed_fallback(coll: CollectiveDef, dtype: torch.dtype, op: str, kernel_level: Optional[int]) -> str:
+    """What deepspeed.comm.inference_all_reduce does with this call where that is not its
+    shared-memory kernel ("" where it is), as DeepSpeed 0.19's comm/torch.py and
+    csrc/cpu/comm/shm_interface.cpp have it: the kernel needs avx2 for float32 and avx512bw
+    for the 16-bit dtypes (`kernel_level` 1 and 2; None: the op did not build), and without
+    them the call goes to the process group, gloo; it leaves other dtypes as they are and
+    sums whatever the op."""
+    if coll.name != "all_reduce":
+        return "falls back to gloo"  # deepspeed.comm has no shared-memory reduce-scatter or all-gather
+    needed = 1 if dtype == torch.float32 else 2
+    if kernel_level is None or kernel_level < needed:
+        return "falls back to gloo"
+    if dtype not in SHM_DTYPES:
+        return "returns its input unreduced"
+    if op != "sum":
+        return "sums, whatever the op"
+    return ""
+
+
+def ccl_fallback(coll: CollectiveDef, dtype: torch.dtype, op: str) -> str:
+    """What DeepSpeed's oneCCL binding (csrc/cpu/comm/ccl.cpp) does with this call where that
+    is not oneCCL's allreduce ("" where it is): it binds allreduce only (deepspeed.comm sends
+    the rest to gloo), has no AVG, and hands oneCCL every dtype it does not list as int8."""
+    if coll.name != "all_reduce":
+        return "falls back to gloo"
+    if dtype == torch.uint8:
+        return "reduces uint8 as int8"
+    return no_avg(coll, op)
+
+
+def _set_environment(values: dict) -> None:
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+@contextlib.contextmanager
+def environment(**values: Optional[str]):
+    """Environment variables set (None: unset) for a while: what a peer's C++ reads as it starts."""
+    saved = {name: os.environ.get(name) for name in values}
+    _set_environment(values)
+    try:
+        yield
+    finally:
+        _set_environment(saved)
+
+
+class DeepSpeedBackend(DistBackend):
+    """DeepSpeed's shared-memory all-reduce, deepspeed.comm.inference_all_reduce (in place, as
+    DeepSpeed's CPU inference calls it), beside the run's gloo process group."""
+
+    name = "ds"
+
+    def __init__(self, rank: int, world: int):
+        import deepspeed.comm as ds_comm
+
+        # LOCAL_SIZE = P says every rank is on this machine: only then does the op set up its
+        # shared memory. Its build messages go to stderr, away from the table.
+        with environment(LOCAL_SIZE=str(world)), contextlib.redirect_stdout(sys.stderr):
+            ds_comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+        self.ds_comm, cdb = ds_comm, ds_comm.comm.cdb
+        self.kernel_level = cdb.shm_vector_kernel_level if cdb.shm_comm_op is not None else None
+        # DeepSpeed never removes its segment (shm.cpp's shm_initialize names it so)
+        self.segment = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+                        f"{os.environ.get('MASTER_PORT', '')}_{rank}")
+
+    def forms(self, coll):
+        return ("in",)
+
+    def unsupported(self, coll, dtype, op):
+        return deepspeed_fallback(coll, dtype, op, self.kernel_level)
+
+    def run(self, coll, inp, out, op, in_place, rank, world):
+        self.ds_comm.inference_all_reduce(inp)
+
+    def close(self):
+        if os.path.exists(self.segment):
+            os.unlink(self.segment)
+
+
+def ccl_root() -> str:
+    """Where the oneCCL wheels put lib/ and include/: the environment's prefix, or $CCL_ROOT."""
+    return os.environ.get("CCL_ROOT", sys.prefix)
+
+
+class CclBackend(DistBackend):
+    """oneCCL's allreduce (in place) through DeepSpeed's binding, deepspeed.comm.ccl.CCLBackend,
+    which JIT-builds csrc/cpu/comm/ccl.cpp against the oneccl-cpu-devel wheel: no
+    oneccl_bind_pt is built for torch 2.13."""
+
+    name = "ccl"
+
+    def __init__(self, rank: int, world: int):
+        import ctypes
+
+        root = ccl_root()
+        # The op needs libccl.so.1 from the wheel's lib/, which is on no loader path.
+        ctypes.CDLL(os.path.join(root, "lib", "libccl.so.1"), mode=ctypes.RTLD_GLOBAL)
+        from deepspeed.comm import ReduceOp
+        from deepspeed.comm.ccl import CCLBackend
+
+        include = os.pathsep.join(filter(None, [os.path.join(root, "include"), os.environ.get("CPATH")]))
+        # LOCAL_SIZE unset: the binding then leaves the shared memory to DeepSpeed's own op (the
+        # ds column, built first). OFI, not oneCCL's MPI transport: that wants Intel MPI, and
+        # under mpirun Open MPI is loaded. The wheels' libfabric has the tcp provider, no shm
+        # one: kept on the loopback interface.
+        defaults = {"CCL_ATL_TRANSPORT": "ofi", "FI_TCP_IFACE": "lo", "CCL_LOG_LEVEL": "error"}
+        with environment(CCL_ROOT=root, CPATH=include, LOCAL_SIZE=None,
+                         **{name: os.environ.get(name, value) for name, value in defaults.items()}), \
+                contextlib.redirect_stdout(sys.stderr):
+            self.ccl = CCLBackend(rank=rank, world_size=world)
+        self.ops = {"sum": ReduceOp.SUM, "prod": ReduceOp.PRODUCT, "min": ReduceOp.MIN, "max": ReduceOp.MAX}
+
+    def forms(self, coll):
+        return ("in",)
+
+    def unsupported(self, coll, dtype, op):
+        return ccl_fallback(coll, dtype, op)
+
+    def run(self, coll, inp, out, op, in_place, rank, world):
+        self.ccl.all_reduce(inp, self.ops[op])
+
+
+def deepspeed_available() -> str:
+    """'' if the DeepSpeed reference can run here, else why not (without importing it: slow)."""
+    if importlib.util.find_spec("deepspeed") is None:
+        return "not installed (pip install deepspeed: docs/benchmark.md)"
+    return ""
+
+
+def ccl_available() -> str:
+    """'' if the oneCCL reference can run here, else why not."""
+    if deepspeed_available():
+        return f"not installed (its binding is DeepSpeed's: pip install deepspeed {ONECCL_WHEEL})"
+    for parts in (("lib", "libccl.so.1"), ("include", "oneapi", "ccl.hpp")):
+        if not os.path.exists(os.path.join(ccl_root(), *parts)):
+            return f"not installed (no {os.path.join(*parts)} under {ccl_root()}: pip install {ONECCL_WHEEL})"
+    return ""
 
 
 # --- the harness ---------------------------------------------------------------------------
@@ -232,6 +393,8 @@ class Config:
     op: str = "sum"
     collectives: tuple = ("all_reduce", "reduce_scatter", "all_gather")
     gloo: bool = True
+    deepspeed: bool = False
+    ccl: bool = False
     buffer_bytes: Optional[int] = None
     check_cost: bool = True
     straggler_rank: Optional[int] = None
@@ -373,10 +536,15 @@ def run_rank(rank: int, world: int, config: Config, with_mpi: bool = False) -> l
     with Communicator(buffer_bytes=config.buffer_bytes) as comm:
         backends = [TorchBackend(comm)] + ([TorchBackend(None)] if config.gloo else [])
         backends += [MpiBackend()] if with_mpi else []
+        # DeepSpeed first: the oneCCL binding would set DeepSpeed's op up without its shared memory.
+        backends += [DeepSpeedBackend(rank, world)] if config.deepspeed else []
+        backends += [CclBackend(rank, world)] if config.ccl else []
         rows = bench_all(backends, rank, world, config)
         if config.check_cost and comm.check:
             rows += check_cost(comm, rank, world, config)
     dist.barrier()
+    for backend in backends:
+        backend.close()
     return rows
 
 
@@ -401,7 +569,26 @@ def mpi_available() -> str:
         import mpi4py  # noqa: F401
     except ImportError:
         return "not installed (pip install mpi4py, with Open MPI's mpirun)"
-    return "" if shutil.which("mpirun") else "not installed (no mpirun on PATH)"
+    return "" if open_mpi_launcher() else "not installed (no Open MPI mpirun on PATH)"
+
+
+def open_mpi_launcher() -> Optional[str]:
+    """Open MPI's mpirun, which mpi4py was built against: the oneCCL wheels bring Intel MPI's
+    (impi-rt), which may come first on PATH."""
+    for name in ("mpirun.openmpi", "mpirun"):
+        path = shutil.which(name)
+        version = subprocess.run([path, "--version"], capture_output=True, text=True).stdout if path else ""
+        if "Open MPI" in version or "OpenRTE" in version:  # "mpirun (Open MPI) 4.1.4", "mpirun.openmpi (OpenRTE) 4.1.4"
+            return path
+    return None
+
+
+def rank_env(world: int) -> dict:
+    """Each rank's OpenMP threads: its share of the cores (unless OMP_NUM_THREADS is set), as
+    DeepSpeed's launcher sets them (--bind_cores_to_rank). DeepSpeed's shm kernels are OpenMP
+    loops: with a thread per core in every rank they spin against each other (50 ms for a
+    4 KiB all-reduce on this 2-core VM)."""
+    return {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))}
 
 
 def run_under_mpirun(world: int, config: Config) -> list[dict]:
@@ -413,9 +600,10 @@ def run_under_mpirun(world: int, config: Config) -> list[dict]:
         with socket.socket() as s:  # a free port for the gloo rendezvous
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        cmd = [shutil.which("mpirun"), "--oversubscribe", "-np", str(world), sys.executable, "-m", "ringcoll.harness.bench",
+        # MPI4PY_MPIABI: mpi4py's wheel would load Intel MPI where the oneCCL wheels put it (impi-rt)
+        env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", MPI4PY_MPIABI="openmpi",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **rank_env(world))
+        cmd = [open_mpi_launcher(), "--oversubscribe", "-np", str(world), sys.executable, "-m", "ringcoll.harness.bench",
                "--mpi-worker", config_file, rows_file]
         proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, timeout=3600)
         if proc.returncode != 0 or not os.path.exists(rows_file):
@@ -474,8 +662,9 @@ def _f(value, width, digits=2, missing="n/a"):
     return f"{value:{width}.{digits}f}" if value is not None else f"{missing:>{width}}"
 
 
-def format_table(rows: list[dict], world: int, config: Config, fitted: dict, mpi_note: str,
+def format_table(rows: list[dict], world: int, config: Config, fitted: dict, notes: dict,
                  costs: list[dict] = ()) -> str:
+    """nccl-tests' table per collective; `notes`: reference name -> why it is absent ('' if it ran)."""
     lines = []
     refs = sorted({r["backend"] for r in rows} - {"ringcoll"})
     for name in config.collectives:
@@ -504,6 +693,9 @@ def format_table(rows: list[dict], world: int, config: Config, fitted: dict, mpi
                     f"{r['in_time_us']:9.1f} {r['bytes'] / r['in_time_us'] / 1e3:6.2f} {in_bus:6.2f} {r['in_wrong']:>6}")
             for ref in refs:
                 ref_row = by_ref[ref].get(r["bytes"])
+                if ref_row and ref_row.get("unsupported"):
+                    line += f" |{ref_row['unsupported']:>31}"
+                    continue
                 form = reference_form(ref_row) if ref_row else "out"
                 ref_bus = busbw(ref_row)
                 ratio = out_bus / ref_bus if ref_bus else None
@@ -524,8 +716,8 @@ def format_table(rows: list[dict], world: int, config: Config, fitted: dict, mpi
         for c in costs:
             lines.append(f"#   {c['bytes']:>11} bytes: {c['on_time_us']:9.1f} us checked, {c['off_time_us']:9.1f} us "
                          f"unchecked ({c['on_time_us'] / c['off_time_us'] - 1:+.1%})")
-    if mpi_note:
-        lines.append(f"\n# Open MPI reference: {mpi_note}")
+    absent = [f"# {name} reference: {note}" for name, note in notes.items() if note]
+    lines += [""] + absent if absent else []
     wrong = total_wrong(rows)
     buses = [busbw(r, "out") for r in rows if r["backend"] == "ringcoll"]
     lines += ["", f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}",
@@ -580,6 +772,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--collectives", default="all_reduce,reduce_scatter,all_gather")
     p.add_argument("--no-gloo", action="store_true", help="skip the gloo reference")
     p.add_argument("--no-mpi", action="store_true", help="skip the Open MPI reference")
+    p.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed shared-memory reference")
+    p.add_argument("--no-ccl", action="store_true", help="skip the oneCCL reference")
     p.add_argument("--buffer-bytes", default=None, help="registered buffer per rank (default 4M)")
     p.add_argument("--fit", action="store_true", help="fit the alpha-beta model; print predictions")
     p.add_argument("--no-check-cost", action="store_true",
@@ -621,22 +815,28 @@ def main(argv=None) -> int:
                     buffer_bytes=parse_bytes(args.buffer_bytes) if args.buffer_bytes else None,
                     check_cost=not args.no_check_cost, straggler_rank=args.straggler_rank, delay_us=args.delay_us, progress=not args.no_progress)
 
-    mpi_note = "skipped (--no-mpi)" if args.no_mpi else mpi_available()
-    if mpi_note:
-        rows = spawn(run_rank, args.nproc, config, timeout=3600)[0]
+    def note(skipped: bool, option: str, available: Callable[[], str]) -> str:
+        return f"skipped ({option})" if skipped else available()
+
+    notes = {"Open MPI": note(args.no_mpi, "--no-mpi", mpi_available),
+             "DeepSpeed": note(args.no_deepspeed, "--no-deepspeed", deepspeed_available),
+             "oneCCL": note(args.no_ccl, "--no-ccl", ccl_available)}
+    config = dataclasses.replace(config, deepspeed=not notes["DeepSpeed"], ccl=not notes["oneCCL"])
+    if notes["Open MPI"]:
+        rows = spawn(run_rank, args.nproc, config, timeout=3600, env=rank_env(args.nproc))[0]
     else:
         rows = run_under_mpirun(args.nproc, config)
     costs = [r for r in rows if r.get("kind") == "check_cost"]
     rows = [r for r in rows if "kind" not in r]
     fitted = fits(rows, args.nproc) if args.fit else {}
-    print(format_table(rows, args.nproc, config, fitted, mpi_note, costs))
+    print(format_table(rows, args.nproc, config, fitted, notes, costs))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"world": args.nproc, "device": args.device, "config": dataclasses.asdict(config),
                        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                                    "torch": torch.__version__},
                        "fit": {k: dataclasses.asdict(v) for k, v in fitted.items()},
-                       "mpi": mpi_note or "ran", "rows": rows, "check_cost": costs}, f, indent=1)
+                       "references": {name: note or "ran" for name, note in notes.items()}, "rows": rows, "check_cost": costs}, f, indent=1)
     if args.plot:
         plot(rows, args.nproc, config, args.plot)
     return 1 if total_wrong(rows + costs) else 0
