@@ -6,8 +6,11 @@
 For every collective and size it first checks ringcoll's result, out-of-place and
 in-place, against values every rank computes on its own; then times ringcoll and, in the
 same run, the references: the same collective through torch.distributed (gloo) and, when
-mpi4py and mpirun are installed, Open MPI (MPI_Allreduce, MPI_Reduce_scatter_block,
-MPI_Allgather). References are checked too. Columns:
+installed, Open MPI through mpi4py (MPI_Allreduce, MPI_Reduce_scatter_block, MPI_Allgather),
+DeepSpeed's shared-memory all-reduce (deepspeed.comm.inference_all_reduce) and oneCCL's
+allreduce (through DeepSpeed's binding). References are checked too, and all are timed in
+turn, trial by trial. Where a reference would hand the call to gloo or get it wrong without
+a word, its column says so instead of a time (docs/benchmark.md lists the cases). Columns:
 
     size    bytes of the whole message (all-reduce: the tensor; reduce-scatter: the input;
             all-gather: the output), as nccl-tests counts them
@@ -18,7 +21,8 @@ MPI_Allgather). References are checked too. Columns:
             bytes each rank puts on the ring per second, comparable across P
     #wrong  elements that differ from the expected result (must be 0)
     x gloo  ringcoll's out-of-place busbw over the reference's (the reference's time is
-            for its only form: in-place for gloo's all-reduce)
+            for its only form: in-place for gloo's, DeepSpeed's and oneCCL's all-reduce);
+            x mpi, x ds, x ccl likewise
 
 Exits with status 1 if any result, ours or a reference's, is wrong.
 """
