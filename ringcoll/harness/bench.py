@@ -6,8 +6,11 @@
 For every collective and size it first checks ringcoll's result, out-of-place and
 in-place, against values every rank computes on its own; then times ringcoll and, in the
 same run, the references: the same collective through torch.distributed (gloo) and, when
-mpi4py and mpirun are installed, Open MPI (MPI_Allreduce, MPI_Reduce_scatter_block,
-MPI_Allgather). References are checked too. Columns:
+installed, Open MPI through mpi4py (MPI_Allreduce, MPI_Reduce_scatter_block, MPI_Allgather),
+DeepSpeed's shared-memory all-reduce (deepspeed.comm.inference_all_reduce) and oneCCL's
+allreduce (through DeepSpeed's binding). References are checked too, and all are timed in
+turn, trial by trial. Where a reference would hand the call to gloo or get it wrong without
+a word, its column says so instead of a time (docs/benchmark.md lists the cases). Columns:
 
     size    bytes of the whole message (all-reduce: the tensor; reduce-scatter: the input;
             all-gather: the output), as nccl-tests counts them
@@ -18,7 +21,8 @@ MPI_Allgather). References are checked too. Columns:
             bytes each rank puts on the ring per second, comparable across P
     #wrong  elements that differ from the expected result (must be 0)
     x gloo  ringcoll's out-of-place busbw over the reference's (the reference's time is
-            for its only form: in-place for gloo's all-reduce)
+            for its only form: in-place for gloo's, DeepSpeed's and oneCCL's all-reduce);
+            x mpi, x ds, x ccl likewise
 
 Exits with status 1 if any result, ours or a reference's, is wrong.
 """
@@ -26,7 +30,10 @@ Exits with status 1 if any result, ours or a reference's, is wrong.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import functools
+import importlib.util
 import json
 import math
 import os
@@ -108,6 +115,11 @@ class Backend:
         """The forms it offers for `coll`: "out" (out-of-place) and/or "in" (in-place)."""
         return ("out", "in")
 
+    def unsupported(self, coll: CollectiveDef, dtype: torch.dtype, op: str) -> str:
+        """Why this collective, dtype and op are not timed here ("" when they are): shown in
+        the reference's column instead of a time."""
+        return ""
+
     def run(self, coll: str, inp, out, op: str, in_place: bool, rank: int, world: int) -> None:
         raise NotImplementedError
 
@@ -117,20 +129,46 @@ class Backend:
     def reduce_over_ranks(self, value: float, kind: str) -> float:
         raise NotImplementedError
 
+    def close(self) -> None:
+        """Remove what it leaves behind, once every rank is done."""
 
-class TorchBackend(Backend):
+
+def no_avg(coll: CollectiveDef, op: str) -> str:
+    """The label of a reference without a native AVG (gloo, Open MPI, oneCCL)."""
+    return "no AVG" if coll.reduces and op == "avg" else ""
+
+
+class DistBackend(Backend):
+    """A reference that synchronises the timing through torch.distributed (the run's gloo group)."""
+
+    def barrier(self):
+        torch.distributed.barrier()
+
+    def reduce_over_ranks(self, value, kind):
+        dist = torch.distributed
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if kind == "max" else dist.ReduceOp.MIN)
+        return float(t)
+
+
+class TorchBackend(DistBackend):
     """ringcoll (a Communicator) or torch.distributed itself (gloo), same call shapes."""
 
-    def __init__(self, comm=None):
+    def __init__(self, comm=None, forms: Optional[tuple] = None):
         import torch.distributed as dist
 
-        self.dist, self.comm = dist, comm
+        self.dist, self.comm, self._forms = dist, comm, forms
         self.name = "ringcoll" if comm is not None else dist.get_backend()
 
     def forms(self, coll):
+        if self._forms:
+            return self._forms
         if self.comm is not None:
             return ("out", "in")
         return ("in",) if coll == "all_reduce" else ("out",)  # torch.distributed's only forms
+
+    def unsupported(self, coll, dtype, op):
+        return "" if self.comm is not None else no_avg(coll, op)
 
     def _op(self, op: str):
         name = {"sum": "SUM", "prod": "PRODUCT", "min": "MIN", "max": "MAX", "avg": "AVG"}[op]
@@ -154,17 +192,17 @@ class TorchBackend(Backend):
         else:
             self.dist.barrier()
 
-    def reduce_over_ranks(self, value, kind):
-        t = torch.tensor([value], dtype=torch.float64)
-        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX if kind == "max" else self.dist.ReduceOp.MIN)
-        return float(t)
-
 
 class MpiBackend(Backend):
     """Open MPI through mpi4py, on numpy views of the same tensors (run under mpirun)."""
 
     def forms(self, coll):
         return ("out",)
+
+    def unsupported(self, coll, dtype, op):
+        if coll.reduces and dtype in (torch.bfloat16, torch.float16):
+            return f"MPI has no {str(dtype).replace('torch.', '')}"  # numpy has no bfloat16 either
+        return no_avg(coll, op)
 
     def __init__(self):
         from mpi4py import MPI
@@ -174,6 +212,8 @@ class MpiBackend(Backend):
 
     def run(self, coll, inp, out, op, in_place, rank, world):
         mpi_op = {"sum": self.MPI.SUM, "prod": self.MPI.PROD, "min": self.MPI.MIN, "max": self.MPI.MAX}[op]
+        if inp.dtype in (torch.bfloat16, torch.float16):  # all-gather: moved as bytes
+            inp, out = inp.view(torch.int16), out.view(torch.int16)
         a, b = inp.numpy(), out.numpy()
         if coll == "all_reduce":
             self.comm.Allreduce(a, b, op=mpi_op)
@@ -187,6 +227,158 @@ class MpiBackend(Backend):
 
     def reduce_over_ranks(self, value, kind):
         return self.comm.allreduce(value, op=self.MPI.MAX if kind == "max" else self.MPI.MIN)
+
+
+# --- the peers: optional references, timed only where they really run ------------------------
+#
+# DeepSpeed and oneCCL are installed by hand (docs/benchmark.md). Where a peer would hand a
+# call to gloo, or get it wrong without a word, its column says so instead of timing it under
+# the peer's name; where it runs, its result is checked like any other reference's.
+
+SHM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # DeepSpeed's shared-memory kernels
+ONECCL_WHEEL = "oneccl-cpu-devel==2021.16.2"  # the newest whose libccl.so.1 is complete (docs/benchmark.md)
+
+
+def deepspeed_fallback(coll: CollectiveDef, dtype: torch.dtype, op: str, kernel_level: Optional[int]) -> str:
+    """What deepspeed.comm.inference_all_reduce does with this call where that is not its
+    shared-memory kernel ("" where it is), as DeepSpeed 0.19's comm/torch.py and
+    csrc/cpu/comm/shm_interface.cpp have it: the kernel needs avx2 for float32 and avx512bw
+    for the 16-bit dtypes (`kernel_level` 1 and 2; None: the op did not build), and without
+    them the call goes to the process group, gloo; it leaves other dtypes as they are and
+    sums whatever the op."""
+    if coll.name != "all_reduce":
+        return "falls back to gloo"  # deepspeed.comm has no shared-memory reduce-scatter or all-gather
+    needed = 1 if dtype == torch.float32 else 2
+    if kernel_level is None or kernel_level < needed:
+        return "falls back to gloo"
+    if dtype not in SHM_DTYPES:
+        return "returns its input unreduced"
+    if op != "sum":
+        return "sums, whatever the op"
+    return ""
+
+
+def ccl_fallback(coll: CollectiveDef, dtype: torch.dtype, op: str) -> str:
+    """What DeepSpeed's oneCCL binding (csrc/cpu/comm/ccl.cpp) does with this call where that
+    is not oneCCL's allreduce ("" where it is): it binds allreduce only (deepspeed.comm sends
+    the rest to gloo), has no AVG, and hands oneCCL every dtype it does not list as int8."""
+    if coll.name != "all_reduce":
+        return "falls back to gloo"
+    if dtype == torch.uint8:
+        return "reduces uint8 as int8"
+    return no_avg(coll, op)
+
+
+def _set_environment(values: dict) -> None:
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+@contextlib.contextmanager
+def environment(**values: Optional[str]):
+    """Environment variables set (None: unset) for a while: what a peer's C++ reads as it starts."""
+    saved = {name: os.environ.get(name) for name in values}
+    _set_environment(values)
+    try:
+        yield
+    finally:
+        _set_environment(saved)
+
+
+class DeepSpeedBackend(DistBackend):
+    """DeepSpeed's shared-memory all-reduce, deepspeed.comm.inference_all_reduce (in place, as
+    DeepSpeed's CPU inference calls it), beside the run's gloo process group."""
+
+    name = "ds"
+
+    def __init__(self, rank: int, world: int):
+        import deepspeed.comm as ds_comm
+
+        # LOCAL_SIZE = P says every rank is on this machine: only then does the op set up its
+        # shared memory. Its build messages go to stderr, away from the table.
+        with environment(LOCAL_SIZE=str(world)), contextlib.redirect_stdout(sys.stderr):
+            ds_comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+        self.ds_comm, cdb = ds_comm, ds_comm.comm.cdb
+        self.kernel_level = cdb.shm_vector_kernel_level if cdb.shm_comm_op is not None else None
+        # DeepSpeed never removes its segment (shm.cpp's shm_initialize names it so)
+        self.segment = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+                        f"{os.environ.get('MASTER_PORT', '')}_{rank}")
+
+    def forms(self, coll):
+        return ("in",)
+
+    def unsupported(self, coll, dtype, op):
+        return deepspeed_fallback(coll, dtype, op, self.kernel_level)
+
+    def run(self, coll, inp, out, op, in_place, rank, world):
+        self.ds_comm.inference_all_reduce(inp)
+
+    def close(self):
+        if os.path.exists(self.segment):
+            os.unlink(self.segment)
+
+
+def ccl_root() -> str:
+    """Where the oneCCL wheels put lib/ and include/: the environment's prefix, or $CCL_ROOT."""
+    return os.environ.get("CCL_ROOT", sys.prefix)
+
+
+class CclBackend(DistBackend):
+    """oneCCL's allreduce (in place) through DeepSpeed's binding, deepspeed.comm.ccl.CCLBackend,
+    which JIT-builds csrc/cpu/comm/ccl.cpp against the oneccl-cpu-devel wheel: no
+    oneccl_bind_pt is built for torch 2.13."""
+
+    name = "ccl"
+
+    def __init__(self, rank: int, world: int):
+        import ctypes
+
+        root = ccl_root()
+        # The op needs libccl.so.1 from the wheel's lib/, which is on no loader path.
+        ctypes.CDLL(os.path.join(root, "lib", "libccl.so.1"), mode=ctypes.RTLD_GLOBAL)
+        from deepspeed.comm import ReduceOp
+        from deepspeed.comm.ccl import CCLBackend
+
+        include = os.pathsep.join(filter(None, [os.path.join(root, "include"), os.environ.get("CPATH")]))
+        # LOCAL_SIZE unset: the binding then leaves the shared memory to DeepSpeed's own op (the
+        # ds column, built first). OFI, not oneCCL's MPI transport: that wants Intel MPI, and
+        # under mpirun Open MPI is loaded. The wheels' libfabric has the tcp provider, no shm
+        # one: kept on the loopback interface.
+        defaults = {"CCL_ATL_TRANSPORT": "ofi", "FI_TCP_IFACE": "lo", "CCL_LOG_LEVEL": "error"}
+        with environment(CCL_ROOT=root, CPATH=include, LOCAL_SIZE=None,
+                         **{name: os.environ.get(name, value) for name, value in defaults.items()}), \
+                contextlib.redirect_stdout(sys.stderr):
+            self.ccl = CCLBackend(rank=rank, world_size=world)
+        self.ops = {"sum": ReduceOp.SUM, "prod": ReduceOp.PRODUCT, "min": ReduceOp.MIN, "max": ReduceOp.MAX}
+
+    def forms(self, coll):
+        return ("in",)
+
+    def unsupported(self, coll, dtype, op):
+        return ccl_fallback(coll, dtype, op)
+
+    def run(self, coll, inp, out, op, in_place, rank, world):
+        self.ccl.all_reduce(inp, self.ops[op])
+
+
+def deepspeed_available() -> str:
+    """'' if the DeepSpeed reference can run here, else why not (without importing it: slow)."""
+    if importlib.util.find_spec("deepspeed") is None:
+        return "not installed (pip install deepspeed: docs/benchmark.md)"
+    return ""
+
+
+def ccl_available() -> str:
+    """'' if the oneCCL reference can run here, else why not."""
+    if deepspeed_available():
+        return f"not installed (its binding is DeepSpeed's: pip install deepspeed {ONECCL_WHEEL})"
+    for parts in (("lib", "libccl.so.1"), ("include", "oneapi", "ccl.hpp")):
+        if not os.path.exists(os.path.join(ccl_root(), *parts)):
+            return f"not installed (no {os.path.join(*parts)} under {ccl_root()}: pip install {ONECCL_WHEEL})"
+    return ""
 
 
 # --- the harness ---------------------------------------------------------------------------
@@ -205,6 +397,8 @@ class Config:
     op: str = "sum"
     collectives: tuple = ("all_reduce", "reduce_scatter", "all_gather")
     gloo: bool = True
+    deepspeed: bool = False
+    ccl: bool = False
     buffer_bytes: Optional[int] = None
     check_cost: bool = True
     straggler_rank: Optional[int] = None
@@ -231,16 +425,22 @@ def _busy_wait(seconds: float) -> None:
         pass
 
 
-def measure(call: Callable[[], None], backend: Backend, config: Config, rank: int) -> tuple[float, float]:
-    """(slowest rank's, fastest rank's) seconds per call: each the median over trials of the
-    mean of a timed loop. All ranks run the same number of iterations."""
+def _stepper(call: Callable[[], None], config: Config, rank: int) -> Callable[[], None]:
+    """`call`, after the straggler's delay on the straggler rank."""
     delay = config.delay_us * 1e-6 if rank == config.straggler_rank else 0.0
+    if not delay:
+        return call
 
     def step():
-        if delay:
-            _busy_wait(delay)
+        _busy_wait(delay)
         call()
 
+    return step
+
+
+def calibrate(call: Callable[[], None], backend: Backend, config: Config, rank: int) -> int:
+    """Warm up, then the iterations a timed loop needs to last --min-ms (the same on every rank)."""
+    step = _stepper(call, config, rank)
     for _ in range(config.warmup):
         step()
     backend.barrier()
@@ -248,18 +448,19 @@ def measure(call: Callable[[], None], backend: Backend, config: Config, rank: in
     start = time.perf_counter()
     step()
     one = backend.reduce_over_ranks(time.perf_counter() - start, "max")
-    iters = max(config.iters, min(100000, math.ceil(config.min_seconds / max(one, 1e-9))))
-    slowest, fastest = [], []
-    for _ in range(config.trials):
-        backend.barrier()
+    return max(config.iters, min(100000, math.ceil(config.min_seconds / max(one, 1e-9))))
+
+
+def timed_loop(call: Callable[[], None], backend: Backend, iters: int, config: Config, rank: int) -> tuple[float, float]:
+    """One trial: (slowest rank's, fastest rank's) mean seconds per call over `iters` calls."""
+    step = _stepper(call, config, rank)
+    backend.barrier()
+    step()
+    start = time.perf_counter()
+    for _ in range(iters):
         step()
-        start = time.perf_counter()
-        for _ in range(iters):
-            step()
-        mine = (time.perf_counter() - start) / iters
-        slowest.append(backend.reduce_over_ranks(mine, "max"))
-        fastest.append(backend.reduce_over_ranks(mine, "min"))
-    return statistics.median(slowest), statistics.median(fastest)
+    mine = (time.perf_counter() - start) / iters
+    return backend.reduce_over_ranks(mine, "max"), backend.reduce_over_ranks(mine, "min")
 
 
 def _buffers(coll: CollectiveDef, count: int, world: int, rank: int, dtype, op: str, in_place: bool):
@@ -275,38 +476,45 @@ def _buffers(coll: CollectiveDef, count: int, world: int, rank: int, dtype, op: 
     return inp, out, result
 
 
-def _unsupported(backend: Backend, coll: CollectiveDef, op: str) -> Optional[str]:
-    """Why `backend` cannot run this collective with this op, if it cannot."""
-    if coll.reduces and op == "avg" and backend.name in ("gloo", "mpi"):
-        return f"{backend.name} has no AVG"
-    return None
-
-
-def bench_one(backend: Backend, coll: CollectiveDef, count: int, rank: int, world: int, config: Config) -> dict:
-    """Check, then time, one collective at one size on one backend (every rank returns it)."""
+def bench_size(backends: list, coll: CollectiveDef, count: int, rank: int, world: int, config: Config) -> list[dict]:
+    """One collective at one size on every backend (one row each; every rank returns them):
+    check every backend's every form first, then time them in turn, trial by trial
+    (ABAB...), so that a slow phase of this noisy machine hits ringcoll and each reference
+    alike; each time is the median over the trials."""
     dtype = DTYPES[config.dtype]
-    row = {"collective": coll.name, "backend": backend.name, "bytes": count * torch.empty(0, dtype=dtype).element_size(),
-           "count": count, "type": config.dtype, "redop": config.op if coll.reduces else "none", "world": world}
-    unsupported = _unsupported(backend, coll, config.op)
-    if unsupported:
-        row["unsupported"] = unsupported
-        return row
     expected = expected_result(coll, rank, world, count, dtype, config.op)
-    for form in backend.forms(coll.name):
-        in_place = form == "in"
-        inp, out, result = _buffers(coll, count, world, rank, dtype, config.op, in_place)
-        call = lambda: backend.run(coll.name, inp, out, config.op, in_place, rank, world)  # noqa: E731
-        call()
-        wrong = int((result != expected).sum())
-        row[f"{form}_wrong"] = int(backend.reduce_over_ranks(float(wrong), "max"))
-        slowest, fastest = measure(call, backend, config, rank)
-        row[f"{form}_time_us"], row[f"{form}_fastest_us"] = slowest * 1e6, fastest * 1e6
-    return row
+    rows, timed = [], []  # timed: (row, form, backend, call, iterations)
+    for backend in backends:
+        row = {"collective": coll.name, "backend": backend.name, "bytes": count * dtype.itemsize, "count": count,
+               "type": config.dtype, "redop": config.op if coll.reduces else "none", "world": world}
+        rows.append(row)
+        unsupported = backend.unsupported(coll, dtype, config.op)
+        if unsupported:
+            row["unsupported"] = unsupported
+            continue
+        for form in backend.forms(coll.name):
+            in_place = form == "in"
+            inp, out, result = _buffers(coll, count, world, rank, dtype, config.op, in_place)
+            call = functools.partial(backend.run, coll.name, inp, out, config.op, in_place, rank, world)
+            call()
+            wrong = int((result != expected).sum())
+            row[f"{form}_wrong"] = int(backend.reduce_over_ranks(float(wrong), "max"))
+            timed.append((row, form, backend, call, calibrate(call, backend, config, rank)))
+    trials = {id(entry): [] for entry in timed}
+    for _ in range(config.trials):
+        for entry in timed:
+            row, form, backend, call, iters = entry
+            trials[id(entry)].append(timed_loop(call, backend, iters, config, rank))
+    for entry in timed:
+        row, form = entry[0], entry[1]
+        slowest, fastest = zip(*trials[id(entry)])
+        row[f"{form}_time_us"] = statistics.median(slowest) * 1e6
+        row[f"{form}_fastest_us"] = statistics.median(fastest) * 1e6
+    return rows
 
 
 def bench_all(backends: list, rank: int, world: int, config: Config) -> list[dict]:
-    """Every collective and size, each measured on every backend in turn: interleaving
-    keeps ringcoll and its references in the same moments of a noisy machine."""
+    """Every collective and size, each measured on every backend in turn (bench_size)."""
     progress = None
     counts = message_counts(config, world)
     if rank == 0 and config.progress:
@@ -317,10 +525,9 @@ def bench_all(backends: list, rank: int, world: int, config: Config) -> list[dic
     rows = []
     for name in config.collectives:
         for count in counts:
-            for backend in backends:
-                rows.append(bench_one(backend, COLLECTIVES[name], count, rank, world, config))
-                if progress is not None:
-                    progress.update(1)
+            rows += bench_size(backends, COLLECTIVES[name], count, rank, world, config)
+            if progress is not None:
+                progress.update(len(backends))
     if progress is not None:
         progress.close()
     return rows
@@ -333,38 +540,30 @@ def run_rank(rank: int, world: int, config: Config, with_mpi: bool = False) -> l
     with Communicator(buffer_bytes=config.buffer_bytes) as comm:
         backends = [TorchBackend(comm)] + ([TorchBackend(None)] if config.gloo else [])
         backends += [MpiBackend()] if with_mpi else []
+        # DeepSpeed first: the oneCCL binding would set DeepSpeed's op up without its shared memory.
+        backends += [DeepSpeedBackend(rank, world)] if config.deepspeed else []
+        backends += [CclBackend(rank, world)] if config.ccl else []
         rows = bench_all(backends, rank, world, config)
         if config.check_cost and comm.check:
             rows += check_cost(comm, rank, world, config)
     dist.barrier()
+    for backend in backends:
+        backend.close()
     return rows
 
 
 def check_cost(comm, rank: int, world: int, config: Config) -> list[dict]:
     """All-reduce at the smallest and largest size with the call check (RINGCOLL_CHECK) on
-    and off: what the mismatch detection costs. The two are measured trial by trial in
-    turn, so a slow phase of the machine hits both."""
+    and off: what the mismatch detection costs, the two timed in turn like any reference."""
     rows = []
     counts = message_counts(config, world)
-    one_trial = dataclasses.replace(config, trials=1)
     with Communicator(buffer_bytes=config.buffer_bytes, check=False) as unchecked:
+        backends = [TorchBackend(comm, forms=("out",)), TorchBackend(unchecked, forms=("out",))]
         for count in sorted({counts[0], counts[-1]}):
-            row = {"kind": "check_cost", "collective": "all_reduce", "count": count}
-            times = {"on": [], "off": []}
-            for label, c in (("on", comm), ("off", unchecked)):
-                r = bench_one(TorchBackend(c), COLLECTIVES["all_reduce"], count, rank, world, one_trial)
-                row["bytes"], row[f"{label}_wrong"] = r["bytes"], r["out_wrong"]
-                times[label].append(r["out_time_us"])
-            for _ in range(config.trials - 1):
-                for label, c in (("on", comm), ("off", unchecked)):
-                    inp, out, _ = _buffers(COLLECTIVES["all_reduce"], count, world, rank, DTYPES[config.dtype],
-                                           config.op, in_place=False)
-                    backend = TorchBackend(c)
-                    slowest, _ = measure(lambda: backend.run("all_reduce", inp, out, config.op, False, rank, world),
-                                         backend, one_trial, rank)
-                    times[label].append(slowest * 1e6)
-            row["on_time_us"], row["off_time_us"] = statistics.median(times["on"]), statistics.median(times["off"])
-            rows.append(row)
+            on, off = bench_size(backends, COLLECTIVES["all_reduce"], count, rank, world, config)
+            rows.append({"kind": "check_cost", "collective": "all_reduce", "count": count, "bytes": on["bytes"],
+                         "on_wrong": on["out_wrong"], "off_wrong": off["out_wrong"],
+                         "on_time_us": on["out_time_us"], "off_time_us": off["out_time_us"]})
     return rows
 
 
@@ -374,7 +573,26 @@ def mpi_available() -> str:
         import mpi4py  # noqa: F401
     except ImportError:
         return "not installed (pip install mpi4py, with Open MPI's mpirun)"
-    return "" if shutil.which("mpirun") else "not installed (no mpirun on PATH)"
+    return "" if open_mpi_launcher() else "not installed (no Open MPI mpirun on PATH)"
+
+
+def open_mpi_launcher() -> Optional[str]:
+    """Open MPI's mpirun, which mpi4py was built against: the oneCCL wheels bring Intel MPI's
+    (impi-rt), which may come first on PATH."""
+    for name in ("mpirun.openmpi", "mpirun"):
+        path = shutil.which(name)
+        version = subprocess.run([path, "--version"], capture_output=True, text=True).stdout if path else ""
+        if "Open MPI" in version or "OpenRTE" in version:  # "mpirun (Open MPI) 4.1.4", "mpirun.openmpi (OpenRTE) 4.1.4"
+            return path
+    return None
+
+
+def rank_env(world: int) -> dict:
+    """Each rank's OpenMP threads: its share of the cores (unless OMP_NUM_THREADS is set), as
+    DeepSpeed's launcher sets them (--bind_cores_to_rank). DeepSpeed's shm kernels are OpenMP
+    loops: with a thread per core in every rank they spin against each other (50 ms for a
+    4 KiB all-reduce on this 2-core VM)."""
+    return {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))}
 
 
 def run_under_mpirun(world: int, config: Config) -> list[dict]:
@@ -386,9 +604,10 @@ def run_under_mpirun(world: int, config: Config) -> list[dict]:
         with socket.socket() as s:  # a free port for the gloo rendezvous
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        cmd = [shutil.which("mpirun"), "--oversubscribe", "-np", str(world), sys.executable, "-m", "ringcoll.harness.bench",
+        # MPI4PY_MPIABI: mpi4py's wheel would load Intel MPI where the oneCCL wheels put it (impi-rt)
+        env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", MPI4PY_MPIABI="openmpi",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **rank_env(world))
+        cmd = [open_mpi_launcher(), "--oversubscribe", "-np", str(world), sys.executable, "-m", "ringcoll.harness.bench",
                "--mpi-worker", config_file, rows_file]
         proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, timeout=3600)
         if proc.returncode != 0 or not os.path.exists(rows_file):
@@ -447,8 +666,9 @@ def _f(value, width, digits=2, missing="n/a"):
     return f"{value:{width}.{digits}f}" if value is not None else f"{missing:>{width}}"
 
 
-def format_table(rows: list[dict], world: int, config: Config, fitted: dict, mpi_note: str,
+def format_table(rows: list[dict], world: int, config: Config, fitted: dict, notes: dict,
                  costs: list[dict] = ()) -> str:
+    """nccl-tests' table per collective; `notes`: reference name -> why it is absent ('' if it ran)."""
     lines = []
     refs = sorted({r["backend"] for r in rows} - {"ringcoll"})
     for name in config.collectives:
@@ -477,6 +697,9 @@ def format_table(rows: list[dict], world: int, config: Config, fitted: dict, mpi
                     f"{r['in_time_us']:9.1f} {r['bytes'] / r['in_time_us'] / 1e3:6.2f} {in_bus:6.2f} {r['in_wrong']:>6}")
             for ref in refs:
                 ref_row = by_ref[ref].get(r["bytes"])
+                if ref_row and ref_row.get("unsupported"):
+                    line += f" |{ref_row['unsupported']:>31}"
+                    continue
                 form = reference_form(ref_row) if ref_row else "out"
                 ref_bus = busbw(ref_row)
                 ratio = out_bus / ref_bus if ref_bus else None
@@ -497,8 +720,8 @@ def format_table(rows: list[dict], world: int, config: Config, fitted: dict, mpi
         for c in costs:
             lines.append(f"#   {c['bytes']:>11} bytes: {c['on_time_us']:9.1f} us checked, {c['off_time_us']:9.1f} us "
                          f"unchecked ({c['on_time_us'] / c['off_time_us'] - 1:+.1%})")
-    if mpi_note:
-        lines.append(f"\n# Open MPI reference: {mpi_note}")
+    absent = [f"# {name} reference: {note}" for name, note in notes.items() if note]
+    lines += [""] + absent if absent else []
     wrong = total_wrong(rows)
     buses = [busbw(r, "out") for r in rows if r["backend"] == "ringcoll"]
     lines += ["", f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}",
@@ -553,6 +776,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--collectives", default="all_reduce,reduce_scatter,all_gather")
     p.add_argument("--no-gloo", action="store_true", help="skip the gloo reference")
     p.add_argument("--no-mpi", action="store_true", help="skip the Open MPI reference")
+    p.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed shared-memory reference")
+    p.add_argument("--no-ccl", action="store_true", help="skip the oneCCL reference")
     p.add_argument("--buffer-bytes", default=None, help="registered buffer per rank (default 4M)")
     p.add_argument("--fit", action="store_true", help="fit the alpha-beta model; print predictions")
     p.add_argument("--no-check-cost", action="store_true",
@@ -594,22 +819,28 @@ def main(argv=None) -> int:
                     buffer_bytes=parse_bytes(args.buffer_bytes) if args.buffer_bytes else None,
                     check_cost=not args.no_check_cost, straggler_rank=args.straggler_rank, delay_us=args.delay_us, progress=not args.no_progress)
 
-    mpi_note = "skipped (--no-mpi)" if args.no_mpi else mpi_available()
-    if mpi_note:
-        rows = spawn(run_rank, args.nproc, config, timeout=3600)[0]
+    def note(skipped: bool, option: str, available: Callable[[], str]) -> str:
+        return f"skipped ({option})" if skipped else available()
+
+    notes = {"Open MPI": note(args.no_mpi, "--no-mpi", mpi_available),
+             "DeepSpeed": note(args.no_deepspeed, "--no-deepspeed", deepspeed_available),
+             "oneCCL": note(args.no_ccl, "--no-ccl", ccl_available)}
+    config = dataclasses.replace(config, deepspeed=not notes["DeepSpeed"], ccl=not notes["oneCCL"])
+    if notes["Open MPI"]:
+        rows = spawn(run_rank, args.nproc, config, timeout=3600, env=rank_env(args.nproc))[0]
     else:
         rows = run_under_mpirun(args.nproc, config)
     costs = [r for r in rows if r.get("kind") == "check_cost"]
     rows = [r for r in rows if "kind" not in r]
     fitted = fits(rows, args.nproc) if args.fit else {}
-    print(format_table(rows, args.nproc, config, fitted, mpi_note, costs))
+    print(format_table(rows, args.nproc, config, fitted, notes, costs))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"world": args.nproc, "device": args.device, "config": dataclasses.asdict(config),
                        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                                    "torch": torch.__version__},
                        "fit": {k: dataclasses.asdict(v) for k, v in fitted.items()},
-                       "mpi": mpi_note or "ran", "rows": rows, "check_cost": costs}, f, indent=1)
+                       "references": {name: note or "ran" for name, note in notes.items()}, "rows": rows, "check_cost": costs}, f, indent=1)
     if args.plot:
         plot(rows, args.nproc, config, args.plot)
     return 1 if total_wrong(rows + costs) else 0

@@ -60,13 +60,110 @@ class CorruptingBackend(bench.Backend):
 def test_harness_counts_wrong_elements():
     config = bench.Config(min_bytes=64, max_bytes=64, warmup=0, iters=1, trials=1, min_seconds=0, progress=False)
     for name in bench.COLLECTIVES:
-        row = bench.bench_one(CorruptingBackend(), bench.COLLECTIVES[name], 16, 0, 1, config)
+        row, = bench.bench_size([CorruptingBackend()], bench.COLLECTIVES[name], 16, 0, 1, config)
         assert row["out_wrong"] == 1 and row["in_wrong"] == 1, row
         assert bench.total_wrong([row]) == 2
 
 
+class TurnRecordingBackend(bench.Backend):
+    """One rank, a correct copy; notes its name at every barrier (one per timed loop)."""
+
+    def __init__(self, name, turns, unsupported=""):
+        self.name, self.turns, self._unsupported = name, turns, unsupported
+
+    def unsupported(self, coll, dtype, op):
+        return self._unsupported
+
+    def forms(self, coll):
+        return ("out",)
+
+    def run(self, coll, inp, out, op, in_place, rank, world):
+        out.copy_(inp)
+
+    def barrier(self):
+        self.turns.append(self.name)
+
+    def reduce_over_ranks(self, value, kind):
+        return value
+
+
+def test_backends_are_timed_in_turn_trial_by_trial():
+    turns = []
+    backends = [TurnRecordingBackend("A", turns), TurnRecordingBackend("B", turns),
+                TurnRecordingBackend("C", turns, unsupported="falls back to gloo")]
+    config = bench.Config(warmup=0, iters=1, trials=3, min_seconds=0, progress=False)
+    a, b, c = bench.bench_size(backends, bench.COLLECTIVES["all_gather"], 16, 0, 1, config)
+    assert turns == ["A", "B"] + ["A", "B"] * 3  # calibrated, then A B A B A B
+    assert a["out_wrong"] == b["out_wrong"] == 0 and "out_time_us" in a and "out_time_us" in b
+    assert c["unsupported"] == "falls back to gloo" and "out_time_us" not in c and "out_wrong" not in c
+
+
+def test_deepspeed_fallbacks_are_labelled():
+    ar, rs = bench.COLLECTIVES["all_reduce"], bench.COLLECTIVES["reduce_scatter"]
+    label = bench.deepspeed_fallback
+    avx2, avx512bw = 1, 2
+    assert label(ar, torch.float32, "sum", avx2) == ""
+    assert label(ar, torch.bfloat16, "sum", avx512bw) == label(ar, torch.float16, "sum", avx512bw) == ""
+    # without avx512bw the 16-bit dtypes go to gloo; without the op (None) everything does
+    assert label(ar, torch.bfloat16, "sum", avx2) == "falls back to gloo"
+    assert label(ar, torch.float32, "sum", None) == "falls back to gloo"
+    assert label(ar, torch.float32, "sum", 0) == "falls back to gloo"
+    assert label(rs, torch.float32, "sum", avx512bw) == "falls back to gloo"
+    # what the kernel would get wrong silently is not timed either
+    assert label(ar, torch.int32, "sum", avx512bw) == "returns its input unreduced"
+    assert label(ar, torch.int32, "sum", avx2) == "falls back to gloo"  # DeepSpeed asks for level 2 first
+    assert label(ar, torch.float32, "max", avx2) == "sums, whatever the op"
+
+
+def test_ccl_and_mpi_fallbacks_are_labelled():
+    ar, ag = bench.COLLECTIVES["all_reduce"], bench.COLLECTIVES["all_gather"]
+    assert bench.ccl_fallback(ar, torch.bfloat16, "max") == ""
+    assert bench.ccl_fallback(ag, torch.float32, "sum") == "falls back to gloo"
+    assert bench.ccl_fallback(ar, torch.uint8, "sum") == "reduces uint8 as int8"
+    assert bench.ccl_fallback(ar, torch.float32, "avg") == "no AVG"
+    mpi = object.__new__(bench.MpiBackend)  # the labels need no MPI
+    assert mpi.unsupported(ar, torch.bfloat16, "sum") == "MPI has no bfloat16"
+    assert mpi.unsupported(ag, torch.bfloat16, "sum") == ""  # gathered as 16-bit integers
+    assert mpi.unsupported(ar, torch.float32, "avg") == "no AVG"
+
+
+def test_peers_not_installed_are_said_so(monkeypatch, tmp_path):
+    real = bench.importlib.util.find_spec
+    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    assert bench.deepspeed_available().startswith("not installed (pip install deepspeed")
+    assert bench.ccl_available().startswith("not installed (its binding is DeepSpeed's")
+    monkeypatch.setattr(bench, "deepspeed_available", lambda: "")
+    monkeypatch.setenv("CCL_ROOT", str(tmp_path))  # an environment without the oneCCL wheels
+    assert bench.ccl_available() == f"not installed (no lib/libccl.so.1 under {tmp_path}: pip install {bench.ONECCL_WHEEL})"
+
+
+def test_environment_sets_and_restores(monkeypatch):
+    monkeypatch.setenv("RINGCOLL_TEST_A", "before")
+    monkeypatch.delenv("RINGCOLL_TEST_B", raising=False)
+    with bench.environment(RINGCOLL_TEST_A=None, RINGCOLL_TEST_B="during"):
+        assert "RINGCOLL_TEST_A" not in bench.os.environ and bench.os.environ["RINGCOLL_TEST_B"] == "during"
+    assert bench.os.environ["RINGCOLL_TEST_A"] == "before" and "RINGCOLL_TEST_B" not in bench.os.environ
+
+
+def test_table_shows_labels_and_absent_references():
+    config = bench.Config(collectives=("all_reduce",))
+    ours = {"collective": "all_reduce", "backend": "ringcoll", "bytes": 4096, "count": 1024, "type": "int32",
+            "redop": "sum", "world": 2, "out_time_us": 10.0, "in_time_us": 10.0, "out_wrong": 0, "in_wrong": 0}
+    ds = dict(ours, backend="ds", unsupported="returns its input unreduced")
+    for key in ("out_time_us", "in_time_us", "out_wrong", "in_wrong"):
+        del ds[key]
+    table = bench.format_table([ours, ds], 2, config, {}, {"Open MPI": "skipped (--no-mpi)", "oneCCL": "",
+                                                           "DeepSpeed": ""})
+    row = [line for line in table.splitlines() if line.strip().startswith("4096")][0]
+    assert row.endswith("|    returns its input unreduced")
+    assert "# Open MPI reference: skipped (--no-mpi)" in table and "oneCCL reference" not in table
+
+
 @pytest.mark.parametrize("nproc", [2, 3])
-def test_benchmark_runs_checked_end_to_end(tmp_path, capsys, nproc):
+def test_benchmark_runs_checked_end_to_end(tmp_path, capsys, monkeypatch, nproc):
+    # As on a machine without the peers (the README's main job): they are said to be absent.
+    real = bench.importlib.util.find_spec
+    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
     out_json = tmp_path / "rows.json"
     status = bench.main(["-b", "1K", "-e", "16K", "-f", "4", "-w", "1", "-n", "2", "--trials", "1", "--min-ms", "1",
                          "--nproc", str(nproc), "--no-mpi", "--no-progress", "--fit", "--json", str(out_json),
@@ -82,6 +179,8 @@ def test_benchmark_runs_checked_end_to_end(tmp_path, capsys, nproc):
     assert len(ours) == 3 * 3 and all(r["out_wrong"] == 0 and r["in_wrong"] == 0 for r in ours)
     assert {r["backend"] for r in data["rows"]} == {"ringcoll", "gloo"}
     assert set(data["fit"]) == set(bench.COLLECTIVES)
+    assert "# DeepSpeed reference: not installed" in printed and "# oneCCL reference: not installed" in printed
+    assert data["references"]["Open MPI"] == "skipped (--no-mpi)"
 
 
 def test_straggler_shows_ring_runs_at_slowest_pace(capsys):
@@ -91,7 +190,7 @@ def test_straggler_shows_ring_runs_at_slowest_pace(capsys):
     # part of one delay (the straggler has begun the next one): 40 calls amortise that.
     delay_us = 2000
     status = bench.main(["-b", "4K", "-e", "4K", "-w", "1", "-n", "40", "--trials", "1", "--min-ms", "1",
-                         "--collectives", "all_reduce", "--no-gloo", "--no-mpi", "--no-progress",
+                         "--collectives", "all_reduce", "--no-gloo", "--no-mpi", "--no-deepspeed", "--no-ccl", "--no-progress",
                          "--straggler-rank", "1", "--delay-us", str(delay_us)])
     printed = capsys.readouterr().out
     assert status == 0
@@ -99,6 +198,7 @@ def test_straggler_shows_ring_runs_at_slowest_pace(capsys):
     fastest = float(row.split("|")[-1])
     assert fastest >= delay_us * (1 - 1 / 40) * 0.98, row
     assert "rank 1 delayed 2000 us" in printed
+    assert "# DeepSpeed reference: skipped (--no-deepspeed)" in printed and "# oneCCL reference: skipped (--no-ccl)" in printed
 
 
 def test_refuses_bad_arguments(capsys):
