@@ -79,19 +79,21 @@ run_tests() {  # name, limit (s), -k expression
 run_tests features 100 "not ($EXHAUSTIVE)"
 run_tests exhaustive 85 "$EXHAUSTIVE"
 
-# Each run stops going to larger sizes when its time budget is spent (rows are printed as
-# they are measured, so a cut-short run still reports what it measured).
+# The checked benchmark's own harness (ringcoll-bench --device cuda: the CUDA ring, a
+# device-to-device copy of the same bytes as the ceiling, NCCL where it runs; run mode and
+# MPS in each table's header). Each run stops going to larger sizes when its time budget
+# is spent and still prints what it measured.
 echo "== benchmark"
 bench_failed=0
-bench() {  # file, limit (s), kernel variant, P, max_bytes
-  timeout -k 10 "$2" env RINGCOLL_CUDA_KERNEL="$3" RINGCOLL_BENCH_BUDGET=$(($2 - 15)) \
-    "$PY" bench/device_bench.py "$4" "$5" 2>&1 | tee "$OUT/$1"
+bench() {  # file, limit (s), kernel variant, P, max bytes, collectives
+  timeout -k 10 "$2" env RINGCOLL_CUDA_KERNEL="$3" "$PY" -m ringcoll.harness.bench --device cuda --nproc "$4" \
+    -b 4K -e "$5" -f 4 --trials 3 --min-ms 5 --collectives "$6" --max-seconds $(($2 - 25)) --no-progress \
+    --json "$OUT/${1%.txt}.json" 2>&1 | tee "$OUT/$1"
   [ "${PIPESTATUS[0]}" = 0 ] || bench_failed=1
 }
-bench bench_p2.txt 40 fused 2 $((256 << 20))
-bench bench_p4.txt 40 fused 4 $((256 << 20))
-# The teaching variant (one launch per ring step): what per-step launches cost, and whether
-# they help when processes are time-sliced (MPS off).
-bench bench_p2_naive.txt 25 naive 2 $((16 << 20))
+bench bench_p2.txt 45 fused 2 256M all_reduce,reduce_scatter,all_gather
+bench bench_p4.txt 45 fused 4 256M all_reduce,reduce_scatter,all_gather
+# The teaching variant (one launch per ring step): what per-step launches cost.
+bench bench_p2_naive.txt 30 naive 2 16M all_reduce
 echo "== done: tests $([ $tests_rc = 0 ] && echo ok || echo FAILED), benchmark $([ $bench_failed = 0 ] && echo ok || echo FAILED)"
 [ "$tests_rc" = 0 ] && [ "$bench_failed" = 0 ]

@@ -110,6 +110,7 @@ class Backend:
     """What the harness needs from an implementation. Tensors are flat and contiguous."""
 
     name = "?"
+    checked = True  # its results are compared with the expected values
 
     def forms(self, coll: str) -> tuple:
         """The forms it offers for `coll`: "out" (out-of-place) and/or "in" (in-place)."""
@@ -125,6 +126,9 @@ class Backend:
 
     def barrier(self) -> None:
         raise NotImplementedError
+
+    def synchronize(self) -> None:
+        """Wait until the calls made so far have finished (a GPU runs them after the call returns)."""
 
     def reduce_over_ranks(self, value: float, kind: str) -> float:
         raise NotImplementedError
@@ -152,13 +156,15 @@ class DistBackend(Backend):
 
 
 class TorchBackend(DistBackend):
-    """ringcoll (a Communicator) or torch.distributed itself (gloo), same call shapes."""
+    """ringcoll (a Communicator) or torch.distributed itself (gloo, or NCCL on `group`), same
+    call shapes."""
 
-    def __init__(self, comm=None, forms: Optional[tuple] = None):
+    def __init__(self, comm=None, forms: Optional[tuple] = None, group=None):
         import torch.distributed as dist
 
-        self.dist, self.comm, self._forms = dist, comm, forms
-        self.name = "ringcoll" if comm is not None else dist.get_backend()
+        self.dist, self.comm, self._forms, self.group = dist, comm, forms, group
+        self.name = "ringcoll" if comm is not None else dist.get_backend(group)
+        self.on_gpu = (comm.device.type if comm is not None else self.name) in ("cuda", "nccl")
 
     def forms(self, coll):
         if self._forms:
@@ -175,22 +181,54 @@ class TorchBackend(DistBackend):
         return getattr(self.dist.ReduceOp, name)
 
     def run(self, coll, inp, out, op, in_place, rank, world):
-        api = self.comm if self.comm is not None else self.dist
+        if self.comm is None:  # torch.distributed
+            if coll == "all_reduce":  # it has only the in-place form
+                return self.dist.all_reduce(inp, op=self._op(op), group=self.group)
+            if coll == "reduce_scatter":
+                return self.dist.reduce_scatter_tensor(out, inp, op=self._op(op), group=self.group)
+            return self.dist.all_gather_into_tensor(out, inp, group=self.group)
+        comm = self.comm
         if coll == "all_reduce":
-            if self.comm is None:  # torch.distributed has only the in-place form
-                return self.dist.all_reduce(inp, op=self._op(op))
-            return self.comm.all_reduce(inp, op=self._op(op), output=None if in_place else out)
+            return comm.all_reduce(inp, op=self._op(op), output=None if in_place else out)
         if coll == "reduce_scatter":
             dst = inp.view(world, -1)[rank] if in_place else out
-            return api.reduce_scatter_tensor(dst, inp, op=self._op(op))
+            return comm.reduce_scatter_tensor(dst, inp, op=self._op(op))
         src = out.view(world, -1)[rank] if in_place else inp
-        return api.all_gather_into_tensor(out, src)
+        return comm.all_gather_into_tensor(out, src)
 
     def barrier(self):
         if self.comm is not None:
             self.comm.barrier()
         else:
             self.dist.barrier()
+
+    def synchronize(self):
+        if self.on_gpu:
+            torch.cuda.synchronize()  # the current stream waits for the ring's kernels (sync calls)
+
+
+class CopyBackend(DistBackend):
+    """The ceiling on a GPU: a device-to-device copy of the message's bytes (no collective,
+    nothing to check). Its column is bytes / time, which the ring's busbw is divided by."""
+
+    name = "copy"
+    checked = False
+
+    def __init__(self):
+        self._scratch: dict = {}
+
+    def forms(self, coll):
+        return ("out",)
+
+    def run(self, coll, inp, out, op, in_place, rank, world):
+        message = out if out.numel() > inp.numel() else inp  # all-gather's message is its output
+        scratch = self._scratch.get(message.numel())
+        if scratch is None:
+            scratch = self._scratch[message.numel()] = torch.empty_like(message)
+        scratch.copy_(message)
+
+    def synchronize(self):
+        torch.cuda.synchronize()
 
 
 class MpiBackend(Backend):
@@ -399,11 +437,14 @@ class Config:
     gloo: bool = True
     deepspeed: bool = False
     ccl: bool = False
+    nccl: bool = False
     buffer_bytes: Optional[int] = None
     check_cost: bool = True
     straggler_rank: Optional[int] = None
     delay_us: float = 0.0
     progress: bool = True
+    device: str = "cpu"  # "cuda": the CUDA ring, the copy ceiling and NCCL where it runs
+    max_seconds: Optional[float] = None  # stop going to larger sizes once this much time is spent
 
 
 def message_counts(config: Config, world: int) -> list[int]:
@@ -443,10 +484,13 @@ def calibrate(call: Callable[[], None], backend: Backend, config: Config, rank: 
     step = _stepper(call, config, rank)
     for _ in range(config.warmup):
         step()
+    backend.synchronize()
     backend.barrier()
     step()  # absorbs the barrier's exit skew
+    backend.synchronize()
     start = time.perf_counter()
     step()
+    backend.synchronize()
     one = backend.reduce_over_ranks(time.perf_counter() - start, "max")
     return max(config.iters, min(100000, math.ceil(config.min_seconds / max(one, 1e-9))))
 
@@ -456,20 +500,22 @@ def timed_loop(call: Callable[[], None], backend: Backend, iters: int, config: C
     step = _stepper(call, config, rank)
     backend.barrier()
     step()
+    backend.synchronize()
     start = time.perf_counter()
     for _ in range(iters):
         step()
+    backend.synchronize()  # on a GPU the loop only enqueued the calls
     mine = (time.perf_counter() - start) / iters
     return backend.reduce_over_ranks(mine, "max"), backend.reduce_over_ranks(mine, "min")
 
 
-def _buffers(coll: CollectiveDef, count: int, world: int, rank: int, dtype, op: str, in_place: bool):
+def _buffers(coll: CollectiveDef, count: int, world: int, rank: int, dtype, op: str, in_place: bool, device: str):
     in_numel, out_numel = coll.shapes(count, world)
-    out = torch.zeros(out_numel, dtype=dtype)
+    out = torch.zeros(out_numel, dtype=dtype, device=device)
     if coll.name == "all_gather" and in_place:
         out.view(world, -1)[rank].copy_(rank_input(rank, in_numel, dtype, op))
         return None, out, out
-    inp = rank_input(rank, in_numel, dtype, op)
+    inp = rank_input(rank, in_numel, dtype, op).to(device)
     result = inp if (in_place and coll.name == "all_reduce") else out
     if in_place and coll.name == "reduce_scatter":
         result = inp.view(world, -1)[rank]
@@ -494,10 +540,11 @@ def bench_size(backends: list, coll: CollectiveDef, count: int, rank: int, world
             continue
         for form in backend.forms(coll.name):
             in_place = form == "in"
-            inp, out, result = _buffers(coll, count, world, rank, dtype, config.op, in_place)
+            inp, out, result = _buffers(coll, count, world, rank, dtype, config.op, in_place, config.device)
             call = functools.partial(backend.run, coll.name, inp, out, config.op, in_place, rank, world)
             call()
-            wrong = int((result != expected).sum())
+            backend.synchronize()
+            wrong = int((result.cpu() != expected).sum()) if backend.checked else 0
             row[f"{form}_wrong"] = int(backend.reduce_over_ranks(float(wrong), "max"))
             timed.append((row, form, backend, call, calibrate(call, backend, config, rank)))
     trials = {id(entry): [] for entry in timed}
@@ -522,9 +569,14 @@ def bench_all(backends: list, rank: int, world: int, config: Config) -> list[dic
 
         progress = tqdm(total=len(config.collectives) * len(counts) * len(backends), unit="run", file=sys.stderr,
                         desc=f"ringcoll-bench P={world}", leave=False)
-    rows = []
+    rows, started = [], time.monotonic()
     for name in config.collectives:
         for count in counts:
+            # Every rank stops at the same size: the slowest clock decides (the first size always runs).
+            if (config.max_seconds and rows
+                    and backends[0].reduce_over_ranks(time.monotonic() - started, "max") > config.max_seconds):
+                rows.append({"kind": "cut_short", "collective": name, "count": count})
+                break
             rows += bench_size(backends, COLLECTIVES[name], count, rank, world, config)
             if progress is not None:
                 progress.update(len(backends))
@@ -537,6 +589,8 @@ def run_rank(rank: int, world: int, config: Config, with_mpi: bool = False) -> l
     """One rank: ringcoll and its references on the same process group."""
     import torch.distributed as dist
 
+    if config.device == "cuda":
+        return run_cuda_rank(rank, world, config)
     with Communicator(buffer_bytes=config.buffer_bytes) as comm:
         backends = [TorchBackend(comm)] + ([TorchBackend(None)] if config.gloo else [])
         backends += [MpiBackend()] if with_mpi else []
@@ -550,6 +604,43 @@ def run_rank(rank: int, world: int, config: Config, with_mpi: bool = False) -> l
     for backend in backends:
         backend.close()
     return rows
+
+
+def gpu_of(rank: int, world: int) -> int:
+    """A GPU per rank where there are enough, else every rank on GPU 0 (CUDA IPC maps peers
+    on one GPU too)."""
+    return rank if torch.cuda.device_count() >= world else 0
+
+
+def run_cuda_rank(rank: int, world: int, config: Config) -> list[dict]:
+    """One rank on a GPU: ringcoll's CUDA ring, the copy ceiling, and NCCL where it runs."""
+    import torch.distributed as dist
+
+    torch.cuda.set_device(gpu_of(rank, world))
+    with Communicator(device="cuda", buffer_bytes=config.buffer_bytes) as comm:
+        backends = [TorchBackend(comm), CopyBackend()]
+        if config.nccl:
+            backends.append(TorchBackend(None, group=dist.new_group(backend="nccl")))
+        rows = bench_all(backends, rank, world, config)
+    dist.barrier()
+    return rows
+
+
+def nccl_available(world: int) -> str:
+    """Why NCCL cannot be the reference here ('' when it can): one GPU per rank, or several
+    ranks on one GPU with NCCL 2.30+ (NCCL_MULTI_RANK_GPU_ENABLE=1, set for the ranks)."""
+    if not torch.distributed.is_nccl_available():
+        return "not in this torch build"
+    if torch.cuda.device_count() >= world or torch.cuda.nccl.version() >= (2, 30, 0):
+        return ""
+    return f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))} refuses {world} ranks on one GPU (needs 2.30+)"
+
+
+def mps_state() -> str:
+    """Whether an MPS server takes this user's CUDA processes (its control pipe exists)."""
+    pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
+    return "MPS on" if os.path.exists(os.path.join(pipe, "control")) else \
+        "MPS off: kernels of different processes are time-sliced"
 
 
 def check_cost(comm, rank: int, world: int, config: Config) -> list[dict]:
@@ -649,6 +740,8 @@ def busbw(row: Optional[dict], form: Optional[str] = None) -> Optional[float]:
     if not row.get(f"{form}_time_us"):
         return None
     algbw = row["bytes"] / (row[f"{form}_time_us"] * 1e-6) / 1e9
+    if row["backend"] == "copy":
+        return algbw  # the ceiling: the bytes one GPU copies per second
     return algbw * COLLECTIVES[row["collective"]].bus_factor(row["world"])
 
 
@@ -666,6 +759,14 @@ def _f(value, width, digits=2, missing="n/a"):
     return f"{value:{width}.{digits}f}" if value is not None else f"{missing:>{width}}"
 
 
+def transport_label(config: Config, world: int) -> str:
+    if config.device != "cuda":
+        return "CPU shared memory"
+    gpus = len({gpu_of(r, world) for r in range(world)})
+    return (f"CUDA IPC, run mode: {world} processes on {gpus} GPU(s) ({torch.cuda.get_device_name(0)}), "
+            f"{mps_state()}")
+
+
 def format_table(rows: list[dict], world: int, config: Config, fitted: dict, notes: dict,
                  costs: list[dict] = ()) -> str:
     """nccl-tests' table per collective; `notes`: reference name -> why it is absent ('' if it ran)."""
@@ -675,7 +776,7 @@ def format_table(rows: list[dict], world: int, config: Config, fitted: dict, not
         ours = [r for r in rows if r["collective"] == name and r["backend"] == "ringcoll"]
         by_ref = {ref: {r["bytes"]: r for r in rows if r["collective"] == name and r["backend"] == ref}
                   for ref in refs}
-        head = f"# {name}, {world} ranks, {config.dtype}, CPU shared memory; time in us, bandwidth in GB/s"
+        head = f"# {name}, {world} ranks, {config.dtype}, {transport_label(config, world)}; time in us, bandwidth in GB/s"
         if config.straggler_rank is not None:
             head += f"; rank {config.straggler_rank} delayed {config.delay_us:g} us before every call"
         lines += ["", head]
@@ -778,6 +879,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-mpi", action="store_true", help="skip the Open MPI reference")
     p.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed shared-memory reference")
     p.add_argument("--no-ccl", action="store_true", help="skip the oneCCL reference")
+    p.add_argument("--no-nccl", action="store_true", help="skip the NCCL reference (--device cuda)")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="stop going to larger sizes once this much time is spent (a cut-short run still prints)")
     p.add_argument("--buffer-bytes", default=None, help="registered buffer per rank (default 4M)")
     p.add_argument("--fit", action="store_true", help="fit the alpha-beta model; print predictions")
     p.add_argument("--no-check-cost", action="store_true",
@@ -802,9 +906,8 @@ def main(argv=None) -> int:
         print(f"ringcoll-bench: {message}", file=sys.stderr)
         return 2
 
-    if args.device == "cuda":
-        return refuse("the GPU sweep waits for the CUDA transport to be verified on a GPU (bench/device_check.sh "
-                      "runs bench/device_bench.py there); use --device cpu")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        return refuse("--device cuda needs a GPU, and torch sees none; use --device cpu")
     if args.op == "avg" and not DTYPES[args.dtype].is_floating_point:
         return refuse(f"--op avg needs a floating dtype, not {args.dtype}")
     unknown = set(args.collectives.split(",")) - set(COLLECTIVES)
@@ -817,23 +920,34 @@ def main(argv=None) -> int:
                     min_seconds=args.min_ms / 1e3, dtype=args.dtype, op=args.op,
                     collectives=tuple(args.collectives.split(",")), gloo=not args.no_gloo,
                     buffer_bytes=parse_bytes(args.buffer_bytes) if args.buffer_bytes else None,
-                    check_cost=not args.no_check_cost, straggler_rank=args.straggler_rank, delay_us=args.delay_us, progress=not args.no_progress)
+                    check_cost=not args.no_check_cost and args.device == "cpu", straggler_rank=args.straggler_rank,
+                    delay_us=args.delay_us, progress=not args.no_progress, device=args.device,
+                    max_seconds=args.max_seconds)
 
     def note(skipped: bool, option: str, available: Callable[[], str]) -> str:
         return f"skipped ({option})" if skipped else available()
 
-    notes = {"Open MPI": note(args.no_mpi, "--no-mpi", mpi_available),
-             "DeepSpeed": note(args.no_deepspeed, "--no-deepspeed", deepspeed_available),
-             "oneCCL": note(args.no_ccl, "--no-ccl", ccl_available)}
-    config = dataclasses.replace(config, deepspeed=not notes["DeepSpeed"], ccl=not notes["oneCCL"])
-    if notes["Open MPI"]:
-        rows = spawn(run_rank, args.nproc, config, timeout=3600, env=rank_env(args.nproc))[0]
+    if args.device == "cuda":  # the CPU references have no GPU form; NCCL is the GPU's
+        notes = {"NCCL": note(args.no_nccl, "--no-nccl", lambda: nccl_available(args.nproc))}
+        config = dataclasses.replace(config, gloo=False, nccl=not notes["NCCL"])
+        rows = spawn(run_rank, args.nproc, config, timeout=3600, env={"NCCL_MULTI_RANK_GPU_ENABLE": "1"})[0]
     else:
-        rows = run_under_mpirun(args.nproc, config)
+        notes = {"Open MPI": note(args.no_mpi, "--no-mpi", mpi_available),
+                 "DeepSpeed": note(args.no_deepspeed, "--no-deepspeed", deepspeed_available),
+                 "oneCCL": note(args.no_ccl, "--no-ccl", ccl_available)}
+        config = dataclasses.replace(config, deepspeed=not notes["DeepSpeed"], ccl=not notes["oneCCL"])
+        if notes["Open MPI"]:
+            rows = spawn(run_rank, args.nproc, config, timeout=3600, env=rank_env(args.nproc))[0]
+        else:
+            rows = run_under_mpirun(args.nproc, config)
     costs = [r for r in rows if r.get("kind") == "check_cost"]
+    cut = next((r for r in rows if r.get("kind") == "cut_short"), None)
     rows = [r for r in rows if "kind" not in r]
     fitted = fits(rows, args.nproc) if args.fit else {}
     print(format_table(rows, args.nproc, config, fitted, notes, costs))
+    if cut is not None:
+        print(f"# --max-seconds {args.max_seconds:g} spent: {cut['collective']} from {cut['count']} elements on "
+              "not measured, nor what comes after it")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"world": args.nproc, "device": args.device, "config": dataclasses.asdict(config),

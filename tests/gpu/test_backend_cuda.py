@@ -178,3 +178,25 @@ def test_hierarchical_on_cuda_with_nccl_between_nodes():
         pytest.skip(f"NCCL {torch.cuda.nccl.version()} refuses several ranks on one GPU (needs 2.30+)")
     results = spawn(_hierarchical_on_cuda, 4, timeout=240, env={**ENV, "NCCL_MULTI_RANK_GPU_ENABLE": "1"})
     assert results == [(True, True, True)] * 4
+
+
+def test_benchmark_sweep_on_cuda(capsys):
+    """ringcoll-bench --device cuda: the CPU benchmark's harness, checks and columns, with the
+    copy ceiling (and NCCL where it runs) beside the CUDA ring."""
+    import json
+    import tempfile
+
+    from ringcoll.harness import bench
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        status = bench.main(["--device", "cuda", "--nproc", "2", "-b", "4K", "-e", "256K", "-f", "8", "-w", "1",
+                             "-n", "3", "--trials", "1", "--min-ms", "1", "--no-progress", "--json", f.name])
+        printed = capsys.readouterr().out
+        assert status == 0, printed
+        rows = json.load(open(f.name))["rows"]
+    assert "CUDA IPC, run mode: 2 processes on" in printed and "MPS" in printed, printed
+    assert "x copy" in printed
+    ours = [r for r in rows if r["backend"] == "ringcoll"]
+    assert {r["collective"] for r in ours} == {"all_reduce", "reduce_scatter", "all_gather"}
+    assert all(r["out_wrong"] == 0 and r["in_wrong"] == 0 for r in ours)
+    assert {r["backend"] for r in rows} >= {"ringcoll", "copy"}

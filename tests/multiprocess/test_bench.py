@@ -206,3 +206,24 @@ def test_refuses_bad_arguments(capsys):
     assert bench.main(["--straggler-rank", "5", "--nproc", "2", "--no-mpi"]) == 2
     assert bench.main(["--collectives", "all_to_all", "--no-mpi"]) == 2
     assert "ringcoll-bench:" in capsys.readouterr().err
+
+
+def test_cuda_sweep_refused_clearly_without_a_gpu(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: tests/gpu/test_backend_cuda.py runs the CUDA sweep instead")
+    assert bench.main(["--device", "cuda"]) == 2
+    assert "--device cuda needs a GPU, and torch sees none" in capsys.readouterr().err
+
+
+def test_time_budget_cuts_the_sweep_short_and_still_prints(capsys):
+    # A budget spent after the first size: every rank stops at the same size (the slowest
+    # clock decides), what was measured is printed and checked, and the cut is said.
+    status = bench.main(["-b", "4K", "-e", "1M", "-f", "4", "-w", "1", "-n", "2", "--trials", "1", "--min-ms", "1",
+                         "--collectives", "all_reduce", "--no-gloo", "--no-mpi", "--no-deepspeed", "--no-ccl",
+                         "--no-progress", "--no-check-cost", "--max-seconds", "0.000001"])
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    assert "# --max-seconds 1e-06 spent: all_reduce from 4096 elements on" in printed, printed
+    measured = [line for line in printed.splitlines() if line.strip()[:1].isdigit()]
+    assert len(measured) == 1 and measured[0].split()[0] == "4096", measured  # the first size, and no other
+    assert "Out of bounds values : 0 OK" in printed
