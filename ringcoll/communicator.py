@@ -130,6 +130,9 @@ class Work:
         return torch_future
 
 
+_CPU = torch.device("cpu")  # the one CPU device object communicators hold (checked by identity: it is per call)
+
+
 def _byte_range(t: torch.Tensor) -> tuple[int, int]:
     start = t.data_ptr()
     return start, start + t.numel() * t.element_size()
@@ -162,7 +165,7 @@ class ArgumentChecks:
     def _check_tensor(self, op: str, what: str, t) -> None:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: {what} must be a torch.Tensor, got {type(t).__name__}")
-        if not (t.is_cpu if self.device.type == "cpu" else t.device == self.device):
+        if not (t.is_cpu if self.device is _CPU else t.device == self.device):
             raise ValueError(f"{op}: {what} is on {t.device}, but this communicator serves {self.device}")
         if not t.is_contiguous():
             raise ValueError(f"{op}: {what} must be contiguous")
@@ -276,7 +279,7 @@ class Communicator(ArgumentChecks):
             raise RingcollError("Communicator: torch.distributed is not initialised; "
                                 "call dist.init_process_group first")
         self.group = group if group is not None else dist.group.WORLD
-        self.device = device
+        self.device = _CPU if device.type == "cpu" else device
         self.timeout = _resolve_timeout(timeout)
         self.buffer_bytes = _resolve_buffer_bytes(buffer_bytes)
         self.check = _resolve_check(check)
