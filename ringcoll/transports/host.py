@@ -85,11 +85,15 @@ class HostTransport(Transport):
         return device  # "cpu": nothing to pick
 
     def __init__(self, settings: Settings, exchange: Callable[..., list]):
-        offers = exchange((_C.random_segment_name(), shared_memory_domain()))
+        # The one-shot threshold decides, call by call, which algorithm every rank runs: it
+        # must agree, like the buffer size (a rank on the ring and one on the one-shot path
+        # would wait for each other's publications until the timeout).
+        offers = exchange((_C.random_segment_name(), shared_memory_domain()),
+                          **{"RINGCOLL_SMALL_BYTES / small_bytes=": settings.small_bytes})
         _require_one_domain([domain for _, domain in offers])
         names = [name for name, _ in offers]
         self._comm = _C.HostComm(settings.rank, settings.world_size, names, settings.buffer_bytes,
-                                 settings.timeout, settings.check)
+                                 settings.timeout, settings.check, settings.small_bytes)
         self._worker: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._last_async: Optional[concurrent.futures.Future] = None
         self._lock = threading.Lock()  # one collective at a time on the ring
