@@ -210,6 +210,7 @@ class Config:
     straggler_rank: Optional[int] = None
     delay_us: float = 0.0
     progress: bool = True
+    small_bytes: Optional[int] = None  # Communicator(small_bytes=): None = default, 0 = ring only
 
 
 def message_counts(config: Config, world: int) -> list[int]:
@@ -330,7 +331,7 @@ def run_rank(rank: int, world: int, config: Config, with_mpi: bool = False) -> l
     """One rank: ringcoll and its references on the same process group."""
     import torch.distributed as dist
 
-    with Communicator(buffer_bytes=config.buffer_bytes) as comm:
+    with Communicator(buffer_bytes=config.buffer_bytes, small_bytes=config.small_bytes) as comm:
         backends = [TorchBackend(comm)] + ([TorchBackend(None)] if config.gloo else [])
         backends += [MpiBackend()] if with_mpi else []
         rows = bench_all(backends, rank, world, config)
@@ -347,7 +348,7 @@ def check_cost(comm, rank: int, world: int, config: Config) -> list[dict]:
     rows = []
     counts = message_counts(config, world)
     one_trial = dataclasses.replace(config, trials=1)
-    with Communicator(buffer_bytes=config.buffer_bytes, check=False) as unchecked:
+    with Communicator(buffer_bytes=config.buffer_bytes, check=False, small_bytes=config.small_bytes) as unchecked:
         for count in sorted({counts[0], counts[-1]}):
             row = {"kind": "check_cost", "collective": "all_reduce", "count": count}
             times = {"on": [], "off": []}
@@ -458,6 +459,8 @@ def format_table(rows: list[dict], world: int, config: Config, fitted: dict, mpi
         head = f"# {name}, {world} ranks, {config.dtype}, CPU shared memory; time in us, bandwidth in GB/s"
         if config.straggler_rank is not None:
             head += f"; rank {config.straggler_rank} delayed {config.delay_us:g} us before every call"
+        if config.small_bytes is not None:
+            head += f"; {ALGORITHM_NOTE.get(config.small_bytes, f'one-shot up to {config.small_bytes} bytes')}"
         lines += ["", head]
         cols = (f"{'size':>11} {'count':>10} {'type':>8} {'redop':>5} |{'time':>9} {'algbw':>6} {'busbw':>6} "
                 f"{'#wrong':>6} |{'time':>9} {'algbw':>6} {'busbw':>6} {'#wrong':>6}")
@@ -536,6 +539,12 @@ def plot(rows: list[dict], world: int, config: Config, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+# --algorithm: the small-message threshold each choice sets (Communicator's small_bytes=).
+# "oneshot" takes the one-shot path wherever the message fits one buffer slot, the ring above.
+ALGORITHMS = {"auto": None, "ring": 0, "oneshot": 1 << 62}
+ALGORITHM_NOTE = {0: "algorithm: ring only", 1 << 62: "algorithm: one-shot where it fits a slot, else ring"}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="ringcoll-bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -554,6 +563,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-gloo", action="store_true", help="skip the gloo reference")
     p.add_argument("--no-mpi", action="store_true", help="skip the Open MPI reference")
     p.add_argument("--buffer-bytes", default=None, help="registered buffer per rank (default 4M)")
+    p.add_argument("--algorithm", choices=list(ALGORITHMS), default="auto",
+                   help="ring: the ring at every size; oneshot: the one-shot path wherever the message fits one "
+                        "slot; auto (default): the Communicator's choice (RINGCOLL_SMALL_BYTES). Run ring and "
+                        "oneshot to see the crossover")
     p.add_argument("--fit", action="store_true", help="fit the alpha-beta model; print predictions")
     p.add_argument("--no-check-cost", action="store_true",
                    help="skip measuring the call check's cost (all-reduce with RINGCOLL_CHECK on and off)")
@@ -592,7 +605,8 @@ def main(argv=None) -> int:
                     min_seconds=args.min_ms / 1e3, dtype=args.dtype, op=args.op,
                     collectives=tuple(args.collectives.split(",")), gloo=not args.no_gloo,
                     buffer_bytes=parse_bytes(args.buffer_bytes) if args.buffer_bytes else None,
-                    check_cost=not args.no_check_cost, straggler_rank=args.straggler_rank, delay_us=args.delay_us, progress=not args.no_progress)
+                    check_cost=not args.no_check_cost, straggler_rank=args.straggler_rank, delay_us=args.delay_us, progress=not args.no_progress,
+                    small_bytes=ALGORITHMS[args.algorithm])
 
     mpi_note = "skipped (--no-mpi)" if args.no_mpi else mpi_available()
     if mpi_note:
