@@ -24,6 +24,14 @@ void bind_host(py::module_& m) {
       },
       py::arg("buffer_bytes"), py::arg("world"));
   m.attr("host_slot_alignment") = ringcoll::host::kSlotAlignment;
+  m.def(
+      "one_shot_fits",
+      [](int collective, int64_t ring_count, int elem_size, int world, size_t small_bytes, size_t slot_bytes) {
+        return ringcoll::host::one_shot_fits(static_cast<ringcoll::Collective>(collective), ring_count, elem_size,
+                                             world, small_bytes, slot_bytes);
+      },
+      py::arg("collective"), py::arg("ring_count"), py::arg("elem_size"), py::arg("world"), py::arg("small_bytes"),
+      py::arg("slot_bytes"));
   py::class_<HostComm>(m, "HostComm")
       .def(py::init<int, int, const std::vector<std::string>&, size_t, double, bool, size_t>(), py::arg("rank"),
            py::arg("world"), py::arg("names"), py::arg("buffer_bytes"), py::arg("timeout"),

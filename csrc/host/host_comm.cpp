@@ -371,10 +371,7 @@ void HostComm::run_ring_call(const char* op, const RingCall& call, const void* i
 // slow peer still reads.
 
 bool HostComm::uses_one_shot(const RingCall& call) const {
-  const size_t message = static_cast<size_t>(call.ring_count) * static_cast<size_t>(call.elem_size);
-  // What each rank publishes: its whole input, or for all-gather its own part.
-  const size_t published = call.collective == Collective::kAllGather ? message / static_cast<size_t>(world_) : message;
-  return world_ > 1 && message > 0 && message <= small_bytes_ && published <= slot_bytes_;
+  return one_shot_fits(call.collective, call.ring_count, call.elem_size, world_, small_bytes_, slot_bytes_);
 }
 
 void HostComm::wait_all_consumed(uint64_t target) {

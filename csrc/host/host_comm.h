@@ -50,6 +50,18 @@ struct SegmentHeader {
 };
 static_assert(sizeof(SegmentHeader) <= kHeaderBytes, "header must fit its page");
 
+// Whether a call takes the one-shot path (host_comm.cpp, run_one_shot) rather than the ring:
+// there are peers, the message (ring_count x elem_size bytes, nccl-tests' size) is not empty
+// and at most `small_bytes`, and what each rank publishes (its whole input; for all-gather
+// its own part, 1/P of the message) fits one slot. Mirrored by
+// ringcoll/learning/schedule.py's one_shot_fits (tests/pure/test_schedule.py ties them).
+inline bool one_shot_fits(Collective coll, int64_t ring_count, int elem_size, int world, size_t small_bytes,
+                          size_t slot_bytes) {
+  const size_t message = static_cast<size_t>(ring_count) * static_cast<size_t>(elem_size);
+  const size_t published = coll == Collective::kAllGather ? message / static_cast<size_t>(world) : message;
+  return world > 1 && message > 0 && message <= small_bytes && published <= slot_bytes;
+}
+
 // How host waits spend their time: spinning only pays when every rank has a core.
 WaitPolicy host_wait_policy(int world, double timeout_seconds);
 
