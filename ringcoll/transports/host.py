@@ -138,6 +138,15 @@ class HostTransport(Transport):
         if pending is not None:
             concurrent.futures.wait([pending])
 
+    @property
+    def one_shot_calls(self) -> int:
+        """How many collectives took the one-shot path for small messages (for tests)."""
+        return self._comm.one_shot_calls
+
+    @property
+    def slot_bytes(self) -> int:
+        return self._comm.slot_bytes
+
     def launch_on_stream(self, call: CollectiveCall, stream) -> None:
         raise ValueError(f"{call.collective}: arrays on a given stream need a CUDA communicator; "
                          "this one serves CPU tensors")
