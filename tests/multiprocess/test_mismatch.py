@@ -191,7 +191,7 @@ def _small_setting(rank, world, env_values, arg_values):
 
     messages = []
     os.environ["RINGCOLL_SMALL_BYTES"] = env_values[rank]
-    for arg in (None, arg_values[rank]):
+    for arg in (None, arg_values[rank], 8192):
         try:
             with ringcoll.Communicator(timeout=10, small_bytes=arg) as comm:
                 messages.append(f"ok {comm.small_bytes}")
@@ -209,11 +209,12 @@ def test_small_message_threshold_must_agree_across_ranks():
     """Ranks on different paths would wait for each other's publications: the threshold
     (RINGCOLL_SMALL_BYTES or small_bytes=) is compared at construction."""
     prefix = "Communicator: RINGCOLL_SMALL_BYTES / small_bytes= differs between ranks: "
-    for env_message, arg_message, negative in spawn(_small_setting, 3, ["64K", "0", "64K"], [4096, 4096, 4097]):
+    for env_message, arg_message, agreed, negative in spawn(_small_setting, 3, ["64K", "0", "64K"],
+                                                            [4096, 4096, 4097]):
         assert env_message == prefix + "rank 0: 65536, rank 1: 0, rank 2: 65536", env_message
         assert arg_message == prefix + "rank 0: 4096, rank 1: 4096, rank 2: 4097", arg_message
+        assert agreed == "ok 8192", agreed  # the argument wins over the (differing) environment
         assert negative.startswith("Communicator: small_bytes must be >= 0"), negative
-    assert spawn(_small_setting, 2, ["8K", "8K"], [0, 0])[0][:2] == ["ok 8192", "ok 0"]
 
 
 def _unchecked(rank, world):
