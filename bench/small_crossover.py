@@ -1,70 +1,104 @@
-"""Where the one-shot path stops paying: ringcoll-bench --algorithm ring and --algorithm
-oneshot, run in turn several times, and the median time per size of each.
+"""Where the one-shot path stops paying: the ring and the one-shot path timed in turn, in
+the same processes, block by block, so that a busy moment of a shared machine hits both.
 
-    python bench/small_crossover.py --nproc 2 --dtype float32 --rounds 3 [-b 1K -e 1M]
+    python bench/small_crossover.py --nproc 2 --dtype float32 [-b 1K -e 512K] [--blocks 15]
 
-Each round runs the two algorithms back to back (ring first, then one-shot), so a slow
-phase of a shared machine hits both; the table gives, per collective and size, the median
-over rounds of ringcoll-bench's out-of-place time (itself the slowest rank's, median of
---trials loops), in-place beside it, and one-shot / ring. The recorded run is
-bench/results/2026-12-01-cpu-small-message-crossover.txt.
+P ranks (ringcoll.harness.launcher.spawn) hold two Communicators over the same group:
+small_bytes=0 (always the ring) and small_bytes=2**62 (the one-shot path wherever the
+message fits one slot; the buffer is the default 4 MiB). For every collective and size
+each rank first checks both results against the values it computes itself (the inputs of
+ringcoll-bench: small integers, exact in every summation order), then runs --blocks
+rounds of: a barrier, --calls out-of-place calls on the ring, a barrier, --calls on the
+one-shot path. A block's time is the slowest rank's mean per call. The table gives, per
+size, the median and the 10th percentile over blocks of each, and one-shot / ring.
+`ringcoll-bench --algorithm ring|oneshot` times the two paths in separate runs instead.
+The recorded run is bench/results/2026-12-01-cpu-small-message-crossover.txt.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
+import time
+
+ALWAYS_ONE_SHOT = 1 << 62
 
 
-def run(args, algorithm: str, path: str) -> dict:
-    cmd = [sys.executable, "-m", "ringcoll.harness.bench", "-b", args.minbytes, "-e", args.maxbytes, "--nproc",
-           str(args.nproc), "--dtype", args.dtype, "--collectives", args.collectives, "--no-gloo", "--no-mpi",
-           "--no-check-cost", "--no-progress", "--trials", str(args.trials), "--min-ms", str(args.min_ms),
-           "--algorithm", algorithm, "--json", path]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    with open(path) as f:
-        return json.load(f)
+def _percentile(values, q):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def rank_main(rank, world, args):
+    import torch
+    import torch.distributed as dist
+
+    import ringcoll
+    from ringcoll._types import DTYPES
+    from ringcoll.harness.bench import COLLECTIVES, TorchBackend, _buffers, expected_result, message_counts, Config
+
+    config = Config(min_bytes=args.min_bytes, max_bytes=args.max_bytes, factor=2, dtype=args.dtype)
+    dtype = DTYPES[args.dtype]
+    rows = []
+    with ringcoll.Communicator(small_bytes=0) as ring, ringcoll.Communicator(small_bytes=ALWAYS_ONE_SHOT) as one:
+        backends = {"ring": TorchBackend(ring), "oneshot": TorchBackend(one)}
+        for name in args.collectives.split(","):
+            coll = COLLECTIVES[name]
+            for count in message_counts(config, world):
+                expected = expected_result(coll, rank, world, count, dtype, "sum")
+                calls, times = {}, {"ring": [], "oneshot": []}
+                for label, backend in backends.items():
+                    inp, out, result = _buffers(coll, count, world, rank, dtype, "sum", in_place=False)
+                    calls[label] = (lambda b=backend, i=inp, o=out: b.run(name, i, o, "sum", False, rank, world))
+                    before = one.transport.one_shot_calls
+                    calls[label]()
+                    if not torch.equal(result, expected):
+                        raise AssertionError(f"{label} {name} count={count}: wrong result on rank {rank}")
+                    if (one.transport.one_shot_calls - before) != (label == "oneshot"):
+                        raise AssertionError(f"{label} {name} count={count}: took the other path")
+                for _ in range(args.blocks):
+                    for label in ("ring", "oneshot"):
+                        ring.barrier()
+                        for _ in range(3):
+                            calls[label]()
+                        start = time.perf_counter()
+                        for _ in range(args.calls):
+                            calls[label]()
+                        t = torch.tensor([(time.perf_counter() - start) / args.calls * 1e6], dtype=torch.float64)
+                        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                        times[label].append(float(t))
+                rows.append((name, count * dtype.itemsize, times))
+    return rows
 
 
 def main(argv=None) -> int:
+    from ringcoll.communicator import parse_bytes
+    from ringcoll.harness.launcher import spawn
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--collectives", default="all_reduce,reduce_scatter,all_gather")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--trials", type=int, default=3)
-    p.add_argument("--min-ms", type=float, default=10.0)
+    p.add_argument("--blocks", type=int, default=15, help="timed blocks per algorithm and size")
+    p.add_argument("--calls", type=int, default=50, help="calls per block")
     p.add_argument("-b", "--minbytes", default="1K")
-    p.add_argument("-e", "--maxbytes", default="1M")
+    p.add_argument("-e", "--maxbytes", default="512K")
     args = p.parse_args(argv)
-    times: dict = {}  # (algorithm, collective, bytes, form) -> [us per round]
-    with tempfile.TemporaryDirectory() as tmp:
-        for r in range(args.rounds):
-            for algorithm in ("ring", "oneshot"):
-                doc = run(args, algorithm, os.path.join(tmp, f"{algorithm}-{r}.json"))
-                for row in doc["rows"]:
-                    if row.get("out_wrong") or row.get("in_wrong"):
-                        raise SystemExit(f"wrong results: {row}")
-                    for form in ("out", "in"):
-                        times.setdefault((algorithm, row["collective"], row["bytes"], form), []).append(
-                            row[f"{form}_time_us"])
-    print(f"# one-shot vs ring, P = {args.nproc}, {args.dtype}, CPU shared memory: median over {args.rounds} rounds "
-          f"of ringcoll-bench's time (us; each the slowest rank's, median of {args.trials} loops)")
-    for coll in args.collectives.split(","):
-        print(f"\n# {coll}\n# {'size':>9} | {'ring out':>9} {'1shot out':>9} {'ratio':>6} | {'ring in':>9} "
-              f"{'1shot in':>9} {'ratio':>6} | 1shot out-of-place per round")
-        for size in sorted({k[2] for k in times if k[1] == coll}):
-            med = {(a, f): statistics.median(times[(a, coll, size, f)]) for a in ("ring", "oneshot")
-                   for f in ("out", "in")}
-            rounds = " ".join(f"{t:.1f}" for t in times[("oneshot", coll, size, "out")])
-            print(f"  {size:>9} | {med['ring', 'out']:9.1f} {med['oneshot', 'out']:9.1f} "
-                  f"{med['oneshot', 'out'] / med['ring', 'out']:6.2f} | {med['ring', 'in']:9.1f} "
-                  f"{med['oneshot', 'in']:9.1f} {med['oneshot', 'in'] / med['ring', 'in']:6.2f} | {rounds}")
+    args.min_bytes, args.max_bytes = parse_bytes(args.minbytes), parse_bytes(args.maxbytes)
+    rows = spawn(rank_main, args.nproc, args, timeout=3600)[0]
+    print(f"# one-shot vs ring, P = {args.nproc}, {args.dtype}, SUM, CPU shared memory, out-of-place; us per call "
+          f"(a block: {args.calls} calls, the slowest rank's mean); {args.blocks} blocks each, ring and one-shot "
+          "in turn; med = median over blocks, p10 = 10th percentile (the quieter moments of a shared machine)")
+    current = None
+    for name, nbytes, times in rows:
+        if name != current:
+            current = name
+            print(f"\n# {name}\n# {'size':>9} | {'ring med':>8} {'1shot med':>9} {'ratio':>5} | {'ring p10':>8} "
+                  f"{'1shot p10':>9} {'ratio':>5}")
+        r, o = times["ring"], times["oneshot"]
+        rm, om, rp, op = statistics.median(r), statistics.median(o), _percentile(r, 0.1), _percentile(o, 0.1)
+        print(f"  {nbytes:>9} | {rm:8.1f} {om:9.1f} {om / rm:5.2f} | {rp:8.1f} {op:9.1f} {op / rp:5.2f}")
     return 0
 
 
