@@ -441,10 +441,13 @@ void HostComm::run_one_shot(const RingCall& call, const void* input, void* outpu
   }
   // The waits above return at once for publications already made, so a rank arriving after
   // its peers gave up on this call (a peer that published, then timed out waiting for it)
-  // would see no error; the ring notices in a later wait. A peer's `aborted` is one load.
+  // would see no error; the ring notices in a later wait. A peer's `aborted` is one load. A
+  // peer that completed this call first (its `completed`, stored before any later abort, is
+  // visible once `aborted` is acquired) aborted in a later call: this one stands.
   for (int peer = 0; peer < world_; ++peer) {
     const SegmentHeader& h = header(peer);
     if (peer == rank_ || flag_load_acquire(&h.aborted.value) == 0) continue;
+    if (flag_load_acquire(&h.completed.value) >= calls_) continue;
     fail<PeerError>(current_op_, "rank " + std::to_string(rank_) + " gave up after the one-shot step (call " +
                                      std::to_string(calls_) + "): rank " + std::to_string(peer) + " has aborted: " +
                                      std::string(h.abort_reason, strnlen(h.abort_reason, sizeof(h.abort_reason))));
