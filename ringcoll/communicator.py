@@ -36,6 +36,9 @@ from ringcoll.views import as_device_array, check_count, tensor_view
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
 DEFAULT_BUFFER_BYTES = 4 << 20  # per rank; messages of any size are sliced through it
+# CPU: messages up to this size take the one-shot path instead of the ring (csrc/host/host_comm.cpp,
+# run_one_shot); the crossover measured in bench/results/2026-12-01-cpu-small-message-crossover.txt.
+DEFAULT_SMALL_BYTES = 64 << 10
 _SIZE_SUFFIXES = {"": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
                   "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
 
@@ -78,6 +81,16 @@ def _resolve_buffer_bytes(buffer_bytes) -> int:
         env = os.environ.get("RINGCOLL_BUFFER_BYTES")
         buffer_bytes = parse_bytes(env) if env else DEFAULT_BUFFER_BYTES
     return int(buffer_bytes)
+
+
+def _resolve_small_bytes(small_bytes) -> int:
+    if small_bytes is None:
+        env = os.environ.get("RINGCOLL_SMALL_BYTES")
+        small_bytes = parse_bytes(env) if env else DEFAULT_SMALL_BYTES
+    small_bytes = int(small_bytes)
+    if small_bytes < 0:
+        raise ValueError(f"Communicator: small_bytes must be >= 0 (0: always the ring), got {small_bytes}")
+    return small_bytes
 
 
 class Work:
@@ -238,20 +251,25 @@ class Communicator(ArgumentChecks):
     rank's registered buffer; default ``RINGCOLL_BUFFER_BYTES`` or 4 MiB. Larger messages
     are sliced through it. ``check``: compare every call's collective, dtype, op and size
     across ranks before moving data (RingcollMismatchError on every rank if they differ);
-    default ``RINGCOLL_CHECK`` or on. It must be the same on all ranks.
+    default ``RINGCOLL_CHECK`` or on. It must be the same on all ranks. ``small_bytes``
+    (CPU): messages of at most this many bytes that fit one slot of the buffer take the
+    one-shot path (one publication per rank, every rank combines all P copies) instead of
+    the ring; 0 turns it off; default ``RINGCOLL_SMALL_BYTES`` or 64 KiB. It must be the
+    same on all ranks (checked).
 
     Usable as a context manager; ``close()`` releases the buffers. On CUDA ``close()`` is
     collective (every peer must close before anyone frees memory the others map).
     """
 
-    def __init__(self, group=None, device=None, timeout=None, buffer_bytes=None, check=None):
+    def __init__(self, group=None, device=None, timeout=None, buffer_bytes=None, check=None, small_bytes=None):
         device = torch.device(device if device is not None else "cpu")
         transport_cls = transport_for(device)
         self._configure(group, transport_cls.resolve_device(device), timeout, buffer_bytes, check,
                         transport_cls.slot_alignment)
+        self.small_bytes = _resolve_small_bytes(small_bytes)
         self._closed = True  # until the transport exists: nothing to close
         settings = Settings(self.group, self.device, self.rank, self.world_size, self.timeout, self.buffer_bytes,
-                            self.check)
+                            self.check, self.small_bytes)
         self._transport = transport_cls(settings, self._exchange)
         self._view = tensor_view if transport_cls.takes_arrays else (lambda t: t)
         self._closed = False
@@ -506,8 +524,8 @@ class CudaCommunicator(Communicator):
     """``Communicator(device="cuda...")``, spelled as a class (default: the current CUDA
     device). Same methods; it only refuses a non-CUDA device."""
 
-    def __init__(self, group=None, device=None, timeout=None, buffer_bytes=None, check=None):
+    def __init__(self, group=None, device=None, timeout=None, buffer_bytes=None, check=None, small_bytes=None):
         device = torch.device(device if device is not None else "cuda")
         if device.type != "cuda":
             raise ValueError(f"Communicator: CudaCommunicator serves CUDA devices, not {device}")
-        super().__init__(group, device, timeout, buffer_bytes, check)
+        super().__init__(group, device, timeout, buffer_bytes, check, small_bytes)

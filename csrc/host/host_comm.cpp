@@ -140,9 +140,9 @@ void run_host_ring(HostComm& comm, const RingCall& call, const void* input, void
 // Bootstrap
 
 HostComm::HostComm(int rank, int world, const std::vector<std::string>& names, size_t buffer_bytes,
-                   double timeout_seconds, bool check_calls)
+                   double timeout_seconds, bool check_calls, size_t small_bytes)
     : rank_(rank), world_(world), buffer_bytes_(buffer_bytes),
-      slot_bytes_(slot_bytes_for(buffer_bytes, world, kSlotAlignment)),
+      slot_bytes_(slot_bytes_for(buffer_bytes, world, kSlotAlignment)), small_bytes_(small_bytes),
       policy_(host_wait_policy(world, timeout_seconds)), check_calls_(check_calls),
       last_publication_(static_cast<size_t>(kBanks) * static_cast<size_t>(world), 0) {
   RINGCOLL_CHECK(world >= 1 && rank >= 0 && rank < world, std::invalid_argument, "Communicator: rank ", rank,
@@ -266,7 +266,9 @@ void HostComm::wait_for(int peer, const uint64_t* address, uint64_t target, cons
   else msg << "gave up";
   const char* side = peer == left_neighbour(rank_, world_) ? "left neighbour " : (peer == right_neighbour(rank_, world_) ? "right neighbour " : "");
   msg << " waiting for " << side << "rank " << peer << " to " << event;
-  if (position_.steps > 0) {
+  if (position_.one_shot) {
+    msg << " (call " << calls_ << ", one-shot step 1/1)";
+  } else if (position_.steps > 0) {
     msg << " (call " << calls_ << ", slice " << position_.slice + 1 << "/" << position_.slices << ", ";
     if (position_.step < 0) msg << "before ring step 1/" << position_.steps << ")";
     else msg << "ring step " << position_.step + 1 << "/" << position_.steps << ")";
@@ -319,11 +321,138 @@ void HostComm::run_ring_call(const char* op, const RingCall& call, const void* i
   run_collective(op, call.descriptor, [&] {
     auto copy = [](void* dst, const void* src, size_t bytes) { std::memcpy(dst, src, bytes); };
     run_call(call, world_, input, output, copy, [&] {
+      if (uses_one_shot(call)) return run_one_shot(call, input, output);
+      if (unconfirmed_one_shot_ != 0 && call.ring_count > 0) {
+        // The ring refills a slot once its right neighbour alone has read it; a one-shot
+        // slot is read by every peer, so first make sure they all have.
+        wait_all_consumed(unconfirmed_one_shot_);
+        unconfirmed_one_shot_ = 0;
+      }
       dispatch_call(call.descriptor, [&](auto t, auto o) {
         run_host_ring<decltype(t), decltype(o)>(*this, call, input, output);
       });
     });
   });
+}
+
+// ---------------------------------------------------------------------------------------
+// The one-shot path for small messages
+//
+// Below a crossover the ring's 2(P-1) steps (P-1 for reduce-scatter and all-gather), each a
+// publication and a wait, cost more than the bytes. The one-shot takes one step: rank k
+// copies what its peers need into one slot of its own buffer (all-reduce, reduce-scatter:
+// its whole input; all-gather: its input), publishes it once, and then, for r = 0 .. P-1,
+// waits for rank r's publication and combines (or copies) rank r's slot itself:
+//
+//   all-reduce      out = (((slot_0 op slot_1) op slot_2) ... op slot_{P-1}), finalized
+//   reduce-scatter  the same on chunk k of every slot only
+//   all-gather      chunk r of out = slot_r
+//
+// Every rank folds in rank order 0, 1, .., P-1 with reduce_strip (so the same kernels, the
+// same per-combine rounding of 16-bit floats and AVG's finalize as the ring), hence every
+// rank's all-reduce result is bitwise the same; the order differs from the ring's (which
+// starts each chunk at a different rank), so a float sum may round differently from a
+// ring call of another size. Reads: P-1 peer slots of the published size each.
+//
+// Flags: the same words as the ring (docs/flags.md). The publication takes the next number
+// of the communicator's one numbering (step_base + 1, identical on every rank), so the
+// ring's waits before and after stay valid; `consumed` = v then means "I have read
+// publication v of every peer", which implies what the ring reads it as (everything of my
+// left neighbour up to v: earlier calls are finished).
+//
+// Slot reuse. One-shot calls alternate between slot 0 of bank 0 and of bank 1. Before rank
+// k writes a slot it waits until *every* peer's `consumed` reached the publication that
+// last filled it (a one-shot, read by all; or a ring publication: every rank's `consumed`
+// reaches each call's last number when it finishes the call, so that wait ends too). A
+// ring call that follows a one-shot first waits until every peer consumed that one-shot
+// (unconfirmed_one_shot_), since the ring itself only waits for its right neighbour.
+// With the call check on, peers announcing the next call have finished this one, so these
+// waits are already satisfied; with it off they are what keeps a fast rank off a slot a
+// slow peer still reads.
+
+bool HostComm::uses_one_shot(const RingCall& call) const {
+  return one_shot_fits(call.collective, call.ring_count, call.elem_size, world_, small_bytes_, slot_bytes_);
+}
+
+void HostComm::wait_all_consumed(uint64_t target) {
+  for (int peer = 0; peer < world_; ++peer)
+    if (peer != rank_) wait_for(peer, &SegmentHeader::consumed, target, "consume data");
+}
+
+namespace {
+
+// out[0, len) = slot(0)[offset + i] op slot(1)[offset + i] op ... op slot(P-1)[offset + i],
+// folded in rank order, each slot read after wait_for_rank(r). After the first combine the
+// partial is out itself (reduce_strip allows recv == to_output: it works elementwise); the
+// last combine finalizes (AVG's division), as the ring's last one does.
+template <typename T, class Op, class Slot, class WaitFor>
+void one_shot_reduce(T* out, Slot&& slot, int64_t offset, int64_t len, int world, WaitFor&& wait_for_rank) {
+  wait_for_rank(0);
+  for (int r = 1; r < world; ++r) {
+    wait_for_rank(r);
+    const T* partial = r == 1 ? slot(0) + offset : out;
+    if (r + 1 == world) reduce_strip<T, Op, true>(nullptr, out, partial, slot(r) + offset, len, world, false);
+    else reduce_strip<T, Op, false>(nullptr, out, partial, slot(r) + offset, len, world, false);
+  }
+}
+
+}  // namespace
+
+void HostComm::run_one_shot(const RingCall& call, const void* input, void* output) {
+  position_ = {0, 1, 0, 1, true};
+  const int bank = static_cast<int>(one_shot_calls_++ % kBanks);
+  const int slot = slot_index(bank, 0, world_);
+  const uint64_t v = step_base_ + 1;
+  const size_t message = static_cast<size_t>(call.ring_count) * static_cast<size_t>(call.elem_size);
+  const bool gather = call.collective == Collective::kAllGather;
+  const size_t published = gather ? message / static_cast<size_t>(world_) : message;
+  auto slot_of = [&](int r) { return data(r) + static_cast<size_t>(slot) * slot_bytes_; };
+
+  wait_all_consumed(last_publication_[slot]);
+  std::memcpy(slot_of(rank_), input, published);
+  flag_store_release(&header(rank_).published.value, v);
+  last_publication_[slot] = v;
+  step_base_ = v;
+  unconfirmed_one_shot_ = v;
+
+  // Rank r's copy is read only once its publication v is seen (acquire: the data then too).
+  auto wait_for_rank = [&](int r) {
+    if (r != rank_) wait_for(r, &SegmentHeader::published, v, "publish data");
+  };
+  if (gather) {
+    auto* out = static_cast<char*>(output);
+    for (int r = 0; r < world_; ++r) {
+      wait_for_rank(r);
+      // My own part from the input (a no-op in place); the others from their slots.
+      copy_strip(static_cast<char*>(nullptr), out + r * published, r == rank_ ? static_cast<const char*>(input)
+                                                                              : slot_of(r),
+                 static_cast<int64_t>(published), false);
+    }
+  } else {
+    dispatch_call(call.descriptor, [&](auto t, auto o) {
+      using T = decltype(t);
+      auto slot = [&](int r) { return reinterpret_cast<const T*>(slot_of(r)); };
+      // Reduce-scatter: only my chunk of every copy (chunk_begin of P*m is k*m).
+      const bool scatter = call.collective == Collective::kReduceScatter;
+      const int64_t offset = scatter ? chunk_begin(call.ring_count, world_, rank_) : 0;
+      const int64_t len = scatter ? chunk_length(call.ring_count, world_, rank_) : call.ring_count;
+      one_shot_reduce<T, decltype(o)>(static_cast<T*>(output), slot, offset, len, world_, wait_for_rank);
+    });
+  }
+  // The waits above return at once for publications already made, so a rank arriving after
+  // its peers gave up on this call (a peer that published, then timed out waiting for it)
+  // would see no error; the ring notices in a later wait. A peer's `aborted` is one load. A
+  // peer that completed this call first (its `completed`, stored before any later abort, is
+  // visible once `aborted` is acquired) aborted in a later call: this one stands.
+  for (int peer = 0; peer < world_; ++peer) {
+    const SegmentHeader& h = header(peer);
+    if (peer == rank_ || flag_load_acquire(&h.aborted.value) == 0) continue;
+    if (flag_load_acquire(&h.completed.value) >= calls_) continue;
+    fail<PeerError>(current_op_, "rank " + std::to_string(rank_) + " gave up after the one-shot step (call " +
+                                     std::to_string(calls_) + "): rank " + std::to_string(peer) + " has aborted: " +
+                                     std::string(h.abort_reason, strnlen(h.abort_reason, sizeof(h.abort_reason))));
+  }
+  flag_store_release(&header(rank_).consumed.value, v);
 }
 
 void HostComm::all_reduce(const void* input, void* output, int64_t user_count, DType dtype, ReduceOp op) {

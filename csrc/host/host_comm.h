@@ -7,7 +7,8 @@
 //   [ data area: kBanks x P slots of slot_bytes each (call.h)            ]
 //
 // Rank k writes its own data area and, but for `peer_gave_up`, only its own header; it
-// reads its left neighbour's data area. docs/flags.md says who writes and reads each flag.
+// reads its left neighbour's data area (the ring) or every peer's (the one-shot path for
+// small messages, run_one_shot). docs/flags.md says who writes and reads each flag.
 #pragma once
 
 #include <cstdint>
@@ -49,6 +50,18 @@ struct SegmentHeader {
 };
 static_assert(sizeof(SegmentHeader) <= kHeaderBytes, "header must fit its page");
 
+// Whether a call takes the one-shot path (host_comm.cpp, run_one_shot) rather than the ring:
+// there are peers, the message (ring_count x elem_size bytes, nccl-tests' size) is not empty
+// and at most `small_bytes`, and what each rank publishes (its whole input; for all-gather
+// its own part, 1/P of the message) fits one slot. Mirrored by
+// ringcoll/learning/schedule.py's one_shot_fits (tests/pure/test_schedule.py ties them).
+inline bool one_shot_fits(Collective coll, int64_t ring_count, int elem_size, int world, size_t small_bytes,
+                          size_t slot_bytes) {
+  const size_t message = static_cast<size_t>(ring_count) * static_cast<size_t>(elem_size);
+  const size_t published = coll == Collective::kAllGather ? message / static_cast<size_t>(world) : message;
+  return world > 1 && message > 0 && message <= small_bytes && published <= slot_bytes;
+}
+
 // How host waits spend their time: spinning only pays when every rank has a core.
 WaitPolicy host_wait_policy(int world, double timeout_seconds);
 
@@ -57,8 +70,12 @@ class HostComm {
   // Collective over the `world` ranks: names[r] is rank r's segment name (drawn with
   // random_segment_name() and exchanged by the caller). Creates this rank's segment, maps
   // every peer's, waits until all ranks have done so, then unlinks every name.
+  //
+  // `small_bytes`: messages of at most this many bytes (and whose published part fits one
+  // slot) take the one-shot path instead of the ring; 0 never. Ranks must agree (Python
+  // checks). See run_one_shot.
   HostComm(int rank, int world, const std::vector<std::string>& names, size_t buffer_bytes,
-           double timeout_seconds, bool check_calls = true);
+           double timeout_seconds, bool check_calls = true, size_t small_bytes = 0);
   ~HostComm() { close(); }
   HostComm(const HostComm&) = delete;
   HostComm& operator=(const HostComm&) = delete;
@@ -74,6 +91,11 @@ class HostComm {
   int rank() const { return rank_; }
   int world() const { return world_; }
   size_t slot_bytes() const { return slot_bytes_; }
+  size_t small_bytes() const { return small_bytes_; }
+  // Whether `call` takes the one-shot path: a function of the call and of settings every
+  // rank agreed on (world, buffer and small_bytes), so every rank decides alike.
+  bool uses_one_shot(const RingCall& call) const;
+  uint64_t one_shot_calls() const { return one_shot_calls_; }  // how many took it (for tests)
   bool broken() const { return !broken_reason_.empty(); }
   const std::string& broken_reason() const { return broken_reason_; }
   double timeout() const { return policy_.timeout_seconds; }
@@ -92,7 +114,7 @@ class HostComm {
     wait_for(peer, &(header(peer).*flag).value, target, event);
   }
   void set_position(int64_t slice, int64_t slices, int step, int steps) {
-    position_ = {slice, slices, step, steps};
+    position_ = {slice, slices, step, steps, false};
   }
 
  private:
@@ -104,11 +126,16 @@ class HostComm {
   bool peers_look_alive(std::string* why) const;
   template <typename Body> void run_collective(const char* op, const CallDescriptor& call, Body&& body);
   void run_ring_call(const char* op, const RingCall& call, const void* input, void* output);
+  // The small-message algorithm: every rank publishes its input once, every rank combines
+  // all P copies itself (host_comm.cpp says why it is safe to interleave with the ring).
+  void run_one_shot(const RingCall& call, const void* input, void* output);
+  // Wait until every peer's `consumed` >= target: no peer still reads what I published up to it.
+  void wait_all_consumed(uint64_t target);
   // Publish `call` and compare it with every peer's (descriptor.h); throws MismatchError.
   void check_call(const char* op, const CallDescriptor& call);
 
   int rank_, world_;
-  size_t buffer_bytes_, slot_bytes_;
+  size_t buffer_bytes_, slot_bytes_, small_bytes_;
   WaitPolicy policy_;
   bool check_calls_;
   std::vector<SegmentMapping> segments_;
@@ -116,8 +143,12 @@ class HostComm {
   uint64_t barrier_generation_ = 0;
   uint64_t calls_ = 0;              // collectives issued on this communicator
   std::vector<uint64_t> last_publication_;  // per slot: the publication that last filled it
+  uint64_t one_shot_calls_ = 0;    // one-shot calls so far: their slot alternates between the banks
+  // The latest one-shot publication not yet known to be read by every peer (0: none). The
+  // ring's slot reuse waits only for the right neighbour, so a ring call waits for it first.
+  uint64_t unconfirmed_one_shot_ = 0;
   const char* current_op_ = "";
-  struct { int64_t slice, slices; int step, steps; } position_{};  // for error messages
+  struct { int64_t slice, slices; int step, steps; bool one_shot; } position_{};  // for error messages
   std::string broken_reason_;
   bool closed_ = false;
 };

@@ -445,6 +445,7 @@ class Config:
     progress: bool = True
     device: str = "cpu"  # "cuda": the CUDA ring, the copy ceiling and NCCL where it runs
     max_seconds: Optional[float] = None  # stop going to larger sizes once this much time is spent
+    small_bytes: Optional[int] = None  # Communicator(small_bytes=): None = default, 0 = ring only
 
 
 def message_counts(config: Config, world: int) -> list[int]:
@@ -591,7 +592,7 @@ def run_rank(rank: int, world: int, config: Config, with_mpi: bool = False) -> l
 
     if config.device == "cuda":
         return run_cuda_rank(rank, world, config)
-    with Communicator(buffer_bytes=config.buffer_bytes) as comm:
+    with Communicator(buffer_bytes=config.buffer_bytes, small_bytes=config.small_bytes) as comm:
         backends = [TorchBackend(comm)] + ([TorchBackend(None)] if config.gloo else [])
         backends += [MpiBackend()] if with_mpi else []
         # DeepSpeed first: the oneCCL binding would set DeepSpeed's op up without its shared memory.
@@ -648,7 +649,7 @@ def check_cost(comm, rank: int, world: int, config: Config) -> list[dict]:
     and off: what the mismatch detection costs, the two timed in turn like any reference."""
     rows = []
     counts = message_counts(config, world)
-    with Communicator(buffer_bytes=config.buffer_bytes, check=False) as unchecked:
+    with Communicator(buffer_bytes=config.buffer_bytes, check=False, small_bytes=config.small_bytes) as unchecked:
         backends = [TorchBackend(comm, forms=("out",)), TorchBackend(unchecked, forms=("out",))]
         for count in sorted({counts[0], counts[-1]}):
             on, off = bench_size(backends, COLLECTIVES["all_reduce"], count, rank, world, config)
@@ -779,6 +780,8 @@ def format_table(rows: list[dict], world: int, config: Config, fitted: dict, not
         head = f"# {name}, {world} ranks, {config.dtype}, {transport_label(config, world)}; time in us, bandwidth in GB/s"
         if config.straggler_rank is not None:
             head += f"; rank {config.straggler_rank} delayed {config.delay_us:g} us before every call"
+        if config.small_bytes is not None:
+            head += f"; {ALGORITHM_NOTE.get(config.small_bytes, f'one-shot up to {config.small_bytes} bytes')}"
         lines += ["", head]
         cols = (f"{'size':>11} {'count':>10} {'type':>8} {'redop':>5} |{'time':>9} {'algbw':>6} {'busbw':>6} "
                 f"{'#wrong':>6} |{'time':>9} {'algbw':>6} {'busbw':>6} {'#wrong':>6}")
@@ -860,6 +863,12 @@ def plot(rows: list[dict], world: int, config: Config, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+# --algorithm: the small-message threshold each choice sets (Communicator's small_bytes=).
+# "oneshot" takes the one-shot path wherever the message fits one buffer slot, the ring above.
+ALGORITHMS = {"auto": None, "ring": 0, "oneshot": 1 << 62}
+ALGORITHM_NOTE = {0: "algorithm: ring only", 1 << 62: "algorithm: one-shot where it fits a slot, else ring"}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="ringcoll-bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -883,6 +892,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-seconds", type=float, default=None,
                    help="stop going to larger sizes once this much time is spent (a cut-short run still prints)")
     p.add_argument("--buffer-bytes", default=None, help="registered buffer per rank (default 4M)")
+    p.add_argument("--algorithm", choices=list(ALGORITHMS), default="auto",
+                   help="ring: the ring at every size; oneshot: the one-shot path wherever the message fits one "
+                        "slot; auto (default): the Communicator's choice (RINGCOLL_SMALL_BYTES). Run ring and "
+                        "oneshot to see the crossover")
     p.add_argument("--fit", action="store_true", help="fit the alpha-beta model; print predictions")
     p.add_argument("--no-check-cost", action="store_true",
                    help="skip measuring the call check's cost (all-reduce with RINGCOLL_CHECK on and off)")
@@ -922,7 +935,7 @@ def main(argv=None) -> int:
                     buffer_bytes=parse_bytes(args.buffer_bytes) if args.buffer_bytes else None,
                     check_cost=not args.no_check_cost and args.device == "cpu", straggler_rank=args.straggler_rank,
                     delay_us=args.delay_us, progress=not args.no_progress, device=args.device,
-                    max_seconds=args.max_seconds)
+                    max_seconds=args.max_seconds, small_bytes=ALGORITHMS[args.algorithm])
 
     def note(skipped: bool, option: str, available: Callable[[], str]) -> str:
         return f"skipped ({option})" if skipped else available()

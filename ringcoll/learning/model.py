@@ -19,11 +19,27 @@ algbw = n / T: exactly the bytes per second each rank's link carries, so in the
 bandwidth-bound limit busbw -> beta whatever P is. That is why it is the number to compare.
 
 alpha and beta are fitted from measurements (``fit``), by least squares over the sizes.
+
+The one-shot path for small messages (the CPU transport below RINGCOLL_SMALL_BYTES): one
+step, in which every rank publishes its input once and reads every peer's copy:
+
+    all-reduce       1 step   T = alpha + (P-1) * n / beta       (P-1 reads of n)
+    reduce-scatter   1 step   T = alpha + (P-1)/P * n / beta     (chunk k of P-1 copies)
+    all-gather       1 step   T = alpha + (P-1)/P * n / beta
+
+It trades steps for bytes: for all-reduce it wins while 2(P-1) alpha + 2(P-1)/P n/beta >
+alpha + (P-1) n/beta, i.e. below n* = (2P-3) P / ((P-1)(P-2)) * alpha * beta
+(``one_shot_crossover``). At P = 2 both read n bytes, so in this model the one-shot always
+wins; reduce-scatter and all-gather read the same bytes as the ring at every P, so the model
+has them win always too. What bounds them in practice is what the model leaves out: the
+copy into the slot (n bytes for all-reduce and reduce-scatter, which the ring spreads over
+its steps) and that a slot must hold it. docs/communication.md has the measured crossover.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Iterable, Sequence
 
 STEPS = {"all_reduce": lambda p: 2 * (p - 1), "reduce_scatter": lambda p: p - 1, "all_gather": lambda p: p - 1}
@@ -41,6 +57,33 @@ def ring_time(collective: str, world: int, nbytes: float, alpha: float, beta: fl
     if world == 1:
         return 0.0
     return STEPS[collective](world) * alpha + bytes_sent_per_rank(collective, world, nbytes) / beta
+
+
+# The one-shot path: bytes each rank reads from its peers' slots.
+ONE_SHOT_READ_FACTOR = {"all_reduce": lambda p: p - 1, "reduce_scatter": lambda p: (p - 1) / p,
+                        "all_gather": lambda p: (p - 1) / p}
+
+
+def one_shot_time(collective: str, world: int, nbytes: float, alpha: float, beta: float) -> float:
+    """Predicted seconds for the one-shot path: one step, then (P-1) n (all-reduce) or
+    (P-1)/P n (the others) bytes read from the peers (see module docstring)."""
+    if world == 1:
+        return 0.0
+    return alpha + ONE_SHOT_READ_FACTOR[collective](world) * nbytes / beta
+
+
+def one_shot_crossover(collective: str, world: int, alpha: float, beta: float) -> float:
+    """The message size (bytes) where the one-shot path and the ring take the same time in
+    the model; below it the one-shot wins. Infinite where the one-shot reads no more than
+    the ring (every collective at P = 2; reduce-scatter and all-gather at every P), and
+    where beta is infinite; 0 for P = 1 (nothing to win)."""
+    if world == 1:
+        return 0.0
+    saved_steps = STEPS[collective](world) - 1
+    extra_bytes_per_byte = ONE_SHOT_READ_FACTOR[collective](world) - BUS_FACTOR[collective](world)
+    if extra_bytes_per_byte <= 1e-12 or math.isinf(beta):
+        return math.inf
+    return saved_steps * alpha * beta / extra_bytes_per_byte
 
 
 @dataclasses.dataclass(frozen=True)

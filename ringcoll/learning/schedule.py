@@ -67,6 +67,23 @@ Slicing
 
 A chunk longer than a buffer slot travels in slices of at most S elements; slice j of
 every chunk travels together, and the ring runs once per slice (:func:`num_slices`).
+
+The one-shot path (small messages, CPU transport)
+=================================================
+
+Below a crossover (``RINGCOLL_SMALL_BYTES``) the shared-memory transport does not run the
+ring at all (``run_one_shot`` in ``csrc/host/host_comm.cpp``; :func:`one_shot_fits` mirrors
+its test). In one step every rank copies its input into one slot of its own buffer and
+publishes it; then every rank reads the slots of all P ranks, in rank order 0 .. P-1, and
+combines them itself::
+
+    all-reduce      out = ((slot_0 op slot_1) op slot_2) ... op slot_{P-1}
+    reduce-scatter  the same, on chunk k of every slot only
+    all-gather      chunk r of out = slot_r (each rank publishes only its own part)
+
+One publication and P-1 waits per rank instead of 2(P-1) (P-1) ring steps, but each rank
+reads P-1 whole copies: (P-1) * n for all-reduce instead of 2(P-1)/P * n.
+:func:`simulate_one_shot` runs it on lists.
 """
 
 from __future__ import annotations
@@ -101,6 +118,9 @@ __all__ = [
     "StepRecord",
     "Simulation",
     "simulate",
+    "one_shot_fits",
+    "OneShotRank",
+    "simulate_one_shot",
 ]
 
 
@@ -391,3 +411,61 @@ def simulate(
     else:
         outputs = output
     return Simulation(steps=records, outputs=outputs)
+
+
+# ---------------------------------------------------------------------------------------
+# The one-shot path (csrc/host/host_comm.h: one_shot_fits; host_comm.cpp: run_one_shot)
+
+
+def one_shot_fits(coll: Collective, ring_count: int, elem_size: int, world: int, small_bytes: int,
+                  slot_bytes: int) -> bool:
+    """Whether a call takes the one-shot path rather than the ring: there are peers, the
+    message (``ring_count * elem_size`` bytes, nccl-tests' size) is not empty and at most
+    ``small_bytes``, and what each rank publishes (its whole input; for all-gather its own
+    part, 1/P of the message) fits one slot. Depends only on the call and on settings every
+    rank agreed on, so every rank takes the same path."""
+    message = ring_count * elem_size
+    published = message // world if coll == Collective.ALL_GATHER else message
+    return world > 1 and 0 < message <= small_bytes and published <= slot_bytes
+
+
+@dataclass
+class OneShotRank:
+    """What one rank did in the one-shot step: ``published`` the values it put in its slot;
+    ``read`` the part of every rank's slot it read, in rank order (for reduce-scatter only
+    chunk k of each); ``output`` what it returns."""
+
+    rank: int
+    published: List[Any]
+    read: List[List[Any]]
+    output: List[Any]
+
+
+def simulate_one_shot(
+    coll: Collective,
+    inputs: Sequence[Sequence[Any]],
+    op: Callable[[Any, Any], Any] = operator.add,
+) -> List[OneShotRank]:
+    """Run the one-shot path of ``coll`` on Python lists (inputs as for :func:`simulate`).
+    Each rank folds the slots in rank order, ``op(partial, slot_r)``: the argument order of
+    the C++ ``reduce`` (received partial first), so every rank computes the same bits."""
+    coll = Collective(coll)
+    world = len(inputs)
+    if world < 1:
+        raise ValueError("simulate_one_shot: need at least one rank")
+    slots = [list(x) for x in inputs]  # each rank publishes its whole input
+    n = sum(len(x) for x in slots) if coll == Collective.ALL_GATHER else len(slots[0])
+    ranks = []
+    for k in range(world):
+        if coll == Collective.ALL_GATHER:
+            read = [list(slots[r]) for r in range(world)]
+            output = [x for part in read for x in part]
+        else:
+            part = slice(chunk_begin(n, world, k), chunk_end(n, world, k)) if coll == Collective.REDUCE_SCATTER \
+                else slice(0, n)
+            read = [slots[r][part] for r in range(world)]
+            output = list(read[0])
+            for r in range(1, world):
+                output = [op(a, b) for a, b in zip(output, read[r])]
+        ranks.append(OneShotRank(rank=k, published=list(slots[k]), read=read, output=output))
+    return ranks

@@ -30,6 +30,10 @@ Default inputs, chosen so the sums can be done by eye:
 * all_gather: rank r's input is its own chunk, element j of it ``10*r + j``: the tens
   digit says where an element came from.
 
+:func:`trace` with ``algorithm="oneshot"`` (``ringcoll trace ... --algorithm oneshot``)
+shows the small-message path instead, from :func:`ringcoll.learning.schedule.simulate_one_shot`:
+the one step in which every rank publishes its input and combines all P slots itself.
+
 :func:`draw` renders the same simulation with matplotlib (Agg): one panel per ring step,
 the ranks on a circle, an arrow from each rank to its right neighbour labelled with the
 chunk it carries and whether the receiver reduces (+) or copies it, and each rank's values
@@ -49,10 +53,13 @@ from ringcoll.learning.schedule import (
     chunk_end,
     left_neighbour,
     right_neighbour,
+    ring_steps,
     simulate,
+    simulate_one_shot,
 )
 
-__all__ = ["COLLECTIVES", "default_inputs", "describe_inputs", "reference", "trace", "draw"]
+__all__ = ["COLLECTIVES", "ALGORITHMS", "default_inputs", "describe_inputs", "reference", "trace", "draw"]
+ALGORITHMS = ("ring", "oneshot")
 
 COLLECTIVES = {
     "all_reduce": Collective.ALL_REDUCE,
@@ -181,11 +188,15 @@ def _step_lines(record: StepRecord, inputs, coll: Collective, world: int, n: int
     return lines
 
 
-def trace(collective: str, world: int, n: int, inputs: Optional[Sequence[Sequence[int]]] = None) -> str:
+def trace(collective: str, world: int, n: int, inputs: Optional[Sequence[Sequence[int]]] = None,
+          algorithm: str = "ring") -> str:
     """The step-by-step trace of ``collective`` over ``world`` ranks and ``n`` elements, as
     text (what ``ringcoll trace`` prints). ``inputs`` default to :func:`default_inputs`;
-    for all_gather ``inputs[r]`` is rank r's chunk and ``n`` must be their total length."""
+    for all_gather ``inputs[r]`` is rank r's chunk and ``n`` must be their total length.
+    ``algorithm``: ``"ring"``, or ``"oneshot"`` for the small-message path."""
     coll = _collective(collective)
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"trace: algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
     if world < 1:
         raise ValueError("trace: world must be >= 1")
     if n < 0:
@@ -196,17 +207,20 @@ def trace(collective: str, world: int, n: int, inputs: Optional[Sequence[Sequenc
         raise ValueError(f"trace: {len(inputs)} inputs for {world} ranks")
     if _message_length(coll, inputs) != n:
         raise ValueError(f"trace: the inputs make a {_message_length(coll, inputs)}-element message, not n = {n}")
-    sim = simulate(coll, inputs)
 
     q, r = n // world, n % world
     op = "" if coll == Collective.ALL_GATHER else ", op = sum"
-    out = [f"ringcoll trace: {collective}, P = {world} ranks, n = {n} elements{op}",
+    out = [f"ringcoll trace: {collective}, P = {world} ranks, n = {n} elements{op}"
+           + (", algorithm = one-shot" if algorithm == "oneshot" else ""),
            "inputs: as given" if given else describe_inputs(collective)]
     for k, x in enumerate(inputs):
         out.append(f"  rank {k}: {_fmt(x)}")
     out.append(f"chunks: chunk c = [chunk_begin(c), chunk_begin(c+1)) with q = n // P = {q}, r = n % P = {r}:")
     out.append("  " + "  ".join(f"chunk {c} = [{chunk_begin(n, world, c)}, {chunk_end(n, world, c)})"
                                 for c in range(world)))
+    if algorithm == "oneshot":
+        return "\n".join(out + _one_shot_lines(collective, coll, world, n, inputs)) + "\n"
+    sim = simulate(coll, inputs)
     out.append("ring: " + " -> ".join(f"rank {k}" for k in range(world)) + " -> rank 0 "
                "(each rank sends to its right neighbour k+1, receives from its left k-1)")
     if coll == Collective.ALL_GATHER:
@@ -224,11 +238,46 @@ def trace(collective: str, world: int, n: int, inputs: Optional[Sequence[Sequenc
         out.append("")
         out.extend(_step_lines(record, inputs, coll, world, n, final))
     out.append("")
-    out.extend(_result_lines(collective, coll, sim, inputs))
+    out.extend(_result_lines(collective, coll, sim.outputs, inputs))
     return "\n".join(out) + "\n"
 
 
-def _result_lines(collective: str, coll: Collective, sim: Simulation, inputs) -> List[str]:
+def _one_shot_lines(collective: str, coll: Collective, world: int, n: int, inputs) -> List[str]:
+    """The one-shot step (schedule.simulate_one_shot), the result, and what it saved."""
+    gather = coll == Collective.ALL_GATHER
+    what = "its own chunk" if gather else "its whole input"
+    lines = [f"one-shot: each rank copies {what} into one slot of its own buffer and publishes it once; then every",
+             "  rank waits for each peer's publication and " + ("copies slot r into chunk r of its output"
+                                                            if gather else "combines all P slots itself, in rank "
+                                                            "order 0 .. P-1 (the same order on every rank)")]
+    if world == 1:
+        lines += ["P = 1: no peers, no step (the transports take no one-shot path either); the input is the result"]
+        ranks = simulate_one_shot(coll, inputs)
+    else:
+        ranks = simulate_one_shot(coll, inputs)
+        lines += ["", "step 0  (the only step: one publication and P-1 waits per rank)"]
+        for rs in ranks:
+            line = f"  rank {rs.rank}: publishes {_fmt(rs.published)}; "
+            if gather:
+                line += "reads the slots of ranks " + ", ".join(map(str, range(world))) + f": {_fmt(rs.output)}"
+            else:
+                part = f"chunk {rs.rank} of " if coll == Collective.REDUCE_SCATTER else ""
+                line += (f"reads {part}the slots of ranks {', '.join(map(str, range(world)))}: "
+                         + " + ".join(_fmt(x) for x in rs.read) + f" = {_fmt(rs.output)}")
+            lines.append(line)
+    lines.append("")
+    lines.extend(_result_lines(collective, coll, [rs.output for rs in ranks], inputs))
+    if world > 1:
+        steps = ring_steps(coll, world)
+        reduce_all = coll == Collective.ALL_REDUCE
+        read = (world - 1) * n if reduce_all else (world - 1) * n / world
+        lines.append(f"cost: 1 step instead of the ring's {steps}; each rank reads {read:.4g} elements of its peers' "
+                     f"slots ({'(P-1) n' if reduce_all else '(P-1)/P n'}), the ring {steps * n / world:.4g} "
+                     f"({'2(P-1)/P n' if reduce_all else '(P-1)/P n'})")
+    return lines
+
+
+def _result_lines(collective: str, coll: Collective, outputs, inputs) -> List[str]:
     expected = reference(collective, inputs)
     rule = {
         Collective.ALL_REDUCE: "elementwise sum over ranks",
@@ -237,9 +286,9 @@ def _result_lines(collective: str, coll: Collective, sim: Simulation, inputs) ->
     }[coll]
     lines = ["result (" + ("rank k returns chunk k" if coll == Collective.REDUCE_SCATTER
                            else "every rank returns the whole message") + "):"]
-    for k, values in enumerate(sim.outputs):
+    for k, values in enumerate(outputs):
         lines.append(f"  rank {k}: {_fmt(values)}")
-    ok = [list(got) == list(want) for got, want in zip(sim.outputs, expected)]
+    ok = [list(got) == list(want) for got, want in zip(outputs, expected)]
     if coll == Collective.REDUCE_SCATTER:
         shown = " ".join(_fmt(x) for x in expected)
     else:

@@ -42,6 +42,7 @@ class Settings(NamedTuple):
     timeout: float  # seconds any single wait may last
     buffer_bytes: int  # each rank's registered buffer
     check: bool  # compare every call across ranks before data moves
+    small_bytes: int = 0  # host: messages up to this size take the one-shot path (0: always the ring)
 
 
 class CollectiveCall(NamedTuple):

@@ -134,11 +134,15 @@ class HostTransport(Transport):
         return device  # "cpu": nothing to pick
 
     def __init__(self, settings: Settings, exchange: Callable[..., list]):
-        offers = exchange((_C.random_segment_name(), shared_memory_domain()))
+        # The one-shot threshold decides, call by call, which algorithm every rank runs: it
+        # must agree, like the buffer size (a rank on the ring and one on the one-shot path
+        # would wait for each other's publications until the timeout).
+        offers = exchange((_C.random_segment_name(), shared_memory_domain()),
+                          **{"RINGCOLL_SMALL_BYTES / small_bytes=": settings.small_bytes})
         _require_one_domain([domain for _, domain in offers])
         names = [name for name, _ in offers]
         self._comm = _C.HostComm(settings.rank, settings.world_size, names, settings.buffer_bytes,
-                                 settings.timeout, settings.check)
+                                 settings.timeout, settings.check, settings.small_bytes)
         self._calls = CallQueue()
 
     def submit(self, call: CollectiveCall, outputs: list, keep_alive: Sequence, async_op: bool,
@@ -159,6 +163,15 @@ class HostTransport(Transport):
     def synchronize(self) -> None:
         """Wait until the queued async calls have run; their errors are their Works'."""
         self._calls.synchronize()
+
+    @property
+    def one_shot_calls(self) -> int:
+        """How many collectives took the one-shot path for small messages (for tests)."""
+        return self._comm.one_shot_calls
+
+    @property
+    def slot_bytes(self) -> int:
+        return self._comm.slot_bytes
 
     def launch_on_stream(self, call: CollectiveCall, stream) -> None:
         raise ValueError(f"{call.collective}: arrays on a given stream need a CUDA communicator; "

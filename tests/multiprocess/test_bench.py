@@ -201,6 +201,16 @@ def test_straggler_shows_ring_runs_at_slowest_pace(capsys):
     assert "# DeepSpeed reference: skipped (--no-deepspeed)" in printed and "# oneCCL reference: skipped (--no-ccl)" in printed
 
 
+def test_algorithm_option_times_the_one_shot_path_checked(capsys):
+    status = bench.main(["-b", "1K", "-e", "4K", "-f", "4", "-w", "1", "-n", "2", "--trials", "1", "--min-ms", "1",
+                         "--no-gloo", "--no-mpi", "--no-progress", "--no-check-cost", "--algorithm", "oneshot"])
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    assert printed.count("algorithm: one-shot where it fits a slot, else ring") == 3, printed
+    assert "Out of bounds values : 0 OK" in printed
+    assert bench.ALGORITHMS["ring"] == 0 and bench.ALGORITHMS["auto"] is None
+
+
 def test_refuses_bad_arguments(capsys):
     assert bench.main(["--op", "avg", "--dtype", "int32", "--no-mpi"]) == 2
     assert bench.main(["--straggler-rank", "5", "--nproc", "2", "--no-mpi"]) == 2

@@ -26,6 +26,14 @@ unchanged, and in-place reduce-scatter must leave the other ranks' chunks alone.
 Sizes: 0, 1, P-1, P+1 (every dtype x op x form, 4 KiB and 4 MiB buffers); the slice
 boundaries of the 4 KiB buffer (every dtype x op); a prime near 10^5 through the 4 KiB
 buffer; messages over the default 4 MiB buffer (all_reduce) or over 4 MiB / P per rank.
+
+Algorithms. The 4 KiB-buffer communicator runs the ring at every size (small_bytes=0);
+the default one takes the one-shot path below RINGCOLL_SMALL_BYTES (64 KiB), so the
+small sizes above run both. run_one_shot_cases then checks that path on its own: every
+dtype x op x form at 1 element, odd counts, exactly at the threshold and one element over
+(the ring), mixed on one communicator so one-shot and ring calls alternate on the same
+slots, and with the call check off under skewed ranks; it counts that the one-shot path
+was taken exactly where ringcoll.learning.schedule.one_shot_fits says.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ import torch.distributed as dist
 
 import ringcoll
 from ringcoll.harness.launcher import spawn
+from ringcoll.learning.schedule import Collective, one_shot_fits
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16,
           torch.int8, torch.uint8, torch.int32, torch.int64]
@@ -56,7 +65,7 @@ COMM_TIMEOUT = 60.0  # a hang surfaces as RingcollTimeoutError well inside the s
 SPAWN_TIMEOUT = 240.0
 MAX_REPORTED = 40
 # The matrix runs must not see a RINGCOLL_* setting from the environment of the test run.
-CLEAN_ENV = {"RINGCOLL_TIMEOUT": None, "RINGCOLL_BUFFER_BYTES": None}
+CLEAN_ENV = {"RINGCOLL_TIMEOUT": None, "RINGCOLL_BUFFER_BYTES": None, "RINGCOLL_SMALL_BYTES": None}
 
 _gloo_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _gloo_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -528,9 +537,102 @@ def run_module_level_cases(chk, rank, world):
     ringcoll.destroy_communicators()
 
 
+ONE_SHOT_PER_RANK = 4096  # run_one_shot_cases' threshold is P x this many bytes
+
+
+def _one_shot_expected(comm, coll, ring_counts, elem, repeats=1) -> int:
+    """How many of these calls (each `repeats` times) take the one-shot path on `comm`."""
+    return repeats * sum(one_shot_fits(coll, n, elem, comm.world_size, comm.small_bytes, comm.transport.slot_bytes)
+                         for n in ring_counts)
+
+
+def run_one_shot_cases(chk, rank, world):
+    """The one-shot path against gloo: every dtype x op x form, at 1 element, odd counts,
+    the threshold exactly and one element over it (the ring), in an order that alternates
+    the two algorithms on one communicator; the async queue; then skewed ranks with the
+    call check off. Counts that the path was taken exactly where one_shot_fits says."""
+    threshold = world * ONE_SHOT_PER_RANK
+    with ringcoll.Communicator(buffer_bytes=1 << 20, small_bytes=threshold, timeout=COMM_TIMEOUT) as comm:
+        comms = [("oneshot", comm)]
+        for dtype in DTYPES:
+            elem = torch.empty(0, dtype=dtype).element_size()
+            at, per_rank_at = threshold // elem, ONE_SHOT_PER_RANK // elem
+            ar_sizes = [1, at + 1, 3, at, world * 7 + 1]  # one-shot and ring in turn
+            counts = [1, per_rank_at + 1, 3, per_rank_at]
+            # The list forms pack into the same flat call: two dtypes suffice for them.
+            forms = REDUCE_FORMS if dtype in (torch.float32, torch.int8) else ("out_of_place", "in_place")
+            for op_name in OPS:
+                if op_name == "AVG" and dtype not in FLOATING:
+                    continue
+                before = comm.transport.one_shot_calls
+                run_reduce_cases(chk, rank, world, comms, dtype, op_name, ar_sizes, counts, forms, "oneshot")
+                taken = comm.transport.one_shot_calls - before
+                expected = (_one_shot_expected(comm, Collective.ALL_REDUCE, ar_sizes, elem)
+                            + _one_shot_expected(comm, Collective.REDUCE_SCATTER, [world * c for c in counts], elem,
+                                                 len(forms)))
+                chk.checked += 1
+                if taken != expected or (world > 1 and taken == 0):
+                    chk.fail(f"oneshot {_name(dtype)} {op_name}", f"{taken} calls took the one-shot path, "
+                                                                  f"expected {expected}")
+            before = comm.transport.one_shot_calls
+            run_gather_cases(chk, rank, world, comms, dtype, counts, GATHER_FORMS, "oneshot")
+            taken = comm.transport.one_shot_calls - before
+            expected = _one_shot_expected(comm, Collective.ALL_GATHER, [world * c * elem for c in counts], 1,
+                                          len(GATHER_FORMS))
+            chk.checked += 1
+            if taken != expected:
+                chk.fail(f"oneshot all_gather {_name(dtype)}", f"{taken} one-shot calls, expected {expected}")
+        with ringcoll.Communicator(timeout=COMM_TIMEOUT) as other:
+            run_async_cases(chk, rank, world, comm, other)
+        run_skewed_unchecked_cases(chk, rank, world)
+
+
+def run_skewed_unchecked_cases(chk, rank, world, calls=150):
+    """With the call check off nothing but the data flags orders the ranks: a random mix of
+    one-shot and ring calls (the same sequence on every rank) with a random rank held back
+    before each, so a fast rank runs ahead onto slots a slow one may still be reading. Each
+    result is checked against sums every rank computes itself (integers: exact)."""
+    import random
+    import time
+
+    plan = random.Random(_seed("skew", world))
+    with ringcoll.Communicator(buffer_bytes=1 << 16, small_bytes=1 << 12, check=False, timeout=COMM_TIMEOUT) as comm:
+        before = comm.transport.one_shot_calls
+        expected_one_shot = 0
+        for i in range(calls):
+            coll = plan.choice(["all_reduce", "reduce_scatter", "all_gather"])
+            count = plan.choice([1, 5, 200, 1023, 1024 // world, 1500, 5000])
+            held, pause = plan.randrange(2 * world), plan.random() * 2e-3  # drawn alike on every rank
+            if held == rank:
+                time.sleep(pause)
+            inputs = [torch.randint(-1000, 1000, (count * (world if coll == "reduce_scatter" else 1),),
+                                    generator=torch.Generator().manual_seed(_seed("skew", i, r)), dtype=torch.int32)
+                      for r in range(world)]
+            mine = inputs[rank].clone()
+            if coll == "all_reduce":
+                comm.all_reduce(mine)
+                got, want = mine, sum(inputs)
+            elif coll == "reduce_scatter":
+                got = _sentinel(count, torch.int32)
+                comm.reduce_scatter_tensor(got, mine)
+                want = sum(inputs)[rank * count:(rank + 1) * count]
+            else:
+                got = _sentinel(world * count, torch.int32)
+                comm.all_gather_into_tensor(got, mine)
+                want = torch.cat(inputs)
+            ring_count = count * (1 if coll == "all_reduce" else world)
+            expected_one_shot += one_shot_fits(Collective[coll.upper()], ring_count, 4, world, comm.small_bytes,
+                                               comm.transport.slot_bytes)
+            chk.equal(f"skewed unchecked call {i}: {coll} count={count}", got, want.to(torch.int32))
+        chk.checked += 1
+        if comm.transport.one_shot_calls - before != expected_one_shot or (world > 1 and expected_one_shot == 0):
+            chk.fail("skewed unchecked", f"{comm.transport.one_shot_calls - before} one-shot calls, "
+                                         f"expected {expected_one_shot}")
+
+
 def _matrix_rank(rank, world):
     chk = Checker(rank)
-    with ringcoll.Communicator(buffer_bytes=SMALL_BUFFER, timeout=COMM_TIMEOUT) as small, \
+    with ringcoll.Communicator(buffer_bytes=SMALL_BUFFER, timeout=COMM_TIMEOUT, small_bytes=0) as small, \
             ringcoll.Communicator(timeout=COMM_TIMEOUT) as big:
         if big.buffer_bytes != DEFAULT_BUFFER or small.buffer_bytes != SMALL_BUFFER:
             chk.fail("Communicator", f"buffer_bytes {small.buffer_bytes}, {big.buffer_bytes}")
@@ -588,6 +690,7 @@ def _matrix_rank(rank, world):
         run_async_cases(chk, rank, world, small, big)
         small.barrier()
         big.barrier()
+    run_one_shot_cases(chk, rank, world)
     run_module_level_cases(chk, rank, world)
     return chk.finish()
 

@@ -41,11 +41,15 @@ def _call(comm, kind, rank, world):
     raise AssertionError(kind)
 
 
-def _mismatch(rank, world, kinds, odd_rank):
+def _mismatch(rank, world, kinds, odd_rank, small_bytes=0):
+    """One mismatched call after a matching one. small_bytes=0: the ring; otherwise these
+    small calls take the one-shot path (checked: the matching call took it)."""
     import ringcoll
 
-    with ringcoll.Communicator(timeout=20) as comm:
+    with ringcoll.Communicator(timeout=20, small_bytes=small_bytes) as comm:
         comm.all_reduce(torch.ones(8))  # a matching call first: the check is per call number
+        if comm.transport.one_shot_calls != (1 if small_bytes else 0):
+            return "wrong path", f"{comm.transport.one_shot_calls} one-shot calls", comm.broken
         kind = kinds[1] if rank == odd_rank else kinds[0]
         try:
             _call(comm, kind, rank, world)
@@ -60,6 +64,11 @@ def _mismatch(rank, world, kinds, odd_rank):
         return message, later, comm.broken
 
 
+def _mismatch_every_kind(rank, world, odd_rank, small_bytes):
+    """_mismatch for every kind of CASES in one launch (a fresh communicator for each)."""
+    return {what: _mismatch(rank, world, kinds, odd_rank, small_bytes) for what, kinds in CASES.items()}
+
+
 # Each kind of mismatch the issue names: collective, dtype, op, count.
 CASES = {
     "collective": ("all_reduce", "all_gather"),
@@ -70,10 +79,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("what", list(CASES))
-def test_every_mismatch_kind_raises_on_every_rank(what):
-    world, odd = 3, 1
-    results = spawn(_mismatch, world, CASES[what], odd, timeout=120)
+def _check_mismatch_results(results, odd):
     for rank, (message, later, broken) in enumerate(results):
         assert message.startswith(("all_reduce: mismatched", "all_gather: mismatched", "reduce_scatter: mismatched",
                                    "barrier: mismatched")), (rank, message)
@@ -83,6 +89,21 @@ def test_every_mismatch_kind_raises_on_every_rank(what):
         assert broken and "broken" in later, later
     # The odd rank's message names what the others called, and vice versa.
     assert "rank 0" in results[odd][0] or "rank 2" in results[odd][0]
+
+
+@pytest.mark.parametrize("what", list(CASES))
+def test_every_mismatch_kind_raises_on_every_rank(what):
+    world, odd = 3, 1
+    _check_mismatch_results(spawn(_mismatch, world, CASES[what], odd, timeout=120), odd)
+
+
+def test_every_mismatch_kind_raises_on_the_one_shot_path():
+    """The same calls below the small-message threshold: the check runs before the one-shot
+    publication just as before the ring's first step."""
+    world, odd = 3, 1
+    per_rank = spawn(_mismatch_every_kind, world, odd, 1 << 20, timeout=120)
+    for what in CASES:
+        _check_mismatch_results([results[what] for results in per_rank], odd)
 
 
 def _mismatch_output_untouched(rank, world):
@@ -160,6 +181,40 @@ def test_buffer_size_must_agree_across_ranks():
         assert message.startswith("Communicator: RINGCOLL_BUFFER_BYTES / buffer_bytes= differs between ranks: "
                                   "rank 0: 65536, rank 1: 131072, rank 2: 65536"), message
     assert spawn(_buffer_setting, 2, [1 << 16, 1 << 16]) == ["ok", "ok"]
+
+
+def _small_setting(rank, world, env_values, arg_values):
+    """The one-shot threshold from the environment, then from the argument, differing by rank."""
+    import os
+
+    import ringcoll
+
+    messages = []
+    os.environ["RINGCOLL_SMALL_BYTES"] = env_values[rank]
+    for arg in (None, arg_values[rank], 8192):
+        try:
+            with ringcoll.Communicator(timeout=10, small_bytes=arg) as comm:
+                messages.append(f"ok {comm.small_bytes}")
+        except ValueError as e:
+            messages.append(str(e))
+    try:
+        ringcoll.Communicator(timeout=10, small_bytes=-1).close()
+        messages.append("accepted -1")
+    except ValueError as e:
+        messages.append(str(e))
+    return messages
+
+
+def test_small_message_threshold_must_agree_across_ranks():
+    """Ranks on different paths would wait for each other's publications: the threshold
+    (RINGCOLL_SMALL_BYTES or small_bytes=) is compared at construction."""
+    prefix = "Communicator: RINGCOLL_SMALL_BYTES / small_bytes= differs between ranks: "
+    for env_message, arg_message, agreed, negative in spawn(_small_setting, 3, ["64K", "0", "64K"],
+                                                            [4096, 4096, 4097]):
+        assert env_message == prefix + "rank 0: 65536, rank 1: 0, rank 2: 65536", env_message
+        assert arg_message == prefix + "rank 0: 4096, rank 1: 4096, rank 2: 4097", arg_message
+        assert agreed == "ok 8192", agreed  # the argument wins over the (differing) environment
+        assert negative.startswith("Communicator: small_bytes must be >= 0"), negative
 
 
 def _unchecked(rank, world):

@@ -71,3 +71,35 @@ def test_scaling_cli_prints_a_row_per_world(capsys):
     assert len(lines) == 3 and lines[1].split()[0] == "1" and lines[2].split()[0] == "8"
     fit = model.Fit(alpha=5e-6, beta=10e9)
     assert float(lines[2].split()[1]) == pytest.approx(fit.predict("all_reduce", 8, 100e6) * 1e3, abs=1e-3)
+
+
+def test_one_shot_time_is_one_step_and_p_minus_1_reads():
+    alpha, beta, n = 5e-6, 10e9, 1 << 16
+    for p in range(2, 9):
+        assert model.one_shot_time("all_reduce", p, n, alpha, beta) == pytest.approx(alpha + (p - 1) * n / beta)
+        for coll in ("reduce_scatter", "all_gather"):
+            assert model.one_shot_time(coll, p, n, alpha, beta) == pytest.approx(alpha + (p - 1) / p * n / beta)
+    assert model.one_shot_time("all_reduce", 1, n, alpha, beta) == 0.0
+
+
+@pytest.mark.parametrize("p", range(3, 12))
+def test_one_shot_crossover_is_where_the_times_meet(p):
+    alpha, beta = 4e-6, 10e9
+    x = model.one_shot_crossover("all_reduce", p, alpha, beta)
+    assert x == pytest.approx((2 * p - 3) * p / ((p - 1) * (p - 2)) * alpha * beta)
+    assert model.one_shot_time("all_reduce", p, x, alpha, beta) == pytest.approx(
+        model.ring_time("all_reduce", p, x, alpha, beta))
+    # Below it the one-shot is faster, above it the ring.
+    assert model.one_shot_time("all_reduce", p, x / 2, alpha, beta) < model.ring_time("all_reduce", p, x / 2, alpha,
+                                                                                        beta)
+    assert model.one_shot_time("all_reduce", p, 2 * x, alpha, beta) > model.ring_time("all_reduce", p, 2 * x, alpha,
+                                                                                        beta)
+
+
+def test_one_shot_never_loses_where_it_reads_no_more_than_the_ring():
+    # P = 2: both read n; reduce-scatter / all-gather read (P-1)/P n either way.
+    assert model.one_shot_crossover("all_reduce", 2, 4e-6, 10e9) == math.inf
+    for p in range(2, 9):
+        for coll in ("reduce_scatter", "all_gather"):
+            assert model.one_shot_crossover(coll, p, 4e-6, 10e9) == math.inf
+    assert model.one_shot_crossover("all_reduce", 1, 4e-6, 10e9) == 0.0

@@ -395,3 +395,26 @@ def test_simulate_property(coll, world, n, seed):
     assert total == phases * (world - 1) * n
     for k in range(world):
         assert sum(1 for rec in sim.steps for r in rec.ranks if r.rank == k) == phases * (world - 1)
+
+
+# ---------------------------------------------------------------------------------------
+# the one-shot path's test, mirrored from csrc/host/host_comm.h
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_one_shot_fits_matches_cpp(world):
+    for coll in COLLS:
+        for ring_count in (0, 1, world, 255, 256, 257, 1024, 1025, 4096 * world):
+            for elem in (1, 2, 4, 8):
+                for small in (0, 1024, 4096):
+                    for slot in (512, 1024, 2048):
+                        args = (coll, ring_count, elem, world, small, slot)
+                        assert S.one_shot_fits(*args) == _C.one_shot_fits(int(coll), *args[1:]), args
+
+
+def test_one_shot_fits_bounds():
+    ar, ag = Collective.ALL_REDUCE, Collective.ALL_GATHER
+    assert S.one_shot_fits(ar, 1024, 4, 2, 4096, 4096) and not S.one_shot_fits(ar, 1025, 4, 2, 4096, 1 << 20)
+    assert not S.one_shot_fits(ar, 1024, 4, 2, 1 << 20, 4095)  # the whole input must fit one slot
+    assert S.one_shot_fits(ag, 2048, 4, 2, 8192, 4096)  # all-gather publishes only its 1/P
+    assert not S.one_shot_fits(ar, 0, 4, 2, 4096, 4096) and not S.one_shot_fits(ar, 8, 4, 1, 4096, 4096)

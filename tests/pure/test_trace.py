@@ -129,3 +129,51 @@ def test_cli_trace(tmp_path, capsys):
     assert "needs world >= 2" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["trace", "broadcast"])
+
+
+# --- the one-shot path (small messages) ----------------------------------------------------
+
+ONE_SHOT = re.compile(r"^  rank (\d+): publishes \[(.*?)\]; reads (chunk (\d+) of )?the slots of ranks ([\d, ]+): (.*)$")
+
+
+@pytest.mark.parametrize("name,world,n", CASES + [("all_gather", 1, 3), ("all_reduce", 1, 4)])
+def test_one_shot_trace_is_one_step_and_gives_the_reference(name, world, n):
+    coll = COLLECTIVES[name]
+    inputs = default_inputs(name, world, n)
+    text = trace(name, world, n, algorithm="oneshot")
+    assert "algorithm = one-shot" in text.splitlines()[0]
+    assert parse_results(text) == dict(enumerate(reference(name, inputs)))
+    assert "OK, every rank matches" in text
+    rows = [m for line in text.splitlines() if (m := ONE_SHOT.match(line))]
+    assert len(rows) == (world if world > 1 else 0)
+    assert sum(1 for line in text.splitlines() if STEP.match(line)) == (1 if world > 1 else 0)
+    for m in rows:
+        rank = int(m.group(1))
+        # Each rank publishes its whole input (all-gather: its own chunk) and reads every slot, in rank order.
+        assert [int(v) for v in m.group(2).split()] == inputs[rank]
+        assert m.group(5) == ", ".join(map(str, range(world)))
+        assert (m.group(4) is not None) == (coll == schedule.Collective.REDUCE_SCATTER)
+        if m.group(4) is not None:
+            assert int(m.group(4)) == rank
+    if world > 1:
+        assert f"1 step instead of the ring's {schedule.ring_steps(coll, world)}" in text
+
+
+def test_one_shot_folds_in_rank_order_on_every_rank():
+    # A non-commutative "op" shows the order: every rank folds slot 0, then 1, then 2.
+    ranks = schedule.simulate_one_shot(schedule.Collective.ALL_REDUCE, [["a"], ["b"], ["c"]], op=lambda x, y: x + y)
+    assert [r.output for r in ranks] == [["abc"]] * 3
+    rs = schedule.simulate_one_shot(schedule.Collective.REDUCE_SCATTER, [[1, 2, 3], [10, 20, 30], [100, 200, 300]])
+    assert [r.read for r in rs][1] == [[2], [20], [200]] and [r.output for r in rs] == [[111], [222], [333]]
+    text = trace("all_reduce", 2, 3, algorithm="oneshot")
+    assert "rank 1: publishes [10 20 30]; reads the slots of ranks 0, 1: [1 2 3] + [10 20 30] = [11 22 33]" in text
+
+
+def test_one_shot_cli_and_bad_arguments(capsys):
+    assert main(["trace", "all_gather", "-P", "3", "-n", "7", "--algorithm", "oneshot"]) == 0
+    out = capsys.readouterr().out
+    assert "algorithm = one-shot" in out and "OK, every rank matches" in out
+    assert main(["trace", "all_reduce", "--algorithm", "oneshot", "--png", "x.png"]) == 2
+    assert "single step" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="algorithm"):
+        trace("all_reduce", 2, 3, algorithm="tree")
