@@ -57,19 +57,34 @@ RINGCOLL_DEVICE inline uint4 load16(const void* p) { return *static_cast<const u
 RINGCOLL_DEVICE inline void store16(void* p, uint4 v) { *static_cast<uint4*>(p) = v; }
 
 // How a block's threads cover [0, len) of some pointers: in 16-byte vectors where all of
-// them allow (and `vectorise`), else and around those one element at a time. vec_at(i)
-// handles elements i .. i + Pack<T>::kElems - 1, one_at(i) element i; thread t takes
-// vectors t, t + blockDim.x, ..., then the head and tail elements likewise.
-template <typename T, class VecAt, class OneAt>
+// them allow (and `vectorise`), else and around those one element at a time. Thread t takes
+// vectors t, t + blockDim.x, ..., kVectorsInFlight of them at a time: `load(i)` reads the
+// vector at element i into registers, for every vector of the batch, and only then
+// `store(i, loaded)` combines and writes each. A thread that stored after every load would
+// wait a whole memory round trip per vector; a batch keeps kVectorsInFlight loads
+// outstanding (a store between two loads would keep the compiler, which must assume the
+// pointers alias, from hoisting the second). What is left after the whole batches goes
+// one vector at a time, then the scalar head and tail elements (`one_at(i)`) likewise.
+template <typename T, class Load, class Store, class OneAt>
 RINGCOLL_DEVICE void for_each_in_range(int64_t len, bool vectorise, const void* a, const void* b, const void* c,
-                                       const void* d, VecAt&& vec_at, OneAt&& one_at) {
+                                       const void* d, Load&& load, Store&& store, OneAt&& one_at) {
   const VectorSplit split =
       vectorise ? vector_split(len, sizeof(T), reinterpret_cast<uintptr_t>(a), reinterpret_cast<uintptr_t>(b),
                                reinterpret_cast<uintptr_t>(c), reinterpret_cast<uintptr_t>(d))
                 : VectorSplit{len, 0, 0};
   const int64_t tid = threadIdx.x, stride = blockDim.x;
   constexpr int64_t kPer = Pack<T>::kElems;
-  for (int64_t v = tid; v < split.vec / kPer; v += stride) vec_at(split.head + v * kPer);
+  const int64_t vectors = split.vec / kPer;
+  auto element_of = [&](int64_t vector) { return split.head + vector * kPer; };
+  int64_t v = tid;
+  for (; v + (kVectorsInFlight - 1) * stride < vectors; v += kVectorsInFlight * stride) {
+    decltype(load(int64_t{0})) loaded[kVectorsInFlight];
+#pragma unroll
+    for (int k = 0; k < kVectorsInFlight; ++k) loaded[k] = load(element_of(v + k * stride));
+#pragma unroll
+    for (int k = 0; k < kVectorsInFlight; ++k) store(element_of(v + k * stride), loaded[k]);
+  }
+  for (; v < vectors; v += stride) store(element_of(v), load(element_of(v)));
   for (int64_t k = tid; k < split.head + split.tail; k += stride) one_at(k < split.head ? k : k + split.vec);
 }
 
@@ -79,9 +94,8 @@ RINGCOLL_DEVICE void copy_range(T* dst, T* dst2, const T* src, int64_t len, bool
   if (dst2 == src) dst2 = nullptr;  // in place: the value is already there
   if (dst == nullptr && dst2 == nullptr) return;
   for_each_in_range<T>(
-      len, vectorise, dst, dst2, src, nullptr,
-      [&](int64_t i) {
-        const uint4 x = load16(src + i);
+      len, vectorise, dst, dst2, src, nullptr, [&](int64_t i) { return load16(src + i); },
+      [&](int64_t i, uint4 x) {
         if (dst != nullptr) store16(dst + i, x);
         if (dst2 != nullptr) store16(dst2 + i, x);
       },
@@ -98,6 +112,11 @@ RINGCOLL_DEVICE inline T combine(T recv, T own, int world) {
   else return combine_element<T, Op>(recv, own);
 }
 
+// The two vectors a reduction combines, loaded together.
+struct VectorPair {
+  uint4 recv, own;
+};
+
 // to_right (if any) and to_output (if any) = recv op own over [0, len). `own` may alias
 // `to_output` (in place): each element is read before it is written, by the same thread.
 template <typename T, class Op, bool kFinal>
@@ -105,10 +124,11 @@ RINGCOLL_DEVICE void reduce_range(T* to_right, T* to_output, const T* recv, cons
                                   bool vectorise) {
   for_each_in_range<T>(
       len, vectorise, to_right, to_output, recv, own,
-      [&](int64_t i) {
+      [&](int64_t i) { return VectorPair{load16(recv + i), load16(own + i)}; },
+      [&](int64_t i, const VectorPair& loaded) {
         Pack<T> a, b, r;
-        a.raw = load16(recv + i);
-        b.raw = load16(own + i);
+        a.raw = loaded.recv;
+        b.raw = loaded.own;
 #pragma unroll
         for (int e = 0; e < Pack<T>::kElems; ++e) r.elems[e] = combine<T, Op, kFinal>(a.elems[e], b.elems[e], world);
         if (to_right != nullptr) store16(to_right + i, r.raw);
