@@ -158,6 +158,16 @@ struct BlockShared {
   int failed;  // set by thread 0 when the block gave up
 };
 
+// How a wait polls. Only one poll in kPollsPerAbortCheck also reads the three `aborted`
+// flags: they serve to give up, which may be noticed microseconds late, while on the fast
+// path each extra load is one more round trip (to L2, or across the interconnect) before
+// the awaited value is seen. The clock (%globaltimer, a register, not memory) is read at
+// every poll, and a wait that runs out of time looks at the `aborted` flags once more, so
+// a neighbour's earlier failure is reported as such. After kPollsBeforeNapping polls the
+// waiter naps between polls, leaving issue slots to the blocks it waits for.
+constexpr unsigned kPollsPerAbortCheck = 32;
+constexpr unsigned kPollsBeforeNapping = 64;
+
 // Which flag a wait is for, as ErrorRecord::waiting_for says it.
 enum class Awaited : int { kPublish = 0, kConsume = 1, kDescriptor = 2 };
 
@@ -266,18 +276,25 @@ class DeviceRingContext {
   }
 
   // Thread 0 polls (bounded by the timeout, ended early when someone gave up), then the
-  // block learns the outcome together. Both neighbours' `aborted` flags are read *before*
-  // the awaited flag: a neighbour sets it only after everything it published, so a
-  // neighbour that finished its part and closed is never mistaken for one that left us
-  // waiting. A closed neighbour stops us only if it is the one we wait for.
+  // block learns the outcome together. Most polls read the awaited flag alone; every
+  // kPollsPerAbortCheck-th, and the last, also reads the `aborted` flags. Both neighbours'
+  // `aborted` flags are read *before* the awaited flag: a neighbour sets it only after
+  // everything it published, so a neighbour that finished its part and closed is never
+  // mistaken for one that left us waiting. A closed neighbour stops us only if it is the one we wait for.
   RINGCOLL_DEVICE bool wait(const uint64_t* flag, uint64_t target, int peer, Awaited what) {
     if (threadIdx.x == 0 && flag_load_acquire(flag) < target) {
       const int other = peer == left() ? right() : left();
       const char* peer_base = peer == left() ? p_.left_base : p_.right_base;
       const char* other_base = peer == left() ? p_.right_base : p_.left_base;
       const uint64_t start = device_now_ns();
-      for (unsigned polls = 0;; ++polls) {
-        if (polls > 64) __nanosleep(200);  // a long wait: leave issue slots to the peer
+      for (unsigned polls = 1;; ++polls) {
+        if (polls > kPollsBeforeNapping) __nanosleep(200);  // a long wait: leave issue slots to the peer
+        const uint64_t waited = device_now_ns() - start;
+        const bool out_of_time = waited > p_.timeout_ns;
+        if (!out_of_time && polls % kPollsPerAbortCheck != 0) {
+          if (flag_load_acquire(flag) >= target) break;
+          continue;
+        }
         const uint64_t peer_cause = flag_load_acquire(aborted_flag(peer_base));
         const uint64_t other_cause = flag_load_acquire(aborted_flag(other_base));
         const uint64_t seen = flag_load_acquire(flag);
@@ -292,8 +309,7 @@ class DeviceRingContext {
           shared_->failed = 1;
           break;
         }
-        const uint64_t waited = device_now_ns() - start;
-        if (waited > p_.timeout_ns) {
+        if (out_of_time) {
           give_up(AbortCause::kTimedOut, AbortCause::kNone, peer, what, target, seen, waited, nullptr);
           break;
         }
