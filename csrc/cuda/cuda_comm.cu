@@ -23,6 +23,7 @@ struct HandleMessage {
   cudaIpcMemHandle_t handle;
   int32_t device;
   int32_t rank;
+  int32_t max_blocks;  // max_blocks_for(its SM count): ranks launch the least of these
 };
 }  // namespace
 
@@ -40,13 +41,16 @@ CudaComm::CudaComm(int rank, int world, int device, size_t buffer_bytes, double 
                  variant);
   try {
     RINGCOLL_CUDA_CHECK(cudaSetDevice(device_));
+    int sm_count = 0;
+    RINGCOLL_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device_));
+    max_blocks_ = max_blocks_for(sm_count);
     const size_t total = kFlagAreaBytes + static_cast<size_t>(kBanks) * world_ * slot_bytes_;
     RINGCOLL_CUDA_CHECK(cudaMalloc(&base_, total));
     // Flags start at 0 and only grow; peers map this allocation only after the handles
     // went round (after this constructor), so the zeroing is done before anyone reads it.
     RINGCOLL_CUDA_CHECK(cudaMemset(base_, 0, kFlagAreaBytes));
-    RINGCOLL_CUDA_CHECK(cudaMalloc(&state_, sizeof(uint64_t) * kMaxBlocks * kStateWords));
-    RINGCOLL_CUDA_CHECK(cudaMemset(state_, 0, sizeof(uint64_t) * kMaxBlocks * kStateWords));
+    RINGCOLL_CUDA_CHECK(cudaMalloc(&state_, sizeof(uint64_t) * kStateWords));
+    RINGCOLL_CUDA_CHECK(cudaMemset(state_, 0, sizeof(uint64_t) * kStateWords));
     RINGCOLL_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&errors_host_), sizeof(ErrorRecord) * kMaxBlocks,
                                       cudaHostAllocMapped | cudaHostAllocPortable));
     std::memset(errors_host_, 0, sizeof(ErrorRecord) * kMaxBlocks);
@@ -82,6 +86,7 @@ std::string CudaComm::handle_bytes() const {
   RINGCOLL_CUDA_CHECK(cudaIpcGetMemHandle(&msg.handle, base_));
   msg.device = device_;
   msg.rank = rank_;
+  msg.max_blocks = max_blocks_;
   return std::string(reinterpret_cast<const char*>(&msg), sizeof(msg));
 }
 
@@ -109,6 +114,9 @@ void CudaComm::map_peers(const std::vector<std::string>& handles) {
     HandleMessage msg;
     std::memcpy(&msg, handles[r].data(), sizeof(msg));
     RINGCOLL_CHECK(msg.rank == r, std::invalid_argument, "Communicator: handle ", r, " came from rank ", msg.rank);
+    RINGCOLL_CHECK(msg.max_blocks >= 1 && msg.max_blocks <= kMaxBlocks, std::invalid_argument, "Communicator: rank ",
+                   r, " would launch ", msg.max_blocks, " blocks, outside 1..", kMaxBlocks);
+    if (msg.max_blocks < max_blocks_) max_blocks_ = msg.max_blocks;  // block b talks to block b: all ranks agree
     if (msg.device != device_) {
       int can = 0;
       RINGCOLL_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, device_, msg.device));
@@ -181,7 +189,7 @@ void CudaComm::launch(const char* op, Collective coll, uintptr_t input, uintptr_
                               reinterpret_cast<void*>(output)};
     const RingParams p = call_params(call, rank_, world_, slot_bytes_, timeout_seconds_, check_calls_, variant_, memory);
     try {
-      for_each_launch(p, variant_, call.elem_size, [&](const RingParams& q, int blocks, bool vectorise) {
+      for_each_launch(p, variant_, call.elem_size, max_blocks_, [&](const RingParams& q, int blocks, bool vectorise) {
         launch_ring(q, blocks, vectorise, own);
       });
     } catch (const std::exception& e) {

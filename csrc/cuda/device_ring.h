@@ -171,25 +171,49 @@ constexpr unsigned kPollsBeforeNapping = 64;
 // Which flag a wait is for, as ErrorRecord::waiting_for says it.
 enum class Awaited : int { kPublish = 0, kConsume = 1, kDescriptor = 2 };
 
-// The device execution context of ring_loop.h. Every thread of the block holds its own
-// identical copy of the bookkeeping (step base, last publication per slot): all threads run
-// the same loop, so the copies agree without any sharing.
+// The device execution context of ring_loop.h. Every thread of every block holds its own
+// identical copy of the bookkeeping (step base, last publication per slot), read from the
+// one record at the start: all threads run the same loop, so the copies agree without any
+// sharing, and the last block to finish writes them back (save_if_last_block).
 template <typename T, class Op>
 class DeviceRingContext {
  public:
   RINGCOLL_DEVICE DeviceRingContext(const RingParams& p, BlockShared* shared, bool vectorise)
       : p_(p), shared_(shared), vectorise_(vectorise), block_(blockIdx.x), blocks_(gridDim.x),
         slice_elems_(p.slot_bytes / static_cast<int64_t>(sizeof(T))) {
-    const uint64_t* state = p.state + static_cast<int64_t>(block_) * kStateWords;
-    base_ = state[0];
-    for (int s = 0; s < kBanks * p.world; ++s) pubs_[s] = state[1 + s];
-    calls_ = state[kCallWord];
+    base_ = p.state[0];
+    for (int s = 0; s < kBanks * p.world; ++s) pubs_[s] = p.state[1 + s];
+    last_grid_ = static_cast<int>(p.state[kGridWord]);
+    calls_ = p.state[kCallWord];
   }
-  RINGCOLL_DEVICE void save() const {
-    uint64_t* state = p_.state + static_cast<int64_t>(block_) * kStateWords;
+  // By every thread, at the end of a launch that went well. A block counts itself done
+  // once all its threads have read the record, so the last one to count may overwrite it.
+  RINGCOLL_DEVICE void save_if_last_block() {
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    uint64_t* state = p_.state;
+    if (counter_add_acq_rel(&state[kBlocksDoneWord], 1) != static_cast<uint64_t>(blocks_ - 1)) return;
+    state[kBlocksDoneWord] = 0;  // the next launch is ordered after this one (stream order)
     state[0] = base_;
     for (int s = 0; s < kBanks * p_.world; ++s) state[1 + s] = pubs_[s];
+    state[kGridWord] = static_cast<uint64_t>(last_grid_);
     state[kCallWord] = calls_;
+  }
+
+  // Which block owns which tile depends on the grid (strip.h), so in a launch whose grid
+  // differs from that of the last one that moved data, a slot a block refills may still be
+  // read by another block of the right neighbour than its own. Before any slot is written,
+  // wait until every block of that grid on the right neighbour has consumed all we
+  // published before this call: then no slot holds anything unread, and the per-slot waits
+  // of ring_loop.h (on our own neighbour block, which may not have run) are dropped. Costs
+  // one ring round trip, only when the grid changes. False if this block gave up.
+  RINGCOLL_DEVICE bool drain_if_grid_changed() {
+    if (last_grid_ == blocks_) return true;
+    for (int b = 0; b < last_grid_; ++b)
+      if (!wait(block_flag(p_.right_base, b, BlockFlag::kConsumed), base_, right(), Awaited::kConsume)) return false;
+    for (int s = 0; s < kBanks * p_.world; ++s) pubs_[s] = 0;
+    last_grid_ = blocks_;
+    return true;
   }
 
   RINGCOLL_DEVICE int rank() const { return p_.rank; }
@@ -355,6 +379,7 @@ class DeviceRingContext {
   int64_t slice_elems_;
   uint64_t base_ = 0;
   uint64_t pubs_[kBanks * kMaxWorld];
+  int last_grid_ = 0;   // blocks of the last launch that moved data (0: none yet)
   uint64_t calls_ = 0;  // calls checked so far, this one included once check_call() ran
   int64_t slice_ = 0;
   int step_ = -1;
@@ -370,9 +395,10 @@ RINGCOLL_DEVICE void ring_block(const RingParams& p, BlockShared& shared, bool v
   if (broken) return;  // this rank gave up earlier: launches queued behind that do nothing
   DeviceRingContext<T, Op> ctx(p, &shared, vectorise);
   bool ok = !p.check_call || ctx.check_call();
+  if (ok && p.last_unit > p.first_unit) ok = ctx.drain_if_grid_changed();
   if (ok) ok = run_ring_units(ctx, static_cast<Collective>(p.collective), p.ring_count, p.first_unit, p.last_unit);
-  // A block that gave up leaves its bookkeeping stale: the communicator is broken anyway.
-  if (ok && threadIdx.x == 0) ctx.save();
+  // A block that gave up leaves the bookkeeping stale: the communicator is broken anyway.
+  if (ok) ctx.save_if_last_block();
 }
 
 }  // namespace ringcoll::cuda

@@ -6,7 +6,8 @@ GPU allocations are, and each rank's calls go through the same launch plan, para
 error records as CudaComm. So on every commit, without a GPU, this checks the kernels'
 ring schedule, strips and vectors, the flag protocol per block, slicing through the
 registered buffer, the bookkeeping kept between launches, both variants (fused: one launch
-of 8 blocks; naive: one launch per ring step), the mismatch check and giving up.
+of up to max_blocks blocks, sized from the message, the grid changing between calls;
+naive: one launch per ring step), the mismatch check and giving up.
 
 x86 is TSO, so a missing acquire or release still gives exact results here;
 test_kernels_have_no_data_races builds the same code with ThreadSanitizer, which sees it.
@@ -44,8 +45,8 @@ SMALL_SLOT = 512  # bytes: messages of a few thousand elements take several slic
 BIG_SLOT = 2 * TILE + TILE // 2  # several tiles: the fused variant's blocks share every slot
 
 
-def ring(world, variant, slot_bytes=SMALL_SLOT, timeout=TIMEOUT, threads=4, check_calls=True):
-    r = E.Ring(world, 2 * world * slot_bytes, timeout, variant, threads, check_calls)
+def ring(world, variant, slot_bytes=SMALL_SLOT, timeout=TIMEOUT, threads=4, check_calls=True, max_blocks=8):
+    r = E.Ring(world, 2 * world * slot_bytes, timeout, variant, threads, check_calls, max_blocks)
     assert r.slot_bytes == slot_bytes
     return r
 
@@ -163,7 +164,7 @@ def test_misaligned_pointers_and_odd_block_sizes(threads, shift):
 def test_state_carries_over_between_calls(variant, slot_bytes):
     """Step bases and per-slot publication numbers persist in device memory between
     launches: a long mixed sequence on one ring only works if they do. With BIG_SLOT the
-    fused variant's 8 blocks share each slot (tiles, strip.h) and slices of changing
+    fused variant's blocks (up to 3 here) share each slot (tiles, strip.h) and slices of changing
     length reuse it, the case where a block must never touch another block's elements."""
     world = 4
     r = ring(world, VARIANTS[variant], slot_bytes)
@@ -230,6 +231,30 @@ def test_launch_plan(world):
         assert slices > 1
         assert r.launches == world * per_rank
         assert all(torch.equal(x, torch.full((n,), float(world))) for x in xs)
+
+
+def test_the_grid_follows_the_message_and_changes_between_calls():
+    """Fused launches have one block per tile of the longest slice, at most max_blocks (the
+    emulated SM count). When the grid changes, tiles change owner: the kernel drains the
+    ring first (device_ring.h), so back-to-back calls of changing sizes, each rank running
+    ahead of the others, stay exact."""
+    world, max_blocks, f32 = 3, 5, DTYPE_CODES[torch.float32]
+    slot = 6 * TILE  # up to six tiles a slice: grids 1..5
+    tile_elems = TILE // 4
+    r = ring(world, FUSED, slot, max_blocks=max_blocks)
+    sizes = [world * tile_elems * t for t in (6, 1, 3, 8, 2, 5)] + [7, world * tile_elems * 4 + 1, 0, 5000]
+    calls, checks, expected_blocks = [], [], 0
+    for call, n in enumerate(sizes):
+        xs = [small_ints(k, n, torch.float32, call) for k in range(world)]
+        outs = [torch.zeros(n) for _ in range(world)]
+        calls += [(k, AR, f32, 0, xs[k].data_ptr(), outs[k].data_ptr(), n) for k in range(world)]
+        checks.append((xs, outs, sum(xs) if n else torch.zeros(0)))
+        expected_blocks += world * _C.cuda_fused_blocks(n, world, slot // 4, 4, max_blocks)
+    run_ok(r, calls)
+    for call, (_, outs, want) in enumerate(checks):
+        assert all(torch.equal(o, want) for o in outs), (call, sizes[call])
+    assert r.blocks_launched == expected_blocks
+    assert [_C.cuda_fused_blocks(n, world, slot // 4, 4, max_blocks) for n in sizes[:6]] == [5, 1, 3, 5, 2, 5]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -493,5 +518,5 @@ def test_kernels_have_no_data_races(tmp_path):
     run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=300, env=env)
     assert "ThreadSanitizer" not in run.stderr, run.stderr[-6000:]
     assert run.returncode == 0, run.stdout + run.stderr[-2000:]
-    assert run.stdout.count("wrong 0") == 12, run.stdout
+    assert run.stdout.count("wrong 0") == 13, run.stdout
     assert run.stdout.count("ranks without an error: 0") == 2, run.stdout

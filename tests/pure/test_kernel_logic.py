@@ -130,3 +130,28 @@ def test_tiles_then_split_cover_a_slice():
 
 def test_build_reports_cuda():
     assert isinstance(_C.built_with_cuda, bool)
+
+
+def test_fused_grid_grows_with_the_message_up_to_the_device():
+    """kernel_abi.h's fused_blocks: one block per tile of the longest slice a ring step moves,
+    at most the device's SM count; every rank computes the same from the same call."""
+    blocks = _C.cuda_fused_blocks
+    tile = S.tile_bytes
+    sms, world, slot = 132, 4, 64 << 20  # an H200, 4 ranks, a large buffer
+    assert blocks(0, world, slot, 1, sms) == 1  # a zero-length call still launches one block (the check)
+    assert blocks(world, world, slot, 4, sms) == 1
+    assert blocks(world * tile, world, slot, 1, sms) == 1  # one tile per chunk
+    assert blocks(world * tile + world, world, slot, 1, sms) == 2
+    assert blocks(world * 10 * tile, world, slot, 1, sms) == 10
+    assert blocks(1 << 34, world, slot, 1, sms) == sms  # large messages: one block per SM
+    # The slice, not the message, bounds it: a small slot caps the grid at its tiles.
+    assert blocks(1 << 34, world, 3 * tile, 1, sms) == 3
+    assert blocks(1 << 34, world, 3 * tile // 4, 4, sms) == 3  # slice_elems counts elements
+    previous = 0
+    for n in (1, 1000, 10**5, 10**6, 10**7, 10**8, 10**9):
+        b = blocks(n, 2, 1 << 26, 2, 8)
+        assert previous <= b <= 8
+        previous = b
+    assert _C.cuda_max_blocks_for(132) == 132
+    assert _C.cuda_max_blocks_for(10**6) == _C.cuda_max_blocks == 256
+    assert _C.cuda_max_blocks_for(0) == 1

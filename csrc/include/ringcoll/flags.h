@@ -72,6 +72,20 @@ RINGCOLL_INLINE void flag_set_once(uint64_t* flag, uint64_t value) {
 #endif
 }
 
+// Add to a counter that several threads of one device bump, ordered both ways: what this
+// thread did before is visible to whoever sees the sum, and this thread sees what those
+// that added before it did. Returns the value before the addition. Device scope: the
+// counters it serves (device_ring.h's finished blocks) are private to one GPU.
+RINGCOLL_INLINE uint64_t counter_add_acq_rel(uint64_t* counter, uint64_t value) {
+#if defined(__CUDA_ARCH__)
+  uint64_t before;
+  asm volatile("atom.acq_rel.gpu.global.add.u64 %0, [%1], %2;" : "=l"(before) : "l"(counter), "l"(value) : "memory");
+  return before;
+#else
+  return __atomic_fetch_add(counter, value, __ATOMIC_ACQ_REL);
+#endif
+}
+
 // Plain words read or written while another thread may race them (the fields a sequence
 // lock guards): no tearing, no ordering; pair them with the fences below.
 template <typename T>
