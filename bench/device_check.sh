@@ -76,7 +76,7 @@ run_tests() {  # name, limit (s), -k expression
   echo "pytest ($1) rc=$rc"
   [ "$rc" = 0 ] || tests_rc=1
 }
-run_tests features 100 "not ($EXHAUSTIVE)"
+run_tests features 115 "not ($EXHAUSTIVE)"
 run_tests exhaustive 85 "$EXHAUSTIVE"
 
 # Each run stops going to larger sizes when its time budget is spent (rows are printed as

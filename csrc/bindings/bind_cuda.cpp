@@ -37,6 +37,13 @@ void bind_cuda(py::module_& m) {
         py::arg("slice_elems"), py::arg("elem_size"), py::arg("max_blocks"),
         "blocks of a fused launch (kernel_abi.h): one per tile of the longest slice, at most max_blocks");
   m.def("cuda_max_blocks_for", &ringcoll::cuda::max_blocks_for, py::arg("sm_count"));
+  m.def(
+      "cuda_flag_scope_for", [](const std::vector<bool>& same_device) {
+        return static_cast<int>(ringcoll::cuda::flag_scope_for(same_device));
+      },
+      py::arg("same_device"), "the data flags' scope (flags.h FlagScope: 0 system, 1 device) for ranks on these GPUs");
+  m.attr("cuda_flag_scope_system") = static_cast<int>(ringcoll::FlagScope::kSystem);
+  m.attr("cuda_flag_scope_device") = static_cast<int>(ringcoll::FlagScope::kDevice);
   m.attr("cuda_max_world") = ringcoll::cuda::kMaxWorld;
   m.attr("cuda_slot_alignment") = ringcoll::cuda::kSlotAlignment;
   m.def(
@@ -105,6 +112,7 @@ void bind_cuda(py::module_& m) {
       .def_property_readonly("device", &CudaComm::device)
       .def_property_readonly("slot_bytes", &CudaComm::slot_bytes)
       .def_property_readonly("max_blocks", &CudaComm::max_blocks)
+      .def_property_readonly("flag_scope", &CudaComm::flag_scope)
       .def_property_readonly("variant", &CudaComm::variant)
       .def_property_readonly("check_calls", &CudaComm::check_calls)
       .def_property_readonly("broken", &CudaComm::broken)

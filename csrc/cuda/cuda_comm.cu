@@ -24,7 +24,14 @@ struct HandleMessage {
   int32_t device;
   int32_t rank;
   int32_t max_blocks;  // max_blocks_for(its SM count): ranks launch the least of these
+  cudaUUID_t gpu;      // which physical GPU (ordinals differ between processes' CUDA_VISIBLE_DEVICES)
 };
+
+cudaUUID_t gpu_uuid(int device) {
+  cudaDeviceProp prop;
+  RINGCOLL_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  return prop.uuid;
+}
 }  // namespace
 
 CudaComm::CudaComm(int rank, int world, int device, size_t buffer_bytes, double timeout_seconds, bool check_calls,
@@ -87,6 +94,7 @@ std::string CudaComm::handle_bytes() const {
   msg.device = device_;
   msg.rank = rank_;
   msg.max_blocks = max_blocks_;
+  msg.gpu = gpu_uuid(device_);
   return std::string(reinterpret_cast<const char*>(&msg), sizeof(msg));
 }
 
@@ -106,6 +114,8 @@ void CudaComm::open_peers(const std::vector<std::string>& handles) {
 }
 
 void CudaComm::map_peers(const std::vector<std::string>& handles) {
+  const cudaUUID_t mine = gpu_uuid(device_);
+  std::vector<bool> same_gpu(static_cast<size_t>(world_), true);
   for (int r = 0; r < world_; ++r) {
     if (r == rank_) continue;
     RINGCOLL_CHECK(handles[r].size() == sizeof(HandleMessage), std::invalid_argument,
@@ -117,6 +127,7 @@ void CudaComm::map_peers(const std::vector<std::string>& handles) {
     RINGCOLL_CHECK(msg.max_blocks >= 1 && msg.max_blocks <= kMaxBlocks, std::invalid_argument, "Communicator: rank ",
                    r, " would launch ", msg.max_blocks, " blocks, outside 1..", kMaxBlocks);
     if (msg.max_blocks < max_blocks_) max_blocks_ = msg.max_blocks;  // block b talks to block b: all ranks agree
+    same_gpu[r] = std::memcmp(&msg.gpu, &mine, sizeof(mine)) == 0;
     if (msg.device != device_) {
       int can = 0;
       RINGCOLL_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, device_, msg.device));
@@ -138,6 +149,7 @@ void CudaComm::map_peers(const std::vector<std::string>& handles) {
                    " instead of its hello word ", kHelloMagic ^ static_cast<uint64_t>(r),
                    "; IPC between these processes does not work here");
   }
+  flag_scope_ = flag_scope_for(same_gpu);
 }
 
 void CudaComm::ensure_usable(const char* op) const {
@@ -174,6 +186,7 @@ void CudaComm::launch(const char* op, Collective coll, uintptr_t input, uintptr_
                  op, ": unsupported dtype/op ", dtype, "/", reduce_op);
   RINGCOLL_CUDA_CHECK(cudaSetDevice(device_));
   auto user = reinterpret_cast<cudaStream_t>(stream);
+  const FlagScope scope = flag_scope_;
   auto own = static_cast<cudaStream_t>(stream_);
   // Our stream runs after everything the caller queued so far (the inputs are ready), and
   // successive collectives stay in order on it whatever streams callers use.
@@ -185,7 +198,7 @@ void CudaComm::launch(const char* op, Collective coll, uintptr_t input, uintptr_
   };
   run_call(call, world_, reinterpret_cast<const void*>(input), reinterpret_cast<void*>(output), copy, [&] {
     const LaunchMemory memory{base_, peers_[left_neighbour(rank_, world_)], peers_[right_neighbour(rank_, world_)],
-                              state_, errors_device_, reinterpret_cast<const void*>(input),
+                              scope, state_, errors_device_, reinterpret_cast<const void*>(input),
                               reinterpret_cast<void*>(output)};
     const RingParams p = call_params(call, rank_, world_, slot_bytes_, timeout_seconds_, check_calls_, variant_, memory);
     try {

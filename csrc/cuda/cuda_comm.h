@@ -53,6 +53,7 @@ class CudaComm {
   int device() const { return device_; }
   size_t slot_bytes() const { return slot_bytes_; }
   int max_blocks() const { return max_blocks_; }
+  int flag_scope() const { return static_cast<int>(flag_scope_); }
   int variant() const { return static_cast<int>(variant_); }
   bool check_calls() const { return check_calls_; }
   bool broken() const { return !broken_reason_.empty(); }
@@ -71,6 +72,7 @@ class CudaComm {
   int rank_, world_, device_;
   size_t buffer_bytes_, slot_bytes_;
   int max_blocks_ = 1;                   // most blocks of a fused launch: the least SM count of all ranks
+  FlagScope flag_scope_ = FlagScope::kSystem;  // of the data flags: kDevice once every peer is seen on this GPU
   double timeout_seconds_;
   bool check_calls_;
   KernelVariant variant_;

@@ -8,14 +8,15 @@
 //
 // Memory ordering. Within a block, one thread (thread 0) does every flag access:
 //   publish:  all threads store their part of the data; __syncthreads(); thread 0 does a
-//             st.release.sys of the flag. bar.sync orders the other threads' stores before
+//             st.release of the flag (.gpu when every rank runs on this GPU, else .sys:
+//             RingParams::flag_scope). bar.sync orders the other threads' stores before
 //             thread 0's subsequent operations at CTA scope, and PTX release is cumulative:
 //             writes observed-before the release by the releasing thread (which includes
 //             those ordered before it by the barrier) become visible, at system scope, to
 //             whoever acquires the flag. This is the pattern the PTX memory model's
 //             causality order is built for (barrier then release), and the one vLLM's and
 //             mscclpp's one-writer flags rely on.
-//   wait:     thread 0 polls with ld.acquire.sys until the value arrives; __syncthreads();
+//   wait:     thread 0 polls with ld.acquire (same scope) until the value arrives; __syncthreads();
 //             the other threads then read the data: acquire -> barrier is again a causality
 //             chain, so their reads see what the peer published.
 //   consumed: the same as publish, for reads: a peer overwrites a slot only after acquiring
@@ -210,7 +211,8 @@ class DeviceRingContext {
   RINGCOLL_DEVICE bool drain_if_grid_changed() {
     if (last_grid_ == blocks_) return true;
     for (int b = 0; b < last_grid_; ++b)
-      if (!wait(block_flag(p_.right_base, b, BlockFlag::kConsumed), base_, right(), Awaited::kConsume)) return false;
+      if (!wait(block_flag(p_.right_base, b, BlockFlag::kConsumed), p_.flag_scope, base_, right(), Awaited::kConsume))
+        return false;
     for (int s = 0; s < kBanks * p_.world; ++s) pubs_[s] = 0;
     last_grid_ = blocks_;
     return true;
@@ -253,10 +255,10 @@ class DeviceRingContext {
   }
 
   RINGCOLL_DEVICE bool wait_left_published(uint64_t v) {
-    return wait(block_flag(p_.left_base, block_, BlockFlag::kPublished), v, left(), Awaited::kPublish);
+    return wait(block_flag(p_.left_base, block_, BlockFlag::kPublished), p_.flag_scope, v, left(), Awaited::kPublish);
   }
   RINGCOLL_DEVICE bool wait_right_consumed(uint64_t v) {
-    return wait(block_flag(p_.right_base, block_, BlockFlag::kConsumed), v, right(), Awaited::kConsume);
+    return wait(block_flag(p_.right_base, block_, BlockFlag::kConsumed), p_.flag_scope, v, right(), Awaited::kConsume);
   }
   // See the file comment for why barrier + one release store orders every thread's writes.
   RINGCOLL_DEVICE void publish(uint64_t v) { release(block_flag(p_.my_base, block_, BlockFlag::kPublished), v); }
@@ -267,7 +269,7 @@ class DeviceRingContext {
     const uint64_t call = ++calls_;
     if (block_ == 0 && threadIdx.x == 0) publish_descriptor(descriptor_slot(p_.my_base), p_.call, call);
     const DescriptorSlot* theirs = descriptor_slot(p_.left_base);
-    if (!wait(&theirs->seq, descriptor_seq_written(call), left(), Awaited::kDescriptor)) return false;
+    if (!wait(&theirs->seq, FlagScope::kSystem, descriptor_seq_written(call), left(), Awaited::kDescriptor)) return false;
     if (threadIdx.x == 0) {
       CallDescriptor seen{};
       const PeerCall verdict = compare_descriptor(theirs, p_.call, call, &seen);
@@ -289,7 +291,7 @@ class DeviceRingContext {
   }
   RINGCOLL_DEVICE void release(uint64_t* flag, uint64_t v) {
     __syncthreads();
-    if (threadIdx.x == 0) flag_store_release(flag, v);
+    if (threadIdx.x == 0) flag_store_release(flag, v, p_.flag_scope);
   }
   // Every thread learns whether thread 0 gave up; false if it did.
   RINGCOLL_DEVICE bool block_agrees() {
@@ -305,8 +307,8 @@ class DeviceRingContext {
   // `aborted` flags are read *before* the awaited flag: a neighbour sets it only after
   // everything it published, so a neighbour that finished its part and closed is never
   // mistaken for one that left us waiting. A closed neighbour stops us only if it is the one we wait for.
-  RINGCOLL_DEVICE bool wait(const uint64_t* flag, uint64_t target, int peer, Awaited what) {
-    if (threadIdx.x == 0 && flag_load_acquire(flag) < target) {
+  RINGCOLL_DEVICE bool wait(const uint64_t* flag, FlagScope scope, uint64_t target, int peer, Awaited what) {
+    if (threadIdx.x == 0 && flag_load_acquire(flag, scope) < target) {
       const int other = peer == left() ? right() : left();
       const char* peer_base = peer == left() ? p_.left_base : p_.right_base;
       const char* other_base = peer == left() ? p_.right_base : p_.left_base;
@@ -316,12 +318,12 @@ class DeviceRingContext {
         const uint64_t waited = device_now_ns() - start;
         const bool out_of_time = waited > p_.timeout_ns;
         if (!out_of_time && polls % kPollsPerAbortCheck != 0) {
-          if (flag_load_acquire(flag) >= target) break;
+          if (flag_load_acquire(flag, scope) >= target) break;
           continue;
         }
         const uint64_t peer_cause = flag_load_acquire(aborted_flag(peer_base));
         const uint64_t other_cause = flag_load_acquire(aborted_flag(other_base));
-        const uint64_t seen = flag_load_acquire(flag);
+        const uint64_t seen = flag_load_acquire(flag, scope);
         if (seen >= target) break;
         if (peer_cause != 0 || (other_cause != 0 && other_cause != static_cast<uint64_t>(AbortCause::kClosed))) {
           const bool awaited = peer_cause != 0;

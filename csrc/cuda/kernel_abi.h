@@ -23,9 +23,11 @@
 #include <cstdint>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "ringcoll/call.h"
 #include "ringcoll/descriptor.h"
+#include "ringcoll/flags.h"
 #include "ringcoll/ring_loop.h"
 #include "ringcoll/strip.h"
 
@@ -67,6 +69,14 @@ RINGCOLL_INLINE int fused_blocks(int64_t ring_count, int world, int64_t slice_el
   const int64_t longest = max_chunk_length(ring_count, world);
   const int64_t tiles = tile_count(longest < slice_elems ? longest : slice_elems, elem_size);
   return static_cast<int>(tiles < 1 ? 1 : tiles < max_blocks ? tiles : max_blocks);
+}
+
+// The narrowest scope the data flags may use: device scope when every rank's GPU is this
+// one (`same_device[r]`: rank r runs on it), else system scope (flags.h).
+inline FlagScope flag_scope_for(const std::vector<bool>& same_device) {
+  for (bool same : same_device)
+    if (!same) return FlagScope::kSystem;
+  return FlagScope::kDevice;
 }
 
 // The most blocks a communicator launches on a device with `sm_count` SMs.
@@ -117,6 +127,10 @@ struct RingParams {
   char* my_base;            // my IPC allocation (flags, then data)
   const char* left_base;    // my left neighbour's, mapped here
   const char* right_base;   // my right neighbour's (its consumed flags and aborted flag are read)
+  // The scope of the data flags (published, consumed): kDevice when every rank runs on this
+  // GPU, else kSystem (flag_scope_for). The aborted flags and the descriptor, which hosts
+  // also write, and the error records, which hosts read, stay at system scope.
+  FlagScope flag_scope;
   uint64_t* state;          // the bookkeeping record, kStateWords words, private
   ErrorRecord* errors;      // kMaxBlocks records, host-mapped
   const void* input;
@@ -139,6 +153,7 @@ struct LaunchMemory {
   char* my_base;
   const char* left_base;
   const char* right_base;
+  FlagScope flag_scope;
   uint64_t* state;
   ErrorRecord* errors;
   const void* input;
@@ -152,6 +167,7 @@ inline RingParams call_params(const RingCall& call, int rank, int world, size_t 
   p.my_base = memory.my_base;
   p.left_base = memory.left_base;
   p.right_base = memory.right_base;
+  p.flag_scope = memory.flag_scope;
   p.state = memory.state;
   p.errors = memory.errors;
   p.input = memory.input;

@@ -170,9 +170,10 @@ CallResult EmulatedRing::run_on_rank(const EmulatedCall& c) {
   auto copy = [](void* dst, const void* src, size_t bytes) { std::memmove(dst, src, bytes); };
   run_call(call, world_, input, output, copy, [&] {
     const auto variant = static_cast<KernelVariant>(variant_);
+    // Host atomics have no scopes (flags.h): the emulator cannot tell device from system scope.
     const cuda::LaunchMemory memory{me.memory.get(), ranks_[left_neighbour(c.rank, world_)]->memory.get(),
-                                    ranks_[right_neighbour(c.rank, world_)]->memory.get(), me.state.data(),
-                                    me.errors.data(), input, output};
+                                    ranks_[right_neighbour(c.rank, world_)]->memory.get(), FlagScope::kSystem,
+                                    me.state.data(), me.errors.data(), input, output};
     const RingParams p =
         cuda::call_params(call, c.rank, world_, slot_bytes_, timeout_seconds_, check_calls_, variant, memory);
     cuda::for_each_launch(p, variant, call.elem_size, max_blocks_, [&](const RingParams& q, int blocks, bool vectorise) {

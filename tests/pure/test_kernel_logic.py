@@ -155,3 +155,10 @@ def test_fused_grid_grows_with_the_message_up_to_the_device():
     assert _C.cuda_max_blocks_for(132) == 132
     assert _C.cuda_max_blocks_for(10**6) == _C.cuda_max_blocks == 256
     assert _C.cuda_max_blocks_for(0) == 1
+
+
+def test_data_flags_use_device_scope_only_when_every_rank_is_on_this_gpu():
+    scope = _C.cuda_flag_scope_for
+    assert scope([True, True, True]) == _C.cuda_flag_scope_device  # P processes sharing one GPU
+    assert scope([True, False, True]) == _C.cuda_flag_scope_system  # one peer on another GPU
+    assert scope([True]) == _C.cuda_flag_scope_device
