@@ -83,15 +83,19 @@ run_tests exhaustive 85 "$EXHAUSTIVE"
 # they are measured, so a cut-short run still reports what it measured).
 echo "== benchmark"
 bench_failed=0
-bench() {  # file, limit (s), kernel variant, P, max_bytes
-  timeout -k 10 "$2" env RINGCOLL_CUDA_KERNEL="$3" RINGCOLL_BENCH_BUDGET=$(($2 - 15)) \
+bench() {  # file, limit (s), kernel variant, P, max_bytes, buffer_bytes per rank
+  echo "== $1: $3, P=$4, RINGCOLL_BUFFER_BYTES=$6"
+  timeout -k 10 "$2" env RINGCOLL_CUDA_KERNEL="$3" RINGCOLL_BENCH_BUDGET=$(($2 - 15)) RINGCOLL_BUFFER_BYTES="$6" \
     "$PY" bench/device_bench.py "$4" "$5" 2>&1 | tee "$OUT/$1"
   [ "${PIPESTATUS[0]}" = 0 ] || bench_failed=1
 }
-bench bench_p2.txt 40 fused 2 $((256 << 20))
-bench bench_p4.txt 40 fused 4 $((256 << 20))
+# The default buffer (4 MiB) at P = 2; at P = 4 a 64 MiB one, whose 8 MiB slots give a large
+# message a block per SM with several tiles each per ring step (docs/cuda.md, "What it
+# should reach"): the two bound what the fused kernel's grid can do.
+bench bench_p2.txt 40 fused 2 $((256 << 20)) 4MiB
+bench bench_p4_buf64m.txt 40 fused 4 $((256 << 20)) 64MiB
 # The teaching variant (one launch per ring step): what per-step launches cost, and whether
 # they help when processes are time-sliced (MPS off).
-bench bench_p2_naive.txt 25 naive 2 $((16 << 20))
+bench bench_p2_naive.txt 25 naive 2 $((16 << 20)) 4MiB
 echo "== done: tests $([ $tests_rc = 0 ] && echo ok || echo FAILED), benchmark $([ $bench_failed = 0 ] && echo ok || echo FAILED)"
 [ "$tests_rc" = 0 ] && [ "$bench_failed" = 0 ]

@@ -23,7 +23,7 @@ struct HandleMessage {
   cudaIpcMemHandle_t handle;
   int32_t device;
   int32_t rank;
-  int32_t max_blocks;  // max_blocks_for(its SM count): ranks launch the least of these
+  int32_t sm_count;    // its GPU's SMs (max_blocks_for)
   cudaUUID_t gpu;      // which physical GPU (ordinals differ between processes' CUDA_VISIBLE_DEVICES)
 };
 
@@ -48,9 +48,7 @@ CudaComm::CudaComm(int rank, int world, int device, size_t buffer_bytes, double 
                  variant);
   try {
     RINGCOLL_CUDA_CHECK(cudaSetDevice(device_));
-    int sm_count = 0;
-    RINGCOLL_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device_));
-    max_blocks_ = max_blocks_for(sm_count);
+    RINGCOLL_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_));
     const size_t total = kFlagAreaBytes + static_cast<size_t>(kBanks) * world_ * slot_bytes_;
     RINGCOLL_CUDA_CHECK(cudaMalloc(&base_, total));
     // Flags start at 0 and only grow; peers map this allocation only after the handles
@@ -93,7 +91,7 @@ std::string CudaComm::handle_bytes() const {
   RINGCOLL_CUDA_CHECK(cudaIpcGetMemHandle(&msg.handle, base_));
   msg.device = device_;
   msg.rank = rank_;
-  msg.max_blocks = max_blocks_;
+  msg.sm_count = sm_count_;
   msg.gpu = gpu_uuid(device_);
   return std::string(reinterpret_cast<const char*>(&msg), sizeof(msg));
 }
@@ -116,6 +114,8 @@ void CudaComm::open_peers(const std::vector<std::string>& handles) {
 void CudaComm::map_peers(const std::vector<std::string>& handles) {
   const cudaUUID_t mine = gpu_uuid(device_);
   std::vector<bool> same_gpu(static_cast<size_t>(world_), true);
+  std::vector<cudaUUID_t> gpus(static_cast<size_t>(world_), mine);
+  int least_sms = sm_count_;
   for (int r = 0; r < world_; ++r) {
     if (r == rank_) continue;
     RINGCOLL_CHECK(handles[r].size() == sizeof(HandleMessage), std::invalid_argument,
@@ -124,9 +124,8 @@ void CudaComm::map_peers(const std::vector<std::string>& handles) {
     HandleMessage msg;
     std::memcpy(&msg, handles[r].data(), sizeof(msg));
     RINGCOLL_CHECK(msg.rank == r, std::invalid_argument, "Communicator: handle ", r, " came from rank ", msg.rank);
-    RINGCOLL_CHECK(msg.max_blocks >= 1 && msg.max_blocks <= kMaxBlocks, std::invalid_argument, "Communicator: rank ",
-                   r, " would launch ", msg.max_blocks, " blocks, outside 1..", kMaxBlocks);
-    if (msg.max_blocks < max_blocks_) max_blocks_ = msg.max_blocks;  // block b talks to block b: all ranks agree
+    if (msg.sm_count < least_sms) least_sms = msg.sm_count;
+    gpus[r] = msg.gpu;
     same_gpu[r] = std::memcmp(&msg.gpu, &mine, sizeof(mine)) == 0;
     if (msg.device != device_) {
       int can = 0;
@@ -150,6 +149,16 @@ void CudaComm::map_peers(const std::vector<std::string>& handles) {
                    "; IPC between these processes does not work here");
   }
   flag_scope_ = flag_scope_for(same_gpu);
+  // Every rank sees every handle, so all compute the same grid bound (block b talks to block b).
+  int ranks_per_gpu = 1;
+  for (const cudaUUID_t& g : gpus) {
+    int here = 0;
+    for (const cudaUUID_t& h : gpus) here += std::memcmp(&g, &h, sizeof(g)) == 0;
+    if (here > ranks_per_gpu) ranks_per_gpu = here;
+  }
+  max_blocks_ = max_blocks_for(least_sms, ranks_per_gpu);
+  RINGCOLL_CHECK(max_blocks_ >= 1 && max_blocks_ <= kMaxBlocks, Error, "Communicator: a grid of ", max_blocks_,
+                 " blocks does not fit the flag area (kMaxBlocks = ", kMaxBlocks, ")");
 }
 
 void CudaComm::ensure_usable(const char* op) const {

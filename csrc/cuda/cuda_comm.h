@@ -71,7 +71,8 @@ class CudaComm {
 
   int rank_, world_, device_;
   size_t buffer_bytes_, slot_bytes_;
-  int max_blocks_ = 1;                   // most blocks of a fused launch: the least SM count of all ranks
+  int sm_count_ = 0;                     // this GPU's SMs
+  int max_blocks_ = 1;                   // most blocks of a fused launch (max_blocks_for), agreed by all ranks
   FlagScope flag_scope_ = FlagScope::kSystem;  // of the data flags: kDevice once every peer is seen on this GPU
   double timeout_seconds_;
   bool check_calls_;

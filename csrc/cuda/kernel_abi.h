@@ -61,7 +61,7 @@ static_assert(kDescriptorOffset + sizeof(DescriptorSlot) <= kHelloOffset, "the d
 static_assert(kFlagAreaBytes % kSlotAlignment == 0, "slots start aligned after the flag area");
 
 // Blocks of a fused launch: one per tile (strip.h) of the longest slice a ring step moves,
-// at most `max_blocks` (the SM count, or kMaxBlocks). A block with no tile would only pass
+// at most `max_blocks` (max_blocks_for). A block with no tile would only pass
 // flags on; more than one block per SM would only share that SM's bandwidth. Every rank
 // must launch the same number (block b talks to block b): ranks agree on max_blocks when
 // they connect, and matching calls have the same count.
@@ -79,8 +79,16 @@ inline FlagScope flag_scope_for(const std::vector<bool>& same_device) {
   return FlagScope::kDevice;
 }
 
-// The most blocks a communicator launches on a device with `sm_count` SMs.
-inline int max_blocks_for(int sm_count) { return sm_count < 1 ? 1 : sm_count < kMaxBlocks ? sm_count : kMaxBlocks; }
+// The most blocks each rank launches: a block per SM of the smallest GPU (`sm_count`),
+// shared among the ranks that run on one GPU (`ranks_per_gpu`, the most on any). Every
+// block of every rank must be resident at once: a block spins on its neighbours' block of
+// the same number, so a block left waiting for an SM that spinning blocks hold would never
+// run. A 512-thread block (launch bounds: at most 128 registers a thread) always fits an
+// SM, but more than one may not (ptxas: about 100 registers, docs/cuda.md), so one per SM.
+inline int max_blocks_for(int sm_count, int ranks_per_gpu = 1) {
+  const int share = sm_count / (ranks_per_gpu < 1 ? 1 : ranks_per_gpu);
+  return share < 1 ? 1 : share < kMaxBlocks ? share : kMaxBlocks;
+}
 
 enum class KernelVariant : int {
   kFused = 0,  // fused_blocks() blocks, 16-byte vectors, one launch per collective

@@ -178,7 +178,7 @@ def test_grid_follows_the_message_and_flags_use_device_scope():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for max_blocks, flag_scope, ok in results:
         assert ok
-        assert max_blocks == _C.cuda_max_blocks_for(sms)  # every rank on this GPU: its SM count
+        assert max_blocks == _C.cuda_max_blocks_for(sms, world)  # world ranks share this GPU's SMs
         assert flag_scope == _C.cuda_flag_scope_device  # every rank on this GPU: .gpu flags
     slot = _C.cuda_slot_bytes_for(64 << 20, world)
     assert _C.cuda_fused_blocks(8 << 20, world, slot // 4, 4, results[0][0]) == results[0][0]  # a block per SM

@@ -155,6 +155,9 @@ def test_fused_grid_grows_with_the_message_up_to_the_device():
     assert _C.cuda_max_blocks_for(132) == 132
     assert _C.cuda_max_blocks_for(10**6) == _C.cuda_max_blocks == 256
     assert _C.cuda_max_blocks_for(0) == 1
+    # Ranks sharing a GPU share its SMs: every block of every rank must be resident at once.
+    assert _C.cuda_max_blocks_for(132, 4) == 33
+    assert _C.cuda_max_blocks_for(132, 200) == 1
 
 
 def test_data_flags_use_device_scope_only_when_every_rank_is_on_this_gpu():
