@@ -36,6 +36,8 @@ void bind_cuda(py::module_& m) {
   m.def("cuda_fused_blocks", &ringcoll::cuda::fused_blocks, py::arg("ring_count"), py::arg("world"),
         py::arg("slice_elems"), py::arg("elem_size"), py::arg("max_blocks"),
         "blocks of a fused launch (kernel_abi.h): one per tile of the longest slice, at most max_blocks");
+  m.def("cuda_slice_elems_for", &ringcoll::cuda::slice_elems_for, py::arg("slot_bytes"), py::arg("elem_size"),
+        "elements of a slice in a CUDA slot: the slot less the slack for placing data at any offset modulo 16");
   m.def("cuda_max_blocks_for", &ringcoll::cuda::max_blocks_for, py::arg("sm_count"), py::arg("ranks_per_gpu") = 1);
   m.def(
       "cuda_flag_scope_for", [](const std::vector<bool>& same_device) {

@@ -150,6 +150,10 @@ RINGCOLL_DEVICE inline uint64_t* block_flag(const char* base, int block, BlockFl
 RINGCOLL_DEVICE inline uint64_t* aborted_flag(const char* base) {
   return reinterpret_cast<uint64_t*>(const_cast<char*>(base) + kAbortedOffset);
 }
+// Where a rank's data sits in its slots during calls of this parity (see my_placement_).
+RINGCOLL_DEVICE inline uint64_t* placement_word(const char* base, uint64_t data_calls) {
+  return reinterpret_cast<uint64_t*>(const_cast<char*>(base) + kPlacementOffset) + data_calls % 2;
+}
 RINGCOLL_DEVICE inline DescriptorSlot* descriptor_slot(const char* base) {
   return reinterpret_cast<DescriptorSlot*>(const_cast<char*>(base) + kDescriptorOffset);
 }
@@ -181,9 +185,13 @@ class DeviceRingContext {
  public:
   RINGCOLL_DEVICE DeviceRingContext(const RingParams& p, BlockShared* shared, bool vectorise)
       : p_(p), shared_(shared), vectorise_(vectorise), block_(blockIdx.x), blocks_(gridDim.x),
-        slice_elems_(p.slot_bytes / static_cast<int64_t>(sizeof(T))) {
+        slice_elems_(slice_elems_for(p.slot_bytes, sizeof(T))) {
+    const void* user = p.collective == static_cast<int>(Collective::kAllGather) ? p.output : p.input;
+    const int misalignment = static_cast<int>(reinterpret_cast<uintptr_t>(user) % kVectorBytes);
+    my_placement_ = misalignment % static_cast<int>(sizeof(T)) == 0 ? misalignment : 0;
     base_ = p.state[0];
     for (int s = 0; s < kBanks * p.world; ++s) pubs_[s] = p.state[1 + s];
+    data_calls_ = p.state[kDataCallWord];
     last_grid_ = static_cast<int>(p.state[kGridWord]);
     calls_ = p.state[kCallWord];
   }
@@ -197,6 +205,7 @@ class DeviceRingContext {
     state[kBlocksDoneWord] = 0;  // the next launch is ordered after this one (stream order)
     state[0] = base_;
     for (int s = 0; s < kBanks * p_.world; ++s) state[1 + s] = pubs_[s];
+    state[kDataCallWord] = data_calls_;
     state[kGridWord] = static_cast<uint64_t>(last_grid_);
     state[kCallWord] = calls_;
   }
@@ -218,6 +227,16 @@ class DeviceRingContext {
     return true;
   }
 
+  // At the start of a call that moves data (its first unit): tell the right neighbour where
+  // this rank puts the data in its slots. Each block's thread 0 writes the (same) word
+  // before its first publication, whose release carries it to the neighbour's block. A
+  // word per call parity: a left neighbour may already be in the next call while we read.
+  RINGCOLL_DEVICE void announce_placement() {
+    ++data_calls_;
+    if (threadIdx.x == 0)
+      word_store_relaxed(placement_word(p_.my_base, data_calls_), static_cast<uint64_t>(my_placement_));
+  }
+
   RINGCOLL_DEVICE int rank() const { return p_.rank; }
   RINGCOLL_DEVICE int world() const { return p_.world; }
   RINGCOLL_DEVICE int banks() const { return kBanks; }
@@ -226,8 +245,8 @@ class DeviceRingContext {
   RINGCOLL_DEVICE uint64_t& last_publication(int slot) { return pubs_[slot]; }
   RINGCOLL_DEVICE void set_position(int64_t slice, int step) { slice_ = slice, step_ = step; }
 
-  RINGCOLL_DEVICE T* my_slot(int bank, int c) const { return slot_in(p_.my_base, bank, c); }
-  RINGCOLL_DEVICE const T* left_slot(int bank, int c) const { return slot_in(p_.left_base, bank, c); }
+  RINGCOLL_DEVICE T* my_slot(int bank, int c) const { return slot_in(p_.my_base, bank, c, my_placement_); }
+  RINGCOLL_DEVICE const T* left_slot(int bank, int c) const { return slot_in(p_.left_base, bank, c, left_placement_); }
   RINGCOLL_DEVICE const T* input_at(int c, int64_t offset) const {
     return static_cast<const T*>(p_.input) + offset +
            (p_.collective == static_cast<int>(Collective::kAllGather) ? 0 : chunk_begin(p_.ring_count, p_.world, c));
@@ -254,8 +273,12 @@ class DeviceRingContext {
     }
   }
 
+  // Once a publication of this call has arrived, so has the left neighbour's placement word.
   RINGCOLL_DEVICE bool wait_left_published(uint64_t v) {
-    return wait(block_flag(p_.left_base, block_, BlockFlag::kPublished), p_.flag_scope, v, left(), Awaited::kPublish);
+    if (!wait(block_flag(p_.left_base, block_, BlockFlag::kPublished), p_.flag_scope, v, left(), Awaited::kPublish))
+      return false;
+    left_placement_ = static_cast<int>(word_load_relaxed(placement_word(p_.left_base, data_calls_)));
+    return true;
   }
   RINGCOLL_DEVICE bool wait_right_consumed(uint64_t v) {
     return wait(block_flag(p_.right_base, block_, BlockFlag::kConsumed), p_.flag_scope, v, right(), Awaited::kConsume);
@@ -285,9 +308,15 @@ class DeviceRingContext {
  private:
   RINGCOLL_DEVICE int left() const { return left_neighbour(p_.rank, p_.world); }
   RINGCOLL_DEVICE int right() const { return right_neighbour(p_.rank, p_.world); }
-  RINGCOLL_DEVICE T* slot_in(const char* base, int bank, int c) const {
+  // Chunk c of the current slice in a slot, at the offset modulo 16 that chunk c of the
+  // writer's user memory has (`placement`: of its base pointer), so that a chunk whose user
+  // pointer is misaligned still agrees with the slot and moves in 16-byte vectors. Slices
+  // are multiples of 16 bytes (slice_elems_for), so the offset is the same in every slice.
+  RINGCOLL_DEVICE T* slot_in(const char* base, int bank, int c, int placement) const {
+    const int64_t offset = (placement + chunk_begin(p_.ring_count, p_.world, c) * static_cast<int64_t>(sizeof(T))) %
+                           kVectorBytes;
     return reinterpret_cast<T*>(const_cast<char*>(base) + kFlagAreaBytes +
-                                static_cast<size_t>(slot_index(bank, c, p_.world)) * p_.slot_bytes);
+                                static_cast<size_t>(slot_index(bank, c, p_.world)) * p_.slot_bytes + offset);
   }
   RINGCOLL_DEVICE void release(uint64_t* flag, uint64_t v) {
     __syncthreads();
@@ -382,6 +411,9 @@ class DeviceRingContext {
   uint64_t base_ = 0;
   uint64_t pubs_[kBanks * kMaxWorld];
   int last_grid_ = 0;   // blocks of the last launch that moved data (0: none yet)
+  uint64_t data_calls_ = 0;  // calls that moved data, this one included once announced
+  int my_placement_;         // my user pointer's offset modulo 16 (0 if not a multiple of sizeof(T))
+  int left_placement_ = 0;   // the left neighbour's, read from its placement word
   uint64_t calls_ = 0;  // calls checked so far, this one included once check_call() ran
   int64_t slice_ = 0;
   int step_ = -1;
@@ -398,6 +430,7 @@ RINGCOLL_DEVICE void ring_block(const RingParams& p, BlockShared& shared, bool v
   DeviceRingContext<T, Op> ctx(p, &shared, vectorise);
   bool ok = !p.check_call || ctx.check_call();
   if (ok && p.last_unit > p.first_unit) ok = ctx.drain_if_grid_changed();
+  if (ok && p.first_unit == 0 && p.last_unit > 0) ctx.announce_placement();
   if (ok) ok = run_ring_units(ctx, static_cast<Collective>(p.collective), p.ring_count, p.first_unit, p.last_unit);
   // A block that gave up leaves the bookkeeping stale: the communicator is broken anyway.
   if (ok) ctx.save_if_last_block();

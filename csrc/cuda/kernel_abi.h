@@ -7,8 +7,9 @@
 // Per-rank IPC allocation (one cudaMalloc, one handle):
 //
 //   [ flag area, kFlagAreaBytes: per block b < kMaxBlocks published, consumed; aborted;
-//                       the call descriptor; hello; finished[r] for r < kMaxWorld (128-byte
-//                       lines; docs/flags.md says who writes and reads each word)         ]
+//                       the call descriptor; hello; finished[r] for r < kMaxWorld; the
+//                       placement of the data in the slots, one word per call parity
+//                       (128-byte lines; docs/flags.md says who writes and reads each word) ]
 //   [ data area: kBanks x P slots of slot_bytes each (call.h)                           ]
 //
 // Block b of rank k talks only to block b of ranks k-1 and k+1 (its own tiles of every
@@ -45,18 +46,29 @@ constexpr size_t kDescriptorOffset = kAbortedOffset + kFlagStride;
 constexpr size_t kHelloOffset = kDescriptorOffset + kFlagStride;
 constexpr uint64_t kHelloMagic = 0x72696e67636f6c6cULL;  // "ringcoll"; the word holds magic ^ rank
 constexpr size_t kFinishedOffset = kHelloOffset + kFlagStride;
-constexpr size_t kFlagAreaBytes = (kFinishedOffset + kMaxWorld * sizeof(uint64_t) + 4095) / 4096 * 4096;  // 68 KiB
+constexpr size_t kPlacementOffset = kFinishedOffset + kFlagStride;
+constexpr size_t kFlagAreaBytes = (kPlacementOffset + kFlagStride + 4095) / 4096 * 4096;  // 68 KiB
 inline size_t finished_word_offset(int rank) { return kFinishedOffset + sizeof(uint64_t) * static_cast<size_t>(rank); }
+static_assert(kMaxWorld * sizeof(uint64_t) <= kFlagStride, "the finished words must fit their line");
+// Data sits in a slot at the offset modulo 16 of the user memory it comes from or goes to
+// (device_ring.h), so 16-byte vectors stay possible for misaligned user pointers; a slot
+// keeps this many bytes free for that, and a slice is what is left.
+constexpr int64_t kPlacementSlack = kVectorBytes;
+RINGCOLL_INLINE int64_t slice_elems_for(int64_t slot_bytes, int elem_size) {
+  return (slot_bytes - kPlacementSlack) / elem_size;
+}
 constexpr size_t kSlotAlignment = 128;  // a GPU cache line
-// The bookkeeping record: [0] step base, [1..] last publication per slot, [kGridWord] blocks
-// of the last launch that moved data, [kBlocksDoneWord] blocks of the running launch that
+// The bookkeeping record: [0] step base, [1..] last publication per slot, [kDataCallWord]
+// calls that moved data (its parity picks the placement word), [kGridWord] blocks of the
+// last launch that moved data, [kBlocksDoneWord] blocks of the running launch that
 // have finished, [kCallWord] calls checked so far. The call number lives on the device, not
 // the host, so a collective captured in a CUDA graph gets a new number at every replay.
 constexpr int kStateWords = 2 * kMaxWorld + 8;
+constexpr int kDataCallWord = kStateWords - 4;
 constexpr int kGridWord = kStateWords - 3;
 constexpr int kBlocksDoneWord = kStateWords - 2;
 constexpr int kCallWord = kStateWords - 1;
-static_assert(kBanks * kMaxWorld + 1 <= kGridWord, "bookkeeping must fit its words");
+static_assert(kBanks * kMaxWorld + 1 <= kDataCallWord, "bookkeeping must fit its words");
 static_assert(kDescriptorOffset + sizeof(DescriptorSlot) <= kHelloOffset, "the descriptor must fit its line");
 static_assert(kFlagAreaBytes % kSlotAlignment == 0, "slots start aligned after the flag area");
 
@@ -199,7 +211,7 @@ inline RingParams call_params(const RingCall& call, int rank, int world, size_t 
 // RingCall::elem_size.
 template <class Launch>
 void for_each_launch(RingParams p, KernelVariant variant, int elem_size, int max_blocks, Launch&& launch) {
-  const int64_t slice_elems = p.slot_bytes / elem_size;
+  const int64_t slice_elems = slice_elems_for(p.slot_bytes, elem_size);
   const int64_t units = ring_units(static_cast<Collective>(p.collective), p.ring_count, p.world, slice_elems);
   if (units == 0 && !p.check_call) return;  // a zero-length call still takes part in the check
   p.first_unit = 0, p.last_unit = units;

@@ -180,9 +180,9 @@ def test_grid_follows_the_message_and_flags_use_device_scope():
         assert ok
         assert max_blocks == _C.cuda_max_blocks_for(sms, world)  # world ranks share this GPU's SMs
         assert flag_scope == _C.cuda_flag_scope_device  # every rank on this GPU: .gpu flags
-    slot = _C.cuda_slot_bytes_for(64 << 20, world)
-    assert _C.cuda_fused_blocks(8 << 20, world, slot // 4, 4, results[0][0]) == results[0][0]  # a block per SM
-    assert _C.cuda_fused_blocks(1000, world, slot // 4, 4, results[0][0]) == 1
+    slice_elems = _C.cuda_slice_elems_for(_C.cuda_slot_bytes_for(64 << 20, world), 4)
+    assert _C.cuda_fused_blocks(8 << 20, world, slice_elems, 4, results[0][0]) == results[0][0]  # a block per SM
+    assert _C.cuda_fused_blocks(1000, world, slice_elems, 4, results[0][0]) == 1
 
 
 def _timeout(rank, world):

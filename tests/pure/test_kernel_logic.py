@@ -165,3 +165,14 @@ def test_data_flags_use_device_scope_only_when_every_rank_is_on_this_gpu():
     assert scope([True, True, True]) == _C.cuda_flag_scope_device  # P processes sharing one GPU
     assert scope([True, False, True]) == _C.cuda_flag_scope_system  # one peer on another GPU
     assert scope([True]) == _C.cuda_flag_scope_device
+
+
+def test_a_slice_leaves_room_to_place_data_at_any_offset_modulo_16():
+    """Data sits in a CUDA slot at its user pointer's offset modulo 16 (device_ring.h): a
+    slice is the slot less 16 bytes, a multiple of 16 bytes, so every slice of a chunk
+    starts at the same offset modulo 16 and the last byte of a placed slice stays inside."""
+    for slot in (128, 256, 1 << 20):
+        for elem_size in ELEM_SIZES:
+            elems = _C.cuda_slice_elems_for(slot, elem_size)
+            assert (elems * elem_size) % 16 == 0
+            assert elems * elem_size + 15 <= slot
