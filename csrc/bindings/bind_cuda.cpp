@@ -33,6 +33,19 @@ void bind_cuda(py::module_& m) {
   s.attr("vector_bytes") = ringcoll::kVectorBytes;
 
   m.attr("cuda_max_blocks") = ringcoll::cuda::kMaxBlocks;
+  m.def("cuda_fused_blocks", &ringcoll::cuda::fused_blocks, py::arg("ring_count"), py::arg("world"),
+        py::arg("slice_elems"), py::arg("elem_size"), py::arg("max_blocks"),
+        "blocks of a fused launch (kernel_abi.h): one per tile of the longest slice, at most max_blocks");
+  m.def("cuda_slice_elems_for", &ringcoll::cuda::slice_elems_for, py::arg("slot_bytes"), py::arg("elem_size"),
+        "elements of a slice in a CUDA slot: the slot less the slack for placing data at any offset modulo 16");
+  m.def("cuda_max_blocks_for", &ringcoll::cuda::max_blocks_for, py::arg("sm_count"), py::arg("ranks_per_gpu") = 1);
+  m.def(
+      "cuda_flag_scope_for", [](const std::vector<bool>& same_device) {
+        return static_cast<int>(ringcoll::cuda::flag_scope_for(same_device));
+      },
+      py::arg("same_device"), "the data flags' scope (flags.h FlagScope: 0 system, 1 device) for ranks on these GPUs");
+  m.attr("cuda_flag_scope_system") = static_cast<int>(ringcoll::FlagScope::kSystem);
+  m.attr("cuda_flag_scope_device") = static_cast<int>(ringcoll::FlagScope::kDevice);
   m.attr("cuda_max_world") = ringcoll::cuda::kMaxWorld;
   m.attr("cuda_slot_alignment") = ringcoll::cuda::kSlotAlignment;
   m.def(
@@ -47,8 +60,9 @@ void bind_cuda(py::module_& m) {
   using ringcoll::emulation::EmulatedRing;
   py::module_ e = m.def_submodule("emulation", "the CUDA ring kernels run on the CPU, ranks and blocks as threads");
   py::class_<EmulatedRing>(e, "Ring")
-      .def(py::init<int, size_t, double, int, int, bool>(), py::arg("world"), py::arg("buffer_bytes"),
-           py::arg("timeout"), py::arg("variant"), py::arg("threads_per_block") = 4, py::arg("check_calls") = true)
+      .def(py::init<int, size_t, double, int, int, bool, int>(), py::arg("world"), py::arg("buffer_bytes"),
+           py::arg("timeout"), py::arg("variant"), py::arg("threads_per_block") = 4, py::arg("check_calls") = true,
+           py::arg("max_blocks") = 8)
       .def(
           "run",
           [](EmulatedRing& ring, const std::vector<py::tuple>& calls) {
@@ -70,6 +84,7 @@ void bind_cuda(py::module_& m) {
           "each rank runs its calls in order, not waiting for the others between calls; "
           "returns (error_type, message) per call, ('', '') on success")
       .def_property_readonly("launches", &EmulatedRing::launches)
+      .def_property_readonly("blocks_launched", &EmulatedRing::blocks_launched)
       .def_property_readonly_static("CLOSE", [](py::object) { return ringcoll::emulation::kClose; })
       .def_property_readonly("slot_bytes", &EmulatedRing::slot_bytes);
 
@@ -98,6 +113,8 @@ void bind_cuda(py::module_& m) {
       .def_property_readonly("world", &CudaComm::world)
       .def_property_readonly("device", &CudaComm::device)
       .def_property_readonly("slot_bytes", &CudaComm::slot_bytes)
+      .def_property_readonly("max_blocks", &CudaComm::max_blocks)
+      .def_property_readonly("flag_scope", &CudaComm::flag_scope)
       .def_property_readonly("variant", &CudaComm::variant)
       .def_property_readonly("check_calls", &CudaComm::check_calls)
       .def_property_readonly("broken", &CudaComm::broken)

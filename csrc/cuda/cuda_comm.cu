@@ -23,7 +23,15 @@ struct HandleMessage {
   cudaIpcMemHandle_t handle;
   int32_t device;
   int32_t rank;
+  int32_t sm_count;    // its GPU's SMs (max_blocks_for)
+  cudaUUID_t gpu;      // which physical GPU (ordinals differ between processes' CUDA_VISIBLE_DEVICES)
 };
+
+cudaUUID_t gpu_uuid(int device) {
+  cudaDeviceProp prop;
+  RINGCOLL_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  return prop.uuid;
+}
 }  // namespace
 
 CudaComm::CudaComm(int rank, int world, int device, size_t buffer_bytes, double timeout_seconds, bool check_calls,
@@ -40,13 +48,14 @@ CudaComm::CudaComm(int rank, int world, int device, size_t buffer_bytes, double 
                  variant);
   try {
     RINGCOLL_CUDA_CHECK(cudaSetDevice(device_));
+    RINGCOLL_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_));
     const size_t total = kFlagAreaBytes + static_cast<size_t>(kBanks) * world_ * slot_bytes_;
     RINGCOLL_CUDA_CHECK(cudaMalloc(&base_, total));
     // Flags start at 0 and only grow; peers map this allocation only after the handles
     // went round (after this constructor), so the zeroing is done before anyone reads it.
     RINGCOLL_CUDA_CHECK(cudaMemset(base_, 0, kFlagAreaBytes));
-    RINGCOLL_CUDA_CHECK(cudaMalloc(&state_, sizeof(uint64_t) * kMaxBlocks * kStateWords));
-    RINGCOLL_CUDA_CHECK(cudaMemset(state_, 0, sizeof(uint64_t) * kMaxBlocks * kStateWords));
+    RINGCOLL_CUDA_CHECK(cudaMalloc(&state_, sizeof(uint64_t) * kStateWords));
+    RINGCOLL_CUDA_CHECK(cudaMemset(state_, 0, sizeof(uint64_t) * kStateWords));
     RINGCOLL_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&errors_host_), sizeof(ErrorRecord) * kMaxBlocks,
                                       cudaHostAllocMapped | cudaHostAllocPortable));
     std::memset(errors_host_, 0, sizeof(ErrorRecord) * kMaxBlocks);
@@ -82,6 +91,8 @@ std::string CudaComm::handle_bytes() const {
   RINGCOLL_CUDA_CHECK(cudaIpcGetMemHandle(&msg.handle, base_));
   msg.device = device_;
   msg.rank = rank_;
+  msg.sm_count = sm_count_;
+  msg.gpu = gpu_uuid(device_);
   return std::string(reinterpret_cast<const char*>(&msg), sizeof(msg));
 }
 
@@ -101,6 +112,10 @@ void CudaComm::open_peers(const std::vector<std::string>& handles) {
 }
 
 void CudaComm::map_peers(const std::vector<std::string>& handles) {
+  const cudaUUID_t mine = gpu_uuid(device_);
+  std::vector<bool> same_gpu(static_cast<size_t>(world_), true);
+  std::vector<cudaUUID_t> gpus(static_cast<size_t>(world_), mine);
+  int least_sms = sm_count_;
   for (int r = 0; r < world_; ++r) {
     if (r == rank_) continue;
     RINGCOLL_CHECK(handles[r].size() == sizeof(HandleMessage), std::invalid_argument,
@@ -109,6 +124,9 @@ void CudaComm::map_peers(const std::vector<std::string>& handles) {
     HandleMessage msg;
     std::memcpy(&msg, handles[r].data(), sizeof(msg));
     RINGCOLL_CHECK(msg.rank == r, std::invalid_argument, "Communicator: handle ", r, " came from rank ", msg.rank);
+    if (msg.sm_count < least_sms) least_sms = msg.sm_count;
+    gpus[r] = msg.gpu;
+    same_gpu[r] = std::memcmp(&msg.gpu, &mine, sizeof(mine)) == 0;
     if (msg.device != device_) {
       int can = 0;
       RINGCOLL_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, device_, msg.device));
@@ -130,6 +148,17 @@ void CudaComm::map_peers(const std::vector<std::string>& handles) {
                    " instead of its hello word ", kHelloMagic ^ static_cast<uint64_t>(r),
                    "; IPC between these processes does not work here");
   }
+  flag_scope_ = flag_scope_for(same_gpu);
+  // Every rank sees every handle, so all compute the same grid bound (block b talks to block b).
+  int ranks_per_gpu = 1;
+  for (const cudaUUID_t& g : gpus) {
+    int here = 0;
+    for (const cudaUUID_t& h : gpus) here += std::memcmp(&g, &h, sizeof(g)) == 0;
+    if (here > ranks_per_gpu) ranks_per_gpu = here;
+  }
+  max_blocks_ = max_blocks_for(least_sms, ranks_per_gpu);
+  RINGCOLL_CHECK(max_blocks_ >= 1 && max_blocks_ <= kMaxBlocks, Error, "Communicator: a grid of ", max_blocks_,
+                 " blocks does not fit the flag area (kMaxBlocks = ", kMaxBlocks, ")");
 }
 
 void CudaComm::ensure_usable(const char* op) const {
@@ -166,6 +195,7 @@ void CudaComm::launch(const char* op, Collective coll, uintptr_t input, uintptr_
                  op, ": unsupported dtype/op ", dtype, "/", reduce_op);
   RINGCOLL_CUDA_CHECK(cudaSetDevice(device_));
   auto user = reinterpret_cast<cudaStream_t>(stream);
+  const FlagScope scope = flag_scope_;
   auto own = static_cast<cudaStream_t>(stream_);
   // Our stream runs after everything the caller queued so far (the inputs are ready), and
   // successive collectives stay in order on it whatever streams callers use.
@@ -177,11 +207,11 @@ void CudaComm::launch(const char* op, Collective coll, uintptr_t input, uintptr_
   };
   run_call(call, world_, reinterpret_cast<const void*>(input), reinterpret_cast<void*>(output), copy, [&] {
     const LaunchMemory memory{base_, peers_[left_neighbour(rank_, world_)], peers_[right_neighbour(rank_, world_)],
-                              state_, errors_device_, reinterpret_cast<const void*>(input),
+                              scope, state_, errors_device_, reinterpret_cast<const void*>(input),
                               reinterpret_cast<void*>(output)};
     const RingParams p = call_params(call, rank_, world_, slot_bytes_, timeout_seconds_, check_calls_, variant_, memory);
     try {
-      for_each_launch(p, variant_, call.elem_size, [&](const RingParams& q, int blocks, bool vectorise) {
+      for_each_launch(p, variant_, call.elem_size, max_blocks_, [&](const RingParams& q, int blocks, bool vectorise) {
         launch_ring(q, blocks, vectorise, own);
       });
     } catch (const std::exception& e) {

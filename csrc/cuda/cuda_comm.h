@@ -52,6 +52,8 @@ class CudaComm {
   int world() const { return world_; }
   int device() const { return device_; }
   size_t slot_bytes() const { return slot_bytes_; }
+  int max_blocks() const { return max_blocks_; }
+  int flag_scope() const { return static_cast<int>(flag_scope_); }
   int variant() const { return static_cast<int>(variant_); }
   bool check_calls() const { return check_calls_; }
   bool broken() const { return !broken_reason_.empty(); }
@@ -69,11 +71,14 @@ class CudaComm {
 
   int rank_, world_, device_;
   size_t buffer_bytes_, slot_bytes_;
+  int sm_count_ = 0;                     // this GPU's SMs
+  int max_blocks_ = 1;                   // most blocks of a fused launch (max_blocks_for), agreed by all ranks
+  FlagScope flag_scope_ = FlagScope::kSystem;  // of the data flags: kDevice once every peer is seen on this GPU
   double timeout_seconds_;
   bool check_calls_;
   KernelVariant variant_;
   char* base_ = nullptr;                 // own IPC allocation: flags, then data
-  uint64_t* state_ = nullptr;            // private: kMaxBlocks x kStateWords
+  uint64_t* state_ = nullptr;            // private: the bookkeeping record, kStateWords
   ErrorRecord* errors_host_ = nullptr;   // host-mapped, kMaxBlocks records
   ErrorRecord* errors_device_ = nullptr;
   void* stream_ = nullptr;               // cudaStream_t

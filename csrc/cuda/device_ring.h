@@ -8,14 +8,15 @@
 //
 // Memory ordering. Within a block, one thread (thread 0) does every flag access:
 //   publish:  all threads store their part of the data; __syncthreads(); thread 0 does a
-//             st.release.sys of the flag. bar.sync orders the other threads' stores before
+//             st.release of the flag (.gpu when every rank runs on this GPU, else .sys:
+//             RingParams::flag_scope). bar.sync orders the other threads' stores before
 //             thread 0's subsequent operations at CTA scope, and PTX release is cumulative:
 //             writes observed-before the release by the releasing thread (which includes
 //             those ordered before it by the barrier) become visible, at system scope, to
 //             whoever acquires the flag. This is the pattern the PTX memory model's
 //             causality order is built for (barrier then release), and the one vLLM's and
 //             mscclpp's one-writer flags rely on.
-//   wait:     thread 0 polls with ld.acquire.sys until the value arrives; __syncthreads();
+//   wait:     thread 0 polls with ld.acquire (same scope) until the value arrives; __syncthreads();
 //             the other threads then read the data: acquire -> barrier is again a causality
 //             chain, so their reads see what the peer published.
 //   consumed: the same as publish, for reads: a peer overwrites a slot only after acquiring
@@ -57,19 +58,34 @@ RINGCOLL_DEVICE inline uint4 load16(const void* p) { return *static_cast<const u
 RINGCOLL_DEVICE inline void store16(void* p, uint4 v) { *static_cast<uint4*>(p) = v; }
 
 // How a block's threads cover [0, len) of some pointers: in 16-byte vectors where all of
-// them allow (and `vectorise`), else and around those one element at a time. vec_at(i)
-// handles elements i .. i + Pack<T>::kElems - 1, one_at(i) element i; thread t takes
-// vectors t, t + blockDim.x, ..., then the head and tail elements likewise.
-template <typename T, class VecAt, class OneAt>
+// them allow (and `vectorise`), else and around those one element at a time. Thread t takes
+// vectors t, t + blockDim.x, ..., kVectorsInFlight of them at a time: `load(i)` reads the
+// vector at element i into registers, for every vector of the batch, and only then
+// `store(i, loaded)` combines and writes each. A thread that stored after every load would
+// wait a whole memory round trip per vector; a batch keeps kVectorsInFlight loads
+// outstanding (a store between two loads would keep the compiler, which must assume the
+// pointers alias, from hoisting the second). What is left after the whole batches goes
+// one vector at a time, then the scalar head and tail elements (`one_at(i)`) likewise.
+template <typename T, class Load, class Store, class OneAt>
 RINGCOLL_DEVICE void for_each_in_range(int64_t len, bool vectorise, const void* a, const void* b, const void* c,
-                                       const void* d, VecAt&& vec_at, OneAt&& one_at) {
+                                       const void* d, Load&& load, Store&& store, OneAt&& one_at) {
   const VectorSplit split =
       vectorise ? vector_split(len, sizeof(T), reinterpret_cast<uintptr_t>(a), reinterpret_cast<uintptr_t>(b),
                                reinterpret_cast<uintptr_t>(c), reinterpret_cast<uintptr_t>(d))
                 : VectorSplit{len, 0, 0};
   const int64_t tid = threadIdx.x, stride = blockDim.x;
   constexpr int64_t kPer = Pack<T>::kElems;
-  for (int64_t v = tid; v < split.vec / kPer; v += stride) vec_at(split.head + v * kPer);
+  const int64_t vectors = split.vec / kPer;
+  auto element_of = [&](int64_t vector) { return split.head + vector * kPer; };
+  int64_t v = tid;
+  for (; v + (kVectorsInFlight - 1) * stride < vectors; v += kVectorsInFlight * stride) {
+    decltype(load(int64_t{0})) loaded[kVectorsInFlight];
+#pragma unroll
+    for (int k = 0; k < kVectorsInFlight; ++k) loaded[k] = load(element_of(v + k * stride));
+#pragma unroll
+    for (int k = 0; k < kVectorsInFlight; ++k) store(element_of(v + k * stride), loaded[k]);
+  }
+  for (; v < vectors; v += stride) store(element_of(v), load(element_of(v)));
   for (int64_t k = tid; k < split.head + split.tail; k += stride) one_at(k < split.head ? k : k + split.vec);
 }
 
@@ -79,9 +95,8 @@ RINGCOLL_DEVICE void copy_range(T* dst, T* dst2, const T* src, int64_t len, bool
   if (dst2 == src) dst2 = nullptr;  // in place: the value is already there
   if (dst == nullptr && dst2 == nullptr) return;
   for_each_in_range<T>(
-      len, vectorise, dst, dst2, src, nullptr,
-      [&](int64_t i) {
-        const uint4 x = load16(src + i);
+      len, vectorise, dst, dst2, src, nullptr, [&](int64_t i) { return load16(src + i); },
+      [&](int64_t i, uint4 x) {
         if (dst != nullptr) store16(dst + i, x);
         if (dst2 != nullptr) store16(dst2 + i, x);
       },
@@ -98,6 +113,11 @@ RINGCOLL_DEVICE inline T combine(T recv, T own, int world) {
   else return combine_element<T, Op>(recv, own);
 }
 
+// The two vectors a reduction combines, loaded together.
+struct VectorPair {
+  uint4 recv, own;
+};
+
 // to_right (if any) and to_output (if any) = recv op own over [0, len). `own` may alias
 // `to_output` (in place): each element is read before it is written, by the same thread.
 template <typename T, class Op, bool kFinal>
@@ -105,10 +125,11 @@ RINGCOLL_DEVICE void reduce_range(T* to_right, T* to_output, const T* recv, cons
                                   bool vectorise) {
   for_each_in_range<T>(
       len, vectorise, to_right, to_output, recv, own,
-      [&](int64_t i) {
+      [&](int64_t i) { return VectorPair{load16(recv + i), load16(own + i)}; },
+      [&](int64_t i, const VectorPair& loaded) {
         Pack<T> a, b, r;
-        a.raw = load16(recv + i);
-        b.raw = load16(own + i);
+        a.raw = loaded.recv;
+        b.raw = loaded.own;
 #pragma unroll
         for (int e = 0; e < Pack<T>::kElems; ++e) r.elems[e] = combine<T, Op, kFinal>(a.elems[e], b.elems[e], world);
         if (to_right != nullptr) store16(to_right + i, r.raw);
@@ -129,6 +150,10 @@ RINGCOLL_DEVICE inline uint64_t* block_flag(const char* base, int block, BlockFl
 RINGCOLL_DEVICE inline uint64_t* aborted_flag(const char* base) {
   return reinterpret_cast<uint64_t*>(const_cast<char*>(base) + kAbortedOffset);
 }
+// Where a rank's data sits in its slots during calls of this parity (see my_placement_).
+RINGCOLL_DEVICE inline uint64_t* placement_word(const char* base, uint64_t data_calls) {
+  return reinterpret_cast<uint64_t*>(const_cast<char*>(base) + kPlacementOffset) + data_calls % 2;
+}
 RINGCOLL_DEVICE inline DescriptorSlot* descriptor_slot(const char* base) {
   return reinterpret_cast<DescriptorSlot*>(const_cast<char*>(base) + kDescriptorOffset);
 }
@@ -138,28 +163,78 @@ struct BlockShared {
   int failed;  // set by thread 0 when the block gave up
 };
 
+// How a wait polls. Only one poll in kPollsPerAbortCheck also reads the three `aborted`
+// flags: they serve to give up, which may be noticed microseconds late, while on the fast
+// path each extra load is one more round trip (to L2, or across the interconnect) before
+// the awaited value is seen. The clock (%globaltimer, a register, not memory) is read at
+// every poll, and a wait that runs out of time looks at the `aborted` flags once more, so
+// a neighbour's earlier failure is reported as such. After kPollsBeforeNapping polls the
+// waiter naps between polls, leaving issue slots to the blocks it waits for.
+constexpr unsigned kPollsPerAbortCheck = 32;
+constexpr unsigned kPollsBeforeNapping = 64;
+
 // Which flag a wait is for, as ErrorRecord::waiting_for says it.
 enum class Awaited : int { kPublish = 0, kConsume = 1, kDescriptor = 2 };
 
-// The device execution context of ring_loop.h. Every thread of the block holds its own
-// identical copy of the bookkeeping (step base, last publication per slot): all threads run
-// the same loop, so the copies agree without any sharing.
+// The device execution context of ring_loop.h. Every thread of every block holds its own
+// identical copy of the bookkeeping (step base, last publication per slot), read from the
+// one record at the start: all threads run the same loop, so the copies agree without any
+// sharing, and the last block to finish writes them back (save_if_last_block).
 template <typename T, class Op>
 class DeviceRingContext {
  public:
   RINGCOLL_DEVICE DeviceRingContext(const RingParams& p, BlockShared* shared, bool vectorise)
       : p_(p), shared_(shared), vectorise_(vectorise), block_(blockIdx.x), blocks_(gridDim.x),
-        slice_elems_(p.slot_bytes / static_cast<int64_t>(sizeof(T))) {
-    const uint64_t* state = p.state + static_cast<int64_t>(block_) * kStateWords;
-    base_ = state[0];
-    for (int s = 0; s < kBanks * p.world; ++s) pubs_[s] = state[1 + s];
-    calls_ = state[kCallWord];
+        slice_elems_(slice_elems_for(p.slot_bytes, sizeof(T))) {
+    const void* user = p.collective == static_cast<int>(Collective::kAllGather) ? p.output : p.input;
+    const int misalignment = static_cast<int>(reinterpret_cast<uintptr_t>(user) % kVectorBytes);
+    my_placement_ = misalignment % static_cast<int>(sizeof(T)) == 0 ? misalignment : 0;
+    base_ = p.state[0];
+    for (int s = 0; s < kBanks * p.world; ++s) pubs_[s] = p.state[1 + s];
+    data_calls_ = p.state[kDataCallWord];
+    last_grid_ = static_cast<int>(p.state[kGridWord]);
+    calls_ = p.state[kCallWord];
   }
-  RINGCOLL_DEVICE void save() const {
-    uint64_t* state = p_.state + static_cast<int64_t>(block_) * kStateWords;
+  // By every thread, at the end of a launch that went well. A block counts itself done
+  // once all its threads have read the record, so the last one to count may overwrite it.
+  RINGCOLL_DEVICE void save_if_last_block() {
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    uint64_t* state = p_.state;
+    if (counter_add_acq_rel(&state[kBlocksDoneWord], 1) != static_cast<uint64_t>(blocks_ - 1)) return;
+    state[kBlocksDoneWord] = 0;  // the next launch is ordered after this one (stream order)
     state[0] = base_;
     for (int s = 0; s < kBanks * p_.world; ++s) state[1 + s] = pubs_[s];
+    state[kDataCallWord] = data_calls_;
+    state[kGridWord] = static_cast<uint64_t>(last_grid_);
     state[kCallWord] = calls_;
+  }
+
+  // Which block owns which tile depends on the grid (strip.h), so in a launch whose grid
+  // differs from that of the last one that moved data, a slot a block refills may still be
+  // read by another block of the right neighbour than its own. Before any slot is written,
+  // wait until every block of that grid on the right neighbour has consumed all we
+  // published before this call: then no slot holds anything unread, and the per-slot waits
+  // of ring_loop.h (on our own neighbour block, which may not have run) are dropped. Costs
+  // one ring round trip, only when the grid changes. False if this block gave up.
+  RINGCOLL_DEVICE bool drain_if_grid_changed() {
+    if (last_grid_ == blocks_) return true;
+    for (int b = 0; b < last_grid_; ++b)
+      if (!wait(block_flag(p_.right_base, b, BlockFlag::kConsumed), p_.flag_scope, base_, right(), Awaited::kConsume))
+        return false;
+    for (int s = 0; s < kBanks * p_.world; ++s) pubs_[s] = 0;
+    last_grid_ = blocks_;
+    return true;
+  }
+
+  // At the start of a call that moves data (its first unit): tell the right neighbour where
+  // this rank puts the data in its slots. Each block's thread 0 writes the (same) word
+  // before its first publication, whose release carries it to the neighbour's block. A
+  // word per call parity: a left neighbour may already be in the next call while we read.
+  RINGCOLL_DEVICE void announce_placement() {
+    ++data_calls_;
+    if (threadIdx.x == 0)
+      word_store_relaxed(placement_word(p_.my_base, data_calls_), static_cast<uint64_t>(my_placement_));
   }
 
   RINGCOLL_DEVICE int rank() const { return p_.rank; }
@@ -170,8 +245,8 @@ class DeviceRingContext {
   RINGCOLL_DEVICE uint64_t& last_publication(int slot) { return pubs_[slot]; }
   RINGCOLL_DEVICE void set_position(int64_t slice, int step) { slice_ = slice, step_ = step; }
 
-  RINGCOLL_DEVICE T* my_slot(int bank, int c) const { return slot_in(p_.my_base, bank, c); }
-  RINGCOLL_DEVICE const T* left_slot(int bank, int c) const { return slot_in(p_.left_base, bank, c); }
+  RINGCOLL_DEVICE T* my_slot(int bank, int c) const { return slot_in(p_.my_base, bank, c, my_placement_); }
+  RINGCOLL_DEVICE const T* left_slot(int bank, int c) const { return slot_in(p_.left_base, bank, c, left_placement_); }
   RINGCOLL_DEVICE const T* input_at(int c, int64_t offset) const {
     return static_cast<const T*>(p_.input) + offset +
            (p_.collective == static_cast<int>(Collective::kAllGather) ? 0 : chunk_begin(p_.ring_count, p_.world, c));
@@ -198,11 +273,15 @@ class DeviceRingContext {
     }
   }
 
+  // Once a publication of this call has arrived, so has the left neighbour's placement word.
   RINGCOLL_DEVICE bool wait_left_published(uint64_t v) {
-    return wait(block_flag(p_.left_base, block_, BlockFlag::kPublished), v, left(), Awaited::kPublish);
+    if (!wait(block_flag(p_.left_base, block_, BlockFlag::kPublished), p_.flag_scope, v, left(), Awaited::kPublish))
+      return false;
+    left_placement_ = static_cast<int>(word_load_relaxed(placement_word(p_.left_base, data_calls_)));
+    return true;
   }
   RINGCOLL_DEVICE bool wait_right_consumed(uint64_t v) {
-    return wait(block_flag(p_.right_base, block_, BlockFlag::kConsumed), v, right(), Awaited::kConsume);
+    return wait(block_flag(p_.right_base, block_, BlockFlag::kConsumed), p_.flag_scope, v, right(), Awaited::kConsume);
   }
   // See the file comment for why barrier + one release store orders every thread's writes.
   RINGCOLL_DEVICE void publish(uint64_t v) { release(block_flag(p_.my_base, block_, BlockFlag::kPublished), v); }
@@ -213,7 +292,7 @@ class DeviceRingContext {
     const uint64_t call = ++calls_;
     if (block_ == 0 && threadIdx.x == 0) publish_descriptor(descriptor_slot(p_.my_base), p_.call, call);
     const DescriptorSlot* theirs = descriptor_slot(p_.left_base);
-    if (!wait(&theirs->seq, descriptor_seq_written(call), left(), Awaited::kDescriptor)) return false;
+    if (!wait(&theirs->seq, FlagScope::kSystem, descriptor_seq_written(call), left(), Awaited::kDescriptor)) return false;
     if (threadIdx.x == 0) {
       CallDescriptor seen{};
       const PeerCall verdict = compare_descriptor(theirs, p_.call, call, &seen);
@@ -229,13 +308,19 @@ class DeviceRingContext {
  private:
   RINGCOLL_DEVICE int left() const { return left_neighbour(p_.rank, p_.world); }
   RINGCOLL_DEVICE int right() const { return right_neighbour(p_.rank, p_.world); }
-  RINGCOLL_DEVICE T* slot_in(const char* base, int bank, int c) const {
+  // Chunk c of the current slice in a slot, at the offset modulo 16 that chunk c of the
+  // writer's user memory has (`placement`: of its base pointer), so that a chunk whose user
+  // pointer is misaligned still agrees with the slot and moves in 16-byte vectors. Slices
+  // are multiples of 16 bytes (slice_elems_for), so the offset is the same in every slice.
+  RINGCOLL_DEVICE T* slot_in(const char* base, int bank, int c, int placement) const {
+    const int64_t offset = (placement + chunk_begin(p_.ring_count, p_.world, c) * static_cast<int64_t>(sizeof(T))) %
+                           kVectorBytes;
     return reinterpret_cast<T*>(const_cast<char*>(base) + kFlagAreaBytes +
-                                static_cast<size_t>(slot_index(bank, c, p_.world)) * p_.slot_bytes);
+                                static_cast<size_t>(slot_index(bank, c, p_.world)) * p_.slot_bytes + offset);
   }
   RINGCOLL_DEVICE void release(uint64_t* flag, uint64_t v) {
     __syncthreads();
-    if (threadIdx.x == 0) flag_store_release(flag, v);
+    if (threadIdx.x == 0) flag_store_release(flag, v, p_.flag_scope);
   }
   // Every thread learns whether thread 0 gave up; false if it did.
   RINGCOLL_DEVICE bool block_agrees() {
@@ -246,21 +331,28 @@ class DeviceRingContext {
   }
 
   // Thread 0 polls (bounded by the timeout, ended early when someone gave up), then the
-  // block learns the outcome together. Both neighbours' `aborted` flags are read *before*
-  // the awaited flag: a neighbour sets it only after everything it published, so a
-  // neighbour that finished its part and closed is never mistaken for one that left us
-  // waiting. A closed neighbour stops us only if it is the one we wait for.
-  RINGCOLL_DEVICE bool wait(const uint64_t* flag, uint64_t target, int peer, Awaited what) {
-    if (threadIdx.x == 0 && flag_load_acquire(flag) < target) {
+  // block learns the outcome together. Most polls read the awaited flag alone; every
+  // kPollsPerAbortCheck-th, and the last, also reads the `aborted` flags. Both neighbours'
+  // `aborted` flags are read *before* the awaited flag: a neighbour sets it only after
+  // everything it published, so a neighbour that finished its part and closed is never
+  // mistaken for one that left us waiting. A closed neighbour stops us only if it is the one we wait for.
+  RINGCOLL_DEVICE bool wait(const uint64_t* flag, FlagScope scope, uint64_t target, int peer, Awaited what) {
+    if (threadIdx.x == 0 && flag_load_acquire(flag, scope) < target) {
       const int other = peer == left() ? right() : left();
       const char* peer_base = peer == left() ? p_.left_base : p_.right_base;
       const char* other_base = peer == left() ? p_.right_base : p_.left_base;
       const uint64_t start = device_now_ns();
-      for (unsigned polls = 0;; ++polls) {
-        if (polls > 64) __nanosleep(200);  // a long wait: leave issue slots to the peer
+      for (unsigned polls = 1;; ++polls) {
+        if (polls > kPollsBeforeNapping) __nanosleep(200);  // a long wait: leave issue slots to the peer
+        const uint64_t waited = device_now_ns() - start;
+        const bool out_of_time = waited > p_.timeout_ns;
+        if (!out_of_time && polls % kPollsPerAbortCheck != 0) {
+          if (flag_load_acquire(flag, scope) >= target) break;
+          continue;
+        }
         const uint64_t peer_cause = flag_load_acquire(aborted_flag(peer_base));
         const uint64_t other_cause = flag_load_acquire(aborted_flag(other_base));
-        const uint64_t seen = flag_load_acquire(flag);
+        const uint64_t seen = flag_load_acquire(flag, scope);
         if (seen >= target) break;
         if (peer_cause != 0 || (other_cause != 0 && other_cause != static_cast<uint64_t>(AbortCause::kClosed))) {
           const bool awaited = peer_cause != 0;
@@ -272,8 +364,7 @@ class DeviceRingContext {
           shared_->failed = 1;
           break;
         }
-        const uint64_t waited = device_now_ns() - start;
-        if (waited > p_.timeout_ns) {
+        if (out_of_time) {
           give_up(AbortCause::kTimedOut, AbortCause::kNone, peer, what, target, seen, waited, nullptr);
           break;
         }
@@ -319,6 +410,10 @@ class DeviceRingContext {
   int64_t slice_elems_;
   uint64_t base_ = 0;
   uint64_t pubs_[kBanks * kMaxWorld];
+  int last_grid_ = 0;   // blocks of the last launch that moved data (0: none yet)
+  uint64_t data_calls_ = 0;  // calls that moved data, this one included once announced
+  int my_placement_;         // my user pointer's offset modulo 16 (0 if not a multiple of sizeof(T))
+  int left_placement_ = 0;   // the left neighbour's, read from its placement word
   uint64_t calls_ = 0;  // calls checked so far, this one included once check_call() ran
   int64_t slice_ = 0;
   int step_ = -1;
@@ -334,9 +429,11 @@ RINGCOLL_DEVICE void ring_block(const RingParams& p, BlockShared& shared, bool v
   if (broken) return;  // this rank gave up earlier: launches queued behind that do nothing
   DeviceRingContext<T, Op> ctx(p, &shared, vectorise);
   bool ok = !p.check_call || ctx.check_call();
+  if (ok && p.last_unit > p.first_unit) ok = ctx.drain_if_grid_changed();
+  if (ok && p.first_unit == 0 && p.last_unit > 0) ctx.announce_placement();
   if (ok) ok = run_ring_units(ctx, static_cast<Collective>(p.collective), p.ring_count, p.first_unit, p.last_unit);
-  // A block that gave up leaves its bookkeeping stale: the communicator is broken anyway.
-  if (ok && threadIdx.x == 0) ctx.save();
+  // A block that gave up leaves the bookkeeping stale: the communicator is broken anyway.
+  if (ok) ctx.save_if_last_block();
 }
 
 }  // namespace ringcoll::cuda

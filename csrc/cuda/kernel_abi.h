@@ -6,49 +6,104 @@
 //
 // Per-rank IPC allocation (one cudaMalloc, one handle):
 //
-//   [ flag area, 4 KiB: per block b < kMaxBlocks published, consumed; aborted; the call
-//                       descriptor; hello; finished[r] for r < kMaxWorld (128-byte lines;
-//                       docs/flags.md says who writes and reads each word)              ]
+//   [ flag area, kFlagAreaBytes: per block b < kMaxBlocks published, consumed; aborted;
+//                       the call descriptor; hello; finished[r] for r < kMaxWorld; the
+//                       placement of the data in the slots, one word per call parity
+//                       (128-byte lines; docs/flags.md says who writes and reads each word) ]
 //   [ data area: kBanks x P slots of slot_bytes each (call.h)                           ]
 //
 // Block b of rank k talks only to block b of ranks k-1 and k+1 (its own tiles of every
-// chunk), so blocks never wait for each other. Per-block bookkeeping (step base and the
-// last publication of every slot, see ring_loop.h) lives in a private device array that
-// persists between launches, like HostComm's members.
+// chunk), so blocks never wait for each other. A fused launch has fused_blocks() blocks:
+// sized from the message and the device (its SM count), so it changes between calls; the
+// kernel then drains the ring before any slot changes hands (device_ring.h). The
+// bookkeeping (step base, the last publication of every slot, see ring_loop.h) is one
+// record in a private device array that persists between launches, like HostComm's
+// members: every block computes the same values, and the last block to finish writes them.
 #pragma once
 
 #include <cstdint>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "ringcoll/call.h"
 #include "ringcoll/descriptor.h"
+#include "ringcoll/flags.h"
 #include "ringcoll/ring_loop.h"
+#include "ringcoll/strip.h"
 
 namespace ringcoll::cuda {
 
-constexpr int kMaxBlocks = 8;          // the fast variant's grid; flag area sized for it
+// The most blocks a fused launch may have: the flag area, the error records and the
+// bookkeeping are sized for it. A block per SM is the most a launch uses (fused_blocks),
+// and GPUs today have fewer SMs than this (H100/H200: 132, B200: 148); a device with more
+// runs with kMaxBlocks (CudaComm's constructor).
+constexpr int kMaxBlocks = 256;
 constexpr int kMaxWorld = 16;          // per-thread copy of the slot bookkeeping is sized for it
-constexpr size_t kFlagAreaBytes = 4096;
 constexpr size_t kFlagStride = 128;    // one flag per 128-byte line
 constexpr size_t kAbortedOffset = 2 * kMaxBlocks * kFlagStride;
 constexpr size_t kDescriptorOffset = kAbortedOffset + kFlagStride;
 constexpr size_t kHelloOffset = kDescriptorOffset + kFlagStride;
 constexpr uint64_t kHelloMagic = 0x72696e67636f6c6cULL;  // "ringcoll"; the word holds magic ^ rank
 constexpr size_t kFinishedOffset = kHelloOffset + kFlagStride;
+constexpr size_t kPlacementOffset = kFinishedOffset + kFlagStride;
+constexpr size_t kFlagAreaBytes = (kPlacementOffset + kFlagStride + 4095) / 4096 * 4096;  // 68 KiB
 inline size_t finished_word_offset(int rank) { return kFinishedOffset + sizeof(uint64_t) * static_cast<size_t>(rank); }
+static_assert(kMaxWorld * sizeof(uint64_t) <= kFlagStride, "the finished words must fit their line");
+// Data sits in a slot at the offset modulo 16 of the user memory it comes from or goes to
+// (device_ring.h), so 16-byte vectors stay possible for misaligned user pointers; a slot
+// keeps this many bytes free for that, and a slice is what is left.
+constexpr int64_t kPlacementSlack = kVectorBytes;
+RINGCOLL_INLINE int64_t slice_elems_for(int64_t slot_bytes, int elem_size) {
+  return (slot_bytes - kPlacementSlack) / elem_size;
+}
 constexpr size_t kSlotAlignment = 128;  // a GPU cache line
-// Per block: [0] step base, [1..] last publication per slot, [kCallWord] calls checked so far.
-// The call number lives on the device, not the host, so a collective captured in a CUDA
-// graph gets a new number at every replay.
+// The bookkeeping record: [0] step base, [1..] last publication per slot, [kDataCallWord]
+// calls that moved data (its parity picks the placement word), [kGridWord] blocks of the
+// last launch that moved data, [kBlocksDoneWord] blocks of the running launch that
+// have finished, [kCallWord] calls checked so far. The call number lives on the device, not
+// the host, so a collective captured in a CUDA graph gets a new number at every replay.
 constexpr int kStateWords = 2 * kMaxWorld + 8;
+constexpr int kDataCallWord = kStateWords - 4;
+constexpr int kGridWord = kStateWords - 3;
+constexpr int kBlocksDoneWord = kStateWords - 2;
 constexpr int kCallWord = kStateWords - 1;
-static_assert(kBanks * kMaxWorld + 1 <= kCallWord, "bookkeeping must fit its words");
+static_assert(kBanks * kMaxWorld + 1 <= kDataCallWord, "bookkeeping must fit its words");
 static_assert(kDescriptorOffset + sizeof(DescriptorSlot) <= kHelloOffset, "the descriptor must fit its line");
-static_assert(kFinishedOffset + kMaxWorld * sizeof(uint64_t) <= kFlagAreaBytes, "flags must fit their area");
+static_assert(kFlagAreaBytes % kSlotAlignment == 0, "slots start aligned after the flag area");
+
+// Blocks of a fused launch: one per tile (strip.h) of the longest slice a ring step moves,
+// at most `max_blocks` (max_blocks_for). A block with no tile would only pass
+// flags on; more than one block per SM would only share that SM's bandwidth. Every rank
+// must launch the same number (block b talks to block b): ranks agree on max_blocks when
+// they connect, and matching calls have the same count.
+RINGCOLL_INLINE int fused_blocks(int64_t ring_count, int world, int64_t slice_elems, int elem_size, int max_blocks) {
+  const int64_t longest = max_chunk_length(ring_count, world);
+  const int64_t tiles = tile_count(longest < slice_elems ? longest : slice_elems, elem_size);
+  return static_cast<int>(tiles < 1 ? 1 : tiles < max_blocks ? tiles : max_blocks);
+}
+
+// The narrowest scope the data flags may use: device scope when every rank's GPU is this
+// one (`same_device[r]`: rank r runs on it), else system scope (flags.h).
+inline FlagScope flag_scope_for(const std::vector<bool>& same_device) {
+  for (bool same : same_device)
+    if (!same) return FlagScope::kSystem;
+  return FlagScope::kDevice;
+}
+
+// The most blocks each rank launches: a block per SM of the smallest GPU (`sm_count`),
+// shared among the ranks that run on one GPU (`ranks_per_gpu`, the most on any). Every
+// block of every rank must be resident at once: a block spins on its neighbours' block of
+// the same number, so a block left waiting for an SM that spinning blocks hold would never
+// run. A 512-thread block (launch bounds: at most 128 registers a thread) always fits an
+// SM, but more than one may not (ptxas: about 100 registers, docs/cuda.md), so one per SM.
+inline int max_blocks_for(int sm_count, int ranks_per_gpu = 1) {
+  const int share = sm_count / (ranks_per_gpu < 1 ? 1 : ranks_per_gpu);
+  return share < 1 ? 1 : share < kMaxBlocks ? share : kMaxBlocks;
+}
 
 enum class KernelVariant : int {
-  kFused = 0,  // kMaxBlocks blocks, 16-byte vectors, one launch per collective
+  kFused = 0,  // fused_blocks() blocks, 16-byte vectors, one launch per collective
   kNaive = 1,  // one block, scalar loops, one launch per ring step: the teaching version
 };
 
@@ -92,7 +147,11 @@ struct RingParams {
   char* my_base;            // my IPC allocation (flags, then data)
   const char* left_base;    // my left neighbour's, mapped here
   const char* right_base;   // my right neighbour's (its consumed flags and aborted flag are read)
-  uint64_t* state;          // kMaxBlocks x kStateWords, private
+  // The scope of the data flags (published, consumed): kDevice when every rank runs on this
+  // GPU, else kSystem (flag_scope_for). The aborted flags and the descriptor, which hosts
+  // also write, and the error records, which hosts read, stay at system scope.
+  FlagScope flag_scope;
+  uint64_t* state;          // the bookkeeping record, kStateWords words, private
   ErrorRecord* errors;      // kMaxBlocks records, host-mapped
   const void* input;
   void* output;
@@ -114,6 +173,7 @@ struct LaunchMemory {
   char* my_base;
   const char* left_base;
   const char* right_base;
+  FlagScope flag_scope;
   uint64_t* state;
   ErrorRecord* errors;
   const void* input;
@@ -127,6 +187,7 @@ inline RingParams call_params(const RingCall& call, int rank, int world, size_t 
   p.my_base = memory.my_base;
   p.left_base = memory.left_base;
   p.right_base = memory.right_base;
+  p.flag_scope = memory.flag_scope;
   p.state = memory.state;
   p.errors = memory.errors;
   p.input = memory.input;
@@ -145,16 +206,17 @@ inline RingParams call_params(const RingCall& call, int rank, int world, size_t 
 }
 
 // The launches that make one collective: `launch(params, blocks, vectorise)` is called once
-// for the fused variant, once per ring step for the naive one, not at all for a call with
-// nothing to move or check; `elem_size` is RingCall::elem_size.
+// for the fused variant (fused_blocks() blocks, at most `max_blocks`), once per ring step
+// for the naive one, not at all for a call with nothing to move or check; `elem_size` is
+// RingCall::elem_size.
 template <class Launch>
-void for_each_launch(RingParams p, KernelVariant variant, int elem_size, Launch&& launch) {
-  const int64_t units =
-      ring_units(static_cast<Collective>(p.collective), p.ring_count, p.world, p.slot_bytes / elem_size);
+void for_each_launch(RingParams p, KernelVariant variant, int elem_size, int max_blocks, Launch&& launch) {
+  const int64_t slice_elems = slice_elems_for(p.slot_bytes, elem_size);
+  const int64_t units = ring_units(static_cast<Collective>(p.collective), p.ring_count, p.world, slice_elems);
   if (units == 0 && !p.check_call) return;  // a zero-length call still takes part in the check
   p.first_unit = 0, p.last_unit = units;
   if (variant == KernelVariant::kFused) {
-    launch(p, kMaxBlocks, true);
+    launch(p, fused_blocks(p.ring_count, p.world, slice_elems, elem_size, max_blocks), true);
   } else if (units == 0) {
     launch(p, 1, false);  // a zero-length call launches only to take part in the check
   } else {

@@ -4,7 +4,8 @@
 //
 // Variants (RINGCOLL_CUDA_KERNEL, chosen per communicator; all ranks must agree, and the
 // mismatch check compares it):
-//   fused   kMaxBlocks thread blocks, each owning fixed 8 KiB tiles of every slot (strip.h)
+//   fused   fused_blocks() thread blocks (kernel_abi.h: one per tile of a slice, at most one
+//           per SM), each owning fixed 32 KiB tiles of every slot (strip.h)
 //           with its own flags, so blocks never wait for one another; 16-byte vector
 //           loads/stores wherever the pointers allow, a scalar head and tail elsewhere; one
 //           launch per collective, every slice and ring step inside it.
@@ -22,7 +23,7 @@
 namespace ringcoll::cuda {
 namespace {
 
-constexpr int kThreads = 512;
+constexpr int kThreads = kTileThreads;  // strip.h sizes a tile for this block size
 
 template <typename T, class Op>
 __global__ void __launch_bounds__(kThreads) ring_kernel(RingParams p, bool vectorise) {

@@ -77,23 +77,25 @@ struct EmulatedRing::Rank {
 };
 
 EmulatedRing::EmulatedRing(int world, size_t buffer_bytes, double timeout_seconds, int variant, int threads_per_block,
-                           bool check_calls)
+                           bool check_calls, int max_blocks)
     : world_(world), slot_bytes_(slot_bytes_for(buffer_bytes, world, cuda::kSlotAlignment)),
-      timeout_seconds_(timeout_seconds),
-      variant_(variant), threads_(threads_per_block), check_calls_(check_calls) {
+      timeout_seconds_(timeout_seconds), variant_(variant), threads_(threads_per_block), max_blocks_(max_blocks),
+      check_calls_(check_calls) {
   RINGCOLL_CHECK(world >= 1 && world <= cuda::kMaxWorld, std::invalid_argument, "EmulatedRing: world ", world,
                  " is outside 1..", cuda::kMaxWorld);
   check_buffer_bytes("EmulatedRing", buffer_bytes, world, cuda::kSlotAlignment);
   RINGCOLL_CHECK(variant == 0 || variant == 1, std::invalid_argument, "EmulatedRing: unknown kernel variant ", variant);
   RINGCOLL_CHECK(threads_per_block >= 1 && threads_per_block <= 64, std::invalid_argument,
                  "EmulatedRing: threads_per_block must be in 1..64, got ", threads_per_block);
+  RINGCOLL_CHECK(max_blocks >= 1 && max_blocks <= cuda::kMaxBlocks, std::invalid_argument,
+                 "EmulatedRing: max_blocks must be in 1..", cuda::kMaxBlocks, ", got ", max_blocks);
   const size_t total = cuda::kFlagAreaBytes + static_cast<size_t>(kBanks) * world * slot_bytes_;
   for (int r = 0; r < world; ++r) {
     auto rank = std::make_unique<Rank>();
     rank->memory.reset(static_cast<char*>(std::aligned_alloc(4096, (total + 4095) / 4096 * 4096)));
     RINGCOLL_CHECK(rank->memory != nullptr, std::runtime_error, "EmulatedRing: out of memory");
     std::memset(rank->memory.get(), 0, total);
-    rank->state.assign(static_cast<size_t>(cuda::kMaxBlocks) * cuda::kStateWords, 0);
+    rank->state.assign(cuda::kStateWords, 0);
     rank->errors.assign(cuda::kMaxBlocks, ErrorRecord{});
     ranks_.push_back(std::move(rank));
   }
@@ -168,14 +170,16 @@ CallResult EmulatedRing::run_on_rank(const EmulatedCall& c) {
   auto copy = [](void* dst, const void* src, size_t bytes) { std::memmove(dst, src, bytes); };
   run_call(call, world_, input, output, copy, [&] {
     const auto variant = static_cast<KernelVariant>(variant_);
+    // Host atomics have no scopes (flags.h): the emulator cannot tell device from system scope.
     const cuda::LaunchMemory memory{me.memory.get(), ranks_[left_neighbour(c.rank, world_)]->memory.get(),
-                                    ranks_[right_neighbour(c.rank, world_)]->memory.get(), me.state.data(),
-                                    me.errors.data(), input, output};
+                                    ranks_[right_neighbour(c.rank, world_)]->memory.get(), FlagScope::kSystem,
+                                    me.state.data(), me.errors.data(), input, output};
     const RingParams p =
         cuda::call_params(call, c.rank, world_, slot_bytes_, timeout_seconds_, check_calls_, variant, memory);
-    cuda::for_each_launch(p, variant, call.elem_size, [&](const RingParams& q, int blocks, bool vectorise) {
+    cuda::for_each_launch(p, variant, call.elem_size, max_blocks_, [&](const RingParams& q, int blocks, bool vectorise) {
       launch(q, blocks, threads_, vectorise);
       ++launches_;
+      blocks_launched_ += static_cast<uint64_t>(blocks);
     });
   });
   const ErrorRecord* rec = cuda::first_error(me.errors.data(), cuda::kMaxBlocks);

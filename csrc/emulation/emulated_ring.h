@@ -27,14 +27,16 @@ struct CallResult {
 
 class EmulatedRing {
  public:
+  // max_blocks: the emulated device's SM count, which bounds a fused launch (fused_blocks).
   EmulatedRing(int world, size_t buffer_bytes, double timeout_seconds, int variant, int threads_per_block,
-               bool check_calls);
+               bool check_calls, int max_blocks = 8);
   ~EmulatedRing();
   // Run the given calls: each rank runs its own in order, concurrently with the other ranks
   // and without waiting for them between calls. A rank not listed makes no call (a peer that
   // never arrives). State persists between runs, as in a communicator.
   std::vector<CallResult> run(const std::vector<EmulatedCall>& calls);
   uint64_t launches() const { return launches_; }
+  uint64_t blocks_launched() const { return blocks_launched_; }  // over all launches of all ranks
   size_t slot_bytes() const { return slot_bytes_; }
 
  private:
@@ -45,10 +47,10 @@ class EmulatedRing {
   int world_;
   size_t slot_bytes_;
   double timeout_seconds_;
-  int variant_, threads_;
+  int variant_, threads_, max_blocks_;
   bool check_calls_;
   std::vector<std::unique_ptr<Rank>> ranks_;
-  std::atomic<uint64_t> launches_{0};
+  std::atomic<uint64_t> launches_{0}, blocks_launched_{0};
 };
 
 }  // namespace ringcoll::emulation

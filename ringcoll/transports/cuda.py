@@ -23,8 +23,8 @@ mismatched calls raise RingcollMismatchError on every rank, as on the CPU transp
 the next synchronisation point: ``synchronize()``, ``Work.wait()``, ``barrier()`` or the
 next collective call, which raise and leave the communicator broken.
 
-Kernel variant: ``RINGCOLL_CUDA_KERNEL=fused`` (default: 8 thread blocks, 16-byte vectors,
-one launch per collective) or ``naive`` (one block, scalar loops, one launch per ring
+Kernel variant: ``RINGCOLL_CUDA_KERNEL=fused`` (default: up to one thread block per SM,
+16-byte vectors, one launch per collective) or ``naive`` (one block, scalar loops, one launch per ring
 step: the teaching version); read at construction, must agree on all ranks (checked).
 The kernels' code also runs on the CPU in CI, through ``_C.emulation``
 (tests/pure/test_emulated_kernels.py).

@@ -152,6 +152,39 @@ def test_async_lists_and_barrier():
     assert spawn(_async_and_lists, 3, timeout=300) == [True] * 3
 
 
+def _grid_changes(rank, world):
+    """Fused launches sized from the message (kernel_abi.h's fused_blocks): a large message
+    takes a block per SM, a small one a single block, and the grid changes between calls
+    (the kernel drains the ring first). Returns the launch shape the communicator chose and
+    whether every result was exact."""
+    from ringcoll import CudaCommunicator
+
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    with CudaCommunicator(device=dev, timeout=60, buffer_bytes=64 << 20) as comm:
+        native = comm.transport._comm
+        ok = True
+        for n in (8 << 20, 1000, 3 << 20, 17, 8 << 20):  # float32: 32 MiB, 4 KB, 12 MiB, ...
+            t = _value(rank, n, torch.float32).to(dev)
+            comm.all_reduce(t)
+            ok = ok and torch.equal(t.cpu(), _expected_reduce(world, n, torch.float32, "SUM"))
+        comm.synchronize()
+        return native.max_blocks, native.flag_scope, ok
+
+
+def test_grid_follows_the_message_and_flags_use_device_scope():
+    world = 4
+    results = spawn(_grid_changes, world, timeout=300, env={"RINGCOLL_CUDA_KERNEL": "fused"})
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for max_blocks, flag_scope, ok in results:
+        assert ok
+        assert max_blocks == _C.cuda_max_blocks_for(sms, world)  # world ranks share this GPU's SMs
+        assert flag_scope == _C.cuda_flag_scope_device  # every rank on this GPU: .gpu flags
+    slice_elems = _C.cuda_slice_elems_for(_C.cuda_slot_bytes_for(64 << 20, world), 4)
+    assert _C.cuda_fused_blocks(8 << 20, world, slice_elems, 4, results[0][0]) == results[0][0]  # a block per SM
+    assert _C.cuda_fused_blocks(1000, world, slice_elems, 4, results[0][0]) == 1
+
+
 def _timeout(rank, world):
     import ringcoll
     from ringcoll import CudaCommunicator

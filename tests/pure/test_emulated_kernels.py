@@ -6,7 +6,8 @@ GPU allocations are, and each rank's calls go through the same launch plan, para
 error records as CudaComm. So on every commit, without a GPU, this checks the kernels'
 ring schedule, strips and vectors, the flag protocol per block, slicing through the
 registered buffer, the bookkeeping kept between launches, both variants (fused: one launch
-of 8 blocks; naive: one launch per ring step), the mismatch check and giving up.
+of up to max_blocks blocks, sized from the message, the grid changing between calls;
+naive: one launch per ring step), the mismatch check and giving up.
 
 x86 is TSO, so a missing acquire or release still gives exact results here;
 test_kernels_have_no_data_races builds the same code with ThreadSanitizer, which sees it.
@@ -44,8 +45,8 @@ SMALL_SLOT = 512  # bytes: messages of a few thousand elements take several slic
 BIG_SLOT = 2 * TILE + TILE // 2  # several tiles: the fused variant's blocks share every slot
 
 
-def ring(world, variant, slot_bytes=SMALL_SLOT, timeout=TIMEOUT, threads=4, check_calls=True):
-    r = E.Ring(world, 2 * world * slot_bytes, timeout, variant, threads, check_calls)
+def ring(world, variant, slot_bytes=SMALL_SLOT, timeout=TIMEOUT, threads=4, check_calls=True, max_blocks=8):
+    r = E.Ring(world, 2 * world * slot_bytes, timeout, variant, threads, check_calls, max_blocks)
     assert r.slot_bytes == slot_bytes
     return r
 
@@ -144,7 +145,9 @@ def test_every_dtype_and_op(variant):
 @pytest.mark.parametrize("shift", [0, 1, 3])
 def test_misaligned_pointers_and_odd_block_sizes(threads, shift):
     """Views starting `shift` float16 elements into their storage: the fused variant's
-    16-byte vectors need a scalar head and tail, on pointers that differ in alignment."""
+    16-byte vectors need a scalar head and tail, on pointers that differ in alignment; the
+    slots hold each chunk at its input's offset modulo 16, so the input side still moves
+    in vectors, the output (another offset) element by element."""
     world, n = 3, 2500
     r = ring(world, FUSED, threads=threads)
     xs = [torch.randn(n + 8).half() for _ in range(world)]
@@ -158,12 +161,44 @@ def test_misaligned_pointers_and_odd_block_sizes(threads, shift):
         assert torch.count_nonzero(outs[k][:(shift * 2) % 7]) == 0  # nothing written outside
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.uint8])
+def test_ranks_whose_pointers_sit_at_different_offsets(dtype):
+    """Each rank places its chunks in its slots at its own user pointer's offset modulo 16
+    and tells its right neighbour through the placement word of the call's parity: ranks
+    whose inputs and outputs sit at different offsets, over calls of both parities, each
+    rank running ahead, stay exact."""
+    world, code = 3, DTYPE_CODES[dtype]
+    per16 = 16 // dtype.itemsize
+    r = ring(world, FUSED, BIG_SLOT)
+    calls, checks = [], []
+    for call, n in enumerate((5000, 9001, 77, 20000)):
+        coll = (AR, RS, AG, AR)[call]
+        m = n // world
+        in_n = {AR: n, RS: m * world, AG: m}[coll]
+        out_n = {AR: n, RS: m, AG: m * world}[coll]
+        shifts = [(k * 5 + call) % per16 for k in range(world)]  # differs from rank to rank
+        xs = [small_ints(k, in_n + per16, dtype, call)[shifts[k]:shifts[k] + in_n] for k in range(world)]
+        outs = [torch.zeros(out_n + per16, dtype=dtype)[per16 - 1 - shifts[k]:][:out_n] for k in range(world)]
+        calls += [(k, coll, code, 0, xs[k].data_ptr(), outs[k].data_ptr(), n if coll == AR else m)
+                  for k in range(world)]
+        if coll == AG:
+            want = [torch.cat(xs)] * world
+        else:
+            full = torch.stack([x.to(torch.int64) for x in xs]).sum(0).to(dtype)
+            want = [full] * world if coll == AR else [full[k * m:(k + 1) * m] for k in range(world)]
+        checks.append((xs, outs, want))
+    run_ok(r, calls)
+    for call, (_, outs, want) in enumerate(checks):
+        for k in range(world):
+            assert torch.equal(outs[k], want[k]), (call, k)
+
+
 @pytest.mark.parametrize("slot_bytes", [SMALL_SLOT, BIG_SLOT])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_state_carries_over_between_calls(variant, slot_bytes):
     """Step bases and per-slot publication numbers persist in device memory between
     launches: a long mixed sequence on one ring only works if they do. With BIG_SLOT the
-    fused variant's 8 blocks share each slot (tiles, strip.h) and slices of changing
+    fused variant's blocks (up to 3 here) share each slot (tiles, strip.h) and slices of changing
     length reuse it, the case where a block must never touch another block's elements."""
     world = 4
     r = ring(world, VARIANTS[variant], slot_bytes)
@@ -224,12 +259,36 @@ def test_launch_plan(world):
         xs = [torch.ones(n) for _ in range(world)]
         run_ok(r, [(k, AR, DTYPE_CODES[torch.float32], 0, xs[k].data_ptr(), xs[k].data_ptr(), n)
                    for k in range(world)])
-        slices = S.num_slices(n, world, r.slot_bytes // 4)
+        slices = S.num_slices(n, world, _C.cuda_slice_elems_for(r.slot_bytes, 4))
         steps = S.ring_steps(Collective.ALL_REDUCE, world)
         per_rank = 1 if variant == FUSED else slices * (steps + 1)
         assert slices > 1
         assert r.launches == world * per_rank
         assert all(torch.equal(x, torch.full((n,), float(world))) for x in xs)
+
+
+def test_the_grid_follows_the_message_and_changes_between_calls():
+    """Fused launches have one block per tile of the longest slice, at most max_blocks (the
+    emulated SM count). When the grid changes, tiles change owner: the kernel drains the
+    ring first (device_ring.h), so back-to-back calls of changing sizes, each rank running
+    ahead of the others, stay exact."""
+    world, max_blocks, f32 = 3, 5, DTYPE_CODES[torch.float32]
+    slot = 6 * TILE  # up to six tiles a slice: grids 1..5
+    tile_elems, slice_elems = TILE // 4, _C.cuda_slice_elems_for(slot, 4)
+    r = ring(world, FUSED, slot, max_blocks=max_blocks)
+    sizes = [world * tile_elems * t for t in (6, 1, 3, 8, 2, 5)] + [7, world * tile_elems * 4 + 1, 0, 5000]
+    calls, checks, expected_blocks = [], [], 0
+    for call, n in enumerate(sizes):
+        xs = [small_ints(k, n, torch.float32, call) for k in range(world)]
+        outs = [torch.zeros(n) for _ in range(world)]
+        calls += [(k, AR, f32, 0, xs[k].data_ptr(), outs[k].data_ptr(), n) for k in range(world)]
+        checks.append((xs, outs, sum(xs) if n else torch.zeros(0)))
+        expected_blocks += world * _C.cuda_fused_blocks(n, world, slice_elems, 4, max_blocks)
+    run_ok(r, calls)
+    for call, (_, outs, want) in enumerate(checks):
+        assert all(torch.equal(o, want) for o in outs), (call, sizes[call])
+    assert r.blocks_launched == expected_blocks
+    assert [_C.cuda_fused_blocks(n, world, slice_elems, 4, max_blocks) for n in sizes[:6]] == [5, 1, 3, 5, 2, 5]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -493,5 +552,5 @@ def test_kernels_have_no_data_races(tmp_path):
     run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=300, env=env)
     assert "ThreadSanitizer" not in run.stderr, run.stderr[-6000:]
     assert run.returncode == 0, run.stdout + run.stderr[-2000:]
-    assert run.stdout.count("wrong 0") == 12, run.stdout
+    assert run.stdout.count("wrong 0") == 13, run.stdout
     assert run.stdout.count("ranks without an error: 0") == 2, run.stdout

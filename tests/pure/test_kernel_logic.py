@@ -130,3 +130,49 @@ def test_tiles_then_split_cover_a_slice():
 
 def test_build_reports_cuda():
     assert isinstance(_C.built_with_cuda, bool)
+
+
+def test_fused_grid_grows_with_the_message_up_to_the_device():
+    """kernel_abi.h's fused_blocks: one block per tile of the longest slice a ring step moves,
+    at most the device's SM count; every rank computes the same from the same call."""
+    blocks = _C.cuda_fused_blocks
+    tile = S.tile_bytes
+    sms, world, slot = 132, 4, 64 << 20  # an H200, 4 ranks, a large buffer
+    assert blocks(0, world, slot, 1, sms) == 1  # a zero-length call still launches one block (the check)
+    assert blocks(world, world, slot, 4, sms) == 1
+    assert blocks(world * tile, world, slot, 1, sms) == 1  # one tile per chunk
+    assert blocks(world * tile + world, world, slot, 1, sms) == 2
+    assert blocks(world * 10 * tile, world, slot, 1, sms) == 10
+    assert blocks(1 << 34, world, slot, 1, sms) == sms  # large messages: one block per SM
+    # The slice, not the message, bounds it: a small slot caps the grid at its tiles.
+    assert blocks(1 << 34, world, 3 * tile, 1, sms) == 3
+    assert blocks(1 << 34, world, 3 * tile // 4, 4, sms) == 3  # slice_elems counts elements
+    previous = 0
+    for n in (1, 1000, 10**5, 10**6, 10**7, 10**8, 10**9):
+        b = blocks(n, 2, 1 << 26, 2, 8)
+        assert previous <= b <= 8
+        previous = b
+    assert _C.cuda_max_blocks_for(132) == 132
+    assert _C.cuda_max_blocks_for(10**6) == _C.cuda_max_blocks == 256
+    assert _C.cuda_max_blocks_for(0) == 1
+    # Ranks sharing a GPU share its SMs: every block of every rank must be resident at once.
+    assert _C.cuda_max_blocks_for(132, 4) == 33
+    assert _C.cuda_max_blocks_for(132, 200) == 1
+
+
+def test_data_flags_use_device_scope_only_when_every_rank_is_on_this_gpu():
+    scope = _C.cuda_flag_scope_for
+    assert scope([True, True, True]) == _C.cuda_flag_scope_device  # P processes sharing one GPU
+    assert scope([True, False, True]) == _C.cuda_flag_scope_system  # one peer on another GPU
+    assert scope([True]) == _C.cuda_flag_scope_device
+
+
+def test_a_slice_leaves_room_to_place_data_at_any_offset_modulo_16():
+    """Data sits in a CUDA slot at its user pointer's offset modulo 16 (device_ring.h): a
+    slice is the slot less 16 bytes, a multiple of 16 bytes, so every slice of a chunk
+    starts at the same offset modulo 16 and the last byte of a placed slice stays inside."""
+    for slot in (128, 256, 1 << 20):
+        for elem_size in ELEM_SIZES:
+            elems = _C.cuda_slice_elems_for(slot, elem_size)
+            assert (elems * elem_size) % 16 == 0
+            assert elems * elem_size + 15 <= slot

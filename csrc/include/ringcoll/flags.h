@@ -28,23 +28,40 @@
 
 namespace ringcoll {
 
+// Which threads a flag's release and acquire order memory for (PTX scopes). kSystem: any
+// thread of any GPU or CPU, what a flag read across devices or by a host needs. kDevice:
+// the threads of one GPU, enough when writer and reader run on the same GPU (even in
+// different processes: scopes are about where threads run, not which process owns them),
+// and cheaper: the ordering is settled at the GPU's L2, never across the interconnect.
+// Host code (C++ atomics) has no scopes: both mean the same there.
+enum class FlagScope : int { kSystem = 0, kDevice = 1 };
+
 // Store `value` after all earlier writes of this thread (the data) are visible to any
-// reader that acquires it. System scope on the device: readers may be other GPUs or CPUs.
-RINGCOLL_INLINE void flag_store_release(uint64_t* flag, uint64_t value) {
+// reader in `scope` that acquires it.
+RINGCOLL_INLINE void flag_store_release(uint64_t* flag, uint64_t value, FlagScope scope = FlagScope::kSystem) {
 #if defined(__CUDA_ARCH__)
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(flag), "l"(value) : "memory");
+  if (scope == FlagScope::kDevice)
+    asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(flag), "l"(value) : "memory");
+  else
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(flag), "l"(value) : "memory");
 #else
+  (void)scope;
   __atomic_store_n(flag, value, __ATOMIC_RELEASE);
 #endif
 }
 
-// Load a flag; reads of the data it guards, issued after this, see what was published.
-RINGCOLL_INLINE uint64_t flag_load_acquire(const uint64_t* flag) {
+// Load a flag; reads of the data it guards, issued after this, see what was published by
+// a writer in `scope`.
+RINGCOLL_INLINE uint64_t flag_load_acquire(const uint64_t* flag, FlagScope scope = FlagScope::kSystem) {
 #if defined(__CUDA_ARCH__)
   uint64_t value;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(flag) : "memory");
+  if (scope == FlagScope::kDevice)
+    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(value) : "l"(flag) : "memory");
+  else
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(flag) : "memory");
   return value;
 #else
+  (void)scope;
   return __atomic_load_n(flag, __ATOMIC_ACQUIRE);
 #endif
 }
@@ -69,6 +86,20 @@ RINGCOLL_INLINE void flag_set_once(uint64_t* flag, uint64_t value) {
 #else
   uint64_t expected = 0;
   __atomic_compare_exchange_n(flag, &expected, value, false, __ATOMIC_RELEASE, __ATOMIC_RELAXED);
+#endif
+}
+
+// Add to a counter that several threads of one device bump, ordered both ways: what this
+// thread did before is visible to whoever sees the sum, and this thread sees what those
+// that added before it did. Returns the value before the addition. Device scope: the
+// counters it serves (device_ring.h's finished blocks) are private to one GPU.
+RINGCOLL_INLINE uint64_t counter_add_acq_rel(uint64_t* counter, uint64_t value) {
+#if defined(__CUDA_ARCH__)
+  uint64_t before;
+  asm volatile("atom.acq_rel.gpu.global.add.u64 %0, [%1], %2;" : "=l"(before) : "l"(counter), "l"(value) : "memory");
+  return before;
+#else
+  return __atomic_fetch_add(counter, value, __ATOMIC_ACQ_REL);
 #endif
 }
 

@@ -3,8 +3,9 @@
 // kernels (csrc/cuda/device_ring.h) and exposed to Python through host-callable twins
 // (ringcoll._C.strip), so tests/pure/test_kernel_logic.py checks the very code the GPU runs.
 //
-// Tiles. A slice is cut into tiles of kTileBytes (one 16-byte vector per thread of a
-// 512-thread block); tile t is [t*E, min(len, (t+1)*E)) for E = kTileBytes / elem_size,
+// Tiles. A slice is cut into tiles of kTileBytes (kVectorsInFlight 16-byte vectors per
+// thread of a 512-thread block, so one tile is one batch of loads per thread, which
+// device_ring.h issues before any store); tile t is [t*E, min(len, (t+1)*E)) for E = kTileBytes / elem_size,
 // and block b does tiles b, b + blocks, b + 2*blocks, ... So which block touches element i
 // of a slot depends on i alone, never on the length of the slice in it. That matters: a
 // block waits only for its own neighbour block to have consumed a slot before refilling
@@ -24,7 +25,11 @@
 namespace ringcoll {
 
 constexpr int kVectorBytes = 16;
-constexpr int64_t kTileBytes = 8192;
+// Independent 16-byte loads a GPU thread keeps in flight before it stores (device_ring.h):
+// enough, with a block per SM, to cover memory latency at HBM bandwidth (docs/cuda.md).
+constexpr int kVectorsInFlight = 4;
+constexpr int kTileThreads = 512;  // the fused kernel's block size (ring_kernels.cu)
+constexpr int64_t kTileBytes = int64_t{kTileThreads} * kVectorBytes * kVectorsInFlight;  // 32 KiB
 
 RINGCOLL_INLINE int64_t tile_elems(int elem_size) { return kTileBytes / elem_size; }
 RINGCOLL_INLINE int64_t tile_count(int64_t len, int elem_size) {

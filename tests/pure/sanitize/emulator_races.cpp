@@ -11,7 +11,8 @@
 // Each case runs a few back-to-back calls of one collective on int32 sums (exact), with a
 // buffer small enough that every call is cut into several slices, so slots are reused
 // within a call and across calls, on both kernel variants, then every rank closes (the
-// close protocol's `finished` words); then the paths that give up (a rank that never
+// close protocol's `finished` words); then fused calls whose grids change; then the paths
+// that give up (a rank that never
 // calls, mismatched calls). Exit status: 0 when every result is exact and every failure
 // raised where it should (TSan itself exits non-zero on a report).
 #include <cstdint>
@@ -30,26 +31,27 @@ constexpr int kInt32 = 6, kSum = 0;
 
 int32_t value_of(int rank, int call, int64_t i) { return static_cast<int32_t>((rank + 1) * 1000 + call * 7 + i % 97); }
 
-// Runs `calls` calls of `collective` on every rank; returns the number of wrong elements.
-int64_t run_case(int world, int variant, int collective, int64_t count, int calls) {
-  EmulatedRing ring(world, /*buffer_bytes=*/4096 * world, /*timeout=*/60.0, variant, /*threads_per_block=*/3,
-                    /*check_calls=*/true);
-  // count is elements per rank's input (all-gather), per rank's output (reduce-scatter), per tensor (all-reduce).
-  const int64_t in_len = collective == kReduceScatter ? count * world : count;
-  const int64_t out_len = collective == kAllGather ? count * world : collective == kReduceScatter ? count : count;
+// Runs one call of `collective` per entry of `counts` on every rank, in a buffer of
+// `buffer_bytes`; returns the number of wrong elements.
+int64_t run_case(int world, int variant, int collective, const std::vector<int64_t>& counts, size_t buffer_bytes) {
+  EmulatedRing ring(world, buffer_bytes, /*timeout=*/60.0, variant, /*threads_per_block=*/3, /*check_calls=*/true);
+  const int calls = static_cast<int>(counts.size());
+  // A count is elements per rank's input (all-gather), per rank's output (reduce-scatter), per tensor (all-reduce).
+  auto in_len = [&](int c) { return collective == kReduceScatter ? counts[c] * world : counts[c]; };
+  auto out_len = [&](int c) { return collective == kAllGather ? counts[c] * world : counts[c]; };
   std::vector<std::vector<std::vector<int32_t>>> in(world), out(world);
   std::vector<EmulatedCall> plan;
   for (int c = 0; c < calls; ++c) {
     for (int r = 0; r < world; ++r) {
-      in[r].emplace_back(in_len);
-      out[r].emplace_back(out_len, -1);
-      for (int64_t i = 0; i < in_len; ++i) in[r][c][i] = value_of(r, c, i);
+      in[r].emplace_back(in_len(c));
+      out[r].emplace_back(out_len(c), -1);
+      for (int64_t i = 0; i < in_len(c); ++i) in[r][c][i] = value_of(r, c, i);
     }
   }
   for (int c = 0; c < calls; ++c)
     for (int r = 0; r < world; ++r)
       plan.push_back({r, collective, kInt32, kSum, reinterpret_cast<uintptr_t>(in[r][c].data()),
-                      reinterpret_cast<uintptr_t>(out[r][c].data()), count});
+                      reinterpret_cast<uintptr_t>(out[r][c].data()), counts[c]});
   for (int r = 0; r < world; ++r) plan.push_back({r, ringcoll::emulation::kClose, 0, 0, 0, 0, 0});  // collective close
   int64_t wrong = 0;
   for (const auto& result : ring.run(plan)) {
@@ -59,8 +61,9 @@ int64_t run_case(int world, int variant, int collective, int64_t count, int call
     }
   }
   for (int c = 0; c < calls; ++c) {
+    const int64_t count = counts[c];
     for (int r = 0; r < world; ++r) {
-      for (int64_t i = 0; i < out_len; ++i) {
+      for (int64_t i = 0; i < out_len(c); ++i) {
         int64_t expected = 0;
         if (collective == kAllGather) {
           expected = value_of(static_cast<int>(i / count), c, i % count);
@@ -102,12 +105,24 @@ int main() {
       for (int collective : {kAllReduce, kReduceScatter, kAllGather}) {
         // 3 slices' worth and an odd tail: slots are reused inside the call and by the next one.
         const int64_t count = 3 * 1024 + 5;
-        const int64_t w = run_case(world, variant, collective, count, /*calls=*/3);
+        const int64_t w = run_case(world, variant, collective, {count, count, count}, 4096 * world);
         std::printf("variant %d world %d %-14s wrong %lld\n", variant, world, names[collective],
                     static_cast<long long>(w));
         wrong += w;
       }
     }
+  }
+  // Fused launches whose grids change from call to call (1 to 3 blocks: slots of three 32 KiB
+  // tiles), so tiles change owner between calls while the ranks run ahead of each other:
+  // the drain before the first write of a changed grid is what orders it (device_ring.h).
+  {
+    const int world = 3;
+    const int64_t tile = 8192;  // int32 elements of a 32 KiB tile
+    const std::vector<int64_t> counts = {world * 3 * tile, world * tile / 2, world * 2 * tile - 5, world * 3 * tile};
+    const int64_t w = run_case(world, /*variant=*/0, kAllReduce, counts, 2 * world * 3 * 4 * tile);
+    std::printf("variant 0 world %d %-14s wrong %lld (grids 3, 1, 2, 3)\n", world, "all_reduce",
+                static_cast<long long>(w));
+    wrong += w;
   }
   int failures = 0;
   failures += run_failure_case("missing rank 2 of 3", 3, {4000, 4000, -1}, "RingcollTimeoutError");
