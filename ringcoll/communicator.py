@@ -235,10 +235,7 @@ class ArgumentChecks:
         if len(outputs) != len(inputs):
             raise ValueError(f"{op}: {len(outputs)} outputs for {len(inputs)} inputs")
         for i, (output, input) in enumerate(zip(outputs, inputs)):
-            try:
-                self._check_pair(op, output, input, output_per_input)
-            except (TypeError, ValueError) as e:
-                raise type(e)(f"{op}: pair {i}: {str(e)[len(op) + 2:]}") from None
+            self._check_pair(f"{op}: pair {i}", output, input, output_per_input)  # messages name the pair
 
 
 class Communicator(ArgumentChecks):
