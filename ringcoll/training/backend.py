@@ -107,7 +107,7 @@ from ringcoll.api import SERVED_DEVICE_TYPES
 from ringcoll.communicator import Communicator
 from ringcoll.errors import RingcollError
 from ringcoll.training.hierarchical import HierarchicalCommunicator, uneven_nodes_message
-from ringcoll.transports.host import shared_memory_domain
+from ringcoll.transports.host import ranks_by_domain, shared_memory_domain
 
 BACKEND_NAME = "ringcoll"
 
@@ -529,10 +529,7 @@ def _exchange_hosts(store, rank: int, size: int, timeout: datetime.timedelta) ->
         except Exception as exc:  # the store's timeout: the peer never reached init_process_group
             raise RingcollError(f"ringcoll backend: rank {peer} did not say which machine it is on within "
                                 f"{timeout} ({type(exc).__name__}: {exc})") from exc
-    members: dict = {}
-    for peer, host in enumerate(hosts):
-        members.setdefault(host, []).append(peer)
-    uneven = uneven_nodes_message("ringcoll backend", members)
+    uneven = uneven_nodes_message("ringcoll backend", ranks_by_domain(hosts))
     if uneven:
         raise RingcollError(uneven)
     return hosts

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from ringcoll import packing
 from ringcoll._types import ReduceOp, op_code, reduce_op
 from ringcoll.communicator import ArgumentChecks, Communicator, Work
-from ringcoll.transports.host import CallQueue, ThreadCompletion, shared_memory_domain
+from ringcoll.transports.host import CallQueue, ThreadCompletion, ranks_by_domain, shared_memory_domain
 
 
 def _node_of(rank: int, node_id) -> object:
@@ -86,8 +86,8 @@ class HierarchicalCommunicator(ArgumentChecks):
         self.world_size = dist.get_world_size(self.group)
         nodes: list = [None] * self.world_size
         dist.all_gather_object(nodes, _node_of(self.rank, node_id), group=self.group)
-        order = sorted(set(nodes), key=nodes.index)  # nodes in order of their first rank
-        members = {node: [r for r in range(self.world_size) if nodes[r] == node] for node in order}
+        members = ranks_by_domain(nodes)  # nodes in order of their first rank
+        order = list(members)
         uneven = uneven_nodes_message("HierarchicalCommunicator", members)
         if uneven:
             raise ValueError(uneven)

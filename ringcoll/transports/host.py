@@ -36,15 +36,22 @@ def shared_memory_domain() -> str:
     return f"{boot}/shm-dev-{os.stat('/dev/shm').st_dev if os.path.isdir('/dev/shm') else 'none'}"
 
 
+def ranks_by_domain(domains: list) -> dict:
+    """Rank r's domain is domains[r]: each domain -> its ranks, domains in the order of their
+    first rank (the same dict on every rank that holds the same list)."""
+    ranks: dict = {}
+    for rank, domain in enumerate(domains):
+        ranks.setdefault(domain, []).append(rank)
+    return ranks
+
+
 def _require_one_domain(domains: list) -> None:
     """Raise at once, on every rank alike (they all hold the same list), when ranks cannot
     share memory: their segments could never appear to each other, so waiting would only
     run into the timeout."""
     if len(set(domains)) == 1:
         return
-    hosts: dict = {}
-    for rank, domain in enumerate(domains):
-        hosts.setdefault(domain, []).append(rank)
+    hosts = ranks_by_domain(domains)
     groups = "; ".join(f"ranks {', '.join(map(str, ranks))} on {domain}" for domain, ranks in hosts.items())
     raise RingcollError("Communicator: the shared-memory transport needs every rank on one machine (one "
                         f"kernel and one /dev/shm), but the ranks are on {len(hosts)}: {groups}. Across "
