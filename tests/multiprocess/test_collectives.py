@@ -708,6 +708,19 @@ def test_collectives_match_gloo(world):
 
 # --- all_reduce_coalesced: one flat ring call for several tensors ------------------------
 
+def _check_multi_tensor_call(failures, label, call, make_outputs, sizes, expected):
+    """call(outputs, async_op) sync then async (waiting on its Work); every output tensor
+    must equal its expected one bit for bit. A failure names the case and the size."""
+    for async_op in (False, True):
+        outs = make_outputs()
+        work = call(outs, async_op)
+        if work is not None:
+            work.wait()
+        for n, got, want in zip(sizes, outs, expected):
+            if not torch.equal(_bits(got), _bits(want.to(got.dtype))):
+                failures.append(f"{label} n={n} async={async_op}: {got[:4].tolist()} != {want[:4].tolist()}")
+
+
 def _coalesced_rank(rank, world):
     """Every dtype x op: all_reduce_coalesced of tensors of awkward sizes (through a 4 KiB
     buffer, so the flat message is sliced) equals gloo's all_reduce of each; sync and async;
@@ -720,16 +733,10 @@ def _coalesced_rank(rank, world):
                     continue
                 sizes = (1, 0, world + 1, 3001)
                 xs = [make_input(_kind(op_name), dtype, n, _seed("coalesced", dtype, op_name, rank, n)) for n in sizes]
-                expected = gloo_all_reduce(xs, op_name, world)
-                for async_op in (False, True):
-                    ours = [x.clone() for x in xs]
-                    work = comm.all_reduce_coalesced(ours, op=_ops(op_name)[async_op], async_op=async_op)
-                    if work is not None:
-                        work.wait()
-                    for n, got, want in zip(sizes, ours, expected):
-                        if not torch.equal(_bits(got), _bits(want.to(dtype))):
-                            failures.append(f"rank {rank}: all_reduce_coalesced {dtype} {op_name} n={n} "
-                                            f"async={async_op}: {got[:4].tolist()} != {want[:4].tolist()}")
+                _check_multi_tensor_call(
+                    failures, f"rank {rank}: all_reduce_coalesced {dtype} {op_name}",
+                    lambda ours, a, op_name=op_name: comm.all_reduce_coalesced(ours, op=_ops(op_name)[a], async_op=a),
+                    lambda xs=xs: [x.clone() for x in xs], sizes, gloo_all_reduce(xs, op_name, world))
         a, b = torch.ones(3), torch.ones(3, dtype=torch.float64)
         for label, tensors, exc in (("mixed dtypes", [a, b], TypeError), ("empty list", [], TypeError)):
             try:
@@ -762,27 +769,18 @@ def _coalesced_tensor_forms_rank(rank, world):
                     continue
                 xs = [make_input(_kind(op_name), dtype, c * world, _seed("rs-coalesced", dtype, op_name, rank, c))
                       for c in counts]
-                expected = gloo_reduce_scatter(xs, counts, op_name, world)
-                for async_op in (False, True):
-                    outs = [torch.full((c,), 7, dtype=dtype) for c in counts]
-                    work = comm.reduce_scatter_tensor_coalesced(outs, xs, op=_ops(op_name)[async_op], async_op=async_op)
-                    if work is not None:
-                        work.wait()
-                    for c, got, want in zip(counts, outs, expected):
-                        if not torch.equal(_bits(got), _bits(want.to(dtype))):
-                            failures.append(f"rank {rank}: reduce_scatter_tensor_coalesced {dtype} {op_name} c={c} "
-                                            f"async={async_op}: {got[:4].tolist()} != {want[:4].tolist()}")
+                _check_multi_tensor_call(
+                    failures, f"rank {rank}: reduce_scatter_tensor_coalesced {dtype} {op_name}",
+                    lambda outs, a, xs=xs, op_name=op_name: comm.reduce_scatter_tensor_coalesced(
+                        outs, xs, op=_ops(op_name)[a], async_op=a),
+                    lambda dtype=dtype: [torch.full((c,), 7, dtype=dtype) for c in counts], counts,
+                    gloo_reduce_scatter(xs, counts, op_name, world))
             xs = [make_input("bits", dtype, c, _seed("ag-coalesced", dtype, rank, c)) for c in counts]
-            expected = gloo_all_gather(xs, world)
-            for async_op in (False, True):
-                outs = [torch.full((c * world,), 7, dtype=dtype) for c in counts]
-                work = comm.all_gather_into_tensor_coalesced(outs, xs, async_op=async_op)
-                if work is not None:
-                    work.wait()
-                for c, got, want in zip(counts, outs, expected):
-                    if not torch.equal(_bits(got), _bits(want)):
-                        failures.append(f"rank {rank}: all_gather_into_tensor_coalesced {dtype} c={c} "
-                                        f"async={async_op}: {got[:4].tolist()} != {want[:4].tolist()}")
+            _check_multi_tensor_call(
+                failures, f"rank {rank}: all_gather_into_tensor_coalesced {dtype}",
+                lambda outs, a, xs=xs: comm.all_gather_into_tensor_coalesced(outs, xs, async_op=a),
+                lambda dtype=dtype: [torch.full((c * world,), 7, dtype=dtype) for c in counts], counts,
+                gloo_all_gather(xs, world))
         out, good = torch.zeros(2), torch.ones(2 * world)
         bad_cases = (
             ("reduce_scatter_tensor_coalesced", ValueError, "pair 1: output has 2 elements",
