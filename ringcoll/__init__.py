@@ -4,7 +4,8 @@ Drop-in replacements for the torch.distributed calls of the same names, over POS
 memory for CPU tensors and CUDA IPC peer memory for CUDA tensors. The package, by role
 (docs/where-things-are.md has the map)::
 
-    api.py, communicator.py   the library: drop-in calls, the Communicator, Work
+    api.py, communicator.py   the library: drop-in calls, the Communicator, Work, run_in_process
+    bootstrap.py              how ranks meet: a process group, or the threads of one process
     views.py, errors.py,      arrays seen as tensors; error types; dtype and op codes
     _types.py
     transports/               host (shared memory) and cuda (CUDA IPC), one interface
@@ -26,6 +27,7 @@ from ringcoll.api import (
     reduce_scatter,
     reduce_scatter_single,
     reduce_scatter_tensor,
+    run_in_process,
 )
 from ringcoll.communicator import Communicator, CudaCommunicator, Work
 from ringcoll.errors import RingcollError, RingcollMismatchError, RingcollPeerError, RingcollTimeoutError
@@ -40,6 +42,6 @@ __all__ = [
     "Communicator", "CudaCommunicator", "Work", "ReduceOp",
     "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_gather", "reduce_scatter", "barrier",
     "all_gather_single", "reduce_scatter_single",
-    "get_communicator", "destroy_communicators", "ddp_hook",
+    "get_communicator", "destroy_communicators", "ddp_hook", "run_in_process",
     "RingcollError", "RingcollTimeoutError", "RingcollPeerError", "RingcollMismatchError",
 ]

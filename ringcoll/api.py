@@ -12,12 +12,15 @@ as with any collective. ``destroy_communicators()`` closes them all (also done a
 from __future__ import annotations
 
 import atexit
+import threading
+from typing import Any, Callable, List
 
 import torch
 import torch.distributed as dist
 
 from ringcoll._types import ReduceOp
-from ringcoll.communicator import Communicator
+from ringcoll.bootstrap import InProcessGroup
+from ringcoll.communicator import Communicator, resolve_timeout
 from ringcoll.views import cuda_tensor_view
 
 _communicators: dict = {}
@@ -93,3 +96,40 @@ def barrier(group=None, async_op=False, device_ids=None):
 # torch 2.13 renamed the tensor forms; both spellings are accepted there and here.
 all_gather_single = all_gather_into_tensor
 reduce_scatter_single = reduce_scatter_tensor
+
+
+def run_in_process(world_size: int, fn: Callable[..., Any], *args, timeout=None) -> List[Any]:
+    """Run ``fn(group, *args)`` on ``world_size`` threads of this process, one per rank, and
+    return their results in rank order. Each thread builds its own ``Communicator(group=group,
+    device=...)`` and uses it as one process of a torch.distributed group would. If a rank
+    raises, the others' bootstrap waits stop at once and their collectives give up within
+    the communicators' timeout; the error of the rank that failed first is raised here.
+
+    ``timeout``: seconds (or timedelta) a bootstrap wait may last; default RINGCOLL_TIMEOUT
+    or 300, like the communicators'. Every wait inside a communicator is bounded by its own
+    timeout, so this returns once ``fn`` does on every rank."""
+    group = InProcessGroup(world_size, resolve_timeout(timeout))
+    results: list = [None] * world_size
+    errors: list = [None] * world_size
+
+    def rank_main(rank: int) -> None:
+        try:
+            results[rank] = fn(group.rank_handle(rank), *args)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller below
+            errors[rank] = e
+            group.fail(rank)
+
+    threads = [threading.Thread(target=rank_main, args=(r,), name=f"ringcoll-rank-{r}", daemon=True)
+               for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    failed = [r for r in range(world_size) if errors[r] is not None]
+    if failed:
+        # The rank that broke the group is the cause; the others' errors only say they stopped.
+        first = group.failed_rank if group.failed_rank in failed else failed[0]
+        error = errors[first]
+        error.add_note(f"(in rank {first} of run_in_process; ranks that failed: {failed})")
+        raise error
+    return results

@@ -11,8 +11,9 @@ for CUDA tensors. A call goes, in all::
 
 Construction is collective (every rank of the group calls it, in the same order as every
 other collective): each rank's transport builds its buffer and the handles (segment names,
-IPC handles) go round with ``dist.all_gather_object`` on the group. After that no collective
-touches the process group again.
+IPC handles) go round the group's bootstrap (ringcoll/bootstrap.py: a torch.distributed
+process group, or the threads of ``ringcoll.run_in_process``). After that no collective
+touches the group again.
 
 Every method validates its arguments completely before any data moves, so bad input
 raises ValueError / TypeError (message starting with the op name) and leaves the output
@@ -26,9 +27,9 @@ import os
 from typing import Callable, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from ringcoll import _C, packing
+from ringcoll.bootstrap import bootstrap_for
 from ringcoll._types import ReduceOp, dtype_code, op_code
 from ringcoll.errors import RingcollError
 from ringcoll.transports import CollectiveCall, Settings, transport_for
@@ -56,7 +57,7 @@ def parse_bytes(text: str) -> int:
 MAX_TIMEOUT_SECONDS = 1e9  # ~31 years: a bound that still fits every clock it is converted to
 
 
-def _resolve_timeout(timeout) -> float:
+def resolve_timeout(timeout) -> float:
     if timeout is None:
         timeout = os.environ.get("RINGCOLL_TIMEOUT", DEFAULT_TIMEOUT_SECONDS)
     if isinstance(timeout, datetime.timedelta):
@@ -239,7 +240,8 @@ class ArgumentChecks:
 
 
 class Communicator(ArgumentChecks):
-    """A ring over the ranks of ``group`` (the default group when None) for tensors on
+    """A ring over the ranks of ``group`` (a torch.distributed process group, the default group
+    when None, or the in-process rank ``ringcoll.run_in_process`` hands each thread) for tensors on
     ``device`` (default CPU: the shared-memory transport; ``"cuda"`` / ``"cuda:N"``: CUDA IPC,
     the current CUDA device when no index is given).
 
@@ -265,7 +267,7 @@ class Communicator(ArgumentChecks):
                         transport_cls.slot_alignment)
         self.small_bytes = _resolve_small_bytes(small_bytes)
         self._closed = True  # until the transport exists: nothing to close
-        settings = Settings(self.group, self.device, self.rank, self.world_size, self.timeout, self.buffer_bytes,
+        settings = Settings(self._bootstrap, self.device, self.rank, self.world_size, self.timeout, self.buffer_bytes,
                             self.check, self.small_bytes)
         self._transport = transport_cls(settings, self._exchange)
         self._view = tensor_view if transport_cls.takes_arrays else (lambda t: t)
@@ -279,8 +281,7 @@ class Communicator(ArgumentChecks):
         layouts."""
         settings = {"RINGCOLL_CHECK / check=": self.check, "RINGCOLL_BUFFER_BYTES / buffer_bytes=": self.buffer_bytes,
                     **settings}
-        offers: list = [None] * self.world_size
-        dist.all_gather_object(offers, (mine, settings), group=self.group)
+        offers = self._bootstrap.all_gather_object((mine, settings))
         for name in settings:
             values = [theirs[name] for _, theirs in offers]
             if len(set(values)) != 1:
@@ -290,18 +291,14 @@ class Communicator(ArgumentChecks):
 
     def _configure(self, group, device: torch.device, timeout, buffer_bytes, check, slot_alignment: int) -> None:
         """Settings every transport shares, validated before any rank allocates anything."""
-        if not dist.is_initialized():
-            raise RingcollError("Communicator: torch.distributed is not initialised; "
-                                "call dist.init_process_group first")
-        self.group = group if group is not None else dist.group.WORLD
+        self._bootstrap = bootstrap_for(group)
+        self.group = getattr(self._bootstrap, "group", group)  # a process group, or the in-process rank
         self.device = _CPU if device.type == "cpu" else device
-        self.timeout = _resolve_timeout(timeout)
+        self.timeout = resolve_timeout(timeout)
         self.buffer_bytes = _resolve_buffer_bytes(buffer_bytes)
         self.check = _resolve_check(check)
-        self.rank = dist.get_rank(self.group)
-        self.world_size = dist.get_world_size(self.group)
-        if self.rank < 0:
-            raise ValueError("Communicator: this process is not a member of the given group")
+        self.rank = self._bootstrap.rank
+        self.world_size = self._bootstrap.world_size
         minimum = _C.min_buffer_bytes(self.world_size, slot_alignment)
         if self.buffer_bytes < minimum:
             raise ValueError(f"Communicator: buffer_bytes={self.buffer_bytes} is too small for "

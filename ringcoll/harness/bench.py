@@ -143,12 +143,20 @@ def no_avg(coll: CollectiveDef, op: str) -> str:
 
 
 class DistBackend(Backend):
-    """A reference that synchronises the timing through torch.distributed (the run's gloo group)."""
+    """A backend that synchronises the timing through the run's group: torch.distributed's
+    (gloo), or in the in-process mode the threads' (``meeting``, an in-process rank)."""
+
+    meeting = None  # ringcoll.bootstrap.InProcessRank in the in-process mode
 
     def barrier(self):
-        torch.distributed.barrier()
+        if self.meeting is not None:
+            self.meeting.barrier()
+        else:
+            torch.distributed.barrier()
 
     def reduce_over_ranks(self, value, kind):
+        if self.meeting is not None:
+            return (max if kind == "max" else min)(self.meeting.all_gather_object(value))
         dist = torch.distributed
         t = torch.tensor([value], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX if kind == "max" else dist.ReduceOp.MIN)
@@ -203,8 +211,10 @@ class TorchBackend(DistBackend):
             self.dist.barrier()
 
     def synchronize(self):
-        if self.on_gpu:
-            torch.cuda.synchronize()  # the current stream waits for the ring's kernels (sync calls)
+        if self.comm is not None and self.on_gpu:
+            self.comm.synchronize()  # the ring's stream only: in-process peers' kernels are not ours to wait for
+        elif self.on_gpu:
+            torch.cuda.synchronize()  # NCCL's work, which the current stream waits for
 
 
 class CopyBackend(DistBackend):
@@ -228,7 +238,7 @@ class CopyBackend(DistBackend):
         scratch.copy_(message)
 
     def synchronize(self):
-        torch.cuda.synchronize()
+        torch.cuda.current_stream().synchronize()
 
 
 class MpiBackend(Backend):
@@ -446,6 +456,7 @@ class Config:
     device: str = "cpu"  # "cuda": the CUDA ring, the copy ceiling and NCCL where it runs
     max_seconds: Optional[float] = None  # stop going to larger sizes once this much time is spent
     small_bytes: Optional[int] = None  # Communicator(small_bytes=): None = default, 0 = ring only
+    in_process: bool = False  # the ranks as threads of one process (ringcoll.run_in_process), no references
 
 
 def message_counts(config: Config, world: int) -> list[int]:
@@ -607,6 +618,21 @@ def run_rank(rank: int, world: int, config: Config, with_mpi: bool = False) -> l
     return rows
 
 
+def run_in_process_rank(group, config: Config) -> list[dict]:
+    """One rank of the in-process mode: a thread with its own Communicator, its peers'
+    buffers plain pointers. On CUDA every rank is on GPU 0, so all P rings are co-resident
+    (no time slicing between processes): the mode the one-GPU figures come from; beside it,
+    each rank copying its message at the same time, the ceiling those ranks share. No
+    torch.distributed reference can run here."""
+    device = "cuda:0" if config.device == "cuda" else "cpu"
+    with Communicator(group=group, device=device, buffer_bytes=config.buffer_bytes,
+                      small_bytes=config.small_bytes) as comm:
+        backends = [TorchBackend(comm)] + ([CopyBackend()] if config.device == "cuda" else [])
+        for backend in backends:
+            backend.meeting = group
+        return bench_all(backends, group.rank, group.world_size, config)
+
+
 def gpu_of(rank: int, world: int) -> int:
     """A GPU per rank where there are enough, else every rank on GPU 0 (CUDA IPC maps peers
     on one GPU too)."""
@@ -761,6 +787,10 @@ def _f(value, width, digits=2, missing="n/a"):
 
 
 def transport_label(config: Config, world: int) -> str:
+    if config.in_process:
+        where = (f"CUDA, GPU 0 ({torch.cuda.get_device_name(0)}), peers by plain device pointers"
+                 if config.device == "cuda" else "CPU shared memory")
+        return f"run mode: in-process ({world} threads of one process), {where}"
     if config.device != "cuda":
         return "CPU shared memory"
     gpus = len({gpu_of(r, world) for r in range(world)})
@@ -883,6 +913,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--op", choices=OPS, default="sum")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--in-process", action="store_true",
+                   help="the ranks as threads of one process (one GPU: every ring co-resident); no references")
     p.add_argument("--collectives", default="all_reduce,reduce_scatter,all_gather")
     p.add_argument("--no-gloo", action="store_true", help="skip the gloo reference")
     p.add_argument("--no-mpi", action="store_true", help="skip the Open MPI reference")
@@ -935,12 +967,19 @@ def main(argv=None) -> int:
                     buffer_bytes=parse_bytes(args.buffer_bytes) if args.buffer_bytes else None,
                     check_cost=not args.no_check_cost and args.device == "cpu", straggler_rank=args.straggler_rank,
                     delay_us=args.delay_us, progress=not args.no_progress, device=args.device,
-                    max_seconds=args.max_seconds, small_bytes=ALGORITHMS[args.algorithm])
+                    max_seconds=args.max_seconds, small_bytes=ALGORITHMS[args.algorithm],
+                    in_process=args.in_process)
 
     def note(skipped: bool, option: str, available: Callable[[], str]) -> str:
         return f"skipped ({option})" if skipped else available()
 
-    if args.device == "cuda":  # the CPU references have no GPU form; NCCL is the GPU's
+    if args.in_process:  # one process: nothing of torch.distributed's can take part
+        from ringcoll.api import run_in_process
+
+        config = dataclasses.replace(config, gloo=False, check_cost=False)
+        notes = {"gloo / NCCL / MPI": "not in the in-process mode (each needs a process per rank)"}
+        rows = run_in_process(args.nproc, run_in_process_rank, config)[0]
+    elif args.device == "cuda":  # the CPU references have no GPU form; NCCL is the GPU's
         notes = {"NCCL": note(args.no_nccl, "--no-nccl", lambda: nccl_available(args.nproc))}
         config = dataclasses.replace(config, gloo=False, nccl=not notes["NCCL"])
         rows = spawn(run_rank, args.nproc, config, timeout=3600, env={"NCCL_MULTI_RANK_GPU_ENABLE": "1"})[0]

@@ -35,7 +35,7 @@ import torch
 class Settings(NamedTuple):
     """What the Communicator resolved, validated on every rank before anything is built."""
 
-    group: object  # the torch.distributed process group that bootstraps the ring
+    bootstrap: object  # how the ranks meet (ringcoll/bootstrap.py): rank, world_size, all_gather_object, barrier
     device: torch.device
     rank: int
     world_size: int

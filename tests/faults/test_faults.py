@@ -768,8 +768,8 @@ def test_segment_name_is_random_and_private():
 @pytest.mark.usefixtures("no_leftover_segments")
 @pytest.mark.parametrize("bad", [0, -1, float("inf"), float("nan"), 1e12, datetime.timedelta.max])
 def test_timeout_must_be_positive_and_finite(bad):
-    from ringcoll.communicator import _resolve_timeout
+    from ringcoll.communicator import resolve_timeout
 
     with pytest.raises(ValueError, match="Communicator: timeout must be"):
-        _resolve_timeout(bad)
-    assert _resolve_timeout(datetime.timedelta(minutes=30)) == 1800.0
+        resolve_timeout(bad)
+    assert resolve_timeout(datetime.timedelta(minutes=30)) == 1800.0

@@ -21,6 +21,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "ringcoll"
 LAYERS = [
     ("ringcoll._C",),
     ("ringcoll._types", "ringcoll.errors", "ringcoll.views", "ringcoll.packing", "ringcoll._moved"),
+    ("ringcoll.bootstrap",),
     ("ringcoll.transports",),
     ("ringcoll.communicator",),
     ("ringcoll.api",),

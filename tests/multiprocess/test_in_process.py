@@ -1,0 +1,201 @@
+"""The in-process mode (ringcoll.run_in_process): P ranks as threads of one process.
+
+On a GPU it is what the one-GPU benchmark measures (every ring co-resident); its CUDA side
+is in tests/gpu/test_cuda.py. Here it runs the shared-memory transport, which is the same
+Communicator over the other bootstrap (ringcoll/bootstrap.py), with the same exact checks
+the benchmark applies to both modes: every collective x dtype x op x form at awkward sizes,
+P = 1..5, against values every rank computes itself (ringcoll.harness.bench.expected_result),
+through a 4 KiB buffer (many slices, the ring) and the default one (the one-shot path below
+64 KiB). Then what a thread group must do that a process group does for free: mismatched
+calls raise on every rank, a failing rank stops the others at once, a missing one is a
+timeout, and the bootstrap's rounds do not leak into one another.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import ringcoll
+from ringcoll.bootstrap import InProcessGroup
+from ringcoll.harness.bench import COLLECTIVES, DTYPES, OPS, expected_result, rank_input
+
+OP_NAMES = {"sum": "SUM", "prod": "PRODUCT", "min": "MIN", "max": "MAX", "avg": "AVG"}
+
+
+def _run(comm, coll: str, count: int, dtype, op: str, in_place: bool) -> torch.Tensor:
+    """One call the way the benchmark makes it; returns this rank's result."""
+    rank, world = comm.rank, comm.world_size
+    in_numel, out_numel = COLLECTIVES[coll].shapes(count, world)
+    reduce_op = getattr(ringcoll.ReduceOp, OP_NAMES[op])
+    inp = rank_input(rank, in_numel, dtype, op)
+    if coll == "all_reduce":
+        out = inp if in_place else torch.full((out_numel,), 7, dtype=dtype)
+        comm.all_reduce(inp, op=reduce_op, output=None if in_place else out)
+        return out
+    if coll == "reduce_scatter":
+        out = inp.view(world, -1)[rank] if in_place else torch.full((out_numel,), 7, dtype=dtype)
+        comm.reduce_scatter_tensor(out, inp, op=reduce_op)
+        return out.clone()
+    out = torch.full((out_numel,), 7, dtype=dtype)
+    src = out.view(world, -1)[rank] if in_place else inp
+    src.copy_(inp)
+    comm.all_gather_into_tensor(out, src)
+    return out
+
+
+def _matrix(group, counts) -> list[str]:
+    """Every case on a ring-only 4 KiB communicator and a default one; the wrong ones, named."""
+    wrong = []
+    with ringcoll.Communicator(group=group, buffer_bytes=4096, small_bytes=0) as ring, \
+            ringcoll.Communicator(group=group) as default:
+        for comm in (ring, default):
+            for coll in COLLECTIVES:
+                for dtype_name, dtype in DTYPES.items():
+                    for op in OPS if COLLECTIVES[coll].reduces else ("sum",):
+                        if op == "avg" and not dtype.is_floating_point:
+                            continue
+                        for count in counts:
+                            for in_place in (False, True):
+                                got = _run(comm, coll, count, dtype, op, in_place)
+                                expected = expected_result(COLLECTIVES[coll], group.rank, group.world_size, count,
+                                                           dtype, op)
+                                if not torch.equal(got, expected):
+                                    wrong.append(f"rank {group.rank} {coll} {dtype_name} {op} count={count} "
+                                                 f"{'in-place' if in_place else 'out-of-place'} buffer={comm.buffer_bytes}")
+    return wrong
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
+def test_every_collective_dtype_op_and_form_is_exact(world):
+    # Multiples of P (the benchmark's shapes): one element each, a prime number of 60-element
+    # chunks, and over the 4 KiB buffer many times.
+    counts = [world, world * 61, world * 2503]
+    wrong = sum(ringcoll.run_in_process(world, _matrix, counts, timeout=60), [])
+    assert not wrong, f"{len(wrong)} wrong cases, e.g. " + "; ".join(wrong[:5])
+
+
+def test_results_are_identical_to_the_same_run_as_processes():
+    """One case, in threads and in processes: the same bits (the transport does not know
+    which bootstrap made it)."""
+    from ringcoll.harness.launcher import spawn
+
+    def in_threads(group):
+        with ringcoll.Communicator(group=group, buffer_bytes=4096) as comm:
+            t = torch.randn(10007, generator=torch.Generator().manual_seed(group.rank))
+            comm.all_reduce(t)
+            return t
+
+    threads = ringcoll.run_in_process(3, in_threads, timeout=60)
+    processes = spawn(_as_process, 3)
+    for a, b in zip(threads, processes):
+        assert torch.equal(a, b)
+
+
+def _as_process(rank, world):
+    with ringcoll.Communicator(buffer_bytes=4096) as comm:
+        t = torch.randn(10007, generator=torch.Generator().manual_seed(rank))
+        comm.all_reduce(t)
+        return t
+
+
+def test_mismatched_calls_raise_on_every_rank():
+    def body(group):
+        with ringcoll.Communicator(group=group) as comm:
+            t = torch.ones(64 if group.rank == 0 else 65)
+            with pytest.raises(ringcoll.RingcollMismatchError):
+                comm.all_reduce(t)
+            return t
+
+    for t in ringcoll.run_in_process(3, body, timeout=60):
+        assert torch.all(t == 1), "a mismatched call wrote its output"
+
+
+def test_a_failing_rank_stops_the_others_at_once():
+    """Rank 1 raises before its Communicator exists: the others, waiting for it in the
+    bootstrap, stop at once (RingcollPeerError naming it), and the caller gets rank 1's own
+    error, not the others'."""
+    def body(group):
+        if group.rank == 1:
+            raise KeyError("rank 1's own error")
+        ringcoll.Communicator(group=group)
+
+    start = time.monotonic()
+    with pytest.raises(KeyError, match="rank 1's own error") as info:
+        ringcoll.run_in_process(3, body, timeout=120)
+    assert time.monotonic() - start < 30, "the others waited for the failed rank"
+    assert any("rank 1 of run_in_process" in note for note in info.value.__notes__)
+
+
+def test_the_others_name_the_failed_rank():
+    seen = {}
+
+    def body(group):
+        if group.rank == 2:
+            raise ValueError("boom")
+        try:
+            ringcoll.Communicator(group=group)
+        except ringcoll.RingcollPeerError as e:
+            seen[group.rank] = str(e)
+            raise
+
+    with pytest.raises(ValueError):
+        ringcoll.run_in_process(3, body, timeout=120)
+    assert sorted(seen) == [0, 1]
+    assert all("rank 2 of the in-process group failed" in message for message in seen.values())
+
+
+def test_a_rank_that_never_comes_is_a_timeout():
+    group = InProcessGroup(2, timeout=0.5)
+    start = time.monotonic()
+    with pytest.raises(ringcoll.RingcollTimeoutError, match="waited 0.5 s for the other 1 ranks"):
+        ringcoll.Communicator(group=group.rank_handle(0))
+    assert time.monotonic() - start < 10
+    with pytest.raises(ringcoll.RingcollPeerError):  # the group stays broken for a late rank
+        group.rank_handle(1).barrier()
+
+
+def test_a_rank_that_dies_inside_a_collective_is_an_error_not_a_hang():
+    """Rank 0 leaves after one collective (its Communicator closes); rank 1's next call
+    waits for it and must give up within the timeout."""
+    def body(group):
+        with ringcoll.Communicator(group=group, timeout=3) as comm:
+            comm.all_reduce(torch.ones(8))
+            if group.rank == 0:
+                return "left"
+            comm.all_reduce(torch.ones(8))
+
+    start = time.monotonic()
+    with pytest.raises((ringcoll.RingcollPeerError, ringcoll.RingcollTimeoutError)):
+        ringcoll.run_in_process(2, body, timeout=60)
+    assert time.monotonic() - start < 30
+
+
+def test_bootstrap_rounds_do_not_overwrite_each_other():
+    """all_gather_object twice in a row, ranks skewed: each round returns its own offers."""
+    def body(group):
+        rounds = []
+        for k in range(20):
+            if (group.rank + k) % 3 == 0:
+                time.sleep(0.002)  # a late rank must not see the next round's offers
+            rounds.append(group.all_gather_object((k, group.rank)))
+        return rounds
+
+    for rounds in ringcoll.run_in_process(4, body, timeout=60):
+        assert rounds == [[(k, r) for r in range(4)] for k in range(20)]
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="world_size must be >= 1"):
+        ringcoll.run_in_process(0, lambda group: None)
+    with pytest.raises(ValueError, match="rank 3 is outside 0..1"):
+        InProcessGroup(2, timeout=1).rank_handle(3)
+
+
+def test_threads_are_joined():
+    before = threading.active_count()
+    ringcoll.run_in_process(4, lambda group: group.barrier(), timeout=60)
+    assert threading.active_count() == before
