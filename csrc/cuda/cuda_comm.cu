@@ -1,12 +1,17 @@
-// cuda_comm.cu: the CUDA transport's host side. IPC bootstrap, the launch of the ring
-// kernels (ring_kernels.cu) on the communicator's own stream, and error reporting from the
-// host-mapped records a kernel writes when a wait outlasts the timeout.
+// cuda_comm.cu: the CUDA transport's host side. The bootstrap (peers reached through CUDA IPC
+// or, in one process, directly), the launch of the ring kernels (ring_kernels.cu) on the
+// communicator's stream, error reporting from the host-mapped records a kernel writes when a
+// wait outlasts the timeout, and the collective close.
 #include "cuda_comm.h"
 
 #include <cuda_runtime.h>
 
+#include <unistd.h>
+
 #include <atomic>
 #include <cstring>
+#include <mutex>
+#include <random>
 #include <sstream>
 #include <stdexcept>
 
@@ -20,17 +25,85 @@ namespace ringcoll::cuda {
 
 namespace {
 struct HandleMessage {
-  cudaIpcMemHandle_t handle;
-  int32_t device;
+  cudaIpcMemHandle_t handle;  // for peers in other processes
+  uint64_t address;           // the allocation's device address, for peers in this process
+  uint64_t process;           // process_token() of the process that made it
+  int32_t ipc_error;          // cudaIpcGetMemHandle's result: cudaSuccess, or why `handle` is unusable
   int32_t rank;
-  int32_t sm_count;    // its GPU's SMs (max_blocks_for)
-  cudaUUID_t gpu;      // which physical GPU (ordinals differ between processes' CUDA_VISIBLE_DEVICES)
+  int32_t sm_count;           // its GPU's SMs (max_blocks_for)
+  cudaUUID_t gpu;             // which physical GPU (ordinals differ between processes' CUDA_VISIBLE_DEVICES)
 };
+
+// Which process a handle comes from. A process cannot open its own IPC handles
+// (cudaIpcOpenMemHandle refuses them), and needs not: its threads share one address space,
+// so a peer of the same process is reached through the address itself. A pid alone would
+// not do (two containers' processes can share one); a random draw alone would survive a
+// fork(), so the token is drawn again when the pid changes.
+uint64_t process_token() {
+  static std::mutex mutex;
+  static pid_t drawn_for = 0;
+  static uint64_t token = 0;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (drawn_for != getpid()) {
+    drawn_for = getpid();
+    std::random_device entropy;
+    token = (static_cast<uint64_t>(entropy()) << 32 | entropy()) ^ static_cast<uint64_t>(drawn_for);
+  }
+  return token;
+}
 
 cudaUUID_t gpu_uuid(int device) {
   cudaDeviceProp prop;
   RINGCOLL_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
   return prop.uuid;
+}
+
+// The communicators' streams: lent, never destroyed. torch's caching allocator records an
+// event on our stream when it frees a tensor recorded there (record_stream), which can come
+// after close(); a destroyed stream would be a dead handle inside that deleter. And no two
+// live communicators of a process may share a stream: ranks that are threads of one process
+// would queue behind each other's spinning kernels. So a communicator borrows a stream no
+// live one holds, and gives it back at close; the process keeps as many as were ever
+// alive at once.
+class StreamLender {
+ public:
+  static StreamLender& instance() {
+    static StreamLender* lender = new StreamLender;  // never destroyed: streams outlive exit handlers
+    return *lender;
+  }
+  void* take(int device) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (size_t i = 0; i < idle_.size(); ++i) {
+      if (idle_[i].first == device) {
+        void* stream = idle_[i].second;
+        idle_.erase(idle_.begin() + static_cast<std::ptrdiff_t>(i));
+        return stream;
+      }
+    }
+    cudaStream_t stream;  // non-blocking: never ordered behind the legacy default stream
+    RINGCOLL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    return stream;
+  }
+  void give_back(int device, void* stream) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    idle_.emplace_back(device, stream);
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<std::pair<int, void*>> idle_;
+};
+
+bool same_gpu(const cudaUUID_t& a, const cudaUUID_t& b) { return std::memcmp(&a, &b, sizeof(a)) == 0; }
+
+// This process's ordinal of the GPU `gpu`, or -1 where this process does not see it.
+int local_ordinal(const cudaUUID_t& gpu) {
+  int count = 0;
+  RINGCOLL_CUDA_CHECK(cudaGetDeviceCount(&count));
+  for (int d = 0; d < count; ++d) {
+    if (same_gpu(gpu_uuid(d), gpu)) return d;
+  }
+  return -1;
 }
 }  // namespace
 
@@ -38,7 +111,8 @@ CudaComm::CudaComm(int rank, int world, int device, size_t buffer_bytes, double 
                    int variant)
     : rank_(rank), world_(world), device_(device), buffer_bytes_(buffer_bytes),
       slot_bytes_(slot_bytes_for(buffer_bytes, world, kSlotAlignment)), timeout_seconds_(timeout_seconds), check_calls_(check_calls),
-      variant_(static_cast<KernelVariant>(variant)), peers_(static_cast<size_t>(world), nullptr) {
+      variant_(static_cast<KernelVariant>(variant)),
+      peers_(static_cast<size_t>(world), nullptr), peer_by_ipc_(static_cast<size_t>(world), false) {
   RINGCOLL_CHECK(world >= 1 && rank >= 0 && rank < world, std::invalid_argument, "Communicator: rank ", rank,
                  " is outside world size ", world);
   RINGCOLL_CHECK(world <= kMaxWorld, std::invalid_argument, "Communicator: the CUDA transport supports at most ",
@@ -49,28 +123,32 @@ CudaComm::CudaComm(int rank, int world, int device, size_t buffer_bytes, double 
   try {
     RINGCOLL_CUDA_CHECK(cudaSetDevice(device_));
     RINGCOLL_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_));
+    // Load every kernel now: under lazy loading (CUDA's default) the first launch of each
+    // would load it then, which can wait for the whole context, a peer's spinning ring included.
+    preload_ring_kernels();
     const size_t total = kFlagAreaBytes + static_cast<size_t>(kBanks) * world_ * slot_bytes_;
     RINGCOLL_CUDA_CHECK(cudaMalloc(&base_, total));
-    // Flags start at 0 and only grow; peers map this allocation only after the handles
-    // went round (after this constructor), so the zeroing is done before anyone reads it.
-    RINGCOLL_CUDA_CHECK(cudaMemset(base_, 0, kFlagAreaBytes));
     RINGCOLL_CUDA_CHECK(cudaMalloc(&state_, sizeof(uint64_t) * kStateWords));
-    RINGCOLL_CUDA_CHECK(cudaMemset(state_, 0, sizeof(uint64_t) * kStateWords));
     RINGCOLL_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&errors_host_), sizeof(ErrorRecord) * kMaxBlocks,
                                       cudaHostAllocMapped | cudaHostAllocPortable));
     std::memset(errors_host_, 0, sizeof(ErrorRecord) * kMaxBlocks);
     RINGCOLL_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&errors_device_), errors_host_, 0));
-    cudaStream_t stream;
-    RINGCOLL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    stream_ = stream;
+    stream_ = StreamLender::instance().take(device_);
     cudaEvent_t done, ready;
     RINGCOLL_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
     done_ = done;
     RINGCOLL_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
     ready_ = ready;
+    // Flags start at 0 and only grow; peers map this allocation only after the handles went
+    // round (after this constructor), so the zeroing is done before anyone reads it. On our
+    // stream, and waiting for it alone: a cudaDeviceSynchronize would also wait for every
+    // other kernel of the process, a peer thread's spinning ring among them.
+    auto own = static_cast<cudaStream_t>(stream_);
+    RINGCOLL_CUDA_CHECK(cudaMemsetAsync(base_, 0, kFlagAreaBytes, own));
+    RINGCOLL_CUDA_CHECK(cudaMemsetAsync(state_, 0, sizeof(uint64_t) * kStateWords, own));
     const uint64_t hello = kHelloMagic ^ static_cast<uint64_t>(rank_);
-    RINGCOLL_CUDA_CHECK(cudaMemcpy(base_ + kHelloOffset, &hello, sizeof(hello), cudaMemcpyHostToDevice));
-    RINGCOLL_CUDA_CHECK(cudaDeviceSynchronize());  // the memsets are done before the handle leaves
+    RINGCOLL_CUDA_CHECK(cudaMemcpyAsync(base_ + kHelloOffset, &hello, sizeof(hello), cudaMemcpyHostToDevice, own));
+    RINGCOLL_CUDA_CHECK(cudaStreamSynchronize(own));  // `hello` is a local: copied before it goes
   } catch (...) {
     close();
     throw;
@@ -88,8 +166,12 @@ CudaComm::~CudaComm() {
 std::string CudaComm::handle_bytes() const {
   ensure_usable("Communicator");
   HandleMessage msg{};
-  RINGCOLL_CUDA_CHECK(cudaIpcGetMemHandle(&msg.handle, base_));
-  msg.device = device_;
+  // A process that cannot export (no IPC in some sandboxes) still serves peers of its own
+  // process; one in another process then says why it cannot map us (map_peers).
+  msg.ipc_error = cudaIpcGetMemHandle(&msg.handle, base_);
+  if (msg.ipc_error != cudaSuccess) (void)cudaGetLastError();
+  msg.address = reinterpret_cast<uint64_t>(base_);
+  msg.process = process_token();
   msg.rank = rank_;
   msg.sm_count = sm_count_;
   msg.gpu = gpu_uuid(device_);
@@ -113,7 +195,7 @@ void CudaComm::open_peers(const std::vector<std::string>& handles) {
 
 void CudaComm::map_peers(const std::vector<std::string>& handles) {
   const cudaUUID_t mine = gpu_uuid(device_);
-  std::vector<bool> same_gpu(static_cast<size_t>(world_), true);
+  std::vector<bool> on_my_gpu(static_cast<size_t>(world_), true);
   std::vector<cudaUUID_t> gpus(static_cast<size_t>(world_), mine);
   int least_sms = sm_count_;
   for (int r = 0; r < world_; ++r) {
@@ -126,40 +208,62 @@ void CudaComm::map_peers(const std::vector<std::string>& handles) {
     RINGCOLL_CHECK(msg.rank == r, std::invalid_argument, "Communicator: handle ", r, " came from rank ", msg.rank);
     if (msg.sm_count < least_sms) least_sms = msg.sm_count;
     gpus[r] = msg.gpu;
-    same_gpu[r] = std::memcmp(&msg.gpu, &mine, sizeof(mine)) == 0;
-    if (msg.device != device_) {
+    on_my_gpu[r] = same_gpu(msg.gpu, mine);
+    // Peer access between two GPUs this process sees must be possible, and is enabled here
+    // (a direct pointer needs it; IPC would enable it lazily). A GPU this process does not
+    // see (CUDA_VISIBLE_DEVICES) can only be reached through IPC, checked by the hello below.
+    const int peer_device = on_my_gpu[r] ? device_ : local_ordinal(msg.gpu);
+    if (peer_device >= 0 && peer_device != device_) {
       int can = 0;
-      RINGCOLL_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, device_, msg.device));
+      RINGCOLL_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, device_, peer_device));
       RINGCOLL_CHECK(can, Error, "Communicator: rank ", rank_, " on GPU ", device_, " cannot access GPU ",
-                     msg.device, " of rank ", r, " (no peer access between them)");
-      const cudaError_t err = cudaDeviceEnablePeerAccess(msg.device, 0);
+                     peer_device, " of rank ", r, " (no peer access between them)");
+      const cudaError_t err = cudaDeviceEnablePeerAccess(peer_device, 0);
       if (err == cudaErrorPeerAccessAlreadyEnabled) (void)cudaGetLastError();
       else RINGCOLL_CUDA_CHECK(err);
     }
-    void* mapped = nullptr;
-    RINGCOLL_CUDA_CHECK(cudaIpcOpenMemHandle(&mapped, msg.handle, cudaIpcMemLazyEnablePeerAccess));
-    peers_[r] = static_cast<char*>(mapped);
+    if (msg.process == process_token()) {
+      peers_[r] = reinterpret_cast<char*>(msg.address);  // a thread of this process: same address space
+    } else {
+      RINGCOLL_CHECK(msg.ipc_error == cudaSuccess, Error, "Communicator: rank ", r, " could not export its GPU memory "
+                     "through CUDA IPC (", cudaGetErrorString(static_cast<cudaError_t>(msg.ipc_error)),
+                     "), so rank ", rank_, " in another process cannot map it");
+      void* mapped = nullptr;
+      RINGCOLL_CUDA_CHECK(cudaIpcOpenMemHandle(&mapped, msg.handle, cudaIpcMemLazyEnablePeerAccess));
+      peers_[r] = static_cast<char*>(mapped);
+      peer_by_ipc_[r] = true;
+    }
     // A mapping that opens but does not reach the peer's memory (seen in sandboxes and with
     // broken peer access) would otherwise surface as a timeout inside the first kernel.
     uint64_t hello = 0;
-    RINGCOLL_CUDA_CHECK(cudaMemcpy(&hello, peers_[r] + kHelloOffset, sizeof(hello), cudaMemcpyDeviceToHost));
+    RINGCOLL_CHECK(copy_flag(&hello, peers_[r] + kHelloOffset, cudaMemcpyDeviceToHost), Error, "Communicator: rank ",
+                   rank_, " cannot read rank ", r, "'s GPU memory (", peer_by_ipc_[r] ? "CUDA IPC" : "same process",
+                   ")");
     RINGCOLL_CHECK(hello == (kHelloMagic ^ static_cast<uint64_t>(r)), Error, "Communicator: rank ", rank_,
-                   " mapped rank ", r, "'s GPU memory through CUDA IPC but reads ", hello,
-                   " instead of its hello word ", kHelloMagic ^ static_cast<uint64_t>(r),
-                   "; IPC between these processes does not work here");
+                   " mapped rank ", r, "'s GPU memory (", peer_by_ipc_[r] ? "through CUDA IPC" : "in this process",
+                   ") but reads ", hello, " instead of its hello word ", kHelloMagic ^ static_cast<uint64_t>(r),
+                   "; the ranks cannot share GPU memory here");
   }
-  flag_scope_ = flag_scope_for(same_gpu);
+  flag_scope_ = flag_scope_for(on_my_gpu);
   // Every rank sees every handle, so all compute the same grid bound (block b talks to block b).
   int ranks_per_gpu = 1;
   for (const cudaUUID_t& g : gpus) {
     int here = 0;
-    for (const cudaUUID_t& h : gpus) here += std::memcmp(&g, &h, sizeof(g)) == 0;
+    for (const cudaUUID_t& h : gpus) here += same_gpu(g, h);
     if (here > ranks_per_gpu) ranks_per_gpu = here;
   }
   max_blocks_ = max_blocks_for(least_sms, ranks_per_gpu);
   RINGCOLL_CHECK(max_blocks_ >= 1 && max_blocks_ <= kMaxBlocks, Error, "Communicator: a grid of ", max_blocks_,
                  " blocks does not fit the flag area (kMaxBlocks = ", kMaxBlocks, ")");
 }
+
+int CudaComm::ipc_peers() const {
+  int n = 0;
+  for (bool ipc : peer_by_ipc_) n += ipc;
+  return n;
+}
+
+int CudaComm::in_process_peers() const { return peers_open_ ? world_ - 1 - ipc_peers() : 0; }
 
 void CudaComm::ensure_usable(const char* op) const {
   RINGCOLL_CHECK(!closed_, Error, op, ": communicator is closed");
@@ -241,32 +345,36 @@ void CudaComm::all_gather(uintptr_t input, uintptr_t output, int64_t user_count,
 
 // Closing. CUDA calls it undefined to cudaFree an allocation another process still maps
 // (cudaIpcOpenMemHandle's documentation), and a neighbour that is one step behind may still
-// be reading our last slot when our own kernels are done. So close() is collective:
-//   1. wait for every launch that uses our memory (our stream's, and any CUDA-graph replay);
-//      a kernel error the host has not checked yet still makes the communicator broken;
-//   2. write our `finished` word into every peer's allocation, and set our `aborted` to
+// be reading our last slot when our own kernels are done. So closing is collective:
+// leave_peers()
+//   1. waits for every launch that uses our memory: our stream's, and any CUDA-graph replay
+//      of one (the graph records our `done` event too). Only those: a cudaDeviceSynchronize
+//      would also wait for unrelated work, in the in-process mode a peer thread's ring that
+//      is waiting for us. A kernel error the host has not checked yet makes us broken;
+//   2. writes our `finished` word into every peer's allocation, and sets our `aborted` to
 //      "closed" unless a kernel already gave up (a neighbour still waiting for us then
 //      stops at once, naming us);
-//   3. wait, bounded by the timeout, until every peer's word has arrived in ours: from then
+//   3. waits, bounded by the timeout, until every peer's word has arrived in ours: from then
 //      on no peer reads or writes our memory (close_protocol.h; the emulator runs the same
 //      loop in CI). Words are pushed, not pulled, so no rank ever reads the memory of a
 //      peer that may already have freed it;
-//   4. unmap the peers, then free our own allocation.
-// One window remains that the documentation still covers: a finished peer may not yet have
-// unmapped us when we free (that cannot be signalled through the memory being unmapped; it
-// would take a host round trip). Nothing touches the memory in that window.
+//   4. unmaps the peers.
+// Then the caller's host rendezvous (ringcoll/transports/cuda.py: the group's barrier) makes
+// sure every peer has unmapped us too, which no word in GPU memory can say (it would have to
+// be read through the very mapping just closed), and free_memory() frees our allocation.
 // Our allocation is kept, not freed (the driver releases it when the process exits, and
 // kept_on_close() says why) when a peer does not close within the timeout (it died, or
 // never closes), when the communicator is broken (a peer's kernel may still be stopping; a
-// dead peer would make us wait the whole timeout), or without `wait_for_peers` (a
-// finalizer, which must not stall one rank at an arbitrary point).
-void CudaComm::close(bool wait_for_peers) {
+// dead peer would make us wait the whole timeout), when the rendezvous fails
+// (keep_memory), or without `wait_for_peers` (a finalizer, which must not stall one rank
+// at an arbitrary point). Errors are ignored throughout: closing must not throw from a
+// destructor, and a broken communicator is closed all the same.
+void CudaComm::leave_peers(bool wait_for_peers) {
   if (closed_) return;
   closed_ = true;
-  // Errors below are ignored: close must not throw from a destructor, and a broken
-  // communicator is closed all the same.
   cudaSetDevice(device_);
-  cudaDeviceSynchronize();
+  if (stream_ != nullptr) cudaStreamSynchronize(static_cast<cudaStream_t>(stream_));
+  if (done_ != nullptr) cudaEventSynchronize(static_cast<cudaEvent_t>(done_));
   if (broken_reason_.empty() && errors_host_ != nullptr) {
     const ErrorRecord* rec = first_error(errors_host_, kMaxBlocks);
     if (rec != nullptr) broken_reason_ = "cuda collective: " + error_message(*rec, world_, timeout_seconds_);
@@ -274,29 +382,41 @@ void CudaComm::close(bool wait_for_peers) {
   announce_closed();
   const bool shared = peers_open_ && world_ > 1;  // peers map our allocation
   if (shared && !broken_reason_.empty()) {
-    kept_on_close_ = "the communicator is broken (" + broken_reason_ + ")";
+    keep_memory("the communicator is broken (" + broken_reason_ + ")");
   } else if (shared && !wait_for_peers) {
-    kept_on_close_ = "it was closed without waiting for its peers (by the garbage collector)";
+    keep_memory("it was closed without waiting for its peers (by the garbage collector)");
   } else if (shared) {
-    kept_on_close_ = wait_until_peers_finished(rank_, world_, timeout_seconds_, [&](int r, uint64_t* word) {
+    keep_memory(wait_until_peers_finished(rank_, world_, timeout_seconds_, [&](int r, uint64_t* word) {
       return copy_flag(word, base_ + finished_word_offset(r), cudaMemcpyDeviceToHost);
-    });
+    }));
   }
   for (int r = 0; r < world_; ++r) {
-    if (r != rank_ && peers_[r] != nullptr) cudaIpcCloseMemHandle(peers_[r]);
+    if (peer_by_ipc_[r]) cudaIpcCloseMemHandle(peers_[r]);
     peers_[r] = nullptr;
+    peer_by_ipc_[r] = false;
   }
+  cudaGetLastError();  // leave no sticky non-fatal error behind for the caller's next call
+}
+
+void CudaComm::free_memory() {
+  leave_peers(/*wait_for_peers=*/false);  // no-op after leave_peers; else keeps the allocation
+  cudaSetDevice(device_);
   if (done_ != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(done_));
   if (ready_ != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(ready_));
-  if (stream_ != nullptr) cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
   if (errors_host_ != nullptr) cudaFreeHost(errors_host_);
   if (state_ != nullptr) cudaFree(state_);
   if (base_ != nullptr && kept_on_close_.empty()) cudaFree(base_);
+  if (stream_ != nullptr) StreamLender::instance().give_back(device_, stream_);  // idle: leave_peers waited for it
   done_ = ready_ = stream_ = nullptr;
   errors_host_ = errors_device_ = nullptr;
   state_ = nullptr;
   base_ = nullptr;
-  cudaGetLastError();  // leave no sticky non-fatal error behind for the caller's next call
+  cudaGetLastError();
+}
+
+void CudaComm::close(bool wait_for_peers) {
+  leave_peers(wait_for_peers);
+  free_memory();
 }
 
 // Step 2 of close(): our kernels are finished, so everything they published is visible

@@ -1,7 +1,9 @@
-// cuda_comm.h: the CUDA transport. P processes, each with one GPU allocation (flags, then
-// data; kernel_abi.h has the layout) that every peer maps through CUDA IPC; the ring of
-// ring_loop.h runs in kernels over them (ring_kernels.cu, device_ring.h). Nothing here names
-// a CUDA type, so the bindings compile with g++.
+// cuda_comm.h: the CUDA transport. P ranks, each with one GPU allocation (flags, then data;
+// kernel_abi.h has the layout) that every peer maps: through CUDA IPC when the peer is
+// another process, as the plain device pointer when it is another thread of this one (the
+// in-process mode, ringcoll/bootstrap.py). The ring of ring_loop.h runs in kernels over them
+// (ring_kernels.cu, device_ring.h). Nothing here names a CUDA type, so the bindings compile
+// with g++.
 #pragma once
 
 #include <cstdint>
@@ -20,10 +22,16 @@ class CudaComm {
   CudaComm(const CudaComm&) = delete;
   CudaComm& operator=(const CudaComm&) = delete;
 
-  // This rank's IPC handle (cudaIpcMemHandle_t bytes) plus its device ordinal.
+  // What a peer needs to reach this rank's allocation: its IPC handle, its address and this
+  // process's token (a peer of the same process uses the address, cuda_comm.cu says why),
+  // plus the GPU's UUID and SM count.
   std::string handle_bytes() const;
   // Map every peer's allocation; handles[r] is what rank r's handle_bytes() returned.
   void open_peers(const std::vector<std::string>& handles);
+  // How many peers are reached by CUDA IPC (other processes) and how many directly (threads
+  // of this process); valid after open_peers.
+  int ipc_peers() const;
+  int in_process_peers() const;
 
   // Raw device addresses; counts are user counts (call.h); `stream` is a cudaStream_t as an
   // integer (0: legacy default).
@@ -41,9 +49,19 @@ class CudaComm {
   void check_error();
   // Block until every launch so far has finished, then check_error().
   void synchronize();
-  // Collective, like NCCL's finalize-then-destroy: see cuda_comm.cu. Never throws.
-  // Without wait_for_peers (finalizers) it does not wait, and keeps its allocation.
+  // Collective, like NCCL's finalize-then-destroy, in two halves (cuda_comm.cu states the
+  // protocol): leave_peers() (finish our work, tell every peer, wait for theirs, unmap them),
+  // then, after the caller's host rendezvous of every rank, free_memory(). close() is both
+  // without the rendezvous (destructors). None of them throws. Without wait_for_peers
+  // (finalizers) leave_peers does not wait, and the allocation is kept.
+  void leave_peers(bool wait_for_peers = true);
+  void free_memory();
   void close(bool wait_for_peers = true);
+  // Keep the allocation (not freed until the process exits), saying why: e.g. the caller's
+  // rendezvous between leave_peers and free_memory failed.
+  void keep_memory(const std::string& why) {
+    if (kept_on_close_.empty()) kept_on_close_ = why;
+  }
   // Why close() left this rank's allocation to be freed at process exit; empty if it freed it.
   const std::string& kept_on_close() const { return kept_on_close_; }
 
@@ -81,10 +99,12 @@ class CudaComm {
   uint64_t* state_ = nullptr;            // private: the bookkeeping record, kStateWords
   ErrorRecord* errors_host_ = nullptr;   // host-mapped, kMaxBlocks records
   ErrorRecord* errors_device_ = nullptr;
-  void* stream_ = nullptr;               // cudaStream_t
+  void* stream_ = nullptr;               // cudaStream_t, lent for our lifetime (cuda_comm.cu: StreamLender)
   void* done_ = nullptr;                 // cudaEvent_t, recorded after each launch
   void* ready_ = nullptr;                // cudaEvent_t, recorded on the caller's stream
   std::vector<char*> peers_;             // peers_[r]: rank r's allocation mapped here (own for r == rank)
+  std::vector<bool> peer_by_ipc_;        // peers_[r] came from cudaIpcOpenMemHandle (else: same process)
+  bool left_peers_ = false;
   bool peers_open_ = false;
   std::string broken_reason_;
   bool closed_ = false;

@@ -10,4 +10,7 @@ namespace ringcoll::cuda {
 // vectors when `vectorise`.
 void launch_ring(const RingParams& params, int blocks, bool vectorise, void* stream);
 
+// Load every ring_kernel instantiation on the current device now (see cuda_comm.cu).
+void preload_ring_kernels();
+
 }  // namespace ringcoll::cuda

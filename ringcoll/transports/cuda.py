@@ -1,10 +1,11 @@
-"""The CUDA transport, Python side: a ring of P processes whose GPU buffers are mapped into
-one another through CUDA IPC (csrc/cuda/).
+"""The CUDA transport, Python side: a ring of P ranks whose GPU buffers are mapped into one
+another (csrc/cuda/): through CUDA IPC between processes, or as plain device pointers
+between the threads of one process (ringcoll.run_in_process).
 
 Bootstrap (collective over the group, like the shared-memory transport): each rank builds a
-``_C.CudaComm`` (cudaMalloc of flags + data, cudaIpcGetMemHandle), the handle bytes go
-round with ``dist.all_gather_object``, and each rank opens its peers' handles. After that
-a collective is one kernel launch and needs no host communication.
+``_C.CudaComm`` (cudaMalloc of flags + data), its handle (IPC handle, address, process
+token) goes round the group's bootstrap (ringcoll/bootstrap.py), and each rank opens its
+peers'. After that a collective is one kernel launch and needs no host communication.
 
 Streams. A collective runs on the communicator's own CUDA stream, after all work already
 queued on the caller's current stream (so inputs are ready). Synchronous calls then make
@@ -43,7 +44,6 @@ import warnings
 from typing import Callable, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from ringcoll import _C
 from ringcoll._types import ReduceOp, dtype_code
@@ -115,9 +115,13 @@ class CudaTransport(Transport):
     def __init__(self, settings: Settings, exchange: Callable[..., list]):
         self.device = device = settings.device  # resolved (and CUDA checked) by resolve_device
         self.rank = settings.rank
+        self._bootstrap = settings.bootstrap
         variant = kernel_variant()
         self._comm = _C.CudaComm(self.rank, settings.world_size, device.index, settings.buffer_bytes,
                                  settings.timeout, settings.check, variant)
+        # The communicator's stream outlives it (cuda_comm.cu, StreamLender), so a tensor
+        # recorded on it (record_stream, in submit) may be freed after close().
+        self._stream = torch.cuda.ExternalStream(self._comm.stream_handle, device=device)
         try:
             variant_name = next(name for name, code in KERNEL_VARIANTS.items() if code == variant)
             handles = exchange(self._comm.handle_bytes(), **{"RINGCOLL_CUDA_KERNEL": variant_name})
@@ -127,8 +131,7 @@ class CudaTransport(Transport):
         try:
             self._comm.open_peers(handles)
             # Every rank must have mapped every peer before anyone may close (and free) its buffer.
-            dist.barrier(group=settings.group)
-            self._stream = torch.cuda.ExternalStream(self._comm.stream_handle, device=device)
+            self._bootstrap.barrier()
         except BaseException:
             self._comm.close(wait_for_peers=False)  # peers may be mapping us: keep the buffer
             raise
@@ -170,9 +173,23 @@ class CudaTransport(Transport):
             self._comm.check_error()
             call.run(self._comm, self._current_stream() if stream is None else int(stream), True)
 
+    @property
+    def run_mode(self) -> str:
+        """How the peers are reached: "in-process" (threads of this process, plain device
+        pointers), "IPC" (other processes), or "mixed"; "single" for one rank."""
+        ipc, direct = self._comm.ipc_peers, self._comm.in_process_peers
+        return "single" if ipc + direct == 0 else "IPC" if direct == 0 else "in-process" if ipc == 0 else "mixed"
+
+    def _refuse_in_capture(self, op: str) -> None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RingcollError(f"{op}: cannot run while the current stream is capturing a CUDA graph: it blocks "
+                                "the host until the GPU is done, which a capture cannot contain. Call it before or "
+                                "after the capture (collectives themselves can be captured)")
+
     def barrier(self, async_op: bool) -> None:
         """An all-reduce of one int on the device, then a host wait for it (like NCCL's);
-        always synchronous."""
+        always synchronous, so refused inside a CUDA graph capture."""
+        self._refuse_in_capture("barrier")
         with self._lock:
             self._barrier_call.run(self._comm, self._current_stream(), True)
             self._comm.synchronize()
@@ -182,15 +199,23 @@ class CudaTransport(Transport):
         self._comm.check_error()
 
     def synchronize(self) -> None:
+        self._refuse_in_capture("synchronize")
         with self._lock:
             self._comm.synchronize()
 
     def close(self, wait_for_peers: bool = True) -> None:
-        """Collective (cuda_comm.cu says why): returns once every peer has closed too, or
-        after the timeout, keeping this rank's buffer until the process exits. Without
-        `wait_for_peers` it does not wait and keeps the buffer."""
+        """Collective (cuda_comm.cu says why): every rank finishes and unmaps its peers, then
+        the group's barrier, then every rank frees its buffer; returns once every peer has
+        closed too, or after the timeout, keeping this rank's buffer until the process exits.
+        Without `wait_for_peers` it does not wait and keeps the buffer."""
         with self._lock:
-            self._comm.close(wait_for_peers)
+            self._comm.leave_peers(wait_for_peers)
+            if wait_for_peers and not self._comm.kept_on_close and self._comm.world > 1:
+                try:
+                    self._bootstrap.barrier()  # bounded: the group's (or run_in_process's) timeout
+                except Exception as e:  # noqa: BLE001 - a peer may still map us: keep, say why
+                    self._comm.keep_memory(f"not every peer reached the rendezvous before freeing ({e})")
+            self._comm.free_memory()
         if self._comm.kept_on_close:  # stacklevel: the caller of Communicator.close()
             warnings.warn(f"ringcoll: rank {self.rank} keeps its GPU buffer until the process exits, since "
                           f"peers may still map it: {self._comm.kept_on_close}", RuntimeWarning, stacklevel=4)
