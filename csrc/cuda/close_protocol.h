@@ -15,9 +15,17 @@
 
 namespace ringcoll::cuda {
 
+// A `finished` word: 0 until rank r's kernels are all done, then what r does with its own
+// allocation. kWillFree: it takes part in the host rendezvous that follows, then frees.
+// kKeeps: it keeps the allocation and skips the rendezvous (broken, or closed by a finalizer);
+// a peer that sees it skips the rendezvous too, so no rank waits there for one that never comes.
+constexpr uint64_t kWillFree = 1, kKeeps = 2;
+
 // read_finished(r, &word) reads word r of our own `finished` array; false if it cannot.
 // Polls with growing naps (20 us .. 20 ms). Returns "" once every peer's word is set, else
-// why not: which ranks did not close within the timeout, or which could not be read.
+// why not: which ranks did not close within the timeout, or which could not be read. Once
+// all are set, a peer that keeps its allocation makes it say so too: then this rank cannot
+// learn when that peer unmapped it, and keeps its own.
 template <typename ReadFinished>
 std::string wait_until_peers_finished(int rank, int world, double timeout_seconds, ReadFinished&& read_finished) {
   using Clock = std::chrono::steady_clock;
@@ -25,6 +33,7 @@ std::string wait_until_peers_finished(int rank, int world, double timeout_second
                                            std::chrono::duration<double>(timeout_seconds));
   std::vector<bool> finished(static_cast<size_t>(world), false);
   finished[rank] = true;
+  std::string keeping;
   for (auto nap = std::chrono::microseconds(20);; nap = std::min(nap * 2, std::chrono::microseconds(20000))) {
     std::string missing;
     for (int r = 0; r < world; ++r) {
@@ -33,8 +42,10 @@ std::string wait_until_peers_finished(int rank, int world, double timeout_second
       if (!read_finished(r, &word)) return "the word of rank " + std::to_string(r) + " could not be read";
       finished[r] = word != 0;
       if (!finished[r]) missing += " " + std::to_string(r);
+      if (word == kKeeps) keeping += " " + std::to_string(r);
     }
-    if (missing.empty()) return "";
+    if (missing.empty() && keeping.empty()) return "";
+    if (missing.empty()) return "rank(s)" + keeping + " keep their buffers, so they cannot say when they unmapped ours";
     if (Clock::now() > deadline) {
       std::ostringstream why;
       why << "rank(s)" << missing << " did not close within the timeout (" << timeout_seconds << " s)";

@@ -351,7 +351,8 @@ void CudaComm::all_gather(uintptr_t input, uintptr_t output, int64_t user_count,
 //      of one (the graph records our `done` event too). Only those: a cudaDeviceSynchronize
 //      would also wait for unrelated work, in the in-process mode a peer thread's ring that
 //      is waiting for us. A kernel error the host has not checked yet makes us broken;
-//   2. writes our `finished` word into every peer's allocation, and sets our `aborted` to
+//   2. writes our `finished` word into every peer's allocation (whether we will free after
+//      the rendezvous, or keep our allocation: close_protocol.h), and sets our `aborted` to
 //      "closed" unless a kernel already gave up (a neighbour still waiting for us then
 //      stops at once, naming us);
 //   3. waits, bounded by the timeout, until every peer's word has arrived in ours: from then
@@ -359,8 +360,9 @@ void CudaComm::all_gather(uintptr_t input, uintptr_t output, int64_t user_count,
 //      loop in CI). Words are pushed, not pulled, so no rank ever reads the memory of a
 //      peer that may already have freed it;
 //   4. unmaps the peers.
-// Then the caller's host rendezvous (ringcoll/transports/cuda.py: the group's barrier) makes
-// sure every peer has unmapped us too, which no word in GPU memory can say (it would have to
+// Then, where every rank will free (each saw only kWillFree words, so all of them go), the
+// caller's host rendezvous (ringcoll/transports/cuda.py: the group's barrier) makes sure
+// every peer has unmapped us too, which no word in GPU memory can say (it would have to
 // be read through the very mapping just closed), and free_memory() frees our allocation.
 // Our allocation is kept, not freed (the driver releases it when the process exits, and
 // kept_on_close() says why) when a peer does not close within the timeout (it died, or
@@ -379,7 +381,7 @@ void CudaComm::leave_peers(bool wait_for_peers) {
     const ErrorRecord* rec = first_error(errors_host_, kMaxBlocks);
     if (rec != nullptr) broken_reason_ = "cuda collective: " + error_message(*rec, world_, timeout_seconds_);
   }
-  announce_closed();
+  announce_closed(/*will_free=*/broken_reason_.empty() && wait_for_peers);
   const bool shared = peers_open_ && world_ > 1;  // peers map our allocation
   if (shared && !broken_reason_.empty()) {
     keep_memory("the communicator is broken (" + broken_reason_ + ")");
@@ -421,11 +423,11 @@ void CudaComm::close(bool wait_for_peers) {
 
 // Step 2 of close(): our kernels are finished, so everything they published is visible
 // before these words; device_ring.h's waits rely on that.
-void CudaComm::announce_closed() {
+void CudaComm::announce_closed(bool will_free) {
   if (base_ == nullptr || !peers_open_ || world_ == 1) return;
-  const uint64_t one = 1;
+  const uint64_t word = will_free ? kWillFree : kKeeps;
   for (int r = 0; r < world_; ++r) {
-    if (r != rank_ && peers_[r] != nullptr) copy_flag(peers_[r] + finished_word_offset(rank_), &one, cudaMemcpyHostToDevice);
+    if (r != rank_ && peers_[r] != nullptr) copy_flag(peers_[r] + finished_word_offset(rank_), &word, cudaMemcpyHostToDevice);
   }
   uint64_t* flag = reinterpret_cast<uint64_t*>(base_ + kAbortedOffset);
   uint64_t cause = 0;

@@ -125,7 +125,8 @@ std::vector<CallResult> EmulatedRing::run(const std::vector<EmulatedCall>& calls
 }
 
 // What CudaComm::close does (cuda_comm.cu, steps 2 to 4; this rank's calls are all done,
-// as after its cudaDeviceSynchronize): write our `finished` word into every peer's memory,
+// as after its stream synchronisation): write our `finished` word into every peer's memory
+// (kKeeps when broken),
 // set `aborted` = closed unless a kernel already gave up, then, unless broken, wait until
 // every peer's word is in ours, and "free" (mark freed: a later write into it by anyone is
 // a protocol error, reported by the writer's close). The result's message says why the
@@ -138,7 +139,8 @@ CallResult EmulatedRing::close_rank(int rank) {
     if (ranks_[r]->freed.load())
       return {"AssertionError", "rank " + std::to_string(r) + " freed its memory before rank " + std::to_string(rank) +
                                     " closed"};
-    flag_store_release(reinterpret_cast<uint64_t*>(ranks_[r]->memory.get() + cuda::finished_word_offset(rank)), 1);
+    flag_store_release(reinterpret_cast<uint64_t*>(ranks_[r]->memory.get() + cuda::finished_word_offset(rank)),
+                       me.broken_reason.empty() ? cuda::kWillFree : cuda::kKeeps);
   }
   char* base = me.memory.get();
   flag_set_once(cuda::aborted_flag(base), static_cast<uint64_t>(AbortCause::kClosed));

@@ -1,9 +1,13 @@
-"""The CUDA transport (csrc/cuda/, ringcoll/transports/cuda.py) on a real GPU: P ranks as processes
-sharing one GPU through CUDA IPC. Skipped where torch sees no GPU.
+"""The CUDA transport (csrc/cuda/, ringcoll/transports/cuda.py) on a real GPU, in both run modes:
+P ranks as processes sharing one GPU through CUDA IPC, and P ranks as threads of this process
+(ringcoll.run_in_process), peers reached by plain device pointers. Skipped where torch sees
+no GPU.
 
 Inputs are built so every summation order gives the same bits (small integers in any
 dtype), so results are compared exactly with the expected values.
 """
+
+import time
 
 import pytest
 import torch
@@ -440,3 +444,127 @@ def test_against_nccl():
     results = spawn(_nccl_reference, world, per_rank_gpu, timeout=300, backend="gloo",
                     env={"NCCL_MULTI_RANK_GPU_ENABLE": "1"})
     assert results == [[]] * world
+
+
+# --- the in-process mode: P ranks as threads of this process, every ring co-resident ------
+
+
+def _in_process(world, body, *args, variant="fused"):
+    import os
+
+    import ringcoll
+
+    previous = os.environ.get("RINGCOLL_CUDA_KERNEL")
+    os.environ["RINGCOLL_CUDA_KERNEL"] = variant  # read by each rank's Communicator
+    try:
+        return ringcoll.run_in_process(world, body, *args, timeout=60)
+    finally:
+        if previous is None:
+            del os.environ["RINGCOLL_CUDA_KERNEL"]
+        else:
+            os.environ["RINGCOLL_CUDA_KERNEL"] = previous
+
+
+def _exact_in_process(group, buffer_bytes):
+    import ringcoll
+    from ringcoll.harness.exact import wrong_cases
+
+    world = group.world_size
+    with ringcoll.Communicator(group=group, device="cuda:0", timeout=60, buffer_bytes=buffer_bytes) as comm:
+        assert comm.transport.run_mode == ("single" if world == 1 else "in-process")
+        return wrong_cases(comm, [world, world * 61, world * 20011])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_in_process_collectives_exact(world, variant):
+    """The benchmark's exact checks (every collective x dtype x op x form), the message up to
+    several times the 256 KiB buffer."""
+    wrong = sum(_in_process(world, _exact_in_process, 1 << 18, variant=variant), [])
+    assert not wrong, f"{len(wrong)} wrong, e.g. " + "; ".join(wrong[:5])
+
+
+def _close_then_free(group):
+    """An async collective, close, and only then the tensors freed: the caching allocator
+    records an event on the communicator's stream when it frees a tensor recorded there, so
+    that stream must outlive the communicator. Then a second communicator (which may borrow
+    the same stream) works, and both closed with their buffers freed."""
+    import gc
+
+    import ringcoll
+
+    comm = ringcoll.Communicator(group=group, device="cuda:0", timeout=30)
+    t = torch.ones(1 << 20, device="cuda:0")
+    work = comm.all_reduce(t, async_op=True)
+    work.wait()
+    comm.close()
+    kept_first = comm.transport.comm.kept_on_close
+    del t, work
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    with ringcoll.Communicator(group=group, device="cuda:0", timeout=30) as again:
+        x = torch.ones(4, device="cuda:0")
+        again.all_reduce(x)
+        again.synchronize()
+    return kept_first, again.transport.comm.kept_on_close, x.cpu().tolist()
+
+
+def test_in_process_close_then_free_the_tensors():
+    for kept_first, kept_again, values in _in_process(3, _close_then_free):
+        assert kept_first == "" and kept_again == "", (kept_first, kept_again)
+        assert values == [3.0] * 4
+
+
+def _barrier_in_capture(group):
+    import ringcoll
+
+    with ringcoll.Communicator(group=group, device="cuda:0", timeout=30) as comm:
+        x = torch.ones(8, device="cuda:0")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            comm.all_reduce(x)  # warm-up outside the capture, as torch advises
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        message = ""
+        with torch.cuda.graph(graph):
+            try:
+                comm.barrier()
+            except ringcoll.RingcollError as e:
+                message = str(e)
+            comm.all_reduce(x)  # a collective can be captured
+        graph.replay()
+        comm.synchronize()
+        torch.cuda.synchronize()
+        return message, x.cpu().tolist()
+
+
+def test_barrier_is_refused_inside_a_graph_capture():
+    world = 2
+    for message, values in _in_process(world, _barrier_in_capture):
+        assert message.startswith("barrier: cannot run while the current stream is capturing"), message
+        # warm-up, the capture's own run of nothing (captures do not execute), one replay
+        assert values == [float(world ** 2)] * 8, values
+
+
+def _missing_peer(group):
+    import ringcoll
+
+    with ringcoll.Communicator(group=group, device="cuda:0", timeout=2) as comm:
+        x = torch.ones(8, device="cuda:0")
+        if group.rank == 1:
+            return "skipped"
+        start = time.monotonic()
+        comm.all_reduce(x)
+        try:
+            comm.synchronize()
+        except ringcoll.RingcollTimeoutError as e:
+            return time.monotonic() - start, str(e)
+        return "no error"
+
+
+def test_in_process_missing_peer_is_a_timeout():
+    (took, message), skipped = _in_process(2, _missing_peer)
+    assert skipped == "skipped"
+    assert took < 20 and "rank 0" in message, (took, message)

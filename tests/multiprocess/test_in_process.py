@@ -3,8 +3,8 @@
 On a GPU it is what the one-GPU benchmark measures (every ring co-resident); its CUDA side
 is in tests/gpu/test_cuda.py. Here it runs the shared-memory transport, which is the same
 Communicator over the other bootstrap (ringcoll/bootstrap.py), with the same exact checks
-the benchmark applies to both modes: every collective x dtype x op x form at awkward sizes,
-P = 1..5, against values every rank computes itself (ringcoll.harness.bench.expected_result),
+the benchmark applies to both modes (ringcoll/harness/exact.py): every collective x dtype x op
+x form at awkward sizes, P = 1..5, against values every rank computes itself,
 through a 4 KiB buffer (many slices, the ring) and the default one (the one-shot path below
 64 KiB). Then what a thread group must do that a process group does for free: mismatched
 calls raise on every rank, a failing rank stops the others at once, a missing one is a
@@ -21,52 +21,14 @@ import torch
 
 import ringcoll
 from ringcoll.bootstrap import InProcessGroup
-from ringcoll.harness.bench import COLLECTIVES, DTYPES, OPS, expected_result, rank_input
-
-OP_NAMES = {"sum": "SUM", "prod": "PRODUCT", "min": "MIN", "max": "MAX", "avg": "AVG"}
-
-
-def _run(comm, coll: str, count: int, dtype, op: str, in_place: bool) -> torch.Tensor:
-    """One call the way the benchmark makes it; returns this rank's result."""
-    rank, world = comm.rank, comm.world_size
-    in_numel, out_numel = COLLECTIVES[coll].shapes(count, world)
-    reduce_op = getattr(ringcoll.ReduceOp, OP_NAMES[op])
-    inp = rank_input(rank, in_numel, dtype, op)
-    if coll == "all_reduce":
-        out = inp if in_place else torch.full((out_numel,), 7, dtype=dtype)
-        comm.all_reduce(inp, op=reduce_op, output=None if in_place else out)
-        return out
-    if coll == "reduce_scatter":
-        out = inp.view(world, -1)[rank] if in_place else torch.full((out_numel,), 7, dtype=dtype)
-        comm.reduce_scatter_tensor(out, inp, op=reduce_op)
-        return out.clone()
-    out = torch.full((out_numel,), 7, dtype=dtype)
-    src = out.view(world, -1)[rank] if in_place else inp
-    src.copy_(inp)
-    comm.all_gather_into_tensor(out, src)
-    return out
+from ringcoll.harness.exact import wrong_cases
 
 
 def _matrix(group, counts) -> list[str]:
     """Every case on a ring-only 4 KiB communicator and a default one; the wrong ones, named."""
-    wrong = []
     with ringcoll.Communicator(group=group, buffer_bytes=4096, small_bytes=0) as ring, \
             ringcoll.Communicator(group=group) as default:
-        for comm in (ring, default):
-            for coll in COLLECTIVES:
-                for dtype_name, dtype in DTYPES.items():
-                    for op in OPS if COLLECTIVES[coll].reduces else ("sum",):
-                        if op == "avg" and not dtype.is_floating_point:
-                            continue
-                        for count in counts:
-                            for in_place in (False, True):
-                                got = _run(comm, coll, count, dtype, op, in_place)
-                                expected = expected_result(COLLECTIVES[coll], group.rank, group.world_size, count,
-                                                           dtype, op)
-                                if not torch.equal(got, expected):
-                                    wrong.append(f"rank {group.rank} {coll} {dtype_name} {op} count={count} "
-                                                 f"{'in-place' if in_place else 'out-of-place'} buffer={comm.buffer_bytes}")
-    return wrong
+        return wrong_cases(ring, counts) + wrong_cases(default, counts)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5])

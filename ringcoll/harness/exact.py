@@ -1,0 +1,58 @@
+"""The benchmark's exact checks as a case matrix, for the tests of either run mode.
+
+``wrong_cases(comm, counts)`` runs every collective x dtype x op x form (out-of-place and
+in-place) at each count on one Communicator, the way ringcoll-bench calls it, and compares
+each result with the values every rank computes for itself (bench.expected_result: small
+integers, so every summation order gives the same bits). It returns the wrong cases, named;
+empty when all are exact. Every rank of the communicator must call it at the same point
+(each case is a collective). The in-process tests run it on the CPU
+(tests/multiprocess/test_in_process.py) and on a GPU (tests/gpu/test_cuda.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ringcoll._types import ReduceOp
+from ringcoll.harness.bench import COLLECTIVES, DTYPES, OPS, expected_result, rank_input
+
+_REDUCE_OPS = {"sum": ReduceOp.SUM, "prod": ReduceOp.PRODUCT, "min": ReduceOp.MIN, "max": ReduceOp.MAX,
+               "avg": ReduceOp.AVG}
+
+
+def run_case(comm, coll: str, count: int, dtype: torch.dtype, op: str, in_place: bool) -> torch.Tensor:
+    """One call of `coll` on a message of `count` elements; this rank's result, on the CPU.
+    Outputs start as 7s, so an element the collective did not write shows."""
+    rank, world, device = comm.rank, comm.world_size, comm.device
+    in_numel, out_numel = COLLECTIVES[coll].shapes(count, world)
+    inp = rank_input(rank, in_numel, dtype, op).to(device)
+    fresh_output = torch.full((out_numel,), 7, dtype=dtype, device=device)
+    if coll == "all_reduce":
+        out = inp if in_place else fresh_output
+        comm.all_reduce(inp, op=_REDUCE_OPS[op], output=None if in_place else out)
+    elif coll == "reduce_scatter":
+        out = inp.view(world, -1)[rank] if in_place else fresh_output
+        comm.reduce_scatter_tensor(out, inp, op=_REDUCE_OPS[op])
+    else:
+        out = fresh_output
+        src = out.view(world, -1)[rank] if in_place else inp
+        src.copy_(inp)
+        comm.all_gather_into_tensor(out, src)
+    return out.cpu()
+
+
+def wrong_cases(comm, counts) -> list[str]:
+    """Every collective x dtype x op x form at each count (multiples of the world size)."""
+    wrong = []
+    for coll, definition in COLLECTIVES.items():
+        for dtype_name, dtype in DTYPES.items():
+            for op in OPS if definition.reduces else ("sum",):
+                if op == "avg" and not dtype.is_floating_point:
+                    continue
+                for count in counts:
+                    expected = expected_result(definition, comm.rank, comm.world_size, count, dtype, op)
+                    for in_place in (False, True):
+                        if not torch.equal(run_case(comm, coll, count, dtype, op, in_place), expected):
+                            wrong.append(f"rank {comm.rank} {coll} {dtype_name} {op} count={count} "
+                                         f"{'in-place' if in_place else 'out-of-place'} buffer={comm.buffer_bytes}")
+    return wrong
