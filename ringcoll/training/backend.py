@@ -472,8 +472,14 @@ class RingcollProcessGroup(dist.ProcessGroup):
         self._closed = True
         with self._comm_lock:
             comms, self._comms = list(self._comms.values()), {}
-        for comm in comms:
-            comm.close()
+        # A CUDA ring's close ends in a barrier of this group (transports/cuda.py): like the
+        # handle exchange, it goes to the fall-back, since our own rings are being closed.
+        self._bootstrap_thread = threading.get_ident()
+        try:
+            for comm in comms:
+                comm.close()
+        finally:
+            self._bootstrap_thread = None
 
     def abort(self) -> None:
         self.shutdown()
