@@ -211,6 +211,22 @@ def test_algorithm_option_times_the_one_shot_path_checked(capsys):
     assert bench.ALGORITHMS["ring"] == 0 and bench.ALGORITHMS["auto"] is None
 
 
+def test_in_process_mode_runs_checked(tmp_path, capsys):
+    """--in-process: the ranks as threads of this process, every result checked, the header
+    naming the run mode, and no reference (none can run in one process)."""
+    out_json = tmp_path / "rows.json"
+    status = bench.main(["-b", "1K", "-e", "64K", "-f", "8", "-w", "1", "-n", "2", "--trials", "1", "--min-ms", "1",
+                         "--nproc", "3", "--in-process", "--no-progress", "--json", str(out_json),
+                         "--buffer-bytes", "4K"])
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    assert printed.count("run mode: in-process (3 threads of one process), CPU shared memory") == 3, printed
+    assert "# gloo / NCCL / MPI reference: not in the in-process mode" in printed
+    ours = json.loads(out_json.read_text())["rows"]
+    assert {r["backend"] for r in ours} == {"ringcoll"} and len(ours) == 3 * 3
+    assert all(r["out_wrong"] == 0 and r["in_wrong"] == 0 for r in ours)
+
+
 def test_refuses_bad_arguments(capsys):
     assert bench.main(["--op", "avg", "--dtype", "int32", "--no-mpi"]) == 2
     assert bench.main(["--straggler-rank", "5", "--nproc", "2", "--no-mpi"]) == 2
