@@ -335,14 +335,11 @@ def main(argv=None) -> int:
         print(f"SKIP  cuda_smoke: {why_not}; nothing checked", flush=True)
         return 2
     args.device = device
-    if device.startswith("cuda"):
-        import torch
-
-        props = torch.cuda.get_device_properties(0)
-        print(f"cuda_smoke: {props.name}, {props.multi_processor_count} SMs; P={args.world} on GPU 0; "
-              f"MPS pipe directory: {os.environ.get('CUDA_MPS_PIPE_DIRECTORY', 'not set (default)')}; "
-              f"CUDA_MODULE_LOADING={os.environ.get('CUDA_MODULE_LOADING', 'unset (LAZY by default)')}",
-              flush=True)
+    # (This process makes no CUDA context: only the ranks' processes use the GPU, which also
+    # keeps a GPU in Exclusive_Process mode usable under MPS.)
+    print(f"cuda_smoke: P={args.world} on {'GPU 0' if device != 'cpu' else 'the CPU'}; MPS pipe directory: "
+          f"{os.environ.get('CUDA_MPS_PIPE_DIRECTORY', 'not set (default)')}; "
+          f"CUDA_MODULE_LOADING={os.environ.get('CUDA_MODULE_LOADING', 'unset (LAZY by default)')}", flush=True)
     failed = [part for part in parts if not _run_part(part, args)]
     print(f"cuda_smoke: {'FAILED: ' + ', '.join(failed) if failed else 'every check passed'}", flush=True)
     return 1 if failed else 0
