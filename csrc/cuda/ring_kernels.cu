@@ -10,11 +10,16 @@
 //           loads/stores wherever the pointers allow, a scalar head and tail elsewhere; one
 //           launch per collective, every slice and ring step inside it.
 //   naive   one thread block, scalar element loops, one launch per ring step of every slice
-//           (kernel_abi.h's for_each_launch): the teaching version, and the fallback where
-//           a long-running kernel is a problem (time-sliced processes, see docs/cuda.md).
+//           (kernel_abi.h's for_each_launch): the teaching version. It is NOT a fallback
+//           for time-sliced processes: each of its launches still spins in the kernel on
+//           the neighbour's flag, so a neighbour that is not running stalls it just as it
+//           stalls the fused kernel (docs/cuda.md, "Several processes on one GPU").
 // Both compile from the same template: the variant is a launch shape and runtime fields of
 // RingParams, which keeps the instantiations (and the build time) at one per (dtype, op).
 #include <cuda_runtime.h>
+
+#include <mutex>
+#include <set>
 
 #include "device_ring.h"
 #include "ring_kernels.h"
@@ -41,8 +46,55 @@ void launch_ring(const RingParams& params, int blocks, bool vectorise, void* str
   RINGCOLL_CUDA_CHECK(cudaGetLastError());
 }
 
+// Lazy loading. Since CUDA 12.2 the runtime loads a kernel into a context when the kernel is
+// first used, not when the context is created (CUDA_MODULE_LOADING=LAZY, the default on
+// Linux; EAGER restores loading everything up front). The CUDA Programming Guide's "Lazy
+// Loading" chapter (12.2 edition) says the runtime gets a kernel's function
+// (cuModuleGetFunction) only "when a kernel is used/referenced for the first time", and
+// lists potential hazards of the change. The one that matters here is explained in NVIDIA's
+// forum thread "Persistent Kernel does not work properly on some GPUs": loading a kernel
+// may require synchronising the context, i.e. waiting for every kernel running in it to
+// finish, so a kernel that spins until a second kernel runs can wait forever when the
+// second one's launch triggers its load. The cure is to load such kernels first.
+//
+// A ring is that program. Rank k's kernel spins on rank k-1's flag; if rank k-1's first
+// launch of some (dtype, op) has to load that instantiation and the load waits for the
+// context to go idle (in-process mode: every rank's kernels share one context), the two
+// wait for each other until the ring's timeout. So every instantiation is loaded here,
+// before the ring exists, and no launch of the ring ever loads one.
+//
+// How. cudaFuncGetAttributes on an instantiation references it, so the runtime must get it
+// for the current context, which loads it; among the attributes it returns is
+// maxThreadsPerBlock, which cuda.h's cuFuncGetAttribute documents as one that "requires
+// the function to be loaded" (cuFuncLoad being the driver's explicit form). NCCL forces
+// its kernels in the same way at init (ncclInitKernelsForDevice calls cudaFuncGetAttributes
+// on every kernel). That this really loads under LAZY is read from those documents, not yet
+// seen on a GPU: bench/device_check.sh runs the ring with CUDA_MODULE_LOADING as found and
+// prints it.
+//
+// One pass per (process, device): a context per device per process (the primary context,
+// as torch uses), and a loaded kernel stays loaded for its lifetime. 36 instantiations
+// (8 dtypes x 4 ops, 4 floating dtypes x AVG; all-gather's is uint8 SUM's).
 void preload_ring_kernels() {
-  // placeholder until the devcheck branch lands its version
+  static std::mutex mutex;
+  static std::set<int> loaded;  // devices already done in this process
+  int device = 0;
+  RINGCOLL_CUDA_CHECK(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(mutex);
+  if (loaded.count(device)) return;
+  for (int d = 0; d < kNumDTypes; ++d) {
+    for (int o = 0; o < kNumReduceOps; ++o) {
+      const DType dtype = static_cast<DType>(d);
+      const ReduceOp op = static_cast<ReduceOp>(o);
+      if (!is_supported(dtype, op)) continue;  // AVG of an integer type: never instantiated
+      dispatch_dtype_op(dtype, op, [](auto t, auto o_tag) {
+        cudaFuncAttributes attributes;
+        RINGCOLL_CUDA_CHECK(cudaFuncGetAttributes(
+            &attributes, reinterpret_cast<const void*>(&ring_kernel<decltype(t), decltype(o_tag)>)));
+      });
+    }
+  }
+  loaded.insert(device);
 }
 
 }  // namespace ringcoll::cuda

@@ -10,7 +10,11 @@ namespace ringcoll::cuda {
 // vectors when `vectorise`.
 void launch_ring(const RingParams& params, int blocks, bool vectorise, void* stream);
 
-// Load every ring_kernel instantiation on the current device now (see cuda_comm.cu).
+// Load every ring_kernel<T, Op> instantiation into the current device's context now, so no
+// launch of the ring ever has to load one (see ring_kernels.cu for why that matters under
+// CUDA's lazy module loading). Call it before this rank's ring can be waited on, e.g. while
+// the communicator is built. Idempotent and cheap: the work is done once per device and
+// process; later calls return at once. Thread-safe. Throws ringcoll::Error on a CUDA error.
 void preload_ring_kernels();
 
 }  // namespace ringcoll::cuda
