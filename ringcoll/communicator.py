@@ -260,9 +260,11 @@ class Communicator(ArgumentChecks):
     collective (every peer must close before anyone frees memory the others map).
     """
 
+    transport_class = staticmethod(transport_for)  # device -> its transport (tests substitute the emulated one)
+
     def __init__(self, group=None, device=None, timeout=None, buffer_bytes=None, check=None, small_bytes=None):
         device = torch.device(device if device is not None else "cpu")
-        transport_cls = transport_for(device)
+        transport_cls = self.transport_class(device)
         self._configure(group, transport_cls.resolve_device(device), timeout, buffer_bytes, check,
                         transport_cls.slot_alignment)
         self.small_bytes = _resolve_small_bytes(small_bytes)

@@ -161,3 +161,48 @@ def test_threads_are_joined():
     before = threading.active_count()
     ringcoll.run_in_process(4, lambda group: group.barrier(), timeout=60)
     assert threading.active_count() == before
+
+
+# --- the CUDA kernels in-process, through the emulator (CI's stand-in for a GPU) ------------
+
+
+class EmulatedCudaCommunicator(ringcoll.Communicator):
+    """A Communicator whose transport runs the CUDA ring kernels on CPU threads
+    (ringcoll/transports/emulated.py)."""
+
+    @staticmethod
+    def transport_class(device):
+        from ringcoll.transports.emulated import EmulatedCudaTransport
+
+        return EmulatedCudaTransport
+
+
+def _emulated_matrix(group, counts, buffer_bytes):
+    with EmulatedCudaCommunicator(group=group, buffer_bytes=buffer_bytes, timeout=60) as comm:
+        wrong = wrong_cases(comm, counts)
+        comm.barrier()
+        return wrong
+
+
+@pytest.mark.parametrize("variant", ["fused", "naive"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_cuda_kernels_in_process_are_exact(world, variant, monkeypatch):
+    """The in-process CUDA mode's kernels under the benchmark's exact checks: every
+    collective x dtype x op x form, through a buffer small enough that the larger message
+    takes several slices."""
+    monkeypatch.setenv("RINGCOLL_CUDA_KERNEL", variant)
+    wrong = sum(ringcoll.run_in_process(world, _emulated_matrix, [world, world * 1031], 1 << 14, timeout=60), [])
+    assert not wrong, f"{len(wrong)} wrong cases, e.g. " + "; ".join(wrong[:5])
+
+
+def test_emulated_cuda_mismatch_and_errors_reach_every_rank():
+    def body(group):
+        with EmulatedCudaCommunicator(group=group, timeout=30) as comm:
+            t = torch.ones(64 if group.rank == 0 else 65)
+            with pytest.raises(ringcoll.RingcollMismatchError):
+                comm.all_reduce(t)
+            with pytest.raises(ringcoll.RingcollError, match="broken"):
+                comm.all_reduce(t)
+            return bool(torch.all(t == 1))
+
+    assert ringcoll.run_in_process(3, body, timeout=60) == [True] * 3
