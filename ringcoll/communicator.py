@@ -146,9 +146,8 @@ class Work:
 _CPU = torch.device("cpu")  # the one CPU device object communicators hold (checked by identity: it is per call)
 
 
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the bytes of two contiguous tensors share an address (empty ones never do)."""
-    a_start, a_bytes, b_start, b_bytes = a.data_ptr(), a.nbytes, b.data_ptr(), b.nbytes
+def _overlaps(a_start: int, a_bytes: int, b_start: int, b_bytes: int) -> bool:
+    """Whether two byte ranges share an address (empty ones never do)."""
     return a_bytes > 0 and b_bytes > 0 and a_start < b_start + b_bytes and b_start < a_start + a_bytes
 
 
@@ -195,10 +194,12 @@ class ArgumentChecks:
             raise ValueError(f"{op}: output has {output.numel()} elements, expected {expected}")
         whole, part = (output, input) if output_per_input >= 1 else (input, output)
         # In place means the smaller tensor is exactly this rank's chunk of the larger one
-        # (for equal sizes: the same tensor).
-        chunk_offset = 0 if output_per_input == 1 else self.rank * part.nbytes
-        in_place = part.data_ptr() == whole.data_ptr() + chunk_offset
-        if not in_place and _overlaps(whole, part):
+        # (for equal sizes: the same tensor). Each tensor attribute read costs ~0.1 us, about
+        # a sixth of the binding call itself: each is read once.
+        whole_start, part_start, part_bytes = whole.data_ptr(), part.data_ptr(), part.nbytes
+        chunk_offset = 0 if output_per_input == 1 else self.rank * part_bytes
+        in_place = part_start == whole_start + chunk_offset
+        if not in_place and _overlaps(whole_start, whole.nbytes, part_start, part_bytes):
             raise ValueError(f"{op}: output and input overlap; in place, the smaller one must be exactly "
                              f"this rank's chunk (rank {self.rank}) of the larger one")
         return dtype
