@@ -49,6 +49,10 @@ def _torch_ops() -> dict:
 
 
 _TORCH_OPS: dict = {}
+# The same, keyed by id(): torch's ReduceOp.SUM etc. are class attributes, one object each,
+# kept alive by _TORCH_OPS's keys, so no other live object can have its id; a lookup by id
+# skips their hash and ==, which go through pybind11 (half a microsecond a call).
+_TORCH_OPS_BY_ID: dict = {}
 
 
 def reduce_op(op_name: str, op) -> ReduceOp:
@@ -57,6 +61,10 @@ def reduce_op(op_name: str, op) -> ReduceOp:
         return op
     if not _TORCH_OPS:
         _TORCH_OPS.update(_torch_ops())
+        _TORCH_OPS_BY_ID.update({id(theirs): ours for theirs, ours in _TORCH_OPS.items()})
+    ours = _TORCH_OPS_BY_ID.get(id(op))
+    if ours is not None:
+        return ours
     try:
         return _TORCH_OPS[op]
     except (KeyError, TypeError):  # not one of them, or a value that cannot be hashed (PREMUL_SUM's)

@@ -3,7 +3,11 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <optional>
+#include <string>
+
 #include "../host/host_comm.h"
+#include "ringcoll/check.h"
 
 namespace py = pybind11;
 using ringcoll::DType;
@@ -50,6 +54,21 @@ void bind_host(py::module_& m) {
       .def("all_gather",
            [](HostComm& c, uintptr_t in, uintptr_t out, int64_t input_count, int dtype) {
              c.all_gather(as_ptr(in), as_mut_ptr(out), input_count, static_cast<DType>(dtype));
+           },
+           py::call_guard<py::gil_scoped_release>())
+      // The whole CollectiveCall (transports/base.py) in one call, as HostTransport passes it:
+      // (collective, src, dst, user_count, dtype, op); op is None for all_gather. One
+      // binding call instead of a Python-level unpack and a method lookup per collective.
+      .def("run",
+           [](HostComm& c, const std::string& collective, uintptr_t in, uintptr_t out, int64_t count, int dtype,
+              std::optional<int> op) {
+             const auto d = static_cast<DType>(dtype);
+             if (collective == "all_gather") return c.all_gather(as_ptr(in), as_mut_ptr(out), count, d);
+             RINGCOLL_CHECK(op.has_value(), std::invalid_argument, collective, ": a reduction needs an op");
+             const auto o = static_cast<ReduceOp>(*op);
+             if (collective == "all_reduce") return c.all_reduce(as_ptr(in), as_mut_ptr(out), count, d, o);
+             RINGCOLL_CHECK(collective == "reduce_scatter", std::invalid_argument, "unknown collective ", collective);
+             c.reduce_scatter(as_ptr(in), as_mut_ptr(out), count, d, o);
            },
            py::call_guard<py::gil_scoped_release>())
       .def("barrier", &HostComm::barrier, py::call_guard<py::gil_scoped_release>())

@@ -282,8 +282,6 @@ void HostComm::wait_for(int peer, const uint64_t* address, uint64_t target, cons
 }
 
 void HostComm::check_call(const char* op, const CallDescriptor& call) {
-  SegmentHeader& me = header(rank_);
-  publish_descriptor(&me.descriptor, call, calls_);
   for (int peer = 0; peer < world_; ++peer) {
     if (peer == rank_) continue;
     wait_for(peer, &header(peer).descriptor.seq, descriptor_seq_written(calls_), "announce its call");
@@ -303,13 +301,21 @@ void HostComm::ensure_usable(const char* op) const {
                  broken_reason_, "); create a new one");
 }
 
-template <typename Body>
-void HostComm::run_collective(const char* op, const CallDescriptor& call, Body&& body) {
+template <typename Early, typename Body>
+void HostComm::run_collective(const char* op, const CallDescriptor& call, Early&& early, Body&& body) {
   ensure_usable(op);
   current_op_ = op;
   ++calls_;
   position_ = {};
-  if (check_calls_ && world_ > 1) check_call(op, call);
+  const bool check = check_calls_ && world_ > 1;
+  if (check) publish_descriptor(&header(rank_).descriptor, call, calls_);
+  // `early` writes nothing but this rank's own buffer (the one-shot publication), so it may
+  // run before the peers' descriptors are compared: it overlaps the wait for them, and a
+  // small call then waits for its peers once instead of twice. Peers read that buffer only
+  // after their own check passed, so a mismatch still moves no data into any output.
+  early();
+  position_ = {};
+  if (check) check_call(op, call);
   body();
   flag_store_release(&header(rank_).completed.value, calls_);
 }
@@ -318,10 +324,15 @@ void HostComm::run_collective(const char* op, const CallDescriptor& call, Body&&
 // The collectives
 
 void HostComm::run_ring_call(const char* op, const RingCall& call, const void* input, void* output) {
-  run_collective(op, call.descriptor, [&] {
+  const bool one_shot = uses_one_shot(call);  // never with one rank (one_shot_fits)
+  OneShotPublication mine{};
+  auto publish_early = [&] {
+    if (one_shot) mine = publish_one_shot(call, input);
+  };
+  run_collective(op, call.descriptor, publish_early, [&] {
     auto copy = [](void* dst, const void* src, size_t bytes) { std::memcpy(dst, src, bytes); };
     run_call(call, world_, input, output, copy, [&] {
-      if (uses_one_shot(call)) return run_one_shot(call, input, output);
+      if (one_shot) return finish_one_shot(call, mine, input, output);
       if (unconfirmed_one_shot_ != 0 && call.ring_count > 0) {
         // The ring refills a slot once its right neighbour alone has read it; a one-shot
         // slot is read by every peer, so first make sure they all have.
@@ -366,9 +377,9 @@ void HostComm::run_ring_call(const char* op, const RingCall& call, const void* i
 // reaches each call's last number when it finishes the call, so that wait ends too). A
 // ring call that follows a one-shot first waits until every peer consumed that one-shot
 // (unconfirmed_one_shot_), since the ring itself only waits for its right neighbour.
-// With the call check on, peers announcing the next call have finished this one, so these
-// waits are already satisfied; with it off they are what keeps a fast rank off a slot a
-// slow peer still reads.
+// These waits are what keeps a fast rank off a slot a slow peer still reads, with the call
+// check on or off: the publication goes before the check (run_collective), so that a small
+// call meets its peers once, not twice.
 
 bool HostComm::uses_one_shot(const RingCall& call) const {
   return one_shot_fits(call.collective, call.ring_count, call.elem_size, world_, small_bytes_, slot_bytes_);
@@ -398,22 +409,31 @@ void one_shot_reduce(T* out, Slot&& slot, int64_t offset, int64_t len, int world
 
 }  // namespace
 
-void HostComm::run_one_shot(const RingCall& call, const void* input, void* output) {
+HostComm::OneShotPublication HostComm::publish_one_shot(const RingCall& call, const void* input) {
   position_ = {0, 1, 0, 1, true};
   const int bank = static_cast<int>(one_shot_calls_++ % kBanks);
   const int slot = slot_index(bank, 0, world_);
   const uint64_t v = step_base_ + 1;
   const size_t message = static_cast<size_t>(call.ring_count) * static_cast<size_t>(call.elem_size);
-  const bool gather = call.collective == Collective::kAllGather;
-  const size_t published = gather ? message / static_cast<size_t>(world_) : message;
-  auto slot_of = [&](int r) { return data(r) + static_cast<size_t>(slot) * slot_bytes_; };
+  const size_t published =
+      call.collective == Collective::kAllGather ? message / static_cast<size_t>(world_) : message;
 
   wait_all_consumed(last_publication_[slot]);
-  std::memcpy(slot_of(rank_), input, published);
+  std::memcpy(data(rank_) + static_cast<size_t>(slot) * slot_bytes_, input, published);
   flag_store_release(&header(rank_).published.value, v);
   last_publication_[slot] = v;
   step_base_ = v;
   unconfirmed_one_shot_ = v;
+  return {slot, v, published};
+}
+
+void HostComm::finish_one_shot(const RingCall& call, const OneShotPublication& mine, const void* input,
+                               void* output) {
+  position_ = {0, 1, 0, 1, true};
+  const uint64_t v = mine.number;
+  const size_t published = mine.bytes;
+  const bool gather = call.collective == Collective::kAllGather;
+  auto slot_of = [&](int r) { return data(r) + static_cast<size_t>(mine.slot) * slot_bytes_; };
 
   // Rank r's copy is read only once its publication v is seen (acquire: the data then too).
   auto wait_for_rank = [&](int r) {
@@ -470,7 +490,7 @@ void HostComm::all_gather(const void* input, void* output, int64_t user_count, D
 }
 
 void HostComm::barrier() {
-  run_collective("barrier", CallDescriptor{kBarrierCollective, 0, 0, 0, 0}, [&] {
+  run_collective("barrier", CallDescriptor{kBarrierCollective, 0, 0, 0, 0}, [] {}, [&] {
     ++barrier_generation_;
     flag_store_release(&header(rank_).barrier.value, barrier_generation_);
     for (int peer = 0; peer < world_; ++peer) {

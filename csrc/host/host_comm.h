@@ -124,14 +124,24 @@ class HostComm {
   template <typename E> [[noreturn]] void fail(const char* op, const std::string& message);
   // Whether every peer could still make progress: no peer aborted, no peer process gone.
   bool peers_look_alive(std::string* why) const;
-  template <typename Body> void run_collective(const char* op, const CallDescriptor& call, Body&& body);
+  // One collective: the call check (when on), with `early()` between publishing my
+  // descriptor and comparing the peers', then `body()`.
+  template <typename Early, typename Body>
+  void run_collective(const char* op, const CallDescriptor& call, Early&& early, Body&& body);
   void run_ring_call(const char* op, const RingCall& call, const void* input, void* output);
   // The small-message algorithm: every rank publishes its input once, every rank combines
   // all P copies itself (host_comm.cpp says why it is safe to interleave with the ring).
-  void run_one_shot(const RingCall& call, const void* input, void* output);
+  // Publishing writes only my own buffer, so it runs before the call check (run_collective).
+  struct OneShotPublication {
+    int slot;         // slot of my buffer (and every peer's) that holds this call's copies
+    uint64_t number;  // its publication number
+    size_t bytes;     // what each rank published
+  };
+  OneShotPublication publish_one_shot(const RingCall& call, const void* input);
+  void finish_one_shot(const RingCall& call, const OneShotPublication& mine, const void* input, void* output);
   // Wait until every peer's `consumed` >= target: no peer still reads what I published up to it.
   void wait_all_consumed(uint64_t target);
-  // Publish `call` and compare it with every peer's (descriptor.h); throws MismatchError.
+  // Compare my published `call` with every peer's (descriptor.h); throws MismatchError.
   void check_call(const char* op, const CallDescriptor& call);
 
   int rank_, world_;

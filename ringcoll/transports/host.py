@@ -96,10 +96,7 @@ class CallQueue:
     def submit(self, run: Callable[[], None], async_op: bool) -> Optional[ThreadCompletion]:
         """Run `run` now (sync) or queue it (async) behind earlier async work."""
         if not async_op:
-            if self._last_async is not None:
-                self.synchronize()  # keep call order; a queued call's error is its own
-            with self._lock:
-                run()
+            self.run_now(run)
             return None
         if self._worker is None:
             self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ringcoll")
@@ -115,6 +112,14 @@ class CallQueue:
 
         self._last_async = self._worker.submit(locked_run)
         return ThreadCompletion(self._last_async)
+
+    def run_now(self, fn: Callable, *args) -> None:
+        """fn(*args) on this thread, after the queued calls: a synchronous call (no closure
+        and no Future, which cost a small call as much as its ring step)."""
+        if self._last_async is not None:
+            self.synchronize()  # keep call order; a queued call's error is its own
+        with self._lock:
+            fn(*args)
 
     def synchronize(self) -> None:
         """Wait until the queued calls have run; their errors are their Works'."""
@@ -154,15 +159,15 @@ class HostTransport(Transport):
 
     def submit(self, call: CollectiveCall, outputs: list, keep_alive: Sequence, async_op: bool,
                then: Optional[Callable[[], None]] = None) -> Optional[ThreadCompletion]:
-        comm = self._comm
-        if then is None:
-            return self._calls.submit(lambda: call.run(comm), async_op)
+        if not async_op:
+            self._calls.run_now(self._run, call, then)
+            return None
+        return self._calls.submit(lambda: self._run(call, then), async_op)
 
-        def run() -> None:
-            call.run(comm)
+    def _run(self, call: CollectiveCall, then: Optional[Callable[[], None]]) -> None:
+        self._comm.run(*call)  # one binding call takes the whole record (bind_host.cpp)
+        if then is not None:
             then()
-
-        return self._calls.submit(run, async_op)
 
     def barrier(self, async_op: bool) -> Optional[ThreadCompletion]:
         return self._calls.submit(self._comm.barrier, async_op)

@@ -98,8 +98,9 @@ def test_every_mismatch_kind_raises_on_every_rank(what):
 
 
 def test_every_mismatch_kind_raises_on_the_one_shot_path():
-    """The same calls below the small-message threshold: the check runs before the one-shot
-    publication just as before the ring's first step."""
+    """The same calls below the small-message threshold: each rank publishes its one-shot
+    copy into its own slot before comparing the descriptors (run_collective), and combines
+    only after the check passed."""
     world, odd = 3, 1
     per_rank = spawn(_mismatch_every_kind, world, odd, 1 << 20, timeout=120)
     for what in CASES:
@@ -121,6 +122,29 @@ def _mismatch_output_untouched(rank, world):
 def test_mismatch_writes_nothing():
     for rank, values in enumerate(spawn(_mismatch_output_untouched, 2)):
         assert values == [5.0] * (10 if rank == 0 else 11)
+
+
+def _one_shot_against_ring(rank, world):
+    import ringcoll
+
+    # Rank 0's call is small (the one-shot path, which publishes before the check), the
+    # others' large (the ring): every rank raises, no output and no input changes.
+    n = 10 if rank == 0 else 100_003
+    with ringcoll.Communicator(timeout=20, small_bytes=64 << 10) as comm:
+        inp, out = torch.full((n,), float(rank + 1)), torch.full((n,), 5.0)
+        try:
+            comm.all_reduce(inp, output=out)
+            message = "no error"
+        except ringcoll.RingcollMismatchError as e:
+            message = str(e)
+        return message, bool((inp == rank + 1).all()), bool((out == 5.0).all()), comm.transport.one_shot_calls
+
+
+def test_one_shot_against_ring_mismatch_writes_nothing():
+    for rank, (message, input_kept, output_kept, one_shot) in enumerate(spawn(_one_shot_against_ring, 3)):
+        assert "mismatched" in message and "no data was moved" in message, (rank, message)
+        assert input_kept and output_kept, rank
+        assert one_shot == (1 if rank == 0 else 0), rank  # rank 0 did take the one-shot path
 
 
 def _zero_length_runs_ahead(rank, world):

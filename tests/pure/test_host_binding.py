@@ -1,0 +1,37 @@
+"""HostComm.run: the one binding call the CPU transport makes per collective, fed the whole
+CollectiveCall record (transports/base.py). One rank: every collective is a copy, so this
+needs no peers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ringcoll import _C
+from ringcoll._types import DTYPE_CODES
+from ringcoll.transports.base import CollectiveCall
+
+F32 = DTYPE_CODES[torch.float32]
+
+
+@pytest.fixture
+def comm():
+    c = _C.HostComm(0, 1, [_C.random_segment_name()], 64 * 1024, 5.0)
+    yield c
+    c.close()
+
+
+@pytest.mark.parametrize("collective, op", [("all_reduce", 0), ("reduce_scatter", 0), ("all_gather", None)])
+def test_run_takes_the_whole_call_record(comm, collective, op):
+    src, dst = torch.arange(7, dtype=torch.float32), torch.zeros(7)
+    comm.run(*CollectiveCall(collective, src.data_ptr(), dst.data_ptr(), 7, F32, op))
+    assert torch.equal(dst, src)
+
+
+@pytest.mark.parametrize("collective, op, message", [("all_scatter", 0, "unknown collective all_scatter"),
+                                                     ("all_reduce", None, "all_reduce: a reduction needs an op")])
+def test_run_refuses_what_is_not_a_collective_before_writing(comm, collective, op, message):
+    src, dst = torch.ones(3), torch.zeros(3)
+    with pytest.raises(ValueError, match=message):
+        comm.run(collective, src.data_ptr(), dst.data_ptr(), 3, F32, op)
+    assert torch.equal(dst, torch.zeros(3))
