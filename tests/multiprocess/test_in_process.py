@@ -205,4 +205,6 @@ def test_emulated_cuda_mismatch_and_errors_reach_every_rank():
                 comm.all_reduce(t)
             return bool(torch.all(t == 1))
 
-    assert ringcoll.run_in_process(3, body, timeout=60) == [True] * 3
+    # A broken ring keeps its buffers (a peer's kernel might still be stopping), saying so.
+    with pytest.warns(RuntimeWarning, match="keeps its emulated buffer: the communicator is broken"):
+        assert ringcoll.run_in_process(3, body, timeout=60) == [True] * 3
