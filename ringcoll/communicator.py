@@ -144,6 +144,39 @@ class Work:
         return torch_future
 
 
+class PreparedCollective:
+    """One collective on fixed tensors, checked once (Communicator.prepare_*), run by calling it:
+    ``run = comm.prepare_all_reduce(t); run(); run(async_op=True).wait()``.
+
+    Each run still makes sure the tensors are where and what they were when prepared (the
+    same address, size and dtype: what the extension writes by), at a few attribute reads
+    instead of the full checks; a tensor resized, re-pointed (``t.data = ...``, ``set_``) or
+    recast since raises ValueError naming the op before anything moves. The values may
+    change freely between runs. Like every collective, each run must be made on every rank.
+    """
+
+    def __init__(self, comm: "Communicator", name: str, call: CollectiveCall, outputs: list, inputs: Sequence):
+        self._comm, self._name, self._call, self._outputs, self._inputs = comm, name, call, outputs, inputs
+        self._tensors = tuple({id(t): t for t in (*outputs, *inputs)}.values())  # in place: one tensor
+        self._layout = tuple((t.data_ptr(), t.numel(), t.dtype) for t in self._tensors)
+        # The transport's shortest synchronous path for this call, where it has one.
+        bind = getattr(comm.transport, "bind", None)
+        self._run_now = bind(call) if bind is not None else None
+
+    def __call__(self, async_op: bool = False):
+        for t, layout in zip(self._tensors, self._layout):
+            if (t.data_ptr(), t.numel(), t.dtype) != layout:
+                raise ValueError(f"{self._name}: a tensor of this prepared call changed since it was prepared "
+                                 f"(address, size or dtype: now {t.dtype}, {t.numel()} elements; was "
+                                 f"{layout[2]}, {layout[1]}); prepare the call again")
+        if self._comm._closed:
+            raise RingcollError(f"{self._name}: communicator is closed")
+        if async_op or self._run_now is None:
+            return self._comm._submit(self._call, self._outputs, self._inputs, async_op)
+        self._run_now()
+        return None
+
+
 _CPU = torch.device("cpu")  # the one CPU device object communicators hold (checked by identity: it is per call)
 
 
@@ -383,7 +416,10 @@ class Communicator(ArgumentChecks):
         ``output`` (keyword, not in torch.distributed): write the result there instead and
         leave ``tensor`` unchanged, NCCL's out-of-place form.
         """
-        name = "all_reduce"
+        return self._submit(*self._all_reduce_call("all_reduce", tensor, op, output), async_op)
+
+    def _all_reduce_call(self, name: str, tensor, op, output):
+        """all_reduce's checks; its call, outputs and inputs (for _submit or a PreparedCollective)."""
         tensor, output = self._view(tensor), self._view(output)
         self._ensure_open(name)
         if output is None:
@@ -391,8 +427,7 @@ class Communicator(ArgumentChecks):
             output = tensor
         else:
             dtype = self._check_pair(name, output, tensor, 1)
-        call = _call(name, tensor, output, tensor.numel(), dtype, op_code(name, op, tensor.dtype))
-        return self._submit(call, [output], (tensor,), async_op)
+        return _call("all_reduce", tensor, output, tensor.numel(), dtype, op_code(name, op, tensor.dtype)), [output], (tensor,)
 
     def all_reduce_coalesced(self, tensors: list, op=ReduceOp.SUM, async_op: bool = False):
         """Each tensor all-reduced in place, as one flat call: the tensors are packed into
@@ -410,23 +445,48 @@ class Communicator(ArgumentChecks):
                               async_op: bool = False):
         """``output = op over ranks of input.view(P, -1)[rank]``; input has P x output.numel()
         elements. In place when output is exactly chunk ``rank`` of input."""
-        name = "reduce_scatter_tensor"
+        return self._submit(*self._reduce_scatter_call("reduce_scatter_tensor", output, input, op), async_op)
+
+    def _reduce_scatter_call(self, name: str, output, input, op):
         output, input = self._view(output), self._view(input)
         self._ensure_open(name)
         dtype = self._check_pair(name, output, input, 1 / self.world_size)
-        call = _call("reduce_scatter", input, output, output.numel(), dtype, op_code(name, op, input.dtype))
-        return self._submit(call, [output], (input,), async_op)
+        return (_call("reduce_scatter", input, output, output.numel(), dtype, op_code(name, op, input.dtype)),
+                [output], (input,))
 
     def all_gather_into_tensor(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                                async_op: bool = False):
         """``output_tensor.view(P, -1)[r] = input_tensor on rank r`` for every r. In place when
         input_tensor is exactly chunk ``rank`` of output_tensor."""
-        name = "all_gather_into_tensor"
-        output_tensor, input_tensor = self._view(output_tensor), self._view(input_tensor)
+        return self._submit(*self._all_gather_call("all_gather_into_tensor", output_tensor, input_tensor), async_op)
+
+    def _all_gather_call(self, name: str, output, input):
+        output, input = self._view(output), self._view(input)
         self._ensure_open(name)
-        dtype = self._check_pair(name, output_tensor, input_tensor, self.world_size)
-        call = _call("all_gather", input_tensor, output_tensor, input_tensor.numel(), dtype)
-        return self._submit(call, [output_tensor], (input_tensor,), async_op)
+        dtype = self._check_pair(name, output, input, self.world_size)
+        return _call("all_gather", input, output, input.numel(), dtype), [output], (input,)
+
+    # --- prepared (persistent) collectives -------------------------------------------------
+
+    def prepare_all_reduce(self, tensor: torch.Tensor, op=ReduceOp.SUM, *,
+                           output: Optional[torch.Tensor] = None) -> "PreparedCollective":
+        """all_reduce(tensor, op, output=output), validated now and run by calling the result
+        as often as wanted: MPI-4's persistent collectives (MPI_Allreduce_init). For small
+        messages in a loop, where the per-call checks cost as much as the ring step."""
+        return PreparedCollective(self, "prepare_all_reduce", *self._all_reduce_call("prepare_all_reduce", tensor, op,
+                                                                                      output))
+
+    def prepare_reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor,
+                                      op=ReduceOp.SUM) -> "PreparedCollective":
+        """reduce_scatter_tensor(output, input, op), prepared (see prepare_all_reduce)."""
+        name = "prepare_reduce_scatter_tensor"
+        return PreparedCollective(self, name, *self._reduce_scatter_call(name, output, input, op))
+
+    def prepare_all_gather_into_tensor(self, output_tensor: torch.Tensor,
+                                       input_tensor: torch.Tensor) -> "PreparedCollective":
+        """all_gather_into_tensor(output_tensor, input_tensor), prepared (see prepare_all_reduce)."""
+        name = "prepare_all_gather_into_tensor"
+        return PreparedCollective(self, name, *self._all_gather_call(name, output_tensor, input_tensor))
 
     def all_gather(self, tensor_list: list, tensor: torch.Tensor, async_op: bool = False):
         """``tensor_list[r] = tensor on rank r``. Gathers into one flat buffer, then copies out."""

@@ -173,10 +173,11 @@ class TorchBackend(DistBackend):
     """ringcoll (a Communicator) or torch.distributed itself (gloo, or NCCL on `group`), same
     call shapes."""
 
-    def __init__(self, comm=None, forms: Optional[tuple] = None, group=None):
+    def __init__(self, comm=None, forms: Optional[tuple] = None, group=None, prepared: bool = False):
         import torch.distributed as dist
 
         self.dist, self.comm, self._forms, self.group = dist, comm, forms, group
+        self.prepared = prepared  # time ringcoll's prepared (persistent) calls: comm.prepare_*
         self.name = "ringcoll" if comm is not None else dist.get_backend(group)
         self.on_gpu = (comm.device.type if comm is not None else self.name) in ("cuda", "nccl")
 
@@ -206,6 +207,13 @@ class TorchBackend(DistBackend):
                 return partial(self.dist.reduce_scatter_tensor, out, inp, op=reduce_op, group=self.group)
             return partial(self.dist.all_gather_into_tensor, out, inp, group=self.group)
         comm = self.comm
+        if self.prepared:  # checked once here; each timed call runs the prepared collective
+            if coll == "all_reduce":
+                return comm.prepare_all_reduce(inp, op=reduce_op, output=None if in_place else out)
+            if coll == "reduce_scatter":
+                return comm.prepare_reduce_scatter_tensor(inp.view(world, -1)[rank] if in_place else out, inp,
+                                                          op=reduce_op)
+            return comm.prepare_all_gather_into_tensor(out, out.view(world, -1)[rank] if in_place else inp)
         if coll == "all_reduce":
             return partial(comm.all_reduce, inp, op=reduce_op, output=None if in_place else out)
         if coll == "reduce_scatter":  # in place: the output is this rank's chunk of the input
@@ -473,6 +481,7 @@ class Config:
     max_seconds: Optional[float] = None  # stop going to larger sizes once this much time is spent
     small_bytes: Optional[int] = None  # Communicator(small_bytes=): None = default, 0 = ring only
     in_process: bool = False  # the ranks as threads of one process (ringcoll.run_in_process), no references
+    prepared: bool = False  # time ringcoll's prepared calls (Communicator.prepare_*), checked once
 
 
 def message_counts(config: Config, world: int) -> list[int]:
@@ -620,7 +629,7 @@ def run_rank(rank: int, world: int, config: Config, with_mpi: bool = False) -> l
     if config.device == "cuda":
         return run_cuda_rank(rank, world, config)
     with Communicator(buffer_bytes=config.buffer_bytes, small_bytes=config.small_bytes) as comm:
-        backends = [TorchBackend(comm)] + ([TorchBackend(None)] if config.gloo else [])
+        backends = [TorchBackend(comm, prepared=config.prepared)] + ([TorchBackend(None)] if config.gloo else [])
         backends += [MpiBackend()] if with_mpi else []
         # DeepSpeed first: the oneCCL binding would set DeepSpeed's op up without its shared memory.
         backends += [DeepSpeedBackend(rank, world)] if config.deepspeed else []
@@ -643,7 +652,7 @@ def run_in_process_rank(group, config: Config) -> list[dict]:
     device = "cuda:0" if config.device == "cuda" else "cpu"
     with Communicator(group=group, device=device, buffer_bytes=config.buffer_bytes,
                       small_bytes=config.small_bytes) as comm:
-        backends = [TorchBackend(comm)] + ([CopyBackend()] if config.device == "cuda" else [])
+        backends = [TorchBackend(comm, prepared=config.prepared)] + ([CopyBackend()] if config.device == "cuda" else [])
         for backend in backends:
             backend.meeting = group
         return bench_all(backends, group.rank, group.world_size, config)
@@ -661,7 +670,7 @@ def run_cuda_rank(rank: int, world: int, config: Config) -> list[dict]:
 
     torch.cuda.set_device(gpu_of(rank, world))
     with Communicator(device="cuda", buffer_bytes=config.buffer_bytes) as comm:
-        backends = [TorchBackend(comm), CopyBackend()]
+        backends = [TorchBackend(comm, prepared=config.prepared), CopyBackend()]
         if config.nccl:
             backends.append(TorchBackend(None, group=dist.new_group(backend="nccl")))
         rows = bench_all(backends, rank, world, config)
@@ -828,6 +837,8 @@ def format_table(rows: list[dict], world: int, config: Config, fitted: dict, not
             head += f"; rank {config.straggler_rank} delayed {config.delay_us:g} us before every call"
         if config.small_bytes is not None:
             head += f"; {ALGORITHM_NOTE.get(config.small_bytes, f'one-shot up to {config.small_bytes} bytes')}"
+        if config.prepared:
+            head += "; ringcoll's calls prepared (checked once, Communicator.prepare_*)"
         lines += ["", head]
         cols = (f"{'size':>11} {'count':>10} {'type':>8} {'redop':>5} |{'time':>9} {'algbw':>6} {'busbw':>6} "
                 f"{'#wrong':>6} |{'time':>9} {'algbw':>6} {'busbw':>6} {'#wrong':>6}")
@@ -929,6 +940,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--op", choices=OPS, default="sum")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--prepared", action="store_true",
+                   help="time ringcoll's prepared calls (Communicator.prepare_*: checked once, then run), "
+                        "not the torch.distributed-shaped ones")
     p.add_argument("--in-process", action="store_true",
                    help="the ranks as threads of one process (one GPU: every ring co-resident); no references")
     p.add_argument("--collectives", default="all_reduce,reduce_scatter,all_gather")
@@ -984,7 +998,7 @@ def main(argv=None) -> int:
                     check_cost=not args.no_check_cost and args.device == "cpu", straggler_rank=args.straggler_rank,
                     delay_us=args.delay_us, progress=not args.no_progress, device=args.device,
                     max_seconds=args.max_seconds, small_bytes=ALGORITHMS[args.algorithm],
-                    in_process=args.in_process)
+                    in_process=args.in_process, prepared=args.prepared)
 
     def note(skipped: bool, option: str, available: Callable[[], str]) -> str:
         return f"skipped ({option})" if skipped else available()

@@ -15,6 +15,8 @@ validated the arguments and turned them into a :class:`CollectiveCall`. The inte
                                 e.g. the list forms' copies); sync: return None once later
                                 work is ordered after it; async: return a Completion
     launch_on_stream(call, stream)   run `call` on a caller-given stream (CUDA only)
+    bind(call)                  (optional) a zero-argument callable running `call`
+                                synchronously by the shortest path: Communicator.prepare_*
     barrier(async_op)           return (or a Completion) once every rank has entered
     synchronize()               block until everything submitted so far finished
     close(wait_for_peers)       release the buffers (the Communicator calls it once)

@@ -12,6 +12,7 @@ collective at a time is on the ring: a synchronous call first waits for the queu
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import os
 import socket
 import threading
@@ -168,6 +169,10 @@ class HostTransport(Transport):
         self._comm.run(*call)  # one binding call takes the whole record (bind_host.cpp)
         if then is not None:
             then()
+
+    def bind(self, call: CollectiveCall) -> Callable[[], None]:
+        """`call` as a synchronous run with nothing left to decide (Communicator.prepare_*)."""
+        return functools.partial(self._calls.run_now, self._comm.run, *call)
 
     def barrier(self, async_op: bool) -> Optional[ThreadCompletion]:
         return self._calls.submit(self._comm.barrier, async_op)
