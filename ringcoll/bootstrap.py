@@ -8,18 +8,19 @@ mapped every peer before anyone may free its buffer). Two things provide them::
     ProcessGroupBootstrap   P processes joined by a torch.distributed process group: the
                             product, and the correctness reference
     InProcessGroup          P threads of ONE process (ringcoll.run_in_process, in api.py):
-                            the same transports,
-                            the same kernels, peers' buffers reached by plain pointers
+                            the same transports and kernels, peers' buffers reached by
+                            plain pointers
 
 Why a second mode. Kernels of different processes on one GPU are time-sliced unless an MPS
 server runs: a ring step then waits up to a whole timeslice for its neighbour, and a
 one-GPU benchmark measures the scheduler. Kernels of one process on several streams run
 side by side, so P rings of one process are co-resident: that is what the in-process mode
 gives the one-GPU benchmark (docs/cuda.md says which figure comes from which mode). On the
-CPU it runs the shared-memory transport unchanged, which is how CI tests this module.
+CPU it runs the shared-memory transport unchanged, and the CUDA kernels through the
+emulator (transports/emulated.py): that is how CI tests it.
 
-Every wait here is bounded by the group's timeout, and a rank that fails breaks the group
-for the others at once (they raise instead of waiting for it).
+Every wait here is bounded: by the process group's timeout, or by the thread group's, and a
+thread that fails breaks its group for the others at once (they raise instead of waiting).
 """
 
 from __future__ import annotations
