@@ -7,6 +7,9 @@
 The first call for a (group, device) builds that communicator, collectively: every rank of
 the group must make its first ringcoll call on that group and device at the same point,
 as with any collective. ``destroy_communicators()`` closes them all (also done at exit).
+
+``run_in_process(P, fn)`` is the launcher of the other run mode: P ranks as threads of this
+process, no torch.distributed (ringcoll/bootstrap.py).
 """
 
 from __future__ import annotations
