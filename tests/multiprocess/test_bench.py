@@ -227,6 +227,15 @@ def test_in_process_mode_runs_checked(tmp_path, capsys):
     assert all(r["out_wrong"] == 0 and r["in_wrong"] == 0 for r in ours)
 
 
+def test_prepared_calls_are_timed_checked(capsys):
+    status = bench.main(["-b", "1K", "-e", "16K", "-f", "4", "-w", "1", "-n", "2", "--trials", "1", "--min-ms", "1",
+                         "--no-gloo", "--no-mpi", "--no-progress", "--no-check-cost", "--prepared"])
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    assert printed.count("ringcoll's calls prepared (checked once, Communicator.prepare_*)") == 3, printed
+    assert "Out of bounds values : 0 OK" in printed
+
+
 def test_refuses_bad_arguments(capsys):
     assert bench.main(["--op", "avg", "--dtype", "int32", "--no-mpi"]) == 2
     assert bench.main(["--straggler-rank", "5", "--nproc", "2", "--no-mpi"]) == 2
