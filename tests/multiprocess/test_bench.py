@@ -229,7 +229,8 @@ def test_in_process_mode_runs_checked(tmp_path, capsys):
 
 def test_prepared_calls_are_timed_checked(capsys):
     status = bench.main(["-b", "1K", "-e", "16K", "-f", "4", "-w", "1", "-n", "2", "--trials", "1", "--min-ms", "1",
-                         "--no-gloo", "--no-mpi", "--no-progress", "--no-check-cost", "--prepared"])
+                         "--no-gloo", "--no-mpi", "--no-deepspeed", "--no-ccl", "--no-progress", "--no-check-cost",
+                         "--prepared"])
     printed = capsys.readouterr().out
     assert status == 0, printed
     assert printed.count("ringcoll's calls prepared (checked once, Communicator.prepare_*)") == 3, printed
