@@ -526,9 +526,12 @@ def _barrier_in_capture(group):
         with torch.cuda.stream(side):
             comm.all_reduce(x)  # warm-up outside the capture, as torch advises
         torch.cuda.current_stream().wait_stream(side)
+        comm.synchronize()
+        group.barrier()  # no rank's capture (which begins with a device sync) overlaps a peer's warm-up
         graph = torch.cuda.CUDAGraph()
         message = ""
-        with torch.cuda.graph(graph):
+        # thread_local: another rank's thread may call what a global capture forbids (a sync)
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             try:
                 comm.barrier()
             except ringcoll.RingcollError as e:
@@ -549,19 +552,24 @@ def test_barrier_is_refused_inside_a_graph_capture():
 
 
 def _missing_peer(group):
+    """Rank 1 makes no call and keeps its communicator open (closing it would tell rank 0 at
+    once, RingcollPeerError): rank 0's kernel gives up at its timeout."""
     import ringcoll
 
     with ringcoll.Communicator(group=group, device="cuda:0", timeout=2) as comm:
         x = torch.ones(8, device="cuda:0")
         if group.rank == 1:
+            group.barrier()  # until rank 0 has seen its error
             return "skipped"
         start = time.monotonic()
         comm.all_reduce(x)
+        result = "no error"
         try:
             comm.synchronize()
         except ringcoll.RingcollTimeoutError as e:
-            return time.monotonic() - start, str(e)
-        return "no error"
+            result = (time.monotonic() - start, str(e))
+        group.barrier()
+        return result
 
 
 def test_in_process_missing_peer_is_a_timeout():
