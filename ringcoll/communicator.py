@@ -169,8 +169,7 @@ class PreparedCollective:
                 raise ValueError(f"{self._name}: a tensor of this prepared call changed since it was prepared "
                                  f"(address, size or dtype: now {t.dtype}, {t.numel()} elements; was "
                                  f"{layout[2]}, {layout[1]}); prepare the call again")
-        if self._comm._closed:
-            raise RingcollError(f"{self._name}: communicator is closed")
+        self._comm._ensure_open(self._name)
         if async_op or self._run_now is None:
             return self._comm._submit(self._call, self._outputs, self._inputs, async_op)
         self._run_now()

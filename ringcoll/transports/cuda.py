@@ -53,12 +53,22 @@ from ringcoll.transports.base import CollectiveCall, Settings, Transport
 KERNEL_VARIANTS = {"fused": 0, "naive": 1}
 
 
-def kernel_variant() -> int:
+def kernel_variant() -> tuple[str, int]:
+    """RINGCOLL_CUDA_KERNEL's variant: its name (which the ranks compare) and its code."""
     name = os.environ.get("RINGCOLL_CUDA_KERNEL", "fused").strip().lower()
     if name not in KERNEL_VARIANTS:
         raise ValueError(f"Communicator: RINGCOLL_CUDA_KERNEL={name!r}; expected one of "
                          + ", ".join(KERNEL_VARIANTS))
-    return KERNEL_VARIANTS[name]
+    return name, KERNEL_VARIANTS[name]
+
+
+def one_word_barrier(device) -> tuple[torch.Tensor, CollectiveCall]:
+    """The CUDA transport's barrier (like NCCL's): an all-reduce of one int32 word on
+    `device`. Returns the word (kept alive by the caller) and the call."""
+    word = torch.zeros(1, dtype=torch.int32, device=device)
+    address = word.data_ptr()
+    return word, CollectiveCall("all_reduce", address, address, 1, dtype_code("barrier", torch.int32),
+                                int(ReduceOp.SUM))
 
 
 def _require_cuda_build() -> None:
@@ -116,14 +126,13 @@ class CudaTransport(Transport):
         self.device = device = settings.device  # resolved (and CUDA checked) by resolve_device
         self.rank = settings.rank
         self._bootstrap = settings.bootstrap
-        variant = kernel_variant()
+        variant_name, variant = kernel_variant()
         self._comm = _C.CudaComm(self.rank, settings.world_size, device.index, settings.buffer_bytes,
                                  settings.timeout, settings.check, variant)
         # The communicator's stream outlives it (cuda_comm.cu, StreamLender), so a tensor
         # recorded on it (record_stream, in submit) may be freed after close().
         self._stream = torch.cuda.ExternalStream(self._comm.stream_handle, device=device)
         try:
-            variant_name = next(name for name, code in KERNEL_VARIANTS.items() if code == variant)
             handles = exchange(self._comm.handle_bytes(), **{"RINGCOLL_CUDA_KERNEL": variant_name})
         except BaseException:
             self._comm.close()
@@ -135,10 +144,7 @@ class CudaTransport(Transport):
         except BaseException:
             self._comm.close(wait_for_peers=False)  # peers may be mapping us: keep the buffer
             raise
-        self._barrier_word = torch.zeros(1, dtype=torch.int32, device=device)
-        word = self._barrier_word.data_ptr()
-        self._barrier_call = CollectiveCall("all_reduce", word, word, 1, dtype_code("barrier", torch.int32),
-                                            int(ReduceOp.SUM))
+        self._barrier_word, self._barrier_call = one_word_barrier(device)
         self._lock = threading.Lock()  # launches from several host threads stay whole
 
     def _current_stream(self) -> int:

@@ -18,14 +18,11 @@ import builtins
 import warnings
 from typing import Callable, Optional, Sequence
 
-import torch
-
 from ringcoll import _C, errors
-from ringcoll._types import ReduceOp, dtype_code
 from ringcoll.bootstrap import InProcessRank
 from ringcoll.errors import RingcollError
 from ringcoll.transports.base import CollectiveCall, Settings
-from ringcoll.transports.cuda import KERNEL_VARIANTS, kernel_variant
+from ringcoll.transports.cuda import kernel_variant, one_word_barrier
 from ringcoll.transports.host import CallQueue
 
 _COLLECTIVE_CODES = {"all_reduce": 0, "reduce_scatter": 1, "all_gather": 2}  # ring.h's Collective
@@ -51,20 +48,16 @@ class EmulatedCudaTransport:
             raise RingcollError("Communicator: the emulated CUDA transport needs the ranks as threads of one "
                                 "process (ringcoll.run_in_process)")
         self.rank = settings.rank
-        variant = kernel_variant()
+        name, variant = kernel_variant()
         ring = None
         if settings.rank == 0:
             ring = _C.emulation.Ring(settings.world_size, settings.buffer_bytes, settings.timeout, variant,
                                      threads_per_block=THREADS_PER_BLOCK, check_calls=settings.check,
                                      max_blocks=EMULATED_SMS)
-        name = next(name for name, code in KERNEL_VARIANTS.items() if code == variant)
         self._ring = exchange(ring, RINGCOLL_CUDA_KERNEL=name)[0]
         self._calls = CallQueue()
         self.broken_reason = ""
-        self._barrier_word = torch.zeros(1, dtype=torch.int32)  # CUDA's barrier: an all-reduce of one int
-        word = self._barrier_word.data_ptr()
-        self._barrier_call = CollectiveCall("all_reduce", word, word, 1, dtype_code("barrier", torch.int32),
-                                            int(ReduceOp.SUM))
+        self._barrier_word, self._barrier_call = one_word_barrier("cpu")  # CUDA's barrier, on the CPU
 
     @property
     def broken(self) -> bool:
