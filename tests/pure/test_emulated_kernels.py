@@ -301,9 +301,14 @@ def test_missing_rank_is_a_timeout_next_to_it_and_an_abort_beyond(variant):
     results = dict(zip(present, r.run([(k, AR, DTYPE_CODES[torch.float32], 0, xs[k].data_ptr(), xs[k].data_ptr(), n)
                                       for k in present])))
     elapsed = time.monotonic() - started
+    # Rank 3 waits on the missing rank 2 directly, rank 0 on rank 3's data, both from about
+    # the same moment: whichever deadline the scheduler serves first times out, and the
+    # other hears of it. Either way rank 3 names rank 2, and somebody timed out after 1 s.
     kind, message = results[3]  # its left neighbour is the missing rank
-    assert kind == "RingcollTimeoutError", results
-    assert "rank 3 timed out after 1 s waiting for left neighbour rank 2 to announce its call" in message
+    assert kind in ("RingcollTimeoutError", "RingcollPeerError"), results
+    assert "rank 3 " in message and "left neighbour rank 2 to announce its call" in message, message
+    timed_out = {k for k in present if f"rank {k} timed out after 1 s waiting for" in results[k][1]}
+    assert timed_out & {0, 3}, results
     for k in (0, 1):
         assert results[k][0] in ("RingcollTimeoutError", "RingcollPeerError"), results
         assert f"rank {k} " in results[k][1]
