@@ -40,6 +40,9 @@ DEFAULT_BUFFER_BYTES = 4 << 20  # per rank; messages of any size are sliced thro
 # CPU: messages up to this size take the one-shot path instead of the ring (csrc/host/host_comm.cpp,
 # run_one_shot); the crossover measured in bench/results/2026-12-01-cpu-small-message-crossover.txt.
 DEFAULT_SMALL_BYTES = 64 << 10
+# CPU: all-gathers from this size on read each peer's input directly (csrc/host/peer_memory.h)
+# where the kernel allows it; the crossover measured in bench/results/2026-12-01-cpu-direct-read.txt.
+DEFAULT_DIRECT_BYTES = 64 << 10
 _SIZE_SUFFIXES = {"": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
                   "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
 
@@ -84,14 +87,15 @@ def _resolve_buffer_bytes(buffer_bytes) -> int:
     return int(buffer_bytes)
 
 
-def _resolve_small_bytes(small_bytes) -> int:
-    if small_bytes is None:
-        env = os.environ.get("RINGCOLL_SMALL_BYTES")
-        small_bytes = parse_bytes(env) if env else DEFAULT_SMALL_BYTES
-    small_bytes = int(small_bytes)
-    if small_bytes < 0:
-        raise ValueError(f"Communicator: small_bytes must be >= 0 (0: always the ring), got {small_bytes}")
-    return small_bytes
+def _resolve_threshold(value, name: str, env: str, default: int, zero_means: str) -> int:
+    """A message-size threshold: `value`, else the environment variable, else the default."""
+    if value is None:
+        text = os.environ.get(env)
+        value = parse_bytes(text) if text else default
+    value = int(value)
+    if value < 0:
+        raise ValueError(f"Communicator: {name} must be >= 0 (0: {zero_means}), got {value}")
+    return value
 
 
 class Work:
@@ -289,7 +293,11 @@ class Communicator(ArgumentChecks):
     (CPU): messages of at most this many bytes that fit one slot of the buffer take the
     one-shot path (one publication per rank, every rank combines all P copies) instead of
     the ring; 0 turns it off; default ``RINGCOLL_SMALL_BYTES`` or 64 KiB. It must be the
-    same on all ranks (checked).
+    same on all ranks (checked). ``direct_bytes`` (CPU): all-gathers of at least this many
+    bytes read every peer's input straight into the output (one copy, Linux cross-memory
+    attach) where every rank may read every peer (probed once; otherwise they go through
+    the buffer as before: ``transport.direct_reads`` says which, ``transport.direct_reads_unavailable`` why);
+    0 turns it off; default ``RINGCOLL_DIRECT_BYTES`` or 64 KiB. The same on all ranks (checked).
 
     Usable as a context manager; ``close()`` releases the buffers. On CUDA ``close()`` is
     collective (every peer must close before anyone frees memory the others map).
@@ -297,15 +305,19 @@ class Communicator(ArgumentChecks):
 
     transport_class = staticmethod(transport_for)  # device -> its transport (tests substitute the emulated one)
 
-    def __init__(self, group=None, device=None, timeout=None, buffer_bytes=None, check=None, small_bytes=None):
+    def __init__(self, group=None, device=None, timeout=None, buffer_bytes=None, check=None, small_bytes=None,
+                 direct_bytes=None):
         device = torch.device(device if device is not None else "cpu")
         transport_cls = self.transport_class(device)
         self._configure(group, transport_cls.resolve_device(device), timeout, buffer_bytes, check,
                         transport_cls.slot_alignment)
-        self.small_bytes = _resolve_small_bytes(small_bytes)
+        self.small_bytes = _resolve_threshold(small_bytes, "small_bytes", "RINGCOLL_SMALL_BYTES", DEFAULT_SMALL_BYTES,
+                                              "always the ring")
+        self.direct_bytes = _resolve_threshold(direct_bytes, "direct_bytes", "RINGCOLL_DIRECT_BYTES",
+                                               DEFAULT_DIRECT_BYTES, "never read peers directly")
         self._closed = True  # until the transport exists: nothing to close
         settings = Settings(self._bootstrap, self.device, self.rank, self.world_size, self.timeout, self.buffer_bytes,
-                            self.check, self.small_bytes)
+                            self.check, self.small_bytes, self.direct_bytes)
         self._transport = transport_cls(settings, self._exchange)
         self._view = tensor_view if transport_cls.takes_arrays else (lambda t: t)
         self._closed = False
@@ -582,8 +594,9 @@ class CudaCommunicator(Communicator):
     """``Communicator(device="cuda...")``, spelled as a class (default: the current CUDA
     device). Same methods; it only refuses a non-CUDA device."""
 
-    def __init__(self, group=None, device=None, timeout=None, buffer_bytes=None, check=None, small_bytes=None):
+    def __init__(self, group=None, device=None, timeout=None, buffer_bytes=None, check=None, small_bytes=None,
+                 direct_bytes=None):
         device = torch.device(device if device is not None else "cuda")
         if device.type != "cuda":
             raise ValueError(f"Communicator: CudaCommunicator serves CUDA devices, not {device}")
-        super().__init__(group, device, timeout, buffer_bytes, check, small_bytes)
+        super().__init__(group, device, timeout, buffer_bytes, check, small_bytes, direct_bytes)

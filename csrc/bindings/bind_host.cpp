@@ -36,10 +36,20 @@ void bind_host(py::module_& m) {
       },
       py::arg("collective"), py::arg("ring_count"), py::arg("elem_size"), py::arg("world"), py::arg("small_bytes"),
       py::arg("slot_bytes"));
+  m.def(
+      "direct_read_fits",
+      [](int collective, int64_t ring_count, int elem_size, int world, size_t small_bytes, size_t slot_bytes,
+         bool direct_reads, size_t direct_bytes) {
+        return ringcoll::host::direct_read_fits(static_cast<ringcoll::Collective>(collective), ring_count, elem_size,
+                                                world, small_bytes, slot_bytes, direct_reads, direct_bytes);
+      },
+      py::arg("collective"), py::arg("ring_count"), py::arg("elem_size"), py::arg("world"), py::arg("small_bytes"),
+      py::arg("slot_bytes"), py::arg("direct_reads"), py::arg("direct_bytes"));
   py::class_<HostComm>(m, "HostComm")
-      .def(py::init<int, int, const std::vector<std::string>&, size_t, double, bool, size_t>(), py::arg("rank"),
-           py::arg("world"), py::arg("names"), py::arg("buffer_bytes"), py::arg("timeout"),
-           py::arg("check_calls") = true, py::arg("small_bytes") = 0, py::call_guard<py::gil_scoped_release>())
+      .def(py::init<int, int, const std::vector<std::string>&, size_t, double, bool, size_t, size_t>(),
+           py::arg("rank"), py::arg("world"), py::arg("names"), py::arg("buffer_bytes"), py::arg("timeout"),
+           py::arg("check_calls") = true, py::arg("small_bytes") = 0, py::arg("direct_bytes") = 0,
+           py::call_guard<py::gil_scoped_release>())
       .def("all_reduce",
            [](HostComm& c, uintptr_t in, uintptr_t out, int64_t count, int dtype, int op) {
              c.all_reduce(as_ptr(in), as_mut_ptr(out), count, static_cast<DType>(dtype), static_cast<ReduceOp>(op));
@@ -79,6 +89,10 @@ void bind_host(py::module_& m) {
       .def_property_readonly("check_calls", &HostComm::check_calls)
       .def_property_readonly("small_bytes", &HostComm::small_bytes)
       .def_property_readonly("one_shot_calls", &HostComm::one_shot_calls)
+      .def_property_readonly("direct_bytes", &HostComm::direct_bytes)
+      .def_property_readonly("direct_reads", &HostComm::direct_reads)
+      .def_property_readonly("direct_reads_unavailable", &HostComm::direct_reads_unavailable)
+      .def_property_readonly("direct_calls", &HostComm::direct_calls)
       .def_property_readonly("broken", &HostComm::broken)
       .def_property_readonly("broken_reason", &HostComm::broken_reason)
       .def_property("timeout", &HostComm::timeout, &HostComm::set_timeout);

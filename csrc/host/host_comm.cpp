@@ -6,14 +6,17 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <random>
 #include <sstream>
 #include <thread>
 
 #include "host_strip.h"
+#include "peer_memory.h"
 #include "ringcoll/check.h"
 #include "ringcoll/ring_loop.h"
 
@@ -140,9 +143,10 @@ void run_host_ring(HostComm& comm, const RingCall& call, const void* input, void
 // Bootstrap
 
 HostComm::HostComm(int rank, int world, const std::vector<std::string>& names, size_t buffer_bytes,
-                   double timeout_seconds, bool check_calls, size_t small_bytes)
+                   double timeout_seconds, bool check_calls, size_t small_bytes, size_t direct_bytes)
     : rank_(rank), world_(world), buffer_bytes_(buffer_bytes),
       slot_bytes_(slot_bytes_for(buffer_bytes, world, kSlotAlignment)), small_bytes_(small_bytes),
+      direct_bytes_(direct_bytes),
       policy_(host_wait_policy(world, timeout_seconds)), check_calls_(check_calls),
       last_publication_(static_cast<size_t>(kBanks) * static_cast<size_t>(world), 0) {
   RINGCOLL_CHECK(world >= 1 && rank >= 0 && rank < world, std::invalid_argument, "Communicator: rank ", rank,
@@ -178,6 +182,12 @@ void HostComm::bootstrap(const std::vector<std::string>& names) {
   me.pid_namespace = own_pid_namespace();
   me.rank = rank_;
   me.world = world_;
+  if (direct_bytes_ > 0) {
+    allow_peer_reads();
+    probe_token_ = (static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}() ^ 1;
+    me.probe_address = reinterpret_cast<uintptr_t>(&probe_token_);
+    me.probe_token = probe_token_;
+  }
 
   // Map every peer's segment; a peer may not have created it yet, so retry until the
   // timeout. All missing peers are tried each round and the mapped ones health-checked, so a
@@ -211,6 +221,41 @@ void HostComm::bootstrap(const std::vector<std::string>& names) {
     if (peer != rank_) wait_for(peer, &SegmentHeader::attached, 1, "map every segment");
   }
   for (const auto& name : names) unlink_segment(name);
+  if (direct_bytes_ > 0 && world_ > 1) probe_direct_reads();
+  else if (direct_bytes_ > 0) direct_unavailable_ = "one rank: no peer to read";
+}
+
+// Every rank reads every peer's probe word. Reading the right token proves both that the
+// kernel lets us and that `pid` is that peer (a pid from another pid namespace could name
+// some other process: skipped). All ranks then see all results, so all decide alike.
+void HostComm::probe_direct_reads() {
+  SegmentHeader& me = header(rank_);
+  std::string failed;
+  for (int peer = 0; peer < world_ && failed.empty(); ++peer) {
+    if (peer == rank_) continue;
+    const SegmentHeader& h = header(peer);
+    uint64_t seen = 0;
+    if (h.pid_namespace != me.pid_namespace) {
+      failed = "it runs in another pid namespace";
+    } else {
+      failed = read_peer_memory(h.pid, h.probe_address, &seen, sizeof(seen));
+      if (failed.empty() && seen != h.probe_token) failed = "the probe read the wrong value";
+    }
+    if (!failed.empty())
+      failed = "rank " + std::to_string(rank_) + " cannot read rank " + std::to_string(peer) + ": " + failed;
+  }
+  std::strncpy(me.probe_failure, failed.c_str(), sizeof(me.probe_failure) - 1);
+  flag_store_release(&me.probed.value, failed.empty() ? kProbeReadAll : kProbeFailed);
+  // All ranks take the same AND of the same P results; the reason quoted is the first seen.
+  for (int peer = 0; peer < world_; ++peer) {
+    if (peer == rank_) continue;
+    wait_for(peer, &SegmentHeader::probed, kProbeReadAll, "probe direct reads");
+    const SegmentHeader& h = header(peer);
+    if (failed.empty() && flag_load_acquire(&h.probed.value) == kProbeFailed)
+      failed = std::string(h.probe_failure, strnlen(h.probe_failure, sizeof(h.probe_failure)));
+  }
+  direct_reads_ = failed.empty();
+  direct_unavailable_ = failed;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -268,6 +313,8 @@ void HostComm::wait_for(int peer, const uint64_t* address, uint64_t target, cons
   msg << " waiting for " << side << "rank " << peer << " to " << event;
   if (position_.one_shot) {
     msg << " (call " << calls_ << ", one-shot step 1/1)";
+  } else if (position_.direct) {
+    msg << " (call " << calls_ << ", direct read)";
   } else if (position_.steps > 0) {
     msg << " (call " << calls_ << ", slice " << position_.slice + 1 << "/" << position_.slices << ", ";
     if (position_.step < 0) msg << "before ring step 1/" << position_.steps << ")";
@@ -325,14 +372,17 @@ void HostComm::run_collective(const char* op, const CallDescriptor& call, Early&
 
 void HostComm::run_ring_call(const char* op, const RingCall& call, const void* input, void* output) {
   const bool one_shot = uses_one_shot(call);  // never with one rank (one_shot_fits)
+  const bool direct = uses_direct_read(call);  // nor this (probed only with peers)
   OneShotPublication mine{};
   auto publish_early = [&] {
     if (one_shot) mine = publish_one_shot(call, input);
+    if (direct) post_direct_input(input, static_cast<size_t>(call.ring_count / world_));
   };
   run_collective(op, call.descriptor, publish_early, [&] {
     auto copy = [](void* dst, const void* src, size_t bytes) { std::memcpy(dst, src, bytes); };
     run_call(call, world_, input, output, copy, [&] {
       if (one_shot) return finish_one_shot(call, mine, input, output);
+      if (direct) return run_direct_all_gather(call, input, output);
       if (unconfirmed_one_shot_ != 0 && call.ring_count > 0) {
         // The ring refills a slot once its right neighbour alone has read it; a one-shot
         // slot is read by every peer, so first make sure they all have.
@@ -410,7 +460,7 @@ void one_shot_reduce(T* out, Slot&& slot, int64_t offset, int64_t len, int world
 }  // namespace
 
 HostComm::OneShotPublication HostComm::publish_one_shot(const RingCall& call, const void* input) {
-  position_ = {0, 1, 0, 1, true};
+  position_ = {0, 1, 0, 1, true, false};
   const int bank = static_cast<int>(one_shot_calls_++ % kBanks);
   const int slot = slot_index(bank, 0, world_);
   const uint64_t v = step_base_ + 1;
@@ -429,7 +479,7 @@ HostComm::OneShotPublication HostComm::publish_one_shot(const RingCall& call, co
 
 void HostComm::finish_one_shot(const RingCall& call, const OneShotPublication& mine, const void* input,
                                void* output) {
-  position_ = {0, 1, 0, 1, true};
+  position_ = {0, 1, 0, 1, true, false};
   const uint64_t v = mine.number;
   const size_t published = mine.bytes;
   const bool gather = call.collective == Collective::kAllGather;
@@ -473,6 +523,80 @@ void HostComm::finish_one_shot(const RingCall& call, const OneShotPublication& m
                                      std::string(h.abort_reason, strnlen(h.abort_reason, sizeof(h.abort_reason))));
   }
   flag_store_release(&header(rank_).consumed.value, v);
+}
+
+// ---------------------------------------------------------------------------------------
+// The direct-read all-gather for large messages
+//
+// Through the slots, every byte of an all-gather is copied twice on its way: by its owner
+// into a slot, and by each reader out of it (1.5 times per byte of output at P = 2, out
+// of place). Where the kernel lets ranks read each other's memory (peer_memory.h, probed
+// at bootstrap), rank k instead
+//
+//   1. posts where its input lies (address, bytes, call number) in its header;
+//   2. copies its own chunk into chunk k of its output (nothing in place);
+//   3. for j = k+1, k+2, .. (mod P): waits for rank j's post of this call and reads rank
+//      j's input straight into chunk j of its output: one copy, in the kernel;
+//   4. says it has read every peer (`direct_read` = the call number), and waits until
+//      every peer has said so: only then may the caller reuse its input.
+//
+// Each rank reads (P-1)/P of the message once, against the ring's P-1 steps that each
+// write and read a slot. Readers start at different peers, so no input is read by all at
+// once. The post goes before the call check (like the one-shot publication it writes
+// only my own header), and peers read only after their own check passed: a mismatch
+// still moves nothing. Without the check, `bytes` is compared instead, so no rank reads
+// past a peer's input. No slot is touched, so the ring's numbering is untouched too.
+
+bool HostComm::uses_direct_read(const RingCall& call) const {
+  return direct_read_fits(call.collective, call.ring_count, call.elem_size, world_, small_bytes_, slot_bytes_,
+                          direct_reads_, direct_bytes_);
+}
+
+void HostComm::post_direct_input(const void* input, size_t bytes) {
+  auto& post = header(rank_).direct_post;
+  post.address = reinterpret_cast<uintptr_t>(input);
+  post.bytes = bytes;
+  flag_store_release(&post.call, calls_);
+}
+
+void HostComm::run_direct_all_gather(const RingCall& call, const void* input, void* output) {
+  position_ = {0, 1, 0, 1, false, true};
+  ++direct_calls_;
+  const size_t chunk = static_cast<size_t>(call.ring_count / world_);
+  auto* out = static_cast<char*>(output);
+  // Past the cache the kernel's copy would first read every output line it writes; going
+  // through a bounce buffer that stays in cache lets the output take streaming stores.
+  const bool stream = static_cast<size_t>(call.ring_count) >= streaming_threshold_bytes();
+  copy_strip(static_cast<char*>(nullptr), out + static_cast<size_t>(rank_) * chunk, static_cast<const char*>(input),
+             static_cast<int64_t>(chunk), stream);
+  if (stream && bounce_.empty()) bounce_.resize(kBounceBytes);
+  auto read_input = [&](const SegmentHeader& h, char* to) -> std::string {
+    if (!stream) return read_peer_memory(h.pid, h.direct_post.address, to, chunk);
+    for (size_t done = 0; done < chunk; done += kBounceBytes) {
+      const size_t piece = std::min(kBounceBytes, chunk - done);
+      std::string failed = read_peer_memory(h.pid, h.direct_post.address + done, bounce_.data(), piece);
+      if (!failed.empty()) return failed;
+      stream_copy(to + done, bounce_.data(), piece);
+    }
+    return "";
+  };
+  for (int i = 1; i < world_; ++i) {
+    const int peer = (rank_ + i) % world_;
+    const SegmentHeader& h = header(peer);
+    wait_for(peer, &h.direct_post.call, calls_, "post its input");
+    if (h.direct_post.bytes != chunk)
+      fail<MismatchError>(current_op_, "rank " + std::to_string(peer) + " posted " +
+                                           std::to_string(h.direct_post.bytes) + " bytes of input but rank " +
+                                           std::to_string(rank_) + " expects " + std::to_string(chunk) +
+                                           " (call " + std::to_string(calls_) + ")");
+    const std::string failed = read_input(h, out + static_cast<size_t>(peer) * chunk);
+    if (!failed.empty())
+      fail<PeerError>(current_op_, "rank " + std::to_string(rank_) + " could not read rank " + std::to_string(peer) +
+                                       "'s input (call " + std::to_string(calls_) + ", direct read): " + failed);
+  }
+  flag_store_release(&header(rank_).direct_read.value, calls_);
+  for (int peer = 0; peer < world_; ++peer)
+    if (peer != rank_) wait_for(peer, &SegmentHeader::direct_read, calls_, "finish reading this rank's input");
 }
 
 void HostComm::all_reduce(const void* input, void* output, int64_t user_count, DType dtype, ReduceOp op) {

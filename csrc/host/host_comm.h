@@ -28,6 +28,8 @@ constexpr uint64_t kSegmentMagic = 0x72696e67636f6c6cull;  // "ringcoll"
 constexpr size_t kHeaderBytes = 4096;
 constexpr size_t kSlotAlignment = 64;  // a cache line: slots never share one
 
+constexpr uint64_t kProbeReadAll = 1, kProbeFailed = 2;  // SegmentHeader::probed
+
 // One flag per cache line, so a writer never invalidates its neighbour's flag.
 struct alignas(64) Flag {
   uint64_t value;
@@ -47,6 +49,20 @@ struct SegmentHeader {
   Flag peer_gave_up;
   DescriptorSlot descriptor;
   char abort_reason[1024];  // why `aborted` is set, written before it
+  // Direct reads (peer_memory.h): a word at `probe_address` of the owner's memory holds
+  // `probe_token`, which a peer reads back once to see that it may; `probed` then says
+  // how the owner's probes of all its peers went (kProbeReadAll, or kProbeFailed and
+  // `probe_failure` says why, written before it).
+  uint64_t probe_address, probe_token;
+  Flag probed;
+  char probe_failure[256];
+  // The direct-read all-gather: the owner's input for call `call` lies at `address`
+  // (`bytes` long); `call` is stored last, with release. `direct_read` = c: the owner has
+  // read every peer's input of call c, so each peer may let go of its own.
+  struct alignas(64) {
+    uint64_t address, bytes, call;
+  } direct_post;
+  Flag direct_read;
 };
 static_assert(sizeof(SegmentHeader) <= kHeaderBytes, "header must fit its page");
 
@@ -62,6 +78,17 @@ inline bool one_shot_fits(Collective coll, int64_t ring_count, int elem_size, in
   return world > 1 && message > 0 && message <= small_bytes && published <= slot_bytes;
 }
 
+// Whether an all-gather of `ring_count` bytes (ring_call's count) reads its peers' inputs
+// directly (host_comm.cpp, "The direct-read all-gather") rather than through the slots:
+// every rank could read every peer (`direct_reads`, agreed at bootstrap), the message is
+// at least `direct_bytes` (0: never), and the one-shot path does not take it.
+inline bool direct_read_fits(Collective coll, int64_t ring_count, int elem_size, int world, size_t small_bytes,
+                             size_t slot_bytes, bool direct_reads, size_t direct_bytes) {
+  const size_t message = static_cast<size_t>(ring_count) * static_cast<size_t>(elem_size);
+  return direct_reads && coll == Collective::kAllGather && direct_bytes > 0 && message >= direct_bytes &&
+         !one_shot_fits(coll, ring_count, elem_size, world, small_bytes, slot_bytes);
+}
+
 // How host waits spend their time: spinning only pays when every rank has a core.
 WaitPolicy host_wait_policy(int world, double timeout_seconds);
 
@@ -74,8 +101,12 @@ class HostComm {
   // `small_bytes`: messages of at most this many bytes (and whose published part fits one
   // slot) take the one-shot path instead of the ring; 0 never. Ranks must agree (Python
   // checks). See run_one_shot.
+  //
+  // `direct_bytes`: all-gathers of at least this many bytes read every peer's input
+  // straight into the output (peer_memory.h) where every rank can read every peer, probed
+  // once here; 0 never. Ranks must agree (Python checks). See run_direct_all_gather.
   HostComm(int rank, int world, const std::vector<std::string>& names, size_t buffer_bytes,
-           double timeout_seconds, bool check_calls = true, size_t small_bytes = 0);
+           double timeout_seconds, bool check_calls = true, size_t small_bytes = 0, size_t direct_bytes = 0);
   ~HostComm() { close(); }
   HostComm(const HostComm&) = delete;
   HostComm& operator=(const HostComm&) = delete;
@@ -96,6 +127,13 @@ class HostComm {
   // rank agreed on (world, buffer and small_bytes), so every rank decides alike.
   bool uses_one_shot(const RingCall& call) const;
   uint64_t one_shot_calls() const { return one_shot_calls_; }  // how many took it (for tests)
+  size_t direct_bytes() const { return direct_bytes_; }
+  // Whether all-gathers from direct_bytes on read peers directly (the same on every rank);
+  // if not, why not: "off", or the first failed probe this rank saw.
+  bool direct_reads() const { return direct_reads_; }
+  const std::string& direct_reads_unavailable() const { return direct_unavailable_; }
+  bool uses_direct_read(const RingCall& call) const;
+  uint64_t direct_calls() const { return direct_calls_; }  // how many read directly (for tests)
   bool broken() const { return !broken_reason_.empty(); }
   const std::string& broken_reason() const { return broken_reason_; }
   double timeout() const { return policy_.timeout_seconds; }
@@ -114,7 +152,7 @@ class HostComm {
     wait_for(peer, &(header(peer).*flag).value, target, event);
   }
   void set_position(int64_t slice, int64_t slices, int step, int steps) {
-    position_ = {slice, slices, step, steps, false};
+    position_ = {slice, slices, step, steps, false, false};
   }
 
  private:
@@ -139,13 +177,19 @@ class HostComm {
   };
   OneShotPublication publish_one_shot(const RingCall& call, const void* input);
   void finish_one_shot(const RingCall& call, const OneShotPublication& mine, const void* input, void* output);
+  // Bootstrap: see whether this rank may read every peer; then agree with all on direct_reads_.
+  void probe_direct_reads();
+  // The direct-read all-gather: post my input's address (before the call check, like the
+  // one-shot publication: it writes only my own header), then read every peer's.
+  void post_direct_input(const void* input, size_t bytes);
+  void run_direct_all_gather(const RingCall& call, const void* input, void* output);
   // Wait until every peer's `consumed` >= target: no peer still reads what I published up to it.
   void wait_all_consumed(uint64_t target);
   // Compare my published `call` with every peer's (descriptor.h); throws MismatchError.
   void check_call(const char* op, const CallDescriptor& call);
 
   int rank_, world_;
-  size_t buffer_bytes_, slot_bytes_, small_bytes_;
+  size_t buffer_bytes_, slot_bytes_, small_bytes_, direct_bytes_;
   WaitPolicy policy_;
   bool check_calls_;
   std::vector<SegmentMapping> segments_;
@@ -157,8 +201,14 @@ class HostComm {
   // The latest one-shot publication not yet known to be read by every peer (0: none). The
   // ring's slot reuse waits only for the right neighbour, so a ring call waits for it first.
   uint64_t unconfirmed_one_shot_ = 0;
+  uint64_t probe_token_ = 0;  // what peers read back at bootstrap (peer_memory.h)
+  bool direct_reads_ = false;
+  std::string direct_unavailable_ = "off";
+  uint64_t direct_calls_ = 0;
+  static constexpr size_t kBounceBytes = 256 << 10;  // well inside L2: staged there, then streamed out
+  std::vector<char> bounce_;                         // allocated by the first call that streams
   const char* current_op_ = "";
-  struct { int64_t slice, slices; int step, steps; bool one_shot; } position_{};  // for error messages
+  struct { int64_t slice, slices; int step, steps; bool one_shot, direct; } position_{};  // for error messages
   std::string broken_reason_;
   bool closed_ = false;
 };

@@ -480,6 +480,7 @@ class Config:
     device: str = "cpu"  # "cuda": the CUDA ring, the copy ceiling and NCCL where it runs
     max_seconds: Optional[float] = None  # stop going to larger sizes once this much time is spent
     small_bytes: Optional[int] = None  # Communicator(small_bytes=): None = default, 0 = ring only
+    direct_bytes: Optional[int] = None  # Communicator(direct_bytes=): None = default, 0 = all-gather via slots only
     in_process: bool = False  # the ranks as threads of one process (ringcoll.run_in_process), no references
     prepared: bool = False  # time ringcoll's prepared calls (Communicator.prepare_*), checked once
 
@@ -628,13 +629,14 @@ def run_rank(rank: int, world: int, config: Config, with_mpi: bool = False) -> l
 
     if config.device == "cuda":
         return run_cuda_rank(rank, world, config)
-    with Communicator(buffer_bytes=config.buffer_bytes, small_bytes=config.small_bytes) as comm:
+    with Communicator(buffer_bytes=config.buffer_bytes, small_bytes=config.small_bytes,
+                      direct_bytes=config.direct_bytes) as comm:
         backends = [TorchBackend(comm, prepared=config.prepared)] + ([TorchBackend(None)] if config.gloo else [])
         backends += [MpiBackend()] if with_mpi else []
         # DeepSpeed first: the oneCCL binding would set DeepSpeed's op up without its shared memory.
         backends += [DeepSpeedBackend(rank, world)] if config.deepspeed else []
         backends += [CclBackend(rank, world)] if config.ccl else []
-        rows = bench_all(backends, rank, world, config)
+        rows = bench_all(backends, rank, world, config) + [direct_reads_row(comm)]
         if config.check_cost and comm.check:
             rows += check_cost(comm, rank, world, config)
     dist.barrier()
@@ -651,11 +653,19 @@ def run_in_process_rank(group, config: Config) -> list[dict]:
     torch.distributed reference can run here."""
     device = "cuda:0" if config.device == "cuda" else "cpu"
     with Communicator(group=group, device=device, buffer_bytes=config.buffer_bytes,
-                      small_bytes=config.small_bytes) as comm:
+                      small_bytes=config.small_bytes, direct_bytes=config.direct_bytes) as comm:
         backends = [TorchBackend(comm, prepared=config.prepared)] + ([CopyBackend()] if config.device == "cuda" else [])
         for backend in backends:
             backend.meeting = group
-        return bench_all(backends, group.rank, group.world_size, config)
+        return bench_all(backends, group.rank, group.world_size, config) + [direct_reads_row(comm)]
+
+
+def direct_reads_row(comm) -> dict:
+    """Whether this CPU ring's all-gathers read peers directly, from which size, or why not."""
+    transport = comm.transport
+    on = getattr(transport, "direct_reads", False)
+    return {"kind": "direct_reads", "on": on, "from_bytes": comm.direct_bytes,
+            "why": "" if on else getattr(transport, "direct_reads_unavailable", "not on this transport")}
 
 
 def gpu_of(rank: int, world: int) -> int:
@@ -700,7 +710,8 @@ def check_cost(comm, rank: int, world: int, config: Config) -> list[dict]:
     and off: what the mismatch detection costs, the two timed in turn like any reference."""
     rows = []
     counts = message_counts(config, world)
-    with Communicator(buffer_bytes=config.buffer_bytes, check=False, small_bytes=config.small_bytes) as unchecked:
+    with Communicator(buffer_bytes=config.buffer_bytes, check=False, small_bytes=config.small_bytes,
+                      direct_bytes=config.direct_bytes) as unchecked:
         backends = [TorchBackend(comm, forms=("out",)), TorchBackend(unchecked, forms=("out",))]
         for count in sorted({counts[0], counts[-1]}):
             on, off = bench_size(backends, COLLECTIVES["all_reduce"], count, rank, world, config)
@@ -824,8 +835,9 @@ def transport_label(config: Config, world: int) -> str:
 
 
 def format_table(rows: list[dict], world: int, config: Config, fitted: dict, notes: dict,
-                 costs: list[dict] = ()) -> str:
-    """nccl-tests' table per collective; `notes`: reference name -> why it is absent ('' if it ran)."""
+                 costs: list[dict] = (), direct: Optional[dict] = None) -> str:
+    """nccl-tests' table per collective; `notes`: reference name -> why it is absent ('' if it ran);
+    `direct`: direct_reads_row of rank 0's communicator (CPU)."""
     lines = []
     refs = sorted({r["backend"] for r in rows} - {"ringcoll"})
     for name in config.collectives:
@@ -839,6 +851,9 @@ def format_table(rows: list[dict], world: int, config: Config, fitted: dict, not
             head += f"; {ALGORITHM_NOTE.get(config.small_bytes, f'one-shot up to {config.small_bytes} bytes')}"
         if config.prepared:
             head += "; ringcoll's calls prepared (checked once, Communicator.prepare_*)"
+        if name == "all_gather" and direct is not None and config.device != "cuda":
+            head += (f"; reads peers directly (one copy) from {direct['from_bytes']} bytes" if direct["on"]
+                     else f"; direct reads off ({direct['why']})")
         lines += ["", head]
         cols = (f"{'size':>11} {'count':>10} {'type':>8} {'redop':>5} |{'time':>9} {'algbw':>6} {'busbw':>6} "
                 f"{'#wrong':>6} |{'time':>9} {'algbw':>6} {'busbw':>6} {'#wrong':>6}")
@@ -954,6 +969,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-seconds", type=float, default=None,
                    help="stop going to larger sizes once this much time is spent (a cut-short run still prints)")
     p.add_argument("--buffer-bytes", default=None, help="registered buffer per rank (default 4M)")
+    p.add_argument("--direct-bytes", default=None,
+                   help="all-gathers from this size read peers directly (one copy) where the kernel allows; 0: "
+                        "always through the slots (default: RINGCOLL_DIRECT_BYTES or 64K)")
     p.add_argument("--algorithm", choices=list(ALGORITHMS), default="auto",
                    help="ring: the ring at every size; oneshot: the one-shot path wherever the message fits one "
                         "slot; auto (default): the Communicator's choice (RINGCOLL_SMALL_BYTES). Run ring and "
@@ -998,6 +1016,7 @@ def main(argv=None) -> int:
                     check_cost=not args.no_check_cost and args.device == "cpu", straggler_rank=args.straggler_rank,
                     delay_us=args.delay_us, progress=not args.no_progress, device=args.device,
                     max_seconds=args.max_seconds, small_bytes=ALGORITHMS[args.algorithm],
+                    direct_bytes=parse_bytes(args.direct_bytes) if args.direct_bytes else None,
                     in_process=args.in_process, prepared=args.prepared)
 
     def note(skipped: bool, option: str, available: Callable[[], str]) -> str:
@@ -1023,10 +1042,11 @@ def main(argv=None) -> int:
         else:
             rows = run_under_mpirun(args.nproc, config)
     costs = [r for r in rows if r.get("kind") == "check_cost"]
+    direct = next((r for r in rows if r.get("kind") == "direct_reads"), None)
     cut = next((r for r in rows if r.get("kind") == "cut_short"), None)
     rows = [r for r in rows if "kind" not in r]
     fitted = fits(rows, args.nproc) if args.fit else {}
-    print(format_table(rows, args.nproc, config, fitted, notes, costs))
+    print(format_table(rows, args.nproc, config, fitted, notes, costs, direct))
     if cut is not None:
         print(f"# --max-seconds {args.max_seconds:g} spent: {cut['collective']} from {cut['count']} elements on "
               "not measured, nor what comes after it")

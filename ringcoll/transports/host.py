@@ -150,12 +150,14 @@ class HostTransport(Transport):
         # The one-shot threshold decides, call by call, which algorithm every rank runs: it
         # must agree, like the buffer size (a rank on the ring and one on the one-shot path
         # would wait for each other's publications until the timeout).
+        # So must the direct-read threshold; whether peers may be read is agreed in the probe.
         offers = exchange((_C.random_segment_name(), shared_memory_domain()),
-                          **{"RINGCOLL_SMALL_BYTES / small_bytes=": settings.small_bytes})
+                          **{"RINGCOLL_SMALL_BYTES / small_bytes=": settings.small_bytes,
+                             "RINGCOLL_DIRECT_BYTES / direct_bytes=": settings.direct_bytes})
         _require_one_domain([domain for _, domain in offers])
         names = [name for name, _ in offers]
         self._comm = _C.HostComm(settings.rank, settings.world_size, names, settings.buffer_bytes,
-                                 settings.timeout, settings.check, settings.small_bytes)
+                                 settings.timeout, settings.check, settings.small_bytes, settings.direct_bytes)
         self._calls = CallQueue()
 
     def submit(self, call: CollectiveCall, outputs: list, keep_alive: Sequence, async_op: bool,
@@ -185,6 +187,21 @@ class HostTransport(Transport):
     def one_shot_calls(self) -> int:
         """How many collectives took the one-shot path for small messages (for tests)."""
         return self._comm.one_shot_calls
+
+    @property
+    def direct_reads(self) -> bool:
+        """Whether large all-gathers read peers directly (every rank could read every peer)."""
+        return self._comm.direct_reads
+
+    @property
+    def direct_reads_unavailable(self) -> str:
+        """Why not, if not: "off", or the first failed probe this rank saw."""
+        return self._comm.direct_reads_unavailable
+
+    @property
+    def direct_calls(self) -> int:
+        """How many all-gathers read peers directly (for tests)."""
+        return self._comm.direct_calls
 
     @property
     def slot_bytes(self) -> int:

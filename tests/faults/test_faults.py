@@ -698,39 +698,52 @@ def test_peer_that_never_arrives_times_out_on_waiting_ranks(world, check):
 
 # --- a rank killed mid-collective -------------------------------------------------------
 
-def _killed_mid_collective(rank, world, victim):
+def _killed_mid_collective(rank, world, victim, collective):
     import ringcoll
 
-    comm = ringcoll.Communicator(timeout=60.0, buffer_bytes=64 * 1024)
-    t = torch.ones(4 << 20)  # 16 MiB through a 64 KiB buffer: many slices, long enough to interrupt
-    comm.all_reduce(t)  # one full round first: the kill lands in a later, running call
+    # 16 MiB: all_reduce through a 64 KiB buffer (many slices), all_gather reading its peers
+    # directly (one long process_vm_readv per peer): long enough to interrupt.
+    comm = ringcoll.Communicator(timeout=60.0, buffer_bytes=64 * 1024, direct_bytes=1)
+    t = torch.ones(4 << 20)
+    out = torch.empty(world * t.numel()) if collective == "all_gather" else None
+
+    def call():
+        if collective == "all_gather":
+            comm.all_gather_into_tensor(out, t)
+        else:
+            comm.all_reduce(t)
+
+    call()  # one full round first: the kill lands in a later, running call
     if rank == victim:
         threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGKILL)).start()
     start = time.monotonic()
     try:
         for _ in range(1000):
-            comm.all_reduce(t)
+            call()
     except ringcoll.RingcollError as e:
-        return type(e).__name__, str(e), time.monotonic() - start
-    return "no error", "", time.monotonic() - start
+        return type(e).__name__, str(e), time.monotonic() - start, comm.transport.direct_calls
+    return "no error", "", time.monotonic() - start, comm.transport.direct_calls
 
 
-# P = 3 with every victim is test_kill_mid_collective above (with recovery); this is P = 2.
+# P = 3 with every victim is test_kill_mid_collective above (with recovery); this is P = 2,
+# and P = 3 for the direct-read all-gather (a reader may be inside the victim's memory).
 @pytest.mark.usefixtures("no_leftover_segments")
-@pytest.mark.parametrize("world,victim", [(2, 1)])
-def test_rank_killed_mid_collective(world, victim):
-    outcomes = spawn_outcomes(_killed_mid_collective, world, victim, timeout=90)
+@pytest.mark.parametrize("world,victim,collective", [(2, 1, "all_reduce"), (3, 1, "all_gather")])
+def test_rank_killed_mid_collective(world, victim, collective):
+    outcomes = spawn_outcomes(_killed_mid_collective, world, victim, collective, timeout=90)
     victim_outcome = outcomes[victim]
     assert not victim_outcome.ok and victim_outcome.exitcode == -signal.SIGKILL
     for o in outcomes:
         if o.rank == victim:
             continue
         assert o.ok, o.traceback
-        kind, message, elapsed = o.value
-        # Far sooner than the 60 s timeout: the survivors notice the exit itself.
+        kind, message, elapsed, direct_calls = o.value
+        # Far sooner than the 60 s timeout: the survivors notice the exit itself (or, reading
+        # it directly, that its memory is gone).
         assert kind == "RingcollPeerError", message
         assert elapsed < 10.0, elapsed
-        assert "has exited" in message or "aborted" in message, message
+        assert "has exited" in message or "aborted" in message or "could not read rank" in message, message
+        assert (direct_calls > 0) == (collective == "all_gather"), direct_calls
     # The autouse fixture checks /dev/shm is clean.
 
 

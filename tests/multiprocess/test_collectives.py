@@ -27,13 +27,19 @@ Sizes: 0, 1, P-1, P+1 (every dtype x op x form, 4 KiB and 4 MiB buffers); the sl
 boundaries of the 4 KiB buffer (every dtype x op); a prime near 10^5 through the 4 KiB
 buffer; messages over the default 4 MiB buffer (all_reduce) or over 4 MiB / P per rank.
 
-Algorithms. The 4 KiB-buffer communicator runs the ring at every size (small_bytes=0);
+Algorithms. The 4 KiB-buffer communicator runs the ring at every size (small_bytes=0,
+direct_bytes=0);
 the default one takes the one-shot path below RINGCOLL_SMALL_BYTES (64 KiB), so the
 small sizes above run both. run_one_shot_cases then checks that path on its own: every
 dtype x op x form at 1 element, odd counts, exactly at the threshold and one element over
 (the ring), mixed on one communicator so one-shot and ring calls alternate on the same
 slots, and with the call check off under skewed ranks; it counts that the one-shot path
-was taken exactly where ringcoll.learning.schedule.one_shot_fits says.
+was taken exactly where ringcoll.learning.schedule.one_shot_fits says. The default
+communicator's all-gathers from 64 KiB read their peers directly (RINGCOLL_DIRECT_BYTES);
+run_direct_read_cases checks that path on its own, every dtype x form from one element up
+(direct_bytes=1), past the streaming threshold, alternating with the other two algorithms,
+async and (run_skewed_unchecked_cases) skewed with the call check off; counted against
+direct_read_fits likewise.
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ import torch.distributed as dist
 
 import ringcoll
 from ringcoll.harness.launcher import spawn
-from ringcoll.learning.schedule import Collective, one_shot_fits
+from ringcoll.learning.schedule import Collective, direct_read_fits, one_shot_fits
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16,
           torch.int8, torch.uint8, torch.int32, torch.int64]
@@ -65,7 +71,8 @@ COMM_TIMEOUT = 60.0  # a hang surfaces as RingcollTimeoutError well inside the s
 SPAWN_TIMEOUT = 240.0
 MAX_REPORTED = 40
 # The matrix runs must not see a RINGCOLL_* setting from the environment of the test run.
-CLEAN_ENV = {"RINGCOLL_TIMEOUT": None, "RINGCOLL_BUFFER_BYTES": None, "RINGCOLL_SMALL_BYTES": None}
+CLEAN_ENV = {"RINGCOLL_TIMEOUT": None, "RINGCOLL_BUFFER_BYTES": None, "RINGCOLL_SMALL_BYTES": None,
+             "RINGCOLL_DIRECT_BYTES": None}
 
 _gloo_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _gloo_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -587,6 +594,54 @@ def run_one_shot_cases(chk, rank, world):
         run_skewed_unchecked_cases(chk, rank, world)
 
 
+def _direct_expected(comm, message_bytes, repeats=1) -> int:
+    """How many all-gathers of these message sizes (each `repeats` times) read peers directly on `comm`."""
+    t = comm.transport
+    return repeats * sum(direct_read_fits(Collective.ALL_GATHER, n, 1, comm.world_size, comm.small_bytes,
+                                          t.slot_bytes, t.direct_reads, comm.direct_bytes) for n in message_bytes)
+
+
+def run_direct_read_cases(chk, rank, world):
+    """The direct-read all-gather against gloo: every dtype x form at 1, P-1, P+1 and a
+    prime count per rank (direct_bytes=1, small_bytes=0: every non-empty all-gather reads
+    its peers directly); a message past the streaming threshold (the bounce buffer, with a
+    piece left over); one communicator where one-shot, ring and direct calls alternate; the
+    async queue. Counts that the path was taken exactly where direct_read_fits says."""
+    with ringcoll.Communicator(small_bytes=0, direct_bytes=1, timeout=COMM_TIMEOUT) as comm:
+        chk.checked += 1
+        if world > 1 and not comm.transport.direct_reads:
+            chk.fail("direct reads", "not available on this machine, so untested: "
+                                     + comm.transport.direct_reads_unavailable)
+        comms = [("direct", comm)]
+        for dtype in DTYPES:
+            elem = torch.empty(0, dtype=dtype).element_size()
+            counts = sorted({1, max(world - 1, 1), world + 1, PRIME_CHUNK})
+            before = comm.transport.direct_calls
+            run_gather_cases(chk, rank, world, comms, dtype, counts, GATHER_FORMS, "direct")
+            taken = comm.transport.direct_calls - before
+            expected = _direct_expected(comm, [world * c * elem for c in counts], len(GATHER_FORMS))
+            chk.checked += 1
+            if taken != expected or (world > 1 and taken == 0):
+                chk.fail(f"direct all_gather {_name(dtype)}", f"{taken} direct calls, expected {expected}")
+        streamed = (8 << 20) // (4 * world) + (256 << 10) // 4 + 7  # float32, output past 8 MiB
+        run_gather_cases(chk, rank, world, comms, torch.float32, [streamed], ("out_of_place", "in_place"), "stream")
+        run_async_cases(chk, rank, world, comm, comm)
+
+    # One-shot up to P x 4 KiB, the ring above it, direct reads from P x 16 KiB, in turn.
+    with ringcoll.Communicator(buffer_bytes=1 << 16, small_bytes=world * ONE_SHOT_PER_RANK,
+                               direct_bytes=world * 4 * ONE_SHOT_PER_RANK, timeout=COMM_TIMEOUT) as comm:
+        counts = [1, 5 * ONE_SHOT_PER_RANK, ONE_SHOT_PER_RANK + 1, 2, 4 * ONE_SHOT_PER_RANK, 3]  # int8: bytes
+        one_shot, direct = comm.transport.one_shot_calls, comm.transport.direct_calls
+        run_gather_cases(chk, rank, world, [("mixed", comm)], torch.int8, counts, ("out_of_place", "in_place"),
+                         "mixed")
+        messages = [world * c for c in counts]
+        want = (_one_shot_expected(comm, Collective.ALL_GATHER, messages, 1, 2), _direct_expected(comm, messages, 2))
+        got = (comm.transport.one_shot_calls - one_shot, comm.transport.direct_calls - direct)
+        chk.checked += 1
+        if got != want or (world > 1 and 0 in got):
+            chk.fail("mixed all_gather", f"(one-shot, direct) calls {got}, expected {want}")
+
+
 def run_skewed_unchecked_cases(chk, rank, world, calls=150):
     """With the call check off nothing but the data flags orders the ranks: a random mix of
     one-shot and ring calls (the same sequence on every rank) with a random rank held back
@@ -596,9 +651,10 @@ def run_skewed_unchecked_cases(chk, rank, world, calls=150):
     import time
 
     plan = random.Random(_seed("skew", world))
-    with ringcoll.Communicator(buffer_bytes=1 << 16, small_bytes=1 << 12, check=False, timeout=COMM_TIMEOUT) as comm:
-        before = comm.transport.one_shot_calls
-        expected_one_shot = 0
+    with ringcoll.Communicator(buffer_bytes=1 << 16, small_bytes=1 << 12, direct_bytes=1 << 14, check=False,
+                               timeout=COMM_TIMEOUT) as comm:
+        before, direct_before = comm.transport.one_shot_calls, comm.transport.direct_calls
+        expected_one_shot = expected_direct = 0
         for i in range(calls):
             coll = plan.choice(["all_reduce", "reduce_scatter", "all_gather"])
             count = plan.choice([1, 5, 200, 1023, 1024 // world, 1500, 5000])
@@ -623,16 +679,23 @@ def run_skewed_unchecked_cases(chk, rank, world, calls=150):
             ring_count = count * (1 if coll == "all_reduce" else world)
             expected_one_shot += one_shot_fits(Collective[coll.upper()], ring_count, 4, world, comm.small_bytes,
                                                comm.transport.slot_bytes)
+            if coll == "all_gather":
+                expected_direct += _direct_expected(comm, [ring_count * 4])
             chk.equal(f"skewed unchecked call {i}: {coll} count={count}", got, want.to(torch.int32))
         chk.checked += 1
         if comm.transport.one_shot_calls - before != expected_one_shot or (world > 1 and expected_one_shot == 0):
             chk.fail("skewed unchecked", f"{comm.transport.one_shot_calls - before} one-shot calls, "
                                          f"expected {expected_one_shot}")
+        chk.checked += 1
+        if comm.transport.direct_calls - direct_before != expected_direct or (world > 1 and expected_direct == 0):
+            chk.fail("skewed unchecked", f"{comm.transport.direct_calls - direct_before} direct calls, "
+                                         f"expected {expected_direct}")
 
 
 def _matrix_rank(rank, world):
     chk = Checker(rank)
-    with ringcoll.Communicator(buffer_bytes=SMALL_BUFFER, timeout=COMM_TIMEOUT, small_bytes=0) as small, \
+    with ringcoll.Communicator(buffer_bytes=SMALL_BUFFER, timeout=COMM_TIMEOUT, small_bytes=0,
+                               direct_bytes=0) as small, \
             ringcoll.Communicator(timeout=COMM_TIMEOUT) as big:
         if big.buffer_bytes != DEFAULT_BUFFER or small.buffer_bytes != SMALL_BUFFER:
             chk.fail("Communicator", f"buffer_bytes {small.buffer_bytes}, {big.buffer_bytes}")
@@ -691,6 +754,7 @@ def _matrix_rank(rank, world):
         small.barrier()
         big.barrier()
     run_one_shot_cases(chk, rank, world)
+    run_direct_read_cases(chk, rank, world)
     run_module_level_cases(chk, rank, world)
     return chk.finish()
 

@@ -412,6 +412,28 @@ def test_one_shot_fits_matches_cpp(world):
                         assert S.one_shot_fits(*args) == _C.one_shot_fits(int(coll), *args[1:]), args
 
 
+@pytest.mark.parametrize("world", WORLDS)
+def test_direct_read_fits_matches_cpp(world):
+    for coll in COLLS:
+        for ring_count in (0, 1, 4095, 4096, 4097, 8192 * world):
+            for elem in (1, 4):
+                for small, slot in ((0, 1024), (4096, 1024), (4096, 8192)):
+                    for direct_reads in (False, True):
+                        for direct in (0, 1, 4096, 16384):
+                            args = (coll, ring_count, elem, world, small, slot, direct_reads, direct)
+                            assert S.direct_read_fits(*args) == _C.direct_read_fits(int(coll), *args[1:]), args
+
+
+def test_direct_read_fits_bounds():
+    ag, ar = Collective.ALL_GATHER, Collective.ALL_REDUCE
+    assert S.direct_read_fits(ag, 4096, 1, 2, 0, 1024, True, 4096)
+    assert not S.direct_read_fits(ag, 4095, 1, 2, 0, 1024, True, 4096)  # under the threshold
+    assert not S.direct_read_fits(ag, 4096, 1, 2, 0, 1024, False, 4096)  # a probe failed
+    assert not S.direct_read_fits(ag, 4096, 1, 2, 0, 1024, True, 0)  # turned off
+    assert not S.direct_read_fits(ar, 4096, 1, 2, 0, 1024, True, 1)  # all-gather only
+    assert not S.direct_read_fits(ag, 4096, 1, 2, 4096, 4096, True, 1)  # the one-shot path goes first
+
+
 def test_one_shot_fits_bounds():
     ar, ag = Collective.ALL_REDUCE, Collective.ALL_GATHER
     assert S.one_shot_fits(ar, 1024, 4, 2, 4096, 4096) and not S.one_shot_fits(ar, 1025, 4, 2, 4096, 1 << 20)
