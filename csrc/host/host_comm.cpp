@@ -534,11 +534,11 @@ void HostComm::finish_one_shot(const RingCall& call, const OneShotPublication& m
 // at bootstrap), rank k instead
 //
 //   1. posts where its input lies (address, bytes, call number) in its header;
-//   2. copies its own chunk into chunk k of its output (nothing in place);
-//   3. for j = k+1, k+2, .. (mod P): waits for rank j's post of this call and reads rank
+//   2. for j = k+1, k+2, .. (mod P): waits for rank j's post of this call and reads rank
 //      j's input straight into chunk j of its output: one copy, in the kernel;
-//   4. says it has read every peer (`direct_read` = the call number), and waits until
-//      every peer has said so: only then may the caller reuse its input.
+//   3. says it has read every peer (`direct_read` = the call number), copies its own chunk
+//      into chunk k of its output (nothing in place) while peers may still read its input,
+//      and waits until every peer has said so: only then may the caller reuse its input.
 //
 // Each rank reads (P-1)/P of the message once, against the ring's P-1 steps that each
 // write and read a slot. Readers start at different peers, so no input is read by all at
@@ -567,8 +567,6 @@ void HostComm::run_direct_all_gather(const RingCall& call, const void* input, vo
   // Past the cache the kernel's copy would first read every output line it writes; going
   // through a bounce buffer that stays in cache lets the output take streaming stores.
   const bool stream = static_cast<size_t>(call.ring_count) >= streaming_threshold_bytes();
-  copy_strip(static_cast<char*>(nullptr), out + static_cast<size_t>(rank_) * chunk, static_cast<const char*>(input),
-             static_cast<int64_t>(chunk), stream);
   if (stream && bounce_.empty()) bounce_.resize(kBounceBytes);
   auto read_input = [&](const SegmentHeader& h, char* to) -> std::string {
     if (!stream) return read_peer_memory(h.pid, h.direct_post.address, to, chunk);
@@ -595,6 +593,9 @@ void HostComm::run_direct_all_gather(const RingCall& call, const void* input, vo
                                        "'s input (call " + std::to_string(calls_) + ", direct read): " + failed);
   }
   flag_store_release(&header(rank_).direct_read.value, calls_);
+  // My own chunk last: the copy overlaps the peers still reading my input.
+  copy_strip(static_cast<char*>(nullptr), out + static_cast<size_t>(rank_) * chunk, static_cast<const char*>(input),
+             static_cast<int64_t>(chunk), stream);
   for (int peer = 0; peer < world_; ++peer)
     if (peer != rank_) wait_for(peer, &SegmentHeader::direct_read, calls_, "finish reading this rank's input");
 }
