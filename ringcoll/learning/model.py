@@ -34,6 +34,34 @@ wins; reduce-scatter and all-gather read the same bytes as the ring at every P, 
 has them win always too. What bounds them in practice is what the model leaves out: the
 copy into the slot (n bytes for all-reduce and reduce-scatter, which the ring spreads over
 its steps) and that a slot must hold it. docs/communication.md has the measured crossover.
+
+Copies per byte: the all-gather between processes (the CPU transport). Nothing crosses a
+link there; what costs is the copies, each a pass of the bytes through memory. For a
+message of n bytes (the output) on P ranks, each rank copies (``all_gather_copies``;
+ring_loop.h's ``ring_step`` with host_strip.h's ``copy_strip(dst, dst2, src)``, and
+host_comm.cpp's ``run_direct_all_gather``):
+
+    through the slots (the ring)                        out of place   in place
+      before step 0:  own chunk -> own slot (dst)       n/P            n/P
+                      own chunk -> output (dst2)        n/P            0 (dst2 == src)
+      steps 0..P-2:   left slot -> output (dst2)        (P-1)/P n      (P-1)/P n
+      steps 0..P-3:   left slot -> own slot (dst),      (P-2)/P n      (P-2)/P n
+                      to forward it (step_forwards)
+      total                                             (2P-1)/P n     2(P-1)/P n
+    direct read
+      each peer's input -> its chunk of the output      (P-1)/P n      (P-1)/P n
+      own chunk -> output                               n/P            0 (dst2 == src)
+      total                                             n              (P-1)/P n
+
+At P = 2 the ring copies 1.5 n out of place and n in place, the direct read n and 0.5 n;
+as P grows the ring tends to 2n, the direct read to n: it halves the copies. With one rank
+neither runs: ``run_call`` (call.h) copies the input to the output, n bytes out of place,
+nothing in place, which is also what both totals give at P = 1. ``all_gather_copy_time``
+adds the handshakes, ``handshakes * alpha + copied / beta_copy``: the ring's P-1 steps,
+the direct read's 2 (post, done), none for one rank. Left out: the ring makes its P-1
+steps once per slice (a message larger than a slot), and past the streaming threshold the
+direct read goes through a cache-sized bounce buffer, a second copy that stays in cache
+so the output can take streaming stores.
 """
 
 from __future__ import annotations
@@ -84,6 +112,56 @@ def one_shot_crossover(collective: str, world: int, alpha: float, beta: float) -
     if extra_bytes_per_byte <= 1e-12 or math.isinf(beta):
         return math.inf
     return saved_steps * alpha * beta / extra_bytes_per_byte
+
+
+# The all-gather's copies on the CPU transport (see the module docstring).
+ALL_GATHER_PATHS = ("ring", "direct")
+
+
+def _check_all_gather_path(who: str, world: int, path: str) -> None:
+    if path not in ALL_GATHER_PATHS:
+        raise ValueError(f"{who}: path must be one of {', '.join(ALL_GATHER_PATHS)}, got {path!r}")
+    if world < 1:
+        raise ValueError(f"{who}: world must be >= 1")
+
+
+def all_gather_copies(world: int, nbytes: float, path: str, in_place: bool) -> list[tuple[str, float]]:
+    """What each rank copies in an all-gather of an ``nbytes`` output, term by term, as
+    ``(what, bytes)``: the table of the module docstring, so each term can be checked
+    against the code that makes the copy."""
+    _check_all_gather_path("all_gather_copies", world, path)
+    if world == 1:
+        return [("input -> output (run_call, no peers)", 0.0 if in_place else float(nbytes))]
+    chunk = nbytes / world
+    own_to_output = [] if in_place else [("own chunk -> output", chunk)]
+    if path == "direct":
+        return [("each peer's input -> output (read)", (world - 1) * chunk)] + own_to_output
+    return ([("own chunk -> own slot", chunk)] + own_to_output
+            + [("each received chunk, left slot -> output", (world - 1) * chunk),
+               ("received chunks forwarded, left slot -> own slot", (world - 2) * chunk)])
+
+
+def all_gather_copied_bytes(world: int, nbytes: float, path: str, in_place: bool) -> float:
+    """Bytes each rank copies in an all-gather of an ``nbytes`` output: out of place
+    (2P-1)/P n through the slots, n read directly; in place 2(P-1)/P n and (P-1)/P n."""
+    return sum(bytes_ for _, bytes_ in all_gather_copies(world, nbytes, path, in_place))
+
+
+def all_gather_handshakes(world: int, path: str) -> int:
+    """Waits on a peer's flag that a rank's all-gather takes: the ring's P-1 steps (per
+    slice), the direct read's two (every post, every peer done); none for one rank."""
+    _check_all_gather_path("all_gather_handshakes", world, path)
+    if world == 1:
+        return 0
+    return STEPS["all_gather"](world) if path == "ring" else 2
+
+
+def all_gather_copy_time(world: int, nbytes: float, path: str, in_place: bool, alpha: float,
+                         beta_copy: float) -> float:
+    """Predicted seconds for an all-gather on the CPU transport: ``alpha`` per handshake
+    plus the copied bytes at ``beta_copy`` bytes/s (one rank's memory copy bandwidth)."""
+    return (all_gather_handshakes(world, path) * alpha
+            + all_gather_copied_bytes(world, nbytes, path, in_place) / beta_copy)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -103,3 +103,60 @@ def test_one_shot_never_loses_where_it_reads_no_more_than_the_ring():
         for coll in ("reduce_scatter", "all_gather"):
             assert model.one_shot_crossover(coll, p, 4e-6, 10e9) == math.inf
     assert model.one_shot_crossover("all_reduce", 1, 4e-6, 10e9) == 0.0
+
+
+# --- the all-gather's copies on the CPU transport ------------------------------------------
+
+@pytest.mark.parametrize("p,ring_out,ring_in,direct_out,direct_in", [
+    # n = 12 bytes. Ring out of place: own -> slot n/P, own -> output n/P, P-1 chunks left slot -> output,
+    # P-2 of them left slot -> own slot; in place the own -> output copy is skipped (dst2 == src).
+    (2, 6 + 6 + 6 + 0, 6 + 6 + 0, 6 + 6, 6),   # 1.5 n / n against n / 0.5 n
+    (3, 4 + 4 + 8 + 4, 4 + 8 + 4, 8 + 4, 8),
+    (4, 3 + 3 + 9 + 6, 3 + 9 + 6, 9 + 3, 9),
+    (1, 12, 0, 12, 0),  # one rank: run_call copies input to output, nothing in place
+])
+def test_all_gather_copied_bytes_by_hand(p, ring_out, ring_in, direct_out, direct_in):
+    got = {(path, in_place): model.all_gather_copied_bytes(p, 12, path, in_place)
+           for path in ("ring", "direct") for in_place in (False, True)}
+    assert got == {("ring", False): ring_out, ("ring", True): ring_in,
+                   ("direct", False): direct_out, ("direct", True): direct_in}
+
+
+@pytest.mark.parametrize("p", range(1, 9))
+def test_all_gather_copies_match_the_closed_forms_and_the_ring_schedule(p):
+    from ringcoll.learning import schedule as S
+
+    n = 840.0  # divisible by every P here: the library's all-gather chunks are always equal
+    assert model.all_gather_copied_bytes(p, n, "ring", False) == pytest.approx((2 * p - 1) / p * n)
+    assert model.all_gather_copied_bytes(p, n, "ring", True) == pytest.approx(2 * (p - 1) / p * n)
+    assert model.all_gather_copied_bytes(p, n, "direct", False) == pytest.approx(n)
+    assert model.all_gather_copied_bytes(p, n, "direct", True) == pytest.approx((p - 1) / p * n)
+    if p > 1:
+        # Counted from the schedule ring_loop.h runs: the first send writes the own chunk into
+        # the slot (and the output), every step writes its chunk to the output when
+        # step_writes_output and to the own slot when step_forwards.
+        ag, chunk = S.Collective.ALL_GATHER, n / p
+        for in_place in (False, True):
+            counted = chunk * (1 if in_place else 2) + sum(
+                chunk * (S.step_writes_output(ag, t, p) + S.step_forwards(ag, t, p))
+                for t in range(S.ring_steps(ag, p)))
+            assert model.all_gather_copied_bytes(p, n, "ring", in_place) == pytest.approx(counted)
+
+
+def test_all_gather_copy_time_is_handshakes_plus_copies():
+    alpha, beta_copy, n = 2e-6, 8e9, 1 << 20
+    for p in range(2, 9):
+        for in_place in (False, True):
+            assert model.all_gather_copy_time(p, n, "ring", in_place, alpha, beta_copy) == pytest.approx(
+                (p - 1) * alpha + model.all_gather_copied_bytes(p, n, "ring", in_place) / beta_copy)
+            assert model.all_gather_copy_time(p, n, "direct", in_place, alpha, beta_copy) == pytest.approx(
+                2 * alpha + model.all_gather_copied_bytes(p, n, "direct", in_place) / beta_copy)
+    # P = 2: one ring step against two handshakes, 1.5 n against n copied.
+    ring, direct = (model.all_gather_copy_time(2, n, path, False, alpha, beta_copy) for path in ("ring", "direct"))
+    assert ring == pytest.approx(alpha + 1.5 * n / beta_copy) and direct == pytest.approx(2 * alpha + n / beta_copy)
+    assert model.all_gather_copy_time(1, n, "direct", False, alpha, beta_copy) == pytest.approx(n / beta_copy)
+    assert model.all_gather_copy_time(1, n, "ring", True, alpha, beta_copy) == 0.0
+    with pytest.raises(ValueError, match="path must be one of ring, direct"):
+        model.all_gather_copied_bytes(2, n, "oneshot", False)
+    with pytest.raises(ValueError, match="world must be >= 1"):
+        model.all_gather_copy_time(0, n, "ring", False, alpha, beta_copy)
