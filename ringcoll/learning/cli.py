@@ -1,8 +1,9 @@
 """The ``ringcoll`` command: teaching tools.
 
-    ringcoll trace COLLECTIVE --world P --n N [--png FILE] [--algorithm ring|oneshot]
+    ringcoll trace COLLECTIVE --world P --n N [--png FILE] [--algorithm ring|oneshot|direct]
         a ring collective step by step (ringcoll.learning.trace), from the real schedule;
-        --algorithm oneshot shows the small-message path instead
+        --algorithm oneshot shows the small-message path instead, --algorithm direct the
+        CPU transport's direct-read all-gather (all_gather only)
     ringcoll memory --params N [--world P] [--batch B --seq S --hidden H --layers L --heads A]
                     [--checkpointing-only] [--no-attention-scores] [--measure]
         per-GPU memory of Adam training, ZeRO stages 0-3 (ringcoll.learning.memory)
@@ -22,7 +23,8 @@ from ringcoll.learning import memory, trace
 def _run_trace(args: argparse.Namespace) -> int:
     print(trace.trace(args.collective, args.world, args.n, algorithm=args.algorithm), end="")
     if args.png and args.algorithm != "ring":
-        raise ValueError("--png draws the ring's steps; the one-shot path has a single step, shown above")
+        why = {"oneshot": "the one-shot path has a single step", "direct": "the direct read takes no ring steps"}
+        raise ValueError(f"--png draws the ring's steps; {why[args.algorithm]}, shown above")
     if args.png:
         fig = trace.draw(args.collective, args.world, args.n, path=args.png)
         print(f"wrote {args.png} ({fig.ringcoll_panels} panels, one per ring step)")
@@ -63,7 +65,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--n", "-n", type=int, default=8, help="elements in the message (default 8)")
     t.add_argument("--png", metavar="FILE", help="also draw the steps (one panel per step) into FILE")
     t.add_argument("--algorithm", choices=list(trace.ALGORITHMS), default="ring",
-                   help="ring (default), or oneshot: the CPU transport's small-message path")
+                   help="ring (default); oneshot: the CPU transport's small-message path; direct: its "
+                        "direct-read all-gather for large messages (all_gather only)")
     t.set_defaults(func=_run_trace)
 
     m = sub.add_parser("memory", help="per-GPU memory of Adam training, ZeRO stages 0-3",

@@ -84,6 +84,28 @@ combines them itself::
 One publication and P-1 waits per rank instead of 2(P-1) (P-1) ring steps, but each rank
 reads P-1 whole copies: (P-1) * n for all-reduce instead of 2(P-1)/P * n.
 :func:`simulate_one_shot` runs it on lists.
+
+The direct-read all-gather (large messages, CPU transport)
+==========================================================
+
+Through the slots every byte of an all-gather is copied twice on its way: by its owner
+into a slot, and by each reader out of it. Where every rank may read every peer's memory
+(``process_vm_readv``, probed at bootstrap; :func:`direct_read_fits` mirrors the test) and
+the message is at least ``direct_bytes``, ``run_direct_all_gather`` in
+``csrc/host/host_comm.cpp`` skips the slots. Rank k
+
+1. posts where its input lies (address, bytes, call number) in its own header;
+2. for j = k+1, k+2, .. k+P-1 (mod P, :func:`direct_read_order`) waits for rank j's post and
+   reads rank j's input straight into chunk j of its output: one copy, in the kernel;
+3. sets ``direct_read`` = the call number (it has read every peer), copies its own input
+   into chunk k of its output (nothing to do in place) while peers may still be reading
+   that input, and waits until every peer's ``direct_read`` says so: only then may the
+   caller reuse its input.
+
+Two handshakes (post, done) instead of the ring's P-1 steps, and each rank copies
+(P-1)/P n read plus n/P of its own chunk (out of place). Readers start at different
+peers, so at each turn every input is read by exactly one rank.
+:func:`simulate_direct_read` runs it on lists.
 """
 
 from __future__ import annotations
@@ -121,6 +143,10 @@ __all__ = [
     "one_shot_fits",
     "OneShotRank",
     "simulate_one_shot",
+    "direct_read_fits",
+    "direct_read_order",
+    "DirectReadRank",
+    "simulate_direct_read",
 ]
 
 
@@ -254,6 +280,20 @@ def num_slices(count: int, world: int, slice_elems: int) -> int:
 # simulate: the ring run on Python lists, step by step.
 
 
+def _gathered_length(who: str, inputs: Sequence[Sequence[Any]]) -> int:
+    """The length n of the message an all-gather of ``inputs`` builds, after checking that
+    rank k's input is exactly chunk k of it (the chunking every path of the ring uses)."""
+    world = len(inputs)
+    n = sum(len(x) for x in inputs)
+    for k, x in enumerate(inputs):
+        if len(x) != chunk_length(n, world, k):
+            raise ValueError(
+                f"{who}: all_gather rank {k} has {len(x)} elements, chunk {k} of a "
+                f"{n}-element message has {chunk_length(n, world, k)}"
+            )
+    return n
+
+
 @dataclass
 class RankStep:
     """What one rank did in one step.
@@ -320,13 +360,7 @@ def simulate(
     inputs = [list(x) for x in inputs]
 
     if coll == Collective.ALL_GATHER:
-        n = sum(len(x) for x in inputs)
-        for k, x in enumerate(inputs):
-            if len(x) != chunk_length(n, world, k):
-                raise ValueError(
-                    f"simulate: all_gather rank {k} has {len(x)} elements, chunk {k} of a "
-                    f"{n}-element message has {chunk_length(n, world, k)}"
-                )
+        n = _gathered_length("simulate", inputs)
 
         def own_values(k: int, c: int) -> List[Any]:
             assert c == k, "an all-gather rank only owns its own chunk"
@@ -479,4 +513,56 @@ def simulate_one_shot(
             for r in range(1, world):
                 output = [op(a, b) for a, b in zip(output, read[r])]
         ranks.append(OneShotRank(rank=k, published=list(slots[k]), read=read, output=output))
+    return ranks
+
+
+# ---------------------------------------------------------------------------------------
+# The direct-read all-gather (csrc/host/host_comm.cpp: run_direct_all_gather)
+
+
+def direct_read_order(rank: int, world: int) -> List[int]:
+    """The peers ``rank`` reads, in order: k+1, k+2, .. k+P-1 (mod P). Each rank starts at
+    its right neighbour, so at turn i the ranks read P different peers: no input is read by
+    every rank at once."""
+    return [ring_mod(rank + i, world) for i in range(1, world)]
+
+
+@dataclass
+class DirectReadRank:
+    """What one rank did in a direct-read all-gather: ``posted`` its input, which its peers
+    read in place; ``reads`` ``(peer, values)`` in the order it read them
+    (:func:`direct_read_order`), each straight into chunk ``peer`` of its output; ``own``
+    the chunk it copied into chunk ``rank`` of its output after the reads; ``output`` what
+    it returns."""
+
+    rank: int
+    posted: List[Any]
+    reads: List[tuple]
+    own: List[Any]
+    output: List[Any]
+
+
+def simulate_direct_read(inputs: Sequence[Sequence[Any]]) -> List[DirectReadRank]:
+    """Run the direct-read all-gather on Python lists (``inputs[k]`` rank k's own chunk, as
+    for :func:`simulate`). Every value a rank returns was read from its owner's input, with
+    no slot in between; with one rank there is no peer and only the own chunk is copied
+    (the transports copy input to output for P = 1 the same way)."""
+    world = len(inputs)
+    if world < 1:
+        raise ValueError("simulate_direct_read: need at least one rank")
+    posted = [list(x) for x in inputs]  # a post names the input itself: peers read it in place
+    n = _gathered_length("simulate_direct_read", posted)
+
+    def into_chunk(output: List[Any], c: int, values: List[Any]) -> None:
+        output[chunk_begin(n, world, c):chunk_end(n, world, c)] = values
+
+    ranks = []
+    for k in range(world):
+        output: List[Any] = [None] * n
+        reads = []
+        for peer in direct_read_order(k, world):
+            into_chunk(output, peer, posted[peer])
+            reads.append((peer, list(posted[peer])))
+        into_chunk(output, k, posted[k])  # after the reads, while the peers read mine
+        ranks.append(DirectReadRank(rank=k, posted=posted[k], reads=reads, own=list(posted[k]), output=output))
     return ranks

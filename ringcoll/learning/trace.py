@@ -34,6 +34,11 @@ Default inputs, chosen so the sums can be done by eye:
 shows the small-message path instead, from :func:`ringcoll.learning.schedule.simulate_one_shot`:
 the one step in which every rank publishes its input and combines all P slots itself.
 
+:func:`trace` with ``algorithm="direct"`` (all_gather only) shows the CPU transport's
+large-message path, from :func:`ringcoll.learning.schedule.simulate_direct_read`: every rank
+posts its input, reads each peer's input straight into its output in the order k+1, k+2, ..
+(mod P), copies its own chunk, and waits until every peer has finished reading.
+
 :func:`draw` renders the same simulation with matplotlib (Agg): one panel per ring step,
 the ranks on a circle, an arrow from each rank to its right neighbour labelled with the
 chunk it carries and whether the receiver reduces (+) or copies it, and each rank's values
@@ -55,11 +60,14 @@ from ringcoll.learning.schedule import (
     right_neighbour,
     ring_steps,
     simulate,
+    simulate_direct_read,
     simulate_one_shot,
 )
+from ringcoll.learning.model import all_gather_copied_bytes
 
 __all__ = ["COLLECTIVES", "ALGORITHMS", "default_inputs", "describe_inputs", "reference", "trace", "draw"]
-ALGORITHMS = ("ring", "oneshot")
+ALGORITHMS = ("ring", "oneshot", "direct")
+_ALGORITHM_NAMES = {"oneshot": "one-shot", "direct": "direct read"}  # in the trace's first line
 
 COLLECTIVES = {
     "all_reduce": Collective.ALL_REDUCE,
@@ -193,10 +201,14 @@ def trace(collective: str, world: int, n: int, inputs: Optional[Sequence[Sequenc
     """The step-by-step trace of ``collective`` over ``world`` ranks and ``n`` elements, as
     text (what ``ringcoll trace`` prints). ``inputs`` default to :func:`default_inputs`;
     for all_gather ``inputs[r]`` is rank r's chunk and ``n`` must be their total length.
-    ``algorithm``: ``"ring"``, or ``"oneshot"`` for the small-message path."""
+    ``algorithm``: ``"ring"``, ``"oneshot"`` for the small-message path, or ``"direct"`` for
+    the direct-read all-gather (all_gather only)."""
     coll = _collective(collective)
     if algorithm not in ALGORITHMS:
         raise ValueError(f"trace: algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
+    if algorithm == "direct" and coll != Collective.ALL_GATHER:
+        raise ValueError(f"trace: the direct read is an all_gather path only (each rank reads its peers' inputs "
+                         f"as they are); {collective} combines them: use algorithm ring or oneshot")
     if world < 1:
         raise ValueError("trace: world must be >= 1")
     if n < 0:
@@ -211,7 +223,7 @@ def trace(collective: str, world: int, n: int, inputs: Optional[Sequence[Sequenc
     q, r = n // world, n % world
     op = "" if coll == Collective.ALL_GATHER else ", op = sum"
     out = [f"ringcoll trace: {collective}, P = {world} ranks, n = {n} elements{op}"
-           + (", algorithm = one-shot" if algorithm == "oneshot" else ""),
+           + (f", algorithm = {_ALGORITHM_NAMES[algorithm]}" if algorithm in _ALGORITHM_NAMES else ""),
            "inputs: as given" if given else describe_inputs(collective)]
     for k, x in enumerate(inputs):
         out.append(f"  rank {k}: {_fmt(x)}")
@@ -220,6 +232,8 @@ def trace(collective: str, world: int, n: int, inputs: Optional[Sequence[Sequenc
                                 for c in range(world)))
     if algorithm == "oneshot":
         return "\n".join(out + _one_shot_lines(collective, coll, world, n, inputs)) + "\n"
+    if algorithm == "direct":
+        return "\n".join(out + _direct_read_lines(collective, coll, world, n, inputs)) + "\n"
     sim = simulate(coll, inputs)
     out.append("ring: " + " -> ".join(f"rank {k}" for k in range(world)) + " -> rank 0 "
                "(each rank sends to its right neighbour k+1, receives from its left k-1)")
@@ -274,6 +288,44 @@ def _one_shot_lines(collective: str, coll: Collective, world: int, n: int, input
         lines.append(f"cost: 1 step instead of the ring's {steps}; each rank reads {read:.4g} elements of its peers' "
                      f"slots ({'(P-1) n' if reduce_all else '(P-1)/P n'}), the ring {steps * n / world:.4g} "
                      f"({'2(P-1)/P n' if reduce_all else '(P-1)/P n'})")
+    return lines
+
+
+def _direct_read_lines(collective: str, coll: Collective, world: int, n: int, inputs) -> List[str]:
+    """The direct-read all-gather (schedule.simulate_direct_read): post, reads, own chunk and
+    done; the result; and what it saved against the ring through the slots."""
+    ranks = simulate_direct_read(inputs)
+    lines = ["direct read: every rank may read every peer's memory (process_vm_readv, probed at bootstrap), so it",
+             "  reads each peer's input straight into its own output: one copy, in the kernel, no slot"]
+    if world == 1:
+        lines += ["P = 1: no peers, nothing to read (the transports take no direct path either); the input is the "
+                  "result"]
+    else:
+        lines += ["", "1. post: each rank writes where its input lies (address, bytes, call number) in its own header"]
+        lines += [f"  rank {rs.rank}: posts {_fmt(rs.posted)}" for rs in ranks]
+        lines += ["", "2. read: rank k waits for each peer's post and reads that peer's input into the peer's chunk of",
+                  "  its output, in the order k+1, k+2, .. (mod P): at each turn every rank reads a different peer"]
+        for rs in ranks:
+            lines.append(f"  rank {rs.rank}: reads " + ", ".join(f"rank {peer} {_fmt(values)} -> chunk {peer}"
+                                                                 for peer, values in rs.reads))
+        lines += ["", "3. own chunk and done: each rank sets direct_read = the call number (it has read every peer),",
+                  "  copies its own input into chunk k of its output (in place it is already there) while peers may",
+                  "  still be reading it, and waits until every peer's direct_read says so: then the input is free"]
+        for rs in ranks:
+            peers = ", ".join(str(peer) for peer in sorted(peer for peer, _ in rs.reads))
+            lines.append(f"  rank {rs.rank}: own {_fmt(rs.own)} -> chunk {rs.rank}; waits for ranks {peers} to finish "
+                         f"reading; holds {_chunked(rs.output, world)}")
+    lines.append("")
+    lines.extend(_result_lines(collective, coll, [rs.output for rs in ranks], inputs))
+    if world > 1:
+        steps = ring_steps(coll, world)
+        copied = {(path, in_place): all_gather_copied_bytes(world, n, path, in_place)
+                  for path in ("direct", "ring") for in_place in (False, True)}
+        lines += [f"cost: 2 handshakes (post, done) against the ring's P-1 = {steps} step{'s' * (steps > 1)}; "
+                  "elements each rank copies (learning.model.all_gather_copied_bytes, equal chunks):",
+                  f"  direct {copied['direct', False]:.4g} ((P-1)/P n read + n/P own chunk; in place "
+                  f"{copied['direct', True]:.4g}), through the slots {copied['ring', False]:.4g} ((2P-1)/P n; "
+                  f"in place {copied['ring', True]:.4g})"]
     return lines
 
 

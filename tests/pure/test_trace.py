@@ -177,3 +177,91 @@ def test_one_shot_cli_and_bad_arguments(capsys):
     assert "single step" in capsys.readouterr().err
     with pytest.raises(ValueError, match="algorithm"):
         trace("all_reduce", 2, 3, algorithm="tree")
+
+
+# --- the direct-read all-gather (large messages, CPU transport) ----------------------------
+
+DIRECT_READS = re.compile(r"^  rank (\d+): reads (.*)$")
+ONE_READ = re.compile(r"^rank (\d+) \[(.*)\] -> chunk (\d+)$")
+DIRECT_OWN = re.compile(r"^  rank (\d+): own \[(.*)\] -> chunk (\d+); waits for ranks ([\d, ]+) to finish reading; ")
+
+
+def parse_direct_reads(text: str):
+    """{rank: [(peer, values, chunk), ...]} in the printed order."""
+    reads = {}
+    for line in text.splitlines():
+        if m := DIRECT_READS.match(line):
+            parts = [ONE_READ.match(part) for part in m.group(2).split(", ")]  # values are space-separated
+            reads[int(m.group(1))] = [(int(r.group(1)), [int(v) for v in r.group(2).split()], int(r.group(3)))
+                                      for r in parts]
+    return reads
+
+
+@pytest.mark.parametrize("world", range(1, 6))
+@pytest.mark.parametrize("n", [0, 1, 3, 7, 13])  # n < P leaves chunks empty; n % P != 0 makes them unequal
+def test_direct_read_trace_reads_k_plus_1_onwards_and_gives_the_reference(world, n):
+    inputs = default_inputs("all_gather", world, n)
+    text = trace("all_gather", world, n, algorithm="direct")
+    assert "algorithm = direct read" in text.splitlines()[0]
+    assert parse_results(text) == dict(enumerate(reference("all_gather", inputs)))
+    assert "OK, every rank matches" in text
+    reads = parse_direct_reads(text)
+    assert sorted(reads) == (list(range(world)) if world > 1 else [])
+    for k, row in reads.items():
+        # Peer j's input, as posted, straight into chunk j; peers k+1, k+2, .. mod P.
+        assert [peer for peer, _, _ in row] == [(k + i) % world for i in range(1, world)]
+        assert all(values == inputs[peer] and chunk == peer for peer, values, chunk in row)
+    own = [m for line in text.splitlines() if (m := DIRECT_OWN.match(line))]
+    assert len(own) == (world if world > 1 else 0)
+    for m in own:
+        k = int(m.group(1))
+        assert int(m.group(3)) == k and [int(v) for v in m.group(2).split()] == inputs[k]
+        assert m.group(4) == ", ".join(str(r) for r in range(world) if r != k)  # done: every peer
+    assert sum(1 for line in text.splitlines() if line.startswith("  rank ") and ": posts [" in line) == \
+        (world if world > 1 else 0)
+    assert ("cost: 2 handshakes (post, done)" in text) == (world > 1)
+
+
+@pytest.mark.parametrize("world,costs", [
+    # n = 12: direct (P-1)/P n + n/P, in place (P-1)/P n; slots (2P-1)/P n, in place 2(P-1)/P n.
+    (2, "direct 12 ((P-1)/P n read + n/P own chunk; in place 6), through the slots 18 ((2P-1)/P n; in place 12)"),
+    (3, "direct 12 ((P-1)/P n read + n/P own chunk; in place 8), through the slots 20 ((2P-1)/P n; in place 16)"),
+    (4, "direct 12 ((P-1)/P n read + n/P own chunk; in place 9), through the slots 21 ((2P-1)/P n; in place 18)"),
+])
+def test_direct_read_cost_line(world, costs):
+    text = trace("all_gather", world, 12, algorithm="direct")
+    steps = "1 step;" if world == 2 else f"{world - 1} steps;"
+    assert f"cost: 2 handshakes (post, done) against the ring's P-1 = {steps}" in text
+    assert "  " + costs in text.splitlines()
+
+
+def test_simulate_direct_read_is_the_reference_and_staggers_the_readers():
+    inputs = [["a0", "a1"], ["b0", "b1"], ["c0"], ["d0"]]  # chunks of a 6-element message on 4 ranks
+    ranks = schedule.simulate_direct_read(inputs)
+    assert [rs.output for rs in ranks] == reference("all_gather", inputs)
+    assert ranks[2].reads == [(3, ["d0"]), (0, ["a0", "a1"]), (1, ["b0", "b1"])]
+    assert [rs.own for rs in ranks] == inputs and [rs.posted for rs in ranks] == inputs
+    # At each turn the ranks read P different peers: no input is read by all at once.
+    for turn in range(3):
+        assert sorted(rs.reads[turn][0] for rs in ranks) == [0, 1, 2, 3]
+    assert schedule.direct_read_order(0, 1) == [] and schedule.simulate_direct_read([[7, 8]])[0].output == [7, 8]
+    with pytest.raises(ValueError, match="simulate_direct_read: all_gather rank 0 has 1 elements, chunk 0 of a "
+                                         "3-element message has 2"):
+        schedule.simulate_direct_read([[1], [2, 3]])
+
+
+@pytest.mark.parametrize("name", ["all_reduce", "reduce_scatter"])
+def test_direct_read_is_refused_for_the_reducing_collectives(name, capsys):
+    with pytest.raises(ValueError, match=f"direct read is an all_gather path only.*{name}"):
+        trace(name, 3, 6, algorithm="direct")
+    assert main(["trace", name, "--algorithm", "direct"]) == 2
+    assert f"{name} combines them" in capsys.readouterr().err
+
+
+def test_direct_read_cli(capsys):
+    assert main(["trace", "all_gather", "-P", "3", "-n", "7", "--algorithm", "direct"]) == 0
+    out = capsys.readouterr().out
+    assert "algorithm = direct read" in out and "OK, every rank matches" in out
+    assert "  rank 1: reads rank 2 [20 21] -> chunk 2, rank 0 [0 1 2] -> chunk 0" in out
+    assert main(["trace", "all_gather", "--algorithm", "direct", "--png", "x.png"]) == 2
+    assert "no ring steps" in capsys.readouterr().err
