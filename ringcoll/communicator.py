@@ -294,8 +294,9 @@ class Communicator(ArgumentChecks):
     one-shot path (one publication per rank, every rank combines all P copies) instead of
     the ring; 0 turns it off; default ``RINGCOLL_SMALL_BYTES`` or 64 KiB. It must be the
     same on all ranks (checked). ``direct_bytes`` (CPU): all-gathers of at least this many
-    bytes read every peer's input straight into the output (one copy, Linux cross-memory
-    attach) where every rank may read every peer (probed once; otherwise they go through
+    bytes, and under 16 MiB (past it the buffer's pipeline is faster), read every peer's
+    input straight into the output (one copy, Linux cross-memory attach) where every rank
+    may read every peer (probed once; otherwise they go through
     the buffer as before: ``transport.direct_reads`` says which, ``transport.direct_reads_unavailable`` why);
     0 turns it off; default ``RINGCOLL_DIRECT_BYTES`` or 64 KiB. The same on all ranks (checked).
 

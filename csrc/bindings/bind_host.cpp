@@ -28,6 +28,7 @@ void bind_host(py::module_& m) {
       },
       py::arg("buffer_bytes"), py::arg("world"));
   m.attr("host_slot_alignment") = ringcoll::host::kSlotAlignment;
+  m.attr("host_direct_read_max_bytes") = ringcoll::host::kDirectReadMaxBytes;
   m.def(
       "one_shot_fits",
       [](int collective, int64_t ring_count, int elem_size, int world, size_t small_bytes, size_t slot_bytes) {

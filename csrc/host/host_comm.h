@@ -78,15 +78,21 @@ inline bool one_shot_fits(Collective coll, int64_t ring_count, int elem_size, in
   return world > 1 && message > 0 && message <= small_bytes && published <= slot_bytes;
 }
 
+// Direct reads stop paying once the message is this large: the kernel's copy then costs
+// more than the slots' pipeline with streaming stores (bench/results/2026-12-01-cpu-direct-read.txt:
+// the two cross between 12 and 16 MiB at P = 2). A constant, so every rank agrees.
+constexpr size_t kDirectReadMaxBytes = size_t{16} << 20;
+
 // Whether an all-gather of `ring_count` bytes (ring_call's count) reads its peers' inputs
 // directly (host_comm.cpp, "The direct-read all-gather") rather than through the slots:
 // every rank could read every peer (`direct_reads`, agreed at bootstrap), the message is
-// at least `direct_bytes` (0: never), and the one-shot path does not take it.
+// at least `direct_bytes` (0: never) and below kDirectReadMaxBytes, and the one-shot path
+// does not take it.
 inline bool direct_read_fits(Collective coll, int64_t ring_count, int elem_size, int world, size_t small_bytes,
                              size_t slot_bytes, bool direct_reads, size_t direct_bytes) {
   const size_t message = static_cast<size_t>(ring_count) * static_cast<size_t>(elem_size);
   return direct_reads && coll == Collective::kAllGather && direct_bytes > 0 && message >= direct_bytes &&
-         !one_shot_fits(coll, ring_count, elem_size, world, small_bytes, slot_bytes);
+         message < kDirectReadMaxBytes && !one_shot_fits(coll, ring_count, elem_size, world, small_bytes, slot_bytes);
 }
 
 // How host waits spend their time: spinning only pays when every rank has a core.

@@ -211,6 +211,32 @@ def test_algorithm_option_times_the_one_shot_path_checked(capsys):
     assert bench.ALGORITHMS["ring"] == 0 and bench.ALGORITHMS["auto"] is None
 
 
+def test_direct_bytes_option_says_which_all_gather_path_ran(capsys):
+    args = ["-b", "128K", "-e", "128K", "-w", "1", "-n", "2", "--trials", "1", "--min-ms", "1", "--collectives",
+            "all_gather", "--no-gloo", "--no-mpi", "--no-deepspeed", "--no-ccl", "--no-progress", "--no-check-cost"]
+    assert bench.main(args + ["--direct-bytes", "64K"]) == 0
+    assert "reads peers directly (one copy) from 65536 bytes" in capsys.readouterr().out
+    assert bench.main(args + ["--direct-bytes", "0"]) == 0
+    assert "direct reads off (off)" in capsys.readouterr().out
+
+
+def test_crossover_script_checks_and_times_both_paths():
+    """bench/crossover.py, which the thresholds' defaults were chosen from: each path's
+    results are checked and each communicator must take the path it stands for."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for paths, coll, size in (("direct", "all_gather", "128K"), ("oneshot", "all_reduce", "4K")):
+        done = subprocess.run([sys.executable, os.path.join(root, "bench", "crossover.py"), "--paths", paths,
+                               "--collectives", coll, "-b", size, "-e", size, "--blocks", "1", "--calls", "2"],
+                              capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": root})
+        assert done.returncode == 0, done.stderr
+        assert f"# {coll}" in done.stdout and done.stdout.strip().splitlines()[-1].split()[0] == str(
+            bench.parse_bytes(size)), done.stdout
+
+
 def test_in_process_mode_runs_checked(tmp_path, capsys):
     """--in-process: the ranks as threads of this process, every result checked, the header
     naming the run mode, and no reference (none can run in one process)."""

@@ -35,7 +35,7 @@ dtype x op x form at 1 element, odd counts, exactly at the threshold and one ele
 (the ring), mixed on one communicator so one-shot and ring calls alternate on the same
 slots, and with the call check off under skewed ranks; it counts that the one-shot path
 was taken exactly where ringcoll.learning.schedule.one_shot_fits says. The default
-communicator's all-gathers from 64 KiB read their peers directly (RINGCOLL_DIRECT_BYTES);
+communicator's all-gathers from 64 KiB (RINGCOLL_DIRECT_BYTES) to 16 MiB read their peers directly;
 run_direct_read_cases checks that path on its own, every dtype x form from one element up
 (direct_bytes=1), past the streaming threshold, alternating with the other two algorithms,
 async and (run_skewed_unchecked_cases) skewed with the call check off; counted against

@@ -415,7 +415,7 @@ def test_one_shot_fits_matches_cpp(world):
 @pytest.mark.parametrize("world", WORLDS)
 def test_direct_read_fits_matches_cpp(world):
     for coll in COLLS:
-        for ring_count in (0, 1, 4095, 4096, 4097, 8192 * world):
+        for ring_count in (0, 1, 4095, 4096, 4097, 8192 * world, (16 << 20) - 1, 16 << 20):
             for elem in (1, 4):
                 for small, slot in ((0, 1024), (4096, 1024), (4096, 8192)):
                     for direct_reads in (False, True):
@@ -432,6 +432,10 @@ def test_direct_read_fits_bounds():
     assert not S.direct_read_fits(ag, 4096, 1, 2, 0, 1024, True, 0)  # turned off
     assert not S.direct_read_fits(ar, 4096, 1, 2, 0, 1024, True, 1)  # all-gather only
     assert not S.direct_read_fits(ag, 4096, 1, 2, 4096, 4096, True, 1)  # the one-shot path goes first
+    top = _C.host_direct_read_max_bytes
+    assert top == S.DIRECT_READ_MAX_BYTES
+    assert S.direct_read_fits(ag, top - 1, 1, 2, 0, 1024, True, 1) and not S.direct_read_fits(ag, top, 1, 2, 0, 1024,
+                                                                                               True, 1)
 
 
 def test_one_shot_fits_bounds():
