@@ -301,17 +301,18 @@ def test_missing_rank_is_a_timeout_next_to_it_and_an_abort_beyond(variant):
     results = dict(zip(present, r.run([(k, AR, DTYPE_CODES[torch.float32], 0, xs[k].data_ptr(), xs[k].data_ptr(), n)
                                       for k in present])))
     elapsed = time.monotonic() - started
-    # Rank 3 waits on the missing rank 2 directly, rank 0 on rank 3's data, both from about
-    # the same moment: whichever deadline the scheduler serves first times out, and the
-    # other hears of it. Either way rank 3 names rank 2, and somebody timed out after 1 s.
+    # Rank 3 waits on the missing rank 2 directly, rank 0 on rank 3's data and rank 1 on
+    # rank 0's, all three from about the same moment: whichever deadline the scheduler serves
+    # first times out (any of 0, 1, 3: seen under load), and the others hear of it. Either
+    # way rank 3 names rank 2, somebody timed out after 1 s, and every rank raises the
+    # timeout (the cause at the origin).
     kind, message = results[3]  # its left neighbour is the missing rank
-    assert kind in ("RingcollTimeoutError", "RingcollPeerError"), results
     assert "rank 3 " in message and "left neighbour rank 2 to announce its call" in message, message
     timed_out = {k for k in present if f"rank {k} timed out after 1 s waiting for" in results[k][1]}
-    assert timed_out & {0, 3}, results
-    for k in (0, 1):
-        assert results[k][0] in ("RingcollTimeoutError", "RingcollPeerError"), results
-        assert f"rank {k} " in results[k][1]
+    assert timed_out, results
+    for k in present:
+        assert results[k][0] == "RingcollTimeoutError", results
+        assert results[k][1].startswith(f"rank {k} "), results
     # Aborts travel round the ring: nobody waits out a second timeout after the first.
     assert elapsed < 2 * timeout + 1.0, elapsed
     # The communicator is broken from then on, on every rank that took part.
