@@ -637,7 +637,10 @@ SHORT_TIMEOUT = 2.0
 def no_leftover_segments():
     before = shm_entries()
     yield
-    assert shm_entries() == before, "a test left ringcoll segments in /dev/shm"
+    # Not `shm_entries() == before`: another ringcoll job on this machine may hold a segment
+    # for the milliseconds of its bootstrap at the moment we look (seen while a second job
+    # ran); a segment this test left stays, and assert_no_new_segments still fails on it.
+    assert_no_new_segments(before)
 
 
 # --- a peer that never arrives ----------------------------------------------------------
