@@ -637,7 +637,10 @@ SHORT_TIMEOUT = 2.0
 def no_leftover_segments():
     before = shm_entries()
     yield
-    assert shm_entries() == before, "a test left ringcoll segments in /dev/shm"
+    # Not `shm_entries() == before`: another ringcoll job on this machine may hold a segment
+    # for the milliseconds of its bootstrap at the moment we look (seen while a second job
+    # ran); a segment this test left stays, and assert_no_new_segments still fails on it.
+    assert_no_new_segments(before)
 
 
 # --- a peer that never arrives ----------------------------------------------------------
@@ -686,8 +689,12 @@ def test_peer_that_never_arrives_times_out_on_waiting_ranks(world, check):
         assert in_data if not check else ("announce its call" in message or in_data)
         assert "broken" in later and later_elapsed < 0.5, later
         assert broken
-    # Rank 0's left neighbour is the absent rank: it is the one that times out.
-    assert results[0][0] == "RingcollTimeoutError"
+    # Rank 0's left neighbour is the absent rank, but at P = 3 rank 1 waits on it directly
+    # too (the check waits for every peer's descriptor, the one-shot step for every peer's
+    # data), from about the same moment: whichever deadline passes first times out, and the
+    # other may see that abort before its own deadline (RingcollPeerError). So somebody
+    # timed out (at P = 2: rank 0), and rank 0 names the absent rank either way.
+    assert any(r[0] == "RingcollTimeoutError" for r in results[:-1]), [r[:2] for r in results]
     assert f"rank {world - 1}" in results[0][1]
     # The latecomer sees that the others aborted and fails at once instead of waiting.
     kind, message, elapsed, _, _, broken = results[-1]

@@ -301,17 +301,18 @@ def test_missing_rank_is_a_timeout_next_to_it_and_an_abort_beyond(variant):
     results = dict(zip(present, r.run([(k, AR, DTYPE_CODES[torch.float32], 0, xs[k].data_ptr(), xs[k].data_ptr(), n)
                                       for k in present])))
     elapsed = time.monotonic() - started
-    # Rank 3 waits on the missing rank 2 directly, rank 0 on rank 3's data, both from about
-    # the same moment: whichever deadline the scheduler serves first times out, and the
-    # other hears of it. Either way rank 3 names rank 2, and somebody timed out after 1 s.
+    # Rank 3 waits on the missing rank 2 directly, rank 0 on rank 3's data and rank 1 on
+    # rank 0's, all three from about the same moment: whichever deadline the scheduler serves
+    # first times out (any of 0, 1, 3: seen under load), and the others hear of it. Either
+    # way rank 3 names rank 2, somebody timed out after 1 s, and every rank raises the
+    # timeout (the cause at the origin).
     kind, message = results[3]  # its left neighbour is the missing rank
-    assert kind in ("RingcollTimeoutError", "RingcollPeerError"), results
     assert "rank 3 " in message and "left neighbour rank 2 to announce its call" in message, message
     timed_out = {k for k in present if f"rank {k} timed out after 1 s waiting for" in results[k][1]}
-    assert timed_out & {0, 3}, results
-    for k in (0, 1):
-        assert results[k][0] in ("RingcollTimeoutError", "RingcollPeerError"), results
-        assert f"rank {k} " in results[k][1]
+    assert timed_out, results
+    for k in present:
+        assert results[k][0] == "RingcollTimeoutError", results
+        assert results[k][1].startswith(f"rank {k} "), results
     # Aborts travel round the ring: nobody waits out a second timeout after the first.
     assert elapsed < 2 * timeout + 1.0, elapsed
     # The communicator is broken from then on, on every rank that took part.
@@ -370,11 +371,15 @@ def test_without_the_check(variant):
     run_ok(r, [(k, AR, f32, 0, xs[k].data_ptr(), xs[k].data_ptr(), n) for k in range(world)])
     assert all(torch.equal(x, want) for x in xs)
     results = r.run([(k, AR, f32, 0, xs[k].data_ptr(), xs[k].data_ptr(), n) for k in (0, 1)])
-    kind, message = results[0]  # rank 0 waits for its left neighbour, the absent rank 2
+    # Rank 0 waits for its left neighbour, the absent rank 2, and rank 1 for rank 0's next
+    # data, from about the same moment: either may time out first (rank 1 does, under load),
+    # and the other stops waiting when it sees that. Both raise the timeout either way.
+    kind, message = results[0]
     assert kind == "RingcollTimeoutError", results
-    assert "rank 0 timed out after 0.5 s waiting for left neighbour rank 2 to publish data" in message, message
+    assert message.startswith("rank 0 ") and "left neighbour rank 2 to publish data" in message, message
     assert "ring step 1" in message and "call " not in message, message  # no call numbers without the check
-    assert results[1][0] in ("RingcollTimeoutError", "RingcollPeerError"), results
+    assert results[1][0] == "RingcollTimeoutError", results
+    assert any(m.startswith(f"rank {k} timed out after 0.5 s waiting for") for k, (_, m) in enumerate(results)), results
 
 
 @pytest.mark.parametrize("world", [5, 8])
@@ -502,7 +507,10 @@ def test_a_rank_that_closed_is_named_by_the_peers_left_waiting(variant):
     # kernel might still be stopping, so they keep their buffers, and say so in their
     # `finished` words). Rank 2 then keeps its own too: it cannot learn when they unmapped it,
     # and a host rendezvous with ranks that skip it would wait in vain.
-    assert results[3] == ("", "rank(s) 0 1 keep their buffers, so they cannot say when they unmapped ours"), results
+    # close_protocol.h lists the keepers in the order their words arrived: 0 and 1 close at
+    # about the same moment, so "0 1" or "1 0".
+    assert results[3] in [("", f"rank(s) {a} {b} keep their buffers, so they cannot say when they unmapped ours")
+                          for a, b in ((0, 1), (1, 0))], results
     assert all(kind == "" and message.startswith("the communicator is broken") for kind, message in results[6:]), \
         results
 
