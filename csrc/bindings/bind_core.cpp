@@ -8,6 +8,7 @@
 #include "../host/host_strip.h"
 #include "ringcoll/call.h"
 #include "ringcoll/check.h"
+#include "ringcoll/flags.h"
 #include "ringcoll/reduce.h"
 #include "ringcoll/ring.h"
 #include "ringcoll/ring_loop.h"
@@ -90,4 +91,18 @@ void bind_core(py::module_& m) {
         return min_buffer_bytes(world, slot_alignment);
       },
       py::arg("world"), py::arg("slot_alignment"), "the smallest buffer_bytes the transports accept");
+
+  // flags.h's host wait, with a peer that publishes and then aborts just before the health
+  // check sees the abort: the wait must report the publication, not the abort.
+  m.def("wait_for_a_publication_before_an_abort", [] {
+    uint64_t flag = 0;
+    WaitPolicy policy;
+    policy.spin_ns = policy.yield_ns = 0;  // straight to the naps, where the health checks are
+    const WaitResult result = wait_flag_at_least(&flag, 1, policy, [&] {
+      flag_store_release(&flag, 1);  // the peer's last publication, then its abort
+      return false;
+    });
+    return std::string(result == WaitResult::kReady ? "ready" : result == WaitResult::kTimedOut ? "timed out"
+                                                                                               : "aborted");
+  });
 }

@@ -35,3 +35,11 @@ def test_run_refuses_what_is_not_a_collective_before_writing(comm, collective, o
     with pytest.raises(ValueError, match=message):
         comm.run(collective, src.data_ptr(), dst.data_ptr(), 3, F32, op)
     assert torch.equal(dst, torch.zeros(3))
+
+
+def test_a_wait_reports_a_publication_made_just_before_the_peer_aborted():
+    """A peer's abort is stored after everything it published, so a wait that sees the abort
+    reads its flag once more before giving up (flags.h, wait_flag_at_least): otherwise a
+    peer's last announcement (say, of a mismatched call) would be lost to a race and the
+    waiter would report the abort instead of what the peer said."""
+    assert _C.wait_for_a_publication_before_an_abort() == "ready"

@@ -176,6 +176,10 @@ template <typename StillHopeful>
 WaitResult wait_flag_at_least(const uint64_t* flag, uint64_t target, const WaitPolicy& policy,
                               StillHopeful&& still_hopeful) {
   if (flag_load_acquire(flag) >= target) return WaitResult::kReady;
+  // Before giving up, read the flag once more: a peer may publish between our last read and
+  // the deadline, or publish and then abort (a peer's abort is stored after everything it
+  // published, so once still_hopeful() has acquired it, the publication is visible too).
+  auto give_up = [&](WaitResult why) { return flag_load_acquire(flag) >= target ? WaitResult::kReady : why; };
   using Clock = std::chrono::steady_clock;
   const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                            std::chrono::duration<double>(policy.timeout_seconds));
@@ -191,7 +195,7 @@ WaitResult wait_flag_at_least(const uint64_t* flag, uint64_t target, const WaitP
     if (flag_load_acquire(flag) >= target) return WaitResult::kReady;
     if ((i & 15) == 0) {
       const auto now = Clock::now();
-      if (now > deadline) return WaitResult::kTimedOut;
+      if (now > deadline) return give_up(WaitResult::kTimedOut);
       if (now > yield_end) break;
     }
   }
@@ -201,9 +205,9 @@ WaitResult wait_flag_at_least(const uint64_t* flag, uint64_t target, const WaitP
     std::this_thread::sleep_for(std::chrono::nanoseconds(nap_ns));
     if (flag_load_acquire(flag) >= target) return WaitResult::kReady;
     const auto now = Clock::now();
-    if (now > deadline) return WaitResult::kTimedOut;
+    if (now > deadline) return give_up(WaitResult::kTimedOut);
     if (now >= next_health_check) {
-      if (!still_hopeful()) return WaitResult::kAborted;
+      if (!still_hopeful()) return give_up(WaitResult::kAborted);
       next_health_check = now + std::chrono::milliseconds(50);
     }
     nap_ns = nap_ns * 2 < policy.max_sleep_ns ? nap_ns * 2 : policy.max_sleep_ns;
