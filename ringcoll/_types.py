@@ -85,7 +85,9 @@ def reduce_op(op_name: str, op) -> ReduceOp:
 
 def op_code(op_name: str, op, dtype: int) -> int:
     """reduce.h's code of `op` for a tensor whose dtype has code `dtype` (dtype_code's)."""
-    ours = reduce_op(op_name, op)
+    ours = _OPS_BY_ID.get(id(op))  # every call asks this: the lookup reduce_op starts with, minus its frame
+    if ours is None:
+        ours = reduce_op(op_name, op)
     if ours is _AVG and dtype not in FLOATING_CODES:
         raise ValueError(f"{op_name}: ReduceOp.AVG is only defined for floating dtypes, not {DTYPE_OF_CODE[dtype]}")
     return int(ours)
