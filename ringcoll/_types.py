@@ -30,6 +30,10 @@ DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name, _code, _s
 #: torch dtype -> the code of reduce.h's DType enum
 DTYPE_CODES: dict[torch.dtype, int] = {getattr(torch, name): code for name, code, _size, _floating in _C.dtype_table}
 FLOATING_DTYPES = frozenset(getattr(torch, name) for name, _code, _size, floating in _C.dtype_table if floating)
+#: the same by code, for the checks after a tensor's dtype has been turned into its code
+DTYPE_OF_CODE: dict[int, torch.dtype] = {code: dtype for dtype, code in DTYPE_CODES.items()}
+ITEM_SIZES: dict[int, int] = {code: size for _name, code, size, _floating in _C.dtype_table}  # code -> bytes
+FLOATING_CODES = frozenset(DTYPE_CODES[dtype] for dtype in FLOATING_DTYPES)
 
 
 def dtype_code(op_name: str, dtype: torch.dtype) -> int:
@@ -49,22 +53,22 @@ def _torch_ops() -> dict:
 
 
 _TORCH_OPS: dict = {}
-# The same, keyed by id(): torch's ReduceOp.SUM etc. are class attributes, one object each,
-# kept alive by _TORCH_OPS's keys, so no other live object can have its id; a lookup by id
-# skips their hash and ==, which go through pybind11 (half a microsecond a call).
-_TORCH_OPS_BY_ID: dict = {}
+# Every op object known so far by id(): ringcoll's members from the start, torch's once read.
+# Each is one object for the life of the process (enum members; torch's ReduceOp.SUM etc. are
+# class attributes, also kept alive by _TORCH_OPS's keys), so no other live object can have
+# its id; a lookup by id skips the hash and == of both kinds, which run in Python (Enum) or
+# through pybind11 (torch): a few hundred nanoseconds a call.
+_OPS_BY_ID: dict = {id(ours): ours for ours in ReduceOp}
 
 
 def reduce_op(op_name: str, op) -> ReduceOp:
     """ringcoll.ReduceOp from a ringcoll.ReduceOp or a torch.distributed.ReduceOp value."""
-    if type(op) is ReduceOp:
-        return op
-    if not _TORCH_OPS:
-        _TORCH_OPS.update(_torch_ops())
-        _TORCH_OPS_BY_ID.update({id(theirs): ours for theirs, ours in _TORCH_OPS.items()})
-    ours = _TORCH_OPS_BY_ID.get(id(op))
+    ours = _OPS_BY_ID.get(id(op))
     if ours is not None:
         return ours
+    if not _TORCH_OPS:
+        _TORCH_OPS.update(_torch_ops())
+        _OPS_BY_ID.update({id(theirs): ours for theirs, ours in _TORCH_OPS.items()})
     try:
         return _TORCH_OPS[op]
     except (KeyError, TypeError):  # not one of them, or a value that cannot be hashed (PREMUL_SUM's)
@@ -79,10 +83,13 @@ def reduce_op(op_name: str, op) -> ReduceOp:
                      + ", ".join(o.name for o in ReduceOp))
 
 
-def op_code(op_name: str, op, dtype: torch.dtype) -> int:
-    ours = reduce_op(op_name, op)
-    if ours is _AVG and dtype not in FLOATING_DTYPES:
-        raise ValueError(f"{op_name}: ReduceOp.AVG is only defined for floating dtypes, not {dtype}")
+def op_code(op_name: str, op, dtype: int) -> int:
+    """reduce.h's code of `op` for a tensor whose dtype has code `dtype` (dtype_code's)."""
+    ours = _OPS_BY_ID.get(id(op))  # every call asks this: the lookup reduce_op starts with, minus its frame
+    if ours is None:
+        ours = reduce_op(op_name, op)
+    if ours is _AVG and dtype not in FLOATING_CODES:
+        raise ValueError(f"{op_name}: ReduceOp.AVG is only defined for floating dtypes, not {DTYPE_OF_CODE[dtype]}")
     return int(ours)
 
 

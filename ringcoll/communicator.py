@@ -30,9 +30,9 @@ import torch
 
 from ringcoll import _C, packing
 from ringcoll.bootstrap import bootstrap_for
-from ringcoll._types import ReduceOp, dtype_code, op_code
+from ringcoll._types import ITEM_SIZES, ReduceOp, dtype_code, op_code
 from ringcoll.errors import RingcollError
-from ringcoll.transports import CollectiveCall, Settings, transport_for
+from ringcoll.transports import CollectiveCall, Settings, new_call, transport_for
 from ringcoll.views import as_device_array, check_count, tensor_view
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
@@ -182,6 +182,11 @@ class PreparedCollective:
 
 _CPU = torch.device("cpu")  # the one CPU device object communicators hold (checked by identity: it is per call)
 
+# How the two tensors of a pair relate (_check_pair's `sizes`): as large as each other
+# (all_reduce's output=), output = world_size x input (all-gather: input is a rank's chunk of
+# output), input = world_size x output (reduce-scatter: output is a rank's chunk of input).
+EQUAL, GATHER, SCATTER = "equal", "gather", "scatter"
+
 
 def _overlaps(a_start: int, a_bytes: int, b_start: int, b_bytes: int) -> bool:
     """Whether two byte ranges share an address (empty ones never do)."""
@@ -190,70 +195,83 @@ def _overlaps(a_start: int, a_bytes: int, b_start: int, b_bytes: int) -> bool:
 
 def _call(collective: str, src: torch.Tensor, dst: torch.Tensor, user_count: int, dtype: int,
           op: Optional[int] = None) -> CollectiveCall:
-    """The transports' record of a validated call: addresses and codes (`dtype`: the code the
-    check of `src` returned)."""
-    return CollectiveCall(collective, src.data_ptr(), dst.data_ptr(), user_count, dtype, op)
+    """The transports' record of a call on checked tensors (the list and packed forms; the
+    tensor forms take the addresses their checks already read)."""
+    return new_call((collective, src.data_ptr(), dst.data_ptr(), user_count, dtype, op))
 
 
 class ArgumentChecks:
     """The argument checks, one place for both communicators (this one and the hierarchical
     one in training/hierarchical.py). They read ``self.device``, ``self.world_size`` and
-    ``self.rank``, and raise TypeError / ValueError naming the op before anything moves."""
+    ``self.rank``, and raise TypeError / ValueError naming the op before anything moves.
+
+    Each tensor attribute read costs ~0.1 us (a sixth of a small call's binding), so a check
+    reads each attribute once and hands back what the call needs of it; error messages are
+    only built once a check has failed."""
 
     device: torch.device
     world_size: int
     rank: int
 
-    def _check_tensor(self, op: str, what: str, t) -> int:
+    def _check_tensor(self, op: str, what: str, t) -> tuple[int, int, int]:
         """`t` is a contiguous tensor on this communicator's device of a supported dtype;
-        returns the dtype's code."""
+        returns (dtype code, address, element count)."""
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: {what} must be a torch.Tensor, got {type(t).__name__}")
         if not (t.is_cpu if self.device is _CPU else t.device == self.device):
             raise ValueError(f"{op}: {what} is on {t.device}, but this communicator serves {self.device}")
         if not t.is_contiguous():
             raise ValueError(f"{op}: {what} must be contiguous")
-        return dtype_code(op, t.dtype)
+        return dtype_code(op, t.dtype), t.data_ptr(), t.numel()
 
-    def _check_pair(self, op: str, output: torch.Tensor, input: torch.Tensor, output_per_input: float) -> int:
-        """Both tensors valid, same dtype, output.numel() == input.numel() * output_per_input,
-        and either disjoint or output/input aliasing exactly this rank's chunk; returns the
-        dtype's code."""
-        self._check_tensor(op, "output", output)
-        dtype = self._check_tensor(op, "input", input)
-        if output.dtype is not input.dtype:  # torch dtypes are singletons
+    def _check_pair(self, op: str, output: torch.Tensor, input: torch.Tensor,
+                    sizes: str) -> tuple[int, int, int, int, int]:
+        """Both tensors valid, of one dtype, sized as `sizes` (EQUAL, GATHER, SCATTER) says, and
+        either disjoint or the smaller one exactly this rank's chunk of the larger (for equal
+        sizes: the same tensor); returns (dtype code, input address, input count, output
+        address, output count)."""
+        dtype, out_start, out_count = self._check_tensor(op, "output", output)
+        in_dtype, in_start, in_count = self._check_tensor(op, "input", input)
+        if dtype != in_dtype:  # one code per dtype
             raise TypeError(f"{op}: output dtype {output.dtype} differs from input dtype {input.dtype}")
-        if output.numel() != input.numel() * output_per_input:
-            if output_per_input >= 1:
-                expected = f"world_size ({self.world_size}) x input size ({input.numel()}) = {int(input.numel() * output_per_input)}"
-            else:
-                expected = f"input size ({input.numel()}) / world_size ({self.world_size}) = {input.numel() / self.world_size:g}"
-            raise ValueError(f"{op}: output has {output.numel()} elements, expected {expected}")
-        whole, part = (output, input) if output_per_input >= 1 else (input, output)
+        if sizes is SCATTER:
+            whole_start, whole_count, part_start, part_count = in_start, in_count, out_start, out_count
+        else:
+            whole_start, whole_count, part_start, part_count = out_start, out_count, in_start, in_count
+        chunks = 1 if sizes is EQUAL else self.world_size
+        if whole_count != part_count * chunks:  # in integers: exact for any world size
+            raise ValueError(f"{op}: output has {out_count} elements, expected {self._expected_output(sizes, in_count)}")
         # In place means the smaller tensor is exactly this rank's chunk of the larger one
-        # (for equal sizes: the same tensor). Each tensor attribute read costs ~0.1 us, about
-        # a sixth of the binding call itself: each is read once.
-        whole_start, part_start, part_bytes = whole.data_ptr(), part.data_ptr(), part.nbytes
-        chunk_offset = 0 if output_per_input == 1 else self.rank * part_bytes
-        in_place = part_start == whole_start + chunk_offset
-        if not in_place and _overlaps(whole_start, whole.nbytes, part_start, part_bytes):
+        # (for equal sizes: the same tensor).
+        item = ITEM_SIZES[dtype]
+        chunk_offset = 0 if sizes is EQUAL else self.rank * part_count * item
+        if part_start != whole_start + chunk_offset and _overlaps(whole_start, whole_count * item,
+                                                                  part_start, part_count * item):
             raise ValueError(f"{op}: output and input overlap; in place, the smaller one must be exactly "
                              f"this rank's chunk (rank {self.rank}) of the larger one")
-        return dtype
+        return dtype, in_start, in_count, out_start, out_count
+
+    def _expected_output(self, sizes: str, input_count: int) -> str:
+        """The output size `sizes` asks for, as _check_pair's message says it."""
+        if sizes is EQUAL:
+            return f"input size ({input_count})"
+        if sizes is GATHER:
+            return f"world_size ({self.world_size}) x input size ({input_count}) = {input_count * self.world_size}"
+        return f"input size ({input_count}) / world_size ({self.world_size}) = {input_count / self.world_size:g}"
 
     def _check_list(self, op: str, what: str, tensors, reference: torch.Tensor) -> int:
         """`tensors`: world_size valid tensors like `reference`; returns the dtype's code."""
-        dtype = self._check_tensor(op, "tensor" if what == "tensor_list" else "output", reference)
+        dtype, _, count = self._check_tensor(op, "tensor" if what == "tensor_list" else "output", reference)
         if not isinstance(tensors, (list, tuple)):
             raise TypeError(f"{op}: {what} must be a list of tensors, got {type(tensors).__name__}")
         if len(tensors) != self.world_size:
             raise ValueError(f"{op}: {what} has {len(tensors)} tensors, expected world_size = {self.world_size}")
         for i, t in enumerate(tensors):
-            self._check_tensor(op, f"{what}[{i}]", t)
-            if t.dtype != reference.dtype:
+            entry_dtype, _, entry_count = self._check_tensor(op, f"{what}[{i}]", t)
+            if entry_dtype != dtype:
                 raise TypeError(f"{op}: {what}[{i}] has dtype {t.dtype}, expected {reference.dtype}")
-            if t.numel() != reference.numel():
-                raise ValueError(f"{op}: {what}[{i}] has {t.numel()} elements, expected {reference.numel()}")
+            if entry_count != count:
+                raise ValueError(f"{op}: {what}[{i}] has {entry_count} elements, expected {count}")
         return dtype
 
     def _check_same_dtype(self, op: str, what: str, tensors) -> int:
@@ -261,12 +279,12 @@ class ArgumentChecks:
         if not isinstance(tensors, (list, tuple)) or not tensors:
             raise TypeError(f"{op}: {what} must be a non-empty list of tensors")
         for i, t in enumerate(tensors):
-            dtype = self._check_tensor(op, f"{what}[{i}]", t)
+            dtype = self._check_tensor(op, f"{what}[{i}]", t)[0]
             if t.dtype != tensors[0].dtype:
                 raise TypeError(f"{op}: {what}[{i}] has dtype {t.dtype}, expected {tensors[0].dtype}")
         return dtype
 
-    def _check_pairs(self, op: str, outputs, inputs, output_per_input: float) -> int:
+    def _check_pairs(self, op: str, outputs, inputs, sizes: str) -> int:
         """The coalesced forms: two lists of one length and one dtype, each pair as
         _check_pair; returns the dtype's code."""
         self._check_same_dtype(op, "outputs", outputs)
@@ -274,7 +292,7 @@ class ArgumentChecks:
         if len(outputs) != len(inputs):
             raise ValueError(f"{op}: {len(outputs)} outputs for {len(inputs)} inputs")
         for i, (output, input) in enumerate(zip(outputs, inputs)):
-            self._check_pair(f"{op}: pair {i}", output, input, output_per_input)  # messages name the pair
+            self._check_pair(f"{op}: pair {i}", output, input, sizes)  # messages name the pair
         return dtype
 
 
@@ -435,11 +453,11 @@ class Communicator(ArgumentChecks):
         tensor, output = self._view(tensor), self._view(output)
         self._ensure_open(name)
         if output is None:
-            dtype = self._check_tensor(name, "tensor", tensor)
-            output = tensor
+            dtype, src, count = self._check_tensor(name, "tensor", tensor)
+            output, dst = tensor, src
         else:
-            dtype = self._check_pair(name, output, tensor, 1)
-        return _call("all_reduce", tensor, output, tensor.numel(), dtype, op_code(name, op, tensor.dtype)), [output], (tensor,)
+            dtype, src, count, dst, _ = self._check_pair(name, output, tensor, EQUAL)
+        return new_call(("all_reduce", src, dst, count, dtype, op_code(name, op, dtype))), [output], (tensor,)
 
     def all_reduce_coalesced(self, tensors: list, op=ReduceOp.SUM, async_op: bool = False):
         """Each tensor all-reduced in place, as one flat call: the tensors are packed into
@@ -448,7 +466,7 @@ class Communicator(ArgumentChecks):
         tensors = self._view_list(tensors)
         self._ensure_open(name)
         dtype = self._check_same_dtype(name, "tensors", tensors)
-        code = op_code(name, op, tensors[0].dtype)
+        code = op_code(name, op, dtype)
         flat = packing.concat(tensors)
         call = _call("all_reduce", flat, flat, flat.numel(), dtype, code)
         return self._submit(call, list(tensors), (flat,), async_op, then=lambda: packing.split_into(flat, tensors))
@@ -462,9 +480,8 @@ class Communicator(ArgumentChecks):
     def _reduce_scatter_call(self, name: str, output, input, op):
         output, input = self._view(output), self._view(input)
         self._ensure_open(name)
-        dtype = self._check_pair(name, output, input, 1 / self.world_size)
-        return (_call("reduce_scatter", input, output, output.numel(), dtype, op_code(name, op, input.dtype)),
-                [output], (input,))
+        dtype, src, _, dst, count = self._check_pair(name, output, input, SCATTER)
+        return new_call(("reduce_scatter", src, dst, count, dtype, op_code(name, op, dtype))), [output], (input,)
 
     def all_gather_into_tensor(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                                async_op: bool = False):
@@ -475,8 +492,8 @@ class Communicator(ArgumentChecks):
     def _all_gather_call(self, name: str, output, input):
         output, input = self._view(output), self._view(input)
         self._ensure_open(name)
-        dtype = self._check_pair(name, output, input, self.world_size)
-        return _call("all_gather", input, output, input.numel(), dtype), [output], (input,)
+        dtype, src, count, dst, _ = self._check_pair(name, output, input, GATHER)
+        return new_call(("all_gather", src, dst, count, dtype, None)), [output], (input,)
 
     # --- prepared (persistent) collectives -------------------------------------------------
 
@@ -517,7 +534,7 @@ class Communicator(ArgumentChecks):
         output, input_list = self._view(output), self._view_list(input_list)
         self._ensure_open(name)
         dtype = self._check_list(name, "input_list", input_list, output)
-        code = op_code(name, op, output.dtype)
+        code = op_code(name, op, dtype)
         # The packed copy is taken now, so output may alias an entry of input_list.
         flat = packing.concat(input_list)
         call = _call(name, flat, output, output.numel(), dtype, code)
@@ -529,7 +546,7 @@ class Communicator(ArgumentChecks):
         name = "all_gather_into_tensor_coalesced"
         outputs, inputs = self._view_list(outputs), self._view_list(inputs)
         self._ensure_open(name)
-        dtype = self._check_pairs(name, outputs, inputs, self.world_size)
+        dtype = self._check_pairs(name, outputs, inputs, GATHER)
         flat_in = packing.concat(inputs)
         gathered = flat_in.new_empty(self.world_size * flat_in.numel())
         call = _call("all_gather", flat_in, gathered, flat_in.numel(), dtype)
@@ -542,8 +559,8 @@ class Communicator(ArgumentChecks):
         name = "reduce_scatter_tensor_coalesced"
         outputs, inputs = self._view_list(outputs), self._view_list(inputs)
         self._ensure_open(name)
-        dtype = self._check_pairs(name, outputs, inputs, 1 / self.world_size)
-        code = op_code(name, op, inputs[0].dtype)
+        dtype = self._check_pairs(name, outputs, inputs, SCATTER)
+        code = op_code(name, op, dtype)
         flat_in = packing.chunks_by_rank(inputs, self.world_size)
         mine = flat_in.new_empty(flat_in.numel() // self.world_size)
         call = _call("reduce_scatter", flat_in, mine, mine.numel(), dtype, code)
@@ -583,7 +600,7 @@ class Communicator(ArgumentChecks):
         if src.dtype != dst.dtype:
             raise TypeError(f"{name}: output dtype {dst.dtype} differs from input dtype {src.dtype}")
         dtype = dtype_code(name, src.dtype)
-        code = None if name == "all_gather" else op_code(name, op, src.dtype)
+        code = None if name == "all_gather" else op_code(name, op, dtype)
         self._transport.launch_on_stream(CollectiveCall(name, src.ptr, dst.ptr, count, dtype, code), stream)
 
     def _view_list(self, tensors):

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from ringcoll import packing
 from ringcoll._types import ReduceOp, op_code, reduce_op
-from ringcoll.communicator import ArgumentChecks, Communicator, Work
+from ringcoll.communicator import GATHER, SCATTER, ArgumentChecks, Communicator, Work
 from ringcoll.transports.host import CallQueue, ThreadCompletion, ranks_by_domain, shared_memory_domain
 
 
@@ -123,8 +123,9 @@ class HierarchicalCommunicator(ArgumentChecks):
 
     # --- helpers --------------------------------------------------------------------------
 
-    def _level_op(self, name: str, op, dtype) -> tuple[ReduceOp, bool]:
-        """The op both levels use, and whether to divide by P at the end (AVG)."""
+    def _level_op(self, name: str, op, dtype: int) -> tuple[ReduceOp, bool]:
+        """The op both levels use, and whether to divide by P at the end (AVG); `dtype`: the
+        code the checks returned."""
         op_code(name, op, dtype)  # validates op x dtype, naming the call
         ours = reduce_op(name, op)
         return (ReduceOp.SUM, True) if ours is ReduceOp.AVG else (ours, False)
@@ -189,22 +190,22 @@ class HierarchicalCommunicator(ArgumentChecks):
     def all_reduce(self, tensor: torch.Tensor, op=ReduceOp.SUM, async_op: bool = False):
         """In place, over every rank of every node (see the module docstring)."""
         name = "all_reduce"
-        self._check_tensor(name, "tensor", tensor)
-        level_op, divide = self._level_op(name, op, tensor.dtype)
+        dtype = self._check_tensor(name, "tensor", tensor)[0]
+        level_op, divide = self._level_op(name, op, dtype)
         return self._submit(lambda: self._all_reduce_flat(tensor.view(-1), level_op, divide), [tensor], async_op)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM,
                               async_op: bool = False):
         """``output = op over ranks of input.view(P, -1)[rank]``."""
         name = "reduce_scatter_tensor"
-        self._check_pair(name, output, input, 1 / self.world_size)
-        level_op, divide = self._level_op(name, op, input.dtype)
+        dtype = self._check_pair(name, output, input, SCATTER)[0]
+        level_op, divide = self._level_op(name, op, dtype)
         return self._submit(lambda: self._reduce_scatter_flat(output, input, level_op, divide), [output], async_op)
 
     def all_gather_into_tensor(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                                async_op: bool = False):
         """``output_tensor.view(P, -1)[r] = input_tensor on rank r``."""
-        self._check_pair("all_gather_into_tensor", output_tensor, input_tensor, self.world_size)
+        self._check_pair("all_gather_into_tensor", output_tensor, input_tensor, GATHER)
         return self._submit(lambda: self._all_gather_flat(output_tensor, input_tensor), [output_tensor], async_op)
 
     def all_gather(self, tensor_list: list, tensor: torch.Tensor, async_op: bool = False):
@@ -221,16 +222,16 @@ class HierarchicalCommunicator(ArgumentChecks):
     def reduce_scatter(self, output: torch.Tensor, input_list: list, op=ReduceOp.SUM, async_op: bool = False):
         """``output = op over ranks of input_list[rank]``."""
         name = "reduce_scatter"
-        self._check_list(name, "input_list", input_list, output)
-        level_op, divide = self._level_op(name, op, output.dtype)
+        dtype = self._check_list(name, "input_list", input_list, output)
+        level_op, divide = self._level_op(name, op, dtype)
         flat = packing.concat(input_list)  # taken now: output may alias an entry
         return self._submit(lambda: self._reduce_scatter_flat(output, flat, level_op, divide), [output], async_op)
 
     def all_reduce_coalesced(self, tensors: list, op=ReduceOp.SUM, async_op: bool = False):
         """Each tensor all-reduced in place, as one flat call."""
         name = "all_reduce_coalesced"
-        self._check_same_dtype(name, "tensors", tensors)
-        level_op, divide = self._level_op(name, op, tensors[0].dtype)
+        dtype = self._check_same_dtype(name, "tensors", tensors)
+        level_op, divide = self._level_op(name, op, dtype)
         flat = packing.concat(tensors)
 
         def run() -> None:
@@ -241,7 +242,7 @@ class HierarchicalCommunicator(ArgumentChecks):
 
     def all_gather_into_tensor_coalesced(self, outputs: list, inputs: list, async_op: bool = False):
         """all_gather_into_tensor for each (outputs[i], inputs[i]) pair, as one flat call."""
-        self._check_pairs("all_gather_into_tensor_coalesced", outputs, inputs, self.world_size)
+        self._check_pairs("all_gather_into_tensor_coalesced", outputs, inputs, GATHER)
         flat_in = packing.concat(inputs)
         gathered = flat_in.new_empty(self.world_size * flat_in.numel())
 
@@ -255,8 +256,8 @@ class HierarchicalCommunicator(ArgumentChecks):
                                         async_op: bool = False):
         """reduce_scatter_tensor for each (outputs[i], inputs[i]) pair, as one flat call."""
         name = "reduce_scatter_tensor_coalesced"
-        self._check_pairs(name, outputs, inputs, 1 / self.world_size)
-        level_op, divide = self._level_op(name, op, inputs[0].dtype)
+        dtype = self._check_pairs(name, outputs, inputs, SCATTER)
+        level_op, divide = self._level_op(name, op, dtype)
         flat_in = packing.chunks_by_rank(inputs, self.world_size)
         mine = flat_in.new_empty(flat_in.numel() // self.world_size)
 

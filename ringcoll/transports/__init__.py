@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ringcoll.errors import RingcollError
-from ringcoll.transports.base import CollectiveCall, Settings
+from ringcoll.transports.base import CollectiveCall, Settings, new_call
 from ringcoll.transports.host import HostTransport
 
 

