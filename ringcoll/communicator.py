@@ -40,9 +40,10 @@ DEFAULT_BUFFER_BYTES = 4 << 20  # per rank; messages of any size are sliced thro
 # CPU: messages up to this size take the one-shot path instead of the ring (csrc/host/host_comm.cpp,
 # run_one_shot); the crossover measured in bench/results/2026-12-01-cpu-small-message-crossover.txt.
 DEFAULT_SMALL_BYTES = 64 << 10
-# CPU: all-gathers from this size on read each peer's input directly (csrc/host/peer_memory.h)
-# where the kernel allows it; the crossover measured in bench/results/2026-12-01-cpu-direct-read.txt.
+# CPU: all-gathers from this size on, and below the second, read each peer's input directly
+# (csrc/host/peer_memory.h) where the kernel allows it; measured in bench/results/2026-12-01-cpu-direct-read.txt.
 DEFAULT_DIRECT_BYTES = 64 << 10
+DEFAULT_DIRECT_MAX_BYTES = _C.host_default_direct_max_bytes  # 16 MiB
 _SIZE_SUFFIXES = {"": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
                   "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
 
@@ -312,8 +313,8 @@ class Communicator(ArgumentChecks):
     one-shot path (one publication per rank, every rank combines all P copies) instead of
     the ring; 0 turns it off; default ``RINGCOLL_SMALL_BYTES`` or 64 KiB. It must be the
     same on all ranks (checked). ``direct_bytes`` (CPU): all-gathers of at least this many
-    bytes, and under 16 MiB (past it the buffer's pipeline is faster), read every peer's
-    input straight into the output (one copy, Linux cross-memory attach) where every rank
+    bytes, and under ``RINGCOLL_DIRECT_MAX_BYTES`` (default 16 MiB: past it the buffer's
+    pipeline is faster), read every peer's input straight into the output (one copy, Linux cross-memory attach) where every rank
     may read every peer (probed once; otherwise they go through
     the buffer as before: ``transport.direct_reads`` says which, ``transport.direct_reads_unavailable`` why);
     0 turns it off; default ``RINGCOLL_DIRECT_BYTES`` or 64 KiB. The same on all ranks (checked).
@@ -334,9 +335,11 @@ class Communicator(ArgumentChecks):
                                               "always the ring")
         self.direct_bytes = _resolve_threshold(direct_bytes, "direct_bytes", "RINGCOLL_DIRECT_BYTES",
                                                DEFAULT_DIRECT_BYTES, "never read peers directly")
+        self.direct_max_bytes = _resolve_threshold(None, "RINGCOLL_DIRECT_MAX_BYTES", "RINGCOLL_DIRECT_MAX_BYTES",
+                                                   DEFAULT_DIRECT_MAX_BYTES, "never read peers directly")
         self._closed = True  # until the transport exists: nothing to close
         settings = Settings(self._bootstrap, self.device, self.rank, self.world_size, self.timeout, self.buffer_bytes,
-                            self.check, self.small_bytes, self.direct_bytes)
+                            self.check, self.small_bytes, self.direct_bytes, self.direct_max_bytes)
         self._transport = transport_cls(settings, self._exchange)
         self._view = tensor_view if transport_cls.takes_arrays else (lambda t: t)
         self._closed = False

@@ -28,7 +28,7 @@ void bind_host(py::module_& m) {
       },
       py::arg("buffer_bytes"), py::arg("world"));
   m.attr("host_slot_alignment") = ringcoll::host::kSlotAlignment;
-  m.attr("host_direct_read_max_bytes") = ringcoll::host::kDirectReadMaxBytes;
+  m.attr("host_default_direct_max_bytes") = ringcoll::host::kDefaultDirectMaxBytes;
   m.def(
       "one_shot_fits",
       [](int collective, int64_t ring_count, int elem_size, int world, size_t small_bytes, size_t slot_bytes) {
@@ -40,16 +40,18 @@ void bind_host(py::module_& m) {
   m.def(
       "direct_read_fits",
       [](int collective, int64_t ring_count, int elem_size, int world, size_t small_bytes, size_t slot_bytes,
-         bool direct_reads, size_t direct_bytes) {
+         bool direct_reads, size_t direct_bytes, size_t direct_max_bytes) {
         return ringcoll::host::direct_read_fits(static_cast<ringcoll::Collective>(collective), ring_count, elem_size,
-                                                world, small_bytes, slot_bytes, direct_reads, direct_bytes);
+                                                world, small_bytes, slot_bytes, direct_reads, direct_bytes,
+                                                direct_max_bytes);
       },
       py::arg("collective"), py::arg("ring_count"), py::arg("elem_size"), py::arg("world"), py::arg("small_bytes"),
-      py::arg("slot_bytes"), py::arg("direct_reads"), py::arg("direct_bytes"));
+      py::arg("slot_bytes"), py::arg("direct_reads"), py::arg("direct_bytes"), py::arg("direct_max_bytes"));
   py::class_<HostComm>(m, "HostComm")
-      .def(py::init<int, int, const std::vector<std::string>&, size_t, double, bool, size_t, size_t>(),
+      .def(py::init<int, int, const std::vector<std::string>&, size_t, double, bool, size_t, size_t, size_t>(),
            py::arg("rank"), py::arg("world"), py::arg("names"), py::arg("buffer_bytes"), py::arg("timeout"),
            py::arg("check_calls") = true, py::arg("small_bytes") = 0, py::arg("direct_bytes") = 0,
+           py::arg("direct_max_bytes") = ringcoll::host::kDefaultDirectMaxBytes,
            py::call_guard<py::gil_scoped_release>())
       .def("all_reduce",
            [](HostComm& c, uintptr_t in, uintptr_t out, int64_t count, int dtype, int op) {
@@ -91,6 +93,7 @@ void bind_host(py::module_& m) {
       .def_property_readonly("small_bytes", &HostComm::small_bytes)
       .def_property_readonly("one_shot_calls", &HostComm::one_shot_calls)
       .def_property_readonly("direct_bytes", &HostComm::direct_bytes)
+      .def_property_readonly("direct_max_bytes", &HostComm::direct_max_bytes)
       .def_property_readonly("direct_reads", &HostComm::direct_reads)
       .def_property_readonly("direct_reads_unavailable", &HostComm::direct_reads_unavailable)
       .def_property_readonly("direct_calls", &HostComm::direct_calls)

@@ -143,10 +143,11 @@ void run_host_ring(HostComm& comm, const RingCall& call, const void* input, void
 // Bootstrap
 
 HostComm::HostComm(int rank, int world, const std::vector<std::string>& names, size_t buffer_bytes,
-                   double timeout_seconds, bool check_calls, size_t small_bytes, size_t direct_bytes)
+                   double timeout_seconds, bool check_calls, size_t small_bytes, size_t direct_bytes,
+                   size_t direct_max_bytes)
     : rank_(rank), world_(world), buffer_bytes_(buffer_bytes),
       slot_bytes_(slot_bytes_for(buffer_bytes, world, kSlotAlignment)), small_bytes_(small_bytes),
-      direct_bytes_(direct_bytes),
+      direct_bytes_(direct_bytes), direct_max_bytes_(direct_max_bytes),
       policy_(host_wait_policy(world, timeout_seconds)), check_calls_(check_calls),
       last_publication_(static_cast<size_t>(kBanks) * static_cast<size_t>(world), 0) {
   RINGCOLL_CHECK(world >= 1 && rank >= 0 && rank < world, std::invalid_argument, "Communicator: rank ", rank,
@@ -549,7 +550,7 @@ void HostComm::finish_one_shot(const RingCall& call, const OneShotPublication& m
 
 bool HostComm::uses_direct_read(const RingCall& call) const {
   return direct_read_fits(call.collective, call.ring_count, call.elem_size, world_, small_bytes_, slot_bytes_,
-                          direct_reads_, direct_bytes_);
+                          direct_reads_, direct_bytes_, direct_max_bytes_);
 }
 
 void HostComm::post_direct_input(const void* input, size_t bytes) {

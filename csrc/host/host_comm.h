@@ -79,20 +79,20 @@ inline bool one_shot_fits(Collective coll, int64_t ring_count, int elem_size, in
 }
 
 // Direct reads stop paying once the message is this large: the kernel's copy then costs
-// more than the slots' pipeline with streaming stores (bench/results/2026-12-01-cpu-direct-read.txt:
-// the two cross between 12 and 16 MiB at P = 2). A constant, so every rank agrees.
-constexpr size_t kDirectReadMaxBytes = size_t{16} << 20;
+// more than the slots' pipeline with streaming stores (bench/results/2026-12-01-cpu-direct-read.txt).
+// The default of RINGCOLL_DIRECT_MAX_BYTES.
+constexpr size_t kDefaultDirectMaxBytes = size_t{16} << 20;
 
 // Whether an all-gather of `ring_count` bytes (ring_call's count) reads its peers' inputs
 // directly (host_comm.cpp, "The direct-read all-gather") rather than through the slots:
 // every rank could read every peer (`direct_reads`, agreed at bootstrap), the message is
-// at least `direct_bytes` (0: never) and below kDirectReadMaxBytes, and the one-shot path
+// at least `direct_bytes` (0: never) and below `direct_max_bytes`, and the one-shot path
 // does not take it.
 inline bool direct_read_fits(Collective coll, int64_t ring_count, int elem_size, int world, size_t small_bytes,
-                             size_t slot_bytes, bool direct_reads, size_t direct_bytes) {
+                             size_t slot_bytes, bool direct_reads, size_t direct_bytes, size_t direct_max_bytes) {
   const size_t message = static_cast<size_t>(ring_count) * static_cast<size_t>(elem_size);
   return direct_reads && coll == Collective::kAllGather && direct_bytes > 0 && message >= direct_bytes &&
-         message < kDirectReadMaxBytes && !one_shot_fits(coll, ring_count, elem_size, world, small_bytes, slot_bytes);
+         message < direct_max_bytes && !one_shot_fits(coll, ring_count, elem_size, world, small_bytes, slot_bytes);
 }
 
 // How host waits spend their time: spinning only pays when every rank has a core.
@@ -108,11 +108,13 @@ class HostComm {
   // slot) take the one-shot path instead of the ring; 0 never. Ranks must agree (Python
   // checks). See run_one_shot.
   //
-  // `direct_bytes`: all-gathers of at least this many bytes read every peer's input
-  // straight into the output (peer_memory.h) where every rank can read every peer, probed
-  // once here; 0 never. Ranks must agree (Python checks). See run_direct_all_gather.
+  // `direct_bytes`: all-gathers of at least this many bytes, and below `direct_max_bytes`,
+  // read every peer's input straight into the output (peer_memory.h) where every rank can
+  // read every peer, probed once here; 0 never. Ranks must agree (Python checks). See
+  // run_direct_all_gather.
   HostComm(int rank, int world, const std::vector<std::string>& names, size_t buffer_bytes,
-           double timeout_seconds, bool check_calls = true, size_t small_bytes = 0, size_t direct_bytes = 0);
+           double timeout_seconds, bool check_calls = true, size_t small_bytes = 0, size_t direct_bytes = 0,
+           size_t direct_max_bytes = kDefaultDirectMaxBytes);
   ~HostComm() { close(); }
   HostComm(const HostComm&) = delete;
   HostComm& operator=(const HostComm&) = delete;
@@ -134,6 +136,7 @@ class HostComm {
   bool uses_one_shot(const RingCall& call) const;
   uint64_t one_shot_calls() const { return one_shot_calls_; }  // how many took it (for tests)
   size_t direct_bytes() const { return direct_bytes_; }
+  size_t direct_max_bytes() const { return direct_max_bytes_; }
   // Whether all-gathers from direct_bytes on read peers directly (the same on every rank);
   // if not, why not: "off", or the first failed probe this rank saw.
   bool direct_reads() const { return direct_reads_; }
@@ -195,7 +198,7 @@ class HostComm {
   void check_call(const char* op, const CallDescriptor& call);
 
   int rank_, world_;
-  size_t buffer_bytes_, slot_bytes_, small_bytes_, direct_bytes_;
+  size_t buffer_bytes_, slot_bytes_, small_bytes_, direct_bytes_, direct_max_bytes_;
   WaitPolicy policy_;
   bool check_calls_;
   std::vector<SegmentMapping> segments_;

@@ -664,7 +664,7 @@ def direct_reads_row(comm) -> dict:
     """Whether this CPU ring's all-gathers read peers directly, from which size, or why not."""
     transport = comm.transport
     on = getattr(transport, "direct_reads", False)
-    return {"kind": "direct_reads", "on": on, "from_bytes": comm.direct_bytes,
+    return {"kind": "direct_reads", "on": on, "from_bytes": comm.direct_bytes, "below_bytes": comm.direct_max_bytes,
             "why": "" if on else getattr(transport, "direct_reads_unavailable", "not on this transport")}
 
 
@@ -852,7 +852,8 @@ def format_table(rows: list[dict], world: int, config: Config, fitted: dict, not
         if config.prepared:
             head += "; ringcoll's calls prepared (checked once, Communicator.prepare_*)"
         if name == "all_gather" and direct is not None and config.device != "cuda":
-            head += (f"; reads peers directly (one copy) from {direct['from_bytes']} bytes" if direct["on"]
+            head += (f"; reads peers directly (one copy) from {direct['from_bytes']} to {direct['below_bytes']} bytes"
+                     if direct["on"]
                      else f"; direct reads off ({direct['why']})")
         lines += ["", head]
         cols = (f"{'size':>11} {'count':>10} {'type':>8} {'redop':>5} |{'time':>9} {'algbw':>6} {'busbw':>6} "

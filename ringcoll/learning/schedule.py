@@ -463,20 +463,16 @@ def one_shot_fits(coll: Collective, ring_count: int, elem_size: int, world: int,
     return world > 1 and 0 < message <= small_bytes and published <= slot_bytes
 
 
-# Past this message size the slots' pipeline with streaming stores beats the kernel's copy
-# (csrc/host/host_comm.h's kDirectReadMaxBytes, measured: docs/communication.md).
-DIRECT_READ_MAX_BYTES = 16 << 20
-
-
 def direct_read_fits(coll: Collective, ring_count: int, elem_size: int, world: int, small_bytes: int,
-                     slot_bytes: int, direct_reads: bool, direct_bytes: int) -> bool:
+                     slot_bytes: int, direct_reads: bool, direct_bytes: int, direct_max_bytes: int) -> bool:
     """Whether an all-gather reads every peer's input straight into the output (one copy,
     csrc/host/peer_memory.h) rather than through the slots: every rank may read every peer
     (``direct_reads``, probed and agreed at bootstrap), the message is at least
-    ``direct_bytes`` (0: never) and below DIRECT_READ_MAX_BYTES, and the one-shot path does
-    not take it."""
+    ``direct_bytes`` (0: never) and below ``direct_max_bytes`` (past which the slots' pipeline
+    with streaming stores is faster than the kernel's copy), and the one-shot path does not
+    take it."""
     return (direct_reads and coll == Collective.ALL_GATHER and direct_bytes > 0
-            and direct_bytes <= ring_count * elem_size < DIRECT_READ_MAX_BYTES
+            and direct_bytes <= ring_count * elem_size < direct_max_bytes
             and not one_shot_fits(coll, ring_count, elem_size, world, small_bytes, slot_bytes))
 
 

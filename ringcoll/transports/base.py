@@ -47,6 +47,7 @@ class Settings(NamedTuple):
     check: bool  # compare every call across ranks before data moves
     small_bytes: int = 0  # host: messages up to this size take the one-shot path (0: always the ring)
     direct_bytes: int = 0  # host: all-gathers from this size on read peers directly where they may (0: never)
+    direct_max_bytes: int = 0  # ... and below this size
 
 
 class CollectiveCall(NamedTuple):

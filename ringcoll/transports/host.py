@@ -157,11 +157,13 @@ class HostTransport(Transport):
         # So must the direct-read threshold; whether peers may be read is agreed in the probe.
         offers = exchange((_C.random_segment_name(), shared_memory_domain()),
                           **{"RINGCOLL_SMALL_BYTES / small_bytes=": settings.small_bytes,
-                             "RINGCOLL_DIRECT_BYTES / direct_bytes=": settings.direct_bytes})
+                             "RINGCOLL_DIRECT_BYTES / direct_bytes=": settings.direct_bytes,
+                             "RINGCOLL_DIRECT_MAX_BYTES": settings.direct_max_bytes})
         _require_one_domain([domain for _, domain in offers])
         names = [name for name, _ in offers]
         self._comm = _C.HostComm(settings.rank, settings.world_size, names, settings.buffer_bytes,
-                                 settings.timeout, settings.check, settings.small_bytes, settings.direct_bytes)
+                                 settings.timeout, settings.check, settings.small_bytes, settings.direct_bytes,
+                                 settings.direct_max_bytes)
         self._calls = CallQueue()
 
     def submit(self, call: CollectiveCall, outputs: list, keep_alive: Sequence, async_op: bool,

@@ -72,7 +72,7 @@ SPAWN_TIMEOUT = 240.0
 MAX_REPORTED = 40
 # The matrix runs must not see a RINGCOLL_* setting from the environment of the test run.
 CLEAN_ENV = {"RINGCOLL_TIMEOUT": None, "RINGCOLL_BUFFER_BYTES": None, "RINGCOLL_SMALL_BYTES": None,
-             "RINGCOLL_DIRECT_BYTES": None}
+             "RINGCOLL_DIRECT_BYTES": None, "RINGCOLL_DIRECT_MAX_BYTES": None}
 
 _gloo_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _gloo_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -598,7 +598,8 @@ def _direct_expected(comm, message_bytes, repeats=1) -> int:
     """How many all-gathers of these message sizes (each `repeats` times) read peers directly on `comm`."""
     t = comm.transport
     return repeats * sum(direct_read_fits(Collective.ALL_GATHER, n, 1, comm.world_size, comm.small_bytes,
-                                          t.slot_bytes, t.direct_reads, comm.direct_bytes) for n in message_bytes)
+                                          t.slot_bytes, t.direct_reads, comm.direct_bytes, comm.direct_max_bytes)
+                         for n in message_bytes)
 
 
 def run_direct_read_cases(chk, rank, world):

@@ -5,7 +5,7 @@ the exact results, which test_collectives.py's run_direct_read_cases checks agai
   learns it at bootstrap, all-gathers go through the slots, and the reason names the ranks;
 - a mismatched call moves nothing, as on the other paths (the post is only an address);
 - with the call check off, a count mismatch is still caught (the posted byte count);
-- direct_bytes must agree across ranks and be >= 0.
+- direct_bytes and RINGCOLL_DIRECT_MAX_BYTES must agree across ranks; direct_bytes >= 0.
 A rank killed mid direct read is test_faults.py's test_rank_killed_mid_collective.
 """
 
@@ -121,8 +121,23 @@ def _settings(rank, world, direct_bytes):
         return str(e)
 
 
+def _max_setting(rank, world):
+    import os
+
+    import ringcoll
+
+    os.environ["RINGCOLL_DIRECT_MAX_BYTES"] = "1M" if rank == 0 else "2M"
+    try:
+        with ringcoll.Communicator(timeout=20):
+            return "no error"
+    except ValueError as e:
+        return str(e)
+
+
 def test_direct_bytes_must_agree_and_be_non_negative():
     for message in spawn(_settings, 2, [1, 0], timeout=60):
         assert "RINGCOLL_DIRECT_BYTES / direct_bytes= differs between ranks: rank 0: 1, rank 1: 0" in message
+    for message in spawn(_max_setting, 2, timeout=60):
+        assert "RINGCOLL_DIRECT_MAX_BYTES differs between ranks: rank 0: 1048576, rank 1: 2097152" in message
     outcome, = spawn_outcomes(_settings, 1, [-1], timeout=60)
     assert outcome.value == "Communicator: direct_bytes must be >= 0 (0: never read peers directly), got -1"

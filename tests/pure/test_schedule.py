@@ -419,23 +419,22 @@ def test_direct_read_fits_matches_cpp(world):
             for elem in (1, 4):
                 for small, slot in ((0, 1024), (4096, 1024), (4096, 8192)):
                     for direct_reads in (False, True):
-                        for direct in (0, 1, 4096, 16384):
-                            args = (coll, ring_count, elem, world, small, slot, direct_reads, direct)
+                        for direct, top in ((0, 16 << 20), (1, 16 << 20), (4096, 1 << 62), (16384, 16384)):
+                            args = (coll, ring_count, elem, world, small, slot, direct_reads, direct, top)
                             assert S.direct_read_fits(*args) == _C.direct_read_fits(int(coll), *args[1:]), args
 
 
 def test_direct_read_fits_bounds():
-    ag, ar = Collective.ALL_GATHER, Collective.ALL_REDUCE
-    assert S.direct_read_fits(ag, 4096, 1, 2, 0, 1024, True, 4096)
-    assert not S.direct_read_fits(ag, 4095, 1, 2, 0, 1024, True, 4096)  # under the threshold
-    assert not S.direct_read_fits(ag, 4096, 1, 2, 0, 1024, False, 4096)  # a probe failed
-    assert not S.direct_read_fits(ag, 4096, 1, 2, 0, 1024, True, 0)  # turned off
-    assert not S.direct_read_fits(ar, 4096, 1, 2, 0, 1024, True, 1)  # all-gather only
-    assert not S.direct_read_fits(ag, 4096, 1, 2, 4096, 4096, True, 1)  # the one-shot path goes first
-    top = _C.host_direct_read_max_bytes
-    assert top == S.DIRECT_READ_MAX_BYTES
-    assert S.direct_read_fits(ag, top - 1, 1, 2, 0, 1024, True, 1) and not S.direct_read_fits(ag, top, 1, 2, 0, 1024,
-                                                                                               True, 1)
+    ag, ar, top = Collective.ALL_GATHER, Collective.ALL_REDUCE, 16 << 20
+    assert S.direct_read_fits(ag, 4096, 1, 2, 0, 1024, True, 4096, top)
+    assert not S.direct_read_fits(ag, 4095, 1, 2, 0, 1024, True, 4096, top)  # under the threshold
+    assert not S.direct_read_fits(ag, 4096, 1, 2, 0, 1024, False, 4096, top)  # a probe failed
+    assert not S.direct_read_fits(ag, 4096, 1, 2, 0, 1024, True, 0, top)  # turned off
+    assert not S.direct_read_fits(ar, 4096, 1, 2, 0, 1024, True, 1, top)  # all-gather only
+    assert not S.direct_read_fits(ag, 4096, 1, 2, 4096, 4096, True, 1, top)  # the one-shot path goes first
+    assert S.direct_read_fits(ag, top - 1, 1, 2, 0, 1024, True, 1, top)
+    assert not S.direct_read_fits(ag, top, 1, 2, 0, 1024, True, 1, top)  # from here the slots are faster
+    assert _C.host_default_direct_max_bytes == top
 
 
 def test_one_shot_fits_bounds():
