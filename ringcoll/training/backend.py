@@ -102,7 +102,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ringcoll._types import DTYPE_CODES, FLOATING_DTYPES, ReduceOp, reduce_op
+from ringcoll._types import DTYPE_CODES, ReduceOp, op_code
 from ringcoll.api import SERVED_DEVICE_TYPES
 from ringcoll.communicator import Communicator
 from ringcoll.errors import RingcollError
@@ -168,16 +168,14 @@ class _C10dWork(dist._Work):
 
 
 def _ringcoll_op(op, dtype: torch.dtype) -> Optional[ReduceOp]:
-    """ringcoll's ReduceOp for (op, dtype), or None when ringcoll does not implement it."""
+    """ringcoll's ReduceOp for (op, dtype), or None when ringcoll does not implement it: the
+    communicator's own op check (op_code) refuses it."""
     if dtype not in DTYPE_CODES:
         return None
     try:
-        ours = reduce_op("ringcoll backend", op)
+        return ReduceOp(op_code("ringcoll backend", op, DTYPE_CODES[dtype]))
     except (TypeError, ValueError):
-        return None  # PREMUL_SUM, BAND, BOR, BXOR, ...
-    if ours is ReduceOp.AVG and dtype not in FLOATING_DTYPES:
-        return None
-    return ours
+        return None  # PREMUL_SUM, BAND, BOR, BXOR, ...; AVG of integers
 
 
 def routing_device(tensors) -> Optional[torch.device]:

@@ -92,3 +92,18 @@ def test_cuda_fallback_setting_is_checked(monkeypatch):
 def test_communicators_are_keyed_by_device_with_its_index():
     assert backend._communicator_device("cpu") == torch.device("cpu")
     assert backend._communicator_device(torch.device("cuda", 3)) == torch.device("cuda", 3)
+
+
+def test_ops_ringcoll_serves_are_those_the_communicator_accepts():
+    """The backend sends a call to ringcoll only with an op the communicator's own check
+    (op_code) accepts for that dtype; anything else goes to the fall-back."""
+    import torch.distributed as dist
+
+    import ringcoll
+    from ringcoll.training.backend import _ringcoll_op
+
+    assert _ringcoll_op(dist.ReduceOp.SUM, torch.bfloat16) is ringcoll.ReduceOp.SUM
+    assert _ringcoll_op(dist.ReduceOp.AVG, torch.float32) is ringcoll.ReduceOp.AVG
+    assert _ringcoll_op(dist.ReduceOp.AVG, torch.int32) is None  # AVG of integers: gloo's
+    assert _ringcoll_op(dist.ReduceOp.BAND, torch.int32) is None
+    assert _ringcoll_op(dist.ReduceOp.SUM, torch.complex64) is None
