@@ -9,7 +9,7 @@ both.
 path wherever the message fits one slot). --paths direct: direct_bytes=0 (all-gather
 through the slots) against direct_bytes=1 (every all-gather the one-shot path leaves reads
 its peers directly; RINGCOLL_DIRECT_MAX_BYTES lifted, so that the table shows where the
-default 16 MiB bound comes from). The buffer is the default 4 MiB. For
+default 8 MiB bound comes from). The buffer is the default 4 MiB. For
 every collective and size each rank first checks both results against the values it
 computes itself (the inputs of ringcoll-bench: small integers, exact in every summation
 order) and that each communicator took the path it should, then runs --blocks rounds of: a

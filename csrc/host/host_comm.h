@@ -81,7 +81,7 @@ inline bool one_shot_fits(Collective coll, int64_t ring_count, int elem_size, in
 // Direct reads stop paying once the message is this large: the kernel's copy then costs
 // more than the slots' pipeline with streaming stores (bench/results/2026-12-01-cpu-direct-read.txt).
 // The default of RINGCOLL_DIRECT_MAX_BYTES.
-constexpr size_t kDefaultDirectMaxBytes = size_t{16} << 20;
+constexpr size_t kDefaultDirectMaxBytes = size_t{8} << 20;
 
 // Whether an all-gather of `ring_count` bytes (ring_call's count) reads its peers' inputs
 // directly (host_comm.cpp, "The direct-read all-gather") rather than through the slots:

@@ -708,11 +708,11 @@ def test_peer_that_never_arrives_times_out_on_waiting_ranks(world, check):
 def _killed_mid_collective(rank, world, victim, collective):
     import ringcoll
 
-    # all_reduce: 16 MiB through a 64 KiB buffer (many slices); all_gather: 4 MiB per rank,
-    # each read from its owner directly (one long process_vm_readv per peer; the message
-    # stays under the direct path's 16 MiB). Long enough to interrupt.
+    # all_reduce: 16 MiB through a 64 KiB buffer (many slices); all_gather: 2 MiB per rank,
+    # each read from its owner directly (one long process_vm_readv per peer; 6 MiB in all at
+    # P = 3, under the direct path's 8 MiB). Long enough to interrupt.
     comm = ringcoll.Communicator(timeout=60.0, buffer_bytes=64 * 1024, direct_bytes=1)
-    t = torch.ones(4 << 20 if collective == "all_reduce" else 1 << 20)
+    t = torch.ones(4 << 20 if collective == "all_reduce" else 1 << 19)
     out = torch.empty(world * t.numel()) if collective == "all_gather" else None
 
     def call():

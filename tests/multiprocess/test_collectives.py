@@ -35,7 +35,7 @@ dtype x op x form at 1 element, odd counts, exactly at the threshold and one ele
 (the ring), mixed on one communicator so one-shot and ring calls alternate on the same
 slots, and with the call check off under skewed ranks; it counts that the one-shot path
 was taken exactly where ringcoll.learning.schedule.one_shot_fits says. The default
-communicator's all-gathers from 64 KiB (RINGCOLL_DIRECT_BYTES) to 16 MiB read their peers directly;
+communicator's all-gathers from 64 KiB (RINGCOLL_DIRECT_BYTES) to 8 MiB read their peers directly;
 run_direct_read_cases checks that path on its own, every dtype x form from one element up
 (direct_bytes=1), past the streaming threshold, alternating with the other two algorithms,
 async and (run_skewed_unchecked_cases) skewed with the call check off; counted against
@@ -604,11 +604,20 @@ def _direct_expected(comm, message_bytes, repeats=1) -> int:
 
 def run_direct_read_cases(chk, rank, world):
     """The direct-read all-gather against gloo: every dtype x form at 1, P-1, P+1 and a
-    prime count per rank (direct_bytes=1, small_bytes=0: every non-empty all-gather reads
-    its peers directly); a message past the streaming threshold (the bounce buffer, with a
+    prime count per rank (direct_bytes=1, small_bytes=0, no upper bound: every non-empty
+    all-gather reads its peers directly); a message past the streaming threshold (the bounce buffer, with a
     piece left over); one communicator where one-shot, ring and direct calls alternate; the
     async queue. Counts that the path was taken exactly where direct_read_fits says."""
-    with ringcoll.Communicator(small_bytes=0, direct_bytes=1, timeout=COMM_TIMEOUT) as comm:
+    import os
+
+    # Without the upper bound (RINGCOLL_DIRECT_MAX_BYTES, read at construction), so that the
+    # streamed case, past the default bound, reads directly too.
+    os.environ["RINGCOLL_DIRECT_MAX_BYTES"] = str(1 << 62)
+    try:
+        unbounded = ringcoll.Communicator(small_bytes=0, direct_bytes=1, timeout=COMM_TIMEOUT)
+    finally:
+        del os.environ["RINGCOLL_DIRECT_MAX_BYTES"]
+    with unbounded as comm:
         chk.checked += 1
         if world > 1 and not comm.transport.direct_reads:
             chk.fail("direct reads", "not available on this machine, so untested: "

@@ -425,7 +425,7 @@ def test_direct_read_fits_matches_cpp(world):
 
 
 def test_direct_read_fits_bounds():
-    ag, ar, top = Collective.ALL_GATHER, Collective.ALL_REDUCE, 16 << 20
+    ag, ar, top = Collective.ALL_GATHER, Collective.ALL_REDUCE, 8 << 20
     assert S.direct_read_fits(ag, 4096, 1, 2, 0, 1024, True, 4096, top)
     assert not S.direct_read_fits(ag, 4095, 1, 2, 0, 1024, True, 4096, top)  # under the threshold
     assert not S.direct_read_fits(ag, 4096, 1, 2, 0, 1024, False, 4096, top)  # a probe failed
