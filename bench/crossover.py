@@ -6,10 +6,10 @@ both.
     python bench/crossover.py --paths direct --nproc 2 --collectives all_gather -b 128K -e 32M
 
 --paths oneshot: small_bytes=0 (always the ring) against small_bytes=2**62 (the one-shot
-path wherever the message fits one slot). --paths direct: direct_bytes=0 (all-gather
-through the slots) against direct_bytes=1 (every all-gather the one-shot path leaves reads
-its peers directly; RINGCOLL_DIRECT_MAX_BYTES lifted, so that the table shows where the
-default 8 MiB bound comes from). The buffer is the default 4 MiB. For
+path wherever the message fits one slot), no direct reads in either. --paths direct:
+direct_bytes=0 (all-gather through the slots: the one-shot path, then the ring) against
+direct_bytes=1 (every all-gather reads its peers directly; RINGCOLL_DIRECT_MAX_BYTES
+lifted, so that the table shows where both default bounds come from). The buffer is the default 4 MiB. For
 every collective and size each rank first checks both results against the values it
 computes itself (the inputs of ringcoll-bench: small integers, exact in every summation
 order) and that each communicator took the path it should, then runs --blocks rounds of: a
@@ -33,7 +33,8 @@ ALWAYS_ONE_SHOT = 1 << 62
 # --paths: (label, Communicator settings, transport counter of calls that took the path) x 2;
 # the second is the path being measured, the first what it replaces.
 PATHS = {
-    "oneshot": (("ring", {"small_bytes": 0}), ("oneshot", {"small_bytes": ALWAYS_ONE_SHOT}), "one_shot_calls"),
+    "oneshot": (("ring", {"small_bytes": 0, "direct_bytes": 0}),
+                ("oneshot", {"small_bytes": ALWAYS_ONE_SHOT, "direct_bytes": 0}), "one_shot_calls"),
     "direct": (("slots", {"direct_bytes": 0}), ("direct", {"direct_bytes": 1}), "direct_calls"),
 }
 # Environment of the ranks: the direct path without its upper bound, which is what this measures.

@@ -42,7 +42,7 @@ DEFAULT_BUFFER_BYTES = 4 << 20  # per rank; messages of any size are sliced thro
 DEFAULT_SMALL_BYTES = 64 << 10
 # CPU: all-gathers from this size on, and below the second, read each peer's input directly
 # (csrc/host/peer_memory.h) where the kernel allows it; measured in bench/results/2026-12-01-cpu-direct-read.txt.
-DEFAULT_DIRECT_BYTES = 64 << 10
+DEFAULT_DIRECT_BYTES = 16 << 10
 DEFAULT_DIRECT_MAX_BYTES = _C.host_default_direct_max_bytes  # 8 MiB
 _SIZE_SUFFIXES = {"": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
                   "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
@@ -317,7 +317,8 @@ class Communicator(ArgumentChecks):
     pipeline is faster), read every peer's input straight into the output (one copy, Linux cross-memory attach) where every rank
     may read every peer (probed once; otherwise they go through
     the buffer as before: ``transport.direct_reads`` says which, ``transport.direct_reads_unavailable`` why);
-    0 turns it off; default ``RINGCOLL_DIRECT_BYTES`` or 64 KiB. The same on all ranks (checked).
+    0 turns it off; default ``RINGCOLL_DIRECT_BYTES`` or 16 KiB (it goes before the one-shot
+    path). The same on all ranks (checked).
 
     Usable as a context manager; ``close()`` releases the buffers. On CUDA ``close()`` is
     collective (every peer must close before anyone frees memory the others map).

@@ -39,14 +39,13 @@ void bind_host(py::module_& m) {
       py::arg("slot_bytes"));
   m.def(
       "direct_read_fits",
-      [](int collective, int64_t ring_count, int elem_size, int world, size_t small_bytes, size_t slot_bytes,
-         bool direct_reads, size_t direct_bytes, size_t direct_max_bytes) {
+      [](int collective, int64_t ring_count, int elem_size, bool direct_reads, size_t direct_bytes,
+         size_t direct_max_bytes) {
         return ringcoll::host::direct_read_fits(static_cast<ringcoll::Collective>(collective), ring_count, elem_size,
-                                                world, small_bytes, slot_bytes, direct_reads, direct_bytes,
-                                                direct_max_bytes);
+                                                direct_reads, direct_bytes, direct_max_bytes);
       },
-      py::arg("collective"), py::arg("ring_count"), py::arg("elem_size"), py::arg("world"), py::arg("small_bytes"),
-      py::arg("slot_bytes"), py::arg("direct_reads"), py::arg("direct_bytes"), py::arg("direct_max_bytes"));
+      py::arg("collective"), py::arg("ring_count"), py::arg("elem_size"), py::arg("direct_reads"),
+      py::arg("direct_bytes"), py::arg("direct_max_bytes"));
   py::class_<HostComm>(m, "HostComm")
       .def(py::init<int, int, const std::vector<std::string>&, size_t, double, bool, size_t, size_t, size_t>(),
            py::arg("rank"), py::arg("world"), py::arg("names"), py::arg("buffer_bytes"), py::arg("timeout"),

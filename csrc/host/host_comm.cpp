@@ -433,7 +433,8 @@ void HostComm::run_ring_call(const char* op, const RingCall& call, const void* i
 // call meets its peers once, not twice.
 
 bool HostComm::uses_one_shot(const RingCall& call) const {
-  return one_shot_fits(call.collective, call.ring_count, call.elem_size, world_, small_bytes_, slot_bytes_);
+  return one_shot_fits(call.collective, call.ring_count, call.elem_size, world_, small_bytes_, slot_bytes_) &&
+         !uses_direct_read(call);
 }
 
 void HostComm::wait_all_consumed(uint64_t target) {
@@ -549,8 +550,8 @@ void HostComm::finish_one_shot(const RingCall& call, const OneShotPublication& m
 // past a peer's input. No slot is touched, so the ring's numbering is untouched too.
 
 bool HostComm::uses_direct_read(const RingCall& call) const {
-  return direct_read_fits(call.collective, call.ring_count, call.elem_size, world_, small_bytes_, slot_bytes_,
-                          direct_reads_, direct_bytes_, direct_max_bytes_);
+  return direct_read_fits(call.collective, call.ring_count, call.elem_size, direct_reads_, direct_bytes_,
+                          direct_max_bytes_);
 }
 
 void HostComm::post_direct_input(const void* input, size_t bytes) {

@@ -85,14 +85,14 @@ constexpr size_t kDefaultDirectMaxBytes = size_t{8} << 20;
 
 // Whether an all-gather of `ring_count` bytes (ring_call's count) reads its peers' inputs
 // directly (host_comm.cpp, "The direct-read all-gather") rather than through the slots:
-// every rank could read every peer (`direct_reads`, agreed at bootstrap), the message is
-// at least `direct_bytes` (0: never) and below `direct_max_bytes`, and the one-shot path
-// does not take it.
-inline bool direct_read_fits(Collective coll, int64_t ring_count, int elem_size, int world, size_t small_bytes,
-                             size_t slot_bytes, bool direct_reads, size_t direct_bytes, size_t direct_max_bytes) {
+// every rank could read every peer (`direct_reads`, agreed at bootstrap), and the message
+// is at least `direct_bytes` (0: never) and below `direct_max_bytes`. It goes before the
+// one-shot path: from about 16 KiB one read beats the one-shot's two copies.
+inline bool direct_read_fits(Collective coll, int64_t ring_count, int elem_size, bool direct_reads,
+                             size_t direct_bytes, size_t direct_max_bytes) {
   const size_t message = static_cast<size_t>(ring_count) * static_cast<size_t>(elem_size);
   return direct_reads && coll == Collective::kAllGather && direct_bytes > 0 && message >= direct_bytes &&
-         message < direct_max_bytes && !one_shot_fits(coll, ring_count, elem_size, world, small_bytes, slot_bytes);
+         message < direct_max_bytes;
 }
 
 // How host waits spend their time: spinning only pays when every rank has a core.
@@ -131,8 +131,8 @@ class HostComm {
   int world() const { return world_; }
   size_t slot_bytes() const { return slot_bytes_; }
   size_t small_bytes() const { return small_bytes_; }
-  // Whether `call` takes the one-shot path: a function of the call and of settings every
-  // rank agreed on (world, buffer and small_bytes), so every rank decides alike.
+  // Whether `call` takes the one-shot path (where it fits and does not read directly): a
+  // function of the call and of settings every rank agreed on, so every rank decides alike.
   bool uses_one_shot(const RingCall& call) const;
   uint64_t one_shot_calls() const { return one_shot_calls_; }  // how many took it (for tests)
   size_t direct_bytes() const { return direct_bytes_; }

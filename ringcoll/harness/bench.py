@@ -940,6 +940,7 @@ def plot(rows: list[dict], world: int, config: Config, path: str) -> None:
 # "oneshot" takes the one-shot path wherever the message fits one buffer slot, the ring above.
 ALGORITHMS = {"auto": None, "ring": 0, "oneshot": 1 << 62}
 ALGORITHM_NOTE = {0: "algorithm: ring only", 1 << 62: "algorithm: one-shot where it fits a slot, else ring"}
+# (--algorithm ring|oneshot also turns the all-gather's direct reads off, unless --direct-bytes says otherwise.)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -975,7 +976,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "always through the slots (default: RINGCOLL_DIRECT_BYTES or 64K)")
     p.add_argument("--algorithm", choices=list(ALGORITHMS), default="auto",
                    help="ring: the ring at every size; oneshot: the one-shot path wherever the message fits one "
-                        "slot; auto (default): the Communicator's choice (RINGCOLL_SMALL_BYTES). Run ring and "
+                        "slot (both without the all-gather's direct reads, unless --direct-bytes); auto (default): "
+                        "the Communicator's choice (RINGCOLL_SMALL_BYTES, RINGCOLL_DIRECT_BYTES). Run ring and "
                         "oneshot to see the crossover")
     p.add_argument("--fit", action="store_true", help="fit the alpha-beta model; print predictions")
     p.add_argument("--no-check-cost", action="store_true",
@@ -1017,7 +1019,8 @@ def main(argv=None) -> int:
                     check_cost=not args.no_check_cost and args.device == "cpu", straggler_rank=args.straggler_rank,
                     delay_us=args.delay_us, progress=not args.no_progress, device=args.device,
                     max_seconds=args.max_seconds, small_bytes=ALGORITHMS[args.algorithm],
-                    direct_bytes=parse_bytes(args.direct_bytes) if args.direct_bytes else None,
+                    direct_bytes=(parse_bytes(args.direct_bytes) if args.direct_bytes
+                                  else None if args.algorithm == "auto" else 0),
                     in_process=args.in_process, prepared=args.prepared)
 
     def note(skipped: bool, option: str, available: Callable[[], str]) -> str:

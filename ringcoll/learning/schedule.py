@@ -85,13 +85,14 @@ One publication and P-1 waits per rank instead of 2(P-1) (P-1) ring steps, but e
 reads P-1 whole copies: (P-1) * n for all-reduce instead of 2(P-1)/P * n.
 :func:`simulate_one_shot` runs it on lists.
 
-The direct-read all-gather (large messages, CPU transport)
-==========================================================
+The direct-read all-gather (CPU transport)
+==========================================
 
 Through the slots every byte of an all-gather is copied twice on its way: by its owner
 into a slot, and by each reader out of it. Where every rank may read every peer's memory
 (``process_vm_readv``, probed at bootstrap; :func:`direct_read_fits` mirrors the test) and
-the message is at least ``direct_bytes``, ``run_direct_all_gather`` in
+the message is between ``direct_bytes`` and ``direct_max_bytes`` (16 KiB and 8 MiB by
+default; below 16 KiB the one-shot path, above 8 MiB the ring), ``run_direct_all_gather`` in
 ``csrc/host/host_comm.cpp`` skips the slots. Rank k
 
 1. posts where its input lies (address, bytes, call number) in its own header;
@@ -463,17 +464,17 @@ def one_shot_fits(coll: Collective, ring_count: int, elem_size: int, world: int,
     return world > 1 and 0 < message <= small_bytes and published <= slot_bytes
 
 
-def direct_read_fits(coll: Collective, ring_count: int, elem_size: int, world: int, small_bytes: int,
-                     slot_bytes: int, direct_reads: bool, direct_bytes: int, direct_max_bytes: int) -> bool:
+def direct_read_fits(coll: Collective, ring_count: int, elem_size: int, direct_reads: bool, direct_bytes: int,
+                     direct_max_bytes: int) -> bool:
     """Whether an all-gather reads every peer's input straight into the output (one copy,
     csrc/host/peer_memory.h) rather than through the slots: every rank may read every peer
     (``direct_reads``, probed and agreed at bootstrap), the message is at least
     ``direct_bytes`` (0: never) and below ``direct_max_bytes`` (past which the slots' pipeline
-    with streaming stores is faster than the kernel's copy), and the one-shot path does not
-    take it."""
+    with streaming stores is faster than the kernel's copy). It goes before the one-shot
+    path (one read beats the one-shot's two copies from about 16 KiB): a call takes the
+    one-shot path where ``one_shot_fits`` and not this."""
     return (direct_reads and coll == Collective.ALL_GATHER and direct_bytes > 0
-            and direct_bytes <= ring_count * elem_size < direct_max_bytes
-            and not one_shot_fits(coll, ring_count, elem_size, world, small_bytes, slot_bytes))
+            and direct_bytes <= ring_count * elem_size < direct_max_bytes)
 
 
 @dataclass

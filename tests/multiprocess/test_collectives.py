@@ -35,7 +35,8 @@ dtype x op x form at 1 element, odd counts, exactly at the threshold and one ele
 (the ring), mixed on one communicator so one-shot and ring calls alternate on the same
 slots, and with the call check off under skewed ranks; it counts that the one-shot path
 was taken exactly where ringcoll.learning.schedule.one_shot_fits says. The default
-communicator's all-gathers from 64 KiB (RINGCOLL_DIRECT_BYTES) to 8 MiB read their peers directly;
+communicator's all-gathers from 16 KiB (RINGCOLL_DIRECT_BYTES) to 8 MiB read their peers directly,
+before the one-shot path;
 run_direct_read_cases checks that path on its own, every dtype x form from one element up
 (direct_bytes=1), past the streaming threshold, alternating with the other two algorithms,
 async and (run_skewed_unchecked_cases) skewed with the call check off; counted against
@@ -547,10 +548,20 @@ def run_module_level_cases(chk, rank, world):
 ONE_SHOT_PER_RANK = 4096  # run_one_shot_cases' threshold is P x this many bytes
 
 
+def _reads_directly(comm, coll, ring_count, elem) -> bool:
+    """Whether this call reads its peers directly on `comm` (which goes before the one-shot path)."""
+    return direct_read_fits(coll, ring_count, elem, comm.transport.direct_reads, comm.direct_bytes,
+                            comm.direct_max_bytes)
+
+
+def _takes_one_shot(comm, coll, ring_count, elem) -> bool:
+    return (one_shot_fits(coll, ring_count, elem, comm.world_size, comm.small_bytes, comm.transport.slot_bytes)
+            and not _reads_directly(comm, coll, ring_count, elem))
+
+
 def _one_shot_expected(comm, coll, ring_counts, elem, repeats=1) -> int:
     """How many of these calls (each `repeats` times) take the one-shot path on `comm`."""
-    return repeats * sum(one_shot_fits(coll, n, elem, comm.world_size, comm.small_bytes, comm.transport.slot_bytes)
-                         for n in ring_counts)
+    return repeats * sum(_takes_one_shot(comm, coll, n, elem) for n in ring_counts)
 
 
 def run_one_shot_cases(chk, rank, world):
@@ -559,7 +570,9 @@ def run_one_shot_cases(chk, rank, world):
     the two algorithms on one communicator; the async queue; then skewed ranks with the
     call check off. Counts that the path was taken exactly where one_shot_fits says."""
     threshold = world * ONE_SHOT_PER_RANK
-    with ringcoll.Communicator(buffer_bytes=1 << 20, small_bytes=threshold, timeout=COMM_TIMEOUT) as comm:
+    # No direct reads: they would take the larger all-gathers off the one-shot path.
+    with ringcoll.Communicator(buffer_bytes=1 << 20, small_bytes=threshold, direct_bytes=0,
+                               timeout=COMM_TIMEOUT) as comm:
         comms = [("oneshot", comm)]
         for dtype in DTYPES:
             elem = torch.empty(0, dtype=dtype).element_size()
@@ -596,10 +609,7 @@ def run_one_shot_cases(chk, rank, world):
 
 def _direct_expected(comm, message_bytes, repeats=1) -> int:
     """How many all-gathers of these message sizes (each `repeats` times) read peers directly on `comm`."""
-    t = comm.transport
-    return repeats * sum(direct_read_fits(Collective.ALL_GATHER, n, 1, comm.world_size, comm.small_bytes,
-                                          t.slot_bytes, t.direct_reads, comm.direct_bytes, comm.direct_max_bytes)
-                         for n in message_bytes)
+    return repeats * sum(_reads_directly(comm, Collective.ALL_GATHER, n, 1) for n in message_bytes)
 
 
 def run_direct_read_cases(chk, rank, world):
@@ -637,10 +647,16 @@ def run_direct_read_cases(chk, rank, world):
         run_gather_cases(chk, rank, world, comms, torch.float32, [streamed], ("out_of_place", "in_place"), "stream")
         run_async_cases(chk, rank, world, comm, comm)
 
-    # One-shot up to P x 4 KiB, the ring above it, direct reads from P x 16 KiB, in turn.
-    with ringcoll.Communicator(buffer_bytes=1 << 16, small_bytes=world * ONE_SHOT_PER_RANK,
-                               direct_bytes=world * 4 * ONE_SHOT_PER_RANK, timeout=COMM_TIMEOUT) as comm:
-        counts = [1, 5 * ONE_SHOT_PER_RANK, ONE_SHOT_PER_RANK + 1, 2, 4 * ONE_SHOT_PER_RANK, 3]  # int8: bytes
+    # In turn: the one-shot path below P x 1 KiB, direct reads (which go before it) from there
+    # to RINGCOLL_DIRECT_MAX_BYTES = P x 4 KiB, the ring above (past small_bytes too).
+    os.environ["RINGCOLL_DIRECT_MAX_BYTES"] = str(world * ONE_SHOT_PER_RANK)
+    try:
+        mixed = ringcoll.Communicator(buffer_bytes=1 << 16, small_bytes=world * ONE_SHOT_PER_RANK,
+                                      direct_bytes=world * 1024, timeout=COMM_TIMEOUT)
+    finally:
+        del os.environ["RINGCOLL_DIRECT_MAX_BYTES"]
+    with mixed as comm:
+        counts = [1, 2048, ONE_SHOT_PER_RANK + 904, 2, 1024, 3]  # int8: bytes per rank
         one_shot, direct = comm.transport.one_shot_calls, comm.transport.direct_calls
         run_gather_cases(chk, rank, world, [("mixed", comm)], torch.int8, counts, ("out_of_place", "in_place"),
                          "mixed")
@@ -648,8 +664,9 @@ def run_direct_read_cases(chk, rank, world):
         want = (_one_shot_expected(comm, Collective.ALL_GATHER, messages, 1, 2), _direct_expected(comm, messages, 2))
         got = (comm.transport.one_shot_calls - one_shot, comm.transport.direct_calls - direct)
         chk.checked += 1
-        if got != want or (world > 1 and 0 in got):
-            chk.fail("mixed all_gather", f"(one-shot, direct) calls {got}, expected {want}")
+        rings = 2 * len(counts) - sum(got)
+        if got != want or (world > 1 and (0 in got or rings == 0)):
+            chk.fail("mixed all_gather", f"(one-shot, direct) calls {got}, expected {want}, {rings} on the ring")
 
 
 def run_skewed_unchecked_cases(chk, rank, world, calls=150):
@@ -687,10 +704,8 @@ def run_skewed_unchecked_cases(chk, rank, world, calls=150):
                 comm.all_gather_into_tensor(got, mine)
                 want = torch.cat(inputs)
             ring_count = count * (1 if coll == "all_reduce" else world)
-            expected_one_shot += one_shot_fits(Collective[coll.upper()], ring_count, 4, world, comm.small_bytes,
-                                               comm.transport.slot_bytes)
-            if coll == "all_gather":
-                expected_direct += _direct_expected(comm, [ring_count * 4])
+            expected_one_shot += _takes_one_shot(comm, Collective[coll.upper()], ring_count, 4)
+            expected_direct += _reads_directly(comm, Collective[coll.upper()], ring_count, 4)
             chk.equal(f"skewed unchecked call {i}: {coll} count={count}", got, want.to(torch.int32))
         chk.checked += 1
         if comm.transport.one_shot_calls - before != expected_one_shot or (world > 1 and expected_one_shot == 0):
