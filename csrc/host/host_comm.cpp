@@ -528,11 +528,11 @@ void HostComm::finish_one_shot(const RingCall& call, const OneShotPublication& m
 }
 
 // ---------------------------------------------------------------------------------------
-// The direct-read all-gather for large messages
+// The direct-read all-gather (16 KiB to 8 MiB by default: direct_read_fits)
 //
-// Through the slots, every byte of an all-gather is copied twice on its way: by its owner
-// into a slot, and by each reader out of it (1.5 times per byte of output at P = 2, out
-// of place). Where the kernel lets ranks read each other's memory (peer_memory.h, probed
+// Through the slots (the ring or the one-shot path), every byte of an all-gather is copied
+// twice on its way: by its owner into a slot, and by each reader out of it (1.5 times per
+// byte of output at P = 2, out of place). Where the kernel lets ranks read each other's memory (peer_memory.h, probed
 // at bootstrap), rank k instead
 //
 //   1. posts where its input lies (address, bytes, call number) in its header;

@@ -66,7 +66,8 @@ struct SegmentHeader {
 };
 static_assert(sizeof(SegmentHeader) <= kHeaderBytes, "header must fit its page");
 
-// Whether a call takes the one-shot path (host_comm.cpp, run_one_shot) rather than the ring:
+// Whether a call may take the one-shot path (host_comm.cpp, run_one_shot) rather than the
+// ring; an all-gather that reads its peers directly (direct_read_fits) does that instead:
 // there are peers, the message (ring_count x elem_size bytes, nccl-tests' size) is not empty
 // and at most `small_bytes`, and what each rank publishes (its whole input; for all-gather
 // its own part, 1/P of the message) fits one slot. Mirrored by
