@@ -20,23 +20,27 @@ namespace {
 
 // out[i] = a[i] op b[i] for raw arrays, via the very loop the host ring uses
 // (host_strip.h's reduce_strip) and so reduce.h's functors; `final` applies finalize
-// (AVG's division by `world`). path "auto" is the ring's choice (the vector loop where the
-// CPU has one: host_vector_isa), "scalar" the reference loop. For tests of both.
+// (AVG's division by `world`). path "auto" is the ring's choice (the best vector loop the
+// CPU has: host_vector_isa), "avx512" / "avx2" that loop only (the scalar one where the CPU
+// lacks it), "scalar" the reference loop. For tests of each.
 void reduce_arrays(uintptr_t out, uintptr_t a, uintptr_t b, int64_t count, int dtype, int op, bool final, int world,
                    const std::string& path) {
   RINGCOLL_CHECK(is_supported(static_cast<DType>(dtype), static_cast<ReduceOp>(op)), std::invalid_argument,
                  "reduce_arrays: unsupported dtype/op ", dtype, "/", op);
-  RINGCOLL_CHECK(path == "auto" || path == "scalar", std::invalid_argument, "reduce_arrays: path must be ",
-                 "'auto' or 'scalar', not '", path, "'");
+  RINGCOLL_CHECK(path == "auto" || path == "avx512" || path == "avx2" || path == "scalar", std::invalid_argument,
+                 "reduce_arrays: path must be 'auto', 'avx512', 'avx2' or 'scalar', not '", path, "'");
+  const host::VectorIsa isa = path == "auto"     ? host::VectorIsa::kBest
+                              : path == "avx512" ? host::VectorIsa::kAvx512
+                              : path == "avx2"   ? host::VectorIsa::kAvx2
+                                                 : host::VectorIsa::kNone;
   dispatch_dtype_op(static_cast<DType>(dtype), static_cast<ReduceOp>(op), [&](auto t, auto o) {
     using T = decltype(t);
     using Op = decltype(o);
     auto* dst = reinterpret_cast<T*>(out);
     const auto* x = reinterpret_cast<const T*>(a);
     const auto* y = reinterpret_cast<const T*>(b);
-    const bool vector = path == "auto";
-    if (final) host::reduce_strip<T, Op, true>(nullptr, dst, x, y, count, world, false, vector);
-    else host::reduce_strip<T, Op, false>(nullptr, dst, x, y, count, world, false, vector);
+    if (final) host::reduce_strip<T, Op, true>(nullptr, dst, x, y, count, world, false, isa);
+    else host::reduce_strip<T, Op, false>(nullptr, dst, x, y, count, world, false, isa);
   });
 }
 
@@ -70,7 +74,7 @@ void bind_core(py::module_& m) {
 
   m.def("reduce_arrays", &reduce_arrays, py::arg("out"), py::arg("a"), py::arg("b"), py::arg("count"),
         py::arg("dtype"), py::arg("op"), py::arg("final") = false, py::arg("world") = 1, py::arg("path") = "auto");
-  // Which vector path the host reduce loop uses for 16-bit floats: "avx2+f16c" or "none".
+  // Which vector path the host reduce loop uses for 16-bit floats: "avx512f", "avx2+f16c" or "none".
   m.attr("host_vector_isa") = host::host_vector_isa();
   m.def("dtype_size", [](int d) { return dtype_size(static_cast<DType>(d)); });
   // reduce.h's dtype list, in code order: (name, code, size_bytes, is_floating).

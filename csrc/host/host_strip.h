@@ -74,10 +74,10 @@ void copy_strip(T* dst, T* dst2, const T* src, int64_t len, bool stream_dst2) {
 
 // to_right[i] (if any) and to_output[i] (if any) = recv[i] op own[i], finalized when
 // kFinal. `own` may alias `to_output` (in-place), so nothing here is __restrict.
-// `allow_vector` false forces the scalar loop (for tests: it is the reference).
+// `isa`: which vector loop may run (host_vector16.h); kNone is the scalar reference, for tests.
 template <typename T, class Op, bool kFinal>
 void reduce_strip(T* to_right, T* to_output, const T* recv, const T* own, int64_t len, int world,
-                  bool stream_output, bool allow_vector = true) {
+                  bool stream_output, VectorIsa isa = VectorIsa::kBest) {
   auto value = [world](T a, T b) {
     if constexpr (kFinal) return combine_final_element<T, Op>(a, b, world);
     else return combine_element<T, Op>(a, b);
@@ -85,7 +85,7 @@ void reduce_strip(T* to_right, T* to_output, const T* recv, const T* own, int64_
   // out[i] (and out2[i], if any) for i < n: the vector path's blocks where it has one
   // (host_vector16.h), the scalar loop for the rest.
   auto reduce_span = [&](T* out, T* out2, const T* r, const T* o, int64_t n) {
-    int64_t i = reduce_strip_vector<T, Op, kFinal>(out, out2, r, o, n, world, allow_vector);
+    int64_t i = reduce_strip_vector<T, Op, kFinal>(out, out2, r, o, n, world, isa);
     if (out2 != nullptr) {
       for (; i < n; ++i) out[i] = out2[i] = value(r[i], o[i]);
     } else {

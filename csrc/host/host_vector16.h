@@ -1,5 +1,5 @@
 // host_vector16.h: the float16 / bfloat16 reduce loop, 16 elements at a time with AVX2
-// and F16C, chosen at run time. The scalar loop in host_strip.h stays the reference: this
+// and F16C (two 8-lane halves) or AVX-512 (one 16-lane vector), chosen at run time. The scalar loop in host_strip.h stays the reference: this
 // one must give its bits exactly, for every input (tests/pure/test_reduce.py checks it).
 //
 // Why. The wheel is built for plain x86-64 (SSE2), where GCC cannot vectorise reduce.h's
@@ -7,7 +7,9 @@
 // cost several times float32's time per byte, though both are memory bound. So these few
 // functions alone are compiled for AVX2 + F16C (a target attribute, not a flag for the
 // whole file, so no AVX2 code can leak into code run on older CPUs), and used only where
-// the CPU has both (vector16_supported).
+// the CPU has both (vector16_supported); the AVX-512 twin of each step, where the CPU has
+// AVX-512F too (vector16_avx512_supported), halves the instructions per element. Both
+// give the scalar loop's bits; tests compare each ISA with it (VectorIsa).
 //
 // The algorithm, per block of 16 elements, the same three steps as combine_element:
 //   1. widen both operands to float, exactly: float16 by VCVTPH2PS; bfloat16 by putting
@@ -38,6 +40,7 @@ namespace ringcoll::host {
 #if defined(__x86_64__)
 
 // Checked once: __builtin_cpu_init first, since this may run before libgcc's constructor.
+// (libgcc's avx512f also checks that the OS saves the ZMM registers.)
 inline bool vector16_supported() {
   static const bool supported = [] {
     __builtin_cpu_init();
@@ -45,7 +48,16 @@ inline bool vector16_supported() {
   }();
   return supported;
 }
-inline const char* host_vector_isa() { return vector16_supported() ? "avx2+f16c" : "none"; }
+inline bool vector16_avx512_supported() {
+  static const bool supported = [] {
+    __builtin_cpu_init();
+    return vector16_supported() && __builtin_cpu_supports("avx512f");
+  }();
+  return supported;
+}
+inline const char* host_vector_isa() {
+  return vector16_avx512_supported() ? "avx512f" : vector16_supported() ? "avx2+f16c" : "none";
+}
 
 #define RINGCOLL_AVX2_F16C __attribute__((target("avx2,f16c")))
 
@@ -132,23 +144,96 @@ RINGCOLL_AVX2_F16C int64_t reduce16_avx2(T* out, T* out2, const T* recv, const T
 
 #undef RINGCOLL_AVX2_F16C
 
+// The same three steps on one 16-lane vector. Masks replace blends; the rest is the AVX2
+// code's operation for operation, so the same bits.
+#define RINGCOLL_AVX512 __attribute__((target("avx512f,avx2,f16c")))
+
+namespace v16x1 {
+
+// Step 1: 16 storage values -> 16 floats, in element order.
+RINGCOLL_AVX512 inline __m512 widen16(const Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+RINGCOLL_AVX512 inline __m512 widen16(const BFloat16* p) {
+  const __m512i lanes = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(lanes, 16));
+}
+// Step 3: as v16::narrow16.
+RINGCOLL_AVX512 inline void narrow16(Half* p, __m512 x) {
+  const __m256i h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT);
+  const __m256i is_nan = _mm256_cmpgt_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7fff)), _mm256_set1_epi16(0x7c00));
+  const __m256i payload = _mm256_and_si256(is_nan, _mm256_set1_epi16(0x01ff));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_andnot_si256(payload, h));
+}
+RINGCOLL_AVX512 inline void narrow16(BFloat16* p, __m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+  const __m512i quiet = _mm512_or_si512(u, _mm512_set1_epi32(0x400000));
+  const __m512i bits = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), quiet);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+}
+
+// Step 2: as v16's functors.
+RINGCOLL_AVX512 inline __mmask16 is_nan16(__m512 x) { return _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q); }
+RINGCOLL_AVX512 inline __m512 combine16(SumOp, __m512 a, __m512 b) { return _mm512_add_ps(a, b); }
+RINGCOLL_AVX512 inline __m512 combine16(AvgOp, __m512 a, __m512 b) { return _mm512_add_ps(a, b); }
+RINGCOLL_AVX512 inline __m512 combine16(ProductOp, __m512 a, __m512 b) { return _mm512_mul_ps(a, b); }
+RINGCOLL_AVX512 inline __m512 combine16(MinOp, __m512 a, __m512 b) {
+  return _mm512_mask_mov_ps(_mm512_min_ps(b, a), is_nan16(b), b);
+}
+RINGCOLL_AVX512 inline __m512 combine16(MaxOp, __m512 a, __m512 b) {
+  return _mm512_mask_mov_ps(_mm512_max_ps(b, a), is_nan16(b), b);
+}
+template <class Op> RINGCOLL_AVX512 inline __m512 finalize16(Op, __m512 x, __m512) { return x; }
+RINGCOLL_AVX512 inline __m512 finalize16(AvgOp, __m512 x, __m512 world) { return _mm512_div_ps(x, world); }
+
+}  // namespace v16x1
+
+template <typename T, class Op, bool kFinal>
+RINGCOLL_AVX512 int64_t reduce16_avx512(T* out, T* out2, const T* recv, const T* own, int64_t len, int world) {
+  const __m512 w = _mm512_set1_ps(static_cast<float>(world));
+  int64_t i = 0;
+  for (; i + 16 <= len; i += 16) {
+    const __m512 a = v16x1::widen16(recv + i), b = v16x1::widen16(own + i);
+    __m512 x = v16x1::combine16(Op{}, a, b);
+    if constexpr (kFinal) x = v16x1::finalize16(Op{}, x, w);
+    x = _mm512_mask_mov_ps(x, v16x1::is_nan16(a), a);  // nan_a_wins
+    v16x1::narrow16(out + i, x);
+    if (out2 != nullptr) v16x1::narrow16(out2 + i, x);
+  }
+  return i;
+}
+
+#undef RINGCOLL_AVX512
+
 #else  // not x86-64: the scalar loop only
 
 inline bool vector16_supported() { return false; }
+inline bool vector16_avx512_supported() { return false; }
 inline const char* host_vector_isa() { return "none"; }
 
 #endif
 
+// Which vector loop reduce_strip may use: the best the CPU has (what the rings run), or,
+// for tests, one ISA (if the CPU has it; else none) or none (the scalar reference).
+enum class VectorIsa { kBest, kAvx512, kAvx2, kNone };
+
 // The entry point for host_strip.h: how many leading elements the vector path did (0 for
-// other dtypes, other CPUs, or when `allow` is false).
+// other dtypes, other CPUs, or with VectorIsa::kNone).
 template <typename T, class Op, bool kFinal>
-inline int64_t reduce_strip_vector(T* out, T* out2, const T* recv, const T* own, int64_t len, int world, bool allow) {
+inline int64_t reduce_strip_vector(T* out, T* out2, const T* recv, const T* own, int64_t len, int world,
+                                   VectorIsa isa) {
 #if defined(__x86_64__)
   if constexpr (std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>) {
-    if (allow && vector16_supported()) return reduce16_avx2<T, Op, kFinal>(out, out2, recv, own, len, world);
+    const bool best = isa == VectorIsa::kBest;
+    if ((best || isa == VectorIsa::kAvx512) && vector16_avx512_supported())
+      return reduce16_avx512<T, Op, kFinal>(out, out2, recv, own, len, world);
+    if ((best || isa == VectorIsa::kAvx2) && vector16_supported())
+      return reduce16_avx2<T, Op, kFinal>(out, out2, recv, own, len, world);
   }
 #endif
-  (void)out, (void)out2, (void)recv, (void)own, (void)len, (void)world, (void)allow;
+  (void)out, (void)out2, (void)recv, (void)own, (void)len, (void)world, (void)isa;
   return 0;
 }
 

@@ -323,8 +323,9 @@ def test_unknown_path_is_rejected():
 
 
 # ---------------------------------------------------------------------------------------
-# The vectorised 16-bit loop (csrc/host/host_vector16.h) against the scalar one, bit for
-# bit, NaN bits included: path="auto" is what the ring runs, path="scalar" the reference.
+# The vectorised 16-bit loops (csrc/host/host_vector16.h) against the scalar one, bit for
+# bit, NaN bits included: path="auto" is what the ring runs (the best ISA the CPU has),
+# "avx512" / "avx2" each loop on its own, path="scalar" the reference.
 
 HALVES = [torch.float16, torch.bfloat16]
 HALF_IDS = ["float16", "bfloat16"]
@@ -341,10 +342,17 @@ def cpu_flags():
 
 
 def test_vector_path_is_selected_where_the_cpu_has_it():
-    # Not a skip: on a CPU with AVX2 and F16C the comparisons below must exercise the
-    # vector loop, or they would compare the scalar loop with itself.
-    has = platform.machine() in ("x86_64", "AMD64") and {"avx2", "f16c"} <= cpu_flags()
-    assert _C.host_vector_isa == ("avx2+f16c" if has else "none")
+    # Not a skip: on a CPU with AVX2 and F16C (and AVX-512F) the comparisons below must
+    # exercise the vector loops, or they would compare the scalar loop with itself.
+    flags = cpu_flags() if platform.machine() in ("x86_64", "AMD64") else set()
+    has_avx2 = {"avx2", "f16c"} <= flags
+    assert _C.host_vector_isa == ("avx512f" if has_avx2 and "avx512f" in flags else "avx2+f16c" if has_avx2
+                                  else "none")
+
+
+# Each vector loop on its own (a loop the CPU lacks runs the scalar one: the selection test
+# above says which ran).
+VECTOR_PATHS = ["avx512", "avx2"]
 
 
 def bits16(t):
@@ -352,15 +360,16 @@ def bits16(t):
 
 
 def assert_paths_agree(a, b, op, final, world):
-    got = bits16(reduce_arrays(a, b, op, final, world, path="auto"))
     expected = bits16(reduce_arrays(a, b, op, final, world, path="scalar"))
-    bad = torch.nonzero(got != expected).flatten()
-    if bad.numel():
-        hx = lambda t, i: hex(bits16(t)[i].item() & 0xFFFF)
-        rows = [f"  [{i}] a={hx(a, i)} b={hx(b, i)}: vector {hx(got, i)}, scalar {hx(expected, i)}"
-                for i in bad[:8].tolist()]
-        pytest.fail(f"{OP_NAMES[op]} final={final} world={world}: {bad.numel()} of {got.numel()} differ:\n"
-                    + "\n".join(rows))
+    for path in VECTOR_PATHS:
+        got = bits16(reduce_arrays(a, b, op, final, world, path=path))
+        bad = torch.nonzero(got != expected).flatten()
+        if bad.numel():
+            hx = lambda t, i: hex(bits16(t)[i].item() & 0xFFFF)
+            rows = [f"  [{i}] a={hx(a, i)} b={hx(b, i)}: {path} {hx(got, i)}, scalar {hx(expected, i)}"
+                    for i in bad[:8].tolist()]
+            pytest.fail(f"{OP_NAMES[op]} final={final} world={world}: {bad.numel()} of {got.numel()} differ on "
+                        f"{path}:\n" + "\n".join(rows))
 
 
 @pytest.mark.parametrize("op", OPS, ids=[OP_NAMES[op] for op in OPS])
@@ -401,7 +410,7 @@ def test_vector_lengths_offsets_and_in_place(dtype):
                 a, b = pool(), pool()
                 x, y = a[off_a:off_a + n].view(dtype), b[off_b:off_b + n].view(dtype)
                 results = []
-                for path in ("auto", "scalar"):
+                for path in VECTOR_PATHS + ["scalar"]:
                     out = torch.full((n + 16,), 0x1234, dtype=torch.int16)
                     o = out[off_out:off_out + n]
                     _C.reduce_arrays(o.data_ptr(), x.data_ptr(), y.data_ptr(), n, DTYPE_CODES[dtype], op,
@@ -412,7 +421,7 @@ def test_vector_lengths_offsets_and_in_place(dtype):
                                      final=final, world=world, path=path)
                     assert torch.equal(own.view(torch.int16), o), (n, path, op)
                     results.append(o)
-                assert torch.equal(results[0], results[1]), (n, off_a, off_b, off_out, OP_NAMES[op])
+                assert all(torch.equal(r, results[-1]) for r in results), (n, off_a, off_b, off_out, OP_NAMES[op])
 
 
 @pytest.mark.parametrize("dtype", HALVES, ids=HALF_IDS)
@@ -426,6 +435,6 @@ def test_two_nans_give_the_first_one(dtype):
     b = torch.full((24,), b_bits - (1 << 16), dtype=torch.int16).view(dtype)
     for op in OPS:
         for final, world in VARIANTS:
-            for path in ("auto", "scalar"):
+            for path in VECTOR_PATHS + ["scalar"]:
                 got = bits16(reduce_arrays(a, b, op, final, world, path=path))
                 assert (got == quiet_a).all(), (OP_NAMES[op], final, path, hex(got[0].item() & 0xFFFF))
