@@ -199,7 +199,7 @@ class HostTransport(Transport):
 
     @property
     def direct_reads(self) -> bool:
-        """Whether large all-gathers read peers directly (every rank could read every peer)."""
+        """Whether all-gathers from direct_bytes read peers directly (every rank could read every peer)."""
         return self._comm.direct_reads
 
     @property
