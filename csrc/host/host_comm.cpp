@@ -45,6 +45,13 @@ WaitPolicy host_wait_policy(int world, double timeout_seconds) {
 
 namespace {
 
+// A text field of a header (abort_reason, probe_failure): written with strncpy, so it may
+// fill its array without a NUL.
+template <size_t N>
+std::string header_text(const char (&field)[N]) {
+  return std::string(field, strnlen(field, N));
+}
+
 uint64_t own_pid_namespace() {
   struct stat st {};
   return stat("/proc/self/ns/pid", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
@@ -253,7 +260,7 @@ void HostComm::probe_direct_reads() {
     wait_for(peer, &SegmentHeader::probed, kProbeReadAll, "probe direct reads");
     const SegmentHeader& h = header(peer);
     if (failed.empty() && flag_load_acquire(&h.probed.value) == kProbeFailed)
-      failed = std::string(h.probe_failure, strnlen(h.probe_failure, sizeof(h.probe_failure)));
+      failed = header_text(h.probe_failure);
   }
   direct_reads_ = failed.empty();
   direct_unavailable_ = failed;
@@ -273,8 +280,7 @@ bool HostComm::peers_look_alive(std::string* why) const {
     if (peer == rank_ || !segments_[peer].mapped()) continue;  // unmapped only during bootstrap
     const SegmentHeader& h = header(peer);
     if (flag_load_acquire(&h.aborted.value) != 0) {
-      *why = "rank " + std::to_string(peer) + " has aborted: " +
-             std::string(h.abort_reason, strnlen(h.abort_reason, sizeof(h.abort_reason)));
+      *why = "rank " + std::to_string(peer) + " has aborted: " + header_text(h.abort_reason);
       return false;
     }
     // A peer that completed the current call owes us nothing more in it (its data and
@@ -522,7 +528,7 @@ void HostComm::finish_one_shot(const RingCall& call, const OneShotPublication& m
     if (flag_load_acquire(&h.completed.value) >= calls_) continue;
     fail<PeerError>(current_op_, "rank " + std::to_string(rank_) + " gave up after the one-shot step (call " +
                                      std::to_string(calls_) + "): rank " + std::to_string(peer) + " has aborted: " +
-                                     std::string(h.abort_reason, strnlen(h.abort_reason, sizeof(h.abort_reason))));
+                                     header_text(h.abort_reason));
   }
   flag_store_release(&header(rank_).consumed.value, v);
 }
