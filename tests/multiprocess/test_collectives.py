@@ -612,22 +612,27 @@ def _direct_expected(comm, message_bytes, repeats=1) -> int:
     return repeats * sum(_reads_directly(comm, Collective.ALL_GATHER, n, 1) for n in message_bytes)
 
 
+def _communicator_with_direct_max(max_bytes: int, **settings):
+    """A Communicator built with RINGCOLL_DIRECT_MAX_BYTES = max_bytes (an environment setting
+    only, read at construction); the environment is as before afterwards."""
+    import os
+
+    os.environ["RINGCOLL_DIRECT_MAX_BYTES"] = str(max_bytes)
+    try:
+        return ringcoll.Communicator(timeout=COMM_TIMEOUT, **settings)
+    finally:
+        del os.environ["RINGCOLL_DIRECT_MAX_BYTES"]
+
+
 def run_direct_read_cases(chk, rank, world):
     """The direct-read all-gather against gloo: every dtype x form at 1, P-1, P+1 and a
     prime count per rank (direct_bytes=1, small_bytes=0, no upper bound: every non-empty
     all-gather reads its peers directly); a message past the streaming threshold (the bounce buffer, with a
     piece left over); one communicator where one-shot, ring and direct calls alternate; the
     async queue. Counts that the path was taken exactly where direct_read_fits says."""
-    import os
-
-    # Without the upper bound (RINGCOLL_DIRECT_MAX_BYTES, read at construction), so that the
-    # streamed case, past the default bound, reads directly too.
-    os.environ["RINGCOLL_DIRECT_MAX_BYTES"] = str(1 << 62)
-    try:
-        unbounded = ringcoll.Communicator(small_bytes=0, direct_bytes=1, timeout=COMM_TIMEOUT)
-    finally:
-        del os.environ["RINGCOLL_DIRECT_MAX_BYTES"]
-    with unbounded as comm:
+    # Without the upper bound, so that the streamed case, past the default bound, reads
+    # directly too.
+    with _communicator_with_direct_max(1 << 62, small_bytes=0, direct_bytes=1) as comm:
         chk.checked += 1
         if world > 1 and not comm.transport.direct_reads:
             chk.fail("direct reads", "not available on this machine, so untested: "
@@ -649,13 +654,8 @@ def run_direct_read_cases(chk, rank, world):
 
     # In turn: the one-shot path below P x 1 KiB, direct reads (which go before it) from there
     # to RINGCOLL_DIRECT_MAX_BYTES = P x 4 KiB, the ring above (past small_bytes too).
-    os.environ["RINGCOLL_DIRECT_MAX_BYTES"] = str(world * ONE_SHOT_PER_RANK)
-    try:
-        mixed = ringcoll.Communicator(buffer_bytes=1 << 16, small_bytes=world * ONE_SHOT_PER_RANK,
-                                      direct_bytes=world * 1024, timeout=COMM_TIMEOUT)
-    finally:
-        del os.environ["RINGCOLL_DIRECT_MAX_BYTES"]
-    with mixed as comm:
+    with _communicator_with_direct_max(world * ONE_SHOT_PER_RANK, buffer_bytes=1 << 16,
+                                       small_bytes=world * ONE_SHOT_PER_RANK, direct_bytes=world * 1024) as comm:
         counts = [1, 2048, ONE_SHOT_PER_RANK + 904, 2, 1024, 3]  # int8: bytes per rank
         one_shot, direct = comm.transport.one_shot_calls, comm.transport.direct_calls
         run_gather_cases(chk, rank, world, [("mixed", comm)], torch.int8, counts, ("out_of_place", "in_place"),

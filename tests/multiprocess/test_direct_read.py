@@ -111,24 +111,16 @@ def test_without_the_check_a_count_mismatch_is_caught_by_the_posted_bytes():
         assert f"posted {expected} bytes of input but rank {rank} expects" in message, message
 
 
-def _settings(rank, world, direct_bytes):
-    import ringcoll
-
-    try:
-        with ringcoll.Communicator(direct_bytes=direct_bytes[rank], timeout=20):
-            return "no error"
-    except ValueError as e:
-        return str(e)
-
-
-def _max_setting(rank, world):
+def _settings(rank, world, direct_bytes, direct_max=None):
+    """A Communicator with this rank's direct_bytes (and RINGCOLL_DIRECT_MAX_BYTES, if given)."""
     import os
 
     import ringcoll
 
-    os.environ["RINGCOLL_DIRECT_MAX_BYTES"] = "1M" if rank == 0 else "2M"
+    if direct_max is not None:
+        os.environ["RINGCOLL_DIRECT_MAX_BYTES"] = direct_max[rank]
     try:
-        with ringcoll.Communicator(timeout=20):
+        with ringcoll.Communicator(direct_bytes=direct_bytes[rank], timeout=20):
             return "no error"
     except ValueError as e:
         return str(e)
@@ -137,7 +129,7 @@ def _max_setting(rank, world):
 def test_direct_bytes_must_agree_and_be_non_negative():
     for message in spawn(_settings, 2, [1, 0], timeout=60):
         assert "RINGCOLL_DIRECT_BYTES / direct_bytes= differs between ranks: rank 0: 1, rank 1: 0" in message
-    for message in spawn(_max_setting, 2, timeout=60):
+    for message in spawn(_settings, 2, [None, None], ["1M", "2M"], timeout=60):
         assert "RINGCOLL_DIRECT_MAX_BYTES differs between ranks: rank 0: 1048576, rank 1: 2097152" in message
     outcome, = spawn_outcomes(_settings, 1, [-1], timeout=60)
     assert outcome.value == "Communicator: direct_bytes must be >= 0 (0: never read peers directly), got -1"
