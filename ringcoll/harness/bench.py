@@ -973,7 +973,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--buffer-bytes", default=None, help="registered buffer per rank (default 4M)")
     p.add_argument("--direct-bytes", default=None,
                    help="all-gathers from this size read peers directly (one copy) where the kernel allows; 0: "
-                        "always through the slots (default: RINGCOLL_DIRECT_BYTES or 64K)")
+                        "always through the slots (default: RINGCOLL_DIRECT_BYTES or 16K)")
     p.add_argument("--algorithm", choices=list(ALGORITHMS), default="auto",
                    help="ring: the ring at every size; oneshot: the one-shot path wherever the message fits one "
                         "slot (both without the all-gather's direct reads, unless --direct-bytes); auto (default): "
