@@ -306,11 +306,13 @@ void HostComm::fail(const char* op, const std::string& message) {
   throw E(broken_reason_);
 }
 
-void HostComm::wait_for(int peer, const uint64_t* address, uint64_t target, const char* event) {
+void HostComm::wait_for(int peer, const uint64_t* address, uint64_t target, const char* event,
+                        const std::function<void()>& before_giving_up) {
   std::string why;
   const WaitResult result =
       wait_flag_at_least(address, target, policy_, [&] { return peers_look_alive(&why); });
   if (result == WaitResult::kReady) return;
+  if (before_giving_up) before_giving_up();
 
   std::ostringstream msg;
   msg << "rank " << rank_ << " ";
@@ -336,17 +338,28 @@ void HostComm::wait_for(int peer, const uint64_t* address, uint64_t target, cons
 }
 
 void HostComm::check_call(const char* op, const CallDescriptor& call) {
+  // A peer that found a mismatch aborts at once, possibly while this rank still waits for a
+  // slower peer's announcement; that peer's own descriptor was published before its abort,
+  // so before giving up on the wait, look for the mismatch here too: every rank of a
+  // mismatched call then raises MismatchError, not a PeerError quoting the peer's abort.
+  auto find_mismatch = [&] {
+    for (int peer = 0; peer < world_; ++peer)
+      if (peer != rank_) fail_if_call_differs(op, call, peer);
+  };
   for (int peer = 0; peer < world_; ++peer) {
     if (peer == rank_) continue;
-    wait_for(peer, &header(peer).descriptor.seq, descriptor_seq_written(calls_), "announce its call");
-    CallDescriptor theirs{};
-    if (compare_descriptor(&header(peer).descriptor, call, calls_, &theirs) != PeerCall::kDiffers) continue;
-    std::ostringstream msg;
-    msg << "mismatched collective calls (call " << calls_ << " on this communicator): rank " << rank_ << " called "
-        << describe_call(call) << " but rank " << peer << " called " << describe_call(theirs)
-        << "; no data was moved";
-    fail<MismatchError>(op, msg.str());
+    wait_for(peer, &header(peer).descriptor.seq, descriptor_seq_written(calls_), "announce its call", find_mismatch);
+    fail_if_call_differs(op, call, peer);
   }
+}
+
+void HostComm::fail_if_call_differs(const char* op, const CallDescriptor& call, int peer) {
+  CallDescriptor theirs{};
+  if (compare_descriptor(&header(peer).descriptor, call, calls_, &theirs) != PeerCall::kDiffers) return;
+  std::ostringstream msg;
+  msg << "mismatched collective calls (call " << calls_ << " on this communicator): rank " << rank_ << " called "
+      << describe_call(call) << " but rank " << peer << " called " << describe_call(theirs) << "; no data was moved";
+  fail<MismatchError>(op, msg.str());
 }
 
 void HostComm::ensure_usable(const char* op) const {

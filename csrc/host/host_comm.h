@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -157,7 +158,10 @@ class HostComm {
   // Wait until header(peer).<flag> >= target; throws (and breaks the communicator) on
   // timeout or when a peer is known to be gone. `event` names what the peer should do
   // ("publish", ...); the message also gives the ring position set by set_position.
-  void wait_for(int peer, const uint64_t* flag, uint64_t target, const char* event);
+  // `before_giving_up`, if given, runs first when the wait fails and may throw an error of
+  // its own that says more (the call check's: a peer that aborted on a mismatch).
+  void wait_for(int peer, const uint64_t* flag, uint64_t target, const char* event,
+                const std::function<void()>& before_giving_up = {});
   void wait_for(int peer, Flag SegmentHeader::*flag, uint64_t target, const char* event) {
     wait_for(peer, &(header(peer).*flag).value, target, event);
   }
@@ -197,6 +201,8 @@ class HostComm {
   void wait_all_consumed(uint64_t target);
   // Compare my published `call` with every peer's (descriptor.h); throws MismatchError.
   void check_call(const char* op, const CallDescriptor& call);
+  // Throw MismatchError if `peer` has announced this call and it differs from `call`.
+  void fail_if_call_differs(const char* op, const CallDescriptor& call, int peer);
 
   int rank_, world_;
   size_t buffer_bytes_, slot_bytes_, small_bytes_, direct_bytes_, direct_max_bytes_;
