@@ -30,45 +30,18 @@ DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name, _code, _s
 #: torch dtype -> the code of reduce.h's DType enum
 DTYPE_CODES: dict[torch.dtype, int] = {getattr(torch, name): code for name, code, _size, _floating in _C.dtype_table}
 FLOATING_DTYPES = frozenset(getattr(torch, name) for name, _code, _size, floating in _C.dtype_table if floating)
-#: the same by code, for the checks after a tensor's dtype has been turned into its code
-DTYPE_OF_CODE: dict[int, torch.dtype] = {code: dtype for dtype, code in DTYPE_CODES.items()}
-ITEM_SIZES: dict[int, int] = {code: size for _name, code, size, _floating in _C.dtype_table}  # code -> bytes
-FLOATING_CODES = frozenset(DTYPE_CODES[dtype] for dtype in FLOATING_DTYPES)
 
 
-def dtype_code(op_name: str, dtype: torch.dtype) -> int:
-    try:
-        return DTYPE_CODES[dtype]
-    except KeyError:
-        supported = ", ".join(str(d).replace("torch.", "") for d in DTYPE_CODES)
-        raise TypeError(f"{op_name}: unsupported dtype {dtype}; ringcoll supports {supported}") from None
-
-
-def _torch_ops() -> dict:
-    """torch.distributed.ReduceOp's values -> ours (built on first use: torch.distributed
-    need not be imported for ringcoll's own ops)."""
-    import torch.distributed as dist
-
-    return {getattr(dist.ReduceOp, ours.name): ours for ours in ReduceOp if hasattr(dist.ReduceOp, ours.name)}
-
-
-_TORCH_OPS: dict = {}
-# Every op object known so far by id(): ringcoll's members from the start, torch's once read.
-# Each is one object for the life of the process (enum members; torch's ReduceOp.SUM etc. are
-# class attributes, also kept alive by _TORCH_OPS's keys), so no other live object can have
-# its id; a lookup by id skips the hash and == of both kinds, which run in Python (Enum) or
-# through pybind11 (torch): a few hundred nanoseconds a call.
-_OPS_BY_ID: dict = {id(ours): ours for ours in ReduceOp}
+#: torch.distributed.ReduceOp's values -> ours (torch imports torch.distributed with itself;
+#: a build without it has none).
+_TORCH_OPS: dict = ({getattr(torch.distributed.ReduceOp, ours.name): ours for ours in ReduceOp
+                     if hasattr(torch.distributed.ReduceOp, ours.name)} if torch.distributed.is_available() else {})
 
 
 def reduce_op(op_name: str, op) -> ReduceOp:
     """ringcoll.ReduceOp from a ringcoll.ReduceOp or a torch.distributed.ReduceOp value."""
-    ours = _OPS_BY_ID.get(id(op))
-    if ours is not None:
-        return ours
-    if not _TORCH_OPS:
-        _TORCH_OPS.update(_torch_ops())
-        _OPS_BY_ID.update({id(theirs): ours for theirs, ours in _TORCH_OPS.items()})
+    if isinstance(op, ReduceOp):
+        return op
     try:
         return _TORCH_OPS[op]
     except (KeyError, TypeError):  # not one of them, or a value that cannot be hashed (PREMUL_SUM's)
@@ -83,14 +56,26 @@ def reduce_op(op_name: str, op) -> ReduceOp:
                      + ", ".join(o.name for o in ReduceOp))
 
 
-def op_code(op_name: str, op, dtype: int) -> int:
-    """reduce.h's code of `op` for a tensor whose dtype has code `dtype` (dtype_code's)."""
-    ours = _OPS_BY_ID.get(id(op))  # every call asks this: the lookup reduce_op starts with, minus its frame
-    if ours is None:
-        ours = reduce_op(op_name, op)
-    if ours is _AVG and dtype not in FLOATING_CODES:
-        raise ValueError(f"{op_name}: ReduceOp.AVG is only defined for floating dtypes, not {DTYPE_OF_CODE[dtype]}")
-    return int(ours)
+#: The one CPU device object communicators hold: the checks know it by identity (a tensor on
+#: it is `t.is_cpu`, one attribute read instead of building and comparing a device).
+CPU = torch.device("cpu")
 
 
-_AVG = ReduceOp.AVG  # a module global: an enum member's lookup costs a call's worth of time
+def _configure_tensor_checks() -> None:
+    """Hand the extension's argument checks (csrc/bindings/tensor_checks.h) what they know by
+    identity: torch.Tensor, the CPU device, every dtype's code, and the ReduceOp objects a
+    call names (ringcoll's and torch.distributed's). Any other op object goes to reduce_op,
+    which resolves it or raises."""
+    ops = [(ours, int(ours)) for ours in ReduceOp] + [(theirs, int(ours)) for theirs, ours in _TORCH_OPS.items()]
+    _C.configure_tensor_checks(torch.Tensor, CPU, reduce_op, list(DTYPE_CODES.items()), ops)
+
+
+_configure_tensor_checks()
+
+#: dtype_code(op_name, dtype): reduce.h's code of a torch dtype; TypeError naming the op if
+#: ringcoll does not support it.
+dtype_code = _C.dtype_code
+#: op_code(op_name, op, dtype_code): reduce.h's code of `op` (a ringcoll or torch.distributed
+#: ReduceOp) for a tensor of that dtype; ValueError naming the op for an unknown op, or AVG
+#: on an integer dtype.
+op_code = _C.op_code

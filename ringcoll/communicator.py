@@ -30,7 +30,7 @@ import torch
 
 from ringcoll import _C, packing
 from ringcoll.bootstrap import bootstrap_for
-from ringcoll._types import ITEM_SIZES, ReduceOp, dtype_code, op_code
+from ringcoll._types import CPU, ReduceOp, op_code
 from ringcoll.errors import RingcollError
 from ringcoll.transports import CollectiveCall, Settings, new_call, transport_for
 from ringcoll.views import as_device_array, check_count, tensor_view
@@ -181,17 +181,10 @@ class PreparedCollective:
         return None
 
 
-_CPU = torch.device("cpu")  # the one CPU device object communicators hold (checked by identity: it is per call)
-
 # How the two tensors of a pair relate (_check_pair's `sizes`): as large as each other
 # (all_reduce's output=), output = world_size x input (all-gather: input is a rank's chunk of
 # output), input = world_size x output (reduce-scatter: output is a rank's chunk of input).
-EQUAL, GATHER, SCATTER = "equal", "gather", "scatter"
-
-
-def _overlaps(a_start: int, a_bytes: int, b_start: int, b_bytes: int) -> bool:
-    """Whether two byte ranges share an address (empty ones never do)."""
-    return a_bytes > 0 and b_bytes > 0 and a_start < b_start + b_bytes and b_start < a_start + a_bytes
+EQUAL, GATHER, SCATTER = _C.EQUAL_SIZES, _C.GATHER_SIZES, _C.SCATTER_SIZES
 
 
 def _call(collective: str, src: torch.Tensor, dst: torch.Tensor, user_count: int, dtype: int,
@@ -206,9 +199,9 @@ class ArgumentChecks:
     one in training/hierarchical.py). They read ``self.device``, ``self.world_size`` and
     ``self.rank``, and raise TypeError / ValueError naming the op before anything moves.
 
-    Each tensor attribute read costs ~0.1 us (a sixth of a small call's binding), so a check
-    reads each attribute once and hands back what the call needs of it; error messages are
-    only built once a check has failed."""
+    The checks of one tensor and of a pair are the extension's (csrc/bindings/tensor_checks.h),
+    which the CPU transport's plain calls also run without coming back to Python; the list
+    forms build on them here."""
 
     device: torch.device
     world_size: int
@@ -217,48 +210,15 @@ class ArgumentChecks:
     def _check_tensor(self, op: str, what: str, t) -> tuple[int, int, int]:
         """`t` is a contiguous tensor on this communicator's device of a supported dtype;
         returns (dtype code, address, element count)."""
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{op}: {what} must be a torch.Tensor, got {type(t).__name__}")
-        if not (t.is_cpu if self.device is _CPU else t.device == self.device):
-            raise ValueError(f"{op}: {what} is on {t.device}, but this communicator serves {self.device}")
-        if not t.is_contiguous():
-            raise ValueError(f"{op}: {what} must be contiguous")
-        return dtype_code(op, t.dtype), t.data_ptr(), t.numel()
+        return _C.check_tensor(op, what, t, self.device)
 
     def _check_pair(self, op: str, output: torch.Tensor, input: torch.Tensor,
-                    sizes: str) -> tuple[int, int, int, int, int]:
+                    sizes: int) -> tuple[int, int, int, int, int]:
         """Both tensors valid, of one dtype, sized as `sizes` (EQUAL, GATHER, SCATTER) says, and
         either disjoint or the smaller one exactly this rank's chunk of the larger (for equal
         sizes: the same tensor); returns (dtype code, input address, input count, output
         address, output count)."""
-        dtype, out_start, out_count = self._check_tensor(op, "output", output)
-        in_dtype, in_start, in_count = self._check_tensor(op, "input", input)
-        if dtype != in_dtype:  # one code per dtype
-            raise TypeError(f"{op}: output dtype {output.dtype} differs from input dtype {input.dtype}")
-        if sizes is SCATTER:
-            whole_start, whole_count, part_start, part_count = in_start, in_count, out_start, out_count
-        else:
-            whole_start, whole_count, part_start, part_count = out_start, out_count, in_start, in_count
-        chunks = 1 if sizes is EQUAL else self.world_size
-        if whole_count != part_count * chunks:  # in integers: exact for any world size
-            raise ValueError(f"{op}: output has {out_count} elements, expected {self._expected_output(sizes, in_count)}")
-        # In place means the smaller tensor is exactly this rank's chunk of the larger one
-        # (for equal sizes: the same tensor).
-        item = ITEM_SIZES[dtype]
-        chunk_offset = 0 if sizes is EQUAL else self.rank * part_count * item
-        if part_start != whole_start + chunk_offset and _overlaps(whole_start, whole_count * item,
-                                                                  part_start, part_count * item):
-            raise ValueError(f"{op}: output and input overlap; in place, the smaller one must be exactly "
-                             f"this rank's chunk (rank {self.rank}) of the larger one")
-        return dtype, in_start, in_count, out_start, out_count
-
-    def _expected_output(self, sizes: str, input_count: int) -> str:
-        """The output size `sizes` asks for, as _check_pair's message says it."""
-        if sizes is EQUAL:
-            return f"input size ({input_count})"
-        if sizes is GATHER:
-            return f"world_size ({self.world_size}) x input size ({input_count}) = {input_count * self.world_size}"
-        return f"input size ({input_count}) / world_size ({self.world_size}) = {input_count / self.world_size:g}"
+        return _C.check_pair(op, output, input, sizes, self.device, self.rank, self.world_size)
 
     def _check_list(self, op: str, what: str, tensors, reference: torch.Tensor) -> int:
         """`tensors`: world_size valid tensors like `reference`; returns the dtype's code."""
@@ -365,7 +325,7 @@ class Communicator(ArgumentChecks):
         """Settings every transport shares, validated before any rank allocates anything."""
         self._bootstrap = bootstrap_for(group)
         self.group = getattr(self._bootstrap, "group", group)  # a process group, or the in-process rank
-        self.device = _CPU if device.type == "cpu" else device
+        self.device = CPU if device.type == "cpu" else device
         self.timeout = resolve_timeout(timeout)
         self.buffer_bytes = _resolve_buffer_bytes(buffer_bytes)
         self.check = _resolve_check(check)
@@ -450,6 +410,9 @@ class Communicator(ArgumentChecks):
         ``output`` (keyword, not in torch.distributed): write the result there instead and
         leave ``tensor`` unchanged, NCCL's out-of-place form.
         """
+        plain = self._transport.plain_calls
+        if plain is not None and not async_op:  # checked and run in one binding call
+            return plain.all_reduce_tensor(tensor, output, op)
         return self._submit(*self._all_reduce_call("all_reduce", tensor, op, output), async_op)
 
     def _all_reduce_call(self, name: str, tensor, op, output):
@@ -479,6 +442,9 @@ class Communicator(ArgumentChecks):
                               async_op: bool = False):
         """``output = op over ranks of input.view(P, -1)[rank]``; input has P x output.numel()
         elements. In place when output is exactly chunk ``rank`` of input."""
+        plain = self._transport.plain_calls
+        if plain is not None and not async_op:
+            return plain.reduce_scatter_tensor(output, input, op)
         return self._submit(*self._reduce_scatter_call("reduce_scatter_tensor", output, input, op), async_op)
 
     def _reduce_scatter_call(self, name: str, output, input, op):
@@ -491,6 +457,9 @@ class Communicator(ArgumentChecks):
                                async_op: bool = False):
         """``output_tensor.view(P, -1)[r] = input_tensor on rank r`` for every r. In place when
         input_tensor is exactly chunk ``rank`` of output_tensor."""
+        plain = self._transport.plain_calls
+        if plain is not None and not async_op:
+            return plain.all_gather_into_tensor(output_tensor, input_tensor)
         return self._submit(*self._all_gather_call("all_gather_into_tensor", output_tensor, input_tensor), async_op)
 
     def _all_gather_call(self, name: str, output, input):

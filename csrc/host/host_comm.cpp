@@ -370,6 +370,7 @@ void HostComm::ensure_usable(const char* op) const {
 
 template <typename Early, typename Body>
 void HostComm::run_collective(const char* op, const CallDescriptor& call, Early&& early, Body&& body) {
+  std::lock_guard<std::mutex> lock(one_call_at_a_time_);
   ensure_usable(op);
   current_op_ = op;
   ++calls_;
@@ -646,6 +647,7 @@ void HostComm::barrier() {
 }
 
 void HostComm::close() {
+  std::lock_guard<std::mutex> lock(one_call_at_a_time_);
   segments_.clear();  // unmaps; the names were unlinked at bootstrap
   closed_ = true;
 }

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -129,6 +130,7 @@ class HostComm {
   void close();
 
   bool check_calls() const { return check_calls_; }
+  bool closed() const { return closed_; }
   int rank() const { return rank_; }
   int world() const { return world_; }
   size_t slot_bytes() const { return slot_bytes_; }
@@ -227,6 +229,9 @@ class HostComm {
   struct { int64_t slice, slices; int step, steps; bool one_shot, direct; } position_{};  // for error messages
   std::string broken_reason_;
   bool closed_ = false;
+  // One call at a time on the ring, whichever thread makes it: Python orders a rank's calls
+  // (transports/host.py), but a plain call runs without taking its lock (bind_host.cpp).
+  std::mutex one_call_at_a_time_;
 };
 
 }  // namespace ringcoll::host

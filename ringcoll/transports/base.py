@@ -17,6 +17,8 @@ validated the arguments and turned them into a :class:`CollectiveCall`. The inte
     launch_on_stream(call, stream)   run `call` on a caller-given stream (CUDA only)
     bind(call)                  (optional) a zero-argument callable running `call`
                                 synchronously by the shortest path: Communicator.prepare_*
+    plain_calls                 (optional) what checks and runs a synchronous tensor-form call
+                                in one go (HostComm), while nothing queued must go first
     barrier(async_op)           return (or a Completion) once every rank has entered
     synchronize()               block until everything submitted so far finished
     close(wait_for_peers)       release the buffers (the Communicator calls it once)
@@ -84,6 +86,10 @@ class Transport:
     CudaComm) and how a broken ring is seen through it."""
 
     _comm = None
+    # The extension object whose all_reduce_tensor, reduce_scatter_tensor and
+    # all_gather_into_tensor check a synchronous plain call and run it in one binding call,
+    # while the Communicator may hand it such a call (None: never, or not now).
+    plain_calls = None
 
     @property
     def broken(self) -> bool:

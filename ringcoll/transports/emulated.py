@@ -36,6 +36,7 @@ class EmulatedCudaTransport:
 
     slot_alignment = _C.cuda_slot_alignment
     takes_arrays = False
+    plain_calls = None  # every call goes through the Python path, as on CUDA
 
     @staticmethod
     def resolve_device(device):

@@ -126,11 +126,18 @@ class CallQueue:
         finally:
             self._lock.release()
 
+    @property
+    def idle(self) -> bool:
+        """Nothing queued or running on the worker (as of the last synchronize)."""
+        return self._last_async is None
+
     def synchronize(self) -> None:
         """Wait until the queued calls have run; their errors are their Works'."""
         pending = self._last_async
         if pending is not None:
             concurrent.futures.wait([pending])
+            if self._last_async is pending:  # nothing queued since: the worker is idle
+                self._last_async = None
 
     def close(self, last: Callable[[], None]) -> None:
         """Finish the queued calls, then run `last` (the release) alone."""
@@ -165,6 +172,7 @@ class HostTransport(Transport):
                                  settings.timeout, settings.check, settings.small_bytes, settings.direct_bytes,
                                  settings.direct_max_bytes)
         self._calls = CallQueue()
+        self.plain_calls = self._comm
 
     def submit(self, call: CollectiveCall, outputs: list, keep_alive: Sequence, async_op: bool,
                then: Optional[Callable[[], None]] = None) -> Optional[ThreadCompletion]:
@@ -173,8 +181,15 @@ class HostTransport(Transport):
                 self._calls.run_now(self._comm.run, *call)
             else:
                 self._calls.run_now(self._run, call, then)
+            self._plain_calls_when_idle()
             return None
-        return self._calls.submit(lambda: self._run(call, then), async_op)
+        completion = self._calls.submit(lambda: self._run(call, then), async_op)
+        self._plain_calls_when_idle()  # not until the queue is drained: later calls must wait for it
+        return completion
+
+    def _plain_calls_when_idle(self) -> None:
+        """Hand the Communicator the plain calls again once the worker has nothing queued."""
+        self.plain_calls = self._comm if self._calls.idle else None
 
     def _run(self, call: CollectiveCall, then: Optional[Callable[[], None]]) -> None:
         self._comm.run(*call)  # one binding call takes the whole record (bind_host.cpp)
@@ -186,11 +201,14 @@ class HostTransport(Transport):
         return functools.partial(self._calls.run_now, self._comm.run, *call)
 
     def barrier(self, async_op: bool) -> Optional[ThreadCompletion]:
-        return self._calls.submit(self._comm.barrier, async_op)
+        completion = self._calls.submit(self._comm.barrier, async_op)
+        self._plain_calls_when_idle()
+        return completion
 
     def synchronize(self) -> None:
         """Wait until the queued async calls have run; their errors are their Works'."""
         self._calls.synchronize()
+        self._plain_calls_when_idle()
 
     @property
     def one_shot_calls(self) -> int:

@@ -4,12 +4,13 @@ test machine runs: sizes are compared in integers, so every world size is exact.
 import pytest
 import torch
 
-from ringcoll.communicator import EQUAL, GATHER, SCATTER, ArgumentChecks, _CPU
+from ringcoll._types import CPU
+from ringcoll.communicator import EQUAL, GATHER, SCATTER, ArgumentChecks
 
 
 class Checks(ArgumentChecks):
     def __init__(self, world_size: int, rank: int = 0):
-        self.device, self.world_size, self.rank = _CPU, world_size, rank
+        self.device, self.world_size, self.rank = CPU, world_size, rank
 
 
 @pytest.mark.parametrize("world", [3, 49, 98, 127])
