@@ -155,7 +155,7 @@ class PreparedCollective:
 
     Each run still makes sure the tensors are where and what they were when prepared (the
     same address, size and dtype: what the extension writes by), at a few attribute reads
-    instead of the full checks; a tensor resized, re-pointed (``t.data = ...``, ``set_``) or
+    instead of the full checks (on the CPU in the same binding call as the run); a tensor resized, re-pointed (``t.data = ...``, ``set_``) or
     recast since raises ValueError naming the op before anything moves. The values may
     change freely between runs. Like every collective, each run must be made on every rank.
     """
@@ -169,16 +169,27 @@ class PreparedCollective:
         self._run_now = bind(call) if bind is not None else None
 
     def __call__(self, async_op: bool = False):
-        for t, layout in zip(self._tensors, self._layout):
-            if (t.data_ptr(), t.numel(), t.dtype) != layout:
-                raise ValueError(f"{self._name}: a tensor of this prepared call changed since it was prepared "
-                                 f"(address, size or dtype: now {t.dtype}, {t.numel()} elements; was "
-                                 f"{layout[2]}, {layout[1]}); prepare the call again")
+        plain = self._comm._transport.plain_calls
+        if plain is not None and not async_op:  # the layout check and the run in one binding call
+            if not plain.run_prepared(self._name, self._tensors, self._layout, *self._call):
+                raise self._changed()
+            return None
+        if not _C.same_layout(self._tensors, self._layout):
+            raise self._changed()
         self._comm._ensure_open(self._name)
         if async_op or self._run_now is None:
             return self._comm._submit(self._call, self._outputs, self._inputs, async_op)
         self._run_now()
         return None
+
+    def _changed(self) -> ValueError:
+        """The error of a run whose tensors are no longer as prepared."""
+        for t, layout in zip(self._tensors, self._layout):
+            if not _C.same_layout((t,), (layout,)):
+                return ValueError(f"{self._name}: a tensor of this prepared call changed since it was prepared "
+                                  f"(address, size or dtype: now {t.dtype}, {t.numel()} elements; was "
+                                  f"{layout[2]}, {layout[1]}); prepare the call again")
+        raise AssertionError("_changed called on an unchanged prepared call")
 
 
 # How the two tensors of a pair relate (_check_pair's `sizes`): as large as each other

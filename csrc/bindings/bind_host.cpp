@@ -28,9 +28,33 @@ using ringcoll::bindings::check_tensor;
 using ringcoll::bindings::cpu_device;
 using ringcoll::bindings::op_code;
 using ringcoll::bindings::PairSizes;
+using ringcoll::bindings::same_layout;
 
 void ensure_open(const HostComm& c, const char* op) {
   if (c.closed()) throw ringcoll::Error(std::string(op) + ": communicator is closed");
+}
+
+void run_call(HostComm& c, const std::string& collective, uintptr_t in, uintptr_t out, int64_t count, int dtype,
+              std::optional<int> op) {
+  const auto d = static_cast<DType>(dtype);
+  if (collective == "all_gather") return c.all_gather(as_ptr(in), as_mut_ptr(out), count, d);
+  RINGCOLL_CHECK(op.has_value(), std::invalid_argument, collective, ": a reduction needs an op");
+  const auto o = static_cast<ReduceOp>(*op);
+  if (collective == "all_reduce") return c.all_reduce(as_ptr(in), as_mut_ptr(out), count, d, o);
+  RINGCOLL_CHECK(collective == "reduce_scatter", std::invalid_argument, "unknown collective ", collective);
+  c.reduce_scatter(as_ptr(in), as_mut_ptr(out), count, d, o);
+}
+
+// A prepared call (Communicator.prepare_*), synchronous, nothing queued: false, and nothing
+// runs, if a tensor changed since it was prepared (Python says how); otherwise it runs.
+bool run_prepared(HostComm& c, const std::string& name, py::handle tensors, py::handle layout,
+                  const std::string& collective, uintptr_t in, uintptr_t out, int64_t count, int dtype,
+                  std::optional<int> op) {
+  if (!same_layout(tensors, layout)) return false;
+  ensure_open(c, name.c_str());
+  py::gil_scoped_release release;
+  run_call(c, collective, in, out, count, dtype, op);
+  return true;
 }
 
 void all_reduce_tensor(HostComm& c, py::handle tensor, py::handle output, py::handle op) {
@@ -121,18 +145,9 @@ void bind_host(py::module_& m) {
       // The whole CollectiveCall (transports/base.py) in one call, as HostTransport passes it:
       // (collective, src, dst, user_count, dtype, op); op is None for all_gather. One
       // binding call instead of a Python-level unpack and a method lookup per collective.
-      .def("run",
-           [](HostComm& c, const std::string& collective, uintptr_t in, uintptr_t out, int64_t count, int dtype,
-              std::optional<int> op) {
-             const auto d = static_cast<DType>(dtype);
-             if (collective == "all_gather") return c.all_gather(as_ptr(in), as_mut_ptr(out), count, d);
-             RINGCOLL_CHECK(op.has_value(), std::invalid_argument, collective, ": a reduction needs an op");
-             const auto o = static_cast<ReduceOp>(*op);
-             if (collective == "all_reduce") return c.all_reduce(as_ptr(in), as_mut_ptr(out), count, d, o);
-             RINGCOLL_CHECK(collective == "reduce_scatter", std::invalid_argument, "unknown collective ", collective);
-             c.reduce_scatter(as_ptr(in), as_mut_ptr(out), count, d, o);
-           },
-           py::call_guard<py::gil_scoped_release>())
+      .def("run", &run_call, py::call_guard<py::gil_scoped_release>())
+      .def("run_prepared", &run_prepared, py::arg("name"), py::arg("tensors"), py::arg("layout"),
+           py::arg("collective"), py::arg("src"), py::arg("dst"), py::arg("count"), py::arg("dtype"), py::arg("op"))
       .def("all_reduce_tensor", &all_reduce_tensor, py::arg("tensor"), py::arg("output"), py::arg("op"))
       .def("reduce_scatter_tensor", &reduce_scatter_tensor, py::arg("output"), py::arg("input"), py::arg("op"))
       .def("all_gather_into_tensor", &all_gather_into_tensor, py::arg("output"), py::arg("input"))

@@ -89,6 +89,20 @@ std::string supported_dtypes() {
 
 py::handle cpu_device() { return known().cpu_device; }
 
+bool same_layout(py::handle tensors, py::handle layout) {
+  const Registry& r = known();
+  const auto ts = py::reinterpret_borrow<py::tuple>(tensors);
+  const auto recorded = py::reinterpret_borrow<py::tuple>(layout);
+  if (ts.size() != recorded.size()) return false;
+  for (size_t i = 0; i < ts.size(); ++i) {
+    const auto was = py::reinterpret_borrow<py::tuple>(recorded[i]);  // (address, count, dtype)
+    if (!call(ts[i], r.data_ptr).equal(was[0]) || !call(ts[i], r.numel).equal(was[1]) ||
+        get(ts[i], r.dtype).ptr() != was[2].ptr())
+      return false;
+  }
+  return true;
+}
+
 int dtype_code(const char* op, py::handle dtype) {
   for (const auto& [known_dtype, code] : known().dtypes)
     if (known_dtype.ptr() == dtype.ptr()) return code;
@@ -183,6 +197,8 @@ void bind_tensor_checks(py::module_& m) {
       },
       py::arg("op"), py::arg("output"), py::arg("input"), py::arg("sizes"), py::arg("device"), py::arg("rank"),
       py::arg("world"), "(dtype code, input address, input count, output address, output count)");
+  m.def("same_layout", &same_layout, py::arg("tensors"), py::arg("layout"),
+        "whether each tensor still has the (address, element count, dtype) recorded for it");
   m.def(
       "dtype_code", [](const std::string& op, py::handle dtype) { return dtype_code(op.c_str(), dtype); },
       py::arg("op"), py::arg("dtype"));

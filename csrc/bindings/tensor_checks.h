@@ -47,6 +47,9 @@ PairFacts check_pair(const char* op, py::handle output, py::handle input, PairSi
 int dtype_code(const char* op, py::handle dtype);
 // reduce.h's ReduceOp code of `reduce_op` for a tensor of dtype code `dtype` (AVG: floating only).
 int op_code(const char* op, py::handle reduce_op, int dtype);
+// Whether each of `tensors` still has the (address, element count, dtype object) that
+// `layout` recorded for it when its call was prepared (Communicator.prepare_*).
+bool same_layout(py::handle tensors, py::handle layout);
 // The registered CPU torch.device (what a CPU communicator's `device` is).
 py::handle cpu_device();
 

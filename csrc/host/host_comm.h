@@ -68,17 +68,34 @@ struct SegmentHeader {
 };
 static_assert(sizeof(SegmentHeader) <= kHeaderBytes, "header must fit its page");
 
+// The one-shot all-reduce folds all P copies of the whole message on every rank, where the
+// ring combines 1/P of it per rank: P-1 combines of n elements against (P-1)/P n. A 16-bit
+// float combine (widen, add, round once: host_vector16.h) costs about three times a
+// float32's per byte, so for these dtypes (the only 2-byte ones in reduce.h) the extra
+// combines outweigh the saved ring steps sixteen times sooner: the one-shot all-reduce of
+// float16 / bfloat16 stops at small_bytes / 16, 4 KiB by default (bench/crossover.py --paths
+// oneshot, bench/results/2026-12-01-cpu-plain-calls.txt: at P = 2 the ring is level at 2-4 KiB
+// and 25-37% faster from 8 KiB; at P = 4 on two cores the one-shot is 20% faster at 4-8 KiB).
+// Reduce-scatter's one-shot combines only its own chunk, as the ring does.
+constexpr size_t kSixteenBitOneShotShare = 16;
+
+// The largest message (bytes) that may take the one-shot path, for this collective and element size.
+inline size_t one_shot_limit(Collective coll, int elem_size, size_t small_bytes) {
+  return coll == Collective::kAllReduce && elem_size == 2 ? small_bytes / kSixteenBitOneShotShare : small_bytes;
+}
+
 // Whether a call may take the one-shot path (host_comm.cpp, run_one_shot) rather than the
 // ring; an all-gather that reads its peers directly (direct_read_fits) does that instead:
 // there are peers, the message (ring_count x elem_size bytes, nccl-tests' size) is not empty
-// and at most `small_bytes`, and what each rank publishes (its whole input; for all-gather
-// its own part, 1/P of the message) fits one slot. Mirrored by
-// ringcoll/learning/schedule.py's one_shot_fits (tests/pure/test_schedule.py ties them).
+// and at most one_shot_limit (`small_bytes`, less for 16-bit all-reduce), and what each rank
+// publishes (its whole input; for all-gather its own part, 1/P of the message) fits one
+// slot. Mirrored by ringcoll/learning/schedule.py's one_shot_fits (tests/pure/test_schedule.py ties them).
 inline bool one_shot_fits(Collective coll, int64_t ring_count, int elem_size, int world, size_t small_bytes,
                           size_t slot_bytes) {
   const size_t message = static_cast<size_t>(ring_count) * static_cast<size_t>(elem_size);
   const size_t published = coll == Collective::kAllGather ? message / static_cast<size_t>(world) : message;
-  return world > 1 && message > 0 && message <= small_bytes && published <= slot_bytes;
+  return world > 1 && message > 0 && message <= one_shot_limit(coll, elem_size, small_bytes) &&
+         published <= slot_bytes;
 }
 
 // Direct reads stop paying once the message is this large: the kernel's copy then costs

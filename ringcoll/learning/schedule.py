@@ -142,6 +142,7 @@ __all__ = [
     "Simulation",
     "simulate",
     "one_shot_fits",
+    "one_shot_limit",
     "OneShotRank",
     "simulate_one_shot",
     "direct_read_fits",
@@ -452,16 +453,30 @@ def simulate(
 # The one-shot path (csrc/host/host_comm.h: one_shot_fits; host_comm.cpp: run_one_shot)
 
 
+#: The one-shot all-reduce of a 16-bit float (the only 2-byte dtypes) stops at small_bytes
+#: divided by this: every rank folds all P copies of the whole message, and a 16-bit combine
+#: costs about three times a float32's per byte (csrc/host/host_comm.h, one_shot_limit).
+SIXTEEN_BIT_ONE_SHOT_SHARE = 16
+
+
+def one_shot_limit(coll: Collective, elem_size: int, small_bytes: int) -> int:
+    """The largest message (bytes) that may take the one-shot path."""
+    if coll == Collective.ALL_REDUCE and elem_size == 2:
+        return small_bytes // SIXTEEN_BIT_ONE_SHOT_SHARE
+    return small_bytes
+
+
 def one_shot_fits(coll: Collective, ring_count: int, elem_size: int, world: int, small_bytes: int,
                   slot_bytes: int) -> bool:
     """Whether a call takes the one-shot path rather than the ring: there are peers, the
     message (``ring_count * elem_size`` bytes, nccl-tests' size) is not empty and at most
-    ``small_bytes``, and what each rank publishes (its whole input; for all-gather its own
-    part, 1/P of the message) fits one slot. Depends only on the call and on settings every
-    rank agreed on, so every rank takes the same path."""
+    ``one_shot_limit`` (``small_bytes``; a sixteenth of it for a 16-bit all-reduce), and what
+    each rank publishes (its whole input; for all-gather its own part, 1/P of the message)
+    fits one slot. Depends only on the call and on settings every rank agreed on, so every
+    rank takes the same path."""
     message = ring_count * elem_size
     published = message // world if coll == Collective.ALL_GATHER else message
-    return world > 1 and 0 < message <= small_bytes and published <= slot_bytes
+    return world > 1 and 0 < message <= one_shot_limit(coll, elem_size, small_bytes) and published <= slot_bytes
 
 
 def direct_read_fits(coll: Collective, ring_count: int, elem_size: int, direct_reads: bool, direct_bytes: int,

@@ -404,9 +404,9 @@ def test_simulate_property(coll, world, n, seed):
 @pytest.mark.parametrize("world", WORLDS)
 def test_one_shot_fits_matches_cpp(world):
     for coll in COLLS:
-        for ring_count in (0, 1, world, 255, 256, 257, 1024, 1025, 4096 * world):
+        for ring_count in (0, 1, world, 255, 256, 257, 1024, 1025, 2048, 2049, 4096 * world):
             for elem in (1, 2, 4, 8):
-                for small in (0, 1024, 4096):
+                for small in (0, 1024, 4096, 65536):
                     for slot in (512, 1024, 2048):
                         args = (coll, ring_count, elem, world, small, slot)
                         assert S.one_shot_fits(*args) == _C.one_shot_fits(int(coll), *args[1:]), args
@@ -441,3 +441,7 @@ def test_one_shot_fits_bounds():
     assert not S.one_shot_fits(ar, 1024, 4, 2, 1 << 20, 4095)  # the whole input must fit one slot
     assert S.one_shot_fits(ag, 2048, 4, 2, 8192, 4096)  # all-gather publishes only its 1/P
     assert not S.one_shot_fits(ar, 0, 4, 2, 4096, 4096) and not S.one_shot_fits(ar, 8, 4, 1, 4096, 4096)
+    # 16-bit floats: the all-reduce stops at a sixteenth (every rank folds all P copies), the others do not
+    rs, small = Collective.REDUCE_SCATTER, 64 << 10
+    assert S.one_shot_fits(ar, 2048, 2, 2, small, 1 << 20) and not S.one_shot_fits(ar, 2049, 2, 2, small, 1 << 20)
+    assert S.one_shot_fits(rs, 32768, 2, 2, small, 1 << 20) and S.one_shot_fits(ag, 32768, 2, 2, small, 1 << 20)
