@@ -3,12 +3,16 @@ float32 on the CPU host transport, beside the prepared form and the bare binding
 
     OMP_NUM_THREADS=1 python bench/small_call.py        # P=1: one rank in this process
     OMP_NUM_THREADS=1 python bench/small_call.py 2      # P=2: two processes (torch multiprocessing)
+    OMP_NUM_THREADS=1 MPI4PY_MPIABI=openmpi mpirun.openmpi --allow-run-as-root -np 2 \
+        python bench/small_call.py mpi                  # P=2 under mpirun, Open MPI's calls beside
 
 Each case runs REPS blocks of CALLS calls (environment; default 40 x 1000), in turn with the
 others, so that a busy moment of a shared machine hits all of them; a case's number is its
 fastest block's mean per call (short blocks: on a loaded machine most long ones get
 descheduled), with the median beside it. At P=2 a barrier starts each block on both ranks and
 rank 0 prints. "_C run" is HostComm.run on the same tensor: the floor the Python layers sit on.
+Under mpirun the cases also hold mpi4py's Allreduce, Reduce_scatter_block and Allgather on
+numpy views of the same tensors, timed in turn with ringcoll's in the same processes.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Optional
 
 import torch
 
@@ -44,8 +49,21 @@ def cases(comm, group) -> dict:
     }
 
 
-def measure(comm, group, barrier) -> dict:
-    calls = cases(comm, group)
+def mpi_cases(mpi) -> dict:
+    """Open MPI's three calls on the same sizes (float32 numpy views), as ringcoll-bench times them."""
+    world = mpi.COMM_WORLD.size
+    t, out = torch.ones(COUNT).numpy(), torch.empty(COUNT).numpy()
+    whole, shard, gathered = torch.ones(COUNT * world).numpy(), torch.empty(COUNT).numpy(), torch.empty(COUNT * world).numpy()
+    world_comm = mpi.COMM_WORLD
+    return {
+        "mpi Allreduce out of place": lambda: world_comm.Allreduce(t, out, op=mpi.SUM),
+        "mpi Reduce_scatter_block": lambda: world_comm.Reduce_scatter_block(whole, shard, op=mpi.SUM),
+        "mpi Allgather": lambda: world_comm.Allgather(t, gathered),
+    }
+
+
+def measure(comm, group, barrier, extra: Optional[dict] = None) -> dict:
+    calls = {**cases(comm, group), **(extra or {})}
     for fn in calls.values():
         for _ in range(200):
             fn()
@@ -88,9 +106,26 @@ def rank_main(rank: int, world: int) -> None:
     dist.destroy_process_group()
 
 
+def mpi_main() -> None:
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    torch.set_num_threads(1)
+    world = MPI.COMM_WORLD
+    address = world.bcast(f"tcp://127.0.0.1:{29533 + os.getpid() % 1000}" if world.rank == 0 else None)
+    dist.init_process_group("gloo", init_method=address, rank=world.rank, world_size=world.size)
+    results = measure(ringcoll.get_communicator(), None, world.Barrier, mpi_cases(MPI))
+    if world.rank == 0:
+        report(results, world.size)
+    ringcoll.destroy_communicators()
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    if sys.argv[1:] == ["2"]:
+    if sys.argv[1:] == ["mpi"]:
+        mpi_main()
+    elif sys.argv[1:] == ["2"]:
         import torch.multiprocessing as mp
 
         mp.spawn(rank_main, args=(2,), nprocs=2)

@@ -282,7 +282,9 @@ class Communicator(ArgumentChecks):
     default ``RINGCOLL_CHECK`` or on. It must be the same on all ranks. ``small_bytes``
     (CPU): messages of at most this many bytes that fit one slot of the buffer take the
     one-shot path (one publication per rank, every rank combines all P copies) instead of
-    the ring; 0 turns it off; default ``RINGCOLL_SMALL_BYTES`` or 64 KiB. It must be the
+    the ring (an all-reduce of float16 / bfloat16 up to a sixteenth of it: every rank folds
+    the whole message, and their combines are dear); 0 turns it off; default
+    ``RINGCOLL_SMALL_BYTES`` or 64 KiB. It must be the
     same on all ranks (checked). ``direct_bytes`` (CPU): all-gathers of at least this many
     bytes, and under ``RINGCOLL_DIRECT_MAX_BYTES`` (default 8 MiB: from there the buffer's
     pipeline is faster), read every peer's input straight into the output (one copy, Linux cross-memory attach) where every rank

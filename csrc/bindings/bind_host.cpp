@@ -1,4 +1,5 @@
-// bind_host.cpp: the shared-memory transport. Takes raw addresses (no libtorch); releases
+// bind_host.cpp: the shared-memory transport. Takes raw addresses, or for the plain calls the
+// tensors themselves, read through the Python C API (tensor_checks.h; no libtorch); releases
 // the GIL for every collective so async work and other Python threads keep running.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -164,6 +165,7 @@ void bind_host(py::module_& m) {
       .def_property_readonly("direct_reads", &HostComm::direct_reads)
       .def_property_readonly("direct_reads_unavailable", &HostComm::direct_reads_unavailable)
       .def_property_readonly("direct_calls", &HostComm::direct_calls)
+      .def_property_readonly("oversubscribed", &HostComm::oversubscribed)
       .def_property_readonly("broken", &HostComm::broken)
       .def_property_readonly("broken_reason", &HostComm::broken_reason)
       .def_property("timeout", &HostComm::timeout, &HostComm::set_timeout);

@@ -32,14 +32,16 @@ size_t streaming_threshold_bytes() {
   return threshold;
 }
 
+bool ranks_outnumber_cores(int world) {
+  const unsigned cores = std::thread::hardware_concurrency();
+  return cores != 0 && static_cast<unsigned>(world) > cores;
+}
+
 WaitPolicy host_wait_policy(int world, double timeout_seconds) {
   WaitPolicy policy;
   policy.timeout_seconds = timeout_seconds;
-  const unsigned cores = std::thread::hardware_concurrency();
-  if (cores != 0 && static_cast<unsigned>(world) > cores) {
-    // Oversubscribed: the peer we wait for may need this very core, so yield at once.
-    policy.spin_ns = 0;
-  }
+  // Oversubscribed: the peer we wait for may need this very core, so yield at once.
+  if (ranks_outnumber_cores(world)) policy.spin_ns = 0;
   return policy;
 }
 
@@ -253,14 +255,18 @@ void HostComm::probe_direct_reads() {
       failed = "rank " + std::to_string(rank_) + " cannot read rank " + std::to_string(peer) + ": " + failed;
   }
   std::strncpy(me.probe_failure, failed.c_str(), sizeof(me.probe_failure) - 1);
+  me.cores_short = ranks_outnumber_cores(world_) ? 1 : 0;
   flag_store_release(&me.probed.value, failed.empty() ? kProbeReadAll : kProbeFailed);
-  // All ranks take the same AND of the same P results; the reason quoted is the first seen.
+  // All ranks take the same AND of the same P results (and OR of the cores); the reason
+  // quoted is the first seen.
+  oversubscribed_ = me.cores_short != 0;
   for (int peer = 0; peer < world_; ++peer) {
     if (peer == rank_) continue;
     wait_for(peer, &SegmentHeader::probed, kProbeReadAll, "probe direct reads");
     const SegmentHeader& h = header(peer);
     if (failed.empty() && flag_load_acquire(&h.probed.value) == kProbeFailed)
       failed = header_text(h.probe_failure);
+    oversubscribed_ = oversubscribed_ || h.cores_short != 0;
   }
   direct_reads_ = failed.empty();
   direct_unavailable_ = failed;
@@ -570,8 +576,15 @@ void HostComm::finish_one_shot(const RingCall& call, const OneShotPublication& m
 // past a peer's input. No slot is touched, so the ring's numbering is untouched too.
 
 bool HostComm::uses_direct_read(const RingCall& call) const {
-  return direct_read_fits(call.collective, call.ring_count, call.elem_size, direct_reads_, direct_bytes_,
-                          direct_max_bytes_);
+  if (!direct_read_fits(call.collective, call.ring_count, call.elem_size, direct_reads_, direct_bytes_,
+                        direct_max_bytes_))
+    return false;
+  // With more ranks than cores each round of handshakes may wait for the scheduler, and a
+  // direct read takes two (the posts; the reads done) to the one-shot's one: there the
+  // one-shot path goes first (P = 4 on two cores, 4-64 KiB: the one-shot 0.7-0.8x the direct
+  // read's time, bench/results/2026-12-01-cpu-plain-calls.txt).
+  return !(oversubscribed_ && one_shot_fits(call.collective, call.ring_count, call.elem_size, world_, small_bytes_,
+                                            slot_bytes_));
 }
 
 void HostComm::post_direct_input(const void* input, size_t bytes) {

@@ -58,6 +58,9 @@ struct SegmentHeader {
   uint64_t probe_address, probe_token;
   Flag probed;
   char probe_failure[256];
+  // Whether the owner has fewer cores than there are ranks (host_wait_policy's test),
+  // written before `probed`: every rank ORs them, so all order the paths alike.
+  uint64_t cores_short;
   // The direct-read all-gather: the owner's input for call `call` lies at `address`
   // (`bytes` long); `call` is stored last, with release. `direct_read` = c: the owner has
   // read every peer's input of call c, so each peer may let go of its own.
@@ -115,6 +118,8 @@ inline bool direct_read_fits(Collective coll, int64_t ring_count, int elem_size,
          message < direct_max_bytes;
 }
 
+// Whether `world` ranks outnumber this machine's cores (some then wait for the scheduler).
+bool ranks_outnumber_cores(int world);
 // How host waits spend their time: spinning only pays when every rank has a core.
 WaitPolicy host_wait_policy(int world, double timeout_seconds);
 
@@ -163,6 +168,9 @@ class HostComm {
   bool direct_reads() const { return direct_reads_; }
   const std::string& direct_reads_unavailable() const { return direct_unavailable_; }
   bool uses_direct_read(const RingCall& call) const;
+  // Whether some rank has fewer cores than there are ranks (agreed at the probe): the
+  // one-shot path then goes before direct reads (uses_direct_read).
+  bool oversubscribed() const { return oversubscribed_; }
   uint64_t direct_calls() const { return direct_calls_; }  // how many read directly (for tests)
   bool broken() const { return !broken_reason_.empty(); }
   const std::string& broken_reason() const { return broken_reason_; }
@@ -238,6 +246,7 @@ class HostComm {
   uint64_t unconfirmed_one_shot_ = 0;
   uint64_t probe_token_ = 0;  // what peers read back at bootstrap (peer_memory.h)
   bool direct_reads_ = false;
+  bool oversubscribed_ = false;
   std::string direct_unavailable_ = "off";
   uint64_t direct_calls_ = 0;
   static constexpr size_t kBounceBytes = 256 << 10;  // well inside L2: staged there, then streamed out

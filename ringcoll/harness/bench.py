@@ -665,6 +665,7 @@ def direct_reads_row(comm) -> dict:
     transport = comm.transport
     on = getattr(transport, "direct_reads", False)
     return {"kind": "direct_reads", "on": on, "from_bytes": comm.direct_bytes, "below_bytes": comm.direct_max_bytes,
+            "after_one_shot": on and transport.oversubscribed,
             "why": "" if on else getattr(transport, "direct_reads_unavailable", "not on this transport")}
 
 
@@ -853,6 +854,7 @@ def format_table(rows: list[dict], world: int, config: Config, fitted: dict, not
             head += "; ringcoll's calls prepared (checked once, Communicator.prepare_*)"
         if name == "all_gather" and direct is not None and config.device != "cuda":
             head += (f"; reads peers directly (one copy) from {direct['from_bytes']} to {direct['below_bytes']} bytes"
+                     + (" where the one-shot path does not (more ranks than cores)" if direct.get("after_one_shot") else "")
                      if direct["on"]
                      else f"; direct reads off ({direct['why']})")
         lines += ["", head]

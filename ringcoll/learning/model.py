@@ -33,7 +33,10 @@ alpha + (P-1) n/beta, i.e. below n* = (2P-3) P / ((P-1)(P-2)) * alpha * beta
 wins; reduce-scatter and all-gather read the same bytes as the ring at every P, so the model
 has them win always too. What bounds them in practice is what the model leaves out: the
 copy into the slot (n bytes for all-reduce and reduce-scatter, which the ring spreads over
-its steps) and that a slot must hold it. docs/communication.md has the measured crossover.
+its steps) and that a slot must hold it, and the combines: the one-shot all-reduce makes
+(P-1) n of them per rank, the ring (P-1)/P n, which for float16 / bfloat16 (about three
+times float32's cost per byte) moves the crossover down to a few KiB (the transport's
+one_shot_limit). docs/communication.md has the measured crossovers.
 
 Copies per byte: the all-gather between processes (the CPU transport). Nothing crosses a
 link there; what costs is the copies, each a pass of the bytes through memory. For a

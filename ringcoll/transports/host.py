@@ -226,6 +226,12 @@ class HostTransport(Transport):
         return self._comm.direct_reads_unavailable
 
     @property
+    def oversubscribed(self) -> bool:
+        """Whether some rank has fewer cores than there are ranks (agreed at bootstrap, where
+        direct reads are on): the one-shot path then goes before direct reads."""
+        return self._comm.oversubscribed
+
+    @property
     def direct_calls(self) -> int:
         """How many all-gathers read peers directly (for tests)."""
         return self._comm.direct_calls

@@ -237,6 +237,22 @@ def test_crossover_script_checks_and_times_both_paths():
             bench.parse_bytes(size)), done.stdout
 
 
+def test_small_call_script_times_every_case():
+    """bench/small_call.py, whose figures the docs quote for the per-call cost: it runs each
+    case at P = 2 (processes), the binding floor among them."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, os.path.join(root, "bench", "small_call.py"), "2"], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": root, "REPS": "1", "CALLS": "3"})
+    assert done.returncode == 0, done.stderr
+    for case in ("all_reduce in place", "reduce_scatter_tensor", "all_gather_into_tensor", "prepared all_reduce",
+                 "_C run (floor)"):
+        assert case in done.stdout, done.stdout
+
+
 def test_in_process_mode_runs_checked(tmp_path, capsys):
     """--in-process: the ranks as threads of this process, every result checked, the header
     naming the run mode, and no reference (none can run in one process)."""

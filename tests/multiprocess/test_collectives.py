@@ -48,6 +48,7 @@ from __future__ import annotations
 import datetime
 import functools
 import hashlib
+import os
 import zlib
 
 import pytest
@@ -549,14 +550,19 @@ ONE_SHOT_PER_RANK = 4096  # run_one_shot_cases' threshold is P x this many bytes
 
 
 def _reads_directly(comm, coll, ring_count, elem) -> bool:
-    """Whether this call reads its peers directly on `comm` (which goes before the one-shot path)."""
-    return direct_read_fits(coll, ring_count, elem, comm.transport.direct_reads, comm.direct_bytes,
-                            comm.direct_max_bytes)
+    """Whether this call reads its peers directly on `comm` (which goes before the one-shot
+    path, unless the ranks outnumber the cores: HostComm::uses_direct_read)."""
+    return (direct_read_fits(coll, ring_count, elem, comm.transport.direct_reads, comm.direct_bytes,
+                             comm.direct_max_bytes)
+            and not (comm.transport.oversubscribed and _fits_one_shot(comm, coll, ring_count, elem)))
+
+
+def _fits_one_shot(comm, coll, ring_count, elem) -> bool:
+    return one_shot_fits(coll, ring_count, elem, comm.world_size, comm.small_bytes, comm.transport.slot_bytes)
 
 
 def _takes_one_shot(comm, coll, ring_count, elem) -> bool:
-    return (one_shot_fits(coll, ring_count, elem, comm.world_size, comm.small_bytes, comm.transport.slot_bytes)
-            and not _reads_directly(comm, coll, ring_count, elem))
+    return _fits_one_shot(comm, coll, ring_count, elem) and not _reads_directly(comm, coll, ring_count, elem)
 
 
 def _one_shot_expected(comm, coll, ring_counts, elem, repeats=1) -> int:
@@ -652,10 +658,11 @@ def run_direct_read_cases(chk, rank, world):
         run_gather_cases(chk, rank, world, comms, torch.float32, [streamed], ("out_of_place", "in_place"), "stream")
         run_async_cases(chk, rank, world, comm, comm)
 
-    # In turn: the one-shot path below P x 1 KiB, direct reads (which go before it) from there
-    # to RINGCOLL_DIRECT_MAX_BYTES = P x 4 KiB, the ring above (past small_bytes too).
+    # In turn: the one-shot path below P x 1 KiB, direct reads (which go before it, unless the
+    # ranks outnumber the cores: then from P x 1.5 KiB, past the one-shot) from there to
+    # RINGCOLL_DIRECT_MAX_BYTES = P x 4 KiB, the ring above (past small_bytes too).
     with _communicator_with_direct_max(world * ONE_SHOT_PER_RANK, buffer_bytes=1 << 16,
-                                       small_bytes=world * ONE_SHOT_PER_RANK, direct_bytes=world * 1024) as comm:
+                                       small_bytes=world * 1536, direct_bytes=world * 1024) as comm:
         counts = [1, 2048, ONE_SHOT_PER_RANK + 904, 2, 1024, 3]  # int8: bytes per rank
         one_shot, direct = comm.transport.one_shot_calls, comm.transport.direct_calls
         run_gather_cases(chk, rank, world, [("mixed", comm)], torch.int8, counts, ("out_of_place", "in_place"),
@@ -667,6 +674,10 @@ def run_direct_read_cases(chk, rank, world):
         rings = 2 * len(counts) - sum(got)
         if got != want or (world > 1 and (0 in got or rings == 0)):
             chk.fail("mixed all_gather", f"(one-shot, direct) calls {got}, expected {want}, {rings} on the ring")
+        chk.checked += 1
+        if world > 1 and comm.transport.oversubscribed != (world > os.cpu_count()):
+            chk.fail("mixed all_gather", f"oversubscribed is {comm.transport.oversubscribed} with {world} ranks "
+                                         f"on {os.cpu_count()} cores")
 
 
 def run_skewed_unchecked_cases(chk, rank, world, calls=150):
