@@ -8,7 +8,8 @@ both.
 --paths oneshot: small_bytes=0 (always the ring) against small_bytes=2**62 (the one-shot
 path wherever the message fits one slot), no direct reads in either. --paths direct:
 direct_bytes=0 (all-gather through the slots: the one-shot path, then the ring) against
-direct_bytes=1 (every all-gather reads its peers directly; RINGCOLL_DIRECT_MAX_BYTES
+direct_bytes=1 and small_bytes=0 (every all-gather reads its peers directly, also where the
+one-shot path would go first because the ranks outnumber the cores; RINGCOLL_DIRECT_MAX_BYTES
 lifted, so that the table shows where both default bounds come from). The buffer is the default 4 MiB. For
 every collective and size each rank first checks both results against the values it
 computes itself (the inputs of ringcoll-bench: small integers, exact in every summation
@@ -35,7 +36,7 @@ ALWAYS_ONE_SHOT = 1 << 62
 PATHS = {
     "oneshot": (("ring", {"small_bytes": 0, "direct_bytes": 0}),
                 ("oneshot", {"small_bytes": ALWAYS_ONE_SHOT, "direct_bytes": 0}), "one_shot_calls"),
-    "direct": (("slots", {"direct_bytes": 0}), ("direct", {"direct_bytes": 1}), "direct_calls"),
+    "direct": (("slots", {"direct_bytes": 0}), ("direct", {"direct_bytes": 1, "small_bytes": 0}), "direct_calls"),
 }
 # Environment of the ranks: the direct path without its upper bound, which is what this measures.
 PATH_ENV = {"direct": {"RINGCOLL_DIRECT_MAX_BYTES": str(1 << 62)}}

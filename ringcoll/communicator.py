@@ -155,9 +155,10 @@ class PreparedCollective:
 
     Each run still makes sure the tensors are where and what they were when prepared (the
     same address, size and dtype: what the extension writes by), at a few attribute reads
-    instead of the full checks (on the CPU in the same binding call as the run); a tensor resized, re-pointed (``t.data = ...``, ``set_``) or
-    recast since raises ValueError naming the op before anything moves. The values may
-    change freely between runs. Like every collective, each run must be made on every rank.
+    instead of the full checks (on the CPU in the same binding call as the run); a tensor
+    resized, re-pointed (``t.data = ...``, ``set_``) or recast since raises ValueError naming
+    the op before anything moves. The values may change freely between runs. Like every
+    collective, each run must be made on every rank.
     """
 
     def __init__(self, comm: "Communicator", name: str, call: CollectiveCall, outputs: list, inputs: Sequence):
