@@ -43,7 +43,7 @@ DEFAULT_SMALL_BYTES = 64 << 10
 # CPU: all-gathers from this size on, and below the second, read each peer's input directly
 # (csrc/host/peer_memory.h) where the kernel allows it; measured in bench/results/2026-12-01-cpu-direct-read.txt.
 DEFAULT_DIRECT_BYTES = 16 << 10
-DEFAULT_DIRECT_MAX_BYTES = _C.host_default_direct_max_bytes  # 8 MiB
+DEFAULT_DIRECT_MAX_BYTES = _C.host_default_direct_max_bytes  # 32 MiB
 _SIZE_SUFFIXES = {"": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
                   "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
 
@@ -287,7 +287,7 @@ class Communicator(ArgumentChecks):
     the whole message, and their combines are dear); 0 turns it off; default
     ``RINGCOLL_SMALL_BYTES`` or 64 KiB. It must be the
     same on all ranks (checked). ``direct_bytes`` (CPU): all-gathers of at least this many
-    bytes, and under ``RINGCOLL_DIRECT_MAX_BYTES`` (default 8 MiB: from there the buffer's
+    bytes, and under ``RINGCOLL_DIRECT_MAX_BYTES`` (default 32 MiB: from there the buffer's
     pipeline is faster), read every peer's input straight into the output (one copy, Linux cross-memory attach) where every rank
     may read every peer (probed once; otherwise they go through
     the buffer as before: ``transport.direct_reads`` says which, ``transport.direct_reads_unavailable`` why);

@@ -628,9 +628,11 @@ void HostComm::run_direct_all_gather(const RingCall& call, const void* input, vo
                                        "'s input (call " + std::to_string(calls_) + ", direct read): " + failed);
   }
   flag_store_release(&header(rank_).direct_read.value, calls_);
-  // My own chunk last: the copy overlaps the peers still reading my input.
+  // My own chunk last: the copy overlaps the peers still reading my input. From a few
+  // megabytes the reads above have pushed the output's lines out of cache, so an ordinary
+  // store would first read each line it overwrites: stream it (kDirectOwnStreamBytes).
   copy_strip(static_cast<char*>(nullptr), out + static_cast<size_t>(rank_) * chunk, static_cast<const char*>(input),
-             static_cast<int64_t>(chunk), stream);
+             static_cast<int64_t>(chunk), stream || static_cast<size_t>(call.ring_count) >= kDirectOwnStreamBytes);
   for (int peer = 0; peer < world_; ++peer)
     if (peer != rank_) wait_for(peer, &SegmentHeader::direct_read, calls_, "finish reading this rank's input");
 }

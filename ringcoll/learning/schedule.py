@@ -91,8 +91,8 @@ The direct-read all-gather (CPU transport)
 Through the slots every byte of an all-gather is copied twice on its way: by its owner
 into a slot, and by each reader out of it. Where every rank may read every peer's memory
 (``process_vm_readv``, probed at bootstrap; :func:`direct_read_fits` mirrors the test) and
-the message is between ``direct_bytes`` and ``direct_max_bytes`` (16 KiB and 8 MiB by
-default; below 16 KiB the one-shot path, above 8 MiB the ring), ``run_direct_all_gather`` in
+the message is between ``direct_bytes`` and ``direct_max_bytes`` (16 KiB and 32 MiB by
+default; below 16 KiB the one-shot path, from 32 MiB the ring), ``run_direct_all_gather`` in
 ``csrc/host/host_comm.cpp`` skips the slots. Rank k
 
 1. posts where its input lies (address, bytes, call number) in its own header;

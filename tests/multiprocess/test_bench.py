@@ -215,7 +215,7 @@ def test_direct_bytes_option_says_which_all_gather_path_ran(capsys):
     args = ["-b", "128K", "-e", "128K", "-w", "1", "-n", "2", "--trials", "1", "--min-ms", "1", "--collectives",
             "all_gather", "--no-gloo", "--no-mpi", "--no-deepspeed", "--no-ccl", "--no-progress", "--no-check-cost"]
     assert bench.main(args + ["--direct-bytes", "64K"]) == 0
-    assert "reads peers directly (one copy) from 65536 to 8388608 bytes" in capsys.readouterr().out
+    assert "reads peers directly (one copy) from 65536 to 33554432 bytes" in capsys.readouterr().out
     assert bench.main(args + ["--direct-bytes", "0"]) == 0
     assert "direct reads off (off)" in capsys.readouterr().out
 

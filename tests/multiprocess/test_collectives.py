@@ -633,8 +633,8 @@ def _communicator_with_direct_max(max_bytes: int, **settings):
 def run_direct_read_cases(chk, rank, world):
     """The direct-read all-gather against gloo: every dtype x form at 1, P-1, P+1 and a
     prime count per rank (direct_bytes=1, small_bytes=0, no upper bound: every non-empty
-    all-gather reads its peers directly); a message past the streaming threshold (the bounce buffer, with a
-    piece left over); one communicator where one-shot, ring and direct calls alternate; the
+    all-gather reads its peers directly); a message past 2 MiB (the own chunk streamed) and one
+    past the streaming threshold (the bounce buffer, with a piece left over); one communicator where one-shot, ring and direct calls alternate; the
     async queue. Counts that the path was taken exactly where direct_read_fits says."""
     # Without the upper bound, so that the streamed case, past the default bound, reads
     # directly too.
@@ -655,7 +655,9 @@ def run_direct_read_cases(chk, rank, world):
             if taken != expected or (world > 1 and taken == 0):
                 chk.fail(f"direct all_gather {_name(dtype)}", f"{taken} direct calls, expected {expected}")
         streamed = (8 << 20) // (4 * world) + (256 << 10) // 4 + 7  # float32, output past 8 MiB
-        run_gather_cases(chk, rank, world, comms, torch.float32, [streamed], ("out_of_place", "in_place"), "stream")
+        own_streamed = (2 << 20) // (4 * world) + 3  # past 2 MiB: only the own chunk takes streaming stores
+        run_gather_cases(chk, rank, world, comms, torch.float32, [own_streamed, streamed], ("out_of_place", "in_place"),
+                         "stream")
         run_async_cases(chk, rank, world, comm, comm)
 
     # In turn: the one-shot path below P x 1 KiB, direct reads (which go before it, unless the

@@ -423,7 +423,7 @@ def test_direct_read_fits_matches_cpp():
 
 
 def test_direct_read_fits_bounds():
-    ag, ar, top = Collective.ALL_GATHER, Collective.ALL_REDUCE, 8 << 20
+    ag, ar, top = Collective.ALL_GATHER, Collective.ALL_REDUCE, 32 << 20
     assert S.direct_read_fits(ag, 4096, 1, True, 4096, top)
     assert not S.direct_read_fits(ag, 4095, 1, True, 4096, top)  # under the threshold
     assert not S.direct_read_fits(ag, 4096, 1, False, 4096, top)  # a probe failed
