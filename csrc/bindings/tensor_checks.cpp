@@ -132,7 +132,7 @@ TensorFacts check_tensor(const char* op, const char* what, py::handle t, py::han
                           text(device));
   if (!truth(call(t, r.is_contiguous))) fail<py::value_error>(op, ": ", what, " must be contiguous");
   const int dtype = dtype_code(op, get(t, r.dtype));
-  const auto address = static_cast<uintptr_t>(reinterpret_cast<uintptr_t>(PyLong_AsVoidPtr(call(t, r.data_ptr).ptr())));
+  const auto address = reinterpret_cast<uintptr_t>(PyLong_AsVoidPtr(call(t, r.data_ptr).ptr()));
   if (PyErr_Occurred()) throw py::error_already_set();
   return {dtype, address, as_int(call(t, r.numel))};
 }
