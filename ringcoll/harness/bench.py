@@ -517,6 +517,9 @@ def _stepper(call: Callable[[], None], config: Config, rank: int) -> Callable[[]
     return step
 
 
+CALIBRATION_CALLS = 5  # calls timed one by one to size the timed loop
+
+
 def calibrate(call: Callable[[], None], backend: Backend, config: Config, rank: int) -> int:
     """Warm up, then the iterations a timed loop needs to last --min-ms (the same on every rank)."""
     step = _stepper(call, config, rank)
@@ -526,10 +529,16 @@ def calibrate(call: Callable[[], None], backend: Backend, config: Config, rank: 
     backend.barrier()
     step()  # absorbs the barrier's exit skew
     backend.synchronize()
-    start = time.perf_counter()
-    step()
-    backend.synchronize()
-    one = backend.reduce_over_ranks(time.perf_counter() - start, "max")
+    # The quickest of a few calls on each rank, then the slowest rank's: one call timed alone
+    # can catch a rank descheduled for a time slice (ranks outnumbering cores), and the loop
+    # would then run a few dozen calls, each trial at the mercy of one more such slice.
+    quickest = math.inf
+    for _ in range(CALIBRATION_CALLS):
+        start = time.perf_counter()
+        step()
+        backend.synchronize()
+        quickest = min(quickest, time.perf_counter() - start)
+    one = backend.reduce_over_ranks(quickest, "max")
     return max(config.iters, min(100000, math.ceil(config.min_seconds / max(one, 1e-9))))
 
 
