@@ -53,7 +53,8 @@ def mpi_cases(mpi) -> dict:
     """Open MPI's three calls on the same sizes (float32 numpy views), as ringcoll-bench times them."""
     world = mpi.COMM_WORLD.size
     t, out = torch.ones(COUNT).numpy(), torch.empty(COUNT).numpy()
-    whole, shard, gathered = torch.ones(COUNT * world).numpy(), torch.empty(COUNT).numpy(), torch.empty(COUNT * world).numpy()
+    whole, shard = torch.ones(COUNT * world).numpy(), torch.empty(COUNT).numpy()
+    gathered = torch.empty(COUNT * world).numpy()
     world_comm = mpi.COMM_WORLD
     return {
         "mpi Allreduce out of place": lambda: world_comm.Allreduce(t, out, op=mpi.SUM),
@@ -94,31 +95,30 @@ def one_rank() -> None:
     report(ringcoll.run_in_process(1, fn)[0], 1)
 
 
-def rank_main(rank: int, world: int) -> None:
+def measure_ranked(rank: int, world: int, address: str, barrier=None, extra: Optional[dict] = None) -> None:
+    """One of `world` processes: a gloo group at `address`, the cases (and `extra`) timed
+    with `barrier` (default the group's) starting each block; rank 0 prints."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29533", rank=rank, world_size=world)
-    results = measure(ringcoll.get_communicator(), None, dist.barrier)
+    dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world)
+    results = measure(ringcoll.get_communicator(), None, barrier or dist.barrier, extra)
     if rank == 0:
         report(results, world)
     ringcoll.destroy_communicators()
     dist.destroy_process_group()
 
 
+def rank_main(rank: int, world: int) -> None:
+    measure_ranked(rank, world, "tcp://127.0.0.1:29533")
+
+
 def mpi_main() -> None:
-    import torch.distributed as dist
     from mpi4py import MPI
 
-    torch.set_num_threads(1)
     world = MPI.COMM_WORLD
     address = world.bcast(f"tcp://127.0.0.1:{29533 + os.getpid() % 1000}" if world.rank == 0 else None)
-    dist.init_process_group("gloo", init_method=address, rank=world.rank, world_size=world.size)
-    results = measure(ringcoll.get_communicator(), None, world.Barrier, mpi_cases(MPI))
-    if world.rank == 0:
-        report(results, world.size)
-    ringcoll.destroy_communicators()
-    dist.destroy_process_group()
+    measure_ranked(world.rank, world.size, address, world.Barrier, mpi_cases(MPI))
 
 
 if __name__ == "__main__":

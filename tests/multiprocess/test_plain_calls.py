@@ -38,41 +38,33 @@ def test_the_binding_and_the_python_path_refuse_alike():
         f32, n = torch.float32, 4
         with ringcoll.Communicator(group=group) as comm:
             whole = torch.full((world * n,), -7.0)
-            bad = {
-                "all_reduce": [
-                    (torch.ones(n, dtype=torch.bool),), (torch.ones(2 * n)[::2],), ([1.0],),
-                    (torch.ones(n, dtype=torch.int32), ringcoll.ReduceOp.AVG), (torch.ones(n), "bxor"),
-                ],
-                "all_reduce output": [
-                    (torch.ones(n), torch.empty(n + 1)), (torch.ones(n), torch.empty(n, dtype=torch.float64)),
-                    (whole[:n], whole[1:n + 1]),
-                ],
-                "reduce_scatter_tensor": [
-                    (torch.empty(n), torch.ones(world * n + 1)), (torch.empty(n, dtype=torch.int32), whole),
-                    (whole[(rank + 1) % world * n:][:n] if world > 1 else whole[1:], whole),
-                    (torch.empty(n, dtype=torch.complex64), torch.ones(world * n, dtype=torch.complex64)),
-                ],
-                "all_gather_into_tensor": [
-                    (torch.empty(world * n - 1), torch.ones(n)), (torch.empty(world * n), torch.ones(2 * n, dtype=f32)[::2]),
-                    (torch.empty(world * n), torch.ones(n, device="meta")), (whole, whole[1:n + 1]),
-                ],
-            }
+            ones, empty, AVG = torch.ones, torch.empty, ringcoll.ReduceOp.AVG
+            # (method, args, keywords): each refused the same way, synchronous or async.
+            bad = [
+                ("all_reduce", (ones(n, dtype=torch.bool),), {}),
+                ("all_reduce", (ones(2 * n)[::2],), {}),
+                ("all_reduce", ([1.0],), {}),
+                ("all_reduce", (ones(n, dtype=torch.int32),), {"op": AVG}),
+                ("all_reduce", (ones(n),), {"op": "bxor"}),
+                ("all_reduce", (ones(n),), {"output": empty(n + 1)}),
+                ("all_reduce", (ones(n),), {"output": empty(n, dtype=torch.float64)}),
+                ("all_reduce", (whole[:n],), {"output": whole[1:n + 1]}),
+                ("reduce_scatter_tensor", (empty(n), ones(world * n + 1)), {}),
+                ("reduce_scatter_tensor", (empty(n, dtype=torch.int32), whole), {}),
+                ("reduce_scatter_tensor", (whole[(rank + 1) % world * n:][:n] if world > 1 else whole[1:], whole), {}),
+                ("reduce_scatter_tensor", (empty(n, dtype=torch.complex64), ones(world * n, dtype=torch.complex64)), {}),
+                ("all_gather_into_tensor", (empty(world * n - 1), ones(n)), {}),
+                ("all_gather_into_tensor", (empty(world * n), ones(2 * n, dtype=f32)[::2]), {}),
+                ("all_gather_into_tensor", (empty(world * n), ones(n, device="meta")), {}),
+                ("all_gather_into_tensor", (whole, whole[1:n + 1]), {}),
+            ]
             differences = []
-            for form, cases in bad.items():
-                for args in cases:
-                    if form == "all_reduce":
-                        sync = lambda: comm.all_reduce(*args[:1], op=args[1] if len(args) > 1 else ringcoll.ReduceOp.SUM)
-                        queued = lambda: comm.all_reduce(*args[:1], op=args[1] if len(args) > 1 else ringcoll.ReduceOp.SUM,
-                                                         async_op=True)
-                    elif form == "all_reduce output":
-                        sync = lambda: comm.all_reduce(args[0], output=args[1])
-                        queued = lambda: comm.all_reduce(args[0], output=args[1], async_op=True)
-                    else:
-                        method = getattr(comm, form)
-                        sync, queued = (lambda: method(*args)), (lambda: method(*args, async_op=True))
-                    first, second = _refusal(sync), _refusal(queued)
-                    if first[0] == "not refused" or first != second:
-                        differences.append(f"{form}{args!r}: binding {first}, python {second}")
+            for name, args, keywords in bad:
+                method = getattr(comm, name)
+                first = _refusal(lambda: method(*args, **keywords))
+                second = _refusal(lambda: method(*args, **keywords, async_op=True))
+                if first[0] == "not refused" or first != second:
+                    differences.append(f"{name}{args!r} {keywords!r}: binding {first}, python {second}")
             assert torch.all(whole == -7.0), "a refused call wrote"
             assert not comm.broken
             return differences
