@@ -45,7 +45,9 @@ py::object checked(PyObject* result) {
   return py::reinterpret_steal<py::object>(result);
 }
 py::object get(py::handle t, const py::object& name) { return checked(PyObject_GetAttr(t.ptr(), name.ptr())); }
-py::object call(py::handle t, const py::object& name) { return checked(PyObject_CallMethodNoArgs(t.ptr(), name.ptr())); }
+py::object call(py::handle t, const py::object& name) {
+  return checked(PyObject_CallMethodNoArgs(t.ptr(), name.ptr()));
+}
 bool truth(const py::object& value) {
   const int v = PyObject_IsTrue(value.ptr());
   if (v < 0) throw py::error_already_set();
@@ -81,7 +83,8 @@ std::string expected_output(PairSizes sizes, int64_t input_count, int world) {
 
 std::string supported_dtypes() {
   std::string names;
-  for (int code = 0; code < kNumDTypes; ++code) names += (code ? ", " : "") + std::string(dtype_info(static_cast<DType>(code)).name);
+  for (int code = 0; code < kNumDTypes; ++code)
+    names += (code ? ", " : "") + std::string(dtype_info(static_cast<DType>(code)).name);
   return names;
 }
 
@@ -124,7 +127,8 @@ TensorFacts check_tensor(const char* op, const char* what, py::handle t, py::han
   const Registry& r = known();
   const int is_tensor = PyObject_IsInstance(t.ptr(), r.tensor_type.ptr());
   if (is_tensor < 0) throw py::error_already_set();
-  if (!is_tensor) fail<py::type_error>(op, ": ", what, " must be a torch.Tensor, got ", text(py::type::handle_of(t).attr("__name__")));
+  if (!is_tensor)
+    fail<py::type_error>(op, ": ", what, " must be a torch.Tensor, got ", text(py::type::handle_of(t).attr("__name__")));
   const bool on_device = device.ptr() == r.cpu_device.ptr() ? truth(get(t, r.is_cpu))
                                                             : get(t, r.device).equal(device);
   if (!on_device)
@@ -191,7 +195,8 @@ void bind_tensor_checks(py::module_& m) {
       "check_pair",
       [](const std::string& op, py::handle output, py::handle input, int sizes, py::handle device, int rank,
          int world) {
-        if (sizes < 0 || sizes > 2) throw py::value_error("check_pair: sizes must be EQUAL_SIZES, GATHER_SIZES or SCATTER_SIZES");
+        if (sizes < 0 || sizes > 2)
+          throw py::value_error("check_pair: sizes must be EQUAL_SIZES, GATHER_SIZES or SCATTER_SIZES");
         const PairFacts f = check_pair(op.c_str(), output, input, static_cast<PairSizes>(sizes), device, rank, world);
         return py::make_tuple(f.dtype, f.input, f.input_count, f.output, f.output_count);
       },
@@ -203,7 +208,8 @@ void bind_tensor_checks(py::module_& m) {
       "dtype_code", [](const std::string& op, py::handle dtype) { return dtype_code(op.c_str(), dtype); },
       py::arg("op"), py::arg("dtype"));
   m.def(
-      "op_code", [](const std::string& op, py::handle reduce_op, int dtype) { return op_code(op.c_str(), reduce_op, dtype); },
+      "op_code",
+      [](const std::string& op, py::handle reduce_op, int dtype) { return op_code(op.c_str(), reduce_op, dtype); },
       py::arg("op"), py::arg("reduce_op"), py::arg("dtype"));
 }
 

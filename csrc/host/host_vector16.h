@@ -1,6 +1,7 @@
 // host_vector16.h: the float16 / bfloat16 reduce loop, 16 elements at a time with AVX2
-// and F16C (two 8-lane halves) or AVX-512 (one 16-lane vector), chosen at run time. The scalar loop in host_strip.h stays the reference: this
-// one must give its bits exactly, for every input (tests/pure/test_reduce.py checks it).
+// and F16C (two 8-lane halves) or AVX-512 (one 16-lane vector), chosen at run time. The
+// scalar loop in host_strip.h stays the reference: this one must give its bits exactly,
+// for every input (tests/pure/test_reduce.py checks it).
 //
 // Why. The wheel is built for plain x86-64 (SSE2), where GCC cannot vectorise reduce.h's
 // branchy float16 conversions at all, and bfloat16 only in part; a 16-bit all-reduce then

@@ -862,10 +862,12 @@ def format_table(rows: list[dict], world: int, config: Config, fitted: dict, not
         if config.prepared:
             head += "; ringcoll's calls prepared (checked once, Communicator.prepare_*)"
         if name == "all_gather" and direct is not None and config.device != "cuda":
-            head += (f"; reads peers directly (one copy) from {direct['from_bytes']} to {direct['below_bytes']} bytes"
-                     + (" where the one-shot path does not (more ranks than cores)" if direct.get("after_one_shot") else "")
-                     if direct["on"]
-                     else f"; direct reads off ({direct['why']})")
+            if not direct["on"]:
+                head += f"; direct reads off ({direct['why']})"
+            else:
+                head += f"; reads peers directly (one copy) from {direct['from_bytes']} to {direct['below_bytes']} bytes"
+                if direct.get("after_one_shot"):
+                    head += " where the one-shot path does not (more ranks than cores)"
         lines += ["", head]
         cols = (f"{'size':>11} {'count':>10} {'type':>8} {'redop':>5} |{'time':>9} {'algbw':>6} {'busbw':>6} "
                 f"{'#wrong':>6} |{'time':>9} {'algbw':>6} {'busbw':>6} {'#wrong':>6}")
