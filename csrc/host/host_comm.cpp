@@ -599,20 +599,6 @@ void HostComm::run_direct_all_gather(const RingCall& call, const void* input, vo
   ++direct_calls_;
   const size_t chunk = static_cast<size_t>(call.ring_count / world_);
   auto* out = static_cast<char*>(output);
-  // Past the cache the kernel's copy would first read every output line it writes; going
-  // through a bounce buffer that stays in cache lets the output take streaming stores.
-  const bool stream = static_cast<size_t>(call.ring_count) >= streaming_threshold_bytes();
-  if (stream && bounce_.empty()) bounce_.resize(kBounceBytes);
-  auto read_input = [&](const SegmentHeader& h, char* to) -> std::string {
-    if (!stream) return read_peer_memory(h.pid, h.direct_post.address, to, chunk);
-    for (size_t done = 0; done < chunk; done += kBounceBytes) {
-      const size_t piece = std::min(kBounceBytes, chunk - done);
-      std::string failed = read_peer_memory(h.pid, h.direct_post.address + done, bounce_.data(), piece);
-      if (!failed.empty()) return failed;
-      stream_copy(to + done, bounce_.data(), piece);
-    }
-    return "";
-  };
   for (int i = 1; i < world_; ++i) {
     const int peer = (rank_ + i) % world_;
     const SegmentHeader& h = header(peer);
@@ -622,7 +608,12 @@ void HostComm::run_direct_all_gather(const RingCall& call, const void* input, vo
                                            std::to_string(h.direct_post.bytes) + " bytes of input but rank " +
                                            std::to_string(rank_) + " expects " + std::to_string(chunk) +
                                            " (call " + std::to_string(calls_) + ")");
-    const std::string failed = read_input(h, out + static_cast<size_t>(peer) * chunk);
+    // Straight into the output: one copy. Staging it in a bounce buffer that stays in cache,
+    // so that the output could take streaming stores, costs a second copy and more than it
+    // saves (P = 2, 8 and 16 MiB, two runs: 1048-1116 and 2191-2247 us staged, 908-1021 and
+    // 1621-1896 straight; bench/results/2026-12-01-cpu-in-place.txt).
+    char* to = out + static_cast<size_t>(peer) * chunk;
+    const std::string failed = read_peer_memory(h.pid, h.direct_post.address, to, chunk);
     if (!failed.empty())
       fail<PeerError>(current_op_, "rank " + std::to_string(rank_) + " could not read rank " + std::to_string(peer) +
                                        "'s input (call " + std::to_string(calls_) + ", direct read): " + failed);
@@ -632,7 +623,7 @@ void HostComm::run_direct_all_gather(const RingCall& call, const void* input, vo
   // megabytes the reads above have pushed the output's lines out of cache, so an ordinary
   // store would first read each line it overwrites: stream it (kDirectOwnStreamBytes).
   copy_strip(static_cast<char*>(nullptr), out + static_cast<size_t>(rank_) * chunk, static_cast<const char*>(input),
-             static_cast<int64_t>(chunk), stream || static_cast<size_t>(call.ring_count) >= kDirectOwnStreamBytes);
+             static_cast<int64_t>(chunk), static_cast<size_t>(call.ring_count) >= kDirectOwnStreamBytes);
   for (int peer = 0; peer < world_; ++peer)
     if (peer != rank_) wait_for(peer, &SegmentHeader::direct_read, calls_, "finish reading this rank's input");
 }

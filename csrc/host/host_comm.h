@@ -254,8 +254,6 @@ class HostComm {
   bool oversubscribed_ = false;
   std::string direct_unavailable_ = "off";
   uint64_t direct_calls_ = 0;
-  static constexpr size_t kBounceBytes = 256 << 10;  // well inside L2: staged there, then streamed out
-  std::vector<char> bounce_;                         // allocated by the first call that streams
   const char* current_op_ = "";
   struct { int64_t slice, slices; int step, steps; bool one_shot, direct; } position_{};  // for error messages
   std::string broken_reason_;

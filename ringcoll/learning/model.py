@@ -62,9 +62,8 @@ neither runs: ``run_call`` (call.h) copies the input to the output, n bytes out 
 nothing in place, which is also what both totals give at P = 1. ``all_gather_copy_time``
 adds the handshakes, ``handshakes * alpha + copied / beta_copy``: the ring's P-1 steps,
 the direct read's 2 (post, done), none for one rank. Left out: the ring makes its P-1
-steps once per slice (a message larger than a slot), and past the streaming threshold the
-direct read goes through a cache-sized bounce buffer, a second copy that stays in cache
-so the output can take streaming stores.
+steps once per slice (a message larger than a slot), and which stores write the output
+(streaming ones past a threshold, not modelled).
 """
 
 from __future__ import annotations
