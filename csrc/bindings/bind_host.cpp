@@ -8,6 +8,7 @@
 #include <string>
 
 #include "../host/host_comm.h"
+#include "../host/host_strip.h"
 #include "ringcoll/check.h"
 #include "tensor_checks.h"
 
@@ -104,6 +105,8 @@ void bind_host(py::module_& m) {
       py::arg("buffer_bytes"), py::arg("world"));
   m.attr("host_slot_alignment") = ringcoll::host::kSlotAlignment;
   m.attr("host_default_direct_max_bytes") = ringcoll::host::kDefaultDirectMaxBytes;
+  // Read once per process from RINGCOLL_STREAMING_BYTES (host_strip.h): for tests.
+  m.def("streaming_threshold_bytes", &ringcoll::host::streaming_threshold_bytes);
   m.def(
       "one_shot_fits",
       [](int collective, int64_t ring_count, int elem_size, int world, size_t small_bytes, size_t slot_bytes) {

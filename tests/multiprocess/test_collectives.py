@@ -35,10 +35,10 @@ dtype x op x form at 1 element, odd counts, exactly at the threshold and one ele
 (the ring), mixed on one communicator so one-shot and ring calls alternate on the same
 slots, and with the call check off under skewed ranks; it counts that the one-shot path
 was taken exactly where ringcoll.learning.schedule.one_shot_fits says. The default
-communicator's all-gathers from 16 KiB (RINGCOLL_DIRECT_BYTES) to 8 MiB read their peers directly,
+communicator's all-gathers from 16 KiB (RINGCOLL_DIRECT_BYTES) up to 32 MiB read their peers directly,
 before the one-shot path;
 run_direct_read_cases checks that path on its own, every dtype x form from one element up
-(direct_bytes=1), past the streaming threshold, alternating with the other two algorithms,
+(direct_bytes=1), past 2 MiB (its own chunk streamed), alternating with the other two algorithms,
 async and (run_skewed_unchecked_cases) skewed with the call check off; counted against
 direct_read_fits likewise.
 """
@@ -633,11 +633,9 @@ def _communicator_with_direct_max(max_bytes: int, **settings):
 def run_direct_read_cases(chk, rank, world):
     """The direct-read all-gather against gloo: every dtype x form at 1, P-1, P+1 and a
     prime count per rank (direct_bytes=1, small_bytes=0, no upper bound: every non-empty
-    all-gather reads its peers directly); a message past 2 MiB (the own chunk streamed) and one
-    past the streaming threshold (the bounce buffer, with a piece left over); one communicator
+    all-gather reads its peers directly); a message past 2 MiB (the own chunk streamed); one communicator
     where one-shot, ring and direct calls alternate; the async queue. Counts that the path was taken exactly where direct_read_fits says."""
-    # Without the upper bound, so that the streamed case, past the default bound, reads
-    # directly too.
+    # Without the upper bound: every case reads directly, whatever the default bound.
     with _communicator_with_direct_max(1 << 62, small_bytes=0, direct_bytes=1) as comm:
         chk.checked += 1
         if world > 1 and not comm.transport.direct_reads:
@@ -654,10 +652,8 @@ def run_direct_read_cases(chk, rank, world):
             chk.checked += 1
             if taken != expected or (world > 1 and taken == 0):
                 chk.fail(f"direct all_gather {_name(dtype)}", f"{taken} direct calls, expected {expected}")
-        streamed = (8 << 20) // (4 * world) + (256 << 10) // 4 + 7  # float32, output past 8 MiB
-        own_streamed = (2 << 20) // (4 * world) + 3  # past 2 MiB: only the own chunk takes streaming stores
-        run_gather_cases(chk, rank, world, comms, torch.float32, [own_streamed, streamed], ("out_of_place", "in_place"),
-                         "stream")
+        own_streamed = (2 << 20) // (4 * world) + 3  # past 2 MiB: the own chunk takes streaming stores
+        run_gather_cases(chk, rank, world, comms, torch.float32, [own_streamed], ("out_of_place", "in_place"), "stream")
         run_async_cases(chk, rank, world, comm, comm)
 
     # In turn: the one-shot path below P x 1 KiB, direct reads (which go before it, unless the
@@ -806,6 +802,45 @@ def _report(results) -> None:
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5], ids=lambda w: f"P{w}")
 def test_collectives_match_gloo(world):
     _report(spawn(_matrix_rank, world, timeout=SPAWN_TIMEOUT, env=CLEAN_ENV))
+
+
+# --- outputs written with streaming stores ------------------------------------------------
+
+def _streamed_rank(rank, world):
+    """With RINGCOLL_STREAMING_BYTES=1 every ring output takes the streaming-store paths of
+    host_strip.h (staged in the slot, or in a scratch block where there is no slot), except
+    where the output is the input or a chunk of it (all-reduce and reduce-scatter in place):
+    those take ordinary stores (HostRingContext). Every form, against gloo, through a 4 KiB
+    buffer so the message is sliced, at sizes that leave part of a 4 KiB block."""
+    from ringcoll import _C
+
+    chk = Checker(rank)
+    chk.checked += 1
+    if _C.streaming_threshold_bytes() != 1:
+        chk.fail("RINGCOLL_STREAMING_BYTES", f"threshold {_C.streaming_threshold_bytes()}, not the 1 set")
+    with ringcoll.Communicator(buffer_bytes=SMALL_BUFFER, small_bytes=0, direct_bytes=0,
+                               timeout=COMM_TIMEOUT) as comm:
+        comms = [("streamed", comm)]
+        for dtype, op_name in [(torch.float32, "SUM"), (torch.bfloat16, "SUM"), (torch.int8, "MAX"),
+                               (torch.float64, "AVG")]:
+            elem = torch.empty(0, dtype=dtype).element_size()
+            counts = [world + 1, 3 * 4096 // elem + 5]
+            run_reduce_cases(chk, rank, world, comms, dtype, op_name, counts, counts, ("out_of_place", "in_place"),
+                             "streamed")
+            for n in counts:  # all_reduce out of place (run_reduce_cases runs it in place)
+                x = make_input(_kind(op_name), dtype, n, _seed("streamed", dtype, op_name, n, rank))
+                ref = gloo_all_reduce([x], op_name, world)[0]
+                out, base = _guarded(n, dtype)
+                comm.all_reduce(x, op=_ops(op_name)[0], output=out)
+                label = f"streamed all_reduce(output=) {_name(dtype)} {op_name} n={n}"
+                chk.equal(label, out, ref)
+                _guards_intact(chk, label, base, n)
+            run_gather_cases(chk, rank, world, comms, dtype, counts, ("out_of_place", "in_place"), "streamed")
+    return chk.finish()
+
+
+def test_streamed_outputs_match_gloo():
+    _report(spawn(_streamed_rank, 3, timeout=SPAWN_TIMEOUT, env={**CLEAN_ENV, "RINGCOLL_STREAMING_BYTES": "1"}))
 
 
 # --- all_reduce_coalesced: one flat ring call for several tensors ------------------------
