@@ -25,7 +25,8 @@ once rounds once). Every node must have the same number of ranks.
 
 It has the Communicator's methods, checks and call order (the list and coalesced forms
 packed into one flat call by ringcoll/packing.py, ``async_op=True`` queued on one worker
-thread as the shared-memory transport does), so the torch.distributed backend uses it in
+thread as the shared-memory transport does; ``all_reduce(output=)`` and the prepared calls,
+``prepare_*``, too), so the torch.distributed backend uses it in
 the ring's place when its ranks are on several machines (training/backend.py).
 """
 
@@ -38,9 +39,10 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ringcoll import packing
+from ringcoll import _C, packing
 from ringcoll._types import ReduceOp, op_code, reduce_op
-from ringcoll.communicator import GATHER, SCATTER, ArgumentChecks, Communicator, Work
+from ringcoll.communicator import (EQUAL, GATHER, SCATTER, ArgumentChecks, Communicator, Work, layout_changed_error,
+                                   tensor_layout)
 from ringcoll.transports.host import CallQueue, ThreadCompletion, ranks_by_domain, shared_memory_domain
 
 
@@ -149,7 +151,9 @@ class HierarchicalCommunicator(ArgumentChecks):
 
     # --- the three algorithms, on flat contiguous tensors ----------------------------------
 
-    def _all_reduce_flat(self, flat: torch.Tensor, level_op: ReduceOp, divide: bool) -> None:
+    def _all_reduce_flat(self, flat: torch.Tensor, level_op: ReduceOp, divide: bool,
+                         into: Optional[torch.Tensor] = None) -> None:
+        """The result goes to `into` (flat and as large), by default `flat` itself."""
         n, local = flat.numel(), self.local_size
         shard = -(-n // local)  # ceil: the padded message splits into L equal shards
         padded = flat.new_zeros(shard * local)
@@ -158,7 +162,7 @@ class HierarchicalCommunicator(ArgumentChecks):
         self.intra.reduce_scatter_tensor(mine, padded, op=level_op)
         dist.all_reduce(mine, op=self._inter_op(level_op), group=self.inter_group)
         self.intra.all_gather_into_tensor(padded, mine)
-        flat.copy_(padded[:n] / self.world_size if divide else padded[:n])
+        (flat if into is None else into).copy_(padded[:n] / self.world_size if divide else padded[:n])
 
     def _reduce_scatter_flat(self, output: torch.Tensor, input: torch.Tensor, level_op: ReduceOp,
                              divide: bool) -> None:
@@ -187,26 +191,68 @@ class HierarchicalCommunicator(ArgumentChecks):
 
     # --- the collectives: the Communicator's signatures -----------------------------------
 
-    def all_reduce(self, tensor: torch.Tensor, op=ReduceOp.SUM, async_op: bool = False):
-        """In place, over every rank of every node (see the module docstring)."""
-        name = "all_reduce"
-        dtype = self._check_tensor(name, "tensor", tensor)[0]
-        level_op, divide = self._level_op(name, op, dtype)
-        return self._submit(lambda: self._all_reduce_flat(tensor.view(-1), level_op, divide), [tensor], async_op)
+    def all_reduce(self, tensor: torch.Tensor, op=ReduceOp.SUM, async_op: bool = False, *,
+                   output: Optional[torch.Tensor] = None):
+        """In place over every rank of every node (see the module docstring); with ``output``,
+        into it, ``tensor`` left unchanged (as Communicator.all_reduce)."""
+        return self._submit_planned(self._all_reduce_run("all_reduce", tensor, op, output), async_op)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM,
                               async_op: bool = False):
         """``output = op over ranks of input.view(P, -1)[rank]``."""
-        name = "reduce_scatter_tensor"
-        dtype = self._check_pair(name, output, input, SCATTER)[0]
-        level_op, divide = self._level_op(name, op, dtype)
-        return self._submit(lambda: self._reduce_scatter_flat(output, input, level_op, divide), [output], async_op)
+        return self._submit_planned(self._reduce_scatter_run("reduce_scatter_tensor", output, input, op), async_op)
 
     def all_gather_into_tensor(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                                async_op: bool = False):
         """``output_tensor.view(P, -1)[r] = input_tensor on rank r``."""
-        self._check_pair("all_gather_into_tensor", output_tensor, input_tensor, GATHER)
-        return self._submit(lambda: self._all_gather_flat(output_tensor, input_tensor), [output_tensor], async_op)
+        return self._submit_planned(self._all_gather_run("all_gather_into_tensor", output_tensor, input_tensor),
+                                    async_op)
+
+    # Each method's checks, and what it plans: (run, outputs) for _submit, then the tensors
+    # it reads and writes (a prepared call's layout).
+
+    def _submit_planned(self, planned: tuple, async_op: bool) -> Optional[Work]:
+        run, outputs, _ = planned
+        return self._submit(run, outputs, async_op)
+
+    def _all_reduce_run(self, name: str, tensor, op, output):
+        if output is None:
+            dtype = self._check_tensor(name, "tensor", tensor)[0]
+            output = tensor
+        else:
+            dtype = self._check_pair(name, output, tensor, EQUAL)[0]
+        level_op, divide = self._level_op(name, op, dtype)
+        return (lambda: self._all_reduce_flat(tensor.view(-1), level_op, divide, output.view(-1))), [output], \
+            (tensor, output)
+
+    def _reduce_scatter_run(self, name: str, output, input, op):
+        dtype = self._check_pair(name, output, input, SCATTER)[0]
+        level_op, divide = self._level_op(name, op, dtype)
+        return (lambda: self._reduce_scatter_flat(output, input, level_op, divide)), [output], (input, output)
+
+    def _all_gather_run(self, name: str, output, input):
+        self._check_pair(name, output, input, GATHER)
+        return (lambda: self._all_gather_flat(output, input)), [output], (input, output)
+
+    # --- prepared calls (as Communicator.prepare_*) ---------------------------------------
+
+    def prepare_all_reduce(self, tensor: torch.Tensor, op=ReduceOp.SUM, *,
+                           output: Optional[torch.Tensor] = None) -> "PreparedHierarchicalCall":
+        """all_reduce(tensor, op, output=output), checked now, run by calling the result."""
+        name = "prepare_all_reduce"
+        return PreparedHierarchicalCall(self, name, *self._all_reduce_run(name, tensor, op, output))
+
+    def prepare_reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor,
+                                      op=ReduceOp.SUM) -> "PreparedHierarchicalCall":
+        """reduce_scatter_tensor(output, input, op), prepared (see prepare_all_reduce)."""
+        name = "prepare_reduce_scatter_tensor"
+        return PreparedHierarchicalCall(self, name, *self._reduce_scatter_run(name, output, input, op))
+
+    def prepare_all_gather_into_tensor(self, output_tensor: torch.Tensor,
+                                       input_tensor: torch.Tensor) -> "PreparedHierarchicalCall":
+        """all_gather_into_tensor(output_tensor, input_tensor), prepared (see prepare_all_reduce)."""
+        name = "prepare_all_gather_into_tensor"
+        return PreparedHierarchicalCall(self, name, *self._all_gather_run(name, output_tensor, input_tensor))
 
     def all_gather(self, tensor_list: list, tensor: torch.Tensor, async_op: bool = False):
         """``tensor_list[r] = tensor on rank r``."""
@@ -275,3 +321,21 @@ class HierarchicalCommunicator(ArgumentChecks):
             dist.barrier(group=self.inter_group)
 
         return self._submit(run, [], async_op)
+
+
+class PreparedHierarchicalCall:
+    """One hierarchical collective on fixed tensors, checked once (prepare_*), run by calling
+    it: ``run = h.prepare_all_reduce(t); run(); run(async_op=True).wait()``. As the ring's
+    PreparedCollective, each run first makes sure its tensors are where and what they were
+    when prepared (ValueError naming the op, before anything moves); values may change."""
+
+    def __init__(self, comm: HierarchicalCommunicator, name: str, run: Callable[[], None], outputs: list,
+                 tensors: tuple):
+        self._comm, self._name, self._run, self._outputs = comm, name, run, outputs
+        self._tensors = tuple({id(t): t for t in tensors}.values())  # in place: one tensor
+        self._layout = tensor_layout(self._tensors)
+
+    def __call__(self, async_op: bool = False):
+        if not _C.same_layout(self._tensors, self._layout):
+            raise layout_changed_error(self._name, self._tensors, self._layout)
+        return self._comm._submit(self._run, self._outputs, async_op)

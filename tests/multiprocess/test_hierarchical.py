@@ -20,6 +20,30 @@ FULL = [(torch.float32, op) for op in ("SUM", "PRODUCT", "MIN", "MAX", "AVG")] +
 SHORT = [(torch.float32, "SUM"), (torch.int32, "MIN")]
 
 
+def _gloo_all_reduce(x, op, world):
+    ref = x.clone()
+    if op == "AVG":
+        dist.all_reduce(ref)
+        return ref / world
+    dist.all_reduce(ref, op=getattr(dist.ReduceOp, op))
+    return ref
+
+
+def _gloo_reduce_scatter(full, m, op, world):
+    ref = torch.empty(m, dtype=full.dtype)
+    if op == "AVG":
+        dist.reduce_scatter_tensor(ref, full.clone())
+        return ref / world
+    dist.reduce_scatter_tensor(ref, full.clone(), op=getattr(dist.ReduceOp, op))
+    return ref
+
+
+def _gloo_all_gather(x, world):
+    ref = torch.empty(x.numel() * world, dtype=x.dtype)
+    dist.all_gather_into_tensor(ref, x)
+    return ref
+
+
 def _hierarchical_vs_gloo(rank, world, layout, cases):
     import ringcoll
     from ringcoll.training.hierarchical import HierarchicalCommunicator
@@ -33,36 +57,66 @@ def _hierarchical_vs_gloo(rank, world, layout, cases):
                 x = _inputs(rank, n, dtype, op)
                 ours = x.clone()
                 h.all_reduce(ours, op=getattr(ringcoll.ReduceOp, op))
-                ref = x.clone()
-                if op == "AVG":
-                    dist.all_reduce(ref)
-                    ref = ref / world
-                else:
-                    dist.all_reduce(ref, op=getattr(dist.ReduceOp, op))
-                if not torch.equal(ours, ref):
+                if not torch.equal(ours, _gloo_all_reduce(x, op, world)):
                     failures.append(f"all_reduce {dtype} {op} n={n}")
                 m = n // world + 1
                 full = _inputs(rank, m * world, dtype, op)
                 out = torch.empty(m, dtype=dtype)
                 h.reduce_scatter_tensor(out, full, op=getattr(ringcoll.ReduceOp, op))
-                ref = torch.empty(m, dtype=dtype)
-                if op == "AVG":
-                    dist.reduce_scatter_tensor(ref, full.clone())
-                    ref = ref / world
-                else:
-                    dist.reduce_scatter_tensor(ref, full.clone(), op=getattr(dist.ReduceOp, op))
-                if not torch.equal(out, ref):
+                if not torch.equal(out, _gloo_reduce_scatter(full, m, op, world)):
                     failures.append(f"reduce_scatter {dtype} {op} m={m}")
         for dtype in dict.fromkeys(dtype for dtype, _ in cases):  # a set would differ in order between ranks
             for m in (0, 1, 333):
                 x = _inputs(rank, m, dtype, "SUM")
                 out = torch.empty(m * world, dtype=dtype)
                 h.all_gather_into_tensor(out, x)
-                ref = torch.empty(m * world, dtype=dtype)
-                dist.all_gather_into_tensor(ref, x)
-                if not torch.equal(out, ref):
+                if not torch.equal(out, _gloo_all_gather(x, world)):
                     failures.append(f"all_gather {dtype} m={m}")
+        failures += _out_of_place_and_prepared(h, rank, world, *cases[0])
     return info, failures
+
+
+def _out_of_place_and_prepared(h, rank, world, dtype, op):
+    """all_reduce(output=) leaves its input alone; prepared calls run as their plain forms
+    (twice, sync then async, the values changed in between) and refuse a tensor resized
+    since, before writing anything."""
+    import ringcoll
+
+    failures, n, m = [], 4 * 257 + 3, 333
+    rop = getattr(ringcoll.ReduceOp, op)
+    x = _inputs(rank, n, dtype, op)
+    src, out = x.clone(), torch.empty(n, dtype=dtype)
+    h.all_reduce(src, op=rop, output=out)
+    if not torch.equal(out, _gloo_all_reduce(x, op, world)) or not torch.equal(src, x):
+        failures.append(f"all_reduce(output=) {dtype} {op}")
+    full, scattered = _inputs(rank, m * world, dtype, op), torch.empty(m, dtype=dtype)
+    mine, gathered = _inputs(rank, m, dtype, "SUM"), torch.empty(m * world, dtype=dtype)
+    runs = [h.prepare_all_reduce(src, op=rop, output=out), h.prepare_reduce_scatter_tensor(scattered, full, op=rop),
+            h.prepare_all_gather_into_tensor(gathered, mine)]
+    for step, async_op in enumerate((False, True)):
+        src.copy_(_inputs(rank + step, n, dtype, op))
+        full.copy_(_inputs(rank + step, m * world, dtype, op))
+        mine.copy_(_inputs(rank + step, m, dtype, "SUM"))
+        for run in runs:
+            work = run(async_op=async_op)
+            if work is not None:
+                work.wait()
+        for name, got, want in (("all_reduce", out, _gloo_all_reduce(src, op, world)),
+                                ("reduce_scatter_tensor", scattered, _gloo_reduce_scatter(full, m, op, world)),
+                                ("all_gather_into_tensor", gathered, _gloo_all_gather(mine, world))):
+            if not torch.equal(got, want):
+                failures.append(f"prepared {name} {dtype} {op} run {step + 1}")
+    before = out.clone()
+    src.resize_(n + 1)
+    try:
+        runs[0]()
+        failures.append("prepared all_reduce ran on a resized tensor")
+    except ValueError as e:
+        if not str(e).startswith("prepare_all_reduce: a tensor of this prepared call changed since it was prepared"):
+            failures.append(f"prepared all_reduce on a resized tensor: {e}")
+    if not torch.equal(out, before):
+        failures.append("prepared all_reduce wrote its output before refusing")
+    return failures
 
 
 @pytest.mark.parametrize("layout,cases", [
@@ -113,7 +167,9 @@ def _bad_sizes(rank, world):
     with HierarchicalCommunicator(node_id=rank // 2) as h:
         for call in (lambda: h.reduce_scatter_tensor(torch.empty(3), torch.empty(4 * 3 + 1)),
                      lambda: h.all_gather_into_tensor(torch.empty(4 * 3), torch.empty(3, dtype=torch.int32)),
-                     lambda: h.all_reduce(torch.empty(4), op=dist.ReduceOp.BAND)):
+                     lambda: h.all_reduce(torch.empty(4), op=dist.ReduceOp.BAND),
+                     lambda: h.all_reduce(torch.empty(4), output=torch.empty(5)),
+                     lambda: h.prepare_reduce_scatter_tensor(torch.empty(3), torch.empty(4 * 3 + 1))):
             try:
                 call()
                 messages.append("no error")
@@ -130,3 +186,5 @@ def test_bad_arguments_are_refused_by_name():
         assert messages[1] == "all_gather_into_tensor: output dtype torch.float32 differs from input dtype torch.int32", \
             messages[1]
         assert messages[2].startswith("all_reduce: unsupported reduction op"), messages[2]
+        assert messages[3] == "all_reduce: output has 5 elements, expected input size (4)", messages[3]
+        assert messages[4].startswith("prepare_reduce_scatter_tensor: output has 3 elements"), messages[4]
