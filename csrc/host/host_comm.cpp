@@ -569,7 +569,7 @@ void HostComm::finish_one_shot(const RingCall& call, const OneShotPublication& m
 }
 
 // ---------------------------------------------------------------------------------------
-// The direct-read all-gather (16 KiB to 8 MiB by default: direct_read_fits)
+// The direct-read all-gather (16 KiB up to 32 MiB by default: direct_read_fits)
 //
 // Through the slots (the ring or the one-shot path), every byte of an all-gather is copied
 // twice on its way: by its owner into a slot, and by each reader out of it (1.5 times per
