@@ -149,7 +149,30 @@ class Work:
         return torch_future
 
 
-class PreparedCollective:
+class PreparedTensors:
+    """What a prepared call keeps of its tensors, for both communicators' prepared calls:
+    each tensor once (in place: one), and where and what it was when prepared (the address,
+    size and dtype the extension writes by), so that each run can see it still is."""
+
+    def __init__(self, name: str, tensors: Sequence[torch.Tensor]):
+        self._name = name
+        self._tensors = tuple({id(t): t for t in tensors}.values())
+        self._layout = tuple((t.data_ptr(), t.numel(), t.dtype) for t in self._tensors)
+
+    def _unchanged(self) -> bool:
+        return _C.same_layout(self._tensors, self._layout)
+
+    def _changed(self) -> ValueError:
+        """The error of a run whose tensors are no longer as prepared (naming the first that changed)."""
+        for t, was in zip(self._tensors, self._layout):
+            if not _C.same_layout((t,), (was,)):
+                return ValueError(f"{self._name}: a tensor of this prepared call changed since it was prepared "
+                                  f"(address, size or dtype: now {t.dtype}, {t.numel()} elements; was "
+                                  f"{was[2]}, {was[1]}); prepare the call again")
+        raise AssertionError("_changed called on an unchanged prepared call")
+
+
+class PreparedCollective(PreparedTensors):
     """One collective on fixed tensors, checked once (Communicator.prepare_*), run by calling it:
     ``run = comm.prepare_all_reduce(t); run(); run(async_op=True).wait()``.
 
@@ -162,9 +185,8 @@ class PreparedCollective:
     """
 
     def __init__(self, comm: "Communicator", name: str, call: CollectiveCall, outputs: list, inputs: Sequence):
-        self._comm, self._name, self._call, self._outputs, self._inputs = comm, name, call, outputs, inputs
-        self._tensors = tuple({id(t): t for t in (*outputs, *inputs)}.values())  # in place: one tensor
-        self._layout = tensor_layout(self._tensors)
+        super().__init__(name, (*outputs, *inputs))
+        self._comm, self._call, self._outputs, self._inputs = comm, call, outputs, inputs
         # The transport's shortest synchronous path for this call, where it has one.
         bind = getattr(comm.transport, "bind", None)
         self._run_now = bind(call) if bind is not None else None
@@ -175,33 +197,13 @@ class PreparedCollective:
             if not plain.run_prepared(self._name, self._tensors, self._layout, *self._call):
                 raise self._changed()
             return None
-        if not _C.same_layout(self._tensors, self._layout):
+        if not self._unchanged():
             raise self._changed()
         self._comm._ensure_open(self._name)
         if async_op or self._run_now is None:
             return self._comm._submit(self._call, self._outputs, self._inputs, async_op)
         self._run_now()
         return None
-
-    def _changed(self) -> ValueError:
-        return layout_changed_error(self._name, self._tensors, self._layout)
-
-
-def tensor_layout(tensors: Sequence[torch.Tensor]) -> tuple:
-    """What a prepared call keeps of its tensors to see at each run that they are where and
-    what they were (the address, size and dtype the extension writes by)."""
-    return tuple((t.data_ptr(), t.numel(), t.dtype) for t in tensors)
-
-
-def layout_changed_error(name: str, tensors: Sequence[torch.Tensor], layout: tuple) -> ValueError:
-    """The error of a prepared run whose tensors are no longer as prepared (naming the first
-    that changed)."""
-    for t, was in zip(tensors, layout):
-        if not _C.same_layout((t,), (was,)):
-            return ValueError(f"{name}: a tensor of this prepared call changed since it was prepared "
-                              f"(address, size or dtype: now {t.dtype}, {t.numel()} elements; was "
-                              f"{was[2]}, {was[1]}); prepare the call again")
-    raise AssertionError("layout_changed_error called on an unchanged prepared call")
 
 
 # How the two tensors of a pair relate (_check_pair's `sizes`): as large as each other

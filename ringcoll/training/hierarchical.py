@@ -39,10 +39,9 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ringcoll import _C, packing
+from ringcoll import packing
 from ringcoll._types import ReduceOp, op_code, reduce_op
-from ringcoll.communicator import (EQUAL, GATHER, SCATTER, ArgumentChecks, Communicator, Work, layout_changed_error,
-                                   tensor_layout)
+from ringcoll.communicator import EQUAL, GATHER, SCATTER, ArgumentChecks, Communicator, PreparedTensors, Work
 from ringcoll.transports.host import CallQueue, ThreadCompletion, ranks_by_domain, shared_memory_domain
 
 
@@ -323,7 +322,7 @@ class HierarchicalCommunicator(ArgumentChecks):
         return self._submit(run, [], async_op)
 
 
-class PreparedHierarchicalCall:
+class PreparedHierarchicalCall(PreparedTensors):
     """One hierarchical collective on fixed tensors, checked once (prepare_*), run by calling
     it: ``run = h.prepare_all_reduce(t); run(); run(async_op=True).wait()``. As the ring's
     PreparedCollective, each run first makes sure its tensors are where and what they were
@@ -331,11 +330,10 @@ class PreparedHierarchicalCall:
 
     def __init__(self, comm: HierarchicalCommunicator, name: str, run: Callable[[], None], outputs: list,
                  tensors: tuple):
-        self._comm, self._name, self._run, self._outputs = comm, name, run, outputs
-        self._tensors = tuple({id(t): t for t in tensors}.values())  # in place: one tensor
-        self._layout = tensor_layout(self._tensors)
+        super().__init__(name, tensors)
+        self._comm, self._run, self._outputs = comm, run, outputs
 
     def __call__(self, async_op: bool = False):
-        if not _C.same_layout(self._tensors, self._layout):
-            raise layout_changed_error(self._name, self._tensors, self._layout)
+        if not self._unchanged():
+            raise self._changed()
         return self._comm._submit(self._run, self._outputs, async_op)
