@@ -128,15 +128,17 @@ class HostRingContext {
     const int64_t elems = coll_ == Collective::kReduceScatter ? ring_count_ / world() : ring_count_;
     return static_cast<size_t>(elems) * sizeof(T);
   }
+  size_t input_bytes() const {  // all-gather's input is one chunk of the message
+    const int64_t elems = coll_ == Collective::kAllGather ? ring_count_ / world() : ring_count_;
+    return static_cast<size_t>(elems) * sizeof(T);
+  }
   // Whether every byte of the output is one of the input (all-reduce in place; reduce-
   // scatter into its own chunk of the input): this call then reads each output line as
   // input before it writes it. Not so for all-gather in place, whose output is P times the input.
   bool output_within_input() const {
-    const int64_t input_elems = coll_ == Collective::kAllGather ? ring_count_ / world() : ring_count_;
     const auto* in_begin = reinterpret_cast<const char*>(input_);
     const auto* out_begin = reinterpret_cast<const char*>(output_);
-    return out_begin >= in_begin &&
-           out_begin + output_bytes() <= in_begin + static_cast<size_t>(input_elems) * sizeof(T);
+    return out_begin >= in_begin && out_begin + output_bytes() <= in_begin + input_bytes();
   }
   T* slot_in(char* data, int bank, int c) const {
     return reinterpret_cast<T*>(data + static_cast<size_t>(slot_index(bank, c, world())) * comm_.slot_bytes());
