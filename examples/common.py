@@ -4,10 +4,16 @@ The task: fit y = sin(3 x0) + x1 * x2 with a small MLP on synthetic data, each r
 own shard (DistributedSampler). The examples differ only in how gradients are combined.
 """
 
+import gc
 import os
+import weakref
 
 import torch
 import torch.distributed as dist
+# Imported before init_process_group on purpose: its functions take group=WORLD as a default
+# argument, so the first import after init (DDP's, lazily) would hold the group until the
+# process ends (see end_process_group).
+import torch.distributed.nn  # noqa: F401
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 # torch 2.13 renamed the tensor form (the old name warns); older torch has only the old one.
@@ -72,3 +78,23 @@ def parameter_checksum(params) -> float:
     """The sum of |p| over every parameter, in float64: one number to compare runs by (two
     runs whose sums were added in different orders agree to rounding, not bit for bit)."""
     return sum(p.detach().double().abs().sum().item() for p in params)
+
+
+def end_process_group() -> None:
+    """dist.destroy_process_group, made to free the group now, while Python is alive.
+
+    A gloo group's worker threads release each op's tensors after the op's wait() has
+    returned. Were a thread still doing so while the interpreter exits, it would need the
+    GIL of an interpreter being torn down, and the process aborts after a run that
+    succeeded ("terminate called without an active exception", exit -6; pytorch PR 179291):
+    5 runs in 99 of train_ddp.py --backend gloo on two_hosts.py here, 0 in 45 since. A
+    group's threads are joined when its last reference goes, so the caller first drops what
+    holds it (the DDP model, the sharded optimizer), and the group must be gone when this
+    returns.
+    """
+    world = weakref.ref(dist.group.WORLD)
+    gc.collect()  # a model's reference cycles
+    dist.destroy_process_group()
+    if world() is not None:
+        raise RuntimeError("end_process_group: the process group outlived destroy_process_group (something still "
+                           "holds it), so its worker threads would run into the interpreter's exit")

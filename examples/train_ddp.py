@@ -27,8 +27,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ringcoll  # registers the "ringcoll" backend with torch.distributed
 
-from common import (make_data, make_loader, make_model, parameter_checksum, parameters_identical,  # examples/common.py
-                    pick_device, train)
+from common import (end_process_group, make_data, make_loader, make_model, parameter_checksum,  # examples/common.py
+                    parameters_identical, pick_device, train)
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -65,7 +65,9 @@ def main() -> int:
     if rank == 0:
         print(f"{time.perf_counter() - start:.1f} s; parameters identical on all {world} ranks: {same}; "
               f"checksum {parameter_checksum(model.module.parameters()):.12e}")
-    dist.destroy_process_group()
+    ringcoll.destroy_communicators()  # --hook: the hook's communicator, cached by ringcoll
+    del model, opt  # DDP's reducer holds the group; end_process_group frees it
+    end_process_group()
     return 0 if same else 1
 
 

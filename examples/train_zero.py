@@ -32,8 +32,8 @@ import torch.distributed as dist
 import ringcoll.training.zero
 from ringcoll.learning.memory import ledger
 
-from common import (make_data, make_loader, make_model, parameter_checksum, parameters_identical,  # examples/common.py
-                    pick_device, train)
+from common import (end_process_group, make_data, make_loader, make_model, parameter_checksum,  # examples/common.py
+                    parameters_identical, pick_device, train)
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -93,11 +93,8 @@ def main() -> int:
         print(f"{elapsed:.1f} s; parameters identical on all {world} ranks: {same}; "
               f"checksum {parameter_checksum(params):.12e}")
     ringcoll.destroy_communicators()
-    # Leave together. Without this barrier about 1 run in 8 here ended with rank 0 aborting
-    # at exit inside torch ("terminate called without an active exception", exit -6) after
-    # everything had succeeded; 0 in 10 with it. The cause is not found yet.
-    dist.barrier()
-    dist.destroy_process_group()
+    del model, params, opt  # they hold the group; end_process_group frees it
+    end_process_group()
     return 0 if same else 1
 
 
