@@ -154,8 +154,11 @@ def test_hook_state_argument_checked():
         ringcoll.ddp_hook("not a state", None)
 
 
-def test_example_under_torchrun():
-    """examples/train_ddp.py as the README runs it."""
+@pytest.mark.parametrize("options", [(), ("--hook",)], ids=["backend", "hook"])
+def test_example_under_torchrun(options):
+    """examples/train_ddp.py as the README runs it: over the ringcoll backend, and with
+    ringcoll.ddp_hook on a gloo group (each run also checks that its teardown frees the group)."""
     from example_runner import run_example
 
-    run_example("train_ddp.py")
+    stdout = run_example("train_ddp.py", *options)
+    assert ("gloo + ringcoll.ddp_hook" if options else "backend 'ringcoll'") in stdout, stdout
