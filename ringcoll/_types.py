@@ -29,6 +29,8 @@ class ReduceOp(enum.IntEnum):
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name, _code, _size, _floating in _C.dtype_table}
 #: torch dtype -> the code of reduce.h's DType enum
 DTYPE_CODES: dict[torch.dtype, int] = {getattr(torch, name): code for name, code, _size, _floating in _C.dtype_table}
+#: the code of reduce.h's DType enum -> its name
+DTYPE_NAMES: dict[int, str] = {code: name for name, code, _size, _floating in _C.dtype_table}
 FLOATING_DTYPES = frozenset(getattr(torch, name) for name, _code, _size, floating in _C.dtype_table if floating)
 
 

@@ -30,7 +30,7 @@ import torch
 
 from ringcoll import _C, packing
 from ringcoll.bootstrap import bootstrap_for
-from ringcoll._types import CPU, ReduceOp, op_code
+from ringcoll._types import CPU, DTYPE_NAMES, ReduceOp, dtype_code, op_code
 from ringcoll.errors import RingcollError
 from ringcoll.transports import CollectiveCall, Settings, new_call, transport_for
 from ringcoll.views import as_device_array, check_count, tensor_view
@@ -99,19 +99,58 @@ def _resolve_threshold(value, name: str, env: str, default: int, zero_means: str
     return value
 
 
+# --- torch.profiler -------------------------------------------------------------------------
+
+#: Whether a torch.profiler is recording (one C call, cheap enough for the plain calls' test).
+profiler_enabled = torch.autograd._profiler_enabled
+
+
+def call_details(dtype: Optional[int], op: Optional[int], count: int) -> dict:
+    """What a profiler range says of a call beside its tensors: dtype, element count, op
+    (each where the call has one)."""
+    details = {"count": count}
+    if dtype is not None:
+        details["dtype"] = DTYPE_NAMES[dtype]
+    if op is not None:
+        details["op"] = ReduceOp(op).name
+    return details
+
+
+def submit_profiled(name: str, tensors: Sequence, details: dict, submit: Callable):
+    """submit() inside a torch.profiler range named ``ringcoll:<name>``, with the tensors'
+    shapes and types (under ``record_shapes``) and `details` (call_details). The range is
+    opened on the calling thread and closed when the call has run, on whichever thread ran
+    it (as c10d's own Work ranges are: the profiler records only threads it started on, not
+    ringcoll's worker)."""
+    span = torch._C._profiler._RecordFunctionFast(f"ringcoll:{name}", tuple(tensors), details)
+    span.__enter__()
+    try:
+        completion = submit()
+    except BaseException:
+        span.__exit__(None, None, None)
+        raise
+    if completion is None:
+        span.__exit__(None, None, None)
+    else:
+        completion.on_done(lambda: span.__exit__(None, None, None))
+    return completion
+
+
 class Work:
     """Handle of an async collective, like the object ``torch.distributed`` returns.
 
     ``wait()`` re-raises the collective's error, if any. On CPU it blocks until the
-    collective finished; on CUDA it makes the current stream wait for it, as NCCL's does
-    (``synchronize()`` blocks the host). The transport's Completion (transports/base.py)
-    says how.
+    collective finished (``wait(timeout)`` past its timeout raises RingcollTimeoutError, a
+    RuntimeError and a TimeoutError, as torch's own timeouts are RuntimeErrors); on CUDA it
+    makes the current stream wait for it, as NCCL's does (``synchronize()`` blocks the
+    host). The transport's Completion (transports/base.py) says how.
     """
 
     def __init__(self, completion, result: list, keep_alive: Sequence = ()):
         self._completion = completion
         self._result = result  # the output tensors
         self._keep_alive = keep_alive  # inputs and scratch the extension reads by address
+        self._future: Optional[torch.futures.Future] = None
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         self._completion.wait(timeout)
@@ -135,18 +174,34 @@ class Work:
         return self._result
 
     def get_future(self) -> torch.futures.Future:
-        """A torch Future completed with the output tensors (for DDP communication hooks)."""
-        torch_future: torch.futures.Future = torch.futures.Future()
+        """A torch Future of the output tensors (for DDP communication hooks), completed when
+        the collective is, before any waiter of this Work wakes; the same Future on every
+        call. If the collective failed, the Future fails as C++ sees a failure (DDP's reducer,
+        a ``then`` chain): its ``wait()`` raises a RuntimeError quoting the ringcoll error."""
+        if self._future is None:
+            self._future = future_of(self._completion, self._result)
+        return self._future
 
-        def finish() -> None:
-            error = self._completion.error()
-            if error is not None:
-                torch_future.set_exception(error)
-            else:
-                torch_future.set_result(self._result)
 
-        self._completion.on_done(finish)
-        return torch_future
+def future_of(completion, result) -> torch.futures.Future:
+    """A torch Future completed, when `completion` is, with `result` or with its error.
+
+    Python's ``Future.set_exception`` does not fail a Future for C++: it stores the
+    exception as the value and only Python's ``wait()`` raises it, so DDP's reducer read the
+    exception object as its tensor list and crashed (SIGSEGV). A Future fails in C++'s sense
+    only when a ``then`` callback raises, so the one returned is a callback's: `trigger`
+    completes on the completion's thread, and `settle` returns the tensors or raises."""
+    trigger: torch.futures.Future = torch.futures.Future()
+
+    def settle(_) -> list:
+        error = completion.error()
+        if error is not None:
+            raise error
+        return result
+
+    future = trigger.then(settle)
+    completion.on_done(lambda: trigger.set_result(None))
+    return future
 
 
 class PreparedTensors:
@@ -193,15 +248,15 @@ class PreparedCollective(PreparedTensors):
 
     def __call__(self, async_op: bool = False):
         plain = self._comm._transport.plain_calls
-        if plain is not None and not async_op:  # the layout check and the run in one binding call
+        if plain is not None and not async_op and not profiler_enabled():  # checked and run in one binding call
             if not plain.run_prepared(self._name, self._tensors, self._layout, *self._call):
                 raise self._changed()
             return None
         if not self._unchanged():
             raise self._changed()
         self._comm._ensure_open(self._name)
-        if async_op or self._run_now is None:
-            return self._comm._submit(self._call, self._outputs, self._inputs, async_op)
+        if async_op or self._run_now is None or profiler_enabled():
+            return self._comm._submit(self._name, self._call, self._outputs, self._inputs, async_op)
         self._run_now()
         return None
 
@@ -413,11 +468,17 @@ class Communicator(ArgumentChecks):
 
     # --- running --------------------------------------------------------------------------
 
-    def _submit(self, call: CollectiveCall, outputs: list, keep_alive: Sequence, async_op: bool,
+    def _submit(self, name: str, call: CollectiveCall, outputs: list, keep_alive: Sequence, async_op: bool,
                 then: Optional[Callable[[], None]] = None) -> Optional[Work]:
-        """Hand `call` to the transport; a Work when async. The Work holds every tensor the
-        extension reads by address until the call has run."""
-        completion = self._transport.submit(call, outputs, keep_alive, async_op, then)
+        """Hand `call` (the user's `name`) to the transport; a Work when async. The Work holds
+        every tensor the extension reads by address until the call has run."""
+        def submit():
+            return self._transport.submit(call, outputs, keep_alive, async_op, then)
+
+        if not profiler_enabled():
+            completion = submit()
+        else:
+            completion = submit_profiled(name, keep_alive, call_details(call.dtype, call.op, call.user_count), submit)
         return None if completion is None else Work(completion, list(outputs), keep_alive)
 
     # --- the collectives ------------------------------------------------------------------
@@ -438,9 +499,10 @@ class Communicator(ArgumentChecks):
         leave ``tensor`` unchanged, NCCL's out-of-place form.
         """
         plain = self._transport.plain_calls
-        if plain is not None and not async_op:  # checked and run in one binding call
+        # Checked and run in one binding call (not while torch.profiler records: _submit's range)
+        if plain is not None and not async_op and not profiler_enabled():
             return plain.all_reduce_tensor(tensor, output, op)
-        return self._submit(*self._all_reduce_call("all_reduce", tensor, op, output), async_op)
+        return self._submit("all_reduce", *self._all_reduce_call("all_reduce", tensor, op, output), async_op)
 
     def _all_reduce_call(self, name: str, tensor, op, output):
         """all_reduce's checks; its call, outputs and inputs (for _submit or a PreparedCollective)."""
@@ -463,16 +525,18 @@ class Communicator(ArgumentChecks):
         code = op_code(name, op, dtype)
         flat = packing.concat(tensors)
         call = _call("all_reduce", flat, flat, flat.numel(), dtype, code)
-        return self._submit(call, list(tensors), (flat,), async_op, then=lambda: packing.split_into(flat, tensors))
+        return self._submit(name, call, list(tensors), (flat,), async_op,
+                            then=lambda: packing.split_into(flat, tensors))
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM,
                               async_op: bool = False):
         """``output = op over ranks of input.view(P, -1)[rank]``; input has P x output.numel()
         elements. In place when output is exactly chunk ``rank`` of input."""
         plain = self._transport.plain_calls
-        if plain is not None and not async_op:
+        if plain is not None and not async_op and not profiler_enabled():
             return plain.reduce_scatter_tensor(output, input, op)
-        return self._submit(*self._reduce_scatter_call("reduce_scatter_tensor", output, input, op), async_op)
+        name = "reduce_scatter_tensor"
+        return self._submit(name, *self._reduce_scatter_call(name, output, input, op), async_op)
 
     def _reduce_scatter_call(self, name: str, output, input, op):
         output, input = self._view(output), self._view(input)
@@ -485,9 +549,10 @@ class Communicator(ArgumentChecks):
         """``output_tensor.view(P, -1)[r] = input_tensor on rank r`` for every r. In place when
         input_tensor is exactly chunk ``rank`` of output_tensor."""
         plain = self._transport.plain_calls
-        if plain is not None and not async_op:
+        if plain is not None and not async_op and not profiler_enabled():
             return plain.all_gather_into_tensor(output_tensor, input_tensor)
-        return self._submit(*self._all_gather_call("all_gather_into_tensor", output_tensor, input_tensor), async_op)
+        name = "all_gather_into_tensor"
+        return self._submit(name, *self._all_gather_call(name, output_tensor, input_tensor), async_op)
 
     def _all_gather_call(self, name: str, output, input):
         output, input = self._view(output), self._view(input)
@@ -525,7 +590,7 @@ class Communicator(ArgumentChecks):
         dtype = self._check_list(name, "tensor_list", tensor_list, tensor)
         flat = tensor.new_empty(self.world_size * tensor.numel())
         call = _call("all_gather", tensor, flat, tensor.numel(), dtype)
-        return self._submit(call, list(tensor_list), (tensor, flat), async_op,
+        return self._submit(name, call, list(tensor_list), (tensor, flat), async_op,
                             then=lambda: packing.split_into(flat, tensor_list))
 
     def reduce_scatter(self, output: torch.Tensor, input_list: list, op=ReduceOp.SUM, async_op: bool = False):
@@ -538,7 +603,7 @@ class Communicator(ArgumentChecks):
         # The packed copy is taken now, so output may alias an entry of input_list.
         flat = packing.concat(input_list)
         call = _call(name, flat, output, output.numel(), dtype, code)
-        return self._submit(call, [output], (flat, *input_list), async_op)
+        return self._submit(name, call, [output], (flat, *input_list), async_op)
 
     def all_gather_into_tensor_coalesced(self, outputs: list, inputs: list, async_op: bool = False):
         """all_gather_into_tensor for each (outputs[i], inputs[i]) pair, as one flat call
@@ -550,7 +615,7 @@ class Communicator(ArgumentChecks):
         flat_in = packing.concat(inputs)
         gathered = flat_in.new_empty(self.world_size * flat_in.numel())
         call = _call("all_gather", flat_in, gathered, flat_in.numel(), dtype)
-        return self._submit(call, list(outputs), (flat_in, gathered), async_op,
+        return self._submit(name, call, list(outputs), (flat_in, gathered), async_op,
                             then=lambda: packing.gathered_rows_into(gathered, outputs, self.world_size))
 
     def reduce_scatter_tensor_coalesced(self, outputs: list, inputs: list, op=ReduceOp.SUM,
@@ -564,14 +629,18 @@ class Communicator(ArgumentChecks):
         flat_in = packing.chunks_by_rank(inputs, self.world_size)
         mine = flat_in.new_empty(flat_in.numel() // self.world_size)
         call = _call("reduce_scatter", flat_in, mine, mine.numel(), dtype, code)
-        return self._submit(call, list(outputs), (flat_in, mine), async_op,
+        return self._submit(name, call, list(outputs), (flat_in, mine), async_op,
                             then=lambda: packing.split_into(mine, outputs))
 
     def barrier(self, async_op: bool = False):
         """Return once every rank of the group has entered the barrier (on CUDA: always
         synchronous, like NCCL's)."""
         self._ensure_open("barrier")
-        completion = self._transport.barrier(async_op)
+
+        def submit():
+            return self._transport.barrier(async_op)
+
+        completion = submit() if not profiler_enabled() else submit_profiled("barrier", (), {}, submit)
         return None if completion is None else Work(completion, [], ())
 
     # --- CuPy and other __cuda_array_interface__ arrays, on a given stream (CUDA only) ------

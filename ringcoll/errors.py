@@ -1,7 +1,7 @@
 """ringcoll's runtime errors. They are defined by the extension so C++ can raise them.
 
     RingcollError            base of every ringcoll runtime error (a RuntimeError)
-      RingcollTimeoutError   a wait outlasted the communicator's timeout
+      RingcollTimeoutError   a wait outlasted the communicator's timeout (also a TimeoutError)
       RingcollPeerError      a peer is gone (exited, or its communicator broke) while we waited
       RingcollMismatchError  ranks made different calls (collective, dtype, op or size) at the
                              same point; raised on every rank before any data moves

@@ -49,7 +49,11 @@ void reduce_arrays(uintptr_t out, uintptr_t a, uintptr_t b, int64_t count, int d
 void bind_core(py::module_& m) {
   // Translators are tried newest first, so the subclasses are registered after the base.
   auto& base_error = py::register_exception<Error>(m, "RingcollError", PyExc_RuntimeError);
-  py::register_exception<TimeoutError>(m, "RingcollTimeoutError", base_error.ptr());
+  // A timeout is a RingcollError (a RuntimeError, as torch's own timeouts are: code that
+  // catches RuntimeError around a gloo call catches ringcoll's) and a Python TimeoutError.
+  // PyErr_NewException, which pybind11 calls, takes a tuple of bases.
+  py::tuple timeout_bases = py::make_tuple(base_error, py::handle(PyExc_TimeoutError));
+  py::register_exception<TimeoutError>(m, "RingcollTimeoutError", timeout_bases);
   py::register_exception<PeerError>(m, "RingcollPeerError", base_error.ptr());
   py::register_exception<MismatchError>(m, "RingcollMismatchError", base_error.ptr());
 

@@ -96,6 +96,7 @@ from __future__ import annotations
 import collections
 import datetime
 import os
+import socket
 import threading
 from typing import Callable, Optional
 
@@ -130,17 +131,16 @@ def _seconds(timeout) -> Optional[float]:
 
 class _C10dWork(dist._Work):
     """c10d's view of one ringcoll call: `work` is its ringcoll Work when it runs async on
-    the communicator's worker thread, None when it already ran on the calling thread."""
+    the communicator's worker thread, None when it already ran on the calling thread.
+    ``_get_op_type()`` names the collective as gloo's Work does (for torch.profiler and
+    tools that read it)."""
 
-    def __init__(self, work, outputs: list):
+    def __init__(self, work, outputs: list, op_type):
         super().__init__()
         self._work = work
         self._outputs = outputs
-        if work is None:
-            self._future = torch.futures.Future()
-            self._future.set_result(outputs)
-        else:
-            self._future = work.get_future()
+        self._op_type = op_type
+        self._future: Optional[torch.futures.Future] = None
 
     def wait(self, timeout=None) -> bool:
         if self._work is not None:
@@ -160,8 +160,29 @@ class _C10dWork(dist._Work):
         self.wait()
         return self._outputs
 
+    def _get_op_type(self):
+        return self._op_type
+
     def get_future(self) -> torch.futures.Future:
+        """The Work's torch Future (made on first use: most synchronous calls never ask)."""
+        if self._future is None:
+            if self._work is None:
+                self._future = torch.futures.Future()
+                self._future.set_result(self._outputs)
+            else:
+                self._future = self._work.get_future()
         return self._future
+
+
+#: each collective's c10d OpType (an int, as _get_op_type gives): gloo's for the same call
+#: where gloo's Work names one (its all_gather_into_tensor says ALLGATHER), else NCCL's
+#: (gloo's reduce_scatter_tensor says UNKNOWN)
+OP_TYPES = {name: int(getattr(_c10d.OpType, op_type)) for name, op_type in (
+    ("all_reduce", "ALLREDUCE"), ("all_reduce_coalesced", "ALLREDUCE_COALESCED"),
+    ("reduce_scatter_tensor", "_REDUCE_SCATTER_BASE"), ("reduce_scatter", "REDUCE_SCATTER"),
+    ("reduce_scatter_tensor_coalesced", "REDUCE_SCATTER_TENSOR_COALESCED"),
+    ("all_gather_into_tensor", "ALLGATHER"), ("all_gather", "ALLGATHER"),
+    ("all_gather_into_tensor_coalesced", "ALLGATHER_COALESCED"), ("barrier", "BARRIER"))}
 
 
 # --- routing -----------------------------------------------------------------------------
@@ -321,9 +342,9 @@ class RingcollProcessGroup(dist.ProcessGroup):
         """start(async_op) runs the collective on the ring; sync unless opts.asyncOp."""
         call_counts[f"ringcoll:{name}"] += 1
         if getattr(opts, "asyncOp", True):
-            return _C10dWork(start(True), outputs)
+            return _C10dWork(start(True), outputs, OP_TYPES[name])
         start(False)
-        return _C10dWork(None, outputs)
+        return _C10dWork(None, outputs, OP_TYPES[name])
 
     def _fallback(self, name: str, tensors=()):
         """The backend for a call ringcoll does not serve: NCCL for CUDA tensors where it can
@@ -523,17 +544,21 @@ def _exchange_hosts(store, rank: int, size: int, timeout: datetime.timedelta) ->
     """Every rank's shared-memory domain (the machine, as shared memory sees it:
     transports/host.py), through the store, when the group is made: so a group over several
     machines is known before anything is mapped, and one with machines of different rank
-    counts is refused here, on every rank alike, saying what to do."""
+    counts is refused here, on every rank alike, saying what to do (naming each machine by
+    its host name, its domain beside it)."""
     prefix = "ringcoll-host/"
-    store.set(f"{prefix}{rank}", shared_memory_domain())
-    hosts = []
+    store.set(f"{prefix}{rank}", f"{socket.gethostname()}\n{shared_memory_domain()}")
+    offers = []
     for peer in range(size):
         try:
-            hosts.append(store.get(f"{prefix}{peer}").decode())
+            offers.append(store.get(f"{prefix}{peer}").decode().split("\n", 1))
         except Exception as exc:  # the store's timeout: the peer never reached init_process_group
             raise RingcollError(f"ringcoll backend: rank {peer} did not say which machine it is on within "
                                 f"{timeout} ({type(exc).__name__}: {exc})") from exc
-    uneven = uneven_nodes_message("ringcoll backend", ranks_by_domain(hosts))
+    hosts = [domain for _, domain in offers]
+    members = ranks_by_domain(hosts)
+    uneven = uneven_nodes_message("ringcoll backend", members,
+                                  {domain: f"host {offers[ranks[0]][0]} ({domain})" for domain, ranks in members.items()})
     if uneven:
         raise RingcollError(uneven)
     return hosts

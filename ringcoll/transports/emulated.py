@@ -87,7 +87,7 @@ class EmulatedCudaTransport:
             if then is not None:
                 then()
 
-        return self._calls.submit(run, async_op)
+        return self._calls.submit(run, async_op, call.collective)
 
     def barrier(self, async_op: bool):
         return self.submit(self._barrier_call, [], (), async_op)

@@ -21,7 +21,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ringcoll import _C
-from ringcoll.errors import RingcollError
+from ringcoll.errors import RingcollError, RingcollTimeoutError
 from ringcoll.transports.base import CollectiveCall, Settings, Transport
 
 
@@ -62,61 +62,134 @@ def _require_one_domain(domains: list) -> None:
 
 
 class ThreadCompletion:
-    """A collective queued on the worker thread, as ringcoll.Work sees it."""
+    """A collective queued on the worker thread, as ringcoll.Work sees it.
 
-    def __init__(self, future: concurrent.futures.Future):
-        self._future = future
+    It finishes in one step, on the worker, before the worker takes the next call: the
+    error (if any) is recorded, the ``on_done`` callbacks run (Work.get_future's torch
+    Future is completed there, so its ``then`` callbacks run there too), and only then are
+    waiters woken. So a waiter never sees the call done before its Future is (gloo does the
+    same). A callback that waits for this call itself is answered at once (``wait`` on the
+    worker); one that waits for a later call would wait for itself and is refused
+    (CallQueue.submit's doc)."""
+
+    def __init__(self, name: str, queue: Optional["CallQueue"] = None):
+        self._name = name
+        self._queue = queue  # the queue whose worker runs it (None: finished when made)
+        self._lock = threading.Lock()
+        self._ran = False  # the collective itself has run; its callbacks may still be running
+        self._error: Optional[BaseException] = None
+        self._callbacks: list = []
+        self._finished = threading.Event()  # ... and so have its callbacks: waiters may go
+
+    @classmethod
+    def finished(cls, name: str, error: Optional[BaseException] = None) -> "ThreadCompletion":
+        """A completion for a call that has already run (inline, or synchronously)."""
+        completion = cls(name)
+        completion.finish(error)
+        return completion
+
+    def finish(self, error: Optional[BaseException]) -> None:
+        """Record the outcome, run the callbacks, then wake the waiters (on the worker)."""
+        with self._lock:
+            self._ran, self._error = True, error
+            callbacks, self._callbacks = self._callbacks, []
+        try:
+            for fn in callbacks:
+                fn()
+        finally:
+            self._finished.set()  # whatever a callback did, no waiter is left hanging
 
     def wait(self, timeout: Optional[float]) -> None:
-        self._future.result(timeout=timeout)
+        on_worker = self._queue is not None and self._queue.on_worker()
+        if on_worker and not self._ran:
+            raise RingcollError(f"{self._name}: waited for on the ringcoll worker thread (in a callback of an "
+                                "earlier call's Future), but it is queued behind that call on this very thread, "
+                                "so it could never run: wait for it outside the callback")
+        if not on_worker and not self._finished.wait(timeout):
+            raise RingcollTimeoutError(f"{self._name}: Work.wait(timeout={timeout:g} s) timed out: the collective "
+                                       "had not finished (it is still bounded by the communicator's own timeout)")
+        if self._error is not None:
+            raise self._error
 
     def done(self) -> bool:
-        return self._future.done()
+        return self._finished.is_set()
 
     def error(self) -> Optional[BaseException]:
-        return self._future.exception() if self._future.done() else None
+        return self._error if self._ran else None
 
     def on_done(self, fn: Callable[[], None]) -> None:
-        self._future.add_done_callback(lambda _: fn())
+        """fn() once the call has run: on the worker, before waiters wake; at once if it has."""
+        with self._lock:
+            if not self._ran:
+                self._callbacks.append(fn)
+                return
+        fn()
 
     def synchronize(self) -> None:
-        self._future.result()
+        self.wait(None)
 
 
 class CallQueue:
     """Collectives in call order: run now on the calling thread (sync) or queued on one
     worker thread (async). A synchronous call first waits for the queued ones, and one
     call at a time runs, so every rank's calls reach the ring in the order they were made.
-    The hierarchical communicator (training/hierarchical.py) orders its calls the same way."""
+    The hierarchical communicator (training/hierarchical.py) orders its calls the same way.
+
+    Callbacks. A queued call's Future (Work.get_future) is completed on the worker, so its
+    ``then`` callbacks run there, right after the call. A collective issued from such a
+    callback (torch's PowerSGD hook issues one and waits for it) runs at once, in line on
+    the worker: had it been queued, the worker would wait for itself. It is thus the next
+    call on the ring on every rank whatever the timing (nested calls go depth first, before
+    anything queued later), as a callback chain under NCCL runs within its parent's call."""
 
     def __init__(self):
         self._worker: Optional[concurrent.futures.ThreadPoolExecutor] = None
-        self._last_async: Optional[concurrent.futures.Future] = None
+        self._worker_ident: Optional[int] = None
+        self._last_async: Optional[ThreadCompletion] = None
         self._lock = threading.Lock()  # one collective at a time
 
-    def submit(self, run: Callable[[], None], async_op: bool) -> Optional[ThreadCompletion]:
-        """Run `run` now (sync) or queue it (async) behind earlier async work."""
+    def on_worker(self) -> bool:
+        """Whether this thread is the worker (running a call or one of its callbacks)."""
+        return self._worker_ident == threading.get_ident()
+
+    def submit(self, run: Callable[[], None], async_op: bool, name: str = "collective") -> Optional[ThreadCompletion]:
+        """Run `run` now (sync) or queue it (async) behind earlier async work; on the worker
+        itself (in a callback) run it now either way (the class doc)."""
+        if self.on_worker():  # the worker holds the lock already
+            if not async_op:
+                run()
+                return None
+            return ThreadCompletion.finished(name, _error_of(run))
         if not async_op:
             self.run_now(run)
             return None
         if self._worker is None:
-            self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ringcoll")
+            self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ringcoll",
+                                                                 initializer=self._become_worker)
 
         # The worker thread does not inherit the caller's thread-local autograd state: carry
         # it, so the copies after the ring behave as they would on the calling thread (an
         # output made under inference_mode may only be written under it).
         grad_enabled, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+        completion = ThreadCompletion(name, self)
 
         def locked_run() -> None:
             with self._lock, torch.inference_mode(inference), torch.set_grad_enabled(grad_enabled):
-                run()
+                completion.finish(_error_of(run))
 
-        self._last_async = self._worker.submit(locked_run)
-        return ThreadCompletion(self._last_async)
+        self._worker.submit(locked_run)
+        self._last_async = completion
+        return completion
+
+    def _become_worker(self) -> None:
+        self._worker_ident = threading.get_ident()
 
     def run_now(self, fn: Callable, *args) -> None:
         """fn(*args) on this thread, after the queued calls: a synchronous call (no closure
         and no Future, which cost a small call as much as its ring step)."""
+        if self.on_worker():  # in a callback: in line (the class doc); the worker holds the lock
+            fn(*args)
+            return
         if self._last_async is not None:
             self.synchronize()  # keep call order; a queued call's error is its own
         # acquire/release rather than `with`: the same, at half the cost (~0.2 us)
@@ -132,10 +205,11 @@ class CallQueue:
         return self._last_async is None
 
     def synchronize(self) -> None:
-        """Wait until the queued calls have run; their errors are their Works'."""
+        """Wait until the queued calls have run; their errors are their Works'. (On the
+        worker, in a callback, they have: the queue runs in order.)"""
         pending = self._last_async
-        if pending is not None:
-            concurrent.futures.wait([pending])
+        if pending is not None and not self.on_worker():
+            pending._finished.wait()  # bounded: each queued call is bounded by the ring's timeout
             if self._last_async is pending:  # nothing queued since: the worker is idle
                 self._last_async = None
 
@@ -145,6 +219,15 @@ class CallQueue:
             self._worker.shutdown(wait=True)
         with self._lock:
             last()
+
+
+def _error_of(run: Callable[[], None]) -> Optional[BaseException]:
+    """Run `run`; the exception it raised, or None."""
+    try:
+        run()
+    except BaseException as e:  # noqa: BLE001 -- it is the call's outcome, raised by whoever waits for it
+        return e
+    return None
 
 
 class HostTransport(Transport):
@@ -183,7 +266,7 @@ class HostTransport(Transport):
                 self._calls.run_now(self._run, call, then)
             self._plain_calls_when_idle()
             return None
-        completion = self._calls.submit(lambda: self._run(call, then), async_op)
+        completion = self._calls.submit(lambda: self._run(call, then), async_op, call.collective)
         self._plain_calls_when_idle()  # not until the queue is drained: later calls must wait for it
         return completion
 
@@ -201,7 +284,7 @@ class HostTransport(Transport):
         return functools.partial(self._calls.run_now, self._comm.run, *call)
 
     def barrier(self, async_op: bool) -> Optional[ThreadCompletion]:
-        completion = self._calls.submit(self._comm.barrier, async_op)
+        completion = self._calls.submit(self._comm.barrier, async_op, "barrier")
         self._plain_calls_when_idle()
         return completion
 

@@ -190,6 +190,116 @@ def _async_and_futures(rank, ws) -> dict:
             "future_is_output": value[0] is t if isinstance(value, list) else None}
 
 
+RACE_TRIES = 200  # before the fix 7-16 of 300 tries saw the Future still pending after wait()
+
+
+def _nested_chain(ws) -> list:
+    """What torch's PowerSGD hook does: each `then` callback issues a collective and waits for
+    it. The callbacks run on ringcoll's worker; the nested calls must run there in line
+    instead of queueing behind the callback (which deadlocked: rank 0 timed out, the rest hung)."""
+    t = torch.ones(8)
+
+    def nested(fut):
+        value = fut.value()  # the collective's Future holds [tensor]; a callback's, what it returned
+        inner = (value[0] if isinstance(value, list) else value).clone()
+        return dist.all_reduce(inner, async_op=True).get_future().wait()[0]
+
+    fut = dist.all_reduce(t, async_op=True).get_future().then(nested).then(nested)
+    return fut.wait().tolist()  # ws, then ws**2, then ws**3
+
+
+def _profiled(ws) -> list:
+    """The ring collectives a torch.profiler trace shows: (name, input dims, dtype, op) per event."""
+    import json
+    import os
+    import tempfile
+
+    t, out = torch.ones(64), torch.empty(64 * ws)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        dist.all_reduce(t)  # synchronous: the plain call's binding path when not profiled
+        dist.all_reduce(t, async_op=True).wait()  # on the worker thread
+        ringcoll.all_gather_into_tensor(out, t)
+    path = os.path.join(tempfile.mkdtemp(), "trace.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    return [(e["name"], e["args"].get("Input Dims"), e["args"].get("dtype"), e["args"].get("op"))
+            for e in events if e.get("name", "").startswith("ringcoll:")]
+
+
+def _work_semantics(rank, ws, gloo) -> dict:
+    """torch's Work / Future contract, as gloo keeps it."""
+    res = {}
+    t = torch.ones(256)
+    late = 0
+    for _ in range(RACE_TRIES):  # wait() returns only once the Future is done
+        work = dist.all_reduce(t, async_op=True)
+        fut = work.get_future()
+        work.wait()
+        late += not fut.done()
+        fut.value()
+        ours = ringcoll.all_reduce(t, async_op=True)
+        ours_fut = ours.get_future()
+        ours.wait()
+        late += not ours_fut.done()
+    res["future_pending_after_wait"] = late
+    res["nested_chain"] = _nested_chain(ws)
+
+    # wait(timeout) past its time: a RuntimeError (as gloo's) and a TimeoutError naming the op.
+    # Rank 1 calls only once rank 0's wait has timed out (the store says so): no sleep.
+    store = dist.distributed_c10d._get_default_store()
+    timeouts = []
+    for form in ("c10d", "ringcoll"):
+        if rank == 1:
+            store.wait([f"timed-out-{form}"])
+        x = torch.ones(16)
+        work = dist.all_reduce(x, async_op=True) if form == "c10d" else ringcoll.all_reduce(x, async_op=True)
+        if rank == 0:
+            try:
+                work.wait(datetime.timedelta(seconds=0.05) if form == "c10d" else 0.05)
+                timeouts.append((form, "no error"))
+            except Exception as exc:  # noqa: BLE001 -- the type is what is checked
+                timeouts.append((form, type(exc).__name__, isinstance(exc, RuntimeError),
+                                 isinstance(exc, TimeoutError), str(exc)))
+            store.set(f"timed-out-{form}", "1")
+        work.wait()
+        timeouts.append((form, "then done", x[0].item()))
+    res["timeouts"] = timeouts
+
+    # _get_op_type(): the same as gloo's Work for the same call.
+    pairs = {}
+    for name, call in (("all_reduce", lambda g: dist.all_reduce(torch.ones(4), group=g, async_op=True)),
+                       ("reduce_scatter_tensor", lambda g: dist.reduce_scatter_tensor(
+                           torch.empty(2), torch.ones(2 * ws), group=g, async_op=True)),
+                       ("all_gather_into_tensor", lambda g: dist.all_gather_into_tensor(
+                           torch.empty(2 * ws), torch.ones(2), group=g, async_op=True))):
+        ours, theirs = call(None), call(gloo)
+        ours.wait()
+        theirs.wait()
+        pairs[name] = (ours._get_op_type(), theirs._get_op_type())
+    res["op_types"] = pairs
+    res["profiled"] = _profiled(ws)
+
+    # A collective that fails under DDP ends in a RuntimeError, not a crash: the Future fails
+    # as C++ sees a failure (Python's set_exception stored the error as the value: SIGSEGV).
+    broken = dist.new_group(backend="ringcoll")
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2), process_group=broken)
+    res["break_it"] = _outcome(lambda: dist.all_reduce(torch.ones(4 + rank), group=broken))
+    res["ddp_on_broken"] = _outcome(lambda: model(torch.ones(3, 4)).sum().backward())
+    failed = dist.all_reduce(torch.ones(4), group=broken, async_op=True).get_future()
+    res["future_on_broken"] = _outcome(failed.wait)
+    return res
+
+
+def _outcome(fn) -> tuple:
+    """(exception type name, message), or ("no error", "")."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 -- the outcome is what is checked
+        return type(exc).__name__, str(exc)
+    return "no error", ""
+
+
 def _subgroup(rank, ws) -> dict:
     sub = dist.new_group(ranks=[0, 1], backend="ringcoll")
     inherited = dist.new_group(ranks=list(range(ws)))  # no backend: the default one
@@ -232,6 +342,7 @@ def _rank_fn(rank: int, ws: int, backend_string: str) -> dict:
     out["matrix"] = _all_reduce_matrix(rank, gloo)
     out["async"] = _async_and_futures(rank, ws)
     out["subgroup"] = _subgroup(rank, ws)
+    out["work"] = _work_semantics(rank, ws, gloo)
     out["errors"] = _errors(rank, ws)
     comm = pg.communicator()
     # The module-level drop-ins reuse the group's ring instead of building a second one.
@@ -348,6 +459,63 @@ def test_async_work_and_future(runs):
         assert a["wait"] is True and a["completed"] is True
         assert torch.equal(a["tensor"], torch.full((3,), total))
         assert a["future_is_output"] is True
+
+
+def test_wait_returns_only_once_the_future_is_done(runs):
+    _, outs = runs
+    assert [out["work"]["future_pending_after_wait"] for out in outs] == [0] * len(outs)
+
+
+def test_collectives_issued_and_waited_in_future_callbacks(runs):
+    ws, outs = runs
+    for out in outs:
+        assert out["work"]["nested_chain"] == [float(ws) ** 3] * 8
+
+
+def test_wait_timeout_is_a_runtime_error_naming_the_op(runs):
+    ws, outs = runs
+    for rank, out in enumerate(outs):
+        timeouts = out["work"]["timeouts"]
+        done = [entry for entry in timeouts if entry[1] == "then done"]
+        assert done == [("c10d", "then done", float(ws)), ("ringcoll", "then done", float(ws))], timeouts
+        if rank == 0:
+            for form in ("c10d", "ringcoll"):
+                [(_, kind, is_runtime, is_timeout, message)] = [e for e in timeouts if e[0] == form and len(e) == 5]
+                assert kind == "RingcollTimeoutError" and is_runtime and is_timeout, (form, kind)
+                assert message.startswith("all_reduce: Work.wait(timeout=0.05 s) timed out"), message
+
+
+def test_work_reports_its_op_type_as_gloo_does(runs):
+    """gloo's where gloo's Work names one; its reduce_scatter_tensor says UNKNOWN, NCCL's
+    _REDUCE_SCATTER_BASE."""
+    _, outs = runs
+    op_type = torch._C._distributed_c10d.OpType
+    expected = {"all_reduce": op_type.ALLREDUCE, "reduce_scatter_tensor": op_type._REDUCE_SCATTER_BASE,
+                "all_gather_into_tensor": op_type.ALLGATHER}
+    for out in outs:
+        for name, (ours, gloos) in out["work"]["op_types"].items():
+            assert ours == int(expected[name]), (name, ours)
+            assert gloos in (ours, int(op_type.UNKNOWN)), (name, gloos)
+
+
+def test_ring_collectives_appear_in_a_profiler_trace(runs):
+    ws, outs = runs
+    for out in outs:
+        seen = out["work"]["profiled"]
+        assert ("ringcoll:all_reduce", [[64]], "float32", "SUM") in seen, seen
+        assert [e[0] for e in seen].count("ringcoll:all_reduce") == 2, seen  # the sync and the async call
+        assert ("ringcoll:all_gather_into_tensor", [[64]], "float32", None) in seen, seen
+
+
+def test_a_failed_collective_under_ddp_raises_instead_of_crashing(runs):
+    _, outs = runs
+    for out in outs:
+        work = out["work"]
+        assert work["break_it"][0] == "RingcollMismatchError", work["break_it"]
+        kind, message = work["ddp_on_broken"]
+        assert kind == "RuntimeError" and "RingcollError" in message and "communicator is broken" in message, message
+        kind, message = work["future_on_broken"]
+        assert kind == "RuntimeError" and "RingcollError: all_reduce: communicator is broken" in message, message
 
 
 def test_subgroups(runs):

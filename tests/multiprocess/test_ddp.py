@@ -11,6 +11,8 @@ steps of the same small MLP four times:
     "hook_gloo"    DDP on the gloo group + ringcoll.ddp_hook, state = the gloo group (as
                    torch's allreduce_hook takes it): ringcoll.api's communicator,
                    bootstrapped over a plain gloo group
+    "powerSGD"     torch's own PowerSGD hook on the ringcoll backend (its Future callbacks
+                   issue all-reduces and wait for them), against "powerSGD_gloo"
 
 Small buckets (several per step) keep bucketing and the async path honest. Every run must
 end with the same parameters as "gloo" within float tolerance (summation order differs),
@@ -40,9 +42,22 @@ def _model() -> torch.nn.Module:
                                torch.nn.Tanh(), torch.nn.Linear(24, 3))
 
 
-def _train(rank: int, process_group, hook=None, state=None) -> tuple[list, list]:
+def _power_sgd(process_group):
+    """torch's PowerSGD hook and its state: after two plain steps, each bucket's Future chain
+    issues two more all-reduces from inside its `then` callbacks and waits for them (which
+    deadlocked on ringcoll's worker thread before those calls ran in line)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    state = powerSGD_hook.PowerSGDState(process_group=process_group, matrix_approximation_rank=1,
+                                        start_powerSGD_iter=2, min_compression_rate=0.5)
+    return powerSGD_hook.powerSGD_hook, state
+
+
+def _train(rank: int, process_group, hook=None, state=None, bucket_cap_mb=BUCKET_CAP_MB) -> tuple[list, list]:
     model = torch.nn.parallel.DistributedDataParallel(_model(), process_group=process_group,
-                                                      bucket_cap_mb=BUCKET_CAP_MB)
+                                                      bucket_cap_mb=bucket_cap_mb)
+    if hook == "powerSGD":
+        hook, state = _power_sgd(process_group)
     if hook is not None:
         model.register_comm_hook(state, hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
@@ -82,6 +97,13 @@ def _rank_fn(rank: int, world_size: int) -> dict:
     counts["hook_shares_backend_communicator"] = state.communicator is dist.group.WORLD.communicator()
 
     results["hook_gloo"] = _train(rank, gloo, ringcoll.ddp_hook, gloo)
+    # torch's PowerSGD hook on the ringcoll backend, against the same on gloo, with one bucket:
+    # with several, gloo hangs (the calls its callbacks issue race the next bucket's for
+    # gloo's queue, in another order on each rank); ringcoll runs them in line, in the same
+    # order on every rank, so "powerSGD_buckets" (several) must train and agree across ranks.
+    results["powerSGD"] = _train(rank, None, "powerSGD", bucket_cap_mb=25)
+    results["powerSGD_gloo"] = _train(rank, gloo, "powerSGD", bucket_cap_mb=25)
+    results["powerSGD_buckets"] = _train(rank, None, "powerSGD")
 
     # Every rank's parameters, gathered (over gloo) for the cross-rank check in the parent.
     gathered = {}
@@ -101,17 +123,18 @@ def runs(request):
     return spawn(_rank_fn, request.param, timeout=SPAWN_TIMEOUT, backend="ringcoll", env=ENV)
 
 
-@pytest.mark.parametrize("name", ["ringcoll", "hook", "hook_gloo"])
-def test_same_parameters_as_gloo(runs, name):
+@pytest.mark.parametrize("name,reference", [("ringcoll", "gloo"), ("hook", "gloo"), ("hook_gloo", "gloo"),
+                                            ("powerSGD", "powerSGD_gloo")])
+def test_same_parameters_as_gloo(runs, name, reference):
     for rank, out in enumerate(runs):
         params, losses = out["results"][name]
-        ref_params, ref_losses = out["results"]["gloo"]
+        ref_params, ref_losses = out["results"][reference]
         for i, (p, q) in enumerate(zip(params, ref_params)):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {name} param {i}: {m}")
         assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
 
 
-@pytest.mark.parametrize("name", ["ringcoll", "hook", "hook_gloo", "gloo"])
+@pytest.mark.parametrize("name", ["ringcoll", "hook", "hook_gloo", "gloo", "powerSGD", "powerSGD_buckets"])
 def test_parameters_identical_across_ranks(runs, name):
     everyone = runs[0]["gathered"][name]
     for r, flat in enumerate(everyone):

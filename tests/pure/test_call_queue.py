@@ -1,0 +1,109 @@
+"""The CPU transports' call queue (transports/host.py, CallQueue): call order, callbacks, and
+what a waiter sees, with plain Python calls standing in for collectives (no processes).
+
+The multi-process checks of the same contract through torch.distributed are in
+tests/multiprocess/test_backend.py (test_wait_returns_only_once_the_future_is_done, ...).
+"""
+
+import threading
+
+import pytest
+import torch
+
+from ringcoll.communicator import Work
+from ringcoll.errors import RingcollError, RingcollTimeoutError
+from ringcoll.transports.host import CallQueue
+
+
+def _gated(queue: CallQueue, log: list, name: str):
+    """Queue a call that records `name` once its gate is opened; (gate, its Work)."""
+    gate = threading.Event()
+
+    def run():
+        assert gate.wait(10)
+        log.append(name)
+
+    return gate, Work(queue.submit(run, async_op=True, name=name), [torch.zeros(1)])
+
+
+def test_a_collective_issued_in_a_callback_runs_next_in_line():
+    """A callback on the worker issues a call and waits for it (torch's PowerSGD hook): it runs
+    at once, before a call queued earlier by the caller, so every rank runs the same order."""
+    queue, log = CallQueue(), []
+    gate, first = _gated(queue, log, "first")
+    nested_results = []
+
+    def callback(_):
+        nested = Work(queue.submit(lambda: log.append("nested"), async_op=True, name="nested"), [torch.ones(1)])
+        nested_results.append(nested.get_future().wait()[0].item())  # would wait for itself if queued
+        return torch.ones(1)
+
+    chained = first.get_future().then(callback)
+    second = Work(queue.submit(lambda: log.append("second"), async_op=True, name="second"), [])
+    gate.set()
+    second.wait(10)
+    assert chained.wait().item() == 1.0 and nested_results == [1.0]
+    assert log == ["first", "nested", "second"]
+    queue.close(lambda: None)
+
+
+def test_waiting_in_a_callback_for_a_call_queued_behind_it_is_refused():
+    queue, log = CallQueue(), []
+    gate, first = _gated(queue, log, "first")
+    second = Work(queue.submit(lambda: log.append("second"), async_op=True, name="all_gather"), [])
+    seen = []
+
+    def callback(_):
+        try:
+            second.wait()
+        except RingcollError as e:
+            seen.append(str(e))
+
+    first.get_future().then(callback)
+    gate.set()
+    second.wait(10)
+    assert len(seen) == 1 and seen[0].startswith("all_gather: waited for on the ringcoll worker thread"), seen
+    assert log == ["first", "second"]
+    queue.close(lambda: None)
+
+
+def test_wait_returns_only_after_the_future_and_its_callbacks():
+    queue, log = CallQueue(), []
+    gate, work = _gated(queue, log, "call")
+    future = work.get_future()
+    in_callback = []
+    future.then(lambda fut: in_callback.append(work.wait()))  # on the worker: answered at once
+    gate.set()
+    work.wait(10)
+    assert future.done() and in_callback == [True]
+    queue.close(lambda: None)
+
+
+def test_a_failed_call_fails_its_future_for_cpp_too():
+    """The Future fails as a `then` chain (C++: DDP's reducer) sees a failure: its callbacks
+    see the error, and wait() raises a RuntimeError quoting it."""
+    queue = CallQueue()
+
+    def run():
+        raise RingcollError("all_reduce: peer rank 1 has exited")
+
+    work = Work(queue.submit(run, async_op=True, name="all_reduce"), [torch.zeros(1)])
+    chained = work.get_future().then(lambda fut: fut.value())
+    with pytest.raises(RuntimeError, match="RingcollError: all_reduce: peer rank 1 has exited"):
+        chained.wait()
+    with pytest.raises(RingcollError, match="peer rank 1 has exited"):
+        work.wait()
+    assert work.is_completed() and not work.is_success()
+    queue.close(lambda: None)
+
+
+def test_wait_timeout_names_the_op_and_is_a_runtime_error():
+    queue, log = CallQueue(), []
+    gate, work = _gated(queue, log, "reduce_scatter_tensor")
+    with pytest.raises(RingcollTimeoutError) as caught:
+        work.wait(0.01)
+    assert isinstance(caught.value, RuntimeError) and isinstance(caught.value, TimeoutError)
+    assert str(caught.value).startswith("reduce_scatter_tensor: Work.wait(timeout=0.01 s) timed out")
+    gate.set()
+    assert work.wait(10) and log == ["reduce_scatter_tensor"]
+    queue.close(lambda: None)
