@@ -61,10 +61,11 @@ class TwoHosts:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
     def command(self, host: int, argv: list) -> list:
-        """`argv` run on machine `host`: in its network namespace, with its own /dev/shm."""
-        private_shm = 'mount -t tmpfs -o size=1g ringcoll-shm /dev/shm && exec "$@"'
-        return ["ip", "netns", "exec", self.namespaces[host], "unshare", "--mount", "--ipc", "--propagation",
-                "private", "sh", "-c", private_shm, "sh", *argv]
+        """`argv` run on machine `host`: in its network namespace, with its own /dev/shm and
+        its own host name (ringcoll-host0, ringcoll-host1: what messages call the machines)."""
+        private = f'mount -t tmpfs -o size=1g ringcoll-shm /dev/shm && hostname ringcoll-host{host} && exec "$@"'
+        return ["ip", "netns", "exec", self.namespaces[host], "unshare", "--mount", "--ipc", "--uts", "--propagation",
+                "private", "sh", "-c", private, "sh", *argv]
 
 
 def run(job: list, nproc_per_node: int = 2, port: int = 29631, timeout: float = 600,

@@ -32,17 +32,36 @@ the ring's place when its ranks are on several machines (training/backend.py).
 
 from __future__ import annotations
 
-import concurrent.futures
+import datetime
+import functools
 import os
+import socket
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from ringcoll import packing
-from ringcoll._types import ReduceOp, op_code, reduce_op
-from ringcoll.communicator import EQUAL, GATHER, SCATTER, ArgumentChecks, Communicator, PreparedTensors, Work
+from ringcoll._types import DTYPE_NAMES, ReduceOp, op_code, reduce_op
+from ringcoll.communicator import (EQUAL, GATHER, SCATTER, ArgumentChecks, Communicator, PreparedTensors, Work,
+                                   _resolve_check, call_details, profiler_enabled, resolve_timeout,
+                                   submit_profiled)
+from ringcoll.errors import RingcollError, RingcollMismatchError, RingcollPeerError
 from ringcoll.transports.host import CallQueue, ThreadCompletion, ranks_by_domain, shared_memory_domain
+
+
+#: the user's collectives, as check_call numbers them
+USER_CALLS = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_gather", "reduce_scatter",
+              "all_reduce_coalesced", "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced", "barrier")
+
+
+def describe_call(user_call) -> str:
+    """(collective index, dtype code, op code or -1, count) in words: 'all_reduce of 1001 float32 (SUM)'."""
+    collective, dtype, op, count = user_call
+    if dtype < 0:
+        return USER_CALLS[collective]
+    reduction = f" ({ReduceOp(op).name})" if op >= 0 else ""
+    return f"{USER_CALLS[collective]} of {count} {DTYPE_NAMES[dtype]}{reduction}"
 
 
 def _node_of(rank: int, node_id) -> object:
@@ -56,12 +75,14 @@ def _node_of(rank: int, node_id) -> object:
     return shared_memory_domain()
 
 
-def uneven_nodes_message(who: str, members: dict) -> Optional[str]:
+def uneven_nodes_message(who: str, members: dict, names: Optional[dict] = None) -> Optional[str]:
     """Why nodes of different sizes cannot run hierarchically, or None when they are even.
-    `members` maps each node to its ranks."""
+    `members` maps each node to its ranks; `names`, each node to what to call it (default
+    "node <id>")."""
     if len({len(ranks) for ranks in members.values()}) == 1:
         return None
-    layout = "; ".join(f"node {node}: {len(ranks)} (ranks {', '.join(map(str, ranks))})"
+    names = names or {node: f"node {node}" for node in members}
+    layout = "; ".join(f"{names[node]}: {len(ranks)} (ranks {', '.join(map(str, ranks))})"
                        for node, ranks in members.items())
     return (f"{who}: every node needs the same number of ranks, got {layout}. The levels are "
             "one ring per node and one group per local index, so start the same number of ranks "
@@ -85,11 +106,14 @@ class HierarchicalCommunicator(ArgumentChecks):
         inter_backend = inter_backend or ("nccl" if self.device.type == "cuda" else "gloo")
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
-        nodes: list = [None] * self.world_size
-        dist.all_gather_object(nodes, _node_of(self.rank, node_id), group=self.group)
+        self.timeout = resolve_timeout(timeout)
+        offers: list = [None] * self.world_size
+        dist.all_gather_object(offers, (_node_of(self.rank, node_id), socket.gethostname()), group=self.group)
+        nodes = [node for node, _ in offers]
         members = ranks_by_domain(nodes)  # nodes in order of their first rank
         order = list(members)
-        uneven = uneven_nodes_message("HierarchicalCommunicator", members)
+        uneven = uneven_nodes_message("HierarchicalCommunicator", members,
+                                      {node: f"host {offers[ranks[0]][1]} (node {node})" for node, ranks in members.items()})
         if uneven:
             raise ValueError(uneven)
         self.num_nodes, self.local_size = len(order), len(members[order[0]])
@@ -97,20 +121,30 @@ class HierarchicalCommunicator(ArgumentChecks):
         self.local_rank = members[nodes[self.rank]].index(self.rank)
         # rank_at[node index][local index] = group rank: the layout both levels index into.
         self.rank_at = [members[node] for node in order]
+        # What the messages call each node: its first rank's host name, the node id beside it.
+        self.node_names = [f"{offers[members[node][0]][1]} (node {node})" for node in order]
 
         def global_ranks(ranks):
             return [dist.get_global_rank(self.group, r) if self.group is not dist.group.WORLD else r for r in ranks]
 
         # use_local_synchronization: only the members make a group, so this also works inside
         # a subgroup, and the node's group comes first on every rank (no crossed waits).
+        # Both groups get the communicator's timeout: torch's default (30 min) would let a
+        # link that went down hang every rank far past it.
+        group_timeout = datetime.timedelta(seconds=self.timeout)
         node_group = dist.new_group(global_ranks(self.rank_at[self.node_index]), backend="gloo",
-                                    use_local_synchronization=True)
-        self.inter_group = dist.new_group(global_ranks([m[self.local_rank] for m in self.rank_at]),
-                                          backend=inter_backend, use_local_synchronization=True)
-        self.intra = Communicator(group=node_group, device=self.device, timeout=timeout, buffer_bytes=buffer_bytes,
-                                  check=check)
+                                    use_local_synchronization=True, timeout=group_timeout)
+        self.inter_ranks = [m[self.local_rank] for m in self.rank_at]  # one rank per node: this rank's local index
+        self.inter_group = dist.new_group(global_ranks(self.inter_ranks), backend=inter_backend,
+                                          use_local_synchronization=True, timeout=group_timeout)
+        self.check = _resolve_check(check)
+        # The node's ring checks nothing itself: check_call below compares every user call
+        # across all nodes, and the ring's calls follow from it.
+        self.intra = Communicator(group=node_group, device=self.device, timeout=self.timeout,
+                                  buffer_bytes=buffer_bytes, check=False)
         self.device = self.intra.device  # with its index
         self._calls = CallQueue()
+        self._broken_reason = ""
 
     def close(self) -> None:
         """Finish queued work, then release the intra-node ring. Idempotent."""
@@ -124,29 +158,97 @@ class HierarchicalCommunicator(ArgumentChecks):
 
     # --- helpers --------------------------------------------------------------------------
 
-    def _level_op(self, name: str, op, dtype: int) -> tuple[ReduceOp, bool]:
-        """The op both levels use, and whether to divide by P at the end (AVG); `dtype`: the
-        code the checks returned."""
-        op_code(name, op, dtype)  # validates op x dtype, naming the call
+    def _level_op(self, name: str, op, dtype: int) -> tuple[ReduceOp, bool, int]:
+        """The op both levels use, whether to divide by P at the end (AVG), and the user's op
+        code (for check_call); `dtype`: the code the checks returned."""
+        code = op_code(name, op, dtype)  # validates op x dtype, naming the call
         ours = reduce_op(name, op)
-        return (ReduceOp.SUM, True) if ours is ReduceOp.AVG else (ours, False)
+        return (ReduceOp.SUM, True, code) if ours is ReduceOp.AVG else (ours, False, code)
 
     def _inter_op(self, op: ReduceOp):
         return getattr(dist.ReduceOp, op.name)
 
-    def _submit(self, run: Callable[[], None], outputs: list, async_op: bool) -> Optional[Work]:
+    @property
+    def broken(self) -> bool:
+        return bool(self._broken_reason)
+
+    def _submit(self, name: str, run: Callable[[], None], outputs: list, async_op: bool,
+                call: tuple = ()) -> Optional[Work]:
         """Run the validated call now, or queued in call order (a Work, as the ring's). On
         CUDA both levels enqueue on the current stream without blocking the host (the ring
-        and NCCL alike), so the call runs now even when async: its Work is already done."""
-        if self.device.type == "cuda":
+        and NCCL alike), so the call runs now even when async: its Work is already done.
+        `call` is (dtype code, op code or -1, count): what check_call compares."""
+        if self._broken_reason:
+            raise RingcollError(f"{name}: communicator is broken by an earlier error ({self._broken_reason})")
+        collective = USER_CALLS.index(name.removeprefix("prepare_"))  # a prepared run is its collective
+        user_call = (collective, *call) if call else (collective, -1, -1, 0)
+        run = functools.partial(self._run_checked, name, user_call, run)
+
+        def submit() -> Optional[ThreadCompletion]:
+            if self.device.type != "cuda":
+                return self._calls.submit(run, async_op, name)
             self._calls.submit(run, async_op=False)
-            if not async_op:
-                return None
-            done: concurrent.futures.Future = concurrent.futures.Future()
-            done.set_result(None)
-            return Work(ThreadCompletion(done), outputs)
-        completion = self._calls.submit(run, async_op)
+            return ThreadCompletion.finished(name) if async_op else None
+
+        if not profiler_enabled():
+            completion = submit()
+        else:
+            _, dtype, op, count = user_call
+            details = call_details(None if dtype < 0 else dtype, None if op < 0 else op, count)
+            completion = submit_profiled(name, outputs, details, submit)
         return None if completion is None else Work(completion, outputs)
+
+    def _run_checked(self, name: str, user_call: tuple, run: Callable[[], None]) -> None:
+        """run() once every rank's call is known to be this one (check_call); an error of
+        either level is raised in the user's terms: the user's collective, group ranks, and
+        host names. Any error breaks the communicator, as it breaks the ring."""
+        try:
+            if self.check:
+                self._check_call(name, user_call)
+            run()
+        except RingcollMismatchError as e:
+            self._broken_reason = str(e)
+            raise
+        except RingcollError as e:  # the node's ring: its ranks are numbered within the node
+            self._broken_reason = f"{name}: {e}"
+            raise type(e)(f"{name} on host {self.node_names[self.node_index]}, whose ranks (numbered 0.."
+                          f"{self.local_size - 1} below) are ranks {self._ranks_text(self.rank_at[self.node_index])} "
+                          f"(pids as that host sees them): {e}") from e
+        except RuntimeError as e:  # torch.distributed between the nodes (gloo, NCCL)
+            self._broken_reason = f"{name}: {e}"
+            peers = ", ".join(f"rank {r} on {self.node_names[i]}" for i, r in enumerate(self.inter_ranks)
+                              if r != self.rank)
+            raise RingcollPeerError(f"{name}: rank {self.rank} on host {self.node_names[self.node_index]} lost its "
+                                    f"link to the other hosts ({peers}), within the {self.timeout:g} s timeout: "
+                                    f"{type(e).__name__}: {e}") from e
+
+    @staticmethod
+    def _ranks_text(ranks) -> str:
+        return ", ".join(map(str, ranks))
+
+    def _check_call(self, name: str, user_call: tuple) -> None:
+        """Raise RingcollMismatchError on every rank, before any data moves, unless every rank
+        of every node made this call: each node gathers its ranks' calls on its ring, then the
+        nodes exchange theirs (two fixed-size calls, so they cannot mismatch themselves). A
+        check per node only would let two nodes that agree inside differ from each other
+        and fail inside gloo."""
+        mine = torch.tensor(user_call, dtype=torch.int64, device=self.device)
+        node_calls = mine.new_empty(self.local_size * mine.numel())
+        self.intra.all_gather_into_tensor(node_calls, mine)
+        every_call = node_calls.new_empty(self.num_nodes * node_calls.numel())
+        dist.all_gather_into_tensor(every_call, node_calls, group=self.inter_group)
+        calls = every_call.view(self.num_nodes, self.local_size, -1).tolist()
+        by_call: dict = {}
+        for node in range(self.num_nodes):
+            for local in range(self.local_size):
+                by_call.setdefault(tuple(calls[node][local]), []).append(self.rank_at[node][local])
+        if len(by_call) == 1:
+            return
+        what = "; ".join(f"ranks {self._ranks_text(sorted(ranks))} called {describe_call(call)}"
+                         for call, ranks in by_call.items())
+        raise RingcollMismatchError(f"{name}: the ranks made different calls at the same point across "
+                                    f"{self.num_nodes} hosts ({', '.join(self.node_names)}): {what}; nothing was "
+                                    "moved")
 
     # --- the three algorithms, on flat contiguous tensors ----------------------------------
 
@@ -194,44 +296,47 @@ class HierarchicalCommunicator(ArgumentChecks):
                    output: Optional[torch.Tensor] = None):
         """In place over every rank of every node (see the module docstring); with ``output``,
         into it, ``tensor`` left unchanged (as Communicator.all_reduce)."""
-        return self._submit_planned(self._all_reduce_run("all_reduce", tensor, op, output), async_op)
+        return self._submit_planned("all_reduce", self._all_reduce_run, tensor, op, output, async_op=async_op)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM,
                               async_op: bool = False):
         """``output = op over ranks of input.view(P, -1)[rank]``."""
-        return self._submit_planned(self._reduce_scatter_run("reduce_scatter_tensor", output, input, op), async_op)
+        return self._submit_planned("reduce_scatter_tensor", self._reduce_scatter_run, output, input, op, async_op=async_op)
 
     def all_gather_into_tensor(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                                async_op: bool = False):
         """``output_tensor.view(P, -1)[r] = input_tensor on rank r``."""
-        return self._submit_planned(self._all_gather_run("all_gather_into_tensor", output_tensor, input_tensor),
-                                    async_op)
+        return self._submit_planned("all_gather_into_tensor", self._all_gather_run, output_tensor, input_tensor,
+                                    async_op=async_op)
 
-    # Each method's checks, and what it plans: (run, outputs) for _submit, then the tensors
-    # it reads and writes (a prepared call's layout).
+    # Each method's checks, and what it plans: (run, outputs) for _submit, the tensors it
+    # reads and writes (a prepared call's layout), and the call check_call compares
+    # (dtype code, op code or -1, the count the Communicator's call names).
 
-    def _submit_planned(self, planned: tuple, async_op: bool) -> Optional[Work]:
-        run, outputs, _ = planned
-        return self._submit(run, outputs, async_op)
+    def _submit_planned(self, name: str, plan: Callable, *args, async_op: bool) -> Optional[Work]:
+        """Check and plan the call (plan(name, *args): one of the *_run methods below), then submit it."""
+        run, outputs, _, call = plan(name, *args)
+        return self._submit(name, run, outputs, async_op, call)
 
     def _all_reduce_run(self, name: str, tensor, op, output):
         if output is None:
-            dtype = self._check_tensor(name, "tensor", tensor)[0]
+            dtype, _, count = self._check_tensor(name, "tensor", tensor)
             output = tensor
         else:
-            dtype = self._check_pair(name, output, tensor, EQUAL)[0]
-        level_op, divide = self._level_op(name, op, dtype)
+            dtype, _, count, _, _ = self._check_pair(name, output, tensor, EQUAL)
+        level_op, divide, code = self._level_op(name, op, dtype)
         return (lambda: self._all_reduce_flat(tensor.view(-1), level_op, divide, output.view(-1))), [output], \
-            (tensor, output)
+            (tensor, output), (dtype, code, count)
 
     def _reduce_scatter_run(self, name: str, output, input, op):
-        dtype = self._check_pair(name, output, input, SCATTER)[0]
-        level_op, divide = self._level_op(name, op, dtype)
-        return (lambda: self._reduce_scatter_flat(output, input, level_op, divide)), [output], (input, output)
+        dtype, _, _, _, count = self._check_pair(name, output, input, SCATTER)
+        level_op, divide, code = self._level_op(name, op, dtype)
+        return (lambda: self._reduce_scatter_flat(output, input, level_op, divide)), [output], (input, output), \
+            (dtype, code, count)
 
     def _all_gather_run(self, name: str, output, input):
-        self._check_pair(name, output, input, GATHER)
-        return (lambda: self._all_gather_flat(output, input)), [output], (input, output)
+        dtype, _, count, _, _ = self._check_pair(name, output, input, GATHER)
+        return (lambda: self._all_gather_flat(output, input)), [output], (input, output), (dtype, -1, count)
 
     # --- prepared calls (as Communicator.prepare_*) ---------------------------------------
 
@@ -255,39 +360,41 @@ class HierarchicalCommunicator(ArgumentChecks):
 
     def all_gather(self, tensor_list: list, tensor: torch.Tensor, async_op: bool = False):
         """``tensor_list[r] = tensor on rank r``."""
-        self._check_list("all_gather", "tensor_list", tensor_list, tensor)
+        dtype = self._check_list("all_gather", "tensor_list", tensor_list, tensor)
         flat = tensor.new_empty(self.world_size * tensor.numel())
 
         def run() -> None:
             self._all_gather_flat(flat, tensor)
             packing.split_into(flat, tensor_list)
 
-        return self._submit(run, list(tensor_list), async_op)
+        return self._submit("all_gather", run, list(tensor_list), async_op, (dtype, -1, tensor.numel()))
 
     def reduce_scatter(self, output: torch.Tensor, input_list: list, op=ReduceOp.SUM, async_op: bool = False):
         """``output = op over ranks of input_list[rank]``."""
         name = "reduce_scatter"
         dtype = self._check_list(name, "input_list", input_list, output)
-        level_op, divide = self._level_op(name, op, dtype)
+        level_op, divide, code = self._level_op(name, op, dtype)
         flat = packing.concat(input_list)  # taken now: output may alias an entry
-        return self._submit(lambda: self._reduce_scatter_flat(output, flat, level_op, divide), [output], async_op)
+        return self._submit(name, lambda: self._reduce_scatter_flat(output, flat, level_op, divide), [output],
+                            async_op, (dtype, code, output.numel()))
 
     def all_reduce_coalesced(self, tensors: list, op=ReduceOp.SUM, async_op: bool = False):
         """Each tensor all-reduced in place, as one flat call."""
         name = "all_reduce_coalesced"
         dtype = self._check_same_dtype(name, "tensors", tensors)
-        level_op, divide = self._level_op(name, op, dtype)
+        level_op, divide, code = self._level_op(name, op, dtype)
         flat = packing.concat(tensors)
 
         def run() -> None:
             self._all_reduce_flat(flat, level_op, divide)
             packing.split_into(flat, tensors)
 
-        return self._submit(run, list(tensors), async_op)
+        return self._submit(name, run, list(tensors), async_op, (dtype, code, flat.numel()))
 
     def all_gather_into_tensor_coalesced(self, outputs: list, inputs: list, async_op: bool = False):
         """all_gather_into_tensor for each (outputs[i], inputs[i]) pair, as one flat call."""
-        self._check_pairs("all_gather_into_tensor_coalesced", outputs, inputs, GATHER)
+        name = "all_gather_into_tensor_coalesced"
+        dtype = self._check_pairs(name, outputs, inputs, GATHER)
         flat_in = packing.concat(inputs)
         gathered = flat_in.new_empty(self.world_size * flat_in.numel())
 
@@ -295,14 +402,14 @@ class HierarchicalCommunicator(ArgumentChecks):
             self._all_gather_flat(gathered, flat_in)
             packing.gathered_rows_into(gathered, outputs, self.world_size)
 
-        return self._submit(run, list(outputs), async_op)
+        return self._submit(name, run, list(outputs), async_op, (dtype, -1, flat_in.numel()))
 
     def reduce_scatter_tensor_coalesced(self, outputs: list, inputs: list, op=ReduceOp.SUM,
                                         async_op: bool = False):
         """reduce_scatter_tensor for each (outputs[i], inputs[i]) pair, as one flat call."""
         name = "reduce_scatter_tensor_coalesced"
         dtype = self._check_pairs(name, outputs, inputs, SCATTER)
-        level_op, divide = self._level_op(name, op, dtype)
+        level_op, divide, code = self._level_op(name, op, dtype)
         flat_in = packing.chunks_by_rank(inputs, self.world_size)
         mine = flat_in.new_empty(flat_in.numel() // self.world_size)
 
@@ -310,7 +417,7 @@ class HierarchicalCommunicator(ArgumentChecks):
             self._reduce_scatter_flat(mine, flat_in, level_op, divide)
             packing.split_into(mine, outputs)
 
-        return self._submit(run, list(outputs), async_op)
+        return self._submit(name, run, list(outputs), async_op, (dtype, code, mine.numel()))
 
     def barrier(self, async_op: bool = False):
         """Every rank of the node has entered (the ring), then every node (one rank of each
@@ -319,7 +426,7 @@ class HierarchicalCommunicator(ArgumentChecks):
             self.intra.barrier()
             dist.barrier(group=self.inter_group)
 
-        return self._submit(run, [], async_op)
+        return self._submit("barrier", run, [], async_op)
 
 
 class PreparedHierarchicalCall(PreparedTensors):
@@ -329,11 +436,11 @@ class PreparedHierarchicalCall(PreparedTensors):
     when prepared (ValueError naming the op, before anything moves); values may change."""
 
     def __init__(self, comm: HierarchicalCommunicator, name: str, run: Callable[[], None], outputs: list,
-                 tensors: tuple):
+                 tensors: tuple, call: tuple):
         super().__init__(name, tensors)
-        self._comm, self._run, self._outputs = comm, run, outputs
+        self._comm, self._run, self._outputs, self._call = comm, run, outputs, call
 
     def __call__(self, async_op: bool = False):
         if not self._unchanged():
             raise self._changed()
-        return self._comm._submit(self._run, self._outputs, async_op)
+        return self._comm._submit(self._name, self._run, self._outputs, async_op, self._call)
