@@ -46,7 +46,7 @@ from ringcoll._types import DTYPE_NAMES, ReduceOp, op_code, reduce_op
 from ringcoll.communicator import (EQUAL, GATHER, SCATTER, ArgumentChecks, Communicator, PreparedTensors, Work,
                                    _resolve_check, call_details, profiler_enabled, resolve_timeout,
                                    submit_profiled)
-from ringcoll.errors import RingcollError, RingcollMismatchError, RingcollPeerError
+from ringcoll.errors import RingcollError, RingcollMismatchError, RingcollPeerError, RingcollTimeoutError
 from ringcoll.transports.host import CallQueue, ThreadCompletion, ranks_by_domain, shared_memory_domain
 
 
@@ -218,9 +218,11 @@ class HierarchicalCommunicator(ArgumentChecks):
             self._broken_reason = f"{name}: {e}"
             peers = ", ".join(f"rank {r} on {self.node_names[i]}" for i, r in enumerate(self.inter_ranks)
                               if r != self.rank)
-            raise RingcollPeerError(f"{name}: rank {self.rank} on host {self.node_names[self.node_index]} lost its "
-                                    f"link to the other hosts ({peers}), within the {self.timeout:g} s timeout: "
-                                    f"{type(e).__name__}: {e}") from e
+            timed_out = "timed out" in str(e).lower()
+            error = RingcollTimeoutError if timed_out else RingcollPeerError
+            what = f"heard nothing within the {self.timeout:g} s timeout" if timed_out else "lost the link"
+            raise error(f"{name}: rank {self.rank} on host {self.node_names[self.node_index]} {what} from the other "
+                        f"hosts ({peers}): {type(e).__name__}: {e}") from e
 
     @staticmethod
     def _ranks_text(ranks) -> str:
@@ -244,8 +246,8 @@ class HierarchicalCommunicator(ArgumentChecks):
                 by_call.setdefault(tuple(calls[node][local]), []).append(self.rank_at[node][local])
         if len(by_call) == 1:
             return
-        what = "; ".join(f"ranks {self._ranks_text(sorted(ranks))} called {describe_call(call)}"
-                         for call, ranks in by_call.items())
+        what = "; ".join(f"{'rank' if len(ranks) == 1 else 'ranks'} {self._ranks_text(sorted(ranks))} called "
+                         f"{describe_call(call)}" for call, ranks in by_call.items())
         raise RingcollMismatchError(f"{name}: the ranks made different calls at the same point across "
                                     f"{self.num_nodes} hosts ({', '.join(self.node_names)}): {what}; nothing was "
                                     "moved")

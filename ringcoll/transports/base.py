@@ -25,8 +25,9 @@ validated the arguments and turned them into a :class:`CollectiveCall`. The inte
     broken, broken_reason       the ring stopped (timeout, dead peer, mismatch): every call raises
 
 A Completion is what ``ringcoll.Work`` wraps: ``wait(timeout)`` (raise the collective's
-error), ``done()``, ``error()`` (the error known so far, or None), ``on_done(fn)`` and
-``synchronize()`` (block the host).
+error; RingcollTimeoutError past `timeout`), ``done()``, ``error()`` (the error known so
+far, or None), ``on_done(fn)`` (fn() once the call has run, before any waiter wakes: the
+Work's torch Future is completed there) and ``synchronize()`` (block the host).
 """
 
 from __future__ import annotations

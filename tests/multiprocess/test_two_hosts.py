@@ -8,8 +8,13 @@ namespaces cannot be made the test fails saying so, it does not skip.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
+import signal
+import subprocess
+import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _spec = importlib.util.spec_from_file_location("two_hosts", os.path.join(ROOT, "examples", "two_hosts.py"))
@@ -46,3 +51,77 @@ def test_training_examples_across_two_machines_match_gloo():
         # here: 2e-9 relative after 2 epochs), not bit for bit; the printed losses agree.
         assert losses == reference[0], (example, losses, reference[0])
         assert abs(checksum - reference[1]) <= 1e-7 * abs(reference[1]), (example, checksum, reference[1])
+
+
+# --- faults across the two machines (tests/multiprocess/two_host_job.py) -------------------
+
+JOB = os.path.join(ROOT, "tests", "multiprocess", "two_host_job.py")
+FAULT_TIMEOUT = 5.0  # RINGCOLL_TIMEOUT and the process group's, in seconds
+
+
+def _run_job(scenario: str, tmp_path, during=None) -> dict:
+    """The scenario on the two machines (2 ranks each); ({rank: {phase: result, "exit": code}},
+    the machines' output).
+    `during(hosts)` runs in the test while the ranks do (the link case takes the link down)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RINGCOLL_")}
+    env["RINGCOLL_TIMEOUT"] = str(FAULT_TIMEOUT)
+    with two_hosts.TwoHosts(os.getpid()) as hosts:
+        procs = []
+        for host in range(2):
+            host_env = {**env, "MASTER_ADDR": hosts.addresses[0], "MASTER_PORT": str(29641 + os.getpid() % 1000),
+                        "GLOO_SOCKET_IFNAME": hosts.interfaces[host]}
+            procs.append(subprocess.Popen(hosts.command(host, [sys.executable, JOB, "host", str(host), scenario,
+                                                               str(tmp_path)]),
+                                          cwd=ROOT, env=host_env, text=True, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT))
+        if during is not None:
+            during(hosts)
+        outputs = [p.communicate(timeout=150)[0] for p in procs]
+    seen: dict = {}
+    for rank in range(4):
+        results = tmp_path / f"results-{rank}"
+        lines = results.read_text().splitlines() if results.exists() else []
+        seen[rank] = {what["phase"]: what for what in map(json.loads, lines)}
+        exit_file = tmp_path / f"exit-{rank}"
+        seen[rank]["exit"] = exit_file.read_text() if exit_file.exists() else "not started"
+    return seen, "\n".join(outputs)
+
+
+def test_faults_across_two_machines_end_in_errors_on_every_rank(tmp_path):
+    seen, out = _run_job("faults", tmp_path)
+    for rank in range(4):
+        # A mismatch between the machines is found on every rank, before any data moves,
+        # whichever machine the odd calls are on; it names the user's call, ranks and hosts.
+        for phase, odd in (("mismatch_by_host", "ranks 0, 1"), ("mismatch_one_rank", "rank 3")):
+            result = seen[rank][phase]
+            assert result["kind"] == "RingcollMismatchError", (rank, phase, out)
+            message = result["message"]
+            assert message.startswith("all_reduce: the ranks made different calls"), message
+            assert f"{odd} called all_reduce of 1001 float32 (SUM)" in message, message
+            assert "all_reduce of 1000 float32 (SUM)" in message, message
+            assert "ringcoll-host0" in message and "ringcoll-host1" in message, message
+    assert seen[3]["exit"] == str(-signal.SIGKILL), out
+    for rank in range(3):  # every survivor of the killed rank 3 raises in time and exits 1
+        result = seen[rank]["kill"]
+        assert result["kind"] in ("RuntimeError", "RingcollPeerError", "RingcollTimeoutError"), (rank, result)
+        assert "Ringcoll" in result["kind"] + result["message"] and "all_reduce" in result["message"], result
+        assert result["elapsed"] < FAULT_TIMEOUT + 3.0, (rank, result)
+        assert seen[rank]["exit"] == "1", (rank, out)
+
+
+def test_a_link_down_for_good_ends_in_an_error_on_every_rank_within_the_timeout(tmp_path):
+    def cut_the_link(hosts):
+        deadline = time.monotonic() + 90
+        while len(list(tmp_path.glob("ready-*"))) < 4:
+            assert time.monotonic() < deadline, "the ranks never got going"
+            time.sleep(0.05)
+        subprocess.run(["ip", "-n", hosts.namespaces[0], "link", "set", hosts.interfaces[0], "down"], check=True)
+
+    seen, out = _run_job("link", tmp_path, cut_the_link)
+    for rank in range(4):
+        result = seen[rank]["link_down"]
+        # gloo's own timeout, the communicator's (it was torch's 30-minute default: a hang)
+        assert result["kind"] in ("RingcollPeerError", "RingcollTimeoutError"), (rank, result, out)
+        assert result["message"].startswith(f"all_reduce: rank {rank} on host ringcoll-host{rank // 2}"), result
+        assert result["elapsed"] < FAULT_TIMEOUT + 10.0, result
+        assert seen[rank]["exit"] == "1", (rank, out)
