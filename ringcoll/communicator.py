@@ -473,7 +473,7 @@ class Communicator(ArgumentChecks):
         """Hand `call` (the user's `name`) to the transport; a Work when async. The Work holds
         every tensor the extension reads by address until the call has run."""
         def submit():
-            return self._transport.submit(call, outputs, keep_alive, async_op, then)
+            return self._transport.submit(call, outputs, keep_alive, async_op, then, name)
 
         if not profiler_enabled():
             completion = submit()

@@ -557,8 +557,8 @@ def _exchange_hosts(store, rank: int, size: int, timeout: datetime.timedelta) ->
                                 f"{timeout} ({type(exc).__name__}: {exc})") from exc
     hosts = [domain for _, domain in offers]
     members = ranks_by_domain(hosts)
-    uneven = uneven_nodes_message("ringcoll backend", members,
-                                  {domain: f"host {offers[ranks[0]][0]} ({domain})" for domain, ranks in members.items()})
+    names = {domain: f"host {offers[ranks[0]][0]} ({domain})" for domain, ranks in members.items()}
+    uneven = uneven_nodes_message("ringcoll backend", members, names)
     if uneven:
         raise RingcollError(uneven)
     return hosts

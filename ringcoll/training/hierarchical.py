@@ -107,13 +107,18 @@ class HierarchicalCommunicator(ArgumentChecks):
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self.timeout = resolve_timeout(timeout)
+        self.check = _resolve_check(check)
         offers: list = [None] * self.world_size
-        dist.all_gather_object(offers, (_node_of(self.rank, node_id), socket.gethostname()), group=self.group)
-        nodes = [node for node, _ in offers]
+        dist.all_gather_object(offers, (_node_of(self.rank, node_id), socket.gethostname(), self.check),
+                               group=self.group)
+        if len({check for _, _, check in offers}) != 1:  # some ranks would run the check's calls, some not
+            raise ValueError("HierarchicalCommunicator: check= / RINGCOLL_CHECK must be the same on every rank, got "
+                             + ", ".join(f"rank {r}: {c}" for r, (_, _, c) in enumerate(offers)))
+        nodes = [node for node, _, _ in offers]
         members = ranks_by_domain(nodes)  # nodes in order of their first rank
         order = list(members)
-        uneven = uneven_nodes_message("HierarchicalCommunicator", members,
-                                      {node: f"host {offers[ranks[0]][1]} (node {node})" for node, ranks in members.items()})
+        names = {node: f"host {offers[ranks[0]][1]} (node {node})" for node, ranks in members.items()}
+        uneven = uneven_nodes_message("HierarchicalCommunicator", members, names)
         if uneven:
             raise ValueError(uneven)
         self.num_nodes, self.local_size = len(order), len(members[order[0]])
@@ -122,7 +127,7 @@ class HierarchicalCommunicator(ArgumentChecks):
         # rank_at[node index][local index] = group rank: the layout both levels index into.
         self.rank_at = [members[node] for node in order]
         # What the messages call each node: its first rank's host name, the node id beside it.
-        self.node_names = [f"{offers[members[node][0]][1]} (node {node})" for node in order]
+        self.node_names = [names[node].removeprefix("host ") for node in order]
 
         def global_ranks(ranks):
             return [dist.get_global_rank(self.group, r) if self.group is not dist.group.WORLD else r for r in ranks]
@@ -137,7 +142,6 @@ class HierarchicalCommunicator(ArgumentChecks):
         self.inter_ranks = [m[self.local_rank] for m in self.rank_at]  # one rank per node: this rank's local index
         self.inter_group = dist.new_group(global_ranks(self.inter_ranks), backend=inter_backend,
                                           use_local_synchronization=True, timeout=group_timeout)
-        self.check = _resolve_check(check)
         # The node's ring checks nothing itself: check_call below compares every user call
         # across all nodes, and the ring's calls follow from it.
         self.intra = Communicator(group=node_group, device=self.device, timeout=self.timeout,
@@ -303,7 +307,8 @@ class HierarchicalCommunicator(ArgumentChecks):
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM,
                               async_op: bool = False):
         """``output = op over ranks of input.view(P, -1)[rank]``."""
-        return self._submit_planned("reduce_scatter_tensor", self._reduce_scatter_run, output, input, op, async_op=async_op)
+        return self._submit_planned("reduce_scatter_tensor", self._reduce_scatter_run, output, input, op,
+                                    async_op=async_op)
 
     def all_gather_into_tensor(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                                async_op: bool = False):

@@ -10,10 +10,11 @@ validated the arguments and turned them into a :class:`CollectiveCall`. The inte
     resolve_device(device)      (static) the device with its index; raises where unusable
     __init__(settings, exchange)  collective: build the buffers; `exchange(mine, **shared)`
                                 sends this rank's handle round the group, returns all ranks'
-    submit(call, outputs, keep_alive, async_op, then)
+    submit(call, outputs, keep_alive, async_op, then, name)
                                 run `call`, then `then()` (torch work that must follow it,
                                 e.g. the list forms' copies); sync: return None once later
                                 work is ordered after it; async: return a Completion
+                                (`name`: the user's collective, for its messages)
     launch_on_stream(call, stream)   run `call` on a caller-given stream (CUDA only)
     bind(call)                  (optional) a zero-argument callable running `call`
                                 synchronously by the shortest path: Communicator.prepare_*

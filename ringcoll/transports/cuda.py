@@ -151,7 +151,7 @@ class CudaTransport(Transport):
         return torch.cuda.current_stream(self.device).cuda_stream
 
     def submit(self, call: CollectiveCall, outputs: list, keep_alive: Sequence, async_op: bool,
-               then: Optional[Callable[[], None]] = None) -> Optional[StreamCompletion]:
+               then: Optional[Callable[[], None]] = None, name: Optional[str] = None) -> Optional[StreamCompletion]:
         """Sync: the kernel follows the current stream's work and the current stream waits
         for it. Async: it follows the current stream's work, nothing waits; the Completion's
         wait() makes the then-current stream wait."""

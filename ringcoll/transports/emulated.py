@@ -81,13 +81,13 @@ class EmulatedCudaTransport:
         return message
 
     def submit(self, call: CollectiveCall, outputs: list, keep_alive: Sequence, async_op: bool,
-               then: Optional[Callable[[], None]] = None):
+               then: Optional[Callable[[], None]] = None, name: Optional[str] = None):
         def run() -> None:
             self._run(_COLLECTIVE_CODES[call.collective], call)
             if then is not None:
                 then()
 
-        return self._calls.submit(run, async_op, call.collective)
+        return self._calls.submit(run, async_op, name or call.collective)
 
     def barrier(self, async_op: bool):
         return self.submit(self._barrier_call, [], (), async_op)

@@ -5,8 +5,9 @@ group, and the extension creates, maps and unlinks the segments (host_comm.cpp).
 no collective touches the process group again.
 
 Collectives run on the calling thread; with ``async_op=True`` they run, in call order, on
-one worker thread and a Completion (a ``concurrent.futures.Future``'s) is returned. One
-collective at a time is on the ring: a synchronous call first waits for the queued ones.
+one worker thread and a Completion (ThreadCompletion) is returned. One collective at a time
+is on the ring: a synchronous call first waits for the queued ones (CallQueue; a call made
+from a Future callback on the worker runs in line there).
 """
 
 from __future__ import annotations
@@ -69,8 +70,8 @@ class ThreadCompletion:
     Future is completed there, so its ``then`` callbacks run there too), and only then are
     waiters woken. So a waiter never sees the call done before its Future is (gloo does the
     same). A callback that waits for this call itself is answered at once (``wait`` on the
-    worker); one that waits for a later call would wait for itself and is refused
-    (CallQueue.submit's doc)."""
+    worker); one that waits for a later call would wait for itself and is refused (see
+    CallQueue)."""
 
     def __init__(self, name: str, queue: Optional["CallQueue"] = None):
         self._name = name
@@ -127,6 +128,10 @@ class ThreadCompletion:
 
     def synchronize(self) -> None:
         self.wait(None)
+
+    def wait_finished(self) -> None:
+        """Block until the call and its callbacks have run, raising nothing (its error is its Work's)."""
+        self._finished.wait()
 
 
 class CallQueue:
@@ -209,7 +214,7 @@ class CallQueue:
         worker, in a callback, they have: the queue runs in order.)"""
         pending = self._last_async
         if pending is not None and not self.on_worker():
-            pending._finished.wait()  # bounded: each queued call is bounded by the ring's timeout
+            pending.wait_finished()  # bounded: each queued call is bounded by the ring's timeout
             if self._last_async is pending:  # nothing queued since: the worker is idle
                 self._last_async = None
 
@@ -258,7 +263,7 @@ class HostTransport(Transport):
         self.plain_calls = self._comm
 
     def submit(self, call: CollectiveCall, outputs: list, keep_alive: Sequence, async_op: bool,
-               then: Optional[Callable[[], None]] = None) -> Optional[ThreadCompletion]:
+               then: Optional[Callable[[], None]] = None, name: Optional[str] = None) -> Optional[ThreadCompletion]:
         if not async_op:
             if then is None:  # the plain tensor forms: straight to the binding, one frame less
                 self._calls.run_now(self._comm.run, *call)
@@ -266,7 +271,7 @@ class HostTransport(Transport):
                 self._calls.run_now(self._run, call, then)
             self._plain_calls_when_idle()
             return None
-        completion = self._calls.submit(lambda: self._run(call, then), async_op, call.collective)
+        completion = self._calls.submit(lambda: self._run(call, then), async_op, name or call.collective)
         self._plain_calls_when_idle()  # not until the queue is drained: later calls must wait for it
         return completion
 
