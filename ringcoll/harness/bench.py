@@ -832,7 +832,7 @@ def reference_form(row: dict) -> str:
 
 def forms_timed(rows) -> tuple:
     """The forms any of `rows` (one backend's) was timed in, out-of-place first."""
-    return tuple(form for form in ("out", "in") if any(f"{form}_time_us" in r for r in rows)) or ("out",)
+    return tuple(form for form in ("out", "in") if any(f"{form}_time_us" in r for r in rows))
 
 
 def same_form_ratio(ours: dict, ref_row: Optional[dict], form: str) -> Optional[float]:
@@ -935,9 +935,9 @@ def format_table(rows: list[dict], world: int, config: Config, fitted: dict, not
         groups = f"# {'':>37} |{'ringcoll out-of-place':^31} |{'ringcoll in-place':^31}"
         ref_forms = {ref: forms_timed(by_ref[ref].values()) for ref in refs}
         for ref in refs:
-            for form in ref_forms[ref]:
+            for form in ref_forms[ref] or ("",):  # a reference timed in no form: one group for its label
                 cols += f" |{'time':>9} {'busbw':>6} {'#wrong':>6} {'x ' + ref:>7}"
-                groups += f" |{ref + (' in-place' if form == 'in' else ' out-of-place'):^32}"
+                groups += f" |{ref + {'in': ' in-place', 'out': ' out-of-place', '': ''}[form]:^32}"
         if fitted.get(name):
             cols += f" |{'model':>9}"
         if config.straggler_rank is not None:
@@ -951,7 +951,7 @@ def format_table(rows: list[dict], world: int, config: Config, fitted: dict, not
             for ref in refs:
                 ref_row = by_ref[ref].get(r["bytes"])
                 if ref_row and ref_row.get("unsupported"):
-                    line += f" |{ref_row['unsupported']:>{33 * len(ref_forms[ref]) - 2}}"
+                    line += f" |{ref_row['unsupported']:>{33 * max(len(ref_forms[ref]), 1) - 2}}"
                     continue
                 for form in ref_forms[ref]:
                     ref_bus = busbw(ref_row, form)
