@@ -116,13 +116,15 @@ def call_details(dtype: Optional[int], op: Optional[int], count: int) -> dict:
     return details
 
 
-def submit_profiled(name: str, tensors: Sequence, details: dict, submit: Callable):
-    """submit() inside a torch.profiler range named ``ringcoll:<name>``, with the tensors'
-    shapes and types (under ``record_shapes``) and `details` (call_details). The range is
-    opened on the calling thread and closed when the call has run, on whichever thread ran
-    it (as c10d's own Work ranges are: the profiler records only threads it started on, not
-    ringcoll's worker)."""
-    span = torch._C._profiler._RecordFunctionFast(f"ringcoll:{name}", tuple(tensors), details)
+def submit_profiled(name: str, tensors: Sequence, details: Callable[[], dict], submit: Callable):
+    """submit(), and while a torch.profiler records, inside a range named ``ringcoll:<name>``
+    with the tensors' shapes and types (under ``record_shapes``) and details() (call_details,
+    worked out only then). The range is opened on the calling thread and closed when the
+    call has run, on whichever thread ran it (as c10d's own Work ranges are: the profiler
+    records only threads it started on, not ringcoll's worker)."""
+    if not profiler_enabled():
+        return submit()
+    span = torch._C._profiler._RecordFunctionFast(f"ringcoll:{name}", tuple(tensors), details())
     span.__enter__()
     try:
         completion = submit()
@@ -475,10 +477,8 @@ class Communicator(ArgumentChecks):
         def submit():
             return self._transport.submit(call, outputs, keep_alive, async_op, then, name)
 
-        if not profiler_enabled():
-            completion = submit()
-        else:
-            completion = submit_profiled(name, keep_alive, call_details(call.dtype, call.op, call.user_count), submit)
+        completion = submit_profiled(name, keep_alive, lambda: call_details(call.dtype, call.op, call.user_count),
+                                     submit)
         return None if completion is None else Work(completion, list(outputs), keep_alive)
 
     # --- the collectives ------------------------------------------------------------------
@@ -640,7 +640,7 @@ class Communicator(ArgumentChecks):
         def submit():
             return self._transport.barrier(async_op)
 
-        completion = submit() if not profiler_enabled() else submit_profiled("barrier", (), {}, submit)
+        completion = submit_profiled("barrier", (), dict, submit)
         return None if completion is None else Work(completion, [], ())
 
     # --- CuPy and other __cuda_array_interface__ arrays, on a given stream (CUDA only) ------

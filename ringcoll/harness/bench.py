@@ -121,10 +121,10 @@ class Backend:
         the reference's column instead of a time."""
         return ""
 
-    def in_place_result(self, coll: str, inp, out, rank: int, world: int):
-        """Where this backend's in-place form leaves its result, when not where torch's does
-        (None: torch's place, _buffers' `result`)."""
-        return None
+    def in_place_result(self, coll: str, inp, out, result, rank: int, world: int):
+        """Where this backend's in-place form leaves its result: `result` (_buffers', torch's
+        place) unless the backend's API puts it elsewhere."""
+        return result
 
     def run(self, coll: str, inp, out, op: str, in_place: bool, rank: int, world: int) -> None:
         raise NotImplementedError
@@ -270,10 +270,10 @@ class MpiBackend(Backend):
     def forms(self, coll):
         return ("out", "in")
 
-    def in_place_result(self, coll, inp, out, rank, world):
+    def in_place_result(self, coll, inp, out, result, rank, world):
         # MPI_Reduce_scatter_block in place reads every chunk from the receive buffer and
         # leaves this rank's result in its first chunk, not in chunk `rank` as torch does.
-        return inp.view(world, -1)[0] if coll == "reduce_scatter" else None
+        return inp.view(world, -1)[0] if coll == "reduce_scatter" else result
 
     def unsupported(self, coll, dtype, op):
         if coll.reduces and dtype in (torch.bfloat16, torch.float16):
@@ -584,10 +584,6 @@ def _buffers(coll: CollectiveDef, count: int, world: int, rank: int, dtype, op: 
     return inp, out, result
 
 
-def _first_not_none(*values):
-    return next(v for v in values if v is not None)
-
-
 def bench_size(backends: list, coll: CollectiveDef, count: int, rank: int, world: int, config: Config) -> list[dict]:
     """One collective at one size on every backend (one row each; every rank returns them):
     check every backend's every form first, then time them in turn, trial by trial
@@ -608,7 +604,7 @@ def bench_size(backends: list, coll: CollectiveDef, count: int, rank: int, world
             in_place = form == "in"
             inp, out, result = _buffers(coll, count, world, rank, dtype, config.op, in_place, config.device)
             if in_place:
-                result = _first_not_none(backend.in_place_result(coll.name, inp, out, rank, world), result)
+                result = backend.in_place_result(coll.name, inp, out, result, rank, world)
             call = backend.bind(coll.name, inp, out, config.op, in_place, rank, world)
             call()
             backend.synchronize()
@@ -825,11 +821,6 @@ def mpi_worker(config_file: str, rows_file: str) -> None:
 # --- reporting -----------------------------------------------------------------------------
 
 
-def reference_form(row: dict) -> str:
-    """The first form a reference was timed in (out-of-place where it has both)."""
-    return "out" if "out_time_us" in row else "in"
-
-
 def forms_timed(rows) -> tuple:
     """The forms any of `rows` (one backend's) was timed in, out-of-place first."""
     return tuple(form for form in ("out", "in") if any(f"{form}_time_us" in r for r in rows))
@@ -867,10 +858,9 @@ def worst_ratios(rows: list[dict]) -> list[str]:
     return lines
 
 
-def busbw(row: Optional[dict], form: Optional[str] = None) -> Optional[float]:
+def busbw(row: Optional[dict], form: str) -> Optional[float]:
     if row is None:
         return None
-    form = form or reference_form(row)
     if not row.get(f"{form}_time_us"):
         return None
     algbw = row["bytes"] / (row[f"{form}_time_us"] * 1e-6) / 1e9

@@ -44,8 +44,7 @@ import torch.distributed as dist
 from ringcoll import packing
 from ringcoll._types import DTYPE_NAMES, ReduceOp, op_code, reduce_op
 from ringcoll.communicator import (EQUAL, GATHER, SCATTER, ArgumentChecks, Communicator, PreparedTensors, Work,
-                                   _resolve_check, call_details, profiler_enabled, resolve_timeout,
-                                   submit_profiled)
+                                   _resolve_check, call_details, resolve_timeout, submit_profiled)
 from ringcoll.errors import RingcollError, RingcollMismatchError, RingcollPeerError, RingcollTimeoutError
 from ringcoll.transports.host import CallQueue, ThreadCompletion, ranks_by_domain, shared_memory_domain
 
@@ -117,8 +116,10 @@ class HierarchicalCommunicator(ArgumentChecks):
         nodes = [node for node, _, _ in offers]
         members = ranks_by_domain(nodes)  # nodes in order of their first rank
         order = list(members)
-        names = {node: f"host {offers[ranks[0]][1]} (node {node})" for node, ranks in members.items()}
-        uneven = uneven_nodes_message("HierarchicalCommunicator", members, names)
+        # What the messages call each node: its first rank's host name, the node id beside it.
+        labels = {node: f"{offers[ranks[0]][1]} (node {node})" for node, ranks in members.items()}
+        uneven = uneven_nodes_message("HierarchicalCommunicator", members,
+                                      {node: f"host {label}" for node, label in labels.items()})
         if uneven:
             raise ValueError(uneven)
         self.num_nodes, self.local_size = len(order), len(members[order[0]])
@@ -126,8 +127,7 @@ class HierarchicalCommunicator(ArgumentChecks):
         self.local_rank = members[nodes[self.rank]].index(self.rank)
         # rank_at[node index][local index] = group rank: the layout both levels index into.
         self.rank_at = [members[node] for node in order]
-        # What the messages call each node: its first rank's host name, the node id beside it.
-        self.node_names = [names[node].removeprefix("host ") for node in order]
+        self.node_names = [labels[node] for node in order]
 
         def global_ranks(ranks):
             return [dist.get_global_rank(self.group, r) if self.group is not dist.group.WORLD else r for r in ranks]
@@ -194,12 +194,9 @@ class HierarchicalCommunicator(ArgumentChecks):
             self._calls.submit(run, async_op=False)
             return ThreadCompletion.finished(name) if async_op else None
 
-        if not profiler_enabled():
-            completion = submit()
-        else:
-            _, dtype, op, count = user_call
-            details = call_details(None if dtype < 0 else dtype, None if op < 0 else op, count)
-            completion = submit_profiled(name, outputs, details, submit)
+        _, dtype, op, count = user_call
+        completion = submit_profiled(name, outputs, lambda: call_details(None if dtype < 0 else dtype,
+                                                                        None if op < 0 else op, count), submit)
         return None if completion is None else Work(completion, outputs)
 
     def _run_checked(self, name: str, user_call: tuple, run: Callable[[], None]) -> None:
