@@ -793,7 +793,9 @@ def run_under_mpirun(world: int, config: Config) -> list[dict]:
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **rank_env(world))
         cmd = [open_mpi_launcher(), "--oversubscribe", "-np", str(world), sys.executable, "-m", "ringcoll.harness.bench",
                "--mpi-worker", config_file, rows_file]
-        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, timeout=3600)
+        # cwd: not the caller's, which `python -m` puts first on sys.path: run from a source
+        # checkout after `pip install .`, the ranks imported its ringcoll (no built _C there).
+        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, timeout=3600, cwd=tmp)
         if proc.returncode != 0 or not os.path.exists(rows_file):
             raise RuntimeError(f"ringcoll-bench: the mpirun launch failed (exit {proc.returncode}):\n{proc.stdout}")
         with open(rows_file) as f:
