@@ -15,6 +15,7 @@ process, no torch.distributed (ringcoll/bootstrap.py).
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 from typing import Any, Callable, List
 
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from ringcoll._types import ReduceOp
 from ringcoll.bootstrap import InProcessGroup
 from ringcoll.communicator import Communicator, resolve_timeout
+from ringcoll.transports.cuda import IN_PROCESS_HARDWARE_QUEUES
 from ringcoll.views import cuda_tensor_view
 
 _communicators: dict = {}
@@ -117,7 +119,16 @@ def run_in_process(world_size: int, fn: Callable[..., Any], *args, timeout=None)
 
     ``timeout``: seconds (or timedelta) a bootstrap wait may last; default RINGCOLL_TIMEOUT
     or 300, like the communicators'. Every wait inside a communicator is bounded by its own
-    timeout, so this returns once ``fn`` does on every rank."""
+    timeout, so this returns once ``fn`` does on every rank.
+
+    On CUDA the ranks share one GPU: each rank's work goes on a stream of its own (a CUDA
+    communicator built on the shared default stream moves its rank onto its own), and
+    CUDA_DEVICE_MAX_CONNECTIONS is raised to 32 if CUDA has not started yet (it is read
+    then), so no two ranks' streams share a hardware queue (ringcoll/transports/cuda.py)."""
+    if not torch.cuda.is_initialized():
+        # Read once, when CUDA starts: a hardware queue for every rank's stream, so no two
+        # ranks' streams are falsely ordered (ringcoll/transports/cuda.py's module doc).
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", str(IN_PROCESS_HARDWARE_QUEUES))
     group = InProcessGroup(world_size, resolve_timeout(timeout))
     results: list = [None] * world_size
     errors: list = [None] * world_size

@@ -56,27 +56,113 @@ void bind_cuda(py::module_& m) {
       py::arg("buffer_bytes"), py::arg("world"));
 
   using ringcoll::emulation::CallResult;
+  using ringcoll::emulation::Device;
   using ringcoll::emulation::EmulatedCall;
   using ringcoll::emulation::EmulatedRing;
   py::module_ e = m.def_submodule("emulation", "the CUDA ring kernels run on the CPU, ranks and blocks as threads");
+  auto result = [](const CallResult& r) { return py::make_tuple(r.error_type, r.message); };
+  auto parse_call = [](const py::tuple& c) {
+    return EmulatedCall{c[0].cast<int>(),       c[1].cast<int>(),       c[2].cast<int>(),    c[3].cast<int>(),
+                        c[4].cast<uintptr_t>(), c[5].cast<uintptr_t>(), c[6].cast<int64_t>()};
+  };
+  py::class_<Device, std::shared_ptr<Device>>(e, "Device", "a modelled CUDA device's streams (emulated_streams.h)")
+      .def(py::init([](int queues) {
+             // Destroyed without the GIL: it joins kernel threads, and a Python kernel's
+             // thread takes the GIL to finish (and to drop its callable).
+             return std::shared_ptr<Device>(new Device(queues), [](Device* d) {
+               if (PyGILState_Check()) {
+                 py::gil_scoped_release release;
+                 delete d;
+               } else {
+                 delete d;
+               }
+             });
+           }),
+           py::arg("hardware_queues") = 8)
+      .def_property_readonly_static("LEGACY", [](py::object) { return Device::kLegacyStream; })
+      .def_property_readonly("hardware_queues", &Device::hardware_queues)
+      .def("create_stream", &Device::create_stream, py::arg("blocking") = false)
+      .def("queue_of", &Device::queue_of, py::arg("stream"))
+      .def("create_event", &Device::create_event)
+      .def("destroy_event", &Device::destroy_event, py::arg("event"))
+      .def("record", &Device::record, py::arg("event"), py::arg("stream"), py::arg("external") = false)
+      .def("wait", &Device::wait, py::arg("stream"), py::arg("event"))
+      .def(
+          "launch",
+          [](Device& d, int stream, py::function fn) {
+            // A Python callable as a kernel (for the model's own tests): it runs on a worker
+            // thread, taking the GIL; held and dropped under the GIL.
+            auto held = std::shared_ptr<py::function>(new py::function(std::move(fn)), [](py::function* f) {
+              py::gil_scoped_acquire gil;
+              delete f;
+            });
+            d.launch(stream, [held] {
+              py::gil_scoped_acquire gil;
+              try {
+                (*held)();
+              } catch (py::error_already_set& err) {
+                err.discard_as_unraisable("emulated kernel");
+              }
+            });
+          },
+          py::arg("stream"), py::arg("fn"))
+      .def("synchronize_stream", &Device::synchronize_stream, py::arg("stream"), py::arg("timeout"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("synchronize_event", &Device::synchronize_event, py::arg("event"), py::arg("timeout"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("query_event", &Device::query_event, py::arg("event"))
+      .def("synchronize_device", &Device::synchronize_device, py::arg("timeout"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("begin_capture", &Device::begin_capture, py::arg("stream"))
+      .def("is_capturing", &Device::is_capturing, py::arg("stream"))
+      .def("end_capture", &Device::end_capture, py::arg("stream"))
+      .def("replay", &Device::replay, py::arg("graph"), py::arg("stream"));
   py::class_<EmulatedRing>(e, "Ring")
-      .def(py::init<int, size_t, double, int, int, bool, int>(), py::arg("world"), py::arg("buffer_bytes"),
-           py::arg("timeout"), py::arg("variant"), py::arg("threads_per_block") = 4, py::arg("check_calls") = true,
-           py::arg("max_blocks") = 8)
+      .def(py::init<int, size_t, double, int, int, bool, int, std::shared_ptr<Device>>(), py::arg("world"),
+           py::arg("buffer_bytes"), py::arg("timeout"), py::arg("variant"), py::arg("threads_per_block") = 4,
+           py::arg("check_calls") = true, py::arg("max_blocks") = 8, py::arg("device") = nullptr)
+      .def(
+          "enqueue",
+          [=](EmulatedRing& ring, const py::tuple& call, int user_stream, bool join) {
+            const EmulatedCall parsed = parse_call(call);
+            CallResult r;
+            {
+              py::gil_scoped_release release;
+              r = ring.enqueue(parsed, user_stream, join);
+            }
+            return result(r);
+          },
+          py::arg("call"), py::arg("user_stream"), py::arg("join"),
+          "one rank's call queued as CudaComm queues it; (error_type, message) of what is raised before queuing")
+      .def("check_error", [=](EmulatedRing& ring, int rank) { return result(ring.check_error(rank)); }, py::arg("rank"))
+      .def(
+          "synchronize",
+          [=](EmulatedRing& ring, int rank) {
+            CallResult r;
+            {
+              py::gil_scoped_release release;
+              r = ring.synchronize(rank);
+            }
+            return result(r);
+          },
+          py::arg("rank"))
+      .def("own_stream", &EmulatedRing::own_stream, py::arg("rank"))
+      .def_property_readonly("device", [](EmulatedRing& ring) { return &ring.device(); },
+                             py::return_value_policy::reference_internal)
+      .def_property_readonly("host_wait_seconds", &EmulatedRing::host_wait_seconds)
+      .def_property_readonly("violations", &EmulatedRing::violations)
       .def(
           "run",
-          [](EmulatedRing& ring, const std::vector<py::tuple>& calls) {
+          [=](EmulatedRing& ring, const std::vector<py::tuple>& calls) {
             std::vector<EmulatedCall> parsed;
-            for (const py::tuple& c : calls)
-              parsed.push_back({c[0].cast<int>(), c[1].cast<int>(), c[2].cast<int>(), c[3].cast<int>(),
-                                c[4].cast<uintptr_t>(), c[5].cast<uintptr_t>(), c[6].cast<int64_t>()});
+            for (const py::tuple& c : calls) parsed.push_back(parse_call(c));
             std::vector<CallResult> results;
             {
               py::gil_scoped_release release;
               results = ring.run(parsed);
             }
             py::list out;
-            for (const CallResult& r : results) out.append(py::make_tuple(r.error_type, r.message));
+            for (const CallResult& r : results) out.append(result(r));
             return out;
           },
           py::arg("calls"),

@@ -17,6 +17,7 @@
 
 #include "close_protocol.h"
 #include "ring_kernels.h"
+#include "stream_order.h"
 #include "ringcoll/check.h"
 #include "ringcoll/reduce.h"
 #include "ringcoll/ring.h"
@@ -94,6 +95,35 @@ class StreamLender {
   std::vector<std::pair<int, void*>> idle_;
 };
 
+// stream_order.h's adapter over the CUDA runtime.
+struct CudaStreams {
+  using Stream = cudaStream_t;
+  using Event = cudaEvent_t;
+  void record(Event e, Stream s) { RINGCOLL_CUDA_CHECK(cudaEventRecord(e, s)); }
+  // Inside a capture, a plain record is only a point in the graph; an external one is a node
+  // that records the event for the host on every replay.
+  void record_for_replays(Event e, Stream s) {
+    RINGCOLL_CUDA_CHECK(cudaEventRecordWithFlags(e, s, cudaEventRecordExternal));
+  }
+  void wait(Stream s, Event e) { RINGCOLL_CUDA_CHECK(cudaStreamWaitEvent(s, e, 0)); }
+  bool capturing(Stream s) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    RINGCOLL_CUDA_CHECK(cudaStreamIsCapturing(s, &status));
+    return status == cudaStreamCaptureStatusActive;
+  }
+  // For closing, which must not throw: a failure is reported, and cleared.
+  bool synchronize_stream(Stream s) { return cleared(cudaStreamSynchronize(s)); }
+  bool synchronize_event(Event e) { return cleared(cudaEventSynchronize(e)); }
+  static bool cleared(cudaError_t err) {
+    if (err != cudaSuccess) (void)cudaGetLastError();
+    return err == cudaSuccess;
+  }
+};
+
+CallEvents<cudaEvent_t> call_events(void* ready, void* done, void* replayed) {
+  return {static_cast<cudaEvent_t>(ready), static_cast<cudaEvent_t>(done), static_cast<cudaEvent_t>(replayed)};
+}
+
 bool same_gpu(const cudaUUID_t& a, const cudaUUID_t& b) { return std::memcmp(&a, &b, sizeof(a)) == 0; }
 
 // This process's ordinal of the GPU `gpu`, or -1 where this process does not see it.
@@ -134,11 +164,11 @@ CudaComm::CudaComm(int rank, int world, int device, size_t buffer_bytes, double 
     std::memset(errors_host_, 0, sizeof(ErrorRecord) * kMaxBlocks);
     RINGCOLL_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&errors_device_), errors_host_, 0));
     stream_ = StreamLender::instance().take(device_);
-    cudaEvent_t done, ready;
-    RINGCOLL_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
-    done_ = done;
-    RINGCOLL_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
-    ready_ = ready;
+    for (void** event : {&done_, &ready_, &replayed_}) {
+      cudaEvent_t made;
+      RINGCOLL_CUDA_CHECK(cudaEventCreateWithFlags(&made, cudaEventDisableTiming));
+      *event = made;
+    }
     // Flags start at 0 and only grow; peers map this allocation only after the handles went
     // round (after this constructor), so the zeroing is done before anyone reads it. On our
     // stream, and waiting for it alone: a cudaDeviceSynchronize would also wait for every
@@ -301,31 +331,29 @@ void CudaComm::launch(const char* op, Collective coll, uintptr_t input, uintptr_
   auto user = reinterpret_cast<cudaStream_t>(stream);
   const FlagScope scope = flag_scope_;
   auto own = static_cast<cudaStream_t>(stream_);
-  // Our stream runs after everything the caller queued so far (the inputs are ready), and
-  // successive collectives stay in order on it whatever streams callers use.
-  RINGCOLL_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(ready_), user));
-  RINGCOLL_CUDA_CHECK(cudaStreamWaitEvent(own, static_cast<cudaEvent_t>(ready_), 0));
   const RingCall call = ring_call(coll, user_count, static_cast<DType>(dtype), static_cast<ReduceOp>(reduce_op), world_);
   auto copy = [&](void* dst, const void* src, size_t bytes) {
     RINGCOLL_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, own));
   };
-  run_call(call, world_, reinterpret_cast<const void*>(input), reinterpret_cast<void*>(output), copy, [&] {
-    const LaunchMemory memory{base_, peers_[left_neighbour(rank_, world_)], peers_[right_neighbour(rank_, world_)],
-                              scope, state_, errors_device_, reinterpret_cast<const void*>(input),
-                              reinterpret_cast<void*>(output)};
-    const RingParams p = call_params(call, rank_, world_, slot_bytes_, timeout_seconds_, check_calls_, variant_, memory);
-    try {
-      for_each_launch(p, variant_, call.elem_size, max_blocks_, [&](const RingParams& q, int blocks, bool vectorise) {
-        launch_ring(q, blocks, vectorise, own);
-      });
-    } catch (const std::exception& e) {
-      // Some of the call's launches may be queued: this rank's numbering no longer matches.
-      broken_reason_ = std::string(op) + ": a kernel launch failed: " + e.what();
-      throw;
-    }
+  CudaStreams streams;
+  queue_collective(streams, user, own, call_events(ready_, done_, replayed_), join, [&] {
+    run_call(call, world_, reinterpret_cast<const void*>(input), reinterpret_cast<void*>(output), copy, [&] {
+      const LaunchMemory memory{base_, peers_[left_neighbour(rank_, world_)], peers_[right_neighbour(rank_, world_)],
+                                scope, state_, errors_device_, reinterpret_cast<const void*>(input),
+                                reinterpret_cast<void*>(output)};
+      const RingParams p =
+          call_params(call, rank_, world_, slot_bytes_, timeout_seconds_, check_calls_, variant_, memory);
+      try {
+        for_each_launch(p, variant_, call.elem_size, max_blocks_, [&](const RingParams& q, int blocks, bool vectorise) {
+          launch_ring(q, blocks, vectorise, own);
+        });
+      } catch (const std::exception& e) {
+        // Some of the call's launches may be queued: this rank's numbering no longer matches.
+        broken_reason_ = std::string(op) + ": a kernel launch failed: " + e.what();
+        throw;
+      }
+    });
   });
-  RINGCOLL_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(done_), own));
-  if (join) RINGCOLL_CUDA_CHECK(cudaStreamWaitEvent(user, static_cast<cudaEvent_t>(done_), 0));
 }
 
 void CudaComm::all_reduce(uintptr_t input, uintptr_t output, int64_t user_count, int dtype, int op,
@@ -347,10 +375,9 @@ void CudaComm::all_gather(uintptr_t input, uintptr_t output, int64_t user_count,
 // (cudaIpcOpenMemHandle's documentation), and a neighbour that is one step behind may still
 // be reading our last slot when our own kernels are done. So closing is collective:
 // leave_peers()
-//   1. waits for every launch that uses our memory: our stream's, and any CUDA-graph replay
-//      of one (the graph records our `done` event too). Only those: a cudaDeviceSynchronize
-//      would also wait for unrelated work, in the in-process mode a peer thread's ring that
-//      is waiting for us. A kernel error the host has not checked yet makes us broken;
+//   1. waits for every launch that uses our memory (stream_order.h's wait_for_own_work: our
+//      stream's, and any CUDA-graph replay of one, which records our `replayed` event). A
+//      kernel error the host has not checked yet makes us broken;
 //   2. writes our `finished` word into every peer's allocation (whether we will free after
 //      the rendezvous, or keep our allocation: close_protocol.h), and sets our `aborted` to
 //      "closed" unless a kernel already gave up (a neighbour still waiting for us then
@@ -375,8 +402,10 @@ void CudaComm::leave_peers(bool wait_for_peers) {
   if (closed_) return;
   closed_ = true;
   cudaSetDevice(device_);
-  if (stream_ != nullptr) cudaStreamSynchronize(static_cast<cudaStream_t>(stream_));
-  if (done_ != nullptr) cudaEventSynchronize(static_cast<cudaEvent_t>(done_));
+  if (stream_ != nullptr && done_ != nullptr && replayed_ != nullptr) {
+    CudaStreams streams;
+    wait_for_own_work(streams, static_cast<cudaStream_t>(stream_), call_events(ready_, done_, replayed_));
+  }
   if (broken_reason_.empty() && errors_host_ != nullptr) {
     const ErrorRecord* rec = first_error(errors_host_, kMaxBlocks);
     if (rec != nullptr) broken_reason_ = "cuda collective: " + error_message(*rec, world_, timeout_seconds_);
@@ -403,13 +432,13 @@ void CudaComm::leave_peers(bool wait_for_peers) {
 void CudaComm::free_memory() {
   leave_peers(/*wait_for_peers=*/false);  // no-op after leave_peers; else keeps the allocation
   cudaSetDevice(device_);
-  if (done_ != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(done_));
-  if (ready_ != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(ready_));
+  for (void* event : {done_, ready_, replayed_})
+    if (event != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(event));
   if (errors_host_ != nullptr) cudaFreeHost(errors_host_);
   if (state_ != nullptr) cudaFree(state_);
   if (base_ != nullptr && kept_on_close_.empty()) cudaFree(base_);
   if (stream_ != nullptr) StreamLender::instance().give_back(device_, stream_);  // idle: leave_peers waited for it
-  done_ = ready_ = stream_ = nullptr;
+  done_ = ready_ = replayed_ = stream_ = nullptr;
   errors_host_ = errors_device_ = nullptr;
   state_ = nullptr;
   base_ = nullptr;

@@ -102,6 +102,7 @@ class CudaComm {
   void* stream_ = nullptr;               // cudaStream_t, lent for our lifetime (cuda_comm.cu: StreamLender)
   void* done_ = nullptr;                 // cudaEvent_t, recorded after each launch
   void* ready_ = nullptr;                // cudaEvent_t, recorded on the caller's stream
+  void* replayed_ = nullptr;             // cudaEvent_t, recorded by CUDA-graph replays (stream_order.h)
   std::vector<char*> peers_;             // peers_[r]: rank r's allocation mapped here (own for r == rank)
   std::vector<bool> peer_by_ipc_;        // peers_[r] came from cudaIpcOpenMemHandle (else: same process)
   bool left_peers_ = false;

@@ -5,8 +5,12 @@
 //
 // What it is: P ranks as threads of this process, each with an "IPC allocation" in host
 // memory laid out as on the GPU; a launch of B blocks of T threads runs B*T std::threads
-// (cuda_shim.h: __syncthreads is a barrier per block, %globaltimer a steady clock).
-// What it is not: the GPU's memory model, IPC, streams or the compiled PTX. Those are
+// (cuda_shim.h: __syncthreads is a barrier per block, %globaltimer a steady clock). Each
+// rank's copies and kernels go on its communicator's stream of a modelled device
+// (emulated_streams.h: in-order streams, events, the legacy default stream, hardware
+// queues, implicit syncs, graph capture), in the order CudaComm queues them
+// (stream_order.h), so a deadlock of that order shows here as it would on a GPU.
+// What it is not: the GPU's memory model, IPC, SM occupancy or the compiled PTX. Those are
 // checked only on a GPU (tests/gpu/test_cuda.py, bench/device_check.sh).
 #include "emulated_ring.h"
 
@@ -17,16 +21,19 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <thread>
 
 #include "../cuda/close_protocol.h"
 #include "../cuda/device_ring.h"
+#include "../cuda/stream_order.h"
 #include "ringcoll/check.h"
 
 namespace ringcoll::emulation {
 
 using cuda::AbortCause;
+using cuda::CallEvents;
 using cuda::ErrorRecord;
 using cuda::KernelVariant;
 using cuda::RingParams;
@@ -65,6 +72,20 @@ const char* error_type(AbortCause cause) {
   }
 }
 
+// stream_order.h's adapter over the modelled device; a host wait outlasting `timeout` fails.
+struct ModelStreams {
+  using Stream = int;
+  using Event = int;
+  Device& device;
+  double timeout;
+  void record(int event, int stream) { device.record(event, stream); }
+  void record_for_replays(int event, int stream) { device.record(event, stream, /*external=*/true); }
+  void wait(int stream, int event) { device.wait(stream, event); }
+  bool capturing(int stream) { return device.is_capturing(stream); }
+  bool synchronize_stream(int stream) { return device.synchronize_stream(stream, timeout); }
+  bool synchronize_event(int event) { return device.synchronize_event(event, timeout); }
+};
+
 }  // namespace
 
 struct EmulatedRing::Rank {
@@ -72,15 +93,17 @@ struct EmulatedRing::Rank {
   std::vector<uint64_t> state;
   std::vector<ErrorRecord> errors;
   std::string broken_reason;
-  bool closed = false;
+  std::atomic<bool> closed{false};
   std::atomic<bool> freed{false};  // closed and let its memory go: nobody may touch it since
+  int stream = 0;                  // its communicator's stream on the device
+  CallEvents<int> events{};
 };
 
 EmulatedRing::EmulatedRing(int world, size_t buffer_bytes, double timeout_seconds, int variant, int threads_per_block,
-                           bool check_calls, int max_blocks)
+                           bool check_calls, int max_blocks, std::shared_ptr<Device> device)
     : world_(world), slot_bytes_(slot_bytes_for(buffer_bytes, world, cuda::kSlotAlignment)),
       timeout_seconds_(timeout_seconds), variant_(variant), threads_(threads_per_block), max_blocks_(max_blocks),
-      check_calls_(check_calls) {
+      check_calls_(check_calls), device_(device ? std::move(device) : std::make_shared<Device>(32)) {
   RINGCOLL_CHECK(world >= 1 && world <= cuda::kMaxWorld, std::invalid_argument, "EmulatedRing: world ", world,
                  " is outside 1..", cuda::kMaxWorld);
   check_buffer_bytes("EmulatedRing", buffer_bytes, world, cuda::kSlotAlignment);
@@ -97,11 +120,39 @@ EmulatedRing::EmulatedRing(int world, size_t buffer_bytes, double timeout_second
     std::memset(rank->memory.get(), 0, total);
     rank->state.assign(cuda::kStateWords, 0);
     rank->errors.assign(cuda::kMaxBlocks, ErrorRecord{});
+    rank->stream = device_->take_stream();
+    rank->events = {device_->create_event(), device_->create_event(), device_->create_event()};
     ranks_.push_back(std::move(rank));
   }
 }
 
-EmulatedRing::~EmulatedRing() = default;
+// The kernels queued are done or give up within the timeout: the device waits for those
+// running, and drops work that never started (whose memory is going).
+EmulatedRing::~EmulatedRing() {
+  for (auto& rank : ranks_) device_->synchronize_stream(rank->stream, host_wait_seconds());
+  for (auto& rank : ranks_) {
+    device_->give_back_stream(rank->stream);
+    for (int event : {rank->events.ready, rank->events.done, rank->events.replayed}) device_->destroy_event(event);
+  }
+}
+
+void EmulatedRing::note_violation(const std::string& what) {
+  std::lock_guard<std::mutex> lock(violations_mutex_);
+  if (violations_.empty()) violations_ = what;
+}
+
+std::string EmulatedRing::violations() const {
+  std::lock_guard<std::mutex> lock(violations_mutex_);
+  return violations_;
+}
+
+double EmulatedRing::host_wait_seconds() const { return 2 * timeout_seconds_ + 5; }
+
+int EmulatedRing::own_stream(int rank) const {
+  RINGCOLL_CHECK(rank >= 0 && rank < world_, std::invalid_argument, "EmulatedRing: rank ", rank, " is outside 0..",
+                 world_ - 1);
+  return ranks_[rank]->stream;
+}
 
 std::vector<CallResult> EmulatedRing::run(const std::vector<EmulatedCall>& calls) {
   // Each rank runs its calls in the order given, on its own thread, never waiting for the
@@ -117,7 +168,15 @@ std::vector<CallResult> EmulatedRing::run(const std::vector<EmulatedCall>& calls
   for (const auto& mine : by_rank) {
     if (mine.empty()) continue;
     ranks.emplace_back([&, mine] {
-      for (size_t k : mine) results[k] = calls[k].collective == kClose ? close_rank(calls[k].rank) : run_on_rank(calls[k]);
+      for (size_t k : mine) {
+        const EmulatedCall& c = calls[k];
+        if (c.collective == kClose) {
+          results[k] = close_rank(c.rank);
+        } else {
+          results[k] = enqueue(c, ranks_[c.rank]->stream, /*join=*/true);
+          if (results[k].error_type.empty()) results[k] = synchronize(c.rank);
+        }
+      }
     });
   }
   for (auto& thread : ranks) thread.join();
@@ -134,6 +193,10 @@ std::vector<CallResult> EmulatedRing::run(const std::vector<EmulatedCall>& calls
 CallResult EmulatedRing::close_rank(int rank) {
   Rank& me = *ranks_[rank];
   if (me.closed) return {};
+  ModelStreams streams{*device_, host_wait_seconds()};
+  if (!cuda::wait_for_own_work(streams, me.stream, me.events) && me.broken_reason.empty())
+    me.broken_reason = "its work did not finish within " + std::to_string(host_wait_seconds()) + " s";
+  check_error(rank);  // an error not reported yet makes it broken, as in CudaComm::leave_peers
   for (int r = 0; r < world_; ++r) {
     if (r == rank) continue;
     if (ranks_[r]->freed.load())
@@ -159,8 +222,11 @@ CallResult EmulatedRing::close_rank(int rank) {
   return {"", kept};
 }
 
-// What CudaComm::launch does for one rank, with the GPU replaced by launch() above.
-CallResult EmulatedRing::run_on_rank(const EmulatedCall& c) {
+// What CudaComm::launch does for one rank, with the GPU replaced by the modelled device and
+// launch() above.
+CallResult EmulatedRing::enqueue(const EmulatedCall& c, int user_stream, bool join) {
+  RINGCOLL_CHECK(c.rank >= 0 && c.rank < world_, std::invalid_argument, "EmulatedRing: rank ", c.rank,
+                 " is outside 0..", world_ - 1);
   Rank& me = *ranks_[c.rank];
   if (!me.broken_reason.empty()) return {"RingcollError", "communicator is broken by an earlier error"};
   const auto coll = static_cast<Collective>(c.collective);
@@ -169,25 +235,52 @@ CallResult EmulatedRing::run_on_rank(const EmulatedCall& c) {
   const RingCall call = ring_call(coll, c.user_count, static_cast<DType>(c.dtype), static_cast<ReduceOp>(c.op), world_);
   const auto input = reinterpret_cast<const void*>(c.input);
   const auto output = reinterpret_cast<void*>(c.output);
-  auto copy = [](void* dst, const void* src, size_t bytes) { std::memmove(dst, src, bytes); };
-  run_call(call, world_, input, output, copy, [&] {
-    const auto variant = static_cast<KernelVariant>(variant_);
-    // Host atomics have no scopes (flags.h): the emulator cannot tell device from system scope.
-    const cuda::LaunchMemory memory{me.memory.get(), ranks_[left_neighbour(c.rank, world_)]->memory.get(),
-                                    ranks_[right_neighbour(c.rank, world_)]->memory.get(), FlagScope::kSystem,
-                                    me.state.data(), me.errors.data(), input, output};
-    const RingParams p =
-        cuda::call_params(call, c.rank, world_, slot_bytes_, timeout_seconds_, check_calls_, variant, memory);
-    cuda::for_each_launch(p, variant, call.elem_size, max_blocks_, [&](const RingParams& q, int blocks, bool vectorise) {
-      launch(q, blocks, threads_, vectorise);
-      ++launches_;
-      blocks_launched_ += static_cast<uint64_t>(blocks);
+  Device& device = *device_;
+  auto copy = [&](void* dst, const void* src, size_t bytes) {
+    device.launch(me.stream, [dst, src, bytes] { std::memmove(dst, src, bytes); });
+  };
+  ModelStreams streams{device, host_wait_seconds()};
+  cuda::queue_collective(streams, user_stream, me.stream, me.events, join, [&] {
+    run_call(call, world_, input, output, copy, [&] {
+      const auto variant = static_cast<KernelVariant>(variant_);
+      // Host atomics have no scopes (flags.h): the emulator cannot tell device from system scope.
+      const cuda::LaunchMemory memory{me.memory.get(), ranks_[left_neighbour(c.rank, world_)]->memory.get(),
+                                      ranks_[right_neighbour(c.rank, world_)]->memory.get(), FlagScope::kSystem,
+                                      me.state.data(), me.errors.data(), input, output};
+      const RingParams p =
+          cuda::call_params(call, c.rank, world_, slot_bytes_, timeout_seconds_, check_calls_, variant, memory);
+      cuda::for_each_launch(p, variant, call.elem_size, max_blocks_, [&](const RingParams& q, int blocks, bool vectorise) {
+        device.launch(me.stream, [this, &me, rank = c.rank, q, blocks, threads = threads_, vectorise] {
+          // A kernel (or a graph's replay of one) still running when its rank closed: the
+          // close protocol failed to wait for it, and on a GPU its memory may be gone.
+          if (me.closed) note_violation("a kernel of rank " + std::to_string(rank) + " ran after it closed");
+          launch(q, blocks, threads, vectorise);
+        });
+        ++launches_;
+        blocks_launched_ += static_cast<uint64_t>(blocks);
+      });
     });
   });
+  return {};
+}
+
+CallResult EmulatedRing::check_error(int rank) {
+  Rank& me = *ranks_[rank];
+  if (!me.broken_reason.empty()) return {};  // reported once, as CudaComm does
   const ErrorRecord* rec = cuda::first_error(me.errors.data(), cuda::kMaxBlocks);
   if (rec == nullptr) return {};
   me.broken_reason = cuda::error_message(*rec, world_, timeout_seconds_);
   return {error_type(cuda::error_cause(*rec)), me.broken_reason};
+}
+
+CallResult EmulatedRing::synchronize(int rank) {
+  Rank& me = *ranks_[rank];
+  if (!device_->synchronize_stream(me.stream, host_wait_seconds()) && me.broken_reason.empty()) {
+    me.broken_reason = "the emulated device did not finish this rank's work within " +
+                       std::to_string(host_wait_seconds()) + " s: its queues are stuck (a cycle in the stream order)";
+    return {"RingcollTimeoutError", me.broken_reason};
+  }
+  return check_error(rank);
 }
 
 }  // namespace ringcoll::emulation

@@ -1,12 +1,17 @@
-// emulated_ring.h: the CUDA ring kernels run on the CPU (emulated_ring.cpp says what that
-// covers and what it does not). Bound as ringcoll._C.emulation for tests/pure/test_emulated_kernels.py.
+// emulated_ring.h: the CUDA ring kernels run on the CPU, queued on the streams of a modelled
+// device (emulated_streams.h); emulated_ring.cpp says what that covers and what it does not.
+// Bound as ringcoll._C.emulation for tests/pure/test_emulated_kernels.py and the emulated
+// CUDA transport (ringcoll/transports/emulated.py).
 #pragma once
 
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
+
+#include "emulated_streams.h"
 
 namespace ringcoll::emulation {
 
@@ -28,29 +33,48 @@ struct CallResult {
 class EmulatedRing {
  public:
   // max_blocks: the emulated device's SM count, which bounds a fused launch (fused_blocks).
+  // device: whose streams the ranks' work goes on (all ranks on one GPU, as in the
+  // in-process CUDA mode); null: a device of its own with 32 hardware queues.
   EmulatedRing(int world, size_t buffer_bytes, double timeout_seconds, int variant, int threads_per_block,
-               bool check_calls, int max_blocks = 8);
+               bool check_calls, int max_blocks = 8, std::shared_ptr<Device> device = nullptr);
   ~EmulatedRing();
-  // Run the given calls: each rank runs its own in order, concurrently with the other ranks
-  // and without waiting for them between calls. A rank not listed makes no call (a peer that
-  // never arrives). State persists between runs, as in a communicator.
+  // Run the given calls: each rank runs its own in order, each call queued on the rank's own
+  // stream and awaited, concurrently with the other ranks and without waiting for them
+  // between calls. A rank not listed makes no call (a peer that never arrives). State
+  // persists between runs, as in a communicator.
   std::vector<CallResult> run(const std::vector<EmulatedCall>& calls);
+
+  // One rank's calls as the CUDA transport makes them (CudaComm::launch): queued after
+  // `user_stream`'s work (stream_order.h), that stream then waiting for it where `join`.
+  // The result reports only what is raised before anything is queued; a kernel's error
+  // comes from check_error, after a synchronisation.
+  CallResult enqueue(const EmulatedCall& call, int user_stream, bool join);
+  CallResult check_error(int rank);  // CudaComm::check_error: a kernel's recorded error, once
+  CallResult synchronize(int rank);  // CudaComm::synchronize: the rank's stream, then check_error
+  int own_stream(int rank) const;    // the rank's communicator stream on the device
+  Device& device() { return *device_; }
+  double host_wait_seconds() const;  // how long a host wait lasts before the model calls itself stuck
+  // The first breach of the close protocol seen ("" if none): a rank's kernel that ran after it closed.
+  std::string violations() const;
   uint64_t launches() const { return launches_; }
   uint64_t blocks_launched() const { return blocks_launched_; }  // over all launches of all ranks
   size_t slot_bytes() const { return slot_bytes_; }
 
  private:
   struct Rank;
-  CallResult run_on_rank(const EmulatedCall& call);
   CallResult close_rank(int rank);
+  void note_violation(const std::string& what);
 
   int world_;
   size_t slot_bytes_;
   double timeout_seconds_;
   int variant_, threads_, max_blocks_;
   bool check_calls_;
+  std::shared_ptr<Device> device_;
   std::vector<std::unique_ptr<Rank>> ranks_;
   std::atomic<uint64_t> launches_{0}, blocks_launched_{0};
+  mutable std::mutex violations_mutex_;
+  std::string violations_;
 };
 
 }  // namespace ringcoll::emulation

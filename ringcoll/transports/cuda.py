@@ -13,7 +13,21 @@ the current stream wait for it: like NCCL, the call returns before the GPU has f
 and later work on the current stream is ordered after the collective. With
 ``async_op=True`` the current stream does not wait; ``work.wait()`` makes the then-current
 stream wait on an event recorded after the collective. Neither blocks the host;
-``synchronize()`` does.
+``synchronize()`` does. The order is csrc/cuda/stream_order.h's.
+
+In-process ranks (ringcoll.run_in_process) must not share a stream: on the legacy default
+stream, which every thread of a process shares, rank 0's wait for its kernel would sit in
+front of rank 1's "inputs ready" record, which rank 1's kernel (and so rank 0's) waits
+for: a deadlock until the ring timeout. So a communicator built on such a rank moves the
+rank's thread onto the communicator's own stream (one stream per rank: nothing of one rank
+can queue behind another's), and a later call from the legacy default stream is refused.
+The driver spreads streams over CUDA_DEVICE_MAX_CONNECTIONS in-order hardware queues (8 by
+default); two ranks' streams on one queue are falsely ordered, and can deadlock the same
+way, so run_in_process raises it to 32 before CUDA starts, and an in-process ring of more
+ranks than queues is refused. Calls that synchronise the whole device (cudaFree,
+cudaMalloc growing torch's cache, cudaDeviceSynchronize) wait for a peer's ring that is
+waiting for this rank: make every allocation before the ranks' first collective meets
+(docs/cuda.md, "What not to call while a ring runs").
 
 Errors. A kernel whose wait outlasts the timeout records where (rank, peer, step) in
 host-mapped memory, sets its rank's ``aborted`` flag (which its neighbours' waits watch, so
@@ -47,6 +61,7 @@ import torch
 
 from ringcoll import _C
 from ringcoll._types import ReduceOp, dtype_code
+from ringcoll.bootstrap import InProcessRank
 from ringcoll.errors import RingcollError
 from ringcoll.transports.base import CollectiveCall, Settings, Transport
 
@@ -60,6 +75,42 @@ def kernel_variant() -> tuple[str, int]:
         raise ValueError(f"Communicator: RINGCOLL_CUDA_KERNEL={name!r}; expected one of "
                          + ", ".join(KERNEL_VARIANTS))
     return name, KERNEL_VARIANTS[name]
+
+
+DEFAULT_HARDWARE_QUEUES = 8  # the driver's CUDA_DEVICE_MAX_CONNECTIONS when unset
+IN_PROCESS_HARDWARE_QUEUES = 32  # the most it allows; what run_in_process sets
+
+
+def hardware_queues() -> int:
+    """The in-order hardware queues the driver spreads streams over (CUDA_DEVICE_MAX_CONNECTIONS,
+    read by CUDA when it initialises)."""
+    value = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip()
+    return int(value) if value.isdigit() and 1 <= int(value) <= 32 else DEFAULT_HARDWARE_QUEUES
+
+
+def check_hardware_queues(world: int, queues: Optional[int] = None) -> None:
+    """An in-process ring of `world` ranks needs a hardware queue per rank's stream, besides the
+    legacy default stream's: with fewer, two ranks' streams share an in-order queue, and one
+    rank's next kernel, waiting there for its previous one, holds back a peer's kernel that
+    the previous one waits for. `queues`: the device's, default hardware_queues()."""
+    queues = queues or hardware_queues()
+    if world + 1 > queues:
+        raise RingcollError(f"Communicator: {world} in-process ranks on one GPU need {world + 1} hardware queues, but "
+                            f"CUDA_DEVICE_MAX_CONNECTIONS={queues}: set it to "
+                            f"{IN_PROCESS_HARDWARE_QUEUES} before CUDA initialises (run_in_process does, when it "
+                            "starts CUDA)")
+
+
+def shared_stream_error(op: str, rank: int) -> RingcollError:
+    return RingcollError(
+        f"{op}: in-process rank {rank} is on the legacy default stream, which every thread of this process shares: "
+        "its wait for this collective would sit in front of the next rank's launch, which its kernel waits for "
+        "(a deadlock until the timeout). Run each rank on a stream of its own (`with torch.cuda.stream("
+        "torch.cuda.Stream()):`); a communicator built on the default stream moves its rank onto its own")
+
+
+# cudaStreamLegacy (0 and its alias 1): shared by every thread; cudaStreamPerThread (2) is not.
+SHARED_STREAM_HANDLES = (0, 1)
 
 
 def one_word_barrier(device) -> tuple[torch.Tensor, CollectiveCall]:
@@ -126,6 +177,9 @@ class CudaTransport(Transport):
         self.device = device = settings.device  # resolved (and CUDA checked) by resolve_device
         self.rank = settings.rank
         self._bootstrap = settings.bootstrap
+        self._in_process = isinstance(settings.bootstrap, InProcessRank)
+        if self._in_process:
+            check_hardware_queues(settings.world_size)
         variant_name, variant = kernel_variant()
         self._comm = _C.CudaComm(self.rank, settings.world_size, device.index, settings.buffer_bytes,
                                  settings.timeout, settings.check, variant)
@@ -146,9 +200,17 @@ class CudaTransport(Transport):
             raise
         self._barrier_word, self._barrier_call = one_word_barrier(device)
         self._lock = threading.Lock()  # launches from several host threads stay whole
+        self._moved_thread = None
+        if self._in_process and torch.cuda.current_stream(device).cuda_stream in SHARED_STREAM_HANDLES:
+            self._stream.wait_stream(torch.cuda.current_stream(device))  # what it queued there so far comes first
+            torch.cuda.set_stream(self._stream)  # this rank's work on a stream of its own (module doc)
+            self._moved_thread = threading.get_ident()
 
-    def _current_stream(self) -> int:
-        return torch.cuda.current_stream(self.device).cuda_stream
+    def _current_stream(self, op: str = "Communicator") -> int:
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        if self._in_process and stream in SHARED_STREAM_HANDLES:
+            raise shared_stream_error(op, self.rank)
+        return stream
 
     def submit(self, call: CollectiveCall, outputs: list, keep_alive: Sequence, async_op: bool,
                then: Optional[Callable[[], None]] = None, name: Optional[str] = None) -> Optional[StreamCompletion]:
@@ -157,7 +219,7 @@ class CudaTransport(Transport):
         wait() makes the then-current stream wait."""
         with self._lock:
             self._comm.check_error()
-            call.run(self._comm, self._current_stream(), not async_op)
+            call.run(self._comm, self._current_stream(name or call.collective), not async_op)
             if not async_op:
                 if then is not None:
                     then()  # on the current stream, which now follows the kernel
@@ -197,7 +259,7 @@ class CudaTransport(Transport):
         always synchronous, so refused inside a CUDA graph capture."""
         self._refuse_in_capture("barrier")
         with self._lock:
-            self._barrier_call.run(self._comm, self._current_stream(), True)
+            self._barrier_call.run(self._comm, self._current_stream("barrier"), True)
             self._comm.synchronize()
         return None
 
@@ -214,6 +276,8 @@ class CudaTransport(Transport):
         the group's barrier, then every rank frees its buffer; returns once every peer has
         closed too, or after the timeout, keeping this rank's buffer until the process exits.
         Without `wait_for_peers` it does not wait and keeps the buffer."""
+        if self._moved_thread == threading.get_ident() and torch.cuda.current_stream(self.device) == self._stream:
+            torch.cuda.set_stream(torch.cuda.default_stream(self.device))  # the stream goes back to the lender
         with self._lock:
             self._comm.leave_peers(wait_for_peers)
             if wait_for_peers and not self._comm.kept_on_close and self._comm.world > 1:

@@ -6,37 +6,146 @@ mode; their "GPU allocations" are host memory laid out as on the GPU, and each c
 device_ring.h's thread blocks as std::threads (``_C.emulation.Ring``, csrc/emulation/) over
 the caller's CPU tensors: the same launch plan, flags, mismatch check, errors and collective
 close as ``_C.CudaComm``. So a Communicator over it takes the benchmark's exact checks
-(ringcoll/harness/exact.py) through the whole Python path, kernels included. What it does
-not have is what only a GPU has: streams (calls complete before they return), IPC, the
-memory model and the compiled PTX. For tests (tests/multiprocess/test_in_process.py); a
-Communicator gets it by overriding ``Communicator.transport_class``.
+(ringcoll/harness/exact.py) through the whole Python path, kernels included.
+
+Streams are modelled (csrc/emulation/emulated_streams.h): one emulated device per process,
+made at first use as a CUDA context is, with CUDA_DEVICE_MAX_CONNECTIONS hardware queues;
+each thread has a current stream (the shared legacy default stream unless
+:func:`stream` / :func:`set_stream` say otherwise), and calls are queued on streams in the
+order CudaComm queues them (csrc/cuda/stream_order.h). Host code stands for the work a GPU
+program would queue on its current stream after the call, so where that code reads a
+result the host waits for the stream: at the end of a synchronous call, in ``Work.wait()``.
+What it does not have is what only a GPU has: IPC, SM occupancy, the memory model and the
+compiled PTX. For tests (tests/multiprocess/test_in_process.py); a Communicator gets it by
+overriding ``Communicator.transport_class``.
 """
 
 from __future__ import annotations
 
 import builtins
+import contextlib
+import threading
 import warnings
 from typing import Callable, Optional, Sequence
 
 from ringcoll import _C, errors
 from ringcoll.bootstrap import InProcessRank
-from ringcoll.errors import RingcollError
+from ringcoll.errors import RingcollError, RingcollTimeoutError
 from ringcoll.transports.base import CollectiveCall, Settings
-from ringcoll.transports.cuda import kernel_variant, one_word_barrier
-from ringcoll.transports.host import CallQueue
+from ringcoll.transports.cuda import (check_hardware_queues, hardware_queues, kernel_variant, one_word_barrier,
+                                      shared_stream_error)
+
+LEGACY = _C.emulation.Device.LEGACY  # the legacy default stream: every thread's, unless told otherwise
+_device = None
+_device_lock = threading.Lock()
+_current = threading.local()
+
+
+def device():
+    """This process's emulated GPU, made at first use (CUDA_DEVICE_MAX_CONNECTIONS read then)."""
+    global _device
+    with _device_lock:
+        if _device is None:
+            _device = _C.emulation.Device(hardware_queues())
+        return _device
+
+
+def reset_device(queues: Optional[int] = None):
+    """A fresh emulated GPU, as a new process would get (for tests): `queues` hardware
+    queues, default CUDA_DEVICE_MAX_CONNECTIONS's. Rings built before keep the old one."""
+    global _device
+    with _device_lock:
+        _device = _C.emulation.Device(queues or hardware_queues())
+        return _device
+
+
+def current_stream() -> int:
+    """This thread's current emulated stream (torch.cuda.current_stream's counterpart)."""
+    return getattr(_current, "stream", LEGACY)
+
+
+def set_stream(stream: int) -> None:
+    _current.stream = stream
+
+
+@contextlib.contextmanager
+def stream(s: int):
+    """Make `s` this thread's current emulated stream inside the block (torch.cuda.stream's counterpart)."""
+    before = current_stream()
+    set_stream(s)
+    try:
+        yield s
+    finally:
+        set_stream(before)
+
 
 _COLLECTIVE_CODES = {"all_reduce": 0, "reduce_scatter": 1, "all_gather": 2}  # ring.h's Collective
 EMULATED_SMS = 8  # the emulated device's SM count: bounds a fused launch's grid
 THREADS_PER_BLOCK = 4  # each a std::thread; the kernels' loops stride by it as by blockDim
 
 
+class EmulatedCompletion:
+    """An async emulated call, as ringcoll.Work sees it (StreamCompletion's counterpart):
+    ``wait()`` makes the current stream wait for the call's event, then (host code standing
+    for that stream's later work) waits for the stream on the host."""
+
+    def __init__(self, transport: "EmulatedCudaTransport", op: str, event: int, then, keep_alive):
+        self._transport, self._op, self._event = transport, op, event
+        self._then, self._keep_alive = then, keep_alive  # the tensors the queued kernel uses
+        self._finished = False
+
+    def _finish(self) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        self._transport.device.destroy_event(self._event)
+        self._keep_alive = None
+        self._transport.check_error(self._op)
+        if self._then is not None:
+            self._then()
+
+    def wait(self, timeout: Optional[float]) -> None:
+        if self._finished:
+            return self._transport.check_error(self._op)
+        user = self._transport.user_stream(self._op)
+        self._transport.device.wait(user, self._event)
+        self._transport.host_waits_for(self._op, user)
+        self._finish()
+
+    def done(self) -> bool:
+        return self._finished or self._transport.device.query_event(self._event)
+
+    def error(self) -> Optional[BaseException]:
+        if not self.done():
+            return None
+        try:
+            self._transport.check_error(self._op)
+        except RingcollError as e:
+            return e
+        return None
+
+    def on_done(self, fn: Callable[[], None]) -> None:
+        self.wait(None)
+        fn()
+
+    def synchronize(self) -> None:
+        if not self._finished and not self._transport.device.synchronize_event(self._event,
+                                                                             self._transport.host_wait_seconds):
+            self._transport.stuck(self._op)
+        self._finish()
+
+
 class EmulatedCudaTransport:
-    """Rank ``settings.rank`` of one ``_C.emulation.Ring`` that rank 0 builds and the
-    bootstrap hands round (threads of one process share it)."""
+    """Rank ``settings.rank`` of one ``_C.emulation.Ring`` that rank 0 builds on the process's
+    emulated device and the bootstrap hands round (threads of one process share it)."""
 
     slot_alignment = _C.cuda_slot_alignment
     takes_arrays = False
     plain_calls = None  # every call goes through the Python path, as on CUDA
+    # Issue 22's defect 1 fixed: an in-process rank on the shared legacy stream is moved onto
+    # its communicator's stream, and a call from the shared stream refused. A test turns it
+    # off to show the deadlock of the old order.
+    own_stream_per_rank = True
 
     @staticmethod
     def resolve_device(device):
@@ -49,62 +158,111 @@ class EmulatedCudaTransport:
             raise RingcollError("Communicator: the emulated CUDA transport needs the ranks as threads of one "
                                 "process (ringcoll.run_in_process)")
         self.rank = settings.rank
+        check_hardware_queues(settings.world_size, device().hardware_queues)
         name, variant = kernel_variant()
         ring = None
         if settings.rank == 0:
             ring = _C.emulation.Ring(settings.world_size, settings.buffer_bytes, settings.timeout, variant,
                                      threads_per_block=THREADS_PER_BLOCK, check_calls=settings.check,
-                                     max_blocks=EMULATED_SMS)
+                                     max_blocks=EMULATED_SMS, device=device())
         self._ring = exchange(ring, RINGCOLL_CUDA_KERNEL=name)[0]
-        self._calls = CallQueue()
-        self.broken_reason = ""
+        self.device = self._ring.device
+        self.host_wait_seconds = self._ring.host_wait_seconds
+        self._own = self._ring.own_stream(self.rank)
+        self._moved_thread = None
+        if self.own_stream_per_rank and current_stream() == LEGACY:
+            queued = self.device.create_event()  # as CudaTransport does: what it queued so far comes first,
+            self.device.record(queued, LEGACY)
+            self.device.wait(self._own, queued)
+            self.device.destroy_event(queued)
+            set_stream(self._own)  # then this rank's work goes on a stream of its own
+            self._moved_thread = threading.get_ident()
+        self._error: Optional[RingcollError] = None
         self._barrier_word, self._barrier_call = one_word_barrier("cpu")  # CUDA's barrier, on the CPU
 
     @property
     def broken(self) -> bool:
-        return bool(self.broken_reason)
+        return self._error is not None
 
-    def _run(self, collective: int, call: Optional[CollectiveCall]) -> str:
-        """This rank's part of one call on the shared ring; raises what CudaComm would."""
-        if self.broken_reason and call is not None:  # a broken ring still closes
-            raise RingcollError(f"{call.collective}: communicator is broken by an earlier error ({self.broken_reason})")
-        if call is None:
-            emulated = (self.rank, collective, 0, 0, 0, 0, 0)
-        else:
-            emulated = (self.rank, collective, call.dtype, call.op or 0, call.src, call.dst, call.user_count)
-        [(kind, message)] = self._ring.run([emulated])
-        if kind:
-            error = getattr(errors, kind, None) or getattr(builtins, kind, RingcollError)
-            if issubclass(error, RingcollError):
-                self.broken_reason = message
-            raise error(f"{call.collective if call else 'close'}: {message}")
-        return message
+    @property
+    def broken_reason(self) -> str:
+        return str(self._error) if self._error is not None else ""
+
+    def _raise(self, op: str, result: tuple) -> None:
+        """Raise what CudaComm would for a (error type, message) result of the ring."""
+        kind, message = result
+        if not kind:
+            return
+        error = getattr(errors, kind, None) or getattr(builtins, kind, RingcollError)
+        if issubclass(error, RingcollError):
+            self._error = error(f"{op}: {message}")
+            raise self._error
+        raise error(f"{op}: {message}")
+
+    def check_error(self, op: str) -> None:
+        """A kernel's recorded error, or the one that broke the communicator, raised."""
+        if self._error is not None:
+            raise self._error
+        self._raise(op, self._ring.check_error(self.rank))
+
+    def stuck(self, op: str) -> None:
+        self._error = RingcollTimeoutError(
+            f"{op}: rank {self.rank}'s work on the emulated device did not finish within {self.host_wait_seconds:g} "
+            "s: its queues are stuck (a cycle in the order of the streams)")
+        raise self._error
+
+    def user_stream(self, op: str) -> int:
+        """The current stream, which the call follows; the shared one refused where ranks share it."""
+        stream = current_stream()
+        if stream == LEGACY and self.own_stream_per_rank:
+            raise shared_stream_error(op, self.rank)
+        return stream
+
+    def host_waits_for(self, op: str, stream: int) -> None:
+        if not self.device.synchronize_stream(stream, self.host_wait_seconds):
+            self.stuck(op)
+        self.check_error(op)
 
     def submit(self, call: CollectiveCall, outputs: list, keep_alive: Sequence, async_op: bool,
                then: Optional[Callable[[], None]] = None, name: Optional[str] = None):
-        def run() -> None:
-            self._run(_COLLECTIVE_CODES[call.collective], call)
-            if then is not None:
-                then()
-
-        return self._calls.submit(run, async_op, name or call.collective)
+        """CudaTransport.submit's order on the emulated device."""
+        op = name or call.collective
+        if self._error is not None:
+            raise RingcollError(f"{op}: communicator is broken by an earlier error ({self._error})")
+        user = self.user_stream(op)
+        emulated = (self.rank, _COLLECTIVE_CODES[call.collective], call.dtype, call.op or 0, call.src, call.dst,
+                    call.user_count)
+        self._raise(op, self._ring.enqueue(emulated, user, not async_op))
+        if async_op:
+            event = self.device.create_event()
+            self.device.record(event, self._own)
+            return EmulatedCompletion(self, op, event, then, (list(outputs), list(keep_alive)))
+        self.host_waits_for(op, user)  # host code stands for the current stream's later work
+        if then is not None:
+            then()
+        return None
 
     def barrier(self, async_op: bool):
-        return self.submit(self._barrier_call, [], (), async_op)
+        """CudaTransport's: an all-reduce of one int, then a host wait; always synchronous."""
+        self.submit(self._barrier_call, [], (), False, name="barrier")
+        self.synchronize()
 
     def synchronize(self) -> None:
-        self._calls.synchronize()
+        self.host_waits_for("synchronize", self._own)
 
     def launch_on_stream(self, call: CollectiveCall, stream) -> None:
-        raise ValueError(f"{call.collective}: the emulated CUDA transport has no streams")
+        raise ValueError(f"{call.collective}: the emulated CUDA transport takes no caller-given stream")
 
     def close(self, wait_for_peers: bool = True) -> None:
-        """The collective close of cuda_comm.cu, as the emulator runs it (every peer's
-        `finished` word awaited); a kept allocation is warned about, as on a GPU."""
+        """The collective close of cuda_comm.cu, as the emulator runs it (its own work waited
+        for, then every peer's `finished` word); a kept allocation is warned about, as on a GPU."""
+        if self._moved_thread == threading.get_ident() and current_stream() == self._own:
+            set_stream(LEGACY)  # the stream goes back to the device's lender
         if not wait_for_peers:  # a finalizer must not wait for the others: keep the memory
             return
-        kept = []
-        self._calls.close(lambda: kept.append(self._run(_C.emulation.Ring.CLOSE, None)))
-        if kept and kept[0]:
-            warnings.warn(f"ringcoll: rank {self.rank} keeps its emulated buffer: {kept[0]}", RuntimeWarning,
+        [(kind, kept)] = self._ring.run([(self.rank, _C.emulation.Ring.CLOSE, 0, 0, 0, 0, 0)])
+        if kind:
+            raise AssertionError(f"close: {kept}")  # the emulator caught a protocol error
+        if kept:
+            warnings.warn(f"ringcoll: rank {self.rank} keeps its emulated buffer: {kept}", RuntimeWarning,
                           stacklevel=4)

@@ -560,7 +560,7 @@ def test_kernels_have_no_data_races(tmp_path):
     build = subprocess.run(
         [compiler, "-std=c++20", "-O1", "-g", "-fsanitize=thread", "-Wno-tsan", f"-I{root / 'csrc/include'}",
          str(root / "tests/pure/sanitize/emulator_races.cpp"), str(root / "csrc/emulation/emulated_ring.cpp"),
-         "-o", str(binary)],
+         str(root / "csrc/emulation/emulated_streams.cpp"), "-o", str(binary)],
         capture_output=True, text=True, timeout=600)
     assert build.returncode == 0, build.stderr[-4000:]
     env = dict(os.environ, TSAN_OPTIONS="halt_on_error=1 exitcode=66")

@@ -1,0 +1,268 @@
+// emulated_streams.cpp: the stream model of emulated_streams.h (which says what it models).
+#include "emulated_streams.h"
+
+#include <chrono>
+#include <stdexcept>
+#include <string>
+
+#include "ringcoll/check.h"
+
+namespace ringcoll::emulation {
+
+Device::Device(int hardware_queues) {
+  RINGCOLL_CHECK(hardware_queues >= 1 && hardware_queues <= 32, std::invalid_argument,
+                 "emulated Device: hardware_queues must be in 1..32 (CUDA_DEVICE_MAX_CONNECTIONS), got ",
+                 hardware_queues);
+  queues_.resize(static_cast<size_t>(hardware_queues));
+  streams_.push_back({0, /*blocking=*/true, 0, nullptr});  // the legacy default stream
+  dispatcher_ = std::thread([this] { dispatch_loop(); });
+}
+
+Device::~Device() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  changed_.notify_all();
+  dispatcher_.join();
+  for (auto& [op, worker] : workers_) worker.join();
+}
+
+int Device::create_stream(bool blocking) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const int id = static_cast<int>(streams_.size());
+  streams_.push_back({id % hardware_queues(), blocking, 0, nullptr});
+  return id;
+}
+
+int Device::queue_of(int stream) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return const_cast<Device*>(this)->stream_locked(stream).queue;
+}
+
+int Device::take_stream() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!idle_streams_.empty()) {
+      const int stream = idle_streams_.back();
+      idle_streams_.pop_back();
+      return stream;
+    }
+  }
+  return create_stream(/*blocking=*/false);
+}
+
+void Device::give_back_stream(int stream) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  stream_locked(stream);
+  idle_streams_.push_back(stream);
+}
+
+int Device::create_event() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!free_events_.empty()) {
+    const int event = free_events_.back();
+    free_events_.pop_back();
+    events_[event] = Event{};
+    return event;
+  }
+  events_.emplace_back();
+  return static_cast<int>(events_.size()) - 1;
+}
+
+void Device::destroy_event(int event) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  event_locked(event).live = false;
+  free_events_.push_back(event);
+}
+
+Device::Stream& Device::stream_locked(int stream) {
+  RINGCOLL_CHECK(stream >= 0 && stream < static_cast<int>(streams_.size()), std::invalid_argument,
+                 "emulated Device: no stream ", stream);
+  return streams_[stream];
+}
+
+Device::Event& Device::event_locked(int event) {
+  RINGCOLL_CHECK(event >= 0 && event < static_cast<int>(events_.size()) && events_[event].live, std::invalid_argument,
+                 "emulated Device: no event ", event);
+  return events_[event];
+}
+
+// Queue one operation on `stream`, after `after` and after the stream's own last operation;
+// the legacy stream's rule adds the other side's last work.
+uint64_t Device::enqueue_locked(int stream, std::vector<uint64_t> after, Work work) {
+  Stream& s = stream_locked(stream);
+  after.push_back(s.last);
+  if (stream == kLegacyStream) {
+    for (const Stream& other : streams_)
+      if (other.blocking) after.push_back(other.last);
+  } else if (s.blocking) {
+    after.push_back(streams_[kLegacyStream].last);
+  }
+  std::vector<uint64_t> pending;
+  for (uint64_t op : after)
+    if (!done_locked(op)) pending.push_back(op);
+  const uint64_t id = next_op_++;
+  waiting_[id] = Op{std::move(pending), std::move(work)};
+  queues_[s.queue].push_back(id);
+  s.last = id;
+  changed_.notify_all();
+  return id;
+}
+
+void Device::record(int event, int stream, bool external) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Event& e = event_locked(event);
+  Stream& s = stream_locked(stream);
+  if (s.capture) {
+    if (external) s.capture->push_back(Node{{}, event});  // the replay records it for real
+    else e.captured_in = s.capture;                      // only a point inside the graph
+    return;
+  }
+  e.captured_in = nullptr;
+  e.op = enqueue_locked(stream, {}, {});
+}
+
+void Device::wait(int stream, int event) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Event& e = event_locked(event);
+  Stream& s = stream_locked(stream);
+  if (e.captured_in) {  // the stream joins the capture (a graph is replayed in capture order)
+    s.capture = e.captured_in;
+    return;
+  }
+  RINGCOLL_CHECK(!s.capture, std::logic_error, "emulated Device: stream ", stream,
+                 " is capturing and waits on an event recorded outside the capture "
+                 "(cudaErrorStreamCaptureIsolation)");
+  enqueue_locked(stream, {e.op}, {});
+}
+
+void Device::launch(int stream, Work work) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Stream& s = stream_locked(stream);
+  if (s.capture) {
+    s.capture->push_back(Node{std::move(work), -1});
+    return;
+  }
+  enqueue_locked(stream, {}, std::move(work));
+}
+
+bool Device::wait_until(double timeout, const std::function<bool()>& done) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  return changed_.wait_for(lock, std::chrono::duration<double>(timeout), done);
+}
+
+bool Device::synchronize_stream(int stream, double timeout) {
+  uint64_t last;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    last = stream_locked(stream).last;
+  }
+  return wait_until(timeout, [&] { return done_locked(last); });
+}
+
+bool Device::synchronize_event(int event, double timeout) {
+  uint64_t op;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    op = event_locked(event).op;
+  }
+  return wait_until(timeout, [&] { return done_locked(op); });
+}
+
+bool Device::query_event(int event) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return done_locked(event_locked(event).op);
+}
+
+bool Device::synchronize_device(double timeout) {
+  uint64_t last;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    last = next_op_ - 1;
+  }
+  return wait_until(timeout, [&] {
+    return (waiting_.empty() || waiting_.begin()->first > last) && (running_.empty() || *running_.begin() > last);
+  });
+}
+
+void Device::begin_capture(int stream) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Stream& s = stream_locked(stream);
+  RINGCOLL_CHECK(stream != kLegacyStream, std::logic_error, "emulated Device: the legacy stream cannot capture");
+  RINGCOLL_CHECK(!s.capture, std::logic_error, "emulated Device: stream ", stream, " is already capturing");
+  s.capture = std::make_shared<Graph>();
+}
+
+bool Device::is_capturing(int stream) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return static_cast<bool>(stream_locked(stream).capture);
+}
+
+int Device::end_capture(int stream) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::shared_ptr<Graph> graph = stream_locked(stream).capture;
+  RINGCOLL_CHECK(graph, std::logic_error, "emulated Device: stream ", stream, " is not capturing");
+  for (Stream& s : streams_)
+    if (s.capture == graph) s.capture = nullptr;  // every stream that joined leaves with it
+  for (Event& e : events_)
+    if (e.captured_in == graph) e.captured_in = nullptr;
+  graphs_.push_back(graph);
+  return static_cast<int>(graphs_.size()) - 1;
+}
+
+void Device::replay(int graph, int stream) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  RINGCOLL_CHECK(graph >= 0 && graph < static_cast<int>(graphs_.size()), std::invalid_argument,
+                 "emulated Device: no graph ", graph);
+  RINGCOLL_CHECK(!stream_locked(stream).capture, std::logic_error, "emulated Device: replay on a capturing stream");
+  for (const Node& node : *graphs_[graph]) {
+    if (node.external_event >= 0) event_locked(node.external_event).op = enqueue_locked(stream, {}, {});
+    else enqueue_locked(stream, {}, node.work);
+  }
+}
+
+// The hardware: each queue dispatches from its head, in order, while the head's dependencies
+// are done. A record or a wait is done once dispatched; a kernel runs on a thread of its own.
+void Device::dispatch_loop() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (!stopping_) {
+    bool dispatched = true;
+    while (dispatched) {  // a dispatched record can unblock another queue's head
+      dispatched = false;
+      for (auto& queue : queues_) {
+        while (!queue.empty()) {
+          const uint64_t id = queue.front();
+          Op& op = waiting_.at(id);
+          bool ready = true;
+          for (uint64_t before : op.after) ready = ready && done_locked(before);
+          if (!ready) break;  // and everything behind it on this queue waits too
+          queue.pop_front();
+          Work work = std::move(op.work);
+          waiting_.erase(id);
+          dispatched = true;
+          if (!work) continue;
+          running_.insert(id);
+          workers_[id] = std::thread([this, id, work = std::move(work)] {
+            work();
+            {
+              std::lock_guard<std::mutex> done(mutex_);
+              running_.erase(id);
+              finished_.push_back(id);
+            }
+            changed_.notify_all();
+          });
+        }
+      }
+    }
+    changed_.notify_all();  // host waits re-check: records and waits complete here
+    for (uint64_t id : finished_) {
+      workers_.at(id).join();  // it has left its critical section: a join is immediate
+      workers_.erase(id);
+    }
+    finished_.clear();
+    changed_.wait(lock);
+  }
+}
+
+}  // namespace ringcoll::emulation

@@ -1,0 +1,195 @@
+"""The in-process CUDA mode's stream order, on the emulated device (csrc/emulation/
+emulated_streams.h: in-order streams, events, the shared legacy default stream, hardware
+queues, implicit syncs, graph capture): what a GPU run of issue 22's defects would show.
+
+Each deadlock is first shown with its fix turned off (the old order: a clear timeout, not a
+hang), then the fix holds at P = 2, 3, 4, 8, both kernel variants, sync and async calls,
+with every rank calling only once the rank before it has queued its call (the order that
+made the shared stream deadlock certain)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import ringcoll
+from ringcoll.harness import bench
+from ringcoll.transports import emulated
+from ringcoll.transports.emulated import EmulatedCudaTransport
+
+TIMEOUT = 30.0  # a healthy call never comes near it
+STUCK = 1.0  # the ring timeout where a deadlock is expected
+
+
+class Staggered(EmulatedCudaTransport):
+    """Rank k's first call starts once rank k-1's call is queued (its host is in the wait)."""
+
+    queued: list = []
+
+    def host_waits_for(self, op, stream):
+        Staggered.queued[self.rank].set()
+        super().host_waits_for(op, stream)
+
+    def submit(self, *args, **kwargs):
+        if self.rank > 0:
+            assert Staggered.queued[self.rank - 1].wait(TIMEOUT)
+        completion = super().submit(*args, **kwargs)
+        Staggered.queued[self.rank].set()  # an async call is queued once submit returns
+        return completion
+
+
+class OldOrder(Staggered):
+    own_stream_per_rank = False  # the ranks stay on the legacy default stream, all of them
+
+
+def communicator(transport, timeout):
+    class Emulated(ringcoll.Communicator):
+        @staticmethod
+        def transport_class(device):
+            return transport
+
+    Staggered.queued = [threading.Event() for _ in range(8)]
+    return Emulated, timeout
+
+
+def _all_reduces(group, transport, timeout, async_op, calls=3):
+    cls, timeout = transport
+    with cls(group=group, timeout=timeout, buffer_bytes=1 << 14) as comm:
+        xs = [torch.full((1031,), float(group.rank + 1 + k)) for k in range(calls)]
+        if async_op:
+            works = [comm.all_reduce(x, async_op=True) for x in xs]
+            for w in works:
+                w.wait()
+        else:
+            for x in xs:
+                comm.all_reduce(x)
+        world = group.world_size
+        return [bool(torch.all(x == sum(r + 1 + k for r in range(world)))) for k, x in enumerate(xs)]
+
+
+def test_ranks_on_the_shared_default_stream_deadlock_until_the_timeout():
+    """The old order: rank 0's stream waits for its kernel, rank 1's `ready` record is queued
+    behind that wait, and rank 0's kernel waits for rank 1's: both stop at the timeout."""
+    def body(group):
+        with pytest.raises(ringcoll.RingcollError) as raised:
+            _all_reduces(group, communicator(OldOrder, STUCK), STUCK, async_op=False, calls=1)
+        return type(raised.value).__name__
+
+    with pytest.warns(RuntimeWarning, match="keeps its emulated buffer"):
+        kinds = ringcoll.run_in_process(2, body, timeout=60)
+    assert kinds[0] == "RingcollTimeoutError" and kinds[1] in ("RingcollTimeoutError", "RingcollPeerError"), kinds
+
+
+@pytest.mark.parametrize("async_op", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("variant", ["fused", "naive"])
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_each_rank_on_a_stream_of_its_own_never_deadlocks(world, variant, async_op, monkeypatch):
+    monkeypatch.setenv("RINGCOLL_CUDA_KERNEL", variant)
+    results = ringcoll.run_in_process(world, _all_reduces, communicator(Staggered, TIMEOUT), TIMEOUT, async_op,
+                                      timeout=60)
+    assert results == [[True] * 3] * world
+
+
+def test_a_call_from_the_shared_default_stream_is_refused_in_process():
+    def body(group):
+        with communicator(EmulatedCudaTransport, TIMEOUT)[0](group=group, timeout=TIMEOUT) as comm:
+            assert emulated.current_stream() != emulated.LEGACY  # moved onto its own stream
+            with emulated.stream(emulated.LEGACY):
+                with pytest.raises(ringcoll.RingcollError, match="legacy default stream.*stream of its own"):
+                    comm.all_reduce(torch.ones(4))
+            comm.all_reduce(torch.ones(4))
+        return emulated.current_stream() == emulated.LEGACY  # given back at close
+
+    assert ringcoll.run_in_process(2, body, timeout=60) == [True, True]
+
+
+def _two_async_then_the_peer(group, transport):
+    """Rank 0 queues two calls before rank 1 queues any: on one hardware queue, rank 0's
+    second kernel (waiting for its first) holds back rank 1's first, which rank 0's first waits for."""
+    cls, timeout = transport
+    with cls(group=group, timeout=timeout) as comm:
+        xs = [torch.ones(64) for _ in range(2)]
+        try:
+            works = [comm.all_reduce(x, async_op=True) for x in xs]
+            for w in works:
+                w.wait()
+        except ringcoll.RingcollError as e:
+            return type(e).__name__
+        return "ok"
+
+
+def test_ranks_sharing_a_hardware_queue_deadlock_so_too_few_queues_are_refused(monkeypatch):
+    monkeypatch.setattr(emulated, "_device", None)
+    emulated.reset_device(1)  # CUDA_DEVICE_MAX_CONNECTIONS=1, as some training stacks set it
+    try:
+        def refused(group):
+            with pytest.raises(ringcoll.RingcollError, match="need 3 hardware queues.*CUDA_DEVICE_MAX_CONNECTIONS=1"):
+                communicator(EmulatedCudaTransport, TIMEOUT)[0](group=group, timeout=TIMEOUT)
+
+        ringcoll.run_in_process(2, refused, timeout=60)
+        # Why: without the check, the model deadlocks as a GPU would, until the timeout.
+        monkeypatch.setattr(emulated, "check_hardware_queues", lambda world, queues: None)
+        with pytest.warns(RuntimeWarning, match="keeps its emulated buffer"):
+            kinds = ringcoll.run_in_process(2, _two_async_then_the_peer, communicator(Staggered, STUCK), timeout=60)
+        assert "RingcollTimeoutError" in kinds, kinds
+    finally:
+        emulated.reset_device()
+
+
+def test_run_in_process_gives_every_rank_a_hardware_queue(monkeypatch):
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    ringcoll.run_in_process(1, lambda group: None)
+    import os
+
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "32"
+
+
+def test_graph_replays_are_waited_for_at_close():
+    """A captured all-reduce replayed on the caller's stream, then close() at once: closing
+    must wait for the replays (the external `replayed` event), not only for its own stream;
+    the emulator notes any kernel that runs after its rank closed."""
+    replays = 4
+
+    def body(group):
+        cls, _ = communicator(EmulatedCudaTransport, TIMEOUT)
+        dev = emulated.device()
+        user = dev.create_stream()
+        with emulated.stream(user):
+            comm = cls(group=group, timeout=TIMEOUT, buffer_bytes=1 << 14)
+            x = torch.ones(1 << 16)  # many slices: a replay lasts longer than the close protocol
+            comm.all_reduce(x)  # warm-up outside the capture, as with torch.cuda.graphs
+            dev.begin_capture(user)
+            comm.all_reduce(x)
+            graph = dev.end_capture(user)
+            for _ in range(replays):
+                dev.replay(graph, user)
+            ring = comm.transport._ring
+            comm.close()  # no synchronisation before it
+        exact = bool(torch.all(x == group.world_size ** (replays + 1)))
+        assert dev.synchronize_device(TIMEOUT)
+        return exact, ring.violations
+
+    assert ringcoll.run_in_process(3, body, timeout=60) == [(True, "")] * 3
+
+
+def test_the_benchmark_meets_after_allocating(monkeypatch):
+    """Allocation can synchronise the whole GPU (cudaMalloc growing torch's cache): modelled
+    as a device-wide sync after every allocation of the benchmark's buffers. A rank that
+    allocates while a peer's first call of that size is already running would wait for that
+    call, which waits for it; the benchmark's meeting point after allocating prevents it."""
+    allocate = bench._buffers
+
+    def allocate_and_sync(*args, **kwargs):
+        buffers = allocate(*args, **kwargs)
+        assert emulated.device().synchronize_device(TIMEOUT)  # what cudaMalloc may do
+        return buffers
+
+    monkeypatch.setattr(bench, "_buffers", allocate_and_sync)
+    monkeypatch.setattr(bench, "Communicator", communicator(EmulatedCudaTransport, TIMEOUT)[0])
+    config = bench.Config(min_bytes=4096, max_bytes=16384, factor=4, iters=2, warmup=1, trials=1, min_seconds=0.0,
+                          collectives=("all_reduce", "all_gather"), in_process=True, progress=False, check_cost=False)
+    rows = ringcoll.run_in_process(2, bench.run_in_process_rank, config, timeout=120)[0]
+    measured = [r for r in rows if "out_wrong" in r]
+    assert measured and all(r["out_wrong"] == 0 and r.get("in_wrong", 0) == 0 for r in measured)

@@ -1,0 +1,122 @@
+"""The emulator's model of CUDA streams (csrc/emulation/emulated_streams.h), rule by rule,
+with Python callables as kernels: in-order streams, events, the legacy default stream,
+hardware queues, implicit device syncs, graph capture. The ring's use of it is tested in
+tests/multiprocess/test_in_process.py."""
+
+import threading
+
+from ringcoll import _C
+
+D = _C.emulation.Device
+LEGACY = D.LEGACY
+WAIT = 10.0  # a host wait that must succeed; one that must not is given a short one
+
+
+def kernel(log, name, gate=None):
+    """A kernel that logs its start, then (with a gate) runs until the gate opens."""
+    def run():
+        log.append(name)
+        if gate is not None:
+            assert gate.wait(WAIT)
+    return run
+
+
+def test_a_stream_runs_in_order_and_streams_run_concurrently():
+    dev, log, gate = D(8), [], threading.Event()
+    a, b = dev.create_stream(), dev.create_stream()
+    dev.launch(a, kernel(log, "a1", gate))
+    dev.launch(a, kernel(log, "a2"))
+    dev.launch(b, kernel(log, "b1"))
+    assert dev.synchronize_stream(b, WAIT)  # b is not behind a's running kernel
+    assert not dev.synchronize_stream(a, 0.05) and "a2" not in log  # a2 waits for a1
+    gate.set()
+    assert dev.synchronize_stream(a, WAIT) and log.index("a1") < log.index("a2")
+
+
+def test_an_event_orders_one_stream_after_another():
+    dev, log, gate = D(8), [], threading.Event()
+    a, b, e = dev.create_stream(), dev.create_stream(), dev.create_event()
+    dev.launch(a, kernel(log, "a1", gate))
+    dev.record(e, a)
+    dev.wait(b, e)
+    dev.launch(b, kernel(log, "b1"))
+    assert not dev.query_event(e) and not dev.synchronize_stream(b, 0.05)
+    gate.set()
+    assert dev.synchronize_event(e, WAIT) and dev.synchronize_stream(b, WAIT) and log == ["a1", "b1"]
+    assert dev.synchronize_event(dev.create_event(), 0.0)  # never recorded: nothing to wait for
+
+
+def test_the_legacy_stream_is_ordered_against_blocking_streams_only():
+    dev, log, gate = D(8), [], threading.Event()
+    blocking, non_blocking = dev.create_stream(blocking=True), dev.create_stream(blocking=False)
+    dev.launch(LEGACY, kernel(log, "legacy", gate))
+    dev.launch(non_blocking, kernel(log, "non-blocking"))
+    dev.launch(blocking, kernel(log, "blocking"))
+    assert dev.synchronize_stream(non_blocking, WAIT)
+    assert not dev.synchronize_stream(blocking, 0.05)  # behind the legacy stream's kernel
+    gate.set()
+    assert dev.synchronize_stream(blocking, WAIT)
+    assert log[-1] == "blocking" and sorted(log[:2]) == ["legacy", "non-blocking"]  # those two concurrently
+
+
+def test_streams_on_one_hardware_queue_are_falsely_ordered():
+    """A blocked head holds back the next stream's work on its queue: with 1 queue, b's
+    kernel waits behind a's wait for an event; with 2 queues it does not."""
+    for queues, b_runs_first in ((1, False), (2, True)):
+        dev, log = D(queues), []
+        a, b, e = dev.create_stream(), dev.create_stream(), dev.create_event()
+        assert dev.queue_of(a) == a % queues and dev.queue_of(b) == b % queues
+        c = dev.create_stream()  # the event's stream: records on it later
+        gate = threading.Event()
+        dev.launch(c, kernel(log, "c1", gate))
+        dev.record(e, c)
+        dev.wait(a, e)
+        dev.launch(b, kernel(log, "b1"))
+        assert dev.synchronize_stream(b, 0.05 if not b_runs_first else WAIT) == b_runs_first
+        gate.set()
+        assert dev.synchronize_stream(a, WAIT) and dev.synchronize_stream(b, WAIT)
+
+
+def test_a_device_wide_sync_waits_for_every_stream():
+    dev, log, gate = D(8), [], threading.Event()
+    a = dev.create_stream()
+    dev.launch(a, kernel(log, "a1", gate))
+    assert not dev.synchronize_device(0.05)  # what cudaFree / cudaMalloc do: wait for a1 too
+    gate.set()
+    assert dev.synchronize_device(WAIT)
+
+
+def test_a_replay_records_only_external_events_for_the_host():
+    dev, log = D(8), []
+    s, internal, external = dev.create_stream(), dev.create_event(), dev.create_event()
+    dev.begin_capture(s)
+    assert dev.is_capturing(s)
+    dev.launch(s, kernel(log, "k"))
+    dev.record(internal, s)
+    dev.record(external, s, external=True)
+    graph = dev.end_capture(s)
+    assert log == [] and not dev.is_capturing(s)  # captured, not run
+    gate = threading.Event()
+    dev.launch(s, kernel(log, "before", gate))
+    dev.replay(graph, s)
+    assert dev.synchronize_event(internal, 0.0)  # never recorded outside the capture: a host waits for nothing
+    assert not dev.synchronize_event(external, 0.05)  # the replay's record, behind "before" and "k"
+    gate.set()
+    assert dev.synchronize_event(external, WAIT) and log == ["before", "k"]
+
+
+def test_a_stream_waiting_on_a_captured_event_joins_the_capture():
+    dev, log = D(8), []
+    user, own, ready, done = dev.create_stream(), dev.create_stream(), dev.create_event(), dev.create_event()
+    dev.begin_capture(user)
+    dev.record(ready, user)
+    dev.wait(own, ready)  # fork: own joins the capture
+    assert dev.is_capturing(own)
+    dev.launch(own, kernel(log, "on own"))
+    dev.record(done, own)
+    dev.wait(user, done)  # join
+    graph = dev.end_capture(user)
+    assert not dev.is_capturing(own) and log == []
+    dev.replay(graph, user)
+    dev.replay(graph, user)
+    assert dev.synchronize_stream(user, WAIT) and log == ["on own", "on own"]
