@@ -1,124 +1,256 @@
 #!/usr/bin/env bash
-# device_check.sh: the one command a session lent a GPU machine runs (see
-# /work/.library/device/). Such a loan is a few minutes, so the stages run in the order of
-# what they answer, each printing its result as it finishes:
+# device_check.sh: the one command a session lent a GPU machine runs (see the device tool's
+# README). A loan is 15 minutes of device time, the machine's start included, and one command
+# may run 10, so this one is sized to leave room for a second run. `--plan` prints its stages,
+# in the order of what they answer, with each one's cap and what it runs (no GPU needed; it
+# builds and runs nothing):
 #
-#   1 info        versions, the GPU (name, driver, compute mode), MPS: started, and does a
-#                 CUDA process really run under it; CUDA_MODULE_LOADING in force
-#   2 build       ringcoll with its CUDA backend, sm_90 only, timed (started in the
-#                 background at once: it is the longest step and needs no GPU)
-#   3 smoke       bench/cuda_smoke.py: P = 2 hello, one collective of each kind, both kernel
-#                 variants, exact checks, one ring hop timed; multi-process and in-process
-#   4 features    the GPU tests less the exhaustive ones: async, graphs, close, timeout,
-#                 mismatch, CuPy, the torch.distributed backend
-#   5 bench       the benchmark: in-process P = 2, 4, 8 and multi-process P = 2, 4 KiB to
-#                 256 MiB, beside a device-to-device copy of the same bytes, each run
-#                 stopping when its time budget is spent
-#   6 exhaustive  every dtype x op x awkward size, only with the time that is left
+#   stage       cap  tier   runs
+#   build        90  core   setup.py build_ext (sm_90, CUDA required); meanwhile the machine's
+#                           details: nvidia-smi, versions, MPS (started; does a CUDA process
+#                           really run under it), a CUDA probe
+#   smoke        70  core   bench/cuda_smoke.py: multi-process, then in-process, both kernel
+#                           variants; then multi-process again with RINGCOLL_CUDA_FLAG_SCOPE=system
+#   backend      70  core   pytest tests/gpu/test_backend_cuda.py (torch.distributed, DDP, ZeRO)
+#   bench        60  core   ringcoll-bench --device cuda, 16K to 64M: in-process P = 2, 4, 8,
+#                           then multi-process P = 2, each run with its own share of the 60 s
+#   features    130  extra  pytest tests/gpu/test_cuda.py less the exhaustive tests
+#   exhaustive   50  extra  pytest tests/gpu/test_cuda.py's exhaustive tests (every dtype x op x size)
+#   wrapup       10  core   MPS stopped if it was started; the summary
 #
-# Budget. In the normal case it ends within 5 minutes on an H200; every stage has its own
-# limit and none may run past HARD_S (9 minutes, under the device tool's 10 per command),
-# so the worst case ends by then too. Stage 6 runs only while the normal budget lasts.
-# Then one summary line per stage: ok, FAILED or skipped, and its seconds.
+# Budget. Each command of a stage gets its share of the stage, cut to what the stage has left
+# less the GRACE_S its kill may take, so no stage outlasts its cap and the caps bound the
+# whole run. Their sums, which the script checks before it starts (and
+# tests/pure/test_device_check.py checks too):
+#   normal case = the core stages, which every run makes:            at most 300 s
+#   hard stop   = every stage, the extras (features, exhaustive) too: at most 480 s
+# `--core` skips the extras, so the whole command ends within 5 minutes (a rerun, or a loan
+# with little time left). A stage whose prerequisite failed is skipped, with one line saying
+# why: every stage after the build needs the build and a GPU; backend needs the multi-process
+# smoke; each bench run needs the smoke of its mode; features and exhaustive either smoke.
+# The smoke's and the benchmark's rings time out after 10 s, so a hang there costs seconds
+# (and says where it hung) instead of the stage.
 #
-# What comes back (files under $OUT, default ./out: at most 8 come back, so few):
-#   device_check.log   everything printed, in order
-#   build.log          the build's full output
-#   bench_*.json       one per benchmark run (4)
+# What comes back (files under $OUT, default ./out; a loan returns at most 8), each written as
+# its stage goes, so a stage cut at its cap still leaves what it did:
+#   device_check.log   all printed here: the plan, each stage's key lines, the summary
+#   build.log          the build's output
+#   smoke.log          cuda_smoke.py's output
+#   tests.log          pytest's output for backend, features, exhaustive (tracebacks, durations)
+#   bench.log          ringcoll-bench's output: a line per row as it is measured, then the tables
+#   bench_rows.jsonl   every row as one JSON line, appended as it is measured (--rows-file);
+#                      a {"kind": "run", ...} line before each run says which run follows
 #
-# Dry run without a GPU: stages 1 and 2 run, then it stops, saying there is no GPU.
+# Exit status: 0 when every stage ran and passed, 1 when one failed or was cut, 2 without a
+# GPU (1 if the rehearsal failed). Without a GPU (a dry run: OUT=/tmp/dc_out bash
+# bench/device_check.sh) it prints the plan, builds, describes the machine, then rehearses the
+# later stages' commands on the CPU (the smoke script on the shared-memory ring, the
+# benchmark's command line at small sizes, each test stage's selection collected) and stops,
+# saying there is no GPU: about 20 s after a warm build.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+
+# --- the plan -----------------------------------------------------------------------------
+CORE_S=300    # the core stages' caps add up to at most this: the normal case
+HARD_S=480    # all caps add up to at most this: the hard stop (the device tool allows 600 a command)
+GRACE_S=5     # a command stopped at its limit is killed this much later, still inside its stage
+RING_TIMEOUT=10  # seconds, for every ring: a hang costs this, and says where it hung
+REHEARSAL_S=40  # without a GPU (a dry run), a CPU rehearsal instead of the stages after the build
+EXHAUSTIVE="collectives_exact or every_dtype or larger_than_buffer"
+STAGES=(
+  # name     cap  tier   what it runs
+  "build      90  core   python setup.py build_ext --inplace, sm_90, CUDA required (build.log); meanwhile nvidia-smi, versions, MPS, a CUDA probe"
+  "smoke      70  core   bench/cuda_smoke.py (smoke.log): --parts multi-process, then --parts in-process, both variants; then RINGCOLL_CUDA_FLAG_SCOPE=system bench/cuda_smoke.py --parts multi-process --variants fused"
+  "backend    70  core   pytest tests/gpu/test_backend_cuda.py (tests.log)"
+  "bench      60  core   ringcoll-bench --device cuda -b 16K -e 64M -f 8 --rows-file (bench.log, bench_rows.jsonl), its runs below"
+  "features  130  extra  pytest tests/gpu/test_cuda.py -k 'not ($EXHAUSTIVE)' (tests.log)"
+  "exhaustive 50  extra  pytest tests/gpu/test_cuda.py -k '$EXHAUSTIVE' (tests.log)"
+  "wrapup     10  core   stop MPS if it was started; the summary"
+)
+# The bench stage's runs, in order, each with its share of the stage's cap. Buffers: the
+# default 4 MiB at P = 2 in both modes (the two differ only in the mode); 64 MiB at P = 4
+# and 8, whose slots give a large message a block per SM (docs/cuda.md, "What the fused
+# kernel should reach"). In-process first: its rings are co-resident whatever MPS does.
+BENCH_RUNS=(
+  # name     share  P  buffer  mode
+  "inproc_p2   13   2   4MiB   in-process"
+  "inproc_p4   14   4  64MiB   in-process"
+  "inproc_p8   15   8  64MiB   in-process"
+  "mp_p2       18   2   4MiB   multi-process"
+)
+BACKEND_TESTS=(tests/gpu/test_backend_cuda.py)
+FEATURE_TESTS=(tests/gpu/test_cuda.py -k "not ($EXHAUSTIVE)")
+EXHAUSTIVE_TESTS=(tests/gpu/test_cuda.py -k "$EXHAUSTIVE")
+
+cap_of() {  # a stage's cap
+  local line name cap
+  for line in "${STAGES[@]}"; do
+    read -r name cap _ <<<"$line"
+    if [ "$name" = "$1" ]; then echo "$cap"; return; fi
+  done
+}
+sum_caps() {  # sets CORE_SUM, ALL_SUM, BENCH_SHARES
+  local line name cap tier share
+  CORE_SUM=0 ALL_SUM=0 BENCH_SHARES=0
+  for line in "${STAGES[@]}"; do
+    read -r name cap tier _ <<<"$line"
+    ALL_SUM=$((ALL_SUM + cap))
+    if [ "$tier" = core ]; then CORE_SUM=$((CORE_SUM + cap)); fi
+  done
+  for line in "${BENCH_RUNS[@]}"; do
+    read -r name share _ <<<"$line"
+    BENCH_SHARES=$((BENCH_SHARES + share))
+  done
+}
+plan() {
+  local line run name cap tier what share nproc buffer mode
+  echo "device_check plan: the stages in order; cap (s), tier (core: every run; extra: not with --core), what it runs"
+  for line in "${STAGES[@]}"; do
+    read -r name cap tier what <<<"$line"
+    printf '  %-10s %3d s  %-5s  %s\n' "$name" "$cap" "$tier" "$what"
+    if [ "$name" = bench ]; then
+      for run in "${BENCH_RUNS[@]}"; do
+        read -r name share nproc buffer mode <<<"$run"
+        printf '      - %s (%d s): %s P=%d, RINGCOLL_BUFFER_BYTES=%s\n' "$name" "$share" "$mode" "$nproc" "$buffer"
+      done
+    fi
+  done
+  echo "  (without a GPU: a CPU rehearsal of the later stages' commands, ${REHEARSAL_S} s at most, instead of them)"
+  sum_caps
+  echo "  normal case (the core stages): ${CORE_SUM} s of at most ${CORE_S}; hard stop (every stage): ${ALL_SUM} s of at most ${HARD_S}"
+}
+within_budget() {
+  sum_caps
+  local bench_cap; bench_cap=$(cap_of bench)
+  if (( CORE_SUM > CORE_S || ALL_SUM > HARD_S || BENCH_SHARES > bench_cap )); then
+    echo "device_check: OVER BUDGET: core ${CORE_SUM} s (at most ${CORE_S}), all ${ALL_SUM} s (at most ${HARD_S}), bench runs ${BENCH_SHARES} s (at most ${bench_cap})"
+    return 1
+  fi
+}
+
+CORE_ONLY=0
+case "${1:-}" in
+  --plan) plan; within_budget; exit ;;
+  --core) CORE_ONLY=1 ;;
+  "") ;;
+  *) echo "usage: bash bench/device_check.sh [--plan | --core]"; exit 2 ;;
+esac
+within_budget || exit 2
+
+# --- the run ------------------------------------------------------------------------------
+# Before anything here initialises CUDA: the in-process mode puts P ranks x 2 streams on one
+# GPU, and by default the driver spreads a process's streams over 8 hardware queues, each
+# run in order. One rank's stream-ordered wait, queued in the same queue ahead of a peer's
+# ring kernel, holds that kernel back while the wait itself needs the ring to move: a
+# deadlock until the ring's timeout. 32 (the most there is) gives each of P = 8 ranks'
+# 16 streams a queue of its own.
+export CUDA_DEVICE_MAX_CONNECTIONS=32
+
+cd "$(dirname "$0")/.." || exit 2
 OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT"
+rm -f "$OUT"/{smoke,tests,bench}.log "$OUT/bench_rows.jsonl"  # appended to below: none of an earlier run's
 PY="${PYTHON:-python3}"
-export PYTHONUNBUFFERED=1
+# The tests and the ranks they spawn import this checkout's ringcoll, built in place.
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 exec > >(tee "$OUT/device_check.log") 2>&1
 tee_pid=$!
-
-NORMAL_S=300   # the normal case ends by then; stage 6 starts only if it can end by then
-HARD_S=540     # no stage may run past this (seconds since the start)
-RESERVE_S=30   # kept back for a killed stage's grace, stopping MPS, the log's last lines
 T0=$SECONDS
+plan
 
 declare -a SUMMARY=()
-failed=0
-stage_name="" stage_t0=0
-begin() { stage_name=$1; stage_t0=$SECONDS; echo; echo "=== stage $1 (at $((SECONDS - T0)) s)"; }
-end() {  # status: ok, FAILED or skipped (+ why)
-  local line="$stage_name: $1 in $((SECONDS - stage_t0)) s"
-  SUMMARY+=("$line"); echo "=== $line"
-  case "$1" in FAILED*) failed=1 ;; esac
+failed=0 stage="" stage_t0=0 stage_end=0
+begin() {  # name [cap]: the stage starts; its commands share its cap (from STAGES unless given)
+  local cap=${2:-$(cap_of "$1")}
+  stage=$1 stage_t0=$SECONDS stage_end=$((SECONDS + cap))
+  echo; echo "=== $1 (cap ${cap} s, at $((SECONDS - T0)) s)"
 }
-skip() { SUMMARY+=("$1: skipped ($2)"); echo "=== $1: skipped ($2)"; }
-# A stage's limit: its own cap, cut to what is left before HARD_S (never below 5 s).
-limit() {
-  local cap=$1 left=$((HARD_S - RESERVE_S - (SECONDS - T0)))
-  (( left < cap )) && cap=$left
-  (( cap < 5 )) && cap=5
-  echo "$cap"
+end() {  # ok | cut (...) | FAILED (...)
+  local line="$stage: $1 in $((SECONDS - stage_t0)) s"
+  SUMMARY+=("$line"); echo "=== $line"
+  case "$1" in ok*) ;; *) failed=1 ;; esac
+}
+skip() {  # name, why
+  SUMMARY+=("$1: skipped ($2)"); echo; echo "=== $1: skipped ($2)"
+}
+upto() {  # the seconds a command may run now: its share, cut to what the stage has left
+  local left=$((stage_end - SECONDS - GRACE_S))
+  if (( left < $1 )); then echo $(( left > 1 ? left : 1 )); else echo "$1"; fi
+}
+outcome() {  # a command's exit status as a stage's or run's word
+  case "$1" in 0) echo ok ;; 124|137) echo "cut at its limit" ;; *) echo "FAILED (exit $1)" ;; esac
+}
+note() {  # file, text: the text here and in $OUT/file
+  echo "$2"; echo "$2" >> "$OUT/$1"
+}
+show() {  # file, pattern, command...: its output appended to $OUT/file as it comes, the lines
+          # matching pattern shown here too; the command's exit status
+  local file=$1 pattern=$2; shift 2
+  "$@" 2>&1 | tee -a "$OUT/$file" | grep --line-buffered -E "$pattern"
+  return "${PIPESTATUS[0]}"
 }
 
 mps_started=0
 stop_mps() {  # bounded: a control daemon that does not answer must not hold the machine
   [ "$mps_started" = 1 ] || return 0
   mps_started=0
-  if timeout 10 sh -c 'echo quit | nvidia-cuda-mps-control'; then echo "== MPS stopped"
-  else echo "== MPS did not stop within 10 s (left running)"; fi
+  if timeout 8 sh -c 'echo quit | nvidia-cuda-mps-control'; then echo "== MPS stopped"
+  else echo "== MPS did not stop within 8 s (left running)"; fi
 }
-finish() {  # the summary, MPS stopped, then (bounded) time for tee to write the last lines
+# shellcheck disable=SC2317  # (run by the EXIT trap)
+finish() {  # the wrapup stage: MPS stopped, the summary, then (bounded) time for tee's last lines
   local rc=$?
   [ -n "${build_pid:-}" ] && kill "$build_pid" 2>/dev/null  # timeout passes it on to the build
+  begin wrapup
   stop_mps
   echo
   echo "=== summary ($((SECONDS - T0)) s in all)"
   for line in "${SUMMARY[@]}"; do echo "  $line"; done
   echo "=== exit status $rc"
   exec >&- 2>&-
-  for _ in $(seq 50); do kill -0 "$tee_pid" 2>/dev/null || return 0; sleep 0.1; done
+  for _ in $(seq 30); do kill -0 "$tee_pid" 2>/dev/null || return 0; sleep 0.1; done
 }
 trap finish EXIT
+trap 'exit 143' TERM
+trap 'exit 130' INT
 
-# --- stage 2 starts first: the build, in the background ----------------------------------
+# --- stage: build (and the machine, while it builds) --------------------------------------
+begin build
 # CMake finds nvcc only on PATH or through $CUDACXX / $CUDA_PATH, so look where toolkits
 # usually live when it is not on PATH. Likewise cmake and ninja may be pip packages beside
 # this Python, outside PATH.
 if ! command -v nvcc >/dev/null 2>&1; then
   for nvcc in "${CUDA_HOME:-/nonexistent}/bin/nvcc" "${CUDA_PATH:-/nonexistent}/bin/nvcc" /usr/local/cuda/bin/nvcc \
-              $(ls -d /usr/local/cuda-*/bin/nvcc 2>/dev/null | sort -V -r) /opt/cuda/bin/nvcc; do
-    if [ -x "$nvcc" ]; then export CUDACXX="$nvcc" PATH="$(dirname "$nvcc"):$PATH"; break; fi
+              $(printf '%s\n' /usr/local/cuda-*/bin/nvcc | sort -V -r) /opt/cuda/bin/nvcc; do
+    if [ -x "$nvcc" ]; then CUDACXX="$nvcc" PATH="${nvcc%/nvcc}:$PATH"; export CUDACXX PATH; break; fi
   done
 fi
 py_bin="$("$PY" -c 'import os, sys; print(os.path.dirname(sys.executable))' 2>/dev/null)"
 for tool in cmake ninja; do
   command -v "$tool" >/dev/null 2>&1 || { [ -x "$py_bin/$tool" ] && export PATH="$PATH:$py_bin"; }
 done
-build_t0=$SECONDS
-BUILD_S=180
 # In place, with the machine's own setuptools/pybind11/cmake/ninja: nothing is installed into
-# its Python (no downloads there), and the tests and spawned ranks import ./ringcoll.
-# timeout runs it in a process group of its own and stops all of it at the limit.
-timeout -k 5 "$BUILD_S" env CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" RINGCOLL_CUDA_ARCHS=90 RINGCOLL_REQUIRE_CUDA=1 \
+# its Python (no downloads there). timeout runs it in a process group of its own and stops
+# all of it at the limit. It runs in the background while the machine is described.
+timeout -k "$GRACE_S" "$(upto "$(cap_of build)")" \
+  env CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" RINGCOLL_CUDA_ARCHS=90 RINGCOLL_REQUIRE_CUDA=1 \
   "$PY" setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 &
 build_pid=$!
 
-# --- stage 1: what machine this is --------------------------------------------------------
-begin info
-echo "== $(date -u +%FT%TZ) $(uname -srm), $(nproc) cores"
+echo "== $(date -u +%FT%TZ) $(uname -srm), $(nproc) cores; CUDA_DEVICE_MAX_CONNECTIONS=$CUDA_DEVICE_MAX_CONNECTIONS"
 if command -v nvidia-smi >/dev/null 2>&1; then
-  timeout 20 nvidia-smi --query-gpu=name,driver_version,compute_mode,memory.total,clocks.max.sm --format=csv \
-    || echo "nvidia-smi did not answer within 20 s"
+  gpu_line=$(timeout "$(upto 15)" nvidia-smi --query-gpu=name,driver_version,compute_mode,memory.total,clocks.max.sm \
+             --format=csv,noheader 2>&1 | head -1)
+  echo "nvidia-smi: ${gpu_line:-no answer within 15 s}"
   # Exclusive_Process lets one process at a time hold the GPU (unless MPS serves them all):
   # without MPS the multi-process ring cannot even start then; the in-process one can.
-  compute_mode=$(timeout 10 nvidia-smi --query-gpu=compute_mode --format=csv,noheader 2>/dev/null | head -1)
-  [ -n "$compute_mode" ] && [ "$compute_mode" != Default ] && \
-    echo "NOTE: compute mode $compute_mode: processes cannot share this GPU without MPS"
+  case "$gpu_line" in *Exclusive*|*Prohibited*)
+    echo "NOTE: that compute mode keeps processes from sharing this GPU without MPS" ;; esac
 else
   echo "no nvidia-smi on PATH"
 fi
 echo "nvcc: $(command -v nvcc || echo 'not found') ($(nvcc --version 2>/dev/null | tail -1))${CUDACXX:+, CUDACXX=$CUDACXX}"
 echo "cmake: $(cmake --version 2>/dev/null | head -1 || echo 'not found'); ninja: $(ninja --version 2>/dev/null || echo 'not found')"
-timeout 60 "$PY" - <<'EOF' || echo "python/torch did not report within 60 s"
+timeout "$(upto 30)" "$PY" - <<'EOF' || echo "python/torch did not report in time"
 import importlib, sys
 import torch
 mods = []
@@ -136,12 +268,13 @@ EOF
 # The probe: a CUDA process that creates a context, runs a kernel, and says which module
 # loading mode the driver applies (CUDA_MODULE_LOADING unset means LAZY since CUDA 12.2:
 # kernels load on first launch, which may synchronise the context; ringcoll preloads its
-# ring kernels for that reason).
+# ring kernels for that reason). Exit status 3: torch sees no GPU.
 probe() {
-  timeout 30 "$PY" - <<'EOF'
+  timeout "$(upto 25)" "$PY" - <<'EOF'
 import ctypes, os, torch
 if not torch.cuda.is_available():
-    raise SystemExit("probe: no CUDA device")
+    print("probe: no CUDA device (torch.cuda.is_available() is False)")
+    raise SystemExit(3)
 assert torch.ones(1 << 20, device="cuda").sum().item() == 1 << 20
 mode = ctypes.c_int(0)
 try:
@@ -159,14 +292,15 @@ EOF
 # only when the scheduler switches contexts. With MPS they run side by side, as the ring
 # needs. The control daemon may start where the server cannot (under gVisor, say), so the
 # proof is a CUDA process that runs while it is up, and a server the daemon then lists.
-mps="off"
+mps="off" probe_rc=3
 if command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/ringcoll-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/ringcoll-mps-log
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  if timeout 10 nvidia-cuda-mps-control -d; then
+  if timeout "$(upto 10)" nvidia-cuda-mps-control -d; then
     mps_started=1
-    if probe; then
-      servers=$(timeout 5 sh -c 'echo get_server_list | nvidia-cuda-mps-control' 2>/dev/null | grep -E '^[0-9]+$' | tr '\n' ' ')
+    probe; probe_rc=$?
+    if [ "$probe_rc" = 0 ]; then
+      servers=$(timeout "$(upto 5)" sh -c 'echo get_server_list | nvidia-cuda-mps-control' 2>/dev/null | grep -E '^[0-9]+$' | tr '\n' ' ')
       if [ -n "$servers" ]; then mps="on"; echo "MPS: on: a CUDA process ran under it (server pid ${servers% })"
       else echo "MPS: the probe ran, but the daemon lists no server: not counted as MPS"; fi
     fi
@@ -184,100 +318,141 @@ else
 fi
 if [ "$mps" = off ]; then
   echo "MPS: off: kernels of different processes are time-sliced (multi-process figures include that)"
-  probe || echo "probe: no CUDA process ran (see above)"
+  probe; probe_rc=$?
 fi
-end "ok (MPS $mps)"
 
-# --- stage 2: the build (wait for it) -----------------------------------------------------
-begin build
-build_ok=0
 wait "$build_pid"
 build_rc=$?
 build_pid=""
+build_ok=0
 case "$build_rc" in
   0) build_ok=1 ;;
-  124|137) echo "build did not finish within ${BUILD_S} s; the end of build.log:"; tail -30 "$OUT/build.log" ;;
-  *) echo "build FAILED (exit $build_rc); the end of build.log:"; tail -60 "$OUT/build.log" ;;
+  124|137) echo "the build did not finish in time; the end of build.log:"; tail -30 "$OUT/build.log" ;;
+  *) echo "the build FAILED (exit $build_rc); the end of build.log:"; tail -60 "$OUT/build.log" ;;
 esac
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if [ "$build_ok" = 1 ] && timeout 30 "$PY" -c "import ringcoll._C as c, sys; sys.exit(0 if c.built_with_cuda else 'built, but without the CUDA backend')"; then
-  end "ok (sm_90, $((SECONDS - build_t0)) s from the start of the build)"
+if [ "$build_ok" = 1 ] && timeout "$(upto 20)" "$PY" -c "import ringcoll._C as c, sys; sys.exit(0 if c.built_with_cuda else 'built, but without the CUDA backend')"; then
+  end "ok (sm_90; MPS $mps)"
 else
   end "FAILED"
-  for s in smoke features bench exhaustive; do skip "$s" "no build"; done
-  exit 1
-fi
-# Without a GPU every stage below would skip or fail: stop here, saying so.
-if ! timeout 30 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-  echo "no GPU: torch sees no CUDA device, so stages 3-6 cannot run here (a dry run stops here)"
-  for s in smoke features bench exhaustive; do skip "$s" "no GPU"; done
+  for s in smoke backend bench features exhaustive; do skip "$s" "the build failed"; done
   exit 1
 fi
 
-# --- stage 3: smoke -----------------------------------------------------------------------
-# Seconds long, and it answers the first questions: do IPC mapping, the flags and both
-# kernel variants work at all, in both process modes, and what does one ring hop cost.
-begin smoke
-if timeout -k 5 "$(limit 90)" "$PY" bench/cuda_smoke.py --world 2 --ring-timeout 20 --part-timeout 40; then
-  end ok
-else
-  end "FAILED"
-fi
-
-# --- stage 4: features --------------------------------------------------------------------
-# The features before the exhaustive value checks, whose many ring steps cost most when the
-# processes are time-sliced. Per-test limit where pytest-timeout is there; SIGINT at the
-# stage's limit, so pytest still prints which test was running and its summary (SIGINT
-# reset to its default: a background job of a non-interactive shell would ignore it).
-EXHAUSTIVE="collectives_exact or every_dtype or larger_than_buffer"
-run_tests() {  # limit (s), -k expression
-  local per_test=()
-  "$PY" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout=75)
-  timeout -s INT -k 15 "$1" env --default-signal=INT "$PY" -m pytest -p no:cacheprovider -m gpu -v -rfE \
-    --durations=15 "${per_test[@]}" tests/gpu/test_cuda.py tests/gpu/test_backend_cuda.py -k "$2"
+# --- the later stages' commands (the CPU rehearsal runs them too) -------------------------
+smoke_run() {  # share (s), then cuda_smoke.py's arguments (one part per run: its own limit)
+  local lim; lim=$(upto "$1"); shift
+  note smoke.log "== cuda_smoke.py $* (up to ${lim} s)"
+  show smoke.log . timeout -k "$GRACE_S" "$lim" "$PY" bench/cuda_smoke.py --ring-timeout "$RING_TIMEOUT" \
+    --part-timeout $((lim > 10 ? lim - 3 : lim)) "$@"
+}
+bench_run() {  # name, share (s), P, buffer, mode, then more ringcoll-bench arguments
+  local name=$1 lim nproc=$3 buffer=$4 mode=$5 flags=() rc
+  lim=$(upto "$2"); shift 5
+  [ "$mode" = in-process ] && flags=(--in-process)
+  note bench.log "== $name: P=$nproc $mode, RINGCOLL_BUFFER_BYTES=$buffer, up to ${lim} s"
+  echo "{\"kind\": \"run\", \"name\": \"$name\", \"world\": $nproc, \"mode\": \"$mode\", \"buffer\": \"$buffer\"}" \
+    >> "$OUT/bench_rows.jsonl"
+  # Each run stops going to larger sizes once half its time is spent (--max-seconds), so it
+  # usually ends with its tables; killed at its limit, its rows are in the rows file anyway.
+  show bench.log '^# (Out of bounds|Avg bus|worst|--max-seconds)|^ringcoll-bench: [^m]|Error|Traceback' \
+    timeout -k "$GRACE_S" "$lim" env RINGCOLL_BUFFER_BYTES="$buffer" RINGCOLL_TIMEOUT="$RING_TIMEOUT" \
+    "$PY" -m ringcoll.harness.bench "${flags[@]}" --nproc "$nproc" -w 2 -n 5 --trials 3 --min-ms 5 \
+    --max-seconds $((lim / 2)) --no-progress --rows-file "$OUT/bench_rows.jsonl" "$@"
+  rc=$?
+  echo "== $name: $(outcome "$rc")"
+  return "$rc"
+}
+# SIGINT at a pytest command's limit, so pytest still prints which test was running and its
+# summary (its default action restored: a non-interactive shell's jobs may ignore it).
+default_int=()
+env --default-signal=INT true 2>/dev/null && default_int=(env --default-signal=INT)
+per_test=()  # a hung test is stopped at 40 s where pytest-timeout is installed
+"$PY" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout=40)
+pytest_run() {  # pytest's arguments: the rest of the stage is theirs
+  local lim; lim=$(upto "$((stage_end - SECONDS))")
+  note tests.log "== pytest $* (up to ${lim} s)"
+  show tests.log '(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)|^=+ .* =+$' \
+    timeout -s INT -k "$GRACE_S" "$lim" "${default_int[@]}" "$PY" -m pytest -p no:cacheprovider -m gpu -v -rfE \
+    --tb=short --durations=10 "${per_test[@]}" "$@"
+}
+collect() {  # a test stage's selection, collected only (pytest exits 5 when it is empty)
+  local out rc
+  out=$(timeout "$(upto 10)" "$PY" -m pytest -p no:cacheprovider -m gpu --collect-only -q "$@" 2>&1)
+  rc=$?
+  echo "== pytest --collect-only $*: $(tail -1 <<<"$out")"
+  return "$rc"
 }
 have_pytest=1
-if ! "$PY" -c "import pytest" 2>/dev/null; then
-  have_pytest=0
-  echo "pytest is MISSING from $PY: the test stages cannot run (carry it as a wheel, see the device README)"
+"$PY" -c "import pytest" 2>/dev/null || have_pytest=0
+
+# --- without a GPU: a rehearsal on the CPU, then stop ------------------------------------
+# The later stages' commands, run as they will be on a GPU where they have a CPU form, so a
+# mistake in them shows on a dry run rather than on a lent machine. Bounded like a stage.
+if [ "$probe_rc" = 3 ]; then
+  begin rehearsal "$REHEARSAL_S"
+  ok=1
+  smoke_run 15 --device cpu --parts multi-process,in-process --variants fused --hop-seconds 0.2 || ok=0
+  bench_run rehearsal_cpu 12 2 4MiB in-process --device cpu -b 16K -e 128K -f 8 || ok=0
+  collect "${BACKEND_TESTS[@]}" || ok=0
+  collect "${FEATURE_TESTS[@]}" || ok=0
+  collect "${EXHAUSTIVE_TESTS[@]}" || ok=0
+  if [ "$ok" = 1 ]; then end ok; else end "FAILED"; fi
+  echo "no GPU: torch sees no CUDA device, so the GPU stages cannot run here (a dry run stops here)"
+  for s in smoke backend bench features exhaustive; do skip "$s" "no GPU"; done
+  exit $(( failed ? 1 : 2 ))
 fi
-begin features
-if [ "$have_pytest" = 0 ]; then end "FAILED (no pytest)"
-elif run_tests "$(limit 150)" "not ($EXHAUSTIVE)"; then end ok
-else end "FAILED"; fi
 
-# --- stage 5: bench -----------------------------------------------------------------------
-# The checked benchmark's harness (ringcoll-bench --device cuda: results checked before
-# timing, a device-to-device copy of the same bytes as the ceiling, NCCL where it runs, run
-# mode and MPS in each table's header). Each run stops going to larger sizes once its
-# --max-seconds are spent and still prints what it measured; the outer limit leaves room
-# for the size in flight. In-process first: its rings are co-resident whatever MPS does.
-# Buffers: the default 4 MiB at P = 2 in both modes (the two differ only in the mode); 64 MiB
-# at P = 4 and 8, whose slots give a large message a block per SM (docs/cuda.md, "What the
-# fused kernel should reach").
-begin bench
-bench_failed=0
-bench() {  # name, cap (s), P, buffer, mode flags...
-  local name=$1 cap=$2 nproc=$3 buffer=$4; shift 4
-  local lim; lim=$(limit "$cap")
-  echo "== $name: P=$nproc $* RINGCOLL_BUFFER_BYTES=$buffer (limit ${lim} s)"
-  timeout -k 10 "$lim" env RINGCOLL_BUFFER_BYTES="$buffer" "$PY" -m ringcoll.harness.bench --device cuda "$@" \
-    --nproc "$nproc" -b 4K -e 256M -f 4 -w 2 -n 5 --trials 3 --min-ms 5 \
-    --max-seconds $(( lim * 2 / 3 )) --no-progress --json "$OUT/$name.json" || bench_failed=1
-}
-bench bench_inproc_p2 35 2 4MiB --in-process
-bench bench_inproc_p4 35 4 64MiB --in-process
-bench bench_inproc_p8 35 8 64MiB --in-process
-bench bench_mp_p2 40 2 4MiB
-if [ "$bench_failed" = 0 ]; then end ok; else end "FAILED"; fi
+# --- stage: smoke -------------------------------------------------------------------------
+# Seconds long, and it answers the first questions: do IPC mapping, the flags and both
+# kernel variants work at all, in both process modes, and what does one ring hop cost. Then
+# the multi-process check again with every flag at system scope (RINGCOLL_CUDA_FLAG_SCOPE,
+# where ranks on one GPU would use .gpu): if the scope is what fails, this one passes.
+begin smoke
+smoke_mp=0 smoke_ip=0 smoke_sys=0
+smoke_run 25 --parts multi-process && smoke_mp=1
+smoke_run 20 --parts in-process && smoke_ip=1
+RINGCOLL_CUDA_FLAG_SCOPE=system smoke_run 20 --parts multi-process --variants fused && smoke_sys=1
+if (( smoke_mp && smoke_ip && smoke_sys )); then end ok
+else end "FAILED (passed: multi-process $smoke_mp, in-process $smoke_ip, multi-process at system scope $smoke_sys)"; fi
+if (( ! smoke_mp && ! smoke_ip )); then
+  for s in backend bench features exhaustive; do skip "$s" "no smoke passed"; done
+  exit 1
+fi
 
-# --- stage 6: exhaustive ------------------------------------------------------------------
-# Every dtype x op x awkward size, both variants: only in the time the normal budget has left.
-left=$((T0 + NORMAL_S - SECONDS))
-if [ "$have_pytest" = 0 ]; then skip exhaustive "no pytest"
-elif (( left < 40 )); then skip exhaustive "only ${left} s of the normal budget left"
+# --- stage: backend -----------------------------------------------------------------------
+if (( ! smoke_mp )); then skip backend "needs the multi-process smoke, which failed"
+elif (( ! have_pytest )); then skip backend "no pytest in $PY"
 else
-  begin exhaustive
-  if run_tests "$(limit "$left")" "$EXHAUSTIVE"; then end ok; else end "FAILED (or cut at ${left} s)"; fi
+  begin backend
+  pytest_run "${BACKEND_TESTS[@]}"
+  end "$(outcome $?)"
 fi
+
+# --- stage: bench -------------------------------------------------------------------------
+# The checked benchmark's harness (results checked before timing, a device-to-device copy
+# of the same bytes as the ceiling, NCCL where it runs, run mode and MPS in each table's
+# header), a run at a time.
+begin bench
+bench_ok=1
+for run in "${BENCH_RUNS[@]}"; do
+  read -r name share nproc buffer mode <<<"$run"
+  if { [ "$mode" = in-process ] && (( ! smoke_ip )); } || { [ "$mode" = multi-process ] && (( ! smoke_mp )); }; then
+    echo "== $name: not run (the $mode smoke failed)"; bench_ok=0; continue
+  fi
+  bench_run "$name" "$share" "$nproc" "$buffer" "$mode" --device cuda -b 16K -e 64M -f 8 || bench_ok=0
+done
+if (( bench_ok )); then end ok; else end "FAILED or cut (see the runs above; bench_rows.jsonl has every row measured)"; fi
+
+# --- stages: features, exhaustive ---------------------------------------------------------
+# The features (async, graphs, close, timeout, mismatch, CuPy, NCCL) before the exhaustive
+# value checks, whose many ring steps cost most when the processes are time-sliced.
+for s in features exhaustive; do
+  if (( CORE_ONLY )); then skip "$s" "--core: the core stages only"
+  elif (( ! have_pytest )); then skip "$s" "no pytest in $PY"
+  else
+    begin "$s"
+    if [ "$s" = features ]; then pytest_run "${FEATURE_TESTS[@]}"; else pytest_run "${EXHAUSTIVE_TESTS[@]}"; fi
+    end "$(outcome $?)"
+  fi
+done
 exit "$failed"

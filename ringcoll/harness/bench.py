@@ -75,32 +75,48 @@ COLLECTIVES = {
 OPS = ("sum", "prod", "min", "max", "avg")
 
 
+# rank_input's values repeat every PERIOD elements (its pattern is modulo 5, the products'
+# modulo 2), and so does every expected result: both compute one period and tile it, so a
+# 64 MiB message at P = 8 costs a copy, not P passes of arithmetic over every element
+# (seconds per rank and size, which the in-process mode's P threads pay at once).
+PERIOD = 10
+
+
+def _tiled(period: torch.Tensor, numel: int) -> torch.Tensor:
+    """`period` repeated over `numel` elements (every element exactly the one it stands for)."""
+    if numel <= period.numel():
+        return period[:numel]
+    return period.repeat(-(-numel // period.numel()))[:numel]
+
+
 def rank_input(rank: int, numel: int, dtype: torch.dtype, op: str, offset: int = 0) -> torch.Tensor:
     """Rank `rank`'s input: small integers, so every summation order gives the same bits
     (values 1..5), and for products 1 or 2 (a product of P of them is exact in bfloat16)."""
-    idx = torch.arange(offset, offset + numel, dtype=torch.int64)
+    idx = torch.arange(offset, offset + min(numel, PERIOD), dtype=torch.int64)
     if op == "prod":
-        return ((idx + rank) % 2 + 1).to(dtype)
-    return ((idx * 7 + rank * 3) % 5 + 1).to(dtype)
+        return _tiled(((idx + rank) % 2 + 1).to(dtype), numel)
+    return _tiled(((idx * 7 + rank * 3) % 5 + 1).to(dtype), numel)
 
 
 def expected_result(coll: CollectiveDef, rank: int, world: int, count: int, dtype: torch.dtype,
                     op: str) -> torch.Tensor:
-    """The right answer, computed on this rank from everyone's (regenerable) inputs."""
+    """The right answer, computed on this rank from everyone's (regenerable) inputs: over one
+    PERIOD of elements, which the result repeats as the inputs do."""
     in_numel, out_numel = coll.shapes(count, world)
     if not coll.reduces:
         return torch.cat([rank_input(r, in_numel, dtype, op) for r in range(world)])
     offset = rank * out_numel if coll.name == "reduce_scatter" else 0
-    acc = rank_input(0, out_numel, dtype, op, offset).double()
+    n = min(out_numel, PERIOD)
+    acc = rank_input(0, n, dtype, op, offset).double()
     for r in range(1, world):
-        x = rank_input(r, out_numel, dtype, op, offset).double()
+        x = rank_input(r, n, dtype, op, offset).double()
         acc = {"sum": acc + x, "avg": acc + x, "prod": acc * x, "min": torch.minimum(acc, x),
                "max": torch.maximum(acc, x)}[op]
     if dtype.is_floating_point:
         acc = acc.to(dtype)
-        return acc / world if op == "avg" else acc
+        return _tiled(acc / world if op == "avg" else acc, out_numel)
     # Integer results (at most 5 x P, or 2^P) wrap modulo 2^bits, as in torch and ringcoll.
-    return acc.to(torch.int64).to(dtype)
+    return _tiled(acc.to(torch.int64).to(dtype), out_numel)
 
 
 # --- backends: ringcoll, and the references ------------------------------------------------
@@ -138,6 +154,12 @@ class Backend:
     def barrier(self) -> None:
         raise NotImplementedError
 
+    def meet_after_allocating(self) -> None:
+        """Every rank has allocated its buffers before any calls with them. Only ranks that
+        are threads of one process need it (DistBackend): there an allocation can
+        synchronise the whole GPU (cudaMalloc growing torch's cache), waiting for a peer's
+        ring that waits for this rank. So a meeting on the host, not a collective."""
+
     def synchronize(self) -> None:
         """Wait until the calls made so far have finished (a GPU runs them after the call returns)."""
 
@@ -164,6 +186,10 @@ class DistBackend(Backend):
             self.meeting.barrier()
         else:
             torch.distributed.barrier()
+
+    def meet_after_allocating(self):
+        if self.meeting is not None:
+            self.meeting.barrier()
 
     def reduce_over_ranks(self, value, kind):
         if self.meeting is not None:
@@ -498,6 +524,7 @@ class Config:
     direct_bytes: Optional[int] = None  # Communicator(direct_bytes=): None = default, 0 = all-gather via slots only
     in_process: bool = False  # the ranks as threads of one process (ringcoll.run_in_process), no references
     prepared: bool = False  # time ringcoll's prepared calls (Communicator.prepare_*), checked once
+    rows_file: Optional[str] = None  # rank 0 appends each row there as one JSON line once it is measured
 
 
 def message_counts(config: Config, world: int) -> list[int]:
@@ -606,6 +633,7 @@ def bench_size(backends: list, coll: CollectiveDef, count: int, rank: int, world
             if in_place:
                 result = backend.in_place_result(coll.name, inp, out, result, rank, world)
             call = backend.bind(coll.name, inp, out, config.op, in_place, rank, world)
+            backend.meet_after_allocating()
             call()
             backend.synchronize()
             wrong = int((result.cpu() != expected).sum()) if backend.checked else 0
@@ -640,8 +668,13 @@ def bench_all(backends: list, rank: int, world: int, config: Config) -> list[dic
             if (config.max_seconds and rows
                     and backends[0].reduce_over_ranks(time.monotonic() - started, "max") > config.max_seconds):
                 rows.append({"kind": "cut_short", "collective": name, "count": count})
+                if rank == 0 and config.rows_file:
+                    append_rows(config.rows_file, rows[-1:], progress)
                 break
-            rows += bench_size(backends, COLLECTIVES[name], count, rank, world, config)
+            measured = bench_size(backends, COLLECTIVES[name], count, rank, world, config)
+            rows += measured
+            if rank == 0 and config.rows_file:
+                append_rows(config.rows_file, measured, progress)
             if progress is not None:
                 progress.update(len(backends))
     if progress is not None:
@@ -821,6 +854,26 @@ def mpi_worker(config_file: str, rows_file: str) -> None:
 
 
 # --- reporting -----------------------------------------------------------------------------
+
+
+def append_rows(path: str, rows: list[dict], progress=None) -> None:
+    """--rows-file: `rows` (one size's, just measured) appended to `path`, one JSON line each,
+    and one line on stderr saying what was measured: a run killed at its time limit (as
+    bench/device_check.sh's are) leaves every row it had measured, where --json is written
+    only at the end."""
+    with open(path, "a") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    say = progress.write if progress is not None else functools.partial(print, flush=True)
+    for row in rows:
+        if row.get("kind") == "cut_short":
+            say(f"ringcoll-bench: --max-seconds spent before {row['collective']} {row['count']} elements",
+                file=sys.stderr)
+            continue
+        times = ", ".join(f"{form} {row[f'{form}_time_us']:.1f} us, {row.get(f'{form}_wrong', 0)} wrong"
+                          for form in ("out", "in") if f"{form}_time_us" in row)
+        say(f"ringcoll-bench: measured {row['collective']} {row['bytes']} bytes on {row['backend']}: "
+            f"{times or row.get('unsupported', 'not timed')}", file=sys.stderr)
 
 
 def forms_timed(rows) -> tuple:
@@ -1052,6 +1105,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--straggler-rank", type=int, default=None, help="delay this rank before every call")
     p.add_argument("--delay-us", type=float, default=0.0, help="the straggler's delay (microseconds)")
     p.add_argument("--json", metavar="FILE", help="also write all rows as JSON")
+    p.add_argument("--rows-file", metavar="FILE",
+                   help="append each row to FILE as one JSON line as soon as it is measured (and say so on "
+                        "stderr): what a run killed before its end leaves, where --json is written at the end")
     p.add_argument("--plot", metavar="FILE.png", help="plot busbw against size")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--mpi-worker", nargs=2, metavar=("CONFIG", "ROWS"), help=argparse.SUPPRESS)
@@ -1088,7 +1144,9 @@ def main(argv=None) -> int:
                     max_seconds=args.max_seconds, small_bytes=ALGORITHMS[args.algorithm],
                     direct_bytes=(parse_bytes(args.direct_bytes) if args.direct_bytes
                                   else None if args.algorithm == "auto" else 0),
-                    in_process=args.in_process, prepared=args.prepared)
+                    in_process=args.in_process, prepared=args.prepared,
+                    # absolute: the mpirun ranks run from a temporary directory
+                    rows_file=os.path.abspath(args.rows_file) if args.rows_file else None)
 
     def note(skipped: bool, option: str, available: Callable[[], str]) -> str:
         return f"skipped ({option})" if skipped else available()

@@ -29,6 +29,43 @@ def test_expected_results_are_the_plain_reference():
                 assert torch.equal(got, want), (name, op, rank)
 
 
+def test_tiled_inputs_and_results_are_the_formula_at_every_element():
+    # rank_input and expected_result compute one period and tile it (a 64 MiB message at
+    # P = 8 took seconds per rank): every element must still be what the formula gives it,
+    # at any length, offset and world, in every dtype and op.
+    for numel in (0, 1, 9, 10, 11, 37, 1003):
+        for offset in (0, 3, 1234):
+            idx = torch.arange(offset, offset + numel, dtype=torch.int64)
+            for rank in (0, 1, 6):
+                for dtype in bench.DTYPES.values():
+                    assert torch.equal(bench.rank_input(rank, numel, dtype, "sum", offset),
+                                       ((idx * 7 + rank * 3) % 5 + 1).to(dtype))
+                    assert torch.equal(bench.rank_input(rank, numel, dtype, "prod", offset),
+                                       ((idx + rank) % 2 + 1).to(dtype))
+    for world in (2, 3, 8):
+        count = world * 137
+        for name, coll in bench.COLLECTIVES.items():
+            for dtype in bench.DTYPES.values():
+                for op in bench.OPS if coll.reduces else ("sum",):
+                    if op == "avg" and not dtype.is_floating_point:
+                        continue
+                    in_numel, out_numel = coll.shapes(count, world)
+                    idx = torch.arange(in_numel, dtype=torch.int64)
+                    inputs = torch.stack([((idx + r) % 2 + 1) if op == "prod" else ((idx * 7 + r * 3) % 5 + 1)
+                                          for r in range(world)]).to(dtype).double()
+                    if name == "all_gather":
+                        full = inputs.reshape(-1).to(dtype)
+                    else:
+                        full = {"sum": inputs.sum(0), "avg": inputs.sum(0), "prod": inputs.prod(0),
+                                "min": inputs.min(0).values, "max": inputs.max(0).values}[op]
+                        full = (full.to(dtype) / world if op == "avg" else full.to(dtype)) \
+                            if dtype.is_floating_point else full.to(torch.int64).to(dtype)
+                    for rank in range(world):
+                        want = full.view(world, -1)[rank] if name == "reduce_scatter" else full
+                        got = bench.expected_result(coll, rank, world, count, dtype, op)
+                        assert torch.equal(got, want), (world, name, dtype, op, rank)
+
+
 def test_message_counts_are_multiples_of_world():
     config = bench.Config(min_bytes=1000, max_bytes=70000, factor=4)
     counts = bench.message_counts(config, 3)
@@ -329,6 +366,36 @@ def test_in_process_mode_runs_checked(tmp_path, capsys):
     ours = json.loads(out_json.read_text())["rows"]
     assert {r["backend"] for r in ours} == {"ringcoll"} and len(ours) == 3 * 3
     assert all(r["out_wrong"] == 0 and r["in_wrong"] == 0 for r in ours)
+
+
+def test_rows_file_gets_each_row_as_it_is_measured(tmp_path, capsys, monkeypatch):
+    """--rows-file: each row appended as one JSON line before the next size starts (what a
+    run killed at its limit leaves behind: bench/device_check.sh), the very rows --json
+    writes at the end; the file is appended to, never truncated."""
+    rows_file, out_json = tmp_path / "rows.jsonl", tmp_path / "rows.json"
+    rows_file.write_text('{"kind": "run", "name": "an earlier run"}\n')
+    real_bench_size, measured = bench.bench_size, []  # rank 0's rows, as bench_size returned them
+
+    def bench_size_checking_the_file(backends, coll, count, rank, world, config):
+        if rank == 0:  # every row measured so far is on file already
+            on_file = [json.loads(line) for line in rows_file.read_text().splitlines()]
+            assert on_file[1:] == measured, (on_file, measured)
+        rows = real_bench_size(backends, coll, count, rank, world, config)
+        if rank == 0:
+            measured.extend(rows)
+        return rows
+
+    monkeypatch.setattr(bench, "bench_size", bench_size_checking_the_file)  # --in-process: the ranks are threads here
+    status = bench.main(["-b", "1K", "-e", "16K", "-f", "4", "-w", "1", "-n", "2", "--trials", "1", "--min-ms", "1",
+                         "--nproc", "2", "--in-process", "--no-progress", "--buffer-bytes", "4K",
+                         "--rows-file", str(rows_file), "--json", str(out_json)])
+    err = capsys.readouterr().err
+    assert status == 0, err
+    lines = [json.loads(line) for line in rows_file.read_text().splitlines()]
+    assert lines[0] == {"kind": "run", "name": "an earlier run"}
+    assert lines[1:] == json.loads(out_json.read_text())["rows"] == measured
+    assert len(measured) == 3 * 3  # three collectives at 1K, 4K, 16K
+    assert err.count("ringcoll-bench: measured ") == len(measured), err
 
 
 def test_prepared_calls_are_timed_checked(capsys):
