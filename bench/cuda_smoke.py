@@ -85,7 +85,9 @@ def _rank_checks(comm, rank: int, world: int, device: str, hop_seconds: float, h
         return ok
 
     def all_reduce():
-        n = 1_000_003  # 4 MB of float32: more than one slice through the default 4 MiB buffer
+        # A slice and a half per chunk through the communicator's buffer, whatever its size
+        # (the CUDA default is 16 MiB x P: 4 MB would be a single slice), plus an odd tail.
+        n = 3 * comm.buffer_bytes // 16 + 3
         t = _value(rank, n, torch.float32).to(device)
         comm.all_reduce(t)
         comm.synchronize()

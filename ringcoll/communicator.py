@@ -36,7 +36,7 @@ from ringcoll.transports import CollectiveCall, Settings, new_call, transport_fo
 from ringcoll.views import as_device_array, check_count, tensor_view
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
-DEFAULT_BUFFER_BYTES = 4 << 20  # per rank; messages of any size are sliced through it
+DEFAULT_BUFFER_BYTES = 4 << 20  # per rank (CPU); messages of any size are sliced through it
 # CPU: messages up to this size take the one-shot path instead of the ring (csrc/host/host_comm.cpp,
 # run_one_shot); the crossover measured in bench/results/2026-12-01-cpu-small-message-crossover.txt.
 DEFAULT_SMALL_BYTES = 64 << 10
@@ -81,10 +81,19 @@ def _resolve_check(check) -> bool:
     return bool(check)
 
 
-def _resolve_buffer_bytes(buffer_bytes) -> int:
+def default_buffer_bytes(device_type: str, world: int) -> int:
+    """Each rank's registered buffer when neither ``buffer_bytes=`` nor RINGCOLL_BUFFER_BYTES
+    says: 4 MiB on the CPU; on CUDA a slot of one 32 KiB tile for each of the most blocks a
+    launch may have (kernel_abi.h's default_buffer_bytes: 16 MiB x world), so a large message
+    takes a block per SM (docs/cuda.md, "Blocks and tiles"). From the world size alone, so
+    the same on every rank."""
+    return _C.cuda_default_buffer_bytes(world) if device_type == "cuda" else DEFAULT_BUFFER_BYTES
+
+
+def resolve_buffer_bytes(buffer_bytes, device_type: str, world: int) -> int:
     if buffer_bytes is None:
         env = os.environ.get("RINGCOLL_BUFFER_BYTES")
-        buffer_bytes = parse_bytes(env) if env else DEFAULT_BUFFER_BYTES
+        buffer_bytes = parse_bytes(env) if env else default_buffer_bytes(device_type, world)
     return int(buffer_bytes)
 
 
@@ -347,8 +356,9 @@ class Communicator(ArgumentChecks):
 
     ``timeout``: seconds (or a timedelta) any single wait may last before it raises
     RingcollTimeoutError; default ``RINGCOLL_TIMEOUT`` or 300. ``buffer_bytes``: size of each
-    rank's registered buffer; default ``RINGCOLL_BUFFER_BYTES`` or 4 MiB. Larger messages
-    are sliced through it. ``check``: compare every call's collective, dtype, op and size
+    rank's registered buffer; default ``RINGCOLL_BUFFER_BYTES``, else 4 MiB on the CPU and
+    16 MiB x world size on CUDA (:func:`default_buffer_bytes`). Larger messages are sliced
+    through it. ``check``: compare every call's collective, dtype, op and size
     across ranks before moving data (RingcollMismatchError on every rank if they differ);
     default ``RINGCOLL_CHECK`` or on. It must be the same on all ranks. ``small_bytes``
     (CPU): messages of at most this many bytes that fit one slot of the buffer take the
@@ -411,10 +421,10 @@ class Communicator(ArgumentChecks):
         self.group = getattr(self._bootstrap, "group", group)  # a process group, or the in-process rank
         self.device = CPU if device.type == "cpu" else device
         self.timeout = resolve_timeout(timeout)
-        self.buffer_bytes = _resolve_buffer_bytes(buffer_bytes)
         self.check = _resolve_check(check)
         self.rank = self._bootstrap.rank
         self.world_size = self._bootstrap.world_size
+        self.buffer_bytes = resolve_buffer_bytes(buffer_bytes, self.device.type, self.world_size)
         minimum = _C.min_buffer_bytes(self.world_size, slot_alignment)
         if self.buffer_bytes < minimum:
             raise ValueError(f"Communicator: buffer_bytes={self.buffer_bytes} is too small for "

@@ -2,6 +2,9 @@
 // user), and, in every build with or without CUDA, what lets CI test the kernels' code on the
 // CPU: the strip arithmetic (strip.h, tests/pure/test_kernel_logic.py) and the kernels
 // themselves run by the emulator (csrc/emulation/, tests/pure/test_emulated_kernels.py).
+#include <optional>
+#include <string>
+
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -37,13 +40,33 @@ void bind_cuda(py::module_& m) {
         py::arg("slice_elems"), py::arg("elem_size"), py::arg("max_blocks"),
         "blocks of a fused launch (kernel_abi.h): one per tile of the longest slice, at most max_blocks");
   m.def("cuda_slice_elems_for", &ringcoll::cuda::slice_elems_for, py::arg("slot_bytes"), py::arg("elem_size"),
-        "elements of a slice in a CUDA slot: the slot less the slack for placing data at any offset modulo 16");
+        "elements of a slice in a CUDA slot: the whole slot (a full slice placed at an offset wraps round)");
   m.def("cuda_max_blocks_for", &ringcoll::cuda::max_blocks_for, py::arg("sm_count"), py::arg("ranks_per_gpu") = 1);
+  m.def("cuda_default_buffer_bytes", &ringcoll::cuda::default_buffer_bytes, py::arg("world"),
+        "the CUDA communicator's default buffer_bytes: a slot of kMaxBlocks tiles per bank and rank");
+  using ringcoll::cuda::FlagScopeSetting;
   m.def(
-      "cuda_flag_scope_for", [](const std::vector<bool>& same_device) {
-        return static_cast<int>(ringcoll::cuda::flag_scope_for(same_device));
+      "cuda_flag_scope_setting",
+      [](const std::optional<std::string>& value) {
+        return static_cast<int>(ringcoll::cuda::parse_flag_scope_setting(value ? value->c_str() : nullptr));
       },
-      py::arg("same_device"), "the data flags' scope (flags.h FlagScope: 0 system, 1 device) for ranks on these GPUs");
+      py::arg("value"),
+      "RINGCOLL_CUDA_FLAG_SCOPE's setting for a value (None: unset): 0 auto, 1 system; ValueError if unknown");
+  m.def(
+      "cuda_check_flag_scope_settings",
+      [](const std::vector<int>& settings) {
+        std::vector<FlagScopeSetting> s;
+        for (int v : settings) s.push_back(static_cast<FlagScopeSetting>(v));
+        ringcoll::cuda::check_flag_scope_settings(s);
+      },
+      py::arg("settings"), "every rank's setting must be the same (CudaComm's map_peers); ValueError naming them if not");
+  m.def(
+      "cuda_flag_scope_for",
+      [](const std::vector<bool>& same_device, int setting) {
+        return static_cast<int>(ringcoll::cuda::flag_scope_for(same_device, static_cast<FlagScopeSetting>(setting)));
+      },
+      py::arg("same_device"), py::arg("setting") = static_cast<int>(FlagScopeSetting::kAuto),
+      "the data flags' scope (flags.h FlagScope: 0 system, 1 device) for ranks on these GPUs, under a setting");
   m.attr("cuda_flag_scope_system") = static_cast<int>(ringcoll::FlagScope::kSystem);
   m.attr("cuda_flag_scope_device") = static_cast<int>(ringcoll::FlagScope::kDevice);
   m.attr("cuda_max_world") = ringcoll::cuda::kMaxWorld;
@@ -207,6 +230,7 @@ void bind_cuda(py::module_& m) {
       .def_property_readonly("slot_bytes", &CudaComm::slot_bytes)
       .def_property_readonly("max_blocks", &CudaComm::max_blocks)
       .def_property_readonly("flag_scope", &CudaComm::flag_scope)
+      .def_property_readonly("flag_scope_setting", &CudaComm::flag_scope_setting)
       .def_property_readonly("variant", &CudaComm::variant)
       .def_property_readonly("check_calls", &CudaComm::check_calls)
       .def_property_readonly("broken", &CudaComm::broken)

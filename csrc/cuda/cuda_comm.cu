@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <random>
@@ -32,6 +33,7 @@ struct HandleMessage {
   int32_t ipc_error;          // cudaIpcGetMemHandle's result: cudaSuccess, or why `handle` is unusable
   int32_t rank;
   int32_t sm_count;           // its GPU's SMs (max_blocks_for)
+  int32_t flag_scope_setting; // its RINGCOLL_CUDA_FLAG_SCOPE (FlagScopeSetting): the ranks must agree
   cudaUUID_t gpu;             // which physical GPU (ordinals differ between processes' CUDA_VISIBLE_DEVICES)
 };
 
@@ -150,6 +152,8 @@ CudaComm::CudaComm(int rank, int world, int device, size_t buffer_bytes, double 
   check_buffer_bytes("Communicator", buffer_bytes, world, kSlotAlignment);
   RINGCOLL_CHECK(variant == 0 || variant == 1, std::invalid_argument, "Communicator: unknown CUDA kernel variant ",
                  variant);
+  // Read once, here: every launch of this communicator uses the scope map_peers settles.
+  flag_scope_setting_ = parse_flag_scope_setting(std::getenv(kFlagScopeVariable));
   try {
     RINGCOLL_CUDA_CHECK(cudaSetDevice(device_));
     RINGCOLL_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_));
@@ -204,6 +208,7 @@ std::string CudaComm::handle_bytes() const {
   msg.process = process_token();
   msg.rank = rank_;
   msg.sm_count = sm_count_;
+  msg.flag_scope_setting = static_cast<int32_t>(flag_scope_setting_);
   msg.gpu = gpu_uuid(device_);
   return std::string(reinterpret_cast<const char*>(&msg), sizeof(msg));
 }
@@ -228,6 +233,7 @@ void CudaComm::map_peers(const std::vector<std::string>& handles) {
   std::vector<bool> on_my_gpu(static_cast<size_t>(world_), true);
   std::vector<cudaUUID_t> gpus(static_cast<size_t>(world_), mine);
   int least_sms = sm_count_;
+  std::vector<FlagScopeSetting> scope_settings(static_cast<size_t>(world_), flag_scope_setting_);
   for (int r = 0; r < world_; ++r) {
     if (r == rank_) continue;
     RINGCOLL_CHECK(handles[r].size() == sizeof(HandleMessage), std::invalid_argument,
@@ -237,6 +243,7 @@ void CudaComm::map_peers(const std::vector<std::string>& handles) {
     std::memcpy(&msg, handles[r].data(), sizeof(msg));
     RINGCOLL_CHECK(msg.rank == r, std::invalid_argument, "Communicator: handle ", r, " came from rank ", msg.rank);
     if (msg.sm_count < least_sms) least_sms = msg.sm_count;
+    scope_settings[r] = static_cast<FlagScopeSetting>(msg.flag_scope_setting);
     gpus[r] = msg.gpu;
     on_my_gpu[r] = same_gpu(msg.gpu, mine);
     // Peer access between two GPUs this process sees must be possible, and is enabled here
@@ -274,7 +281,9 @@ void CudaComm::map_peers(const std::vector<std::string>& handles) {
                    ") but reads ", hello, " instead of its hello word ", kHelloMagic ^ static_cast<uint64_t>(r),
                    "; the ranks cannot share GPU memory here");
   }
-  flag_scope_ = flag_scope_for(on_my_gpu);
+  // Every rank sees every handle, so all agree on the scope, or all raise here.
+  check_flag_scope_settings(scope_settings);
+  flag_scope_ = flag_scope_for(on_my_gpu, flag_scope_setting_);
   // Every rank sees every handle, so all compute the same grid bound (block b talks to block b).
   int ranks_per_gpu = 1;
   for (const cudaUUID_t& g : gpus) {

@@ -72,6 +72,7 @@ class CudaComm {
   size_t slot_bytes() const { return slot_bytes_; }
   int max_blocks() const { return max_blocks_; }
   int flag_scope() const { return static_cast<int>(flag_scope_); }
+  int flag_scope_setting() const { return static_cast<int>(flag_scope_setting_); }
   int variant() const { return static_cast<int>(variant_); }
   bool check_calls() const { return check_calls_; }
   bool broken() const { return !broken_reason_.empty(); }
@@ -92,6 +93,7 @@ class CudaComm {
   int sm_count_ = 0;                     // this GPU's SMs
   int max_blocks_ = 1;                   // most blocks of a fused launch (max_blocks_for), agreed by all ranks
   FlagScope flag_scope_ = FlagScope::kSystem;  // of the data flags: kDevice once every peer is seen on this GPU
+  FlagScopeSetting flag_scope_setting_ = FlagScopeSetting::kAuto;  // RINGCOLL_CUDA_FLAG_SCOPE, read at construction
   double timeout_seconds_;
   bool check_calls_;
   KernelVariant variant_;

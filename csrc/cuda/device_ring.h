@@ -8,9 +8,10 @@
 //
 // Memory ordering. Within a block, one thread (thread 0) does every flag access:
 //   publish:  all threads store their part of the data; __syncthreads(); thread 0 does a
-//             st.release of the flag (.gpu when every rank runs on this GPU, else .sys:
-//             RingParams::flag_scope). bar.sync orders the other threads' stores before
-//             thread 0's subsequent operations at CTA scope, and PTX release is cumulative:
+//             st.release of the flag (.gpu when every rank runs on this GPU, else, or with
+//             RINGCOLL_CUDA_FLAG_SCOPE=system, .sys: RingParams::flag_scope). bar.sync
+//             orders the other threads' stores before thread 0's subsequent operations at
+//             CTA scope, and PTX release is cumulative:
 //             writes observed-before the release by the releasing thread (which includes
 //             those ordered before it by the barrier) become visible, at system scope, to
 //             whoever acquires the flag. This is the pattern the PTX memory model's
@@ -191,6 +192,7 @@ class DeviceRingContext {
     my_placement_ = misalignment % static_cast<int>(sizeof(T)) == 0 ? misalignment : 0;
     base_ = p.state[0];
     for (int s = 0; s < kBanks * p.world; ++s) pubs_[s] = p.state[1 + s];
+    last_placements_ = p.state[kPlacementsWord];
     data_calls_ = p.state[kDataCallWord];
     last_grid_ = static_cast<int>(p.state[kGridWord]);
     calls_ = p.state[kCallWord];
@@ -205,20 +207,28 @@ class DeviceRingContext {
     state[kBlocksDoneWord] = 0;  // the next launch is ordered after this one (stream order)
     state[0] = base_;
     for (int s = 0; s < kBanks * p_.world; ++s) state[1 + s] = pubs_[s];
+    state[kPlacementsWord] = last_placements_;
     state[kDataCallWord] = data_calls_;
     state[kGridWord] = static_cast<uint64_t>(last_grid_);
     state[kCallWord] = calls_;
   }
 
-  // Which block owns which tile depends on the grid (strip.h), so in a launch whose grid
-  // differs from that of the last one that moved data, a slot a block refills may still be
-  // read by another block of the right neighbour than its own. Before any slot is written,
-  // wait until every block of that grid on the right neighbour has consumed all we
-  // published before this call: then no slot holds anything unread, and the per-slot waits
-  // of ring_loop.h (on our own neighbour block, which may not have run) are dropped. Costs
-  // one ring round trip, only when the grid changes. False if this block gave up.
+  // Which block owns which tile depends on the grid (strip.h), and which bytes of a slot a
+  // tile covers on where the rank places each chunk in it (slot_in: the offsets
+  // placement_signature packs). So in a launch whose grid or offsets differ from those of
+  // the last one that moved data, a slot byte a block refills may still be read by another
+  // block of the right neighbour than its own. Before any slot is written, wait until every
+  // block of that grid on the right neighbour has consumed all we published before this
+  // call: then no slot holds anything unread, and the per-slot waits of ring_loop.h (on our
+  // own neighbour block, which may not have run) are dropped. Costs one ring round trip,
+  // only when the grid or the offsets change (with one block either side, never: one block
+  // owns every byte). False if this block gave up.
   RINGCOLL_DEVICE bool drain_if_grid_changed() {
-    if (last_grid_ == blocks_) return true;
+    const uint64_t placements = placement_signature(my_placement_, p_.ring_count, p_.world, sizeof(T));
+    const bool same_owners =
+        last_grid_ == blocks_ && (last_placements_ == placements || (blocks_ == 1 && last_grid_ == 1));
+    last_placements_ = placements;
+    if (same_owners) return true;
     for (int b = 0; b < last_grid_; ++b)
       if (!wait(block_flag(p_.right_base, b, BlockFlag::kConsumed), p_.flag_scope, base_, right(), Awaited::kConsume))
         return false;
@@ -256,20 +266,43 @@ class DeviceRingContext {
            (p_.collective == static_cast<int>(Collective::kReduceScatter) ? 0 : chunk_begin(p_.ring_count, p_.world, c));
   }
 
-  // This block's tiles of [0, len) (strip.h), each shared by the block's threads.
+  // This block's tiles of [0, len) (strip.h), each shared by the block's threads. `to_right`
+  // is my slot; `src` (copy) is the left neighbour's slot or my input, `recv` (reduce) the
+  // left neighbour's slot. Elements [0, fit) lie in place in every slot involved; those past
+  // a slot's end (a full slice placed at a nonzero offset: its scalar tail, under 16 bytes,
+  // all in one tile) wrap round to that slot's start (slot_in) and go one at a time, by the
+  // block that owns their tile, after its other tiles.
   RINGCOLL_DEVICE void copy(T* to_right, T* to_output, const T* src, int64_t len) const {
-    for (int64_t t = block_; t < tile_count(len, sizeof(T)); t += blocks_) {
-      const int64_t b = tile_begin(t, sizeof(T)), e = tile_end(len, t, sizeof(T));
+    if (to_output == src) to_output = nullptr;  // in place: the value is already there
+    const int64_t fit = in_place_elems(to_right, src, len);
+    for (int64_t t = block_; t < tile_count(fit, sizeof(T)); t += blocks_) {
+      const int64_t b = tile_begin(t, sizeof(T)), e = tile_end(fit, t, sizeof(T));
       copy_range<T>(to_right ? to_right + b : nullptr, to_output ? to_output + b : nullptr, src + b, e - b, vectorise_);
+    }
+    if (fit == len || (fit / tile_elems(sizeof(T))) % blocks_ != block_) return;
+    const int64_t fit_right = slot_room(p_.my_base, to_right), fit_src = slot_room(p_.left_base, src);
+    for (int64_t i = fit + threadIdx.x; i < len; i += blockDim.x) {
+      const T x = *wrapped_at(src, i, fit_src);
+      if (to_right != nullptr) *wrapped_at(to_right, i, fit_right) = x;
+      if (to_output != nullptr) to_output[i] = x;
     }
   }
   RINGCOLL_DEVICE void reduce(T* to_right, T* to_output, const T* recv, const T* own, int64_t len, bool is_final) const {
-    for (int64_t t = block_; t < tile_count(len, sizeof(T)); t += blocks_) {
-      const int64_t b = tile_begin(t, sizeof(T)), e = tile_end(len, t, sizeof(T));
+    const int64_t fit = in_place_elems(to_right, recv, len);
+    for (int64_t t = block_; t < tile_count(fit, sizeof(T)); t += blocks_) {
+      const int64_t b = tile_begin(t, sizeof(T)), e = tile_end(fit, t, sizeof(T));
       T* r = to_right ? to_right + b : nullptr;
       T* o = to_output ? to_output + b : nullptr;
       if (is_final) reduce_range<T, Op, true>(r, o, recv + b, own + b, e - b, p_.world, vectorise_);
       else reduce_range<T, Op, false>(r, o, recv + b, own + b, e - b, p_.world, vectorise_);
+    }
+    if (fit == len || (fit / tile_elems(sizeof(T))) % blocks_ != block_) return;
+    const int64_t fit_right = slot_room(p_.my_base, to_right), fit_recv = slot_room(p_.left_base, recv);
+    for (int64_t i = fit + threadIdx.x; i < len; i += blockDim.x) {
+      const T x = is_final ? combine<T, Op, true>(*wrapped_at(recv, i, fit_recv), own[i], p_.world)
+                           : combine<T, Op, false>(*wrapped_at(recv, i, fit_recv), own[i], p_.world);
+      if (to_right != nullptr) *wrapped_at(to_right, i, fit_right) = x;
+      if (to_output != nullptr) to_output[i] = x;
     }
   }
 
@@ -311,12 +344,39 @@ class DeviceRingContext {
   // Chunk c of the current slice in a slot, at the offset modulo 16 that chunk c of the
   // writer's user memory has (`placement`: of its base pointer), so that a chunk whose user
   // pointer is misaligned still agrees with the slot and moves in 16-byte vectors. Slices
-  // are multiples of 16 bytes (slice_elems_for), so the offset is the same in every slice.
+  // are whole slots, multiples of 16 bytes (slice_elems_for), so the offset is the same in
+  // every slice; the elements of a full slice that the offset pushes past the slot's end
+  // (fewer than 16 bytes) wrap round to its start, bytes [0, offset), which nothing else
+  // uses: element i sits at byte (offset + i * sizeof(T)) mod slot_bytes. The reader knows
+  // the writer's offset (its placement word) and the slot size, so finds them there.
   RINGCOLL_DEVICE T* slot_in(const char* base, int bank, int c, int placement) const {
     const int64_t offset = (placement + chunk_begin(p_.ring_count, p_.world, c) * static_cast<int64_t>(sizeof(T))) %
                            kVectorBytes;
     return reinterpret_cast<T*>(const_cast<char*>(base) + kFlagAreaBytes +
                                 static_cast<size_t>(slot_index(bank, c, p_.world)) * p_.slot_bytes + offset);
+  }
+  // How many elements from `p` on lie before the end of the slot `p` points into, if `p`
+  // points into a slot of `base`'s data area (my slots, or my left neighbour's); else (user
+  // memory, or none) as many as any slice has. Slot data begins under 16 bytes into its slot.
+  RINGCOLL_DEVICE int64_t slot_room(const char* base, const T* p) const {
+    const char* data = base + kFlagAreaBytes;
+    const char* at = reinterpret_cast<const char*>(p);
+    const int64_t slots_bytes = static_cast<int64_t>(kBanks) * p_.world * p_.slot_bytes;
+    if (p == nullptr || at < data || at >= data + slots_bytes) return INT64_MAX;
+    return (p_.slot_bytes - (at - data) % p_.slot_bytes) / static_cast<int64_t>(sizeof(T));
+  }
+  // How many of the `len` elements a step moves lie in place in both slots it touches:
+  // `mine` (my slot, or null) and `theirs` (the left neighbour's slot, or user memory).
+  RINGCOLL_DEVICE int64_t in_place_elems(const T* mine, const T* theirs, int64_t len) const {
+    const int64_t a = slot_room(p_.my_base, mine), b = slot_room(p_.left_base, theirs);
+    const int64_t fit = a < b ? a : b;
+    return fit < len ? fit : len;
+  }
+  // Element i of a slice at `p` (see slot_room: `fit` elements lie in place): past the slot's
+  // end it wraps round to the slot's start.
+  template <typename P>
+  RINGCOLL_DEVICE P* wrapped_at(P* p, int64_t i, int64_t fit) const {
+    return p + (i < fit ? i : i - p_.slot_bytes / static_cast<int64_t>(sizeof(T)));
   }
   RINGCOLL_DEVICE void release(uint64_t* flag, uint64_t v) {
     __syncthreads();
@@ -411,6 +471,7 @@ class DeviceRingContext {
   uint64_t base_ = 0;
   uint64_t pubs_[kBanks * kMaxWorld];
   int last_grid_ = 0;   // blocks of the last launch that moved data (0: none yet)
+  uint64_t last_placements_ = 0;  // offsets of every chunk in my slots in the last launch that moved data
   uint64_t data_calls_ = 0;  // calls that moved data, this one included once announced
   int my_placement_;         // my user pointer's offset modulo 16 (0 if not a multiple of sizeof(T))
   int left_placement_ = 0;   // the left neighbour's, read from its placement word

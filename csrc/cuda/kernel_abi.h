@@ -23,6 +23,7 @@
 
 #include <cstdint>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -50,25 +51,45 @@ constexpr size_t kPlacementOffset = kFinishedOffset + kFlagStride;
 constexpr size_t kFlagAreaBytes = (kPlacementOffset + kFlagStride + 4095) / 4096 * 4096;  // 68 KiB
 inline size_t finished_word_offset(int rank) { return kFinishedOffset + sizeof(uint64_t) * static_cast<size_t>(rank); }
 static_assert(kMaxWorld * sizeof(uint64_t) <= kFlagStride, "the finished words must fit their line");
-// Data sits in a slot at the offset modulo 16 of the user memory it comes from or goes to
-// (device_ring.h), so 16-byte vectors stay possible for misaligned user pointers; a slot
-// keeps this many bytes free for that, and a slice is what is left.
-constexpr int64_t kPlacementSlack = kVectorBytes;
-RINGCOLL_INLINE int64_t slice_elems_for(int64_t slot_bytes, int elem_size) {
-  return (slot_bytes - kPlacementSlack) / elem_size;
-}
-constexpr size_t kSlotAlignment = 128;  // a GPU cache line
-// The bookkeeping record: [0] step base, [1..] last publication per slot, [kDataCallWord]
-// calls that moved data (its parity picks the placement word), [kGridWord] blocks of the
-// last launch that moved data, [kBlocksDoneWord] blocks of the running launch that
-// have finished, [kCallWord] calls checked so far. The call number lives on the device, not
-// the host, so a collective captured in a CUDA graph gets a new number at every replay.
+// A slice is the whole slot: every rank slices every call the same way, whatever its
+// pointers. Data sits in a slot at the offset modulo 16 of the user memory it comes from or
+// goes to (device_ring.h: slot_in), so 16-byte vectors stay possible for misaligned user
+// pointers; what of a full slice would pass the slot's end at such an offset (under 16
+// bytes, the scalar tail) wraps round to the slot's start, which that offset leaves free.
+// (A 16-byte slack kept free at the end of every slot instead cost a power-of-two message
+// an extra slice of a few bytes per chunk; reserving it only for misaligned pointers would
+// need the ranks to agree on a slicing their pointers cannot tell them: issue 22.)
+RINGCOLL_INLINE int64_t slice_elems_for(int64_t slot_bytes, int elem_size) { return slot_bytes / elem_size; }
+constexpr size_t kSlotAlignment = 128;  // a GPU cache line (and a multiple of 16: slices keep their offset)
+// The bookkeeping record: [0] step base, [1..] last publication per slot,
+// [kPlacementsWord] the offsets of the last launch that moved data (placement_signature),
+// [kDataCallWord] calls that moved data (its parity picks the placement word), [kGridWord]
+// blocks of the last launch that moved data, [kBlocksDoneWord] blocks of the running launch
+// that have finished, [kCallWord] calls checked so far. The call number lives on the device,
+// not the host, so a collective captured in a CUDA graph gets a new number at every replay.
 constexpr int kStateWords = 2 * kMaxWorld + 8;
+constexpr int kPlacementsWord = kStateWords - 5;
 constexpr int kDataCallWord = kStateWords - 4;
 constexpr int kGridWord = kStateWords - 3;
 constexpr int kBlocksDoneWord = kStateWords - 2;
 constexpr int kCallWord = kStateWords - 1;
-static_assert(kBanks * kMaxWorld + 1 <= kDataCallWord, "bookkeeping must fit its words");
+static_assert(kBanks * kMaxWorld + 1 <= kPlacementsWord, "bookkeeping must fit its words");
+
+// Where a rank puts each chunk in its slots during a call, in one word: the offset modulo
+// 16 (bytes) of chunk c, for c < world, in bits 4c..4c+3 (kMaxWorld chunks of 4 bits fill
+// 64). `placement` is the offset of the rank's user pointer (device_ring.h), the chunk
+// begins are the call's (ring.h), so ranks differ only through their pointers. A block owns
+// the bytes of a slot by the tiles of the elements placed there, so when this changes
+// between calls, bytes change owner, as when the grid changes: the kernel drains first.
+RINGCOLL_INLINE uint64_t placement_signature(int placement, int64_t ring_count, int world, int elem_size) {
+  uint64_t signature = 0;
+  for (int c = 0; c < world; ++c) {
+    const int64_t offset = (placement + chunk_begin(ring_count, world, c) * elem_size) % kVectorBytes;
+    signature |= static_cast<uint64_t>(offset) << (4 * c);
+  }
+  return signature;
+}
+static_assert(kMaxWorld * 4 <= 64 && kVectorBytes == 16, "a chunk's offset takes 4 bits of the signature");
 static_assert(kDescriptorOffset + sizeof(DescriptorSlot) <= kHelloOffset, "the descriptor must fit its line");
 static_assert(kFlagAreaBytes % kSlotAlignment == 0, "slots start aligned after the flag area");
 
@@ -83,13 +104,73 @@ RINGCOLL_INLINE int fused_blocks(int64_t ring_count, int world, int64_t slice_el
   return static_cast<int>(tiles < 1 ? 1 : tiles < max_blocks ? tiles : max_blocks);
 }
 
-// The narrowest scope the data flags may use: device scope when every rank's GPU is this
-// one (`same_device[r]`: rank r runs on it), else system scope (flags.h).
-inline FlagScope flag_scope_for(const std::vector<bool>& same_device) {
+// RINGCOLL_CUDA_FLAG_SCOPE: which scope the data flags take. kAuto (the default): the
+// narrowest correct one (flag_scope_for). kSystem: .sys always, for a ring of processes
+// sharing one GPU, where .gpu is what the hardware needs (all the threads run on that GPU)
+// but the PTX memory model does not spell out that it orders grids of different processes;
+// `system` trades the cheaper L2-level ordering for certainty. There is no `device`: forced
+// where a peer runs on another GPU it would leave that peer's data unordered, and where
+// every rank shares this GPU `auto` already chooses it.
+enum class FlagScopeSetting : int32_t { kAuto = 0, kSystem = 1 };
+constexpr const char* kFlagScopeVariable = "RINGCOLL_CUDA_FLAG_SCOPE";
+
+inline const char* flag_scope_setting_name(FlagScopeSetting setting) {
+  return setting == FlagScopeSetting::kSystem ? "system" : "auto";
+}
+
+// The setting a value of RINGCOLL_CUDA_FLAG_SCOPE names (null or empty: unset, so kAuto;
+// trimmed, any case, as RINGCOLL_CUDA_KERNEL is read). Throws std::invalid_argument naming
+// the variable and the values it takes.
+inline FlagScopeSetting parse_flag_scope_setting(const char* value) {
+  std::string text = value == nullptr ? "" : value;
+  const size_t first = text.find_first_not_of(" \t\n\r");
+  text = first == std::string::npos ? "" : text.substr(first, text.find_last_not_of(" \t\n\r") - first + 1);
+  std::string lower;
+  for (char ch : text) lower += static_cast<char>(ch >= 'A' && ch <= 'Z' ? ch - 'A' + 'a' : ch);
+  if (lower.empty() || lower == "auto") return FlagScopeSetting::kAuto;
+  if (lower == "system") return FlagScopeSetting::kSystem;
+  throw std::invalid_argument(std::string("Communicator: ") + kFlagScopeVariable + "='" + text +
+                              "'; expected one of auto (the default: .gpu where every rank runs on this GPU, "
+                              "else .sys), system (.sys always)");
+}
+
+// Every rank's setting (`settings[r]`, from its handle) must be the same: a ring whose ranks
+// mixed .sys and .gpu flags would still pair each release with an acquire whose scope
+// covers its thread (the mix arises only where every rank shares one GPU), so it would be
+// exactly as sound as `auto`, but not what `system` was set for: every flag at .sys. So,
+// like RINGCOLL_CUDA_KERNEL, a difference is an error, raised on every rank (each sees every
+// handle). Throws std::invalid_argument naming each rank's value.
+inline void check_flag_scope_settings(const std::vector<FlagScopeSetting>& settings) {
+  bool same = true;
+  for (FlagScopeSetting s : settings) same = same && s == settings.front();
+  if (same) return;
+  std::ostringstream msg;
+  msg << "Communicator: " << kFlagScopeVariable << " differs between ranks: ";
+  for (size_t r = 0; r < settings.size(); ++r)
+    msg << (r ? ", " : "") << "rank " << r << ": " << flag_scope_setting_name(settings[r]);
+  throw std::invalid_argument(msg.str());
+}
+
+// The scope the data flags use: device scope when every rank's GPU is this one
+// (`same_device[r]`: rank r runs on it) and the setting is kAuto, else system scope (flags.h).
+inline FlagScope flag_scope_for(const std::vector<bool>& same_device,
+                                FlagScopeSetting setting = FlagScopeSetting::kAuto) {
+  if (setting == FlagScopeSetting::kSystem) return FlagScope::kSystem;
   for (bool same : same_device)
     if (!same) return FlagScope::kSystem;
   return FlagScope::kDevice;
 }
+
+// The default buffer_bytes of a CUDA communicator of `world` ranks (ringcoll/communicator.py
+// uses it when neither buffer_bytes= nor RINGCOLL_BUFFER_BYTES says otherwise): a slot of a
+// tile for each of the most blocks a launch may have, so a message of a slot per chunk or
+// more gets the whole grid max_blocks_for allows, on any GPU the flag area supports, the
+// ranks sharing a GPU or not (16 MiB x world). The same on every rank: the world alone decides.
+inline size_t default_buffer_bytes(int world) {
+  return static_cast<size_t>(kBanks) * static_cast<size_t>(world < 1 ? 1 : world) * kMaxBlocks *
+         static_cast<size_t>(kTileBytes);
+}
+static_assert(kMaxBlocks * kTileBytes % kSlotAlignment == 0, "the default slot is whole lines");
 
 // The most blocks each rank launches: a block per SM of the smallest GPU (`sm_count`),
 // shared among the ranks that run on one GPU (`ranks_per_gpu`, the most on any). Every
@@ -148,8 +229,9 @@ struct RingParams {
   const char* left_base;    // my left neighbour's, mapped here
   const char* right_base;   // my right neighbour's (its consumed flags and aborted flag are read)
   // The scope of the data flags (published, consumed): kDevice when every rank runs on this
-  // GPU, else kSystem (flag_scope_for). The aborted flags and the descriptor, which hosts
-  // also write, and the error records, which hosts read, stay at system scope.
+  // GPU, else (or with RINGCOLL_CUDA_FLAG_SCOPE=system) kSystem (flag_scope_for). The aborted
+  // flags and the descriptor, which hosts also write, and the error records, which hosts
+  // read, stay at system scope.
   FlagScope flag_scope;
   uint64_t* state;          // the bookkeeping record, kStateWords words, private
   ErrorRecord* errors;      // kMaxBlocks records, host-mapped

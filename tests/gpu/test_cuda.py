@@ -189,6 +189,42 @@ def test_grid_follows_the_message_and_flags_use_device_scope():
     assert _C.cuda_fused_blocks(1000, world, slice_elems, 4, results[0][0]) == 1
 
 
+def _flag_scope(rank, world, settings):
+    """A ring built with RINGCOLL_CUDA_FLAG_SCOPE=settings[rank]: (its data flags' scope,
+    whether an all-reduce was exact, the error it raised)."""
+    import os
+    import warnings
+
+    from ringcoll import CudaCommunicator
+
+    os.environ["RINGCOLL_CUDA_FLAG_SCOPE"] = settings[rank]
+    torch.cuda.set_device(0)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a failed bootstrap keeps its buffer, and says so
+            with CudaCommunicator(device="cuda:0", timeout=60) as comm:
+                t = _value(rank, 5000, torch.float32).to("cuda:0")
+                comm.all_reduce(t)
+                comm.synchronize()
+                exact = torch.equal(t.cpu(), _expected_reduce(world, 5000, torch.float32, "SUM"))
+                return comm.transport._comm.flag_scope, exact, ""
+    except ValueError as e:
+        return None, False, str(e)
+
+
+def test_flag_scope_can_be_forced_to_system_and_the_ranks_must_agree():
+    """Issue 22, defect 5: every rank on this GPU, RINGCOLL_CUDA_FLAG_SCOPE=system: .sys data
+    flags, exact results; ranks that disagree raise ValueError, naming it, on every rank;
+    a value it does not take is refused when the communicator is built."""
+    forced = spawn(_flag_scope, 2, ["system", "system"], timeout=120)
+    assert forced == [(_C.cuda_flag_scope_system, True, "")] * 2, forced
+    mixed = spawn(_flag_scope, 2, ["auto", "system"], timeout=120)
+    for scope, _, message in mixed:
+        assert scope is None and "RINGCOLL_CUDA_FLAG_SCOPE differs between ranks" in message, mixed
+    bad = spawn(_flag_scope, 2, ["device", "device"], timeout=120)
+    assert all("RINGCOLL_CUDA_FLAG_SCOPE='device'" in message for _, _, message in bad), bad
+
+
 def _timeout(rank, world):
     import ringcoll
     from ringcoll import CudaCommunicator

@@ -547,25 +547,8 @@ def test_kernels_have_no_data_races(tmp_path):
     and the paths that give up: on x86 a missing release or acquire still gives exact
     results, TSan reports it. Removing the barrier before a flag's release, or making the
     release relaxed, fails this test."""
-    import shutil
-    import subprocess
-    from pathlib import Path
+    from tsan_build import run_under_tsan
 
-    root = Path(__file__).resolve().parents[2]
-    compiler = shutil.which("g++")
-    assert compiler, "g++ is needed to build the sanitizer check"
-    binary = tmp_path / "emulator_races"
-    # -Wno-tsan: TSan does not model fences, which only the descriptor's sequence lock uses;
-    # every word that lock guards is a C++ atomic, so TSan has nothing to misreport there.
-    build = subprocess.run(
-        [compiler, "-std=c++20", "-O1", "-g", "-fsanitize=thread", "-Wno-tsan", f"-I{root / 'csrc/include'}",
-         str(root / "tests/pure/sanitize/emulator_races.cpp"), str(root / "csrc/emulation/emulated_ring.cpp"),
-         str(root / "csrc/emulation/emulated_streams.cpp"), "-o", str(binary)],
-        capture_output=True, text=True, timeout=600)
-    assert build.returncode == 0, build.stderr[-4000:]
-    env = dict(os.environ, TSAN_OPTIONS="halt_on_error=1 exitcode=66")
-    run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=300, env=env)
-    assert "ThreadSanitizer" not in run.stderr, run.stderr[-6000:]
-    assert run.returncode == 0, run.stdout + run.stderr[-2000:]
-    assert run.stdout.count("wrong 0") == 13, run.stdout
-    assert run.stdout.count("ranks without an error: 0") == 2, run.stdout
+    [out] = run_under_tsan(tmp_path, "emulator_races.cpp")
+    assert out.count("wrong 0") == 13, out
+    assert out.count("ranks without an error: 0") == 2, out

@@ -167,12 +167,131 @@ def test_data_flags_use_device_scope_only_when_every_rank_is_on_this_gpu():
     assert scope([True]) == _C.cuda_flag_scope_device
 
 
-def test_a_slice_leaves_room_to_place_data_at_any_offset_modulo_16():
-    """Data sits in a CUDA slot at its user pointer's offset modulo 16 (device_ring.h): a
-    slice is the slot less 16 bytes, a multiple of 16 bytes, so every slice of a chunk
-    starts at the same offset modulo 16 and the last byte of a placed slice stays inside."""
-    for slot in (128, 256, 1 << 20):
+def test_flag_scope_can_be_forced_to_system_scope():
+    """RINGCOLL_CUDA_FLAG_SCOPE=system (issue 22, defect 5): every data flag at .sys, even
+    where every rank runs on this GPU; auto (the default, and an unset or empty variable)
+    keeps the narrowest correct scope. Read once, when the communicator is built."""
+    setting = _C.cuda_flag_scope_setting
+    auto, system = setting("auto"), setting("system")
+    assert setting("") == setting(None) == auto  # unset: the default
+    assert setting(" System ") == system  # as RINGCOLL_CUDA_KERNEL is read: trimmed, any case
+    scope = _C.cuda_flag_scope_for
+    assert scope([True, True], auto) == _C.cuda_flag_scope_device
+    assert scope([True, True], system) == _C.cuda_flag_scope_system
+    assert scope([True, False], auto) == scope([True, False], system) == _C.cuda_flag_scope_system
+    assert scope([True], system) == _C.cuda_flag_scope_system
+
+
+@pytest.mark.parametrize("bad", ["device", "gpu", "sys", "0", "auto,system"])
+def test_a_bad_flag_scope_names_the_variable_and_the_allowed_values(bad):
+    """`device` is refused too: forcing .gpu where a peer runs on another GPU would leave its
+    data unordered, and where every rank shares this GPU auto already chooses it."""
+    with pytest.raises(ValueError) as err:
+        _C.cuda_flag_scope_setting(bad)
+    message = str(err.value)
+    assert "RINGCOLL_CUDA_FLAG_SCOPE" in message and repr(bad) in message, message
+    assert "auto" in message and "system" in message, message
+
+
+@pytest.mark.skipif(not getattr(_C, "built_with_cuda", False), reason="built without the CUDA backend")
+def test_the_communicator_reads_the_flag_scope_when_it_is_built(monkeypatch):
+    """CudaComm's constructor reads RINGCOLL_CUDA_FLAG_SCOPE before it touches the GPU, so a
+    bad value is refused by name even on a machine without one (this one)."""
+    monkeypatch.setenv("RINGCOLL_CUDA_FLAG_SCOPE", "everywhere")
+    with pytest.raises(ValueError, match="RINGCOLL_CUDA_FLAG_SCOPE='everywhere'; expected one of auto"):
+        _C.CudaComm(0, 1, 0, 1 << 20, 10.0)
+
+
+def test_ranks_must_agree_on_the_flag_scope_setting():
+    """A ring where some ranks force .sys and others keep .gpu would still pair every
+    release with an acquire whose scope covers it, but would not be what RINGCOLL_CUDA_FLAG_SCOPE
+    =system promises (every flag at system scope): so, like RINGCOLL_CUDA_KERNEL, the ranks
+    must agree, checked where each rank reads every rank's handle (map_peers), on every rank."""
+    setting = _C.cuda_flag_scope_setting
+    auto, system = setting("auto"), setting("system")
+    check = _C.cuda_check_flag_scope_settings
+    check([auto, auto, auto])
+    check([system, system])
+    with pytest.raises(ValueError) as err:
+        check([auto, system, auto])
+    message = str(err.value)
+    assert "RINGCOLL_CUDA_FLAG_SCOPE differs between ranks" in message, message
+    assert "rank 0: auto" in message and "rank 1: system" in message and "rank 2: auto" in message, message
+
+
+def test_a_slice_is_the_whole_slot():
+    """Data sits in a CUDA slot at its user pointer's offset modulo 16 (device_ring.h), and
+    what of a full slice passes the slot's end wraps round to its start: so a slice is the
+    whole slot, a multiple of 16 bytes (every slice of a chunk starts at the same offset
+    modulo 16), the same on every rank whatever their pointers."""
+    for slot in (128, 256, 1 << 20, 3 << 20):
         for elem_size in ELEM_SIZES:
             elems = _C.cuda_slice_elems_for(slot, elem_size)
-            assert (elems * elem_size) % 16 == 0
-            assert elems * elem_size + 15 <= slot
+            assert elems * elem_size == slot and slot % 16 == 0
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+@pytest.mark.parametrize("elem_size", ELEM_SIZES)
+def test_power_of_two_messages_take_no_extra_slice(world, elem_size):
+    """Issue 22, defect 6: with the slot less a 16-byte slack as the slice, a message of a
+    power-of-two size through a power-of-two buffer took one more slice than it fills (a few
+    bytes per chunk; 2P-1 more hand-offs: 7 at P = 4, 64 MiB). Now exactly bytes / (P x slot)."""
+    from ringcoll.learning import schedule as sched
+
+    for buffer_bytes in (4 << 20, 64 << 20, 2 * world * (1 << 20)):
+        slot = _C.cuda_slot_bytes_for(buffer_bytes, world)
+        slice_elems = _C.cuda_slice_elems_for(slot, elem_size)
+        for message in (world * slot, 4 * world * slot, 64 << 20, 1 << 30):
+            if message % (world * slot):
+                continue
+            n = message // elem_size
+            assert sched.num_slices(n, world, slice_elems) == message // (world * slot), (buffer_bytes, message)
+    # The issue's case: P = 4, a 64 MiB float32 all-reduce through a 64 MiB buffer: 2 slices, not 3.
+    slot = _C.cuda_slot_bytes_for(64 << 20, 4)
+    assert sched.num_slices((64 << 20) // 4, 4, _C.cuda_slice_elems_for(slot, 4)) == 2
+
+
+def default_cuda_buffer(world):
+    from ringcoll.communicator import default_buffer_bytes
+
+    return default_buffer_bytes("cuda", world)
+
+
+H200_SMS = 132
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("elem_size", ELEM_SIZES)
+def test_the_default_cuda_buffer_gives_a_large_message_a_block_per_sm(world, elem_size):
+    """Issue 22, defect 6: a large message's grid is the whole bound max_blocks_for allows on
+    a 132-SM GPU (an H100/H200): SM count / P blocks a rank when the P ranks share the GPU
+    (66, 33, 16: every SM, but for 132 mod 8 = 4 at P = 8), 132 when each rank has its own;
+    never above kMaxBlocks (256). With the old 4 MiB default it was 32, 16 and 8 (a slice of
+    1 MiB, 512 KiB, 256 KiB: one block per 32 KiB tile)."""
+    buffer_bytes = default_cuda_buffer(world)
+    slot = _C.cuda_slot_bytes_for(buffer_bytes, world)
+    slice_elems = _C.cuda_slice_elems_for(slot, elem_size)
+    n = (1 << 31) // elem_size  # 2 GiB: every chunk many slots long
+    for ranks_per_gpu in (world, 1):
+        bound = _C.cuda_max_blocks_for(H200_SMS, ranks_per_gpu)
+        assert bound == min(H200_SMS // ranks_per_gpu, _C.cuda_max_blocks)
+        assert _C.cuda_fused_blocks(n, world, slice_elems, elem_size, bound) == bound, (ranks_per_gpu, slot)
+    # On any GPU the flag area supports (up to kMaxBlocks SMs), too: a slot has a tile per block.
+    assert _C.cuda_fused_blocks(n, world, slice_elems, elem_size, _C.cuda_max_blocks) == _C.cuda_max_blocks
+    assert [_C.cuda_max_blocks_for(H200_SMS, p) for p in (2, 4, 8)] == [66, 33, 16]
+
+
+def test_the_default_buffer_follows_the_environment_and_the_device(monkeypatch):
+    """RINGCOLL_BUFFER_BYTES, when set, is the buffer on every device; unset, the CPU keeps
+    4 MiB (the shared-memory ring's own trade-off) and CUDA takes a slot of kMaxBlocks tiles
+    per bank and rank (16 MiB x P): the same on every rank, from the world size alone."""
+    from ringcoll.communicator import DEFAULT_BUFFER_BYTES, resolve_buffer_bytes
+
+    monkeypatch.delenv("RINGCOLL_BUFFER_BYTES", raising=False)
+    assert resolve_buffer_bytes(None, "cpu", 4) == DEFAULT_BUFFER_BYTES == 4 << 20
+    for world in (1, 2, 4, 8):
+        assert resolve_buffer_bytes(None, "cuda", world) == default_cuda_buffer(world) == \
+            2 * world * _C.cuda_max_blocks * _C.strip.tile_bytes
+    assert resolve_buffer_bytes(1 << 20, "cuda", 4) == 1 << 20  # an explicit value wins
+    monkeypatch.setenv("RINGCOLL_BUFFER_BYTES", "8M")
+    assert resolve_buffer_bytes(None, "cuda", 4) == resolve_buffer_bytes(None, "cpu", 4) == 8 << 20

@@ -33,6 +33,8 @@ namespace ringcoll {
 // the threads of one GPU, enough when writer and reader run on the same GPU (even in
 // different processes: scopes are about where threads run, not which process owns them),
 // and cheaper: the ordering is settled at the GPU's L2, never across the interconnect.
+// (The PTX memory model does not spell out that kDevice orders grids of different processes;
+// RINGCOLL_CUDA_FLAG_SCOPE=system makes the CUDA ring use kSystem there too: kernel_abi.h.)
 // Host code (C++ atomics) has no scopes: both mean the same there.
 enum class FlagScope : int { kSystem = 0, kDevice = 1 };
 
