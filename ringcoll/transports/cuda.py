@@ -23,8 +23,8 @@ rank's thread onto the communicator's own stream (one stream per rank: nothing o
 can queue behind another's), and a later call from the legacy default stream is refused.
 The driver spreads streams over CUDA_DEVICE_MAX_CONNECTIONS in-order hardware queues (8 by
 default); two ranks' streams on one queue are falsely ordered, and can deadlock the same
-way, so run_in_process raises it to 32 before CUDA starts, and an in-process ring of more
-ranks than queues is refused. Calls that synchronise the whole device (cudaFree,
+way, so run_in_process raises it to 32 before CUDA starts, and an in-process ring of P
+ranks is refused with fewer than P + 1 queues. Calls that synchronise the whole device (cudaFree,
 cudaMalloc growing torch's cache, cudaDeviceSynchronize) wait for a peer's ring that is
 waiting for this rank: make every allocation before the ranks' first collective meets
 (docs/cuda.md, "What not to call while a ring runs").
@@ -276,7 +276,8 @@ class CudaTransport(Transport):
         the group's barrier, then every rank frees its buffer; returns once every peer has
         closed too, or after the timeout, keeping this rank's buffer until the process exits.
         Without `wait_for_peers` it does not wait and keeps the buffer."""
-        if self._moved_thread == threading.get_ident() and torch.cuda.current_stream(self.device) == self._stream:
+        on_ours = torch.cuda.current_stream(self.device).cuda_stream == self._stream.cuda_stream
+        if self._moved_thread == threading.get_ident() and on_ours:
             torch.cuda.set_stream(torch.cuda.default_stream(self.device))  # the stream goes back to the lender
         with self._lock:
             self._comm.leave_peers(wait_for_peers)
