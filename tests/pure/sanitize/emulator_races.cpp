@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "../../csrc/emulation/emulated_ring.h"
+#include "run_plan.h"
 
 using ringcoll::emulation::EmulatedCall;
 using ringcoll::emulation::EmulatedRing;
@@ -53,13 +54,7 @@ int64_t run_case(int world, int variant, int collective, const std::vector<int64
       plan.push_back({r, collective, kInt32, kSum, reinterpret_cast<uintptr_t>(in[r][c].data()),
                       reinterpret_cast<uintptr_t>(out[r][c].data()), counts[c]});
   for (int r = 0; r < world; ++r) plan.push_back({r, ringcoll::emulation::kClose, 0, 0, 0, 0, 0});  // collective close
-  int64_t wrong = 0;
-  for (const auto& result : ring.run(plan)) {
-    if (!result.error_type.empty() || !result.message.empty()) {
-      std::printf("  error %s: %s\n", result.error_type.c_str(), result.message.c_str());
-      ++wrong;
-    }
-  }
+  int64_t wrong = run_plan(ring, plan);
   for (int c = 0; c < calls; ++c) {
     const int64_t count = counts[c];
     for (int r = 0; r < world; ++r) {

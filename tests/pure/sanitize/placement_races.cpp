@@ -23,6 +23,7 @@
 
 #include "../../csrc/cuda/kernel_abi.h"
 #include "../../csrc/emulation/emulated_ring.h"
+#include "run_plan.h"
 
 using ringcoll::emulation::EmulatedCall;
 using ringcoll::emulation::EmulatedRing;
@@ -54,13 +55,7 @@ int64_t run_case(int world, int64_t count, size_t buffer_bytes, int calls, Shift
       plan.push_back({r, kAllReduce, kInt32, kSum, reinterpret_cast<uintptr_t>(in[r][c].data() + shift(r, c)),
                       reinterpret_cast<uintptr_t>(out[r][c].data()), count});
   for (int r = 0; r < world; ++r) plan.push_back({r, ringcoll::emulation::kClose, 0, 0, 0, 0, 0});
-  int64_t wrong = 0;
-  for (const auto& result : ring.run(plan)) {
-    if (!result.error_type.empty() || !result.message.empty()) {
-      std::printf("  error %s: %s\n", result.error_type.c_str(), result.message.c_str());
-      ++wrong;
-    }
-  }
+  int64_t wrong = run_plan(ring, plan);
   for (int c = 0; c < calls; ++c) {
     for (int r = 0; r < world; ++r) {
       for (int64_t i = 0; i < count; ++i) {
