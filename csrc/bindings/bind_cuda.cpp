@@ -158,17 +158,6 @@ void bind_cuda(py::module_& m) {
           py::arg("call"), py::arg("user_stream"), py::arg("join"),
           "one rank's call queued as CudaComm queues it; (error_type, message) of what is raised before queuing")
       .def("check_error", [=](EmulatedRing& ring, int rank) { return result(ring.check_error(rank)); }, py::arg("rank"))
-      .def(
-          "synchronize",
-          [=](EmulatedRing& ring, int rank) {
-            CallResult r;
-            {
-              py::gil_scoped_release release;
-              r = ring.synchronize(rank);
-            }
-            return result(r);
-          },
-          py::arg("rank"))
       .def("own_stream", &EmulatedRing::own_stream, py::arg("rank"))
       .def_property_readonly("device", [](EmulatedRing& ring) { return &ring.device(); },
                              py::return_value_policy::reference_internal)

@@ -35,9 +35,9 @@ int Device::create_stream(bool blocking) {
   return id;
 }
 
-int Device::queue_of(int stream) const {
+int Device::queue_of(int stream) {
   std::lock_guard<std::mutex> lock(mutex_);
-  return const_cast<Device*>(this)->stream_locked(stream).queue;
+  return stream_locked(stream).queue;
 }
 
 int Device::take_stream() {

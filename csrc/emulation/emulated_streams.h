@@ -60,7 +60,7 @@ class Device {
 
   int hardware_queues() const { return static_cast<int>(queues_.size()); }
   int create_stream(bool blocking);  // cudaStreamCreateWithFlags
-  int queue_of(int stream) const;    // the hardware queue `stream` is on
+  int queue_of(int stream);          // the hardware queue `stream` is on
   // The communicators' streams, lent as CudaComm's StreamLender does (an idle one again
   // before a new one), so a long run does not spread ever more streams over the queues.
   int take_stream();
@@ -112,7 +112,7 @@ class Device {
   Event& event_locked(int event);
   void dispatch_loop();
 
-  mutable std::mutex mutex_;
+  std::mutex mutex_;
   std::condition_variable changed_;
   std::vector<std::deque<uint64_t>> queues_;
   std::vector<Stream> streams_;

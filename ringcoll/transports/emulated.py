@@ -43,11 +43,9 @@ _current = threading.local()
 
 def device():
     """This process's emulated GPU, made at first use (CUDA_DEVICE_MAX_CONNECTIONS read then)."""
-    global _device
     with _device_lock:
-        if _device is None:
-            _device = _C.emulation.Device(hardware_queues())
-        return _device
+        made = _device
+    return made if made is not None else reset_device()
 
 
 def reset_device(queues: Optional[int] = None):

@@ -44,18 +44,18 @@ class OldOrder(Staggered):
     own_stream_per_rank = False  # the ranks stay on the legacy default stream, all of them
 
 
-def communicator(transport, timeout):
+def communicator(transport):
+    """A Communicator class over `transport` (and the staggering's events, fresh)."""
     class Emulated(ringcoll.Communicator):
         @staticmethod
         def transport_class(device):
             return transport
 
     Staggered.queued = [threading.Event() for _ in range(8)]
-    return Emulated, timeout
+    return Emulated
 
 
-def _all_reduces(group, transport, timeout, async_op, calls=3):
-    cls, timeout = transport
+def _all_reduces(group, cls, timeout, async_op, calls=3):
     with cls(group=group, timeout=timeout, buffer_bytes=1 << 14) as comm:
         xs = [torch.full((1031,), float(group.rank + 1 + k)) for k in range(calls)]
         if async_op:
@@ -74,7 +74,7 @@ def test_ranks_on_the_shared_default_stream_deadlock_until_the_timeout():
     behind that wait, and rank 0's kernel waits for rank 1's: both stop at the timeout."""
     def body(group):
         with pytest.raises(ringcoll.RingcollError) as raised:
-            _all_reduces(group, communicator(OldOrder, STUCK), STUCK, async_op=False, calls=1)
+            _all_reduces(group, communicator(OldOrder), STUCK, async_op=False, calls=1)
         return type(raised.value).__name__
 
     with pytest.warns(RuntimeWarning, match="keeps its emulated buffer"):
@@ -87,14 +87,14 @@ def test_ranks_on_the_shared_default_stream_deadlock_until_the_timeout():
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
 def test_each_rank_on_a_stream_of_its_own_never_deadlocks(world, variant, async_op, monkeypatch):
     monkeypatch.setenv("RINGCOLL_CUDA_KERNEL", variant)
-    results = ringcoll.run_in_process(world, _all_reduces, communicator(Staggered, TIMEOUT), TIMEOUT, async_op,
+    results = ringcoll.run_in_process(world, _all_reduces, communicator(Staggered), TIMEOUT, async_op,
                                       timeout=60)
     assert results == [[True] * 3] * world
 
 
 def test_a_call_from_the_shared_default_stream_is_refused_in_process():
     def body(group):
-        with communicator(EmulatedCudaTransport, TIMEOUT)[0](group=group, timeout=TIMEOUT) as comm:
+        with communicator(EmulatedCudaTransport)(group=group, timeout=TIMEOUT) as comm:
             assert emulated.current_stream() != emulated.LEGACY  # moved onto its own stream
             with emulated.stream(emulated.LEGACY):
                 with pytest.raises(ringcoll.RingcollError, match="legacy default stream.*stream of its own"):
@@ -105,10 +105,9 @@ def test_a_call_from_the_shared_default_stream_is_refused_in_process():
     assert ringcoll.run_in_process(2, body, timeout=60) == [True, True]
 
 
-def _two_async_then_the_peer(group, transport):
+def _two_async_then_the_peer(group, cls, timeout):
     """Rank 0 queues two calls before rank 1 queues any: on one hardware queue, rank 0's
     second kernel (waiting for its first) holds back rank 1's first, which rank 0's first waits for."""
-    cls, timeout = transport
     with cls(group=group, timeout=timeout) as comm:
         xs = [torch.ones(64) for _ in range(2)]
         try:
@@ -126,13 +125,13 @@ def test_ranks_sharing_a_hardware_queue_deadlock_so_too_few_queues_are_refused(m
     try:
         def refused(group):
             with pytest.raises(ringcoll.RingcollError, match="need 3 hardware queues.*CUDA_DEVICE_MAX_CONNECTIONS=1"):
-                communicator(EmulatedCudaTransport, TIMEOUT)[0](group=group, timeout=TIMEOUT)
+                communicator(EmulatedCudaTransport)(group=group, timeout=TIMEOUT)
 
         ringcoll.run_in_process(2, refused, timeout=60)
         # Why: without the check, the model deadlocks as a GPU would, until the timeout.
         monkeypatch.setattr(emulated, "check_hardware_queues", lambda world, queues: None)
         with pytest.warns(RuntimeWarning, match="keeps its emulated buffer"):
-            kinds = ringcoll.run_in_process(2, _two_async_then_the_peer, communicator(Staggered, STUCK), timeout=60)
+            kinds = ringcoll.run_in_process(2, _two_async_then_the_peer, communicator(Staggered), STUCK, timeout=60)
         assert "RingcollTimeoutError" in kinds, kinds
     finally:
         emulated.reset_device()
@@ -153,7 +152,7 @@ def test_graph_replays_are_waited_for_at_close():
     replays = 4
 
     def body(group):
-        cls, _ = communicator(EmulatedCudaTransport, TIMEOUT)
+        cls = communicator(EmulatedCudaTransport)
         dev = emulated.device()
         user = dev.create_stream()
         with emulated.stream(user):
@@ -187,7 +186,7 @@ def test_the_benchmark_meets_after_allocating(monkeypatch):
         return buffers
 
     monkeypatch.setattr(bench, "_buffers", allocate_and_sync)
-    monkeypatch.setattr(bench, "Communicator", communicator(EmulatedCudaTransport, TIMEOUT)[0])
+    monkeypatch.setattr(bench, "Communicator", communicator(EmulatedCudaTransport))
     config = bench.Config(min_bytes=4096, max_bytes=16384, factor=4, iters=2, warmup=1, trials=1, min_seconds=0.0,
                           collectives=("all_reduce", "all_gather"), in_process=True, progress=False, check_cost=False)
     rows = ringcoll.run_in_process(2, bench.run_in_process_rank, config, timeout=120)[0]
