@@ -8,6 +8,9 @@
                     [--checkpointing-only] [--no-attention-scores] [--measure]
         per-GPU memory of Adam training, ZeRO stages 0-3 (ringcoll.learning.memory)
 
+    ringcoll lab NAME [--quick] [--out DIR] ...
+        the training experiments (ringcoll.learning.lab): straggler, overlap, memory
+
 The benchmark is a separate command, ``ringcoll-bench``.
 """
 
@@ -87,6 +90,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="also build a small fp32 model, run one Adam step, and print measured beside predicted")
     m.add_argument("--device", default=None, help="for --measure: cpu or cuda (default: cuda if available)")
     m.set_defaults(func=_run_memory)
+
+    from ringcoll.learning.lab import cli as lab_cli
+
+    lab_cli.add_parser(sub)
     return p
 
 
