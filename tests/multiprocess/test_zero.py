@@ -245,6 +245,32 @@ def _extras(rank, world):
     opt.step()
     out["clip"] = {stage: _run_case(rank, world, stage, "Adam", clip=0.05)[0] for stage in (1, 2)}
 
+    # prefetch_params: the all-gathers left running after step(), waited for by each layer's
+    # forward pre-hook: bitwise the same training as waiting inside step()
+    for stage in (1, 2):
+        digests, deferred = [], []
+        for prefetch in (False, True):
+            torch.manual_seed(0)
+            deep = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(6)])
+            opt = ringcoll.training.zero.ShardedOptimizer(deep.parameters(), torch.optim.Adam, stage=stage,
+                                                          bucket_bytes=1088, lr=1e-2)
+            if prefetch:
+                opt.prefetch_params(deep)
+            for step in range(3):
+                x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank))
+                deep(x).square().sum().backward()
+                opt.step()
+                opt.zero_grad()
+                deferred.append(sum(b.gathering is not None for b in opt.buckets))
+            deep(x)  # the last step's weights reach the model through the hooks
+            deferred.append(sum(b.gathering is not None for b in opt.buckets))
+            digests.append(_digest(deep))
+        out[f"prefetch{stage}"] = (digests, deferred, len(opt.buckets))
+    try:
+        opt.prefetch_params(deep[0])  # owns 2 of the 12 parameters
+    except ValueError as exc:
+        out["prefetch_refused"] = str(exc)
+
     errors = []
     for kwargs in ({"stage": 3}, {"stage": 1, "bucket_bytes": 0}, {"stage": 1 + rank}):
         try:
@@ -412,3 +438,16 @@ def test_example_under_torchrun():
 
     stdout = run_example("train_zero.py")
     assert stdout.count("ratio 1/2.00") == 2, stdout  # both ranks hold half of Adam's state
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_prefetch_params_defers_the_gathers_and_changes_nothing(stage):
+    for r in _results(2):
+        digests, deferred, buckets = r["extras"][f"prefetch{stage}"]
+        assert digests[0] == digests[1], "prefetching changed the training"
+        assert buckets > 2
+        assert deferred[:4] == [0, 0, 0, 0]  # without: every all-gather waited for in step()
+        assert deferred[4:7] == [buckets] * 3  # with: all still to be waited for after step()
+        assert deferred[7] == 0  # ... and the forward waited for every one
+    assert len({r["extras"][f"prefetch{stage}"][0][0] for r in _results(2)}) == 1
+    assert "belong to no submodule" in _results(2)[0]["extras"]["prefetch_refused"]

@@ -65,6 +65,8 @@ class _Bucket:
         self.grad_flat: Optional[torch.Tensor] = None
         self.ready: set = set()
         self.pending: Optional[tuple] = None
+        # The all-gather of the updated shard into ``flat`` (prefetch_params: still running).
+        self.gathering = None
 
     def param_view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         off, n = self.offsets[i], self.numels[i]

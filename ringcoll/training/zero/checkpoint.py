@@ -61,6 +61,7 @@ class _Checkpoints:
         """Load what state_dict() saved on the same rank of the same layout. The model's
         weights are not touched (load them with the model's own state_dict); float16 and
         bfloat16 buckets get their fp32 master shards back."""
+        self.wait_for_params()  # prefetch_params: the shards are read by the all-gathers
         name = "ShardedOptimizer.load_state_dict"
         if not isinstance(state_dict, dict) or state_dict.get("format") != STATE_DICT_FORMAT:
             raise ValueError(f"{name}: not a ShardedOptimizer.state_dict() (for a plain optimizer's "
@@ -88,6 +89,7 @@ class _Checkpoints:
         into a plain optimizer, or into a ShardedOptimizer of any world size with
         load_full_state_dict. Per-bucket scalars (Adam's step) go to every parameter of the
         bucket."""
+        self.wait_for_params()  # prefetch_params: the shards are read by the all-gathers
         state: Dict[int, dict] = {}
         for b in self._buckets:
             st = self.optimizer.state.get(b.master, {})
@@ -114,6 +116,7 @@ class _Checkpoints:
         parameters, in the same groups, or full_state_dict() from any world size): each
         rank cuts out its shards. Not collective. Parameters without state get zeros in
         their part of a shard that has state. Hyperparameters (lr, ...) come from it too."""
+        self.wait_for_params()  # prefetch_params: the shards are read by the all-gathers
         name = "ShardedOptimizer.load_full_state_dict"
         groups = state_dict["param_groups"]
         if len(groups) != len(self._user_groups) or any(

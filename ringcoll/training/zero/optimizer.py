@@ -11,6 +11,7 @@ checkpoints in checkpoint.py.
 from __future__ import annotations
 
 import math
+import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Dict, Iterable, List, Optional, Type
 
@@ -121,6 +122,8 @@ class ShardedOptimizer(_Checkpoints, _Gradients, torch.optim.Optimizer):
         self._optimizer_load_state_dict_pre_hooks: Dict[int, Callable] = OrderedDict()
         self._optimizer_load_state_dict_post_hooks: Dict[int, Callable] = OrderedDict()
 
+        self._prefetching = False  # prefetch_params: step() leaves the all-gathers running
+        self._prefetch_hooks: list = []
         self._init_gradients()
 
     # --- construction ---------------------------------------------------------------------
@@ -215,13 +218,58 @@ class ShardedOptimizer(_Checkpoints, _Gradients, torch.optim.Optimizer):
 
     @torch.no_grad()
     def _gather_params(self) -> None:
-        works = []
-        for b in self._buckets:
+        """All-gather every bucket's updated shard into the weights; wait for them, or
+        (after prefetch_params) leave them running, the bucket the forward needs first
+        (the last: buckets are in reverse registration order) queued first."""
+        order = reversed(self._buckets) if self._prefetching else self._buckets
+        for b in order:
             if not b.aliased:
                 b.shard.copy_(b.master)
-            works.append(api.all_gather_into_tensor(b.flat, b.shard, group=self.group, async_op=True))
-        for w in works:
-            w.wait()
+            b.gathering = api.all_gather_into_tensor(b.flat, b.shard, group=self.group, async_op=True)
+        if not self._prefetching:
+            self.wait_for_params()
+
+    def wait_for_params(self, buckets: Optional[Iterable[_Bucket]] = None) -> None:
+        """Wait until the weights of ``buckets`` (default: all) hold the last step's update.
+        Needed only after prefetch_params, and only for code that reads the weights outside
+        the forward of the module that owns them; the optimizer's own methods call it."""
+        for b in self._buckets if buckets is None else buckets:
+            if b.gathering is not None:
+                b.gathering.wait()
+                b.gathering = None
+
+    def prefetch_params(self, module: torch.nn.Module) -> None:
+        """Overlap the all-gather of the updated weights with the next forward pass.
+
+        From now on ``step()`` returns with the all-gathers still running, queued in the
+        order the forward needs them; every submodule of ``module`` that owns parameters of
+        this optimizer waits, in a forward pre-hook, for the buckets holding its own
+        parameters only. So the all-gather of the next layers' bucket runs while this layer
+        computes. Every parameter of the optimizer must belong to a submodule of
+        ``module``; weights read outside their module's forward need ``wait_for_params()``
+        first. The results are bitwise those without prefetching (the same collectives on
+        the same data; only the waits move)."""
+        bucket_of = {id(p): b for b in self._buckets for p in b.params}
+        owned = {mod: list({bucket_of[id(p)].index: bucket_of[id(p)] for p in mod.parameters(recurse=False)
+                            if id(p) in bucket_of}.values()) for mod in module.modules()}
+        covered = {id(p) for mod in module.modules() for p in mod.parameters(recurse=False)}
+        missing = [i for i, p in enumerate(self._params) if id(p) not in covered]
+        if missing:
+            raise ValueError(f"ShardedOptimizer.prefetch_params: {len(missing)} parameter(s) of the optimizer "
+                             f"(indices {missing[:5]}) belong to no submodule of the given module, so no forward "
+                             f"hook would wait for their weights; pass the module that owns every parameter")
+        me = weakref.ref(self)  # the module must not keep the optimizer alive
+
+        def wait_for(buckets):
+            opt = me()
+            if opt is not None:
+                opt.wait_for_params(buckets)
+
+        for mod, buckets in owned.items():
+            if buckets:
+                self._prefetch_hooks.append(mod.register_forward_pre_hook(
+                    lambda _mod, _args, buckets=buckets: wait_for(buckets)))
+        self._prefetching = True
 
     def step(self, closure: Optional[Callable[[], float]] = None):
         """Reduce-scatter the gradients, step the wrapped optimizer on this rank's shards,
@@ -232,6 +280,7 @@ class ShardedOptimizer(_Checkpoints, _Gradients, torch.optim.Optimizer):
                 loss = closure()
         for hook in list(self._optimizer_step_pre_hooks.values()):
             hook(self, (), {})
+        self.wait_for_params()  # a shard is the input of its bucket's all-gather: not written before it ends
         self.reduce_gradients()
         self.optimizer.step()
         if self.stage == 1:  # rebuilt from p.grad at every step: keep only the full gradients
@@ -273,6 +322,7 @@ class ShardedOptimizer(_Checkpoints, _Gradients, torch.optim.Optimizer):
         buckets. Call it after changing the weights outside step() (``model.load_state_dict``,
         edits under no_grad), or the next step would start from the old masters. float32 and
         float64 buckets need nothing: their shard parameters are the weights. Not collective."""
+        self.wait_for_params()
         for b in self._buckets:
             if not b.aliased:
                 b.master.copy_(b.shard)
