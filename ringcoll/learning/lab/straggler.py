@@ -20,9 +20,10 @@ rank, and measures throughput, held-out accuracy and staleness:
 
 Every variant processes the same number of samples (``epochs`` passes over the training
 set) and moves the weights by lr times a mean gradient of P x batch samples per P x batch
-samples processed; the learning rate is constant. The slow rank (the last worker) sleeps,
-after computing each gradient, ``slow_fraction`` times the time that computation took, so
-it is that much slower whatever else the machine is doing; the others are not slowed.
+samples processed; the learning rate is constant. The slow rank (the last worker), after
+computing each gradient, spends ``slow_fraction`` times the time that computation took
+busy-waiting (``slow_by="work"``: it keeps its core, as a slower device would; or asleep,
+``"sleep"``), so it is that much slower whatever else the machine is doing.
 
 What the model predicts: a synchronous step waits for the slowest rank, so its throughput
 falls by f / (1 + f) (9.1% for f = 10%). An asynchronous server loses only the slow
@@ -379,12 +380,13 @@ def format_table(cfg: Config, summary: Dict) -> str:
 def describe(cfg: Config) -> str:
     model = common.make_model(cfg.hidden, 0)
     n = sum(p.numel() for p in model.parameters())
+    how = "sleeps" if cfg.slow_by == "sleep" else "busy-waits (keeping its core)"
     oversubscribed = " (oversubscribed: more processes than the machine's cores)" \
         if cfg.world + 1 > common.cores() else ""
     return (f"{cfg.world} workers{oversubscribed}, MLP 64-{'-'.join(map(str, cfg.hidden))}-10 ({n:,} parameters), "
             f"digits (1437 train / 360 held-out test), {cfg.epochs:g} epochs = {cfg.samples:,} samples per run, "
             f"batch {cfg.batch} per worker, lr {cfg.lr:g} per mean gradient of {cfg.world * cfg.batch} samples, "
-            f"{cfg.seeds} seed(s); slow rank: worker {cfg.world - 1} sleeps {100 * cfg.slow_fraction:g}% of its "
+            f"{cfg.seeds} seed(s); slow rank: worker {cfg.world - 1} {how} {100 * cfg.slow_fraction:g}% of its "
             f"compute time after each gradient; S = {cfg.staleness}, H = {cfg.local_every}")
 
 
@@ -425,6 +427,8 @@ def run(cfg: Config, out_dir: str = "lab-results", timeout: float = 3600.0) -> D
         raise ValueError(f"lab straggler: unknown variant(s) {sorted(unknown)}; choose from {list(VARIANTS)}")
     if cfg.world < 2:
         raise ValueError(f"lab straggler: needs at least 2 workers, got {cfg.world}")
+    if cfg.slow_by not in ("work", "sleep"):
+        raise ValueError(f"lab straggler: slow_by must be 'work' or 'sleep', got {cfg.slow_by!r}")
     print(describe(cfg), flush=True)
     runs = spawn(_job, cfg.world + 1, cfg, timeout=timeout, env={"OMP_NUM_THREADS": "1"})[0]
     summary = summarise(cfg, runs)
