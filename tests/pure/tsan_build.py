@@ -1,26 +1,51 @@
 """Build a sanitizer check (tests/pure/sanitize/*.cpp) with the emulator under ThreadSanitizer
 and run it: the shared part of the tests that use one."""
 
+import atexit
 import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# -Wno-tsan: TSan does not model fences, which only the descriptor's sequence lock uses;
+# every word that lock guards is a C++ atomic, so TSan has nothing to misreport there.
+FLAGS = ["-std=c++20", "-O1", "-g", "-fsanitize=thread", "-Wno-tsan", f"-I{ROOT / 'csrc/include'}"]
+EMULATOR = ["csrc/emulation/emulated_ring.cpp", "csrc/emulation/emulated_streams.cpp"]
+_objects: list = []  # the emulator compiled once per test session (emulated_ring.cpp alone: ~25 s)
+
+
+def _compiler() -> str:
+    compiler = shutil.which("g++")
+    assert compiler, "g++ is needed to build the sanitizer check"
+    return compiler
+
+
+def _emulator_objects() -> list:
+    """The emulator's sources compiled under TSan, side by side, once per session."""
+    if not _objects:
+        folder = Path(tempfile.mkdtemp(prefix="ringcoll-tsan-"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        targets = [folder / (Path(src).stem + ".o") for src in EMULATOR]
+        builds = [subprocess.Popen([_compiler(), *FLAGS, "-c", str(ROOT / src), "-o", str(obj)],
+                                   stderr=subprocess.PIPE, text=True) for src, obj in zip(EMULATOR, targets)]
+        for src, build in zip(EMULATOR, builds):
+            _, err = build.communicate(timeout=600)
+            assert build.returncode == 0, f"{src}: {err[-4000:]}"
+        _objects.extend(targets)
+    return list(_objects)
+
+
 def run_under_tsan(tmp_path, source: str, runs: int = 1) -> list[str]:
     """Build tests/pure/sanitize/`source` with the emulator's sources, run it `runs` times;
     returns each run's stdout, having asserted that TSan reported nothing and it exited 0."""
-    compiler = shutil.which("g++")
-    assert compiler, "g++ is needed to build the sanitizer check"
     binary = tmp_path / Path(source).stem
-    # -Wno-tsan: TSan does not model fences, which only the descriptor's sequence lock uses;
-    # every word that lock guards is a C++ atomic, so TSan has nothing to misreport there.
     build = subprocess.run(
-        [compiler, "-std=c++20", "-O1", "-g", "-fsanitize=thread", "-Wno-tsan", f"-I{ROOT / 'csrc/include'}",
-         str(ROOT / "tests/pure/sanitize" / source), str(ROOT / "csrc/emulation/emulated_ring.cpp"),
-         str(ROOT / "csrc/emulation/emulated_streams.cpp"), "-o", str(binary)],
+        [_compiler(), *FLAGS, str(ROOT / "tests/pure/sanitize" / source), *map(str, _emulator_objects()),
+         "-o", str(binary)],
         capture_output=True, text=True, timeout=600)
     assert build.returncode == 0, build.stderr[-4000:]
     env = dict(os.environ, TSAN_OPTIONS="halt_on_error=1 exitcode=66")
