@@ -123,6 +123,19 @@ def cores() -> int:
     return len(os.sched_getaffinity(0))
 
 
+RANK_TIMEOUT_S = 120.0  # bounds every collective and message of a run (the process group's timeout)
+
+
+def launch(job, world: int, cfg, timeout: float, backend: str = "gloo"):
+    """Run ``job(rank, world, cfg)`` on ``world`` fresh processes (ringcoll.harness.launcher)
+    and return rank 0's result. A rank that dies or hangs ends the run with an error naming
+    it: a peer's collective fails within RANK_TIMEOUT_S, the whole run within ``timeout``."""
+    from ringcoll.harness.launcher import spawn
+
+    return spawn(job, world, cfg, timeout=timeout, backend=backend, env={"OMP_NUM_THREADS": "1"},
+                 init_timeout=min(timeout, RANK_TIMEOUT_S))[0]
+
+
 def one_thread() -> None:
     """Each rank computes on one thread: P ranks on a machine of C cores then contend as
     P processes, not P x C threads."""
@@ -140,9 +153,9 @@ def mean_sd(values: Sequence[float]) -> Tuple[float, float]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
-def pm(values: Sequence[float], fmt: str = ".1f") -> str:
-    """'mean +- sd' of values, as printed in the tables."""
-    m, s = mean_sd(values)
+def pm(mean_and_sd: Tuple[float, float], fmt: str = ".1f") -> str:
+    """'mean +- sd', as printed in the tables, from :func:`mean_sd`'s pair."""
+    m, s = mean_and_sd
     return f"{m:{fmt}} +- {s:{fmt}}"
 
 

@@ -167,13 +167,11 @@ def plot(rows: Sequence[Dict], out_dir: str) -> str:
 
 
 def run(cfg: Config, out_dir: str = "lab-results", timeout: float = 1200.0) -> Dict:
-    from ringcoll.harness.launcher import spawn
-
     if min(cfg.worlds) < 2:
         raise ValueError(f"lab memory: every world size must be at least 2, got {list(cfg.worlds)}")
     rows: List[Dict] = []
     for world in cfg.worlds:
-        rows += spawn(_job, world, cfg, timeout=timeout, backend="ringcoll", env={"OMP_NUM_THREADS": "1"})[0]
+        rows += common.launch(_job, world, cfg, timeout, backend="ringcoll")
     print(f"MLP 64-{'-'.join(map(str, cfg.hidden))}-10 ({rows[0]['params']:,} parameters), Adam, "
           f"{cfg.steps} steps, buckets of {cfg.bucket_mb:g} MiB")
     print(format_table(rows), end="")

@@ -304,8 +304,6 @@ def plot(cfg: Config, results: Sequence[Dict], out_dir: str) -> str:
 
 def run(cfg: Config, out_dir: str = "lab-results", timeout: float = 3600.0) -> Dict:
     """Run the experiment for each world size; print the tables; write overlap.json/.png."""
-    from ringcoll.harness.launcher import spawn
-
     unknown = set(cfg.systems) - set(MODES)
     if unknown:
         raise ValueError(f"lab overlap: unknown system(s) {sorted(unknown)}; choose from {list(MODES)}")
@@ -318,7 +316,7 @@ def run(cfg: Config, out_dir: str = "lab-results", timeout: float = 3600.0) -> D
           f"P = {', '.join(map(str, cfg.worlds))} on {common.cores()} cores", flush=True)
     results = []
     for world in cfg.worlds:
-        res = spawn(_job, world, cfg, timeout=timeout, backend="ringcoll", env={"OMP_NUM_THREADS": "1"})[0]
+        res = common.launch(_job, world, cfg, timeout, backend="ringcoll")
         results.append(res)
         if world > common.cores():
             print(f"(P = {world} is oversubscribed: more ranks than cores)")
