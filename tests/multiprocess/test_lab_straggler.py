@@ -138,21 +138,3 @@ def test_json_holds_every_printed_figure(record, capsys):
         assert run["samples_per_s"] == pytest.approx(run["samples"] / run["elapsed"])
     assert saved["summary"]["findings"] == record["summary"]["findings"]
     assert record["plot"].endswith("straggler.png")
-
-
-def test_waited_share_is_the_others_extra_wait_over_the_slow_ranks_extra_time():
-    # 3 ranks; without a slow rank they wait 1.0, 1.2 and 1.0 ms per step; with the last
-    # rank 2 ms slower per step, the others wait ~2 ms more and it waits ~nothing
-    fast = {"collective_s_per_step": [1.0e-3, 1.2e-3, 1.0e-3], "added_s_per_step": [0, 0, 0]}
-    slow = {"collective_s_per_step": [3.0e-3, 3.2e-3, 0.5e-3], "added_s_per_step": [0, 0, 2.0e-3]}
-    # others beyond the slow rank: 3.1 - 0.5 = 2.6 ms, against 1.1 - 1.0 = 0.1 ms unslowed
-    assert straggler._waited_share(fast, slow) == pytest.approx(2.5 / 2.0)
-
-
-def test_sync_records_what_the_waited_share_needs(record):
-    for run in _runs(record, "sync"):
-        assert len(run["collective_s_per_step"]) == CFG.world
-        assert all(t > 0 for t in run["collective_s_per_step"])
-        slowed = run["added_s_per_step"]
-        assert (slowed[-1] > 0) == run["slow"] and not any(slowed[:-1])
-    assert record["summary"]["rows"]["sync"]["waited_for_slow_pct"] is not None

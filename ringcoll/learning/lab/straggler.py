@@ -59,7 +59,7 @@ class Config:
     slow_fraction: float = 0.10
     slow_by: str = "work"  # or "sleep"; see _slow_down
     seeds: int = 5
-    epochs: float = 30.0
+    epochs: float = 60.0
     batch: int = 64  # per worker and step
     hidden: Tuple[int, ...] = (256, 256)
     lr: float = 0.5  # for a mean gradient of world x batch samples
@@ -85,11 +85,11 @@ QUICK = Config(world=2, seeds=1, epochs=2.0, batch=16, hidden=(32,), staleness=1
 # --- the synchronous variants: P ranks, ringcoll ----------------------------------------------
 
 
-def _slow_down(cfg: Config, is_slow: bool, started: float) -> float:
+def _slow_down(cfg: Config, is_slow: bool, started: float) -> None:
     """The slow rank takes ``slow_fraction`` more time per gradient: asleep (its core is
     free meanwhile) or busy (it keeps its core, as a slower device would)."""
     if not is_slow:
-        return 0.0
+        return
     extra = cfg.slow_fraction * (time.perf_counter() - started)
     if cfg.slow_by == "sleep":
         time.sleep(extra)
@@ -97,7 +97,6 @@ def _slow_down(cfg: Config, is_slow: bool, started: float) -> float:
         until = time.perf_counter() + extra
         while time.perf_counter() < until:
             pass
-    return extra
 
 
 def _collective_run(rank: int, cfg: Config, seed: int, slow: bool, variant: str, group, every: int) -> Dict:
@@ -109,14 +108,12 @@ def _collective_run(rank: int, cfg: Config, seed: int, slow: bool, variant: str,
     stream = common.batches(seed, rank, cfg.world, cfg.batch)
     is_slow = slow and rank == cfg.world - 1
     log, trace = [], {}
-    added = in_collective = 0.0  # the slow-down this rank added; its time inside the all-reduces
     start = time.perf_counter()
     for step in range(cfg.steps):
         x, y = next(stream)
         computing = time.perf_counter()
         loss, grad = model.gradient(x, y)
-        added += _slow_down(cfg, is_slow, computing)
-        reducing = time.perf_counter()
+        _slow_down(cfg, is_slow, computing)
         if variant == "sync":
             api.all_reduce(grad, op=ReduceOp.AVG, group=group)
             model.weights.sub_(grad, alpha=cfg.lr)
@@ -124,13 +121,11 @@ def _collective_run(rank: int, cfg: Config, seed: int, slow: bool, variant: str,
             model.weights.sub_(grad, alpha=cfg.lr)
             if (step + 1) % every == 0 or step == cfg.steps - 1:  # the last step always averages
                 api.all_reduce(model.weights, op=ReduceOp.AVG, group=group)
-        in_collective += time.perf_counter() - reducing
         log.append(((step + 1) * cfg.world * cfg.batch, loss))
         if cfg.trace and step == 0:
             trace["after_first_step"] = model.weights.clone()
     elapsed = time.perf_counter() - start
-    out = {"elapsed": elapsed, "log": log, "digest": _digest(model.weights),
-           "added_s_per_step": added / cfg.steps, "collective_s_per_step": in_collective / cfg.steps}
+    out = {"elapsed": elapsed, "log": log, "digest": _digest(model.weights)}
     if rank == 0:
         data = common.digits()
         out["accuracy"] = model.accuracy(data.test_x, data.test_y)
@@ -296,8 +291,6 @@ def _combine(cfg: Config, seed: int, slow: bool, variant: str, parts: Sequence[D
         run["accuracy"] = workers[0]["accuracy"]
         run["replicas_identical"] = len({p["digest"] for p in workers}) == 1
         run["log"] = sorted(entry for p in workers for entry in p["log"])
-        run["added_s_per_step"] = [p["added_s_per_step"] for p in workers]
-        run["collective_s_per_step"] = [p["collective_s_per_step"] for p in workers]
         if cfg.trace:
             run["trace"] = [p["trace"] for p in workers]
     else:
@@ -332,7 +325,6 @@ def summarise(cfg: Config, runs: Sequence[Dict]) -> Dict:
         fast = {r["seed"]: r for r in runs if r["variant"] == v and not r["slow"]}
         slow = {r["seed"]: r for r in runs if r["variant"] == v and r["slow"]}
         losses = [100 * (1 - slow[s]["samples_per_s"] / fast[s]["samples_per_s"]) for s in fast]
-        waited = [_waited_share(fast[s], slow[s]) for s in fast if "collective_s_per_step" in fast[s]]
         stale = [x for r in slow.values() for x in r.get("staleness", [])]
         leads = [x for r in slow.values() for x in r.get("leads", [])]
         rows[v] = {
@@ -345,7 +337,6 @@ def summarise(cfg: Config, runs: Sequence[Dict]) -> Dict:
             "staleness_max": max(stale) if stale else None,
             "staleness_histogram": sorted(Counter(stale).items()),
             "lead_max": max(leads) if leads else None,
-            "waited_for_slow_pct": common.mean_sd([100 * w for w in waited]) if waited else None,
         }
     findings = []
     f = cfg.slow_fraction
@@ -354,11 +345,6 @@ def summarise(cfg: Config, runs: Sequence[Dict]) -> Dict:
         findings.append(f"synchronous training lost {m:.1f} +- {s:.1f} % of its throughput to one rank "
                         f"{100 * f:.0f}% slower (model: every step waits for it, {100 * sync_loss_model(f):.1f}%; "
                         f"the seed says 10%)")
-    if rows.get("sync", {}).get("waited_for_slow_pct"):
-        m, s = rows["sync"]["waited_for_slow_pct"]
-        findings.append(f"inside each synchronous run, the other ranks waited in the all-reduce for {m:.0f} +- {s:.0f} % "
-                        f"of the time the slow rank added per step (100%: every step waits for all of it; measured "
-                        f"within each run, so this machine's drift between runs cancels)")
     if "async" in rows:
         m, s = rows["async"]["throughput_loss_pct"]
         findings.append(f"asynchronous training lost {m:.1f} +- {s:.1f} % (model: only the slow worker's share, "
@@ -372,18 +358,6 @@ def summarise(cfg: Config, runs: Sequence[Dict]) -> Dict:
     return {"rows": rows, "findings": findings}
 
 
-def _waited_share(fast: Dict, slow: Dict) -> float:
-    """Of the time the slow rank added per step, the share the other ranks spent waiting for
-    it: their time in the all-reduce beyond the slow rank's own, in the slow run, less the
-    same difference in the paired run without a slow rank (ranks differ a little anyway)."""
-    def beyond(run: Dict) -> float:
-        times = run["collective_s_per_step"]
-        return sum(times[:-1]) / (len(times) - 1) - times[-1]  # the slow rank is the last
-
-    added = slow["added_s_per_step"][-1]
-    return (beyond(slow) - beyond(fast)) / added if added > 0 else float("nan")
-
-
 def _accuracy_gaps(runs, a: str, b: str) -> List[float]:
     acc = {(r["variant"], r["seed"]): r["accuracy"] for r in runs if r["slow"]}
     return [100 * (acc[(a, s)] - acc[(b, s)]) for (v, s) in acc if v == a and (b, s) in acc]
@@ -395,11 +369,10 @@ def format_table(cfg: Config, summary: Dict) -> str:
         r = summary["rows"][v]
         stale = "-" if r["staleness_mean"] is None else f"{r['staleness_mean']:.2f} / {r['staleness_max']}"
         lead = "-" if r["lead_max"] is None else str(r["lead_max"])
-        waited = "-" if r["waited_for_slow_pct"] is None else common.pm(r["waited_for_slow_pct"], ".0f")
         rows.append([v, f"{r['samples_per_s'][0]:.0f}", f"{r['samples_per_s_slow'][0]:.0f}",
-                     common.pm(r["throughput_loss_pct"]), common.pm(r["accuracy_pct"], ".2f"), stale, lead, waited])
+                     common.pm(r["throughput_loss_pct"]), common.pm(r["accuracy_pct"], ".2f"), stale, lead])
     head = ["variant", "samples/s", "samples/s, slow", "throughput loss %", "test accuracy %, slow",
-            "staleness mean / max", "max lead", "others waited, % of slow's extra"]
+            "staleness mean / max", "max lead"]
     return common.table(head, rows)
 
 
@@ -444,6 +417,13 @@ def plot(cfg: Config, runs: Sequence[Dict], summary: Dict, out_dir: str) -> str:
     return common.save_figure(fig, out_dir, NAME)
 
 
+def _for_json(run: Dict) -> Dict:
+    """A run as saved: the loss curve binned as plotted (not every step), no trace."""
+    saved = {k: v for k, v in run.items() if k not in ("trace", "log")}
+    saved["loss_curve"] = common.smooth(run["log"], bins=60)
+    return saved
+
+
 def run(cfg: Config, out_dir: str = "lab-results", timeout: float = 3600.0) -> Dict:
     """Run the experiment; print the table; write ``straggler.json`` and ``straggler.png``."""
     unknown = set(cfg.variants) - set(VARIANTS)
@@ -460,7 +440,7 @@ def run(cfg: Config, out_dir: str = "lab-results", timeout: float = 3600.0) -> D
     for line in summary["findings"]:
         print(f"* {line}")
     record = {"experiment": NAME, "description": describe(cfg), "config": dataclasses.asdict(cfg),
-              "summary": summary, "runs": [{k: v for k, v in r.items() if k != "trace"} for r in runs]}
+              "summary": summary, "runs": [_for_json(r) for r in runs]}
     record["json"] = common.write_record(out_dir, NAME, record)
     record["plot"] = plot(cfg, runs, summary, out_dir)
     print(f"wrote {record['json']} and {record['plot']}")
