@@ -212,9 +212,11 @@ class HierarchicalCommunicator(ArgumentChecks):
             raise
         except RingcollError as e:  # the node's ring: its ranks are numbered within the node
             self._broken_reason = f"{name}: {e}"
-            raise type(e)(f"{name} on host {self.node_names[self.node_index]}, whose ranks (numbered 0.."
-                          f"{self.local_size - 1} below) are ranks {self._ranks_text(self.rank_at[self.node_index])} "
-                          f"(pids as that host sees them): {e}") from e
+            # Led by the user's global rank, as the error between hosts is: which of the two
+            # a rank sees first when a link fails is a race, and the message must not depend on it.
+            raise type(e)(f"{name}: rank {self.rank} on host {self.node_names[self.node_index]}, on its host's ring, "
+                          f"whose ranks (numbered 0..{self.local_size - 1} below) are ranks "
+                          f"{self._ranks_text(self.rank_at[self.node_index])} (pids as that host sees them): {e}") from e
         except RuntimeError as e:  # torch.distributed between the nodes (gloo, NCCL)
             self._broken_reason = f"{name}: {e}"
             peers = ", ".join(f"rank {r} on {self.node_names[i]}" for i, r in enumerate(self.inter_ranks)

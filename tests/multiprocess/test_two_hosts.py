@@ -105,6 +105,9 @@ def test_faults_across_two_machines_end_in_errors_on_every_rank(tmp_path):
         result = seen[rank]["kill"]
         assert result["kind"] in ("RuntimeError", "RingcollPeerError", "RingcollTimeoutError"), (rank, result)
         assert "Ringcoll" in result["kind"] + result["message"] and "all_reduce" in result["message"], result
+        # ringcoll's error (under DDP, inside torch's RuntimeError) leads with the user's call,
+        # global rank and host, from either level (rank 2 hears of rank 3's death on its host's ring)
+        assert f"all_reduce: rank {rank} on host ringcoll-host{rank // 2}" in result["message"], result
         assert result["elapsed"] < FAULT_TIMEOUT + 3.0, (rank, result)
         assert seen[rank]["exit"] == "1", (rank, out)
 

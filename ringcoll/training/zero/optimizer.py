@@ -258,6 +258,9 @@ class ShardedOptimizer(_Checkpoints, _Gradients, torch.optim.Optimizer):
             raise ValueError(f"ShardedOptimizer.prefetch_params: {len(missing)} parameter(s) of the optimizer "
                              f"(indices {missing[:5]}) belong to no submodule of the given module, so no forward "
                              f"hook would wait for their weights; pass the module that owns every parameter")
+        for handle in self._prefetch_hooks:  # called again (another module): its hooks replace these
+            handle.remove()
+        self._prefetch_hooks = []
         me = weakref.ref(self)  # the module must not keep the optimizer alive
 
         def wait_for(buckets):
