@@ -2,6 +2,7 @@
 ringcoll._C with ninja, adding the CUDA sources whenever nvcc is found."""
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,9 @@ class CMakeBuild(build_ext):
         build_temp.mkdir(parents=True, exist_ok=True)
         configure = [
             "cmake", str(ROOT), "-G", "Ninja",
+            # The ninja of this build: pip builds in a fresh temporary environment each time, and a
+            # cache left by an earlier `pip install .` names that one's ninja, which is gone.
+            f"-DCMAKE_MAKE_PROGRAM={shutil.which('ninja') or 'ninja'}",
             f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={out_dir}",
             f"-DPython3_EXECUTABLE={sys.executable}",
             f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
