@@ -69,6 +69,22 @@ def make_model(hidden: Sequence[int], seed: int) -> torch.nn.Sequential:
     return torch.nn.Sequential(*layers)
 
 
+def parameter_count(hidden: Sequence[int]) -> int:
+    """Parameters of make_model(hidden): each Linear(a, b) holds a x b weights and b biases."""
+    widths = [FEATURES, *hidden, CLASSES]
+    return sum(a * b + b for a, b in zip(widths, widths[1:]))
+
+
+def digest(tensors: Sequence[torch.Tensor]) -> str:
+    """A short hash of the tensors' bytes: equal digests across ranks mean identical replicas."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 class FlatModel:
     """A model whose parameters are views into one flat float32 tensor ``weights``.
 

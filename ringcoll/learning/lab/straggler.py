@@ -125,7 +125,7 @@ def _collective_run(rank: int, cfg: Config, seed: int, slow: bool, variant: str,
         if cfg.trace and step == 0:
             trace["after_first_step"] = model.weights.clone()
     elapsed = time.perf_counter() - start
-    out = {"elapsed": elapsed, "log": log, "digest": _digest(model.weights)}
+    out = {"elapsed": elapsed, "log": log, "digest": common.digest([model.weights])}
     if rank == 0:
         data = common.digits()
         out["accuracy"] = model.accuracy(data.test_x, data.test_y)
@@ -133,12 +133,6 @@ def _collective_run(rank: int, cfg: Config, seed: int, slow: bool, variant: str,
         trace["final"] = model.weights.clone()
         out["trace"] = trace
     return out
-
-
-def _digest(weights: torch.Tensor) -> str:
-    import hashlib
-
-    return hashlib.sha256(weights.numpy().tobytes()).hexdigest()[:16]
 
 
 # --- the parameter server: workers 0..P-1, server P, gloo send/recv --------------------------
@@ -377,8 +371,7 @@ def format_table(cfg: Config, summary: Dict) -> str:
 
 
 def describe(cfg: Config) -> str:
-    model = common.make_model(cfg.hidden, 0)
-    n = sum(p.numel() for p in model.parameters())
+    n = common.parameter_count(cfg.hidden)
     how = "sleeps" if cfg.slow_by == "sleep" else "busy-waits (keeping its core)"
     oversubscribed = " (oversubscribed: more processes than the machine's cores)" \
         if cfg.world + 1 > common.cores() else ""
