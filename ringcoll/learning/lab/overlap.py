@@ -42,7 +42,7 @@ import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -75,7 +75,7 @@ def _model(cfg: Config) -> torch.nn.Module:
 
 
 def model_bytes(cfg: Config) -> int:
-    return 4 * sum(p.numel() for p in _model(cfg).parameters())
+    return 4 * common.parameter_count(cfg.hidden)
 
 
 def bucket_bytes(cfg: Config, fraction: float) -> int:
@@ -135,18 +135,24 @@ def _compute_only(cfg: Config, rank: int, world: int) -> float:
     return _time_steps(cfg, model, opt, common.batches(0, rank, world, cfg.batch))
 
 
-def _ddp(cfg: Config, rank: int, world: int, cap: int, mode: str) -> Tuple[float, str]:
-    from torch.nn.parallel import DistributedDataParallel
-
-    model = DistributedDataParallel(_model(cfg), bucket_cap_mb=cap / 2**20, gradient_as_bucket_view=True)
-    if mode == "no overlap":
-        model.register_comm_hook(None, _blocking_allreduce_hook)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    t = _time_steps(cfg, model, opt, common.batches(0, rank, world, cfg.batch))
-    return t, _digest(model.module)
+class Setup(NamedTuple):
+    model: torch.nn.Module  # what the forward calls (the DDP wrapper, for ddp)
+    opt: torch.optim.Optimizer
+    after: Optional[Callable[[], None]]  # what the last timed step still waits for
+    params: List[torch.Tensor]  # the weights, for the replicas' digest
 
 
-def _zero2(cfg: Config, rank: int, world: int, cap: int, mode: str) -> Tuple[float, str]:
+def setup(cfg: Config, system: str, mode: str, cap: int) -> Setup:
+    """The model and optimizer of one configuration (collective: DDP and ZeRO both
+    broadcast rank 0's weights)."""
+    if system == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(_model(cfg), bucket_cap_mb=cap / 2**20, gradient_as_bucket_view=True)
+        if mode == "no overlap":
+            model.register_comm_hook(None, _blocking_allreduce_hook)
+        params = list(model.module.parameters())
+        return Setup(model, torch.optim.SGD(params, lr=0.01), None, params)
     from ringcoll.training.zero import ShardedOptimizer
 
     model = _model(cfg)
@@ -155,17 +161,14 @@ def _zero2(cfg: Config, rank: int, world: int, cap: int, mode: str) -> Tuple[flo
         opt.max_buckets_in_flight = 0  # each reduce-scatter waited for as soon as it starts
     if mode == "reduce-scatter + all-gather":
         opt.prefetch_params(model)
-    t = _time_steps(cfg, model, opt, common.batches(0, rank, world, cfg.batch), after=opt.wait_for_params)
-    return t, _digest(model)
+    return Setup(model, opt, opt.wait_for_params, list(model.parameters()))
 
 
-def _digest(model: torch.nn.Module) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    for p in model.parameters():
-        h.update(p.detach().contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]
+def _configuration(cfg: Config, rank: int, world: int, system: str, mode: str, cap: int) -> Tuple[float, str]:
+    """One configuration's time per step, and the digest of the weights it ends with."""
+    s = setup(cfg, system, mode, cap)
+    t = _time_steps(cfg, s.model, s.opt, common.batches(0, rank, world, cfg.batch), after=s.after)
+    return t, common.digest(s.params)
 
 
 def _comm_alone(cfg: Config, system: str, cap: int, world: int, reps: int = 5) -> float:
@@ -222,7 +225,7 @@ def _job(rank: int, world: int, cfg: Config) -> Optional[Dict]:
         bar.update()
         for i, (system, fraction, mode) in enumerate(configs):
             cap = bucket_bytes(cfg, fraction)
-            step, digests[i] = (_ddp if system == "ddp" else _zero2)(cfg, rank, world, cap, mode)
+            step, digests[i] = _configuration(cfg, rank, world, system, mode, cap)
             steps[i].append(step)
             comms[i].append(_comm_alone(cfg, system, cap, world))
             bar.update()
