@@ -799,7 +799,9 @@ def _report(results) -> None:
         pytest.fail(f"{len(failures)} failures, first ones:\n" + "\n".join(failures[:60]), pytrace=False)
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4, 5], ids=lambda w: f"P{w}")
+# P = 5 is left to the fuzzer (test_fuzz.py draws every collective and dtype at P = 1..5 and
+# asserts that P = 5 is reached): here it repeated P = 3's odd-world cases for ~25 s of CI.
+@pytest.mark.parametrize("world", [1, 2, 3, 4], ids=lambda w: f"P{w}")
 def test_collectives_match_gloo(world):
     _report(spawn(_matrix_rank, world, timeout=SPAWN_TIMEOUT, env=CLEAN_ENV))
 
