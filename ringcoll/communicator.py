@@ -443,6 +443,10 @@ class Communicator(ArgumentChecks):
             return
         self._closed = True
         self._transport.close(wait_for_peers)
+        # Let go of the process group: held on, it outlives dist.destroy_process_group(), and
+        # gloo's worker threads with it, until the interpreter's exit, where one that frees a
+        # finished call's tensors needs the GIL and aborts the process (a torch race).
+        self._bootstrap = self.group = None
 
     def __enter__(self) -> "Communicator":
         return self

@@ -153,6 +153,7 @@ class HierarchicalCommunicator(ArgumentChecks):
     def close(self) -> None:
         """Finish queued work, then release the intra-node ring. Idempotent."""
         self._calls.close(self.intra.close)
+        self.group = self.inter_group = None  # released, as Communicator._close releases its group
 
     def __enter__(self) -> "HierarchicalCommunicator":
         return self
@@ -182,6 +183,8 @@ class HierarchicalCommunicator(ArgumentChecks):
         CUDA both levels enqueue on the current stream without blocking the host (the ring
         and NCCL alike), so the call runs now even when async: its Work is already done.
         `call` is (dtype code, op code or -1, count): what check_call compares."""
+        if self.group is None:
+            raise RingcollError(f"{name}: communicator is closed")
         if self._broken_reason:
             raise RingcollError(f"{name}: communicator is broken by an earlier error ({self._broken_reason})")
         collective = USER_CALLS.index(name.removeprefix("prepare_"))  # a prepared run is its collective

@@ -287,6 +287,7 @@ class CudaTransport(Transport):
                 except Exception as e:  # noqa: BLE001 - a peer may still map us: keep, say why
                     self._comm.keep_memory(f"not every peer reached the rendezvous before freeing ({e})")
             self._comm.free_memory()
+        self._bootstrap = None  # the group, released (Communicator._close)
         if self._comm.kept_on_close:  # stacklevel: the caller of Communicator.close()
             warnings.warn(f"ringcoll: rank {self.rank} keeps its GPU buffer until the process exits, since "
                           f"peers may still map it: {self._comm.kept_on_close}", RuntimeWarning, stacklevel=4)
