@@ -1,4 +1,4 @@
-"""The backend over two machines, simulated for real: examples/two_hosts.py puts each
+"""The backend over two machines, simulated for real: ringcoll/harness/hosts.py puts each
 machine in a network namespace of its own (joined by a veth pair: the traffic between the
 machines crosses an interface) with a private /dev/shm, and starts ``torchrun --nnodes 2``
 on each, as one would on two machines. Needs root and iproute2 (CI runs as root); where the
@@ -7,7 +7,6 @@ namespaces cannot be made the test fails saying so, it does not skip.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -16,16 +15,15 @@ import subprocess
 import sys
 import time
 
+from ringcoll.harness import hosts as two_hosts
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_spec = importlib.util.spec_from_file_location("two_hosts", os.path.join(ROOT, "examples", "two_hosts.py"))
-two_hosts = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(two_hosts)
 
 
 def _run(*job: str) -> str:
     """The job on 2 machines x 2 ranks; the output of machine 0 (where rank 0 prints)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RINGCOLL_")}  # defaults, as a user runs them
-    status, outputs = two_hosts.run(list(job), nproc_per_node=2, timeout=240, env=env)
+    status, outputs = two_hosts.run(list(job), nproc_per_node=2, timeout=240, env=env, cwd=ROOT)
     assert status == 0, "\n".join(outputs)
     return outputs[0]
 

@@ -1,7 +1,7 @@
 """The ranks of one simulated machine, for the fault cases of test_two_hosts.py.
 
     python two_host_job.py host H SCENARIO DIR    start this machine's ranks (run inside its
-                                                  namespace: examples/two_hosts.py's TwoHosts)
+                                                  namespace: ringcoll/harness/hosts.py)
     python two_host_job.py rank SCENARIO DIR      one rank (RANK, WORLD_SIZE, ... in the environment)
 
 Not torchrun: when one of its workers dies, torchrun kills the others on that machine at
