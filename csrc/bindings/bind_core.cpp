@@ -64,6 +64,7 @@ void bind_core(py::module_& m) {
   s.def("right_neighbour", &right_neighbour);
   s.def("rs_send_chunk", &rs_send_chunk);
   s.def("rs_recv_chunk", &rs_recv_chunk);
+  s.def("rs_contributor", &rs_contributor);
   s.def("ag_send_chunk", &ag_send_chunk);
   s.def("ag_recv_chunk", &ag_recv_chunk);
   auto as_coll = [](int c) { return static_cast<Collective>(c); };

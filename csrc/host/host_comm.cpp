@@ -453,11 +453,11 @@ void HostComm::run_ring_call(const char* op, const RingCall& call, const void* i
 //   reduce-scatter  the same on chunk k of every slot only
 //   all-gather      chunk r of out = slot_r
 //
-// Every rank folds in rank order 0, 1, .., P-1 with reduce_strip (so the same kernels, the
-// same per-combine rounding of 16-bit floats and AVG's finalize as the ring), hence every
-// rank's all-reduce result is bitwise the same; the order differs from the ring's (which
-// starts each chunk at a different rank), so a float sum may round differently from a
-// ring call of another size. Reads: P-1 peer slots of the published size each.
+// Every rank folds each chunk in the order the ring reduces it (rs_contributor: chunk c from
+// rank c+1 round to rank c) with reduce_strip (the same kernels, the same per-combine
+// rounding of 16-bit floats and AVG's finalize as the ring), so a one-shot call gives the
+// ring's bits, on every rank: the size at which the path changes never changes a result.
+// Reads: P-1 peer slots of the published size each.
 //
 // Flags: the same words as the ring (docs/flags.md). The publication takes the next number
 // of the communicator's one numbering (step_base + 1, identical on every rank), so the
@@ -487,17 +487,21 @@ void HostComm::wait_all_consumed(uint64_t target) {
 
 namespace {
 
-// out[0, len) = slot(0)[offset + i] op slot(1)[offset + i] op ... op slot(P-1)[offset + i],
-// folded in rank order, each slot read after wait_for_rank(r). After the first combine the
-// partial is out itself (reduce_strip allows recv == to_output: it works elementwise); the
-// last combine finalizes (AVG's division), as the ring's last one does.
+// out[0, len) = chunk `chunk` (elements [offset, offset + len) of every slot) folded over
+// the ranks in the order the ring reduces it (rs_contributor: rank c+1 first, rank c last),
+// each slot read after wait_for_rank(r): so the one-shot gives the ring's bits. After the
+// first combine the partial is out itself (reduce_strip allows recv == to_output: it works
+// elementwise); the last combine finalizes (AVG's division), as the ring's last one does.
 template <typename T, class Op, class Slot, class WaitFor>
-void one_shot_reduce(T* out, Slot&& slot, int64_t offset, int64_t len, int world, WaitFor&& wait_for_rank) {
-  wait_for_rank(0);
-  for (int r = 1; r < world; ++r) {
+void one_shot_reduce(T* out, Slot&& slot, int chunk, int64_t offset, int64_t len, int world,
+                     WaitFor&& wait_for_rank) {
+  const int first = rs_contributor(chunk, 0, world);
+  wait_for_rank(first);
+  for (int i = 1; i < world; ++i) {
+    const int r = rs_contributor(chunk, i, world);
     wait_for_rank(r);
-    const T* partial = r == 1 ? slot(0) + offset : out;
-    if (r + 1 == world) reduce_strip<T, Op, true>(nullptr, out, partial, slot(r) + offset, len, world, false);
+    const T* partial = i == 1 ? slot(first) + offset : out;
+    if (i + 1 == world) reduce_strip<T, Op, true>(nullptr, out, partial, slot(r) + offset, len, world, false);
     else reduce_strip<T, Op, false>(nullptr, out, partial, slot(r) + offset, len, world, false);
   }
 }
@@ -547,11 +551,15 @@ void HostComm::finish_one_shot(const RingCall& call, const OneShotPublication& m
     dispatch_call(call.descriptor, [&](auto t, auto o) {
       using T = decltype(t);
       auto slot = [&](int r) { return reinterpret_cast<const T*>(slot_of(r)); };
-      // Reduce-scatter: only my chunk of every copy (chunk_begin of P*m is k*m).
+      // Chunk by chunk, as the ring cuts the message; reduce-scatter: only my chunk (whose
+      // output is the whole of `output`).
       const bool scatter = call.collective == Collective::kReduceScatter;
-      const int64_t offset = scatter ? chunk_begin(call.ring_count, world_, rank_) : 0;
-      const int64_t len = scatter ? chunk_length(call.ring_count, world_, rank_) : call.ring_count;
-      one_shot_reduce<T, decltype(o)>(static_cast<T*>(output), slot, offset, len, world_, wait_for_rank);
+      for (int c = scatter ? rank_ : 0; c < (scatter ? rank_ + 1 : world_); ++c) {
+        const int64_t offset = chunk_begin(call.ring_count, world_, c);
+        T* out = static_cast<T*>(output) + (scatter ? 0 : offset);
+        one_shot_reduce<T, decltype(o)>(out, slot, c, offset, chunk_length(call.ring_count, world_, c), world_,
+                                        wait_for_rank);
+      }
     });
   }
   // The waits above return at once for publications already made, so a rank arriving after

@@ -74,10 +74,11 @@ The one-shot path (small messages, CPU transport)
 Below a crossover (``RINGCOLL_SMALL_BYTES``) the shared-memory transport does not run the
 ring at all (``run_one_shot`` in ``csrc/host/host_comm.cpp``; :func:`one_shot_fits` mirrors
 its test). In one step every rank copies its input into one slot of its own buffer and
-publishes it; then every rank reads the slots of all P ranks, in rank order 0 .. P-1, and
-combines them itself::
+publishes it; then every rank reads the slots of all P ranks and combines them itself,
+each chunk c in the order the ring reduces it (:func:`rs_contributor`), so it computes the
+ring's bits::
 
-    all-reduce      out = ((slot_0 op slot_1) op slot_2) ... op slot_{P-1}
+    all-reduce      chunk c of out = ((slot_{c+1} op slot_{c+2}) op ...) op slot_c   (mod P)
     reduce-scatter  the same, on chunk k of every slot only
     all-gather      chunk r of out = slot_r (each rank publishes only its own part)
 
@@ -127,6 +128,7 @@ __all__ = [
     "max_chunk_length",
     "rs_send_chunk",
     "rs_recv_chunk",
+    "rs_contributor",
     "ag_send_chunk",
     "ag_recv_chunk",
     "ring_steps",
@@ -201,6 +203,13 @@ def rs_send_chunk(rank: int, step: int, world: int) -> int:
 def rs_recv_chunk(rank: int, step: int, world: int) -> int:
     """Reduce-scatter step ``step`` in [0, P-2]: the chunk ``rank`` receives and reduces."""
     return ring_mod(rank - step - 2, world)
+
+
+def rs_contributor(chunk: int, i: int, world: int) -> int:
+    """The i-th rank whose copy the reduce-scatter folds into chunk ``chunk``, i in [0, P-1]:
+    rank c+1 publishes its raw copy, each rank on the way round adds its own, rank c last.
+    The one-shot path folds in this order too (:func:`simulate_one_shot`)."""
+    return ring_mod(chunk + 1 + i, world)
 
 
 def ag_send_chunk(rank: int, step: int, world: int) -> int:
@@ -510,8 +519,10 @@ def simulate_one_shot(
     op: Callable[[Any, Any], Any] = operator.add,
 ) -> List[OneShotRank]:
     """Run the one-shot path of ``coll`` on Python lists (inputs as for :func:`simulate`).
-    Each rank folds the slots in rank order, ``op(partial, slot_r)``: the argument order of
-    the C++ ``reduce`` (received partial first), so every rank computes the same bits."""
+    Each rank folds chunk c of the slots in the order the ring reduces it
+    (:func:`rs_contributor`: rank c+1 first, rank c last), ``op(partial, slot_r)``: the
+    argument order of the C++ ``reduce`` (received partial first). So every rank computes
+    the ring's bits, whichever path a size takes."""
     coll = Collective(coll)
     world = len(inputs)
     if world < 1:
@@ -527,9 +538,13 @@ def simulate_one_shot(
             part = slice(chunk_begin(n, world, k), chunk_end(n, world, k)) if coll == Collective.REDUCE_SCATTER \
                 else slice(0, n)
             read = [slots[r][part] for r in range(world)]
-            output = list(read[0])
-            for r in range(1, world):
-                output = [op(a, b) for a, b in zip(output, read[r])]
+            output = []
+            for c in ([k] if coll == Collective.REDUCE_SCATTER else range(world)):
+                chunk = slice(chunk_begin(n, world, c), chunk_end(n, world, c))
+                folded = slots[rs_contributor(c, 0, world)][chunk]
+                for i in range(1, world):
+                    folded = [op(a, b) for a, b in zip(folded, slots[rs_contributor(c, i, world)][chunk])]
+                output += folded
         ranks.append(OneShotRank(rank=k, published=list(slots[k]), read=read, output=output))
     return ranks
 

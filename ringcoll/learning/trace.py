@@ -262,8 +262,9 @@ def _one_shot_lines(collective: str, coll: Collective, world: int, n: int, input
     what = "its own chunk" if gather else "its whole input"
     lines = [f"one-shot: each rank copies {what} into one slot of its own buffer and publishes it once; then every",
              "  rank waits for each peer's publication and " + ("copies slot r into chunk r of its output"
-                                                            if gather else "combines all P slots itself, in rank "
-                                                            "order 0 .. P-1 (the same order on every rank)")]
+                                                            if gather else "combines all P slots itself: chunk c in the")]
+    if not gather:
+        lines.append("  order the ring reduces it (rank c+1 first, rank c last), so every rank gets the ring's bits")
     if world == 1:
         lines += ["P = 1: no peers, no step (the transports take no one-shot path either); the input is the result"]
         ranks = simulate_one_shot(coll, inputs)

@@ -610,7 +610,32 @@ def run_one_shot_cases(chk, rank, world):
                 chk.fail(f"oneshot all_gather {_name(dtype)}", f"{taken} one-shot calls, expected {expected}")
         with ringcoll.Communicator(timeout=COMM_TIMEOUT) as other:
             run_async_cases(chk, rank, world, comm, other)
+        run_one_shot_bits_cases(chk, rank, world, comm)
         run_skewed_unchecked_cases(chk, rank, world)
+
+
+def run_one_shot_bits_cases(chk, rank, world, one_shot):
+    """The one-shot path gives the ring's bits: random floats (whose sum shows the order it
+    was taken in, from P = 3 on) reduced on `one_shot` and on a ring-only communicator."""
+    with ringcoll.Communicator(buffer_bytes=1 << 20, small_bytes=0, timeout=COMM_TIMEOUT) as ring:
+        for dtype in FLOATING:
+            for op_name in ("SUM", "PRODUCT", "AVG"):
+                op = getattr(dist.ReduceOp, op_name)
+                for count in (world * 5 + 2, 1):
+                    g = torch.Generator().manual_seed(1000 * rank + count)
+                    x = (torch.rand(world * count, generator=g, dtype=torch.float64) + 0.5).to(dtype)
+                    label = f"one-shot bits {_name(dtype)} {op_name} {world * count}"
+                    for collective in ("all_reduce", "reduce_scatter_tensor"):
+                        results = []
+                        for comm in (one_shot, ring):
+                            out = torch.empty(world * count if collective == "all_reduce" else count, dtype=dtype)
+                            if collective == "all_reduce":
+                                out.copy_(x)
+                                comm.all_reduce(out, op=op)
+                            else:
+                                comm.reduce_scatter_tensor(out, x, op=op)
+                            results.append(out)
+                        chk.equal(f"{label} {collective}", results[0], results[1])
 
 
 def _direct_expected(comm, message_bytes, repeats=1) -> int:

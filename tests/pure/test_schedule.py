@@ -64,7 +64,7 @@ def test_phase_chunks_match_cpp(world):
     # Steps beyond the phase too: the C++ functions are total, so is the mirror.
     for rank in range(world):
         for step in range(2 * world + 1):
-            for name in ("rs_send_chunk", "rs_recv_chunk", "ag_send_chunk", "ag_recv_chunk"):
+            for name in ("rs_send_chunk", "rs_recv_chunk", "rs_contributor", "ag_send_chunk", "ag_recv_chunk"):
                 assert getattr(S, name)(rank, step, world) == getattr(CS, name)(rank, step, world), (
                     name, rank, step, world)
 
@@ -367,6 +367,21 @@ def test_simulate_other_ops_and_errors():
     with pytest.raises(ValueError):
         S.simulate(Collective.ALL_REDUCE, [])
 
+
+
+@pytest.mark.parametrize("world", range(1, 7))
+@pytest.mark.parametrize("coll", [Collective.ALL_REDUCE, Collective.REDUCE_SCATTER])
+def test_one_shot_folds_in_the_rings_order(world, coll):
+    """A string "sum" records the order of the contributions: the one-shot path's result is
+    the ring's, element for element, and chunk c is folded in rs_contributor's order."""
+    for n in (0, 1, world - 1, 2 * world + 1):
+        inputs = [[f"{r}:{i} " for i in range(n)] for r in range(world)]
+        ring = S.simulate(coll, inputs, op=operator.add).outputs
+        assert [r.output for r in S.simulate_one_shot(coll, inputs, op=operator.add)] == ring, (world, n)
+        for c in range(world):
+            for i in range(S.chunk_begin(n, world, c), S.chunk_end(n, world, c)):
+                order = "".join(f"{S.rs_contributor(c, j, world)}:{i} " for j in range(world))
+                assert ring[c][i - S.chunk_begin(n, world, c) if coll == Collective.REDUCE_SCATTER else i] == order
 
 @settings(max_examples=60, deadline=None)
 @given(

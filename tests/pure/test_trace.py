@@ -159,10 +159,14 @@ def test_one_shot_trace_is_one_step_and_gives_the_reference(name, world, n):
         assert f"1 step instead of the ring's {schedule.ring_steps(coll, world)}" in text
 
 
-def test_one_shot_folds_in_rank_order_on_every_rank():
-    # A non-commutative "op" shows the order: every rank folds slot 0, then 1, then 2.
+def test_one_shot_folds_in_the_rings_order_on_every_rank():
+    # A non-commutative "op" shows the order: chunk 0 (the one element) as the ring folds
+    # it, from rank 1 round to rank 0, on every rank; chunk 1 from rank 2, chunk 2 from rank 0.
     ranks = schedule.simulate_one_shot(schedule.Collective.ALL_REDUCE, [["a"], ["b"], ["c"]], op=lambda x, y: x + y)
-    assert [r.output for r in ranks] == [["abc"]] * 3
+    assert [r.output for r in ranks] == [["bca"]] * 3
+    ranks = schedule.simulate_one_shot(schedule.Collective.ALL_REDUCE, [list("abc"), list("def"), list("ghi")],
+                                       op=lambda x, y: x + y)
+    assert [r.output for r in ranks] == [["dga", "hbe", "cfi"]] * 3
     rs = schedule.simulate_one_shot(schedule.Collective.REDUCE_SCATTER, [[1, 2, 3], [10, 20, 30], [100, 200, 300]])
     assert [r.read for r in rs][1] == [[2], [20], [200]] and [r.output for r in rs] == [[111], [222], [333]]
     text = trace("all_reduce", 2, 3, algorithm="oneshot")

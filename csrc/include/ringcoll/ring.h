@@ -57,6 +57,11 @@ RINGCOLL_INLINE int64_t max_chunk_length(int64_t n, int world) { return chunk_le
 // Reduce-scatter, step s in [0, P-2]: the chunk rank k sends and the one it receives.
 RINGCOLL_INLINE int rs_send_chunk(int rank, int step, int world) { return ring_mod(rank - step - 1, world); }
 RINGCOLL_INLINE int rs_recv_chunk(int rank, int step, int world) { return ring_mod(rank - step - 2, world); }
+// The order in which the reduce-scatter reduces chunk c: its i-th contribution, i in
+// [0, P-1], is rank c+1+i's (rank c+1 publishes its raw copy, each rank on the way round
+// adds its own, rank c last). A path that reduces without the ring (the host's one-shot)
+// folds in this order too, so every path gives the ring's bits.
+RINGCOLL_INLINE int rs_contributor(int chunk, int i, int world) { return ring_mod(chunk + 1 + i, world); }
 // All-gather, step s in [0, P-2].
 RINGCOLL_INLINE int ag_send_chunk(int rank, int step, int world) { return ring_mod(rank - step, world); }
 RINGCOLL_INLINE int ag_recv_chunk(int rank, int step, int world) { return ring_mod(rank - step - 1, world); }
