@@ -23,6 +23,15 @@ inside its node:
 AVG is SUM at both levels and one division by P at the end (gloo has no AVG, and dividing
 once rounds once). Every node must have the same number of ranks.
 
+Between two nodes a step is one swap with the peer of the same local index (each sends what
+the other needs and combines what it receives, in node order so both compute the same
+bits), not gloo's collective: the bytes a ring of two moves, in one round trip. Where the link is slower than the node's ring,
+the message goes in pieces (``pipeline_bytes``; "auto", the default, measures whether
+pieces pay, once): one piece crosses the link while the node's ring runs the next. The
+pieces never change a bit (_all_reduce_flat says why), and whole or in pieces, each node
+sends ``2(N-1)/N * n`` bytes over its link per all-reduce: ``n`` for two nodes, where one
+flat ring over both sends ``2(P-1)/P * n`` (1.5n at P = 4).
+
 It has the Communicator's methods, checks and call order (the list and coalesced forms
 packed into one flat call by ringcoll/packing.py, ``async_op=True`` queued on one worker
 thread as the shared-memory transport does; ``all_reduce(output=)`` and the prepared calls,
@@ -36,6 +45,7 @@ import datetime
 import functools
 import os
 import socket
+import time
 from typing import Callable, Optional
 
 import torch
@@ -44,9 +54,23 @@ import torch.distributed as dist
 from ringcoll import packing
 from ringcoll._types import DTYPE_NAMES, ReduceOp, op_code, reduce_op
 from ringcoll.communicator import (EQUAL, GATHER, SCATTER, ArgumentChecks, Communicator, PreparedTensors, Work,
-                                   _resolve_check, call_details, resolve_timeout, submit_profiled)
+                                   _resolve_check, call_details, parse_bytes, resolve_timeout, submit_profiled)
 from ringcoll.errors import RingcollError, RingcollMismatchError, RingcollPeerError, RingcollTimeoutError
 from ringcoll.transports.host import CallQueue, ThreadCompletion, ranks_by_domain, shared_memory_domain
+
+#: how two shards combine between the nodes (AVG runs as SUM, divided once at the end)
+COMBINE = {ReduceOp.SUM: torch.add, ReduceOp.PRODUCT: torch.mul, ReduceOp.MIN: torch.minimum,
+           ReduceOp.MAX: torch.maximum}
+
+#: the pipeline's piece, where the link is slow enough that pieces pay: one piece crosses
+#: the link while the next runs through the node's ring (pipeline_bytes= or
+#: RINGCOLL_PIPELINE_BYTES: "auto", the default, measures whether they pay; a size; 0 never)
+PIECE_BYTES = 1 << 20
+PROBE_BYTES, PROBE_ROUNDS = 8 << 20, 2  # "auto": all-reduces of 8 pieces, whole and in pieces, twice each
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 and nbytes % (1 << 20) == 0 else f"{nbytes} bytes"
 
 
 #: the user's collectives, as check_call numbers them
@@ -88,6 +112,20 @@ def uneven_nodes_message(who: str, members: dict, names: Optional[dict] = None) 
             "on every machine (torchrun --nproc-per-node N on each), or use backend='gloo'")
 
 
+def _resolve_pipeline(setting) -> tuple[Optional[int], str]:
+    """pipeline_bytes= (else RINGCOLL_PIPELINE_BYTES, else "auto") -> (piece bytes, 0 for
+    whole messages or None until "auto" has measured; how it was chosen)."""
+    if setting is None:
+        setting = os.environ.get("RINGCOLL_PIPELINE_BYTES", "auto")
+    if isinstance(setting, str) and setting.strip().lower() == "auto":
+        return None, "auto: not measured yet (no message larger than one piece so far)"
+    piece_bytes = setting if isinstance(setting, int) else parse_bytes(setting)
+    if piece_bytes < 0:
+        raise ValueError(f"HierarchicalCommunicator: pipeline_bytes must be \"auto\", 0 (never) or a size, "
+                         f"got {setting!r}")
+    return piece_bytes, f"set: {'pieces of ' + _size(piece_bytes) if piece_bytes else 'whole'}"
+
+
 class HierarchicalCommunicator(ArgumentChecks):
     """All-reduce, reduce-scatter and all-gather over nodes of ranks (module docstring).
 
@@ -99,21 +137,26 @@ class HierarchicalCommunicator(ArgumentChecks):
     """
 
     def __init__(self, group=None, node_id=None, timeout=None, buffer_bytes=None, inter_backend: Optional[str] = None,
-                 check=None, device="cpu"):
+                 check=None, device="cpu", pipeline_bytes=None):
         self.group = group if group is not None else dist.group.WORLD
         self.device = torch.device(device)
-        inter_backend = inter_backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        inter_backend = self.inter_backend = inter_backend or ("nccl" if self.device.type == "cuda" else "gloo")
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self.timeout = resolve_timeout(timeout)
         self.check = _resolve_check(check)
+        self.pipeline_bytes, self.pipeline_choice = _resolve_pipeline(pipeline_bytes)
         offers: list = [None] * self.world_size
-        dist.all_gather_object(offers, (_node_of(self.rank, node_id), socket.gethostname(), self.check),
-                               group=self.group)
-        if len({check for _, _, check in offers}) != 1:  # some ranks would run the check's calls, some not
-            raise ValueError("HierarchicalCommunicator: check= / RINGCOLL_CHECK must be the same on every rank, got "
-                             + ", ".join(f"rank {r}: {c}" for r, (_, _, c) in enumerate(offers)))
-        nodes = [node for node, _, _ in offers]
+        dist.all_gather_object(offers, (_node_of(self.rank, node_id), socket.gethostname(), self.check,
+                                        self.pipeline_bytes), group=self.group)
+        # Settings every rank must share: the check's calls, and the pieces (the node's ring
+        # checks nothing itself, so ranks cutting a message differently would not be caught).
+        for index, setting in ((2, "check= / RINGCOLL_CHECK"), (3, "pipeline_bytes= / RINGCOLL_PIPELINE_BYTES")):
+            if len({offer[index] for offer in offers}) != 1:
+                raise ValueError(f"HierarchicalCommunicator: {setting} must be the same on every rank, got "
+                                 + ", ".join(f"rank {r}: {'auto' if offer[index] is None else offer[index]}"
+                                            for r, offer in enumerate(offers)))
+        nodes = [node for node, *_ in offers]
         members = ranks_by_domain(nodes)  # nodes in order of their first rank
         order = list(members)
         # What the messages call each node: its first rank's host name, the node id beside it.
@@ -130,7 +173,7 @@ class HierarchicalCommunicator(ArgumentChecks):
         self.node_names = [labels[node] for node in order]
 
         def global_ranks(ranks):
-            return [dist.get_global_rank(self.group, r) if self.group is not dist.group.WORLD else r for r in ranks]
+            return [self._global_rank(r) for r in ranks]
 
         # use_local_synchronization: only the members make a group, so this also works inside
         # a subgroup, and the node's group comes first on every rank (no crossed waits).
@@ -147,12 +190,18 @@ class HierarchicalCommunicator(ArgumentChecks):
         self.intra = Communicator(group=node_group, device=self.device, timeout=self.timeout,
                                   buffer_bytes=buffer_bytes, check=False)
         self.device = self.intra.device  # with its index
+        # The ranks in the order the node's ring lays out blocks between the levels: local
+        # index by local index, node by node within each (row l * H + i is rank_at[i][l]).
+        self._by_local_order = torch.tensor([self.rank_at[node][l] for l in range(self.local_size)
+                                             for node in range(self.num_nodes)], device=self.device)
+        self._work_space: dict = {}  # _scratch
         self._calls = CallQueue()
         self._broken_reason = ""
 
     def close(self) -> None:
-        """Finish queued work, then release the intra-node ring. Idempotent."""
+        """Finish queued work, then release the intra-node ring and the work space. Idempotent."""
         self._calls.close(self.intra.close)
+        self._work_space.clear()
         self.group = self.inter_group = None  # released, as Communicator._close releases its group
 
     def __enter__(self) -> "HierarchicalCommunicator":
@@ -230,6 +279,10 @@ class HierarchicalCommunicator(ArgumentChecks):
             raise error(f"{name}: rank {self.rank} on host {self.node_names[self.node_index]} {what} from the other "
                         f"hosts ({peers}): {type(e).__name__}: {e}") from e
 
+    def _global_rank(self, rank: int) -> int:
+        """The default group's number of this group's `rank` (what point-to-point calls take)."""
+        return dist.get_global_rank(self.group, rank) if self.group is not dist.group.WORLD else rank
+
     @staticmethod
     def _ranks_text(ranks) -> str:
         return ", ".join(map(str, ranks))
@@ -237,14 +290,14 @@ class HierarchicalCommunicator(ArgumentChecks):
     def _check_call(self, name: str, user_call: tuple) -> None:
         """Raise RingcollMismatchError on every rank, before any data moves, unless every rank
         of every node made this call: each node gathers its ranks' calls on its ring, then the
-        nodes exchange theirs (two fixed-size calls, so they cannot mismatch themselves). A
-        check per node only would let two nodes that agree inside differ from each other
-        and fail inside gloo."""
+        nodes exchange theirs as the all-gather between them does (two fixed-size calls, so
+        they cannot mismatch themselves). A check per node only would let two nodes that agree
+        inside differ from each other and fail inside gloo."""
         mine = torch.tensor(user_call, dtype=torch.int64, device=self.device)
         node_calls = mine.new_empty(self.local_size * mine.numel())
         self.intra.all_gather_into_tensor(node_calls, mine)
         every_call = node_calls.new_empty(self.num_nodes * node_calls.numel())
-        dist.all_gather_into_tensor(every_call, node_calls, group=self.inter_group)
+        self._start_all_gather(every_call, node_calls)()
         calls = every_call.view(self.num_nodes, self.local_size, -1).tolist()
         by_call: dict = {}
         for node in range(self.num_nodes):
@@ -258,45 +311,243 @@ class HierarchicalCommunicator(ArgumentChecks):
                                     f"{self.num_nodes} hosts ({', '.join(self.node_names)}): {what}; nothing was "
                                     "moved")
 
+    # --- between the nodes: one step per piece, started now, finished later ------------------
+    #
+    # Each level-2 step is started asynchronously and finished (waited, combined) later, so
+    # the caller can run the node's ring on the next piece while this one crosses the link.
+    # With two nodes a step is one swap with the one peer (this local index on the other
+    # node): send what it needs, receive what this rank needs, combine here, both in node
+    # order, so both nodes compute the same bits. That moves the bytes a ring of two moves,
+    # in one round trip where gloo's ring of two takes two (a reduce-scatter, then an
+    # all-gather). With more nodes, gloo's collective over the local index's group.
+
+    def _swap(self, send: torch.Tensor, receive: torch.Tensor) -> Callable[[], None]:
+        """Start sending `send` to the other node's rank of this local index and receiving
+        `receive` from it; the returned call waits for both. NCCL takes the two as one batch
+        (two separate calls could each wait for the other side's); gloo as two calls, as
+        its batch took twice as long (1.9 ms against 0.8 ms for 512 KiB each way, 2 x 2
+        namespace ranks)."""
+        peer = self._global_rank(self.inter_ranks[1 - self.node_index])
+        if self.inter_backend == "nccl":
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, peer, self.inter_group),
+                                            dist.P2POp(dist.irecv, receive, peer, self.inter_group)])
+        else:
+            works = [dist.isend(send, dst=peer, group=self.inter_group),
+                     dist.irecv(receive, src=peer, group=self.inter_group)]
+        return lambda: [work.wait() for work in works] and None
+
+    def _combine_in_node_order(self, mine: torch.Tensor, theirs: torch.Tensor, level_op: ReduceOp,
+                               out: torch.Tensor) -> None:
+        """out = node 0's op node 1's, whichever of the two this rank is on."""
+        first, second = (mine, theirs) if self.node_index == 0 else (theirs, mine)
+        COMBINE[level_op](first, second, out=out)
+
+    def _start_all_reduce(self, shard: torch.Tensor, level_op: ReduceOp, bank: int) -> Callable[[], None]:
+        """Start `shard` = level_op over the nodes' shards of this local index; the returned
+        call finishes it."""
+        if self.num_nodes == 2:
+            theirs = self._scratch(bank, "theirs", shard.numel(), shard.dtype)
+            wait = self._swap(shard, theirs)
+            return lambda: (wait(), self._combine_in_node_order(shard, theirs, level_op, shard)) and None
+        work = dist.all_reduce(shard, op=self._inter_op(level_op), group=self.inter_group, async_op=True)
+        return work.wait
+
+    def _start_reduce_scatter(self, out: torch.Tensor, by_node: torch.Tensor, level_op: ReduceOp,
+                              bank: int) -> Callable[[], None]:
+        """Start `out` = level_op over the nodes of their rows of `by_node` (H rows: row i
+        for node i) at this node's index."""
+        if self.num_nodes == 2:
+            rows = by_node.view(2, -1)
+            theirs = self._scratch(bank, "theirs", out.numel(), out.dtype)
+            wait = self._swap(rows[1 - self.node_index], theirs)
+            return lambda: (wait(), self._combine_in_node_order(rows[self.node_index], theirs, level_op, out)) \
+                and None
+        work = dist.reduce_scatter_tensor(out, by_node, op=self._inter_op(level_op), group=self.inter_group,
+                                          async_op=True)
+        return work.wait
+
+    def _start_all_gather(self, by_node: torch.Tensor, mine: torch.Tensor) -> Callable[[], None]:
+        """Start row i of `by_node` = node i's `mine` (this rank's local index)."""
+        if self.num_nodes == 2:
+            rows = by_node.view(2, -1)
+            rows[self.node_index].copy_(mine)
+            return self._swap(mine, rows[1 - self.node_index])
+        return dist.all_gather_into_tensor(by_node, mine, group=self.inter_group, async_op=True).wait
+
+    # --- the pipeline: pieces, and the work space two pieces in flight use ----------------
+
+    def _pieces(self, numel: int, unit_bytes: int, piece_bytes: Optional[int] = None) -> list[slice]:
+        """[0, numel) cut into pipeline pieces, each about piece_bytes of the message (default:
+        the communicator's choice, _piece_bytes) where each of the numel units stands for
+        `unit_bytes` of it; one piece when the message is no larger or pipelining is off."""
+        if piece_bytes is None:
+            piece_bytes = self._piece_bytes(numel * unit_bytes)
+        per_piece = max(1, piece_bytes // unit_bytes) if piece_bytes else max(numel, 1)
+        return [slice(start, min(start + per_piece, numel)) for start in range(0, numel, per_piece)] or [slice(0, 0)]
+
+    def _piece_bytes(self, message_bytes: int) -> int:
+        """The piece for a message of `message_bytes` (0: whole). With pipeline_bytes="auto",
+        the first message larger than one piece decides, once, by measuring (_decide_pipeline):
+        every rank reaches that call at the same point, as it makes the same calls."""
+        if self.pipeline_bytes is None and message_bytes > PIECE_BYTES:
+            self._decide_pipeline()
+        return self.pipeline_bytes or 0
+
+    def _decide_pipeline(self) -> None:
+        """Time all-reduces of PROBE_BYTES whole and in PIECE_BYTES pieces, in turn, and keep
+        the faster, as the slowest rank saw each (so every rank decides alike). Pieces pay
+        where the link is slower than the node's ring: the ring runs the next piece while
+        one crosses. Where it is not (on this project's 2-core VM, two namespace machines
+        share the cores, and moving bytes over the veth takes the same CPU as the ring),
+        each piece only adds a meeting of the ranks: 0.65x gloo at 64 MiB in 1 MiB pieces,
+        1.3x whole; on a 2 Gbit/s link, 1.5x in pieces, 0.8x whole."""
+        probe = torch.zeros(PROBE_BYTES // 4, dtype=torch.float32, device=self.device)
+        spent = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for round_ in range(PROBE_ROUNDS + 1):  # the first round warms the work space up, uncounted
+            for i, piece_bytes in enumerate((0, PIECE_BYTES)):
+                self._synchronize()
+                start = time.perf_counter()
+                self._all_reduce_flat(probe, ReduceOp.SUM, False, piece_bytes=piece_bytes)
+                self._synchronize()
+                spent[i] += (time.perf_counter() - start) if round_ else 0.0
+        self._all_reduce_flat(spent, ReduceOp.MAX, False, piece_bytes=0)
+        whole, pieces = (t / PROBE_ROUNDS * 1e3 for t in spent.tolist())
+        self.pipeline_bytes = PIECE_BYTES if pieces < whole else 0
+        self.pipeline_choice = (f"auto: {'pieces of ' + _size(PIECE_BYTES) if self.pipeline_bytes else 'whole'} "
+                                f"(a {_size(PROBE_BYTES)} all-reduce took {whole:.2f} ms whole, {pieces:.2f} ms "
+                                f"in pieces of {_size(PIECE_BYTES)})")
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _pipelined(self, pieces: list, first: Callable, second: Callable) -> None:
+        """For each piece in turn: first(piece, bank) (it starts the step between the nodes
+        and returns its finish), then the previous piece's finish and second(previous piece,
+        its bank): so one piece crosses the link while the next one runs through the node's
+        ring. Pieces alternate between two banks of work space (_scratch), as the ring's
+        slices alternate between two banks of slots."""
+        pending = None
+        for index, piece in enumerate(pieces):
+            bank = index % 2
+            finish = first(piece, bank)
+            if pending is not None:
+                pending[2]()
+                second(*pending[:2])
+            pending = (piece, bank, finish)
+        pending[2]()
+        second(*pending[:2])
+
+    def _scratch(self, bank: int, role: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """`numel` elements of work space for `role` in piece bank `bank`, kept from call to
+        call (grown when a larger piece needs it): pieces bound it, not messages, unless a
+        message goes whole. Fresh tensors for every piece were fresh pages, faulted in on
+        every call. Calls run one at a time (the call queue), and on CUDA every use is in
+        the current stream's order."""
+        key = (bank, role, dtype)
+        space = self._work_space.get(key)
+        if space is None or space.numel() < numel:
+            space = self._work_space[key] = torch.empty(numel, dtype=dtype, device=self.device)
+        return space[:numel]
+
     # --- the three algorithms, on flat contiguous tensors ----------------------------------
 
     def _all_reduce_flat(self, flat: torch.Tensor, level_op: ReduceOp, divide: bool,
-                         into: Optional[torch.Tensor] = None) -> None:
-        """The result goes to `into` (flat and as large), by default `flat` itself."""
+                         into: Optional[torch.Tensor] = None, piece_bytes: Optional[int] = None) -> None:
+        """The result goes to `into` (flat and as large), by default `flat` itself.
+
+        The message, padded to L equal shards of s elements, is cut as the node's ring cuts
+        it: local index l owns shard l. Piece k holds the k-th part of every shard; it is
+        reduce-scattered in the node (local index l gets its shard's part, reduced over the
+        node), all-reduced between the nodes, and all-gathered in the node. An element is
+        in its shard's part of whichever piece, and the ring reduces the part of shard c in
+        chunk c's order, so however the message is cut every element is reduced in the same
+        order: pipelining never changes a bit."""
+        into = flat if into is None else into
         n, local = flat.numel(), self.local_size
-        shard = -(-n // local)  # ceil: the padded message splits into L equal shards
-        padded = flat.new_zeros(shard * local)
-        padded[:n].copy_(flat)
-        mine = padded.new_empty(shard)
-        self.intra.reduce_scatter_tensor(mine, padded, op=level_op)
-        dist.all_reduce(mine, op=self._inter_op(level_op), group=self.inter_group)
-        self.intra.all_gather_into_tensor(padded, mine)
-        (flat if into is None else into).copy_(padded[:n] / self.world_size if divide else padded[:n])
+        shard = -(-n // local)
+        parts = self._pieces(shard, local * flat.element_size(), piece_bytes)
+        whole = len(parts) == 1 and shard * local == n  # the message itself is the ring's input and output
+
+        def first(part: slice, bank: int):
+            width = part.stop - part.start
+            source = flat
+            if not whole:
+                source = self._scratch(bank, "piece", local * width, flat.dtype)
+                self._shard_parts(flat, shard, part, source.view(local, width), into_rows=True)
+            mine = self._scratch(bank, "shard", width, flat.dtype)
+            self.intra.reduce_scatter_tensor(mine, source, op=level_op)
+            return self._start_all_reduce(mine, level_op, bank)
+
+        def second(part: slice, bank: int):
+            width = part.stop - part.start
+            mine = self._scratch(bank, "shard", width, flat.dtype)
+            gathered = into if whole else self._scratch(bank, "piece", local * width, flat.dtype)
+            self.intra.all_gather_into_tensor(gathered, mine)
+            if divide:
+                gathered.div_(self.world_size)
+            if not whole:
+                self._shard_parts(into, shard, part, gathered.view(local, width), into_rows=False)
+
+        self._pipelined(parts, first, second)
+
+    @staticmethod
+    def _shard_parts(message: torch.Tensor, shard: int, part: slice, rows: torch.Tensor, into_rows: bool) -> None:
+        """Row c of `rows` is elements `part` of shard c of `message` (shards of `shard`
+        elements; past the message's end, padding): copied into the rows (zeros for the
+        padding, which is reduced among itself and dropped), or back out of them."""
+        n = message.numel()
+        for c in range(rows.shape[0]):
+            start = min(c * shard + part.start, n)
+            valid = min(c * shard + part.stop, n) - start
+            if into_rows:
+                rows[c, :valid].copy_(message[start:start + valid])
+                rows[c, valid:].zero_()
+            else:
+                message[start:start + valid].copy_(rows[c, :valid])
 
     def _reduce_scatter_flat(self, output: torch.Tensor, input: torch.Tensor, level_op: ReduceOp,
                              divide: bool) -> None:
+        """Per piece of the chunks (the same columns of every chunk): the P chunks' pieces
+        regrouped by local index (local index l's block holds the pieces for ranks
+        rank_at[0][l], rank_at[1][l], ...), reduce-scattered in the node, then between the
+        nodes. An element's chunk, and so its order, is the same in every piece."""
         m = output.numel()
-        chunks = input.view(self.world_size, m)
-        # Regroup: local index l's block holds the chunks of ranks rank_at[0][l], rank_at[1][l], ...
-        by_local = torch.stack([chunks[self.rank_at[node][l]] for l in range(self.local_size)
-                                for node in range(self.num_nodes)])
-        mine = by_local.new_empty(self.num_nodes * m)
-        self.intra.reduce_scatter_tensor(mine, by_local.view(-1), op=level_op)
-        result = output.new_empty(m)
-        dist.reduce_scatter_tensor(result, mine, op=self._inter_op(level_op), group=self.inter_group)
-        output.copy_((result / self.world_size if divide else result).view_as(output))
+        chunks, result = input.view(self.world_size, m), output.view(-1)
+
+        def first(piece: slice, bank: int):
+            width = piece.stop - piece.start
+            regrouped = self._scratch(bank, "regrouped", self.world_size * width, input.dtype)
+            torch.index_select(chunks[:, piece], 0, self._by_local_order, out=regrouped.view(self.world_size, width))
+            mine = self._scratch(bank, "mine", self.num_nodes * width, input.dtype)
+            self.intra.reduce_scatter_tensor(mine, regrouped, op=level_op)
+            return self._start_reduce_scatter(result[piece], mine, level_op, bank)
+
+        def second(piece: slice, bank: int):
+            if divide:
+                result[piece].div_(self.world_size)
+
+        self._pipelined(self._pieces(m, self.world_size * input.element_size()), first, second)
 
     def _all_gather_flat(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        """Per piece of the input: all-gathered between the nodes (row i: node i's), then in
+        the node, then put back in rank order."""
         m = input.numel()
-        across_nodes = input.new_empty(self.num_nodes * m)
-        dist.all_gather_into_tensor(across_nodes, input.reshape(-1), group=self.inter_group)
-        by_local = input.new_empty(self.local_size * self.num_nodes * m)
-        self.intra.all_gather_into_tensor(by_local, across_nodes)
-        blocks = by_local.view(self.local_size, self.num_nodes, m)
-        out = output.view(self.world_size, m)
-        for node in range(self.num_nodes):
-            for l in range(self.local_size):
-                out[self.rank_at[node][l]].copy_(blocks[l, node])
+        mine, out = input.reshape(-1), output.view(self.world_size, m)
+
+        def first(piece: slice, bank: int):
+            by_node = self._scratch(bank, "by_node", self.num_nodes * (piece.stop - piece.start), input.dtype)
+            return self._start_all_gather(by_node, mine[piece])
+
+        def second(piece: slice, bank: int):
+            width = piece.stop - piece.start
+            by_node = self._scratch(bank, "by_node", self.num_nodes * width, input.dtype)
+            by_local = self._scratch(bank, "by_local", self.world_size * width, input.dtype)
+            self.intra.all_gather_into_tensor(by_local, by_node)
+            # Row l * H + i of by_local is node i's rank of local index l: back in rank order.
+            out[:, piece].index_copy_(0, self._by_local_order, by_local.view(self.world_size, width))
+
+        self._pipelined(self._pieces(m, self.world_size * input.element_size()), first, second)
 
     # --- the collectives: the Communicator's signatures -----------------------------------
 

@@ -50,7 +50,8 @@ def _hierarchical_vs_gloo(rank, world, layout, cases):
 
     failures = []
     node = layout[rank]
-    with HierarchicalCommunicator(node_id=node, buffer_bytes=4096) as h:
+    # pipeline_bytes=256: a message of 1031 elements crosses in pieces of 64, the last padded
+    with HierarchicalCommunicator(node_id=node, buffer_bytes=4096, pipeline_bytes=256) as h:
         info = (h.num_nodes, h.local_size, h.node_index, h.local_rank)
         for dtype, op in cases:
             for n in (0, 5, 4 * 257 + 3):
@@ -122,14 +123,55 @@ def _out_of_place_and_prepared(h, rank, world, dtype, op):
 @pytest.mark.parametrize("layout,cases", [
     (("a", "a", "b", "b"), FULL),  # 2 nodes x 2 ranks, node-major rank order (as torchrun numbers them)
     (("a", "b", "a", "b"), SHORT),  # the same nodes with interleaved ranks: the regrouping matters
+    (("a", "b", "c"), SHORT),  # 3 nodes x 1: between the nodes gloo's collectives, not the swap of two
 ])
-def test_two_nodes_of_two_match_gloo(layout, cases):
-    results = spawn(_hierarchical_vs_gloo, 4, layout, cases, timeout=240)
+def test_nodes_match_gloo(layout, cases):
+    results = spawn(_hierarchical_vs_gloo, len(layout), layout, cases, timeout=240)
     infos = [info for info, _ in results]
-    assert {(n, l) for n, l, _, _ in infos} == {(2, 2)}
-    assert sorted((node, local) for _, _, node, local in infos) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    nodes, local = len(set(layout)), len(layout) // len(set(layout))
+    assert {(n, l) for n, l, _, _ in infos} == {(nodes, local)}
+    assert sorted((node, l) for _, _, node, l in infos) == [(n, l) for n in range(nodes) for l in range(local)]
     for rank, (_, failures) in enumerate(results):
         assert failures == [], (rank, failures[:10])
+
+
+def _pieces_change_no_bit(rank, world):
+    """All-reduces of random floats (so the summation order shows in the bits) on one node
+    of 3 ranks, whole, in pieces of 256 bytes and as "auto" chooses; then settings that
+    differ between ranks."""
+    from ringcoll.training.hierarchical import HierarchicalCommunicator
+
+    results, choices = {}, {}
+    for pipeline in (0, 256, "auto"):
+        with HierarchicalCommunicator(node_id="a", pipeline_bytes=pipeline) as h:
+            # 1031: the last shard padded; 300000 floats: above one piece, so "auto" measures
+            for n in (1031, 300_000):
+                x = torch.randn(n, generator=torch.Generator().manual_seed(10 * rank + n)) * 1e3
+                h.all_reduce(x)
+                results[pipeline, n] = x
+            choices[pipeline] = h.pipeline_choice
+    same = {(pipeline, n): torch.equal(x, results[0, n]) for (pipeline, n), x in results.items()}
+    try:
+        HierarchicalCommunicator(node_id="a", pipeline_bytes=[0, "1M", "auto"][rank])
+        differing = "no error"
+    except ValueError as e:
+        differing = str(e)
+    return same, choices, differing
+
+
+def test_pipelining_never_changes_a_bit():
+    """Piece k of an all-reduce holds the k-th part of every shard, so an element is reduced
+    in its shard's order however the message is cut (the ring's order differs from chunk to
+    chunk: pieces cut from the message as a whole, as before, differed in the last bits)."""
+    outcomes = spawn(_pieces_change_no_bit, 3, timeout=240)
+    for rank, (same, choices, differing) in enumerate(outcomes):
+        assert all(same.values()), (rank, same)
+        assert choices[0] == "set: whole" and choices[256] == "set: pieces of 256 bytes", choices
+        assert choices["auto"].startswith(("auto: whole (a 8 MiB all-reduce took", "auto: pieces of 1 MiB (a 8 MiB")), \
+            choices
+        assert differing == ("HierarchicalCommunicator: pipeline_bytes= / RINGCOLL_PIPELINE_BYTES must be the same "
+                             "on every rank, got rank 0: 0, rank 1: 1048576, rank 2: auto"), differing
+    assert len({choices["auto"] for _, choices, _ in outcomes}) == 1  # every rank measured the same, chose the same
 
 
 def _node_from_env(rank, world):
