@@ -372,7 +372,9 @@ class Communicator(ArgumentChecks):
     may read every peer (probed once; otherwise they go through
     the buffer as before: ``transport.direct_reads`` says which, ``transport.direct_reads_unavailable`` why);
     0 turns it off; default ``RINGCOLL_DIRECT_BYTES`` or 16 KiB (it goes before the one-shot
-    path). The same on all ranks (checked).
+    path). The same on all ranks (checked). ``shares_cores`` (CPU): this rank's cores also
+    run other busy threads, so its waits nap instead of spinning (HierarchicalCommunicator
+    sets it for its node's ring where ranks and their link threads outnumber the cores).
 
     Usable as a context manager; ``close()`` releases the buffers. On CUDA ``close()`` is
     collective (every peer must close before anyone frees memory the others map).
@@ -381,7 +383,7 @@ class Communicator(ArgumentChecks):
     transport_class = staticmethod(transport_for)  # device -> its transport (tests substitute the emulated one)
 
     def __init__(self, group=None, device=None, timeout=None, buffer_bytes=None, check=None, small_bytes=None,
-                 direct_bytes=None):
+                 direct_bytes=None, shares_cores: bool = False):
         device = torch.device(device if device is not None else "cpu")
         transport_cls = self.transport_class(device)
         self._configure(group, transport_cls.resolve_device(device), timeout, buffer_bytes, check,
@@ -394,7 +396,7 @@ class Communicator(ArgumentChecks):
                                                    DEFAULT_DIRECT_MAX_BYTES, "never read peers directly")
         self._closed = True  # until the transport exists: nothing to close
         settings = Settings(self._bootstrap, self.device, self.rank, self.world_size, self.timeout, self.buffer_bytes,
-                            self.check, self.small_bytes, self.direct_bytes, self.direct_max_bytes)
+                            self.check, self.small_bytes, self.direct_bytes, self.direct_max_bytes, shares_cores)
         self._transport = transport_cls(settings, self._exchange)
         self._view = tensor_view if transport_cls.takes_arrays else (lambda t: t)
         self._closed = False

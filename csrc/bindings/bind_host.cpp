@@ -125,10 +125,10 @@ void bind_host(py::module_& m) {
       py::arg("collective"), py::arg("ring_count"), py::arg("elem_size"), py::arg("direct_reads"),
       py::arg("direct_bytes"), py::arg("direct_max_bytes"));
   py::class_<HostComm>(m, "HostComm")
-      .def(py::init<int, int, const std::vector<std::string>&, size_t, double, bool, size_t, size_t, size_t>(),
+      .def(py::init<int, int, const std::vector<std::string>&, size_t, double, bool, size_t, size_t, size_t, bool>(),
            py::arg("rank"), py::arg("world"), py::arg("names"), py::arg("buffer_bytes"), py::arg("timeout"),
            py::arg("check_calls") = true, py::arg("small_bytes") = 0, py::arg("direct_bytes") = 0,
-           py::arg("direct_max_bytes") = ringcoll::host::kDefaultDirectMaxBytes,
+           py::arg("direct_max_bytes") = ringcoll::host::kDefaultDirectMaxBytes, py::arg("shares_cores") = false,
            py::call_guard<py::gil_scoped_release>())
       .def("all_reduce",
            [](HostComm& c, uintptr_t in, uintptr_t out, int64_t count, int dtype, int op) {
@@ -169,6 +169,13 @@ void bind_host(py::module_& m) {
       .def_property_readonly("direct_reads_unavailable", &HostComm::direct_reads_unavailable)
       .def_property_readonly("direct_calls", &HostComm::direct_calls)
       .def_property_readonly("oversubscribed", &HostComm::oversubscribed)
+      .def_property_readonly("wait_policy",
+                             [](const HostComm& c) {  // how its waits spend their time (host_wait_policy)
+                               const auto& p = c.wait_policy();
+                               return py::dict(py::arg("spin_ns") = p.spin_ns, py::arg("yield_ns") = p.yield_ns,
+                                               py::arg("first_sleep_ns") = p.first_sleep_ns,
+                                               py::arg("max_sleep_ns") = p.max_sleep_ns);
+                             })
       .def_property_readonly("broken", &HostComm::broken)
       .def_property_readonly("broken_reason", &HostComm::broken_reason)
       .def_property("timeout", &HostComm::timeout, &HostComm::set_timeout);

@@ -125,8 +125,11 @@ inline bool direct_read_fits(Collective coll, int64_t ring_count, int elem_size,
 
 // Whether `world` ranks outnumber this machine's cores (some then wait for the scheduler).
 bool ranks_outnumber_cores(int world);
-// How host waits spend their time: spinning only pays when every rank has a core.
-WaitPolicy host_wait_policy(int world, double timeout_seconds);
+// How host waits spend their time: spinning only pays when every rank has a core, and
+// yielding only when the peer waited for is what else runs here. `shares_cores`: each
+// rank's cores also run other busy threads (the hierarchical communicator's link, which
+// moves bytes while the node's ring waits): neither spin nor keep yielding, nap.
+WaitPolicy host_wait_policy(int world, double timeout_seconds, bool shares_cores = false);
 
 class HostComm {
  public:
@@ -142,9 +145,11 @@ class HostComm {
   // read every peer's input straight into the output (peer_memory.h) where every rank can
   // read every peer, probed once here; 0 never. Ranks must agree (Python checks). See
   // run_direct_all_gather.
+  //
+  // `shares_cores`: this rank's cores also run other busy threads (host_wait_policy).
   HostComm(int rank, int world, const std::vector<std::string>& names, size_t buffer_bytes,
            double timeout_seconds, bool check_calls = true, size_t small_bytes = 0, size_t direct_bytes = 0,
-           size_t direct_max_bytes = kDefaultDirectMaxBytes);
+           size_t direct_max_bytes = kDefaultDirectMaxBytes, bool shares_cores = false);
   ~HostComm() { close(); }
   HostComm(const HostComm&) = delete;
   HostComm& operator=(const HostComm&) = delete;
@@ -180,6 +185,7 @@ class HostComm {
   bool broken() const { return !broken_reason_.empty(); }
   const std::string& broken_reason() const { return broken_reason_; }
   double timeout() const { return policy_.timeout_seconds; }
+  const WaitPolicy& wait_policy() const { return policy_; }
   void set_timeout(double seconds) { policy_.timeout_seconds = seconds; }
 
   // --- used by the ring context (HostRingContext, host_comm.cpp); not part of the Python surface ---

@@ -186,9 +186,12 @@ class HierarchicalCommunicator(ArgumentChecks):
         self.inter_group = dist.new_group(global_ranks(self.inter_ranks), backend=inter_backend,
                                           use_local_synchronization=True, timeout=group_timeout)
         # The node's ring checks nothing itself: check_call below compares every user call
-        # across all nodes, and the ring's calls follow from it.
+        # across all nodes, and the ring's calls follow from it. Each rank also keeps a link
+        # thread busy (gloo's, moving bytes while the ring waits): where the two outnumber the
+        # cores, the ring's waits must not spin (Communicator's shares_cores).
         self.intra = Communicator(group=node_group, device=self.device, timeout=self.timeout,
-                                  buffer_bytes=buffer_bytes, check=False)
+                                  buffer_bytes=buffer_bytes, check=False,
+                                  shares_cores=2 * self.local_size > (os.cpu_count() or 1))
         self.device = self.intra.device  # with its index
         # The ranks in the order the node's ring lays out blocks between the levels: local
         # index by local index, node by node within each (row l * H + i is rank_at[i][l]).

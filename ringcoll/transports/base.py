@@ -52,6 +52,7 @@ class Settings(NamedTuple):
     small_bytes: int = 0  # host: messages up to this size take the one-shot path (0: always the ring)
     direct_bytes: int = 0  # host: all-gathers from this size on read peers directly where they may (0: never)
     direct_max_bytes: int = 0  # ... and below this size
+    shares_cores: bool = False  # host: the ranks' cores also run other busy threads, so waits nap, never spin
 
 
 class CollectiveCall(NamedTuple):

@@ -258,7 +258,7 @@ class HostTransport(Transport):
         names = [name for name, _ in offers]
         self._comm = _C.HostComm(settings.rank, settings.world_size, names, settings.buffer_bytes,
                                  settings.timeout, settings.check, settings.small_bytes, settings.direct_bytes,
-                                 settings.direct_max_bytes)
+                                 settings.direct_max_bytes, settings.shares_cores)
         self._calls = CallQueue()
         self.plain_calls = self._comm
 

@@ -180,11 +180,19 @@ def _node_from_env(rank, world):
     with HierarchicalCommunicator() as h:  # LOCAL_WORLD_SIZE=2 from the environment
         t = torch.full((10,), float(rank))
         h.all_reduce(t)
-        return h.num_nodes, h.local_size, t[0].item()
+        return h.num_nodes, h.local_size, t[0].item(), h.intra.transport._comm.wait_policy
 
 
 def test_node_boundary_from_local_world_size():
-    assert spawn(_node_from_env, 4, env={"LOCAL_WORLD_SIZE": "2"}) == [(2, 2, 6.0)] * 4
+    """Also: on this 2-core machine a node's 2 ranks and their 2 link threads outnumber the
+    cores, so the node's ring waits without spinning (host_wait_policy's shares_cores)."""
+    import os
+
+    results = spawn(_node_from_env, 4, env={"LOCAL_WORLD_SIZE": "2"})
+    assert [r[:3] for r in results] == [(2, 2, 6.0)] * 4
+    shared = 2 * 2 > os.cpu_count()
+    for *_, policy in results:
+        assert (policy["spin_ns"], policy["yield_ns"]) == ((0, 50000) if shared else (50000, 2000000)), policy
 
 
 def _uneven(rank, world):
