@@ -193,10 +193,8 @@ class HierarchicalCommunicator(ArgumentChecks):
                                   buffer_bytes=buffer_bytes, check=False,
                                   shares_cores=2 * self.local_size > (os.cpu_count() or 1))
         self.device = self.intra.device  # with its index
-        # The ranks in the order the node's ring lays out blocks between the levels: local
-        # index by local index, node by node within each (row l * H + i is rank_at[i][l]).
-        self._by_local_order = torch.tensor([self.rank_at[node][l] for l in range(self.local_size)
-                                             for node in range(self.num_nodes)], device=self.device)
+        # Each node's ranks, as an index into rank-ordered rows (_node_rows).
+        self._node_ranks = [torch.tensor(ranks, device=self.device) for ranks in self.rank_at]
         self._work_space: dict = {}  # _scratch
         self._calls = CallQueue()
         self._broken_reason = ""
@@ -509,21 +507,34 @@ class HierarchicalCommunicator(ArgumentChecks):
             else:
                 message[start:start + valid].copy_(rows[c, :valid])
 
+    def _node_rows(self, rows: torch.Tensor, node: int, piece: slice, bank: int) -> tuple[torch.Tensor, bool]:
+        """Columns `piece` of the rows of `node`'s ranks in `rows` (P rank-ordered rows), as
+        one flat tensor for the node's ring: the rows themselves where they lie together
+        (a whole row each, a node's ranks numbered one after the other, as torchrun numbers
+        them), else work space (and True: copy it in or out)."""
+        first, width = self.rank_at[node][0], piece.stop - piece.start
+        if width == rows.shape[1] and self.rank_at[node] == list(range(first, first + self.local_size)):
+            return rows[first:first + self.local_size].view(-1), False
+        return self._scratch(bank, "node rows", self.local_size * width, rows.dtype), True
+
     def _reduce_scatter_flat(self, output: torch.Tensor, input: torch.Tensor, level_op: ReduceOp,
                              divide: bool) -> None:
-        """Per piece of the chunks (the same columns of every chunk): the P chunks' pieces
-        regrouped by local index (local index l's block holds the pieces for ranks
-        rank_at[0][l], rank_at[1][l], ...), reduce-scattered in the node, then between the
-        nodes. An element's chunk, and so its order, is the same in every piece."""
+        """Per piece of the chunks (the same columns of every chunk): for each node i, its
+        ranks' chunks reduce-scattered in this node (local index l gets the chunk of node i's
+        rank l, reduced over this node), then between the nodes. An element's chunk, and so
+        its order, is the same in every piece."""
         m = output.numel()
         chunks, result = input.view(self.world_size, m), output.view(-1)
 
         def first(piece: slice, bank: int):
             width = piece.stop - piece.start
-            regrouped = self._scratch(bank, "regrouped", self.world_size * width, input.dtype)
-            torch.index_select(chunks[:, piece], 0, self._by_local_order, out=regrouped.view(self.world_size, width))
-            mine = self._scratch(bank, "mine", self.num_nodes * width, input.dtype)
-            self.intra.reduce_scatter_tensor(mine, regrouped, op=level_op)
+            mine = self._scratch(bank, "mine", self.num_nodes * width, input.dtype)  # row i: for node i
+            for node in range(self.num_nodes):
+                rows, copied = self._node_rows(chunks, node, piece, bank)
+                if copied:
+                    torch.index_select(chunks[:, piece], 0, self._node_ranks[node],
+                                       out=rows.view(self.local_size, width))
+                self.intra.reduce_scatter_tensor(mine.view(self.num_nodes, width)[node], rows, op=level_op)
             return self._start_reduce_scatter(result[piece], mine, level_op, bank)
 
         def second(piece: slice, bank: int):
@@ -533,8 +544,10 @@ class HierarchicalCommunicator(ArgumentChecks):
         self._pipelined(self._pieces(m, self.world_size * input.element_size()), first, second)
 
     def _all_gather_flat(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        """Per piece of the input: all-gathered between the nodes (row i: node i's), then in
-        the node, then put back in rank order."""
+        """Per piece of the input: all-gathered between the nodes (row i: node i's rank of
+        this local index), then in the node, node by node, into node i's ranks' rows.
+        Gathered into one block and put back in rank order instead, 16 MiB took 23 ms, not
+        15 (2 x 2 namespace ranks)."""
         m = input.numel()
         mine, out = input.reshape(-1), output.view(self.world_size, m)
 
@@ -545,10 +558,11 @@ class HierarchicalCommunicator(ArgumentChecks):
         def second(piece: slice, bank: int):
             width = piece.stop - piece.start
             by_node = self._scratch(bank, "by_node", self.num_nodes * width, input.dtype)
-            by_local = self._scratch(bank, "by_local", self.world_size * width, input.dtype)
-            self.intra.all_gather_into_tensor(by_local, by_node)
-            # Row l * H + i of by_local is node i's rank of local index l: back in rank order.
-            out[:, piece].index_copy_(0, self._by_local_order, by_local.view(self.world_size, width))
+            for node in range(self.num_nodes):
+                rows, copied = self._node_rows(out, node, piece, bank)
+                self.intra.all_gather_into_tensor(rows, by_node.view(self.num_nodes, width)[node])
+                if copied:
+                    out[:, piece].index_copy_(0, self._node_ranks[node], rows.view(self.local_size, width))
 
         self._pipelined(self._pieces(m, self.world_size * input.element_size()), first, second)
 
