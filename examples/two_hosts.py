@@ -25,24 +25,30 @@ import argparse
 import os
 import sys
 
-from ringcoll.harness.hosts import TwoHosts, parse_rate
+from ringcoll.harness.hosts import TwoHosts, parse_link
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     usage="%(prog)s [--nproc-per-node N] [--port P] [--link RATE] script-or--m ... args")
+                                     usage="%(prog)s [--nproc-per-node N] [--port P] [--link RATE[,DELAY]] "
+                                           "script-or--m ... args")
     parser.add_argument("--nproc-per-node", type=int, default=2)
     parser.add_argument("--port", type=int, default=29631, help="torchrun's rendezvous port on machine 0")
     parser.add_argument("--timeout", type=float, default=600)
-    parser.add_argument("--link", default=None, help="the link's rate each way, as tc writes it (10gbit)")
+    parser.add_argument("--link", default=None, help="the link's rate each way, as tc writes it (10gbit); a delay "
+                                                     "after a comma (10gbit,30us) needs the kernel's netem qdisc")
     args, job = parser.parse_known_args()
     if not job:
         parser.error("give the torchrun script (or -m module) to run")
+    try:
+        link = parse_link(args.link) if args.link else None
+    except ValueError as e:
+        parser.error(str(e))
     with TwoHosts(os.getpid()) as hosts:
-        if args.link:
-            hosts.shape(parse_rate(args.link))
+        if link:
+            hosts.shape(*link)
         status, outputs = hosts.torchrun(job, args.nproc_per_node, args.port, args.timeout, cwd=ROOT)
     for host, out in enumerate(outputs):
         print(f"=== machine {host} ===")

@@ -164,6 +164,7 @@ class Backend:
         """Wait until the calls made so far have finished (a GPU runs them after the call returns)."""
 
     def reduce_over_ranks(self, value: float, kind: str) -> float:
+        """`value` over every rank: kind "max", "min" or "sum"."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -193,10 +194,10 @@ class DistBackend(Backend):
 
     def reduce_over_ranks(self, value, kind):
         if self.meeting is not None:
-            return (max if kind == "max" else min)(self.meeting.all_gather_object(value))
+            return {"max": max, "min": min, "sum": sum}[kind](self.meeting.all_gather_object(value))
         dist = torch.distributed
         t = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX if kind == "max" else dist.ReduceOp.MIN)
+        dist.all_reduce(t, op={"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "sum": dist.ReduceOp.SUM}[kind])
         return float(t)
 
 
@@ -333,7 +334,7 @@ class MpiBackend(Backend):
         self.comm.Barrier()
 
     def reduce_over_ranks(self, value, kind):
-        return self.comm.allreduce(value, op=self.MPI.MAX if kind == "max" else self.MPI.MIN)
+        return self.comm.allreduce(value, op={"max": self.MPI.MAX, "min": self.MPI.MIN, "sum": self.MPI.SUM}[kind])
 
 
 # --- the peers: optional references, timed only where they really run ------------------------
@@ -525,6 +526,10 @@ class Config:
     in_process: bool = False  # the ranks as threads of one process (ringcoll.run_in_process), no references
     prepared: bool = False  # time ringcoll's prepared calls (Communicator.prepare_*), checked once
     rows_file: Optional[str] = None  # rank 0 appends each row there as one JSON line once it is measured
+    hosts: int = 1  # --hosts: machines (network namespaces); ringcoll runs hierarchically across them
+    link: str = ""  # what the link between the machines is (unshaped, or its rate)
+    link_interface: Optional[str] = None  # this machine's end of the link, whose counter is read
+    pipeline: str = ""  # --hosts: how the hierarchical communicator cut messages (its pipeline_choice)
 
 
 def message_counts(config: Config, world: int) -> list[int]:
@@ -645,11 +650,47 @@ def bench_size(backends: list, coll: CollectiveDef, count: int, rank: int, world
             row, form, backend, call, iters = entry
             trials[id(entry)].append(timed_loop(call, backend, iters, config, rank))
     for entry in timed:
-        row, form = entry[0], entry[1]
+        row, form, backend, call, _ = entry
         slowest, fastest = zip(*trials[id(entry)])
         row[f"{form}_time_us"] = statistics.median(slowest) * 1e6
         row[f"{form}_fastest_us"] = statistics.median(fastest) * 1e6
+        if config.link_interface:
+            row[f"{form}_link_bytes"] = link_bytes_per_call(call, backend, config, row["bytes"])
     return rows
+
+
+# --- the link between machines (--hosts) ------------------------------------------------------
+
+LINK_COUNT_BYTES = 8 << 20  # counted calls move at least this much (or 200 calls): the barriers' bytes vanish
+
+
+def link_sent_bytes(config: Config) -> float:
+    """What this machine has sent over its link so far, read by its first rank only (the
+    others give 0: summed over every rank, each machine counts once)."""
+    if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        return 0.0
+    with open(f"/sys/class/net/{config.link_interface}/statistics/tx_bytes") as f:
+        return float(f.read())
+
+
+def link_bytes_per_call(call: Callable[[], None], backend: Backend, config: Config, nbytes: int) -> float:
+    """The bytes a machine sends over the link per call, averaged over the machines: the
+    interface's counter (frames: payload and headers) across a run of calls between two
+    barriers, less what two barriers alone send."""
+    def counted(calls: int) -> float:
+        backend.synchronize()
+        backend.barrier()
+        before = link_sent_bytes(config)
+        for _ in range(calls):
+            call()
+        backend.synchronize()
+        backend.barrier()
+        return link_sent_bytes(config) - before
+
+    calls = max(3, min(200, LINK_COUNT_BYTES // max(nbytes, 1)))
+    barriers = counted(0)
+    sent = counted(calls) - barriers
+    return backend.reduce_over_ranks(sent, "sum") / config.hosts / calls
 
 
 def bench_all(backends: list, rank: int, world: int, config: Config) -> list[dict]:
@@ -697,7 +738,9 @@ def run_rank(rank: int, world: int, config: Config, with_mpi: bool = False) -> l
         backends += [CclBackend(rank, world)] if config.ccl else []
         rows = bench_all(backends, rank, world, config) + [direct_reads_row(comm)]
         if config.check_cost and comm.check:
-            rows += check_cost(comm, rank, world, config)
+            with Communicator(buffer_bytes=config.buffer_bytes, check=False, small_bytes=config.small_bytes,
+                              direct_bytes=config.direct_bytes) as unchecked:
+                rows += check_cost(comm, unchecked, rank, world, config)
     dist.barrier()
     for backend in backends:
         backend.close()
@@ -765,19 +808,19 @@ def mps_state() -> str:
         "MPS off: kernels of different processes are time-sliced"
 
 
-def check_cost(comm, rank: int, world: int, config: Config) -> list[dict]:
+def check_cost(comm, unchecked, rank: int, world: int, config: Config) -> list[dict]:
     """All-reduce at the smallest and largest size with the call check (RINGCOLL_CHECK) on
-    and off: what the mismatch detection costs, the two timed in turn like any reference."""
+    (`comm`) and off (`unchecked`, made like it with check=False): what the mismatch
+    detection costs, the two timed in turn like any reference."""
     rows = []
     counts = message_counts(config, world)
-    with Communicator(buffer_bytes=config.buffer_bytes, check=False, small_bytes=config.small_bytes,
-                      direct_bytes=config.direct_bytes) as unchecked:
-        backends = [TorchBackend(comm, forms=("out",)), TorchBackend(unchecked, forms=("out",))]
-        for count in sorted({counts[0], counts[-1]}):
-            on, off = bench_size(backends, COLLECTIVES["all_reduce"], count, rank, world, config)
-            rows.append({"kind": "check_cost", "collective": "all_reduce", "count": count, "bytes": on["bytes"],
-                         "on_wrong": on["out_wrong"], "off_wrong": off["out_wrong"],
-                         "on_time_us": on["out_time_us"], "off_time_us": off["out_time_us"]})
+    backends = [TorchBackend(comm, forms=("out",)), TorchBackend(unchecked, forms=("out",))]
+    config = dataclasses.replace(config, link_interface=None)  # time only
+    for count in sorted({counts[0], counts[-1]}):
+        on, off = bench_size(backends, COLLECTIVES["all_reduce"], count, rank, world, config)
+        rows.append({"kind": "check_cost", "collective": "all_reduce", "count": count, "bytes": on["bytes"],
+                     "on_wrong": on["out_wrong"], "off_wrong": off["out_wrong"],
+                     "on_time_us": on["out_time_us"], "off_time_us": off["out_time_us"]})
     return rows
 
 
@@ -835,17 +878,76 @@ def run_under_mpirun(world: int, config: Config) -> list[dict]:
             return json.load(f)
 
 
+def read_config(path: str) -> Config:
+    """The Config a launcher wrote as JSON (its tuples come back as lists)."""
+    with open(path) as f:
+        return Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in json.load(f).items()})
+
+
 def mpi_worker(config_file: str, rows_file: str) -> None:
     """Entry point of each rank under mpirun: a gloo process group numbered as MPI numbers."""
     import torch.distributed as dist
     from mpi4py import MPI
 
-    with open(config_file) as f:
-        config = Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in json.load(f).items()})
+    config = read_config(config_file)
     rank, world = MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         rows = run_rank(rank, world, config, with_mpi=True)
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        with open(rows_file, "w") as f:
+            json.dump(rows, f)
+
+
+def run_on_hosts(world: int, config: Config, link: Optional[tuple]) -> tuple[list[dict], Config]:
+    """Every rank on two simulated machines (ringcoll/harness/hosts.py: network namespaces
+    joined by a veth pair; `link`: (rate, delay) each way, hosts.parse_link's, or None for
+    unshaped), world/2 on each, started by torchrun as on two real machines: ringcoll
+    hierarchical (its ring inside a machine, gloo between) against flat gloo over all of
+    them, with the bytes each machine sends over the link counted. (rows, the config they
+    ran with). RuntimeError if the machines cannot be made or shaped, or the run fails."""
+    from ringcoll.harness.hosts import HOSTS, TwoHosts
+
+    with tempfile.TemporaryDirectory() as tmp, TwoHosts(os.getpid()) as hosts:
+        if link:
+            hosts.shape(*link)
+        config = dataclasses.replace(config, hosts=HOSTS, link=hosts.link, progress=False)
+        config_file, rows_file = os.path.join(tmp, "config.json"), os.path.join(tmp, "rows.json")
+        with open(config_file, "w") as f:
+            json.dump(dataclasses.asdict(config), f)
+        env = {k: v for k, v in os.environ.items() if k != "RINGCOLL_NODE_ID"}
+        env.update(rank_env(world))  # the machines share this one's cores
+        status, outputs = hosts.torchrun(["-m", "ringcoll.harness.bench", "--hosts-worker", config_file, rows_file],
+                                         nproc_per_node=world // HOSTS, timeout=3600, env=env, cwd=tmp)
+        if status != 0 or not os.path.exists(rows_file):
+            raise RuntimeError(f"ringcoll-bench: the run on two machines failed (exit {status}):\n"
+                               + "\n".join(f"=== machine {i} ===\n{out}" for i, out in enumerate(outputs)))
+        with open(rows_file) as f:
+            return json.load(f), config
+
+
+def hosts_worker(config_file: str, rows_file: str) -> None:
+    """Entry point of each rank under torchrun on a simulated machine (run_on_hosts)."""
+    import torch.distributed as dist
+
+    from ringcoll.training.hierarchical import HierarchicalCommunicator
+
+    config = read_config(config_file)
+    config = dataclasses.replace(config, link_interface=os.environ["GLOO_SOCKET_IFNAME"])
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        with HierarchicalCommunicator(buffer_bytes=config.buffer_bytes) as comm:
+            backends = [TorchBackend(comm, prepared=config.prepared)] + ([TorchBackend(None)] if config.gloo else [])
+            rows = bench_all(backends, rank, world, config)
+            if config.check_cost and comm.check:
+                with HierarchicalCommunicator(buffer_bytes=config.buffer_bytes, check=False,
+                                              pipeline_bytes=comm.pipeline_bytes) as unchecked:
+                    rows += check_cost(comm, unchecked, rank, world, config)
+            rows.append({"kind": "pipeline", "choice": comm.pipeline_choice})
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     if rank == 0:
@@ -934,11 +1036,24 @@ def fits(rows: list[dict], world: int) -> dict:
     return out
 
 
+def link_fraction(row: Optional[dict]) -> Optional[float]:
+    """--hosts: the bytes each machine sent over the link per call over the message's, in
+    the first form counted (out-of-place where the backend has it)."""
+    for form in ("out", "in"):
+        if row and row.get(f"{form}_link_bytes") is not None:
+            return row[f"{form}_link_bytes"] / row["bytes"]
+    return None
+
+
 def _f(value, width, digits=2, missing="n/a"):
     return f"{value:{width}.{digits}f}" if value is not None else f"{missing:>{width}}"
 
 
 def transport_label(config: Config, world: int) -> str:
+    if config.hosts > 1:
+        return (f"{config.hosts} machines x {world // config.hosts} ranks (network namespaces; link: {config.link}); "
+                f"ringcoll hierarchical: its shared-memory ring inside a machine, gloo between; messages "
+                f"{config.pipeline}")
     if config.in_process:
         where = (f"CUDA, GPU 0 ({torch.cuda.get_device_name(0)}), peers by plain device pointers"
                  if config.device == "cuda" else "CPU shared memory")
@@ -987,6 +1102,11 @@ def format_table(rows: list[dict], world: int, config: Config, fitted: dict, not
             cols += f" |{'model':>9}"
         if config.straggler_rank is not None:
             cols += f" |{'fastest':>9}"
+        counted = [ref for ref in ["ringcoll", *refs] if any(link_fraction(r) is not None for r in rows
+                                                             if r["collective"] == name and r["backend"] == ref)]
+        if counted:  # --hosts: what each machine sent over the link, beside the two models
+            cols += "".join(f" {ref:>8}" for ref in counted) + f" {'2-level':>8} {'flat':>8}"
+            groups += f" |{'link bytes per machine / n':^{9 * (len(counted) + 2) - 1}}"
         lines += [groups, cols]
         for r in ours:
             out_bus, in_bus = busbw(r, "out"), busbw(r, "in")
@@ -1007,6 +1127,11 @@ def format_table(rows: list[dict], world: int, config: Config, fitted: dict, not
                 line += f" |{fitted[name].predict(name, world, r['bytes']) * 1e6:9.1f}"
             if config.straggler_rank is not None:
                 line += f" |{r['out_fastest_us']:9.1f}"
+            if counted:
+                line += " |" + "".join(f" {_f(link_fraction(r if ref == 'ringcoll' else by_ref[ref].get(r['bytes'])), 8, 3)}"
+                                       for ref in counted)[1:]
+                line += "".join(f" {model.link_bytes_per_host(name, config.hosts, world, level):8.3f}"
+                                for level in (True, False))
             lines.append(line)
         if fitted.get(name):
             f = fitted[name]
@@ -1072,8 +1197,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("-w", "--warmup_iters", type=int, default=5)
     p.add_argument("-n", "--iters", type=int, default=20, help="timed iterations, at least (default 20)")
     p.add_argument("--trials", type=int, default=3, help="timed loops per size; the median is reported")
-    p.add_argument("--min-ms", type=float, default=20.0, help="each timed loop lasts at least this long")
-    p.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
+    p.add_argument("--min-ms", type=float, default=None,
+                   help="each timed loop lasts at least this long (default 20; 200 with --hosts 2, where a call "
+                        "takes milliseconds and ranks leave the loop's barrier milliseconds apart)")
+    p.add_argument("--nproc", type=int, default=None, help="ranks in all (default 2; 4 with --hosts 2)")
+    p.add_argument("--hosts", type=int, choices=[1, 2], default=1,
+                   help="2: the ranks on two simulated machines (network namespaces, needs root), half on each; "
+                        "ringcoll hierarchical against flat gloo, with the bytes each machine sends over the link")
+    p.add_argument("--link", default=None, metavar="RATE[,DELAY]",
+                   help="with --hosts 2: the link's rate each way, as tc writes it (10gbit); a delay (30us) needs "
+                        "the kernel's netem qdisc")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--op", choices=OPS, default="sum")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -1111,13 +1244,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--plot", metavar="FILE.png", help="plot busbw against size")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--mpi-worker", nargs=2, metavar=("CONFIG", "ROWS"), help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    p.add_argument("--hosts-worker", nargs=2, metavar=("CONFIG", "ROWS"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.nproc is None:
+        args.nproc = 2 * args.hosts
+    return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.mpi_worker:
         mpi_worker(*args.mpi_worker)
+        return 0
+    if args.hosts_worker:
+        hosts_worker(*args.hosts_worker)
         return 0
     from ringcoll.harness.launcher import spawn
 
@@ -1134,9 +1274,24 @@ def main(argv=None) -> int:
         return refuse(f"unknown collectives {sorted(unknown)}; choose from {sorted(COLLECTIVES)}")
     if args.straggler_rank is not None and not 0 <= args.straggler_rank < args.nproc:
         return refuse(f"--straggler-rank {args.straggler_rank} is not a rank of --nproc {args.nproc}")
+    if args.hosts > 1 and (args.nproc % args.hosts or args.device != "cpu" or args.in_process):
+        return refuse(f"--hosts {args.hosts} runs CPU ranks as processes, the same number on each machine: "
+                      f"--nproc {args.nproc} does not split in {args.hosts}" if args.nproc % args.hosts
+                      else f"--hosts {args.hosts} runs CPU ranks as processes (not --device cuda, --in-process)")
+    link = None
+    if args.link:
+        from ringcoll.harness.hosts import parse_link
+
+        if args.hosts == 1:
+            return refuse("--link shapes the link between machines: give --hosts 2")
+        try:
+            link = parse_link(args.link)
+        except ValueError as e:
+            return refuse(f"--link: {e}")
     config = Config(min_bytes=parse_bytes(args.minbytes), max_bytes=parse_bytes(args.maxbytes),
                     factor=args.stepfactor, warmup=args.warmup_iters, iters=args.iters, trials=args.trials,
-                    min_seconds=args.min_ms / 1e3, dtype=args.dtype, op=args.op,
+                    min_seconds=(args.min_ms if args.min_ms is not None else 200.0 if args.hosts > 1 else 20.0) / 1e3,
+                    dtype=args.dtype, op=args.op,
                     collectives=tuple(args.collectives.split(",")), gloo=not args.no_gloo,
                     buffer_bytes=parse_bytes(args.buffer_bytes) if args.buffer_bytes else None,
                     check_cost=not args.no_check_cost and args.device == "cpu", straggler_rank=args.straggler_rank,
@@ -1151,7 +1306,14 @@ def main(argv=None) -> int:
     def note(skipped: bool, option: str, available: Callable[[], str]) -> str:
         return f"skipped ({option})" if skipped else available()
 
-    if args.in_process:  # one process: nothing of torch.distributed's can take part
+    if args.hosts > 1:  # gloo is the one reference that runs across the machines
+        notes = {"Open MPI / DeepSpeed / oneCCL": f"not across machines (--hosts {args.hosts}): gloo is the reference"}
+        try:
+            rows, config = run_on_hosts(args.nproc, config, link)
+        except RuntimeError as e:  # the machines could not be made or shaped, or the run failed
+            print(f"ringcoll-bench: {e}", file=sys.stderr)
+            return 1
+    elif args.in_process:  # one process: nothing of torch.distributed's can take part
         from ringcoll.api import run_in_process
 
         config = dataclasses.replace(config, gloo=False, check_cost=False)
@@ -1173,6 +1335,8 @@ def main(argv=None) -> int:
     costs = [r for r in rows if r.get("kind") == "check_cost"]
     direct = next((r for r in rows if r.get("kind") == "direct_reads"), None)
     cut = next((r for r in rows if r.get("kind") == "cut_short"), None)
+    pipeline = next((r["choice"] for r in rows if r.get("kind") == "pipeline"), "")
+    config = dataclasses.replace(config, pipeline=pipeline)
     rows = [r for r in rows if "kind" not in r]
     fitted = fits(rows, args.nproc) if args.fit else {}
     print(format_table(rows, args.nproc, config, fitted, notes, costs, direct))

@@ -48,6 +48,12 @@ def parse_delay(text: str) -> float:
     return float(match.group(1)) * (1e-6 if match.group(2) == "us" else 1e-3)
 
 
+def parse_link(text: str) -> tuple[float, float]:
+    """'10gbit' or '10gbit,30us' -> (bits per second, delay in seconds)."""
+    rate, _, delay = text.partition(",")
+    return parse_rate(rate), parse_delay(delay) if delay else 0.0
+
+
 class TwoHosts:
     """Two network namespaces joined by a veth pair (context manager: removed on exit)."""
 
@@ -98,12 +104,6 @@ class TwoHosts:
                 raise RuntimeError(f"cannot shape the link ({' '.join(cmd)}): {why}")
         self.link = f"{rate_bits / 1e9:g} Gbit/s each way" + (f", {delay_s * 1e6:g} us delay" if delay_s else "") \
             + (" (tc netem)" if delay_s else " (tc tbf)")
-
-    def sent_bytes(self, host: int) -> int:
-        """Bytes machine `host` has sent over the link (its interface's counter)."""
-        path = f"/sys/class/net/{self.interfaces[host]}/statistics/tx_bytes"
-        return int(subprocess.run(["ip", "netns", "exec", self.namespaces[host], "cat", path], check=True,
-                                  capture_output=True, text=True).stdout)
 
     def command(self, host: int, argv: list) -> list:
         """`argv` run on machine `host`: in its network namespace, with its own /dev/shm and

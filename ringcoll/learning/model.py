@@ -89,6 +89,19 @@ def ring_time(collective: str, world: int, nbytes: float, alpha: float, beta: fl
     return STEPS[collective](world) * alpha + bytes_sent_per_rank(collective, world, nbytes) / beta
 
 
+def link_bytes_per_host(collective: str, hosts: int, world: int, two_level: bool = True) -> float:
+    """Bytes each of `hosts` machines sends over its link per call, as a fraction of the
+    message n. Two levels (ringcoll/training/hierarchical.py): the node's L ranks each carry
+    1/L of the message between the machines, in rings of H (one rank per machine), so a
+    machine sends the bus factor of H: 2(H-1)/H n for an all-reduce, (H-1)/H n for the
+    others. One flat ring of P = H L ranks numbered machine by machine crosses each
+    machine's boundary once, with one rank's traffic: the bus factor of P, 2(P-1)/P n and
+    (P-1)/P n. At H = 2, P = 4: n against 1.5n, and 0.5n against 0.75n: 1.5x fewer bytes."""
+    if hosts <= 1:
+        return 0.0
+    return BUS_FACTOR[collective](hosts if two_level else world)
+
+
 # The one-shot path: bytes each rank reads from its peers' slots.
 ONE_SHOT_READ_FACTOR = {"all_reduce": lambda p: p - 1, "reduce_scatter": lambda p: (p - 1) / p,
                         "all_gather": lambda p: (p - 1) / p}

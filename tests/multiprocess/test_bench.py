@@ -413,6 +413,43 @@ def test_refuses_bad_arguments(capsys):
     assert bench.main(["--straggler-rank", "5", "--nproc", "2", "--no-mpi"]) == 2
     assert bench.main(["--collectives", "all_to_all", "--no-mpi"]) == 2
     assert "ringcoll-bench:" in capsys.readouterr().err
+    assert bench.main(["--link", "10gbit", "--no-mpi"]) == 2
+    assert "--link shapes the link between machines: give --hosts 2" in capsys.readouterr().err
+    assert bench.main(["--hosts", "2", "--link", "fast"]) == 2
+    assert "--link: link rate 'fast': give it as tc does, e.g. 10gbit" in capsys.readouterr().err
+    assert bench.main(["--hosts", "2", "--nproc", "3"]) == 2
+    assert "--nproc 3 does not split in 2" in capsys.readouterr().err
+
+
+def test_two_machines_count_the_link_bytes(tmp_path, capsys):
+    """--hosts 2: four ranks on two namespace machines (needs root; CI is root), ringcoll
+    hierarchical against flat gloo, every result checked, and the bytes each machine sent
+    over the link counted from its interface: what the two-level algorithm needs (n per
+    all-reduce of n bytes between two machines, n/2 for the others) plus the frames'
+    headers, against the flat ring's 1.5n and 0.75n (ringcoll.learning.model)."""
+    from ringcoll.learning import model
+
+    out_json = tmp_path / "rows.json"
+    status = bench.main(["--hosts", "2", "--link", "10gbit", "-b", "4K", "-e", "1M", "-f", "256", "-w", "1", "-n", "3",
+                         "--trials", "1", "--min-ms", "1", "--no-progress", "--no-check-cost", "--json", str(out_json)])
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    assert "2 machines x 2 ranks (network namespaces; link: 10 Gbit/s each way (tc tbf))" in printed, printed
+    assert "link bytes per machine / n" in printed and "Out of bounds values : 0 OK" in printed
+    rows = json.loads(out_json.read_text())["rows"]
+    assert {(r["backend"], r["bytes"]) for r in rows} == {(b, n) for b in ("ringcoll", "gloo") for n in (4096, 1 << 20)}
+    for r in rows:
+        if r["bytes"] != 1 << 20:  # at 4 KiB the headers weigh: the model is about the bytes
+            continue
+        two_level, flat = (model.link_bytes_per_host(r["collective"], 2, 4, level) for level in (True, False))
+        for form in ("out", "in"):
+            if f"{form}_link_bytes" not in r:
+                continue
+            sent = r[f"{form}_link_bytes"] / r["bytes"]
+            if r["backend"] == "ringcoll":
+                assert two_level <= sent <= two_level * 1.02, (r["collective"], form, sent)
+            else:
+                assert sent >= flat * 0.99, (r["collective"], form, sent)
 
 
 def test_cuda_sweep_refused_clearly_without_a_gpu(capsys):

@@ -160,3 +160,16 @@ def test_all_gather_copy_time_is_handshakes_plus_copies():
         model.all_gather_copied_bytes(2, n, "oneshot", False)
     with pytest.raises(ValueError, match="world must be >= 1"):
         model.all_gather_copy_time(0, n, "ring", False, alpha, beta_copy)
+
+
+def test_link_bytes_per_host_two_levels_against_one_flat_ring():
+    # The node's L ranks each carry 1/L of the message over the link, in rings of H: a host
+    # sends H's bus factor of n; one flat ring numbered host by host crosses each host's
+    # boundary once, with one rank's traffic: P's bus factor.
+    assert model.link_bytes_per_host("all_reduce", 2, 4) == 1.0
+    assert model.link_bytes_per_host("all_reduce", 2, 4, two_level=False) == 1.5
+    assert model.link_bytes_per_host("reduce_scatter", 2, 4) == model.link_bytes_per_host("all_gather", 2, 4) == 0.5
+    assert model.link_bytes_per_host("all_gather", 2, 4, two_level=False) == 0.75
+    assert model.link_bytes_per_host("all_reduce", 4, 32) == 1.5  # 2(H-1)/H, whatever L
+    assert model.link_bytes_per_host("all_reduce", 4, 32, two_level=False) == 2 * 31 / 32
+    assert model.link_bytes_per_host("all_reduce", 1, 8) == 0.0  # one host: no link
