@@ -336,6 +336,22 @@ def test_crossover_script_checks_and_times_both_paths():
             bench.parse_bytes(size)), done.stdout
 
 
+def test_ddp_step_script_trains_both_backends_alike():
+    """bench/ddp_step.py, whose step times the docs quote, under torchrun (one machine, 2
+    ranks, a short run): both replicas train and end within rounding of each other."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           os.path.join(root, "bench", "ddp_step.py")], capture_output=True, text=True, timeout=120,
+                          cwd=root, env={**os.environ, "ROUNDS": "1", "STEPS": "2"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "DDP step, 1050624 parameters, 2 ranks" in done.stdout and "weights agree to rounding: True" in done.stdout, \
+        done.stdout
+
+
 def test_small_call_script_times_every_case():
     """bench/small_call.py, whose figures the docs quote for the per-call cost: it runs each
     case at P = 2 (processes), the binding floor among them."""
