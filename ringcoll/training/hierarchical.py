@@ -25,12 +25,13 @@ once rounds once). Every node must have the same number of ranks.
 
 Between two nodes a step is one swap with the peer of the same local index (each sends what
 the other needs and combines what it receives, in node order so both compute the same
-bits), not gloo's collective: the bytes a ring of two moves, in one round trip. Where the link is slower than the node's ring,
-the message goes in pieces (``pipeline_bytes``; "auto", the default, measures whether
-pieces pay, once): one piece crosses the link while the node's ring runs the next. The
-pieces never change a bit (_all_reduce_flat says why), and whole or in pieces, each node
-sends ``2(N-1)/N * n`` bytes over its link per all-reduce: ``n`` for two nodes, where one
-flat ring over both sends ``2(P-1)/P * n`` (1.5n at P = 4).
+bits), not gloo's collective: the bytes a ring of two moves, in one round trip. Where the
+link is slower than the node's ring, the message goes in pieces (``pipeline_bytes``;
+"auto", the default, measures whether pieces pay, once): one piece crosses the link while
+the node's ring runs the next. The pieces never change a bit (_all_reduce_flat says why),
+and whole or in pieces, each node sends ``2(N-1)/N * n`` bytes over its link per
+all-reduce: ``n`` for two nodes, where one flat ring over both sends ``2(P-1)/P * n``
+(1.5n at P = 4).
 
 It has the Communicator's methods, checks and call order (the list and coalesced forms
 packed into one flat call by ringcoll/packing.py, ``async_op=True`` queued on one worker
@@ -314,13 +315,10 @@ class HierarchicalCommunicator(ArgumentChecks):
 
     # --- between the nodes: one step per piece, started now, finished later ------------------
     #
-    # Each level-2 step is started asynchronously and finished (waited, combined) later, so
-    # the caller can run the node's ring on the next piece while this one crosses the link.
-    # With two nodes a step is one swap with the one peer (this local index on the other
-    # node): send what it needs, receive what this rank needs, combine here, both in node
-    # order, so both nodes compute the same bits. That moves the bytes a ring of two moves,
-    # in one round trip where gloo's ring of two takes two (a reduce-scatter, then an
-    # all-gather). With more nodes, gloo's collective over the local index's group.
+    # Each step is started asynchronously and finished (waited, combined) later, so the
+    # caller can run the node's ring on the next piece while this one crosses the link: with
+    # two nodes one swap (the module docstring), with more gloo's collective over the local
+    # index's group.
 
     def _swap(self, send: torch.Tensor, receive: torch.Tensor) -> Callable[[], None]:
         """Start sending `send` to the other node's rank of this local index and receiving
@@ -400,8 +398,8 @@ class HierarchicalCommunicator(ArgumentChecks):
         where the link is slower than the node's ring: the ring runs the next piece while
         one crosses. Where it is not (on this project's 2-core VM, two namespace machines
         share the cores, and moving bytes over the veth takes the same CPU as the ring),
-        each piece only adds a meeting of the ranks: 0.65x gloo at 64 MiB in 1 MiB pieces,
-        1.3x whole; on a 2 Gbit/s link, 1.5x in pieces, 0.8x whole."""
+        each piece only adds a meeting of the ranks: 0.70x gloo at 64 MiB in 1 MiB pieces,
+        1.34x whole; over a 2 Gbit/s link, 1.48x in pieces, 0.76x whole."""
         probe = torch.zeros(PROBE_BYTES // 4, dtype=torch.float32, device=self.device)
         spent = torch.zeros(2, dtype=torch.float64, device=self.device)
         for round_ in range(PROBE_ROUNDS + 1):  # the first round warms the work space up, uncounted
