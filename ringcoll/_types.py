@@ -1,9 +1,11 @@
-"""dtype and reduction-op codes shared with the C++ core (csrc/include/ringcoll/reduce.h).
+"""dtype, reduction-op and collective codes shared with the C++ core
+(csrc/include/ringcoll/reduce.h, collectives.h).
 
 The extension knows no torch: it takes a dtype code and an op code. This module is the
 one place that turns torch dtypes and ``torch.distributed.ReduceOp`` values into them, and
-that refuses what ringcoll does not support, with a message naming the op. The dtypes
-themselves are listed once, in reduce.h, and read from there (``_C.dtype_table``).
+that refuses what ringcoll does not support, with a message naming the op. The dtypes and
+the collectives themselves are listed once, in C++, and read from there
+(``_C.dtype_table``, ``_C.collective_table``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,13 @@ DTYPE_CODES: dict[torch.dtype, int] = {getattr(torch, name): code for name, code
 #: the code of reduce.h's DType enum -> its name
 DTYPE_NAMES: dict[int, str] = {code: name for name, code, _size, _floating in _C.dtype_table}
 FLOATING_DTYPES = frozenset(getattr(torch, name) for name, _code, _size, floating in _C.dtype_table if floating)
+
+#: collectives.h's name -> code ("all_reduce": 0, ..., "barrier")
+COLLECTIVE_CODES: dict[str, int] = {name: code for name, code, _reduces, _moves in _C.collective_table}
+#: the collectives with a message, in code order (all of them but barrier)
+DATA_COLLECTIVES: tuple = tuple(name for name, _code, _reduces, moves in _C.collective_table if moves)
+#: those that combine the ranks' contributions with an op
+REDUCING_COLLECTIVES: frozenset = frozenset(name for name, _code, reduces, _moves in _C.collective_table if reduces)
 
 
 #: torch.distributed.ReduceOp's values -> ours (torch imports torch.distributed with itself;

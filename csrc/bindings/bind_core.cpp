@@ -89,6 +89,13 @@ void bind_core(py::module_& m) {
     dtypes.append(py::make_tuple(info.name, code, info.size_bytes, info.is_floating));
   }
   m.attr("dtype_table") = py::tuple(dtypes);
+  // collectives.h's list, in code order: (name, code, reduces, moves_data).
+  py::list collectives;
+  for (int code = 0; code < kNumCollectives; ++code) {
+    const CollectiveInfo info = collective_info(static_cast<Collective>(code));
+    collectives.append(py::make_tuple(info.name, code, info.reduces, info.moves_data));
+  }
+  m.attr("collective_table") = py::tuple(collectives);
 
   // The buffer's shape (call.h), so Python validates buffer_bytes without restating it.
   m.attr("banks") = kBanks;

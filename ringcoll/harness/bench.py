@@ -50,7 +50,7 @@ from typing import Callable, Optional
 import torch
 
 from ringcoll.learning import model
-from ringcoll._types import DTYPES
+from ringcoll._types import DATA_COLLECTIVES, DTYPES, REDUCING_COLLECTIVES
 from ringcoll.communicator import Communicator, parse_bytes
 
 # --- the collectives: definitions around one shared harness -------------------------------
@@ -67,11 +67,11 @@ class CollectiveDef:
         return model.BUS_FACTOR[self.name](world)
 
 
-COLLECTIVES = {
-    "all_reduce": CollectiveDef("all_reduce", True, lambda count, world: (count, count)),
-    "reduce_scatter": CollectiveDef("reduce_scatter", True, lambda count, world: (count, count // world)),
-    "all_gather": CollectiveDef("all_gather", False, lambda count, world: (count // world, count)),
-}
+SHAPES = {"all_reduce": lambda count, world: (count, count),
+          "reduce_scatter": lambda count, world: (count, count // world),
+          "all_gather": lambda count, world: (count // world, count)}
+#: collectives.h's collectives with a message, each with its shapes
+COLLECTIVES = {name: CollectiveDef(name, name in REDUCING_COLLECTIVES, SHAPES[name]) for name in DATA_COLLECTIVES}
 OPS = ("sum", "prod", "min", "max", "avg")
 
 
@@ -509,7 +509,7 @@ class Config:
     min_seconds: float = 0.02
     dtype: str = "float32"
     op: str = "sum"
-    collectives: tuple = ("all_reduce", "reduce_scatter", "all_gather")
+    collectives: tuple = DATA_COLLECTIVES
     gloo: bool = True
     deepspeed: bool = False
     ccl: bool = False

@@ -117,6 +117,8 @@ import operator
 from dataclasses import dataclass
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence
 
+from ringcoll._types import COLLECTIVE_CODES, DATA_COLLECTIVES
+
 __all__ = [
     "Collective",
     "ring_mod",
@@ -222,12 +224,10 @@ def ag_recv_chunk(rank: int, step: int, world: int) -> int:
     return ring_mod(rank - step - 1, world)
 
 
-class Collective(enum.IntEnum):
-    """The collectives as sequences of ring steps; same codes as ``ringcoll::Collective``."""
-
-    ALL_REDUCE = 0
-    REDUCE_SCATTER = 1
-    ALL_GATHER = 2
+#: The collectives with a message, as collectives.h numbers them (``Collective.ALL_REDUCE``,
+#: ``REDUCE_SCATTER``, ``ALL_GATHER``): read from the C++ table, not restated.
+Collective = enum.IntEnum("Collective", {name.upper(): COLLECTIVE_CODES[name] for name in DATA_COLLECTIVES},
+                          module=__name__)
 
 
 def ring_steps(coll: Collective, world: int) -> int:

@@ -69,11 +69,7 @@ __all__ = ["COLLECTIVES", "ALGORITHMS", "default_inputs", "describe_inputs", "re
 ALGORITHMS = ("ring", "oneshot", "direct")
 _ALGORITHM_NAMES = {"oneshot": "one-shot", "direct": "direct read"}  # in the trace's first line
 
-COLLECTIVES = {
-    "all_reduce": Collective.ALL_REDUCE,
-    "reduce_scatter": Collective.REDUCE_SCATTER,
-    "all_gather": Collective.ALL_GATHER,
-}
+COLLECTIVES = {coll.name.lower(): coll for coll in Collective}  # "all_reduce": Collective.ALL_REDUCE, ...
 
 
 # ---------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ import warnings
 from typing import Callable, Optional, Sequence
 
 from ringcoll import _C, errors
+from ringcoll._types import COLLECTIVE_CODES
 from ringcoll.bootstrap import InProcessRank
 from ringcoll.errors import RingcollError, RingcollTimeoutError
 from ringcoll.transports.base import CollectiveCall, Settings
@@ -77,7 +78,6 @@ def stream(s: int):
         set_stream(before)
 
 
-_COLLECTIVE_CODES = {"all_reduce": 0, "reduce_scatter": 1, "all_gather": 2}  # ring.h's Collective
 EMULATED_SMS = 8  # the emulated device's SM count: bounds a fused launch's grid
 THREADS_PER_BLOCK = 4  # each a std::thread; the kernels' loops stride by it as by blockDim
 
@@ -228,7 +228,7 @@ class EmulatedCudaTransport:
         if self._error is not None:
             raise RingcollError(f"{op}: communicator is broken by an earlier error ({self._error})")
         user = self.user_stream(op)
-        emulated = (self.rank, _COLLECTIVE_CODES[call.collective], call.dtype, call.op or 0, call.src, call.dst,
+        emulated = (self.rank, COLLECTIVE_CODES[call.collective], call.dtype, call.op or 0, call.src, call.dst,
                     call.user_count)
         self._raise(op, self._ring.enqueue(emulated, user, not async_op))
         if async_op:

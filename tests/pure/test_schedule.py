@@ -28,11 +28,27 @@ def sizes(world):
 
 
 def test_collective_codes():
-    # The C++ enum: kAllReduce = 0, kReduceScatter = 1, kAllGather = 2.
+    # collectives.h: kAllReduce = 0, kReduceScatter = 1, kAllGather = 2, kBarrier = 3.
+    assert [row[:2] for row in _C.collective_table] == [("all_reduce", 0), ("reduce_scatter", 1), ("all_gather", 2),
+                                                       ("barrier", 3)]
     assert [int(c) for c in Collective] == [0, 1, 2]
     assert Collective(0) is Collective.ALL_REDUCE
     assert Collective(1) is Collective.REDUCE_SCATTER
     assert Collective(2) is Collective.ALL_GATHER
+
+
+def test_every_table_by_collective_covers_the_cpp_list():
+    """The collectives are listed once (collectives.h, read as _C.collective_table); what
+    Python keeps per collective (formulas, shapes, names) has exactly its collectives."""
+    from ringcoll import _types
+    from ringcoll.harness import bench
+    from ringcoll.learning import model, trace
+
+    data = [name for name, _code, _reduces, moves in _C.collective_table if moves]
+    assert list(_types.DATA_COLLECTIVES) == data and [c.name.lower() for c in Collective] == data
+    for table in (model.STEPS, model.BUS_FACTOR, model.ONE_SHOT_READ_FACTOR, bench.COLLECTIVES, trace.COLLECTIVES):
+        assert list(table) == data, table
+    assert {name for name, d in bench.COLLECTIVES.items() if d.reduces} == _types.REDUCING_COLLECTIVES
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -32,11 +32,11 @@
 
 namespace ringcoll {
 
-// Collective codes of descriptors: the ring's three, plus barrier.
-constexpr int kBarrierCollective = 3;
+// Collective codes of descriptors: collectives.h's.
+constexpr int kBarrierCollective = static_cast<int>(Collective::kBarrier);
 
 struct CallDescriptor {
-  int32_t collective;  // Collective, or kBarrierCollective
+  int32_t collective;  // Collective (collectives.h)
   int32_t dtype;       // DType
   int32_t op;          // ReduceOp (0 where the collective does not reduce)
   int32_t variant;     // CUDA transport: its kernel variant (ranks must agree); 0 on the CPU
@@ -92,13 +92,13 @@ RINGCOLL_INLINE PeerCall compare_descriptor(const DescriptorSlot* slot, const Ca
 
 // A call as error messages show it, e.g. "all_reduce(float32, SUM, count=1024)". Host only.
 inline std::string describe_call(const CallDescriptor& call) {
-  static const char* const kCollectives[] = {"all_reduce", "reduce_scatter", "all_gather", "barrier"};
   static const char* const kOps[] = {"SUM", "PRODUCT", "MIN", "MAX", "AVG"};
+  const CollectiveInfo info = collective_info(static_cast<Collective>(call.collective));
   std::ostringstream text;
-  text << (call.collective >= 0 && call.collective < 4 ? kCollectives[call.collective] : "unknown collective") << "(";
-  if (call.collective != kBarrierCollective) {
+  text << info.name << "(";
+  if (info.moves_data) {
     text << dtype_info(static_cast<DType>(call.dtype)).name;
-    if (call.collective != static_cast<int32_t>(Collective::kAllGather))
+    if (info.reduces)
       text << ", " << (call.op >= 0 && call.op < kNumReduceOps ? kOps[call.op] : "unknown op");
     text << ", count=" << call.user_count;
     if (call.variant != 0) text << ", kernel variant " << call.variant;

@@ -28,6 +28,7 @@
 // all-reduce = reduce-scatter + all-gather.
 #pragma once
 
+#include "ringcoll/collectives.h"
 #include "ringcoll/platform.h"
 
 namespace ringcoll {
@@ -66,9 +67,9 @@ RINGCOLL_INLINE int rs_contributor(int chunk, int i, int world) { return ring_mo
 RINGCOLL_INLINE int ag_send_chunk(int rank, int step, int world) { return ring_mod(rank - step, world); }
 RINGCOLL_INLINE int ag_recv_chunk(int rank, int step, int world) { return ring_mod(rank - step - 1, world); }
 
-// The three collectives as sequences of ring steps. All-reduce is the reduce-scatter
-// steps followed by the all-gather steps; ring_step_* describe step t of that sequence.
-enum class Collective : int { kAllReduce = 0, kReduceScatter = 1, kAllGather = 2 };
+// The three collectives (collectives.h) as sequences of ring steps. All-reduce is the
+// reduce-scatter steps followed by the all-gather steps; ring_step_* describe step t of
+// that sequence.
 
 RINGCOLL_INLINE int ring_steps(Collective coll, int world) {
   return coll == Collective::kAllReduce ? 2 * (world - 1) : world - 1;
