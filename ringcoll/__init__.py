@@ -5,6 +5,7 @@ memory for CPU tensors and CUDA IPC peer memory for CUDA tensors. The package, b
 (docs/where-things-are.md has the map)::
 
     api.py, communicator.py   the library: drop-in calls, the Communicator, Work, run_in_process
+    plans.py                  algorithms as plans: the built-in ones, plans written in Python, the checker
     bootstrap.py              how ranks meet: a process group, or the threads of one process
     views.py, errors.py,      arrays seen as tensors; error types; dtype and op codes
     _types.py
@@ -30,6 +31,7 @@ from ringcoll.api import (
     run_in_process,
 )
 from ringcoll.communicator import Communicator, CudaCommunicator, Work
+from ringcoll.plans import PlanError, algorithms, register_algorithm
 from ringcoll.errors import RingcollError, RingcollMismatchError, RingcollPeerError, RingcollTimeoutError
 from ringcoll.training import backend as _backend  # registers dist.init_process_group(backend="ringcoll")
 from ringcoll.training.ddp import ddp_hook
@@ -43,5 +45,6 @@ __all__ = [
     "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_gather", "reduce_scatter", "barrier",
     "all_gather_single", "reduce_scatter_single",
     "get_communicator", "destroy_communicators", "ddp_hook", "run_in_process",
+    "algorithms", "register_algorithm", "PlanError",
     "RingcollError", "RingcollTimeoutError", "RingcollPeerError", "RingcollMismatchError",
 ]

@@ -80,24 +80,33 @@ def destroy_communicators() -> None:
 atexit.register(destroy_communicators)
 
 
-def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
-    return _for_tensor("all_reduce", tensor, group).all_reduce(tensor, op, async_op)
+# ``algorithm`` (keyword, not in torch.distributed): the call's algorithm, a name from
+# ringcoll.algorithms() or one registered with ringcoll.register_algorithm; by default the
+# communicator's (RINGCOLL_ALGORITHM, else "auto").
 
 
-def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False):
-    return _for_tensor("reduce_scatter_tensor", input, group).reduce_scatter_tensor(output, input, op, async_op)
+def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, *, algorithm=None):
+    return _for_tensor("all_reduce", tensor, group).all_reduce(tensor, op, async_op, algorithm=algorithm)
 
 
-def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
-    return _for_tensor("all_gather_into_tensor", input_tensor, group).all_gather_into_tensor(output_tensor, input_tensor, async_op)
+def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False, *, algorithm=None):
+    return _for_tensor("reduce_scatter_tensor", input, group).reduce_scatter_tensor(output, input, op, async_op,
+                                                                                    algorithm=algorithm)
 
 
-def all_gather(tensor_list, tensor, group=None, async_op=False):
-    return _for_tensor("all_gather", tensor, group).all_gather(tensor_list, tensor, async_op=async_op)
+def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False, *, algorithm=None):
+    return _for_tensor("all_gather_into_tensor", input_tensor, group).all_gather_into_tensor(
+        output_tensor, input_tensor, async_op, algorithm=algorithm)
 
 
-def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=False):
-    return _for_tensor("reduce_scatter", output, group).reduce_scatter(output, input_list, op=op, async_op=async_op)
+def all_gather(tensor_list, tensor, group=None, async_op=False, *, algorithm=None):
+    return _for_tensor("all_gather", tensor, group).all_gather(tensor_list, tensor, async_op=async_op,
+                                                               algorithm=algorithm)
+
+
+def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=False, *, algorithm=None):
+    return _for_tensor("reduce_scatter", output, group).reduce_scatter(output, input_list, op=op, async_op=async_op,
+                                                                       algorithm=algorithm)
 
 
 def barrier(group=None, async_op=False, device_ids=None):

@@ -28,7 +28,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ringcoll import _C, packing
+from ringcoll import _C, packing, plans
 from ringcoll.bootstrap import bootstrap_for
 from ringcoll._types import CPU, DTYPE_NAMES, ReduceOp, dtype_code, op_code
 from ringcoll.errors import RingcollError
@@ -279,10 +279,10 @@ EQUAL, GATHER, SCATTER = _C.EQUAL_SIZES, _C.GATHER_SIZES, _C.SCATTER_SIZES
 
 
 def _call(collective: str, src: torch.Tensor, dst: torch.Tensor, user_count: int, dtype: int,
-          op: Optional[int] = None) -> CollectiveCall:
+          op: Optional[int] = None, plan: Optional[tuple] = None) -> CollectiveCall:
     """The transports' record of a call on checked tensors (the list and packed forms; the
     tensor forms take the addresses their checks already read)."""
-    return new_call((collective, src.data_ptr(), dst.data_ptr(), user_count, dtype, op))
+    return new_call((collective, src.data_ptr(), dst.data_ptr(), user_count, dtype, op, plan))
 
 
 class ArgumentChecks:
@@ -372,7 +372,13 @@ class Communicator(ArgumentChecks):
     may read every peer (probed once; otherwise they go through
     the buffer as before: ``transport.direct_reads`` says which, ``transport.direct_reads_unavailable`` why);
     0 turns it off; default ``RINGCOLL_DIRECT_BYTES`` or 16 KiB (it goes before the one-shot
-    path). The same on all ranks (checked). ``shares_cores`` (CPU): this rank's cores also
+    path). The same on all ranks (checked). ``algorithm``: the algorithm every call runs
+    unless it names one (``algorithm=`` on each collective): ``"auto"`` (the default, or
+    ``RINGCOLL_ALGORITHM``: the ring, with the one-shot and direct-read paths where the
+    thresholds above say), a built-in plan (``ringcoll.algorithms()``: ``"ring"``,
+    ``"oneshot"``, ... run by the CPU transport's plan engine) or one registered with
+    ``ringcoll.register_algorithm``; the same on all ranks (checked; a call that names
+    another on some rank raises RingcollMismatchError). ``shares_cores`` (CPU): this rank's cores also
     run other busy threads, so its waits nap instead of spinning (HierarchicalCommunicator
     sets it for its node's ring where ranks and their link threads outnumber the cores).
 
@@ -383,8 +389,12 @@ class Communicator(ArgumentChecks):
     transport_class = staticmethod(transport_for)  # device -> its transport (tests substitute the emulated one)
 
     def __init__(self, group=None, device=None, timeout=None, buffer_bytes=None, check=None, small_bytes=None,
-                 direct_bytes=None, shares_cores: bool = False):
+                 direct_bytes=None, shares_cores: bool = False, algorithm: Optional[str] = None):
         device = torch.device(device if device is not None else "cpu")
+        self.algorithm = algorithm if algorithm is not None else os.environ.get("RINGCOLL_ALGORITHM", "auto")
+        if not isinstance(self.algorithm, str):
+            raise TypeError(f"Communicator: algorithm must be a name, got {self.algorithm!r}")
+        self._auto = self.algorithm == "auto"  # calls that name none take the default path (the plain calls')
         transport_cls = self.transport_class(device)
         self._configure(group, transport_cls.resolve_device(device), timeout, buffer_bytes, check,
                         transport_cls.slot_alignment)
@@ -408,7 +418,7 @@ class Communicator(ArgumentChecks):
         setting differs: peers would otherwise read each other's buffers with different
         layouts."""
         settings = {"RINGCOLL_CHECK / check=": self.check, "RINGCOLL_BUFFER_BYTES / buffer_bytes=": self.buffer_bytes,
-                    **settings}
+                    "RINGCOLL_ALGORITHM / algorithm=": self.algorithm, **settings}
         offers = self._bootstrap.all_gather_object((mine, settings))
         for name in settings:
             values = [theirs[name] for _, theirs in offers]
@@ -497,12 +507,31 @@ class Communicator(ArgumentChecks):
                                      submit)
         return None if completion is None else Work(completion, list(outputs), keep_alive)
 
+    def _plan(self, name: str, collective: str, algorithm: Optional[str]) -> Optional[tuple]:
+        """The plan a call runs: None for "auto" (the default path), else (the compiled
+        plan, its id) of a built-in or registered algorithm (ringcoll/plans.py), built and
+        checked on first use; ValueError naming the call for an unknown name, PlanError for
+        a plan the checker refuses."""
+        algorithm = self.algorithm if algorithm is None else algorithm
+        if algorithm == "auto" or (algorithm == "ring" and self.device.type != "cpu"):
+            return None  # the default path (on CUDA: the ring kernels, the same ring)
+        if self.device.type != "cpu":
+            raise ValueError(f"{name}: algorithm={algorithm!r} runs on the CPU transport only so far; on CUDA "
+                             "'auto' or 'ring' (the ring kernels)")
+        try:
+            _, compiled, plan_id = plans.compiled(algorithm, collective, self.world_size)
+        except plans.PlanError:
+            raise  # it names the plan, the rank and the op
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+        return compiled, plan_id
+
     # --- the collectives ------------------------------------------------------------------
     # On CUDA, arrays (CuPy, DLPack) are first viewed as tensors over the same memory
     # (ringcoll/views.py), then validated and run like tensors.
 
     def all_reduce(self, tensor: torch.Tensor, op=ReduceOp.SUM, async_op: bool = False, *,
-                   output: Optional[torch.Tensor] = None):
+                   output: Optional[torch.Tensor] = None, algorithm: Optional[str] = None):
         """In place: ``tensor = op(tensor on rank 0, ..., tensor on rank P-1)``.
 
         Reference: ``torch.stack(all_ranks_tensors).sum(0)`` for SUM (``/ P`` more for AVG),
@@ -512,15 +541,18 @@ class Communicator(ArgumentChecks):
         ``((x[c+1] + x[c+2]) + ...) + x[c]`` over ranks (indices mod P) in that dtype, not
         ``stack.sum(0)``, which rounds once.
         ``output`` (keyword, not in torch.distributed): write the result there instead and
-        leave ``tensor`` unchanged, NCCL's out-of-place form.
+        leave ``tensor`` unchanged, NCCL's out-of-place form. ``algorithm`` (keyword): this
+        call's algorithm (see the class), the communicator's by default.
         """
         plain = self._transport.plain_calls
         # Checked and run in one binding call (not while torch.profiler records: _submit's range)
-        if plain is not None and not async_op and not profiler_enabled():
+        if plain is not None and not async_op and not profiler_enabled() and (
+                self._auto if algorithm is None else algorithm == "auto"):
             return plain.all_reduce_tensor(tensor, output, op)
-        return self._submit("all_reduce", *self._all_reduce_call("all_reduce", tensor, op, output), async_op)
+        return self._submit("all_reduce", *self._all_reduce_call("all_reduce", tensor, op, output, algorithm),
+                            async_op)
 
-    def _all_reduce_call(self, name: str, tensor, op, output):
+    def _all_reduce_call(self, name: str, tensor, op, output, algorithm=None):
         """all_reduce's checks; its call, outputs and inputs (for _submit or a PreparedCollective)."""
         tensor, output = self._view(tensor), self._view(output)
         self._ensure_open(name)
@@ -529,9 +561,11 @@ class Communicator(ArgumentChecks):
             output, dst = tensor, src
         else:
             dtype, src, count, dst, _ = self._check_pair(name, output, tensor, EQUAL)
-        return new_call(("all_reduce", src, dst, count, dtype, op_code(name, op, dtype))), [output], (tensor,)
+        plan = self._plan(name, "all_reduce", algorithm)
+        return new_call(("all_reduce", src, dst, count, dtype, op_code(name, op, dtype), plan)), [output], (tensor,)
 
-    def all_reduce_coalesced(self, tensors: list, op=ReduceOp.SUM, async_op: bool = False):
+    def all_reduce_coalesced(self, tensors: list, op=ReduceOp.SUM, async_op: bool = False, *,
+                             algorithm: Optional[str] = None):
         """Each tensor all-reduced in place, as one flat call: the tensors are packed into
         one buffer, reduced once (one ring, not one per tensor), and copied back."""
         name = "all_reduce_coalesced"
@@ -540,76 +574,83 @@ class Communicator(ArgumentChecks):
         dtype = self._check_same_dtype(name, "tensors", tensors)
         code = op_code(name, op, dtype)
         flat = packing.concat(tensors)
-        call = _call("all_reduce", flat, flat, flat.numel(), dtype, code)
+        call = _call("all_reduce", flat, flat, flat.numel(), dtype, code, self._plan(name, "all_reduce", algorithm))
         return self._submit(name, call, list(tensors), (flat,), async_op,
                             then=lambda: packing.split_into(flat, tensors))
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM,
-                              async_op: bool = False):
+                              async_op: bool = False, *, algorithm: Optional[str] = None):
         """``output = op over ranks of input.view(P, -1)[rank]``; input has P x output.numel()
         elements. In place when output is exactly chunk ``rank`` of input."""
         plain = self._transport.plain_calls
-        if plain is not None and not async_op and not profiler_enabled():
+        if plain is not None and not async_op and not profiler_enabled() and (
+                self._auto if algorithm is None else algorithm == "auto"):
             return plain.reduce_scatter_tensor(output, input, op)
         name = "reduce_scatter_tensor"
-        return self._submit(name, *self._reduce_scatter_call(name, output, input, op), async_op)
+        return self._submit(name, *self._reduce_scatter_call(name, output, input, op, algorithm), async_op)
 
-    def _reduce_scatter_call(self, name: str, output, input, op):
+    def _reduce_scatter_call(self, name: str, output, input, op, algorithm=None):
         output, input = self._view(output), self._view(input)
         self._ensure_open(name)
         dtype, src, _, dst, count = self._check_pair(name, output, input, SCATTER)
-        return new_call(("reduce_scatter", src, dst, count, dtype, op_code(name, op, dtype))), [output], (input,)
+        call = ("reduce_scatter", src, dst, count, dtype, op_code(name, op, dtype),
+                self._plan(name, "reduce_scatter", algorithm))
+        return new_call(call), [output], (input,)
 
     def all_gather_into_tensor(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
-                               async_op: bool = False):
+                               async_op: bool = False, *, algorithm: Optional[str] = None):
         """``output_tensor.view(P, -1)[r] = input_tensor on rank r`` for every r. In place when
         input_tensor is exactly chunk ``rank`` of output_tensor."""
         plain = self._transport.plain_calls
-        if plain is not None and not async_op and not profiler_enabled():
+        if plain is not None and not async_op and not profiler_enabled() and (
+                self._auto if algorithm is None else algorithm == "auto"):
             return plain.all_gather_into_tensor(output_tensor, input_tensor)
         name = "all_gather_into_tensor"
-        return self._submit(name, *self._all_gather_call(name, output_tensor, input_tensor), async_op)
+        return self._submit(name, *self._all_gather_call(name, output_tensor, input_tensor, algorithm), async_op)
 
-    def _all_gather_call(self, name: str, output, input):
+    def _all_gather_call(self, name: str, output, input, algorithm=None):
         output, input = self._view(output), self._view(input)
         self._ensure_open(name)
         dtype, src, count, dst, _ = self._check_pair(name, output, input, GATHER)
-        return new_call(("all_gather", src, dst, count, dtype, None)), [output], (input,)
+        return new_call(("all_gather", src, dst, count, dtype, None, self._plan(name, "all_gather", algorithm))), \
+            [output], (input,)
 
     # --- prepared (persistent) collectives -------------------------------------------------
 
-    def prepare_all_reduce(self, tensor: torch.Tensor, op=ReduceOp.SUM, *,
-                           output: Optional[torch.Tensor] = None) -> "PreparedCollective":
+    def prepare_all_reduce(self, tensor: torch.Tensor, op=ReduceOp.SUM, *, output: Optional[torch.Tensor] = None,
+                           algorithm: Optional[str] = None) -> "PreparedCollective":
         """all_reduce(tensor, op, output=output), validated now and run by calling the result
         as often as wanted: MPI-4's persistent collectives (MPI_Allreduce_init). For small
         messages in a loop, where the per-call checks cost as much as the ring step."""
-        return PreparedCollective(self, "prepare_all_reduce", *self._all_reduce_call("prepare_all_reduce", tensor, op,
-                                                                                      output))
+        name = "prepare_all_reduce"
+        return PreparedCollective(self, name, *self._all_reduce_call(name, tensor, op, output, algorithm))
 
-    def prepare_reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor,
-                                      op=ReduceOp.SUM) -> "PreparedCollective":
+    def prepare_reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, *,
+                                      algorithm: Optional[str] = None) -> "PreparedCollective":
         """reduce_scatter_tensor(output, input, op), prepared (see prepare_all_reduce)."""
         name = "prepare_reduce_scatter_tensor"
-        return PreparedCollective(self, name, *self._reduce_scatter_call(name, output, input, op))
+        return PreparedCollective(self, name, *self._reduce_scatter_call(name, output, input, op, algorithm))
 
-    def prepare_all_gather_into_tensor(self, output_tensor: torch.Tensor,
-                                       input_tensor: torch.Tensor) -> "PreparedCollective":
+    def prepare_all_gather_into_tensor(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, *,
+                                       algorithm: Optional[str] = None) -> "PreparedCollective":
         """all_gather_into_tensor(output_tensor, input_tensor), prepared (see prepare_all_reduce)."""
         name = "prepare_all_gather_into_tensor"
-        return PreparedCollective(self, name, *self._all_gather_call(name, output_tensor, input_tensor))
+        return PreparedCollective(self, name, *self._all_gather_call(name, output_tensor, input_tensor, algorithm))
 
-    def all_gather(self, tensor_list: list, tensor: torch.Tensor, async_op: bool = False):
+    def all_gather(self, tensor_list: list, tensor: torch.Tensor, async_op: bool = False, *,
+                   algorithm: Optional[str] = None):
         """``tensor_list[r] = tensor on rank r``. Gathers into one flat buffer, then copies out."""
         name = "all_gather"
         tensor_list, tensor = self._view_list(tensor_list), self._view(tensor)
         self._ensure_open(name)
         dtype = self._check_list(name, "tensor_list", tensor_list, tensor)
         flat = tensor.new_empty(self.world_size * tensor.numel())
-        call = _call("all_gather", tensor, flat, tensor.numel(), dtype)
+        call = _call("all_gather", tensor, flat, tensor.numel(), dtype, None, self._plan(name, "all_gather", algorithm))
         return self._submit(name, call, list(tensor_list), (tensor, flat), async_op,
                             then=lambda: packing.split_into(flat, tensor_list))
 
-    def reduce_scatter(self, output: torch.Tensor, input_list: list, op=ReduceOp.SUM, async_op: bool = False):
+    def reduce_scatter(self, output: torch.Tensor, input_list: list, op=ReduceOp.SUM, async_op: bool = False, *,
+                       algorithm: Optional[str] = None):
         """``output = op over ranks of input_list[rank]``. Packs the list into one flat buffer."""
         name = "reduce_scatter"
         output, input_list = self._view(output), self._view_list(input_list)
@@ -618,10 +659,11 @@ class Communicator(ArgumentChecks):
         code = op_code(name, op, dtype)
         # The packed copy is taken now, so output may alias an entry of input_list.
         flat = packing.concat(input_list)
-        call = _call(name, flat, output, output.numel(), dtype, code)
+        call = _call(name, flat, output, output.numel(), dtype, code, self._plan(name, "reduce_scatter", algorithm))
         return self._submit(name, call, [output], (flat, *input_list), async_op)
 
-    def all_gather_into_tensor_coalesced(self, outputs: list, inputs: list, async_op: bool = False):
+    def all_gather_into_tensor_coalesced(self, outputs: list, inputs: list, async_op: bool = False, *,
+                                         algorithm: Optional[str] = None):
         """all_gather_into_tensor for each (outputs[i], inputs[i]) pair, as one flat call
         (ringcoll/packing.py): what FSDP2 and the functional collectives issue."""
         name = "all_gather_into_tensor_coalesced"
@@ -630,12 +672,13 @@ class Communicator(ArgumentChecks):
         dtype = self._check_pairs(name, outputs, inputs, GATHER)
         flat_in = packing.concat(inputs)
         gathered = flat_in.new_empty(self.world_size * flat_in.numel())
-        call = _call("all_gather", flat_in, gathered, flat_in.numel(), dtype)
+        call = _call("all_gather", flat_in, gathered, flat_in.numel(), dtype, None,
+                     self._plan(name, "all_gather", algorithm))
         return self._submit(name, call, list(outputs), (flat_in, gathered), async_op,
                             then=lambda: packing.gathered_rows_into(gathered, outputs, self.world_size))
 
     def reduce_scatter_tensor_coalesced(self, outputs: list, inputs: list, op=ReduceOp.SUM,
-                                        async_op: bool = False):
+                                        async_op: bool = False, *, algorithm: Optional[str] = None):
         """reduce_scatter_tensor for each (outputs[i], inputs[i]) pair, as one flat call."""
         name = "reduce_scatter_tensor_coalesced"
         outputs, inputs = self._view_list(outputs), self._view_list(inputs)
@@ -644,7 +687,8 @@ class Communicator(ArgumentChecks):
         code = op_code(name, op, dtype)
         flat_in = packing.chunks_by_rank(inputs, self.world_size)
         mine = flat_in.new_empty(flat_in.numel() // self.world_size)
-        call = _call("reduce_scatter", flat_in, mine, mine.numel(), dtype, code)
+        call = _call("reduce_scatter", flat_in, mine, mine.numel(), dtype, code,
+                     self._plan(name, "reduce_scatter", algorithm))
         return self._submit(name, call, list(outputs), (flat_in, mine), async_op,
                             then=lambda: packing.split_into(mine, outputs))
 
@@ -698,8 +742,8 @@ class CudaCommunicator(Communicator):
     device). Same methods; it only refuses a non-CUDA device."""
 
     def __init__(self, group=None, device=None, timeout=None, buffer_bytes=None, check=None, small_bytes=None,
-                 direct_bytes=None):
+                 direct_bytes=None, algorithm: Optional[str] = None):
         device = torch.device(device if device is not None else "cuda")
         if device.type != "cuda":
             raise ValueError(f"Communicator: CudaCommunicator serves CUDA devices, not {device}")
-        super().__init__(group, device, timeout, buffer_bytes, check, small_bytes, direct_bytes)
+        super().__init__(group, device, timeout, buffer_bytes, check, small_bytes, direct_bytes, algorithm=algorithm)

@@ -9,6 +9,7 @@
 #include "ringcoll/call.h"
 #include "ringcoll/check.h"
 #include "ringcoll/flags.h"
+#include "ringcoll/plan.h"
 #include "ringcoll/reduce.h"
 #include "ringcoll/ring.h"
 #include "ringcoll/ring_loop.h"
@@ -17,6 +18,38 @@ namespace py = pybind11;
 using namespace ringcoll;
 
 namespace {
+
+// A plan's ops as Python sees them (ringcoll/plans.py's PlanOp): one tuple per op,
+// (a, b, from, first, count, to, final, readers), the operands as Operand's codes.
+py::tuple op_tuple(const PlanOp& op) {
+  return py::make_tuple(static_cast<int>(op.a), static_cast<int>(op.b), op.from, op.first, op.count,
+                        static_cast<int>(op.to), op.final, op.readers);
+}
+
+PlanOp op_from_tuple(const py::handle& t) {
+  const auto items = py::cast<py::tuple>(t);
+  RINGCOLL_CHECK(items.size() == 8, std::invalid_argument, "a plan op is 8 fields, got ", items.size());
+  PlanOp op;
+  op.a = static_cast<Operand>(py::cast<int>(items[0]));
+  op.b = static_cast<Operand>(py::cast<int>(items[1]));
+  op.from = static_cast<int16_t>(py::cast<int>(items[2]));
+  op.first = static_cast<int16_t>(py::cast<int>(items[3]));
+  op.count = static_cast<int16_t>(py::cast<int>(items[4]));
+  op.to = static_cast<uint8_t>(py::cast<int>(items[5]));
+  op.final = py::cast<bool>(items[6]);
+  op.readers = py::cast<uint64_t>(items[7]);
+  return op;
+}
+
+py::tuple plan_tuple(const Plan& plan) {
+  py::list ranks;
+  for (const auto& ops : plan.ops) {
+    py::list mine;
+    for (const auto& op : ops) mine.append(op_tuple(op));
+    ranks.append(py::tuple(mine));
+  }
+  return py::make_tuple(plan.chunks, py::tuple(ranks));
+}
 
 // out[i] = a[i] op b[i] for raw arrays, via the very loop the host ring uses
 // (host_strip.h's reduce_strip) and so reduce.h's functors; `final` applies finalize
@@ -96,6 +129,37 @@ void bind_core(py::module_& m) {
     collectives.append(py::make_tuple(info.name, code, info.reduces, info.moves_data));
   }
   m.attr("collective_table") = py::tuple(collectives);
+
+  // plan.h: the built-in algorithms (name, code), their plans, and the compile step.
+  py::list algorithms;
+#define RINGCOLL_ALGORITHM_ROW(e, name, code) algorithms.append(py::make_tuple(name, code));
+  RINGCOLL_ALGORITHMS(RINGCOLL_ALGORITHM_ROW)
+#undef RINGCOLL_ALGORITHM_ROW
+  m.attr("algorithm_table") = py::tuple(algorithms);
+  m.attr("max_plan_world") = kMaxPlanWorld;
+  m.def(
+      "builtin_plan",
+      [](int algorithm, int collective, int world) {
+        return plan_tuple(builtin_plan(static_cast<Algorithm>(algorithm), static_cast<Collective>(collective), world));
+      },
+      py::arg("algorithm"), py::arg("collective"), py::arg("world"),
+      "(chunks, ops of each rank) of a built-in algorithm's plan");
+  py::class_<CompiledPlan>(m, "CompiledPlan", "a plan resolved for the engine (plan.h's compile_plan)")
+      .def_property_readonly("chunks", [](const CompiledPlan& p) { return p.plan.chunks; })
+      .def_property_readonly("publications", [](const CompiledPlan& p) { return p.publications; })
+      .def_property_readonly("publication_read", [](const CompiledPlan& p) { return p.publication_read; });
+  m.def(
+      "compile_plan",
+      [](const std::string& name, int world, int chunks, const py::sequence& ranks) {
+        Plan plan;
+        plan.chunks = chunks;
+        for (const auto& ops : ranks) {
+          plan.ops.emplace_back();
+          for (const auto& op : py::cast<py::sequence>(ops)) plan.ops.back().push_back(op_from_tuple(op));
+        }
+        return compile_plan(std::move(plan), name, world);
+      },
+      py::arg("name"), py::arg("world"), py::arg("chunks"), py::arg("ops"));
 
   // The buffer's shape (call.h), so Python validates buffer_bytes without restating it.
   m.attr("banks") = kBanks;

@@ -36,9 +36,19 @@ void ensure_open(const HostComm& c, const char* op) {
   if (c.closed()) throw ringcoll::Error(std::string(op) + ": communicator is closed");
 }
 
+// A call by a plan: (its CompiledPlan, the id its descriptor carries), ringcoll/plans.py's
+// CollectiveCall.plan; none for the default path.
+using PlanChoice = std::optional<std::tuple<const ringcoll::CompiledPlan*, uint32_t>>;
+
 void run_call(HostComm& c, const std::string& collective, uintptr_t in, uintptr_t out, int64_t count, int dtype,
-              std::optional<int> op) {
+              std::optional<int> op, PlanChoice plan) {
   const auto d = static_cast<DType>(dtype);
+  if (plan.has_value()) {
+    const auto coll = ringcoll::collective_named(collective);
+    RINGCOLL_CHECK(coll.has_value(), std::invalid_argument, "unknown collective ", collective);
+    return c.run_plan(*coll, *std::get<0>(*plan), std::get<1>(*plan), as_ptr(in), as_mut_ptr(out), count, d,
+                      static_cast<ReduceOp>(op.value_or(0)));
+  }
   if (collective == "all_gather") return c.all_gather(as_ptr(in), as_mut_ptr(out), count, d);
   RINGCOLL_CHECK(op.has_value(), std::invalid_argument, collective, ": a reduction needs an op");
   const auto o = static_cast<ReduceOp>(*op);
@@ -51,11 +61,11 @@ void run_call(HostComm& c, const std::string& collective, uintptr_t in, uintptr_
 // runs, if a tensor changed since it was prepared (Python says how); otherwise it runs.
 bool run_prepared(HostComm& c, const std::string& name, py::handle tensors, py::handle layout,
                   const std::string& collective, uintptr_t in, uintptr_t out, int64_t count, int dtype,
-                  std::optional<int> op) {
+                  std::optional<int> op, PlanChoice plan) {
   if (!same_layout(tensors, layout)) return false;
   ensure_open(c, name.c_str());
   py::gil_scoped_release release;
-  run_call(c, collective, in, out, count, dtype, op);
+  run_call(c, collective, in, out, count, dtype, op, plan);
   return true;
 }
 
@@ -149,9 +159,20 @@ void bind_host(py::module_& m) {
       // The whole CollectiveCall (transports/base.py) in one call, as HostTransport passes it:
       // (collective, src, dst, user_count, dtype, op); op is None for all_gather. One
       // binding call instead of a Python-level unpack and a method lookup per collective.
-      .def("run", &run_call, py::call_guard<py::gil_scoped_release>())
+      .def("run", &run_call, py::arg("collective"), py::arg("src"), py::arg("dst"), py::arg("count"), py::arg("dtype"),
+           py::arg("op"), py::arg("plan") = py::none(), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "run_plan",
+          [](HostComm& c, const ringcoll::CompiledPlan& plan, uint32_t plan_id, int collective, uintptr_t in,
+             uintptr_t out, int64_t count, int dtype, int op) {
+            c.run_plan(static_cast<ringcoll::Collective>(collective), plan, plan_id, as_ptr(in), as_mut_ptr(out), count,
+                       static_cast<DType>(dtype), static_cast<ReduceOp>(op));
+          },
+          py::arg("plan"), py::arg("plan_id"), py::arg("collective"), py::arg("src"), py::arg("dst"), py::arg("count"),
+          py::arg("dtype"), py::arg("op"), py::call_guard<py::gil_scoped_release>())
       .def("run_prepared", &run_prepared, py::arg("name"), py::arg("tensors"), py::arg("layout"),
-           py::arg("collective"), py::arg("src"), py::arg("dst"), py::arg("count"), py::arg("dtype"), py::arg("op"))
+           py::arg("collective"), py::arg("src"), py::arg("dst"), py::arg("count"), py::arg("dtype"), py::arg("op"),
+           py::arg("plan") = py::none())
       .def("all_reduce_tensor", &all_reduce_tensor, py::arg("tensor"), py::arg("output"), py::arg("op"))
       .def("reduce_scatter_tensor", &reduce_scatter_tensor, py::arg("output"), py::arg("input"), py::arg("op"))
       .def("all_gather_into_tensor", &all_gather_into_tensor, py::arg("output"), py::arg("input"))

@@ -182,7 +182,8 @@ HostComm::HostComm(int rank, int world, const std::vector<std::string>& names, s
       slot_bytes_(slot_bytes_for(buffer_bytes, world, kSlotAlignment)), small_bytes_(small_bytes),
       direct_bytes_(direct_bytes), direct_max_bytes_(direct_max_bytes),
       policy_(host_wait_policy(world, timeout_seconds, shares_cores)), check_calls_(check_calls),
-      last_publication_(static_cast<size_t>(kBanks) * static_cast<size_t>(world), 0) {
+      last_publication_(static_cast<size_t>(kBanks) * static_cast<size_t>(world), 0),
+      plan_unread_(static_cast<size_t>(world), 0) {
   RINGCOLL_CHECK(world >= 1 && rank >= 0 && rank < world, std::invalid_argument, "Communicator: rank ", rank,
                  " is outside world size ", world);
   RINGCOLL_CHECK(static_cast<int>(names.size()) == world, std::invalid_argument,
@@ -350,7 +351,10 @@ void HostComm::wait_for(int peer, const uint64_t* address, uint64_t target, cons
   else msg << "gave up";
   const char* side = peer == left_neighbour(rank_, world_) ? "left neighbour " : (peer == right_neighbour(rank_, world_) ? "right neighbour " : "");
   msg << " waiting for " << side << "rank " << peer << " to " << event;
-  if (position_.one_shot) {
+  if (position_.plan) {
+    msg << " (call " << calls_ << ", slice " << position_.slice + 1 << "/" << position_.slices << ", plan op "
+        << position_.step + 1 << "/" << position_.steps << ")";
+  } else if (position_.one_shot) {
     msg << " (call " << calls_ << ", one-shot step 1/1)";
   } else if (position_.direct) {
     msg << " (call " << calls_ << ", direct read)";
@@ -426,6 +430,7 @@ void HostComm::run_ring_call(const char* op, const RingCall& call, const void* i
   const bool direct = uses_direct_read(call);  // nor this (probed only with peers)
   OneShotPublication mine{};
   auto publish_early = [&] {
+    drain_publications(/*plans_only=*/true);  // a plan call's slots lie elsewhere
     if (one_shot) mine = publish_one_shot(call, input);
     if (direct) post_direct_input(input, static_cast<size_t>(call.ring_count / world_));
   };
@@ -446,6 +451,51 @@ void HostComm::run_ring_call(const char* op, const RingCall& call, const void* i
     });
   });
 }
+
+// ---------------------------------------------------------------------------------------
+// Plans (plan.h): the engine is host_plan.cpp's
+
+void HostComm::drain_publications(bool plans_only) {
+  for (int peer = 0; peer < world_; ++peer) {
+    if (peer == rank_) continue;
+    if (plan_unread_[peer] != 0)
+      wait_for(peer, &header(peer).consumed_from[rank_], plan_unread_[peer], "consume data");
+    plan_unread_[peer] = 0;
+  }
+  if (plans_only) return;
+  if (unconfirmed_one_shot_ != 0) wait_all_consumed(unconfirmed_one_shot_);
+  unconfirmed_one_shot_ = 0;
+  // The ring's publications: my right neighbour reads them all.
+  uint64_t ring = 0;
+  for (uint64_t v : last_publication_) ring = std::max(ring, v);
+  if (ring != 0 && world_ > 1) wait_for(right_neighbour(rank_, world_), &SegmentHeader::consumed, ring, "consume data");
+}
+
+void HostComm::run_plan(Collective coll, const CompiledPlan& plan, uint32_t plan_id, const void* input,
+                        void* output, int64_t user_count, DType dtype, ReduceOp op) {
+  RingCall call = ring_call(coll, user_count, dtype, op, world_);
+  call.descriptor.algorithm = static_cast<int32_t>(plan_id);
+  run_plan_call(collective_info(coll).name, call, plan, input, output);
+}
+
+void HostComm::run_plan_call(const char* op, const RingCall& call, const CompiledPlan& plan, const void* input,
+                             void* output) {
+  RINGCOLL_CHECK(static_cast<int>(plan.plan.ops.size()) == world_, std::invalid_argument, op, ": a plan for ",
+                 plan.plan.ops.size(), " ranks on a communicator of ", world_);
+  RINGCOLL_CHECK(call.collective == Collective::kAllReduce || plan.plan.chunks == world_,
+                 std::invalid_argument, op, ": a plan of ", plan.plan.chunks, " chunks; ", op, " needs one per rank (",
+                 world_, ")");
+  run_collective(op, call.descriptor, [] {}, [&] {
+    auto copy = [](void* dst, const void* src, size_t bytes) { std::memcpy(dst, src, bytes); };
+    run_call(call, world_, input, output, copy, [&] {
+      drain_publications();
+      step_base_ += run_host_plan(*this, plan, call, input, output, step_base_, plan_unread_, plan_work_);
+      // Every rank to the same number, so the ring's numbering stays equal on all ranks.
+      flag_store_release(&header(rank_).published.value, step_base_);
+    });
+  });
+}
+
 
 // ---------------------------------------------------------------------------------------
 // The one-shot path for small messages
@@ -516,7 +566,7 @@ void one_shot_reduce(T* out, Slot&& slot, int chunk, int64_t offset, int64_t len
 }  // namespace
 
 HostComm::OneShotPublication HostComm::publish_one_shot(const RingCall& call, const void* input) {
-  position_ = {0, 1, 0, 1, true, false};
+  position_ = {0, 1, 0, 1, true, false, false};
   const int bank = static_cast<int>(one_shot_calls_++ % kBanks);
   const int slot = slot_index(bank, 0, world_);
   const uint64_t v = step_base_ + 1;
@@ -535,7 +585,7 @@ HostComm::OneShotPublication HostComm::publish_one_shot(const RingCall& call, co
 
 void HostComm::finish_one_shot(const RingCall& call, const OneShotPublication& mine, const void* input,
                                void* output) {
-  position_ = {0, 1, 0, 1, true, false};
+  position_ = {0, 1, 0, 1, true, false, false};
   const uint64_t v = mine.number;
   const size_t published = mine.bytes;
   const bool gather = call.collective == Collective::kAllGather;
@@ -627,7 +677,7 @@ void HostComm::post_direct_input(const void* input, size_t bytes) {
 }
 
 void HostComm::run_direct_all_gather(const RingCall& call, const void* input, void* output) {
-  position_ = {0, 1, 0, 1, false, true};
+  position_ = {0, 1, 0, 1, false, true, false};
   ++direct_calls_;
   const size_t chunk = static_cast<size_t>(call.ring_count / world_);
   auto* out = static_cast<char*>(output);

@@ -20,6 +20,7 @@
 #include "ringcoll/call.h"
 #include "ringcoll/descriptor.h"
 #include "ringcoll/flags.h"
+#include "ringcoll/plan.h"
 #include "ringcoll/reduce.h"
 #include "ringcoll/ring.h"
 #include "shm_segment.h"
@@ -68,6 +69,9 @@ struct SegmentHeader {
     uint64_t address, bytes, call;
   } direct_post;
   Flag direct_read;
+  // The plan engine (host_plan.cpp): consumed_from[k] = v, the owner has read rank k's
+  // publication v (flow control per connection; the ring's `consumed` is its left one).
+  alignas(64) uint64_t consumed_from[kMaxPlanWorld];
 };
 static_assert(sizeof(SegmentHeader) <= kHeaderBytes, "header must fit its page");
 
@@ -131,6 +135,14 @@ bool ranks_outnumber_cores(int world);
 // moves bytes while the node's ring waits): neither spin nor keep yielding, nap.
 WaitPolicy host_wait_policy(int world, double timeout_seconds, bool shares_cores = false);
 
+class HostComm;
+
+// The plan engine (host_plan.cpp): one call by `plan`, from publication number `base`
+// (the same on every rank); returns the publication numbers the call took (the same on
+// every rank) and notes in `unread`, per peer, this rank's latest publication it reads.
+uint64_t run_host_plan(HostComm& comm, const CompiledPlan& plan, const RingCall& call, const void* input,
+                       void* output, uint64_t base, std::vector<uint64_t>& unread, std::vector<char>& work);
+
 class HostComm {
  public:
   // Collective over the `world` ranks: names[r] is rank r's segment name (drawn with
@@ -158,6 +170,10 @@ class HostComm {
   void all_reduce(const void* input, void* output, int64_t user_count, DType dtype, ReduceOp op);
   void reduce_scatter(const void* input, void* output, int64_t user_count, DType dtype, ReduceOp op);
   void all_gather(const void* input, void* output, int64_t user_count, DType dtype);
+  // Any of the three by a plan (plan.h) through the plan engine (host_plan.cpp). The call's
+  // descriptor carries `plan_id`, so ranks running different plans raise MismatchError.
+  void run_plan(Collective coll, const CompiledPlan& plan, uint32_t plan_id, const void* input, void* output,
+                int64_t user_count, DType dtype, ReduceOp op);
   void barrier();
   void close();
 
@@ -166,6 +182,7 @@ class HostComm {
   int rank() const { return rank_; }
   int world() const { return world_; }
   size_t slot_bytes() const { return slot_bytes_; }
+  size_t buffer_bytes() const { return buffer_bytes_; }
   size_t small_bytes() const { return small_bytes_; }
   // Whether `call` takes the one-shot path (where it fits and does not read directly): a
   // function of the call and of settings every rank agreed on, so every rank decides alike.
@@ -204,7 +221,11 @@ class HostComm {
     wait_for(peer, &(header(peer).*flag).value, target, event);
   }
   void set_position(int64_t slice, int64_t slices, int step, int steps) {
-    position_ = {slice, slices, step, steps, false, false};
+    position_ = {slice, slices, step, steps, false, false, false};
+  }
+  // The plan engine's position: op `op` of `ops` in slice `slice`.
+  void set_plan_position(int64_t slice, int64_t slices, int op, int ops) {
+    position_ = {slice, slices, op, ops, false, false, true};
   }
 
  private:
@@ -219,6 +240,11 @@ class HostComm {
   template <typename Early, typename Body>
   void run_collective(const char* op, const CallDescriptor& call, Early&& early, Body&& body);
   void run_ring_call(const char* op, const RingCall& call, const void* input, void* output);
+  void run_plan_call(const char* op, const RingCall& call, const CompiledPlan& plan, const void* input, void* output);
+  // Wait until every reader has read what this rank published, by the plan engine (all of
+  // it, or `plans_only`) and by the ring and one-shot paths: the slots' layout depends on
+  // the algorithm, so no slot is refilled across a change of it while a peer still reads.
+  void drain_publications(bool plans_only = false);
   // The small-message algorithm: every rank publishes its input once, every rank combines
   // all P copies itself (host_comm.cpp says why it is safe to interleave with the ring).
   // Publishing writes only my own buffer, so it runs before the call check (run_collective).
@@ -255,13 +281,15 @@ class HostComm {
   // The latest one-shot publication not yet known to be read by every peer (0: none). The
   // ring's slot reuse waits only for the right neighbour, so a ring call waits for it first.
   uint64_t unconfirmed_one_shot_ = 0;
+  std::vector<uint64_t> plan_unread_;  // per peer: my latest plan publication it reads (0: none left)
+  std::vector<char> plan_work_;        // the plan engine's work space (one slice of a message)
   uint64_t probe_token_ = 0;  // what peers read back at bootstrap (peer_memory.h)
   bool direct_reads_ = false;
   bool oversubscribed_ = false;
   std::string direct_unavailable_ = "off";
   uint64_t direct_calls_ = 0;
   const char* current_op_ = "";
-  struct { int64_t slice, slices; int step, steps; bool one_shot, direct; } position_{};  // for error messages
+  struct { int64_t slice, slices; int step, steps; bool one_shot, direct, plan; } position_{};  // for error messages
   std::string broken_reason_;
   bool closed_ = false;
   // One call at a time on the ring, whichever thread makes it: Python orders a rank's calls

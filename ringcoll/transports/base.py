@@ -67,18 +67,22 @@ class CollectiveCall(NamedTuple):
     user_count: int
     dtype: int  # reduce.h's DType code
     op: Optional[int]  # reduce.h's ReduceOp code; None for all_gather
+    # (its _C.CompiledPlan, the id the call's descriptor carries) when an algorithm's plan
+    # runs it (ringcoll/plans.py; the CPU transport's plan engine); None: the default path
+    plan: Optional[tuple] = None
 
     def run(self, comm, *stream_args) -> None:
         """Call the extension's method for this collective on `comm` (HostComm or CudaComm);
-        `stream_args` are the CUDA transport's (stream, join)."""
-        collective, src, dst, user_count, dtype, op = self  # one unpack: this runs on every call
+        `stream_args` are the CUDA transport's (stream, join). The CUDA transport takes no plan
+        (the Communicator refuses one there)."""
+        collective, src, dst, user_count, dtype, op, _plan = self  # one unpack: this runs on every call
         if op is None:
             getattr(comm, collective)(src, dst, user_count, dtype, *stream_args)
         else:
             getattr(comm, collective)(src, dst, user_count, dtype, op, *stream_args)
 
 
-#: ``new_call((collective, src, dst, user_count, dtype, op))``: the same CollectiveCall, built
+#: ``new_call((collective, src, dst, user_count, dtype, op, plan))``: the same CollectiveCall, built
 #: in C from a plain tuple. ``CollectiveCall(...)`` runs namedtuple's generated Python
 #: ``__new__``, ~0.3 us: a tenth of a small collective, so the per-call paths use this.
 new_call = functools.partial(tuple.__new__, CollectiveCall)

@@ -645,10 +645,10 @@ def no_leftover_segments():
 
 # --- a peer that never arrives ----------------------------------------------------------
 
-def _absent_peer(rank, world, timeout, check):
+def _absent_peer(rank, world, timeout, check, algorithm):
     import ringcoll
 
-    comm = ringcoll.Communicator(timeout=timeout, check=check)
+    comm = ringcoll.Communicator(timeout=timeout, check=check, algorithm=algorithm)
     absent = world - 1
     if rank == absent:
         # Arrives only after the others have given up: it must fail fast, not wait again.
@@ -673,19 +673,21 @@ def _absent_peer(rank, world, timeout, check):
 
 
 @pytest.mark.usefixtures("no_leftover_segments")
-@pytest.mark.parametrize("world,check", [(2, True), (3, True), (3, False)])
-def test_peer_that_never_arrives_times_out_on_waiting_ranks(world, check):
+@pytest.mark.parametrize("world,check,algorithm", [(2, True, "auto"), (3, True, "auto"), (3, False, "auto"),
+                                                   (3, False, "ring")])
+def test_peer_that_never_arrives_times_out_on_waiting_ranks(world, check, algorithm):
     # With the call check on, the wait that times out is the one for the absent rank's
-    # descriptor; with it off, a wait inside the ring.
-    results = spawn(_absent_peer, world, SHORT_TIMEOUT, check, timeout=90)
+    # descriptor; with it off, a wait inside the ring (or the plan engine's ring: "ring").
+    results = spawn(_absent_peer, world, SHORT_TIMEOUT, check, algorithm, timeout=90)
     for rank, (kind, message, elapsed, later, later_elapsed, broken) in enumerate(results[:-1]):
         # Ranks that wait on the absent peer (directly or through a neighbour that gave up)
         assert kind in ("RingcollTimeoutError", "RingcollPeerError"), (rank, kind, message)
         assert elapsed < SHORT_TIMEOUT + 2.0, (rank, elapsed, message)
         assert message.startswith("all_reduce: rank "), message
         assert "waiting for" in message and "(call 1, " in message, message
-        # 1000 floats take the one-shot path for small messages (one step): named as such.
-        in_data = "ring step" in message or "one-shot step" in message
+        # 1000 floats take the one-shot path for small messages (one step): named as such;
+        # the plan engine names its op.
+        in_data = "ring step" in message or "one-shot step" in message or ", plan op " in message
         assert in_data if not check else ("announce its call" in message or in_data)
         assert "broken" in later and later_elapsed < 0.5, later
         assert broken
@@ -705,13 +707,13 @@ def test_peer_that_never_arrives_times_out_on_waiting_ranks(world, check):
 
 # --- a rank killed mid-collective -------------------------------------------------------
 
-def _killed_mid_collective(rank, world, victim, collective):
+def _killed_mid_collective(rank, world, victim, collective, algorithm):
     import ringcoll
 
     # all_reduce: 16 MiB through a 64 KiB buffer (many slices); all_gather: 2 MiB per rank,
     # each read from its owner directly (one long process_vm_readv per peer; 6 MiB in all at
     # P = 3, under the direct path's 8 MiB). Long enough to interrupt.
-    comm = ringcoll.Communicator(timeout=60.0, buffer_bytes=64 * 1024, direct_bytes=1)
+    comm = ringcoll.Communicator(timeout=60.0, buffer_bytes=64 * 1024, direct_bytes=1, algorithm=algorithm)
     t = torch.ones(4 << 20 if collective == "all_reduce" else 1 << 19)
     out = torch.empty(world * t.numel()) if collective == "all_gather" else None
 
@@ -734,11 +736,14 @@ def _killed_mid_collective(rank, world, victim, collective):
 
 
 # P = 3 with every victim is test_kill_mid_collective above (with recovery); this is P = 2,
-# and P = 3 for the direct-read all-gather (a reader may be inside the victim's memory).
+# P = 3 for the direct-read all-gather (a reader may be inside the victim's memory), and
+# P = 3 on the plan engine (the one-shot plan: every rank reads every peer's slots).
 @pytest.mark.usefixtures("no_leftover_segments")
-@pytest.mark.parametrize("world,victim,collective", [(2, 1, "all_reduce"), (3, 1, "all_gather")])
-def test_rank_killed_mid_collective(world, victim, collective):
-    outcomes = spawn_outcomes(_killed_mid_collective, world, victim, collective, timeout=90)
+@pytest.mark.parametrize("world,victim,collective,algorithm", [(2, 1, "all_reduce", "auto"),
+                                                               (3, 1, "all_gather", "auto"),
+                                                               (3, 2, "all_reduce", "oneshot")])
+def test_rank_killed_mid_collective(world, victim, collective, algorithm):
+    outcomes = spawn_outcomes(_killed_mid_collective, world, victim, collective, algorithm, timeout=90)
     victim_outcome = outcomes[victim]
     assert not victim_outcome.ok and victim_outcome.exitcode == -signal.SIGKILL
     for o in outcomes:
@@ -752,6 +757,7 @@ def test_rank_killed_mid_collective(world, victim, collective):
         assert elapsed < 10.0, elapsed
         assert "has exited" in message or "aborted" in message or "could not read rank" in message, message
         assert (direct_calls > 0) == (collective == "all_gather"), direct_calls
+        assert (", plan op " in message) == (algorithm != "auto"), message
     # The autouse fixture checks /dev/shm is clean.
 
 

@@ -58,7 +58,8 @@ RINGCOLL_INLINE RingCall ring_call(Collective coll, int64_t user_count, DType dt
   switch (coll) {
     case Collective::kAllReduce: return RingCall{coll, user_count, size, descriptor};
     case Collective::kReduceScatter: return RingCall{coll, user_count * world, size, descriptor};
-    case Collective::kAllGather: break;
+    case Collective::kAllGather:
+    case Collective::kBarrier: break;  // no message: callers never ask
   }
   return RingCall{coll, user_count * size * world, 1, descriptor};
 }

@@ -12,7 +12,19 @@
 //     moves_data  has a message at all (barrier has none)
 #pragma once
 
+#if !defined(__CUDA_ARCH__)
+#include <optional>
+#include <string>
+#endif
+
 #include "ringcoll/platform.h"
+
+// The built-in algorithms (plan.h's generators), listed once the same way:
+//   X(enumerator, name, code)    code: what a call's descriptor carries (0: the default path;
+//                                plans written in Python take codes from 1000 on)
+#define RINGCOLL_ALGORITHMS(X) \
+  X(kRing, "ring", 1)          \
+  X(kOneShot, "oneshot", 2)
 
 #define RINGCOLL_COLLECTIVES(X)                             \
   X(kAllReduce, "all_reduce", 0, true, true)                \
@@ -53,7 +65,34 @@ RINGCOLL_INLINE CollectiveInfo collective_info(Collective c) {
   return CollectiveInfo{"unknown collective", false, false};
 }
 
+enum class Algorithm : int {
+#define RINGCOLL_ALGORITHM_ENUMERATOR(e, name, code) e = code,
+  RINGCOLL_ALGORITHMS(RINGCOLL_ALGORITHM_ENUMERATOR)
+#undef RINGCOLL_ALGORITHM_ENUMERATOR
+};
+constexpr int kFirstUserPlanCode = 1000;
+
+// The name of a built-in algorithm's code, or null for any other code.
+RINGCOLL_INLINE const char* algorithm_name(int code) {
+  switch (code) {
+#define RINGCOLL_ALGORITHM_NAME(e, name, c) \
+  case c: return name;
+    RINGCOLL_ALGORITHMS(RINGCOLL_ALGORITHM_NAME)
+#undef RINGCOLL_ALGORITHM_NAME
+  }
+  return nullptr;
+}
+
 // Whether `code` names an entry of the table (a descriptor read from a peer may not).
 RINGCOLL_INLINE bool is_collective_code(int code) { return code >= 0 && code < kNumCollectives; }
+
+#if !defined(__CUDA_ARCH__)
+// The collective the table calls `name`, if any (host code: the bindings take names).
+inline std::optional<Collective> collective_named(const std::string& name) {
+  for (int code = 0; code < kNumCollectives; ++code)
+    if (name == collective_info(static_cast<Collective>(code)).name) return static_cast<Collective>(code);
+  return std::nullopt;
+}
+#endif
 
 }  // namespace ringcoll

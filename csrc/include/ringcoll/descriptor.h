@@ -41,11 +41,12 @@ struct CallDescriptor {
   int32_t op;          // ReduceOp (0 where the collective does not reduce)
   int32_t variant;     // CUDA transport: its kernel variant (ranks must agree); 0 on the CPU
   int64_t user_count;  // the count the caller passed (call.h)
+  int32_t algorithm = 0;  // the plan (plan.h: a built-in's code, a user plan's id); 0: the default path
 };
 
 RINGCOLL_INLINE bool same_call(const CallDescriptor& a, const CallDescriptor& b) {
   return a.collective == b.collective && a.dtype == b.dtype && a.op == b.op && a.user_count == b.user_count &&
-         a.variant == b.variant;
+         a.variant == b.variant && a.algorithm == b.algorithm;
 }
 
 // The descriptor area of one rank: one sequence flag, then the fields.
@@ -68,6 +69,7 @@ RINGCOLL_INLINE void publish_descriptor(DescriptorSlot* slot, const CallDescript
   word_store_relaxed(&slot->call.op, call.op);
   word_store_relaxed(&slot->call.variant, call.variant);
   word_store_relaxed(&slot->call.user_count, call.user_count);
+  word_store_relaxed(&slot->call.algorithm, call.algorithm);
   flag_store_release(&slot->seq, descriptor_seq_written(call_number));
 }
 
@@ -85,6 +87,7 @@ RINGCOLL_INLINE PeerCall compare_descriptor(const DescriptorSlot* slot, const Ca
   theirs->op = word_load_relaxed(&slot->call.op);
   theirs->variant = word_load_relaxed(&slot->call.variant);
   theirs->user_count = word_load_relaxed(&slot->call.user_count);
+  theirs->algorithm = word_load_relaxed(&slot->call.algorithm);
   fence_acquire();  // the fields are read before seq is re-checked
   if (flag_load_relaxed(&slot->seq) != seq) return PeerCall::kMovedOn;  // overwritten meanwhile
   return same_call(mine, *theirs) ? PeerCall::kMatches : PeerCall::kDiffers;
@@ -102,6 +105,8 @@ inline std::string describe_call(const CallDescriptor& call) {
       text << ", " << (call.op >= 0 && call.op < kNumReduceOps ? kOps[call.op] : "unknown op");
     text << ", count=" << call.user_count;
     if (call.variant != 0) text << ", kernel variant " << call.variant;
+    if (algorithm_name(call.algorithm) != nullptr) text << ", algorithm " << algorithm_name(call.algorithm);
+    else if (call.algorithm != 0) text << ", plan " << call.algorithm << " written in Python";
   }
   text << ")";
   return text.str();

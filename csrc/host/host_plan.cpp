@@ -1,0 +1,183 @@
+// host_plan.cpp: the plan engine on the CPU transport. It runs any plan (plan.h) over the
+// ranks' shared-memory segments: the same slots the ring uses, addressed by any peer.
+//
+// Flags (docs/flags.md). Publications share the ring's numbering: every rank starts a plan
+// call at the same base (the ring keeps all ranks' numbering equal), and rank k's m-th
+// publication of slice j is base + j * pubs(k) + m, where pubs(k) is how many publications
+// rank k makes per slice (compile_plan counts them for every rank, so every rank can
+// number any peer's). A reader waits until the sender's `published` reaches that number,
+// reads, and stores it in its own `consumed_from[sender]`: flow control per connection,
+// not one counter for the left neighbour. At the end of the call every rank moves its
+// `published` to base + slices * max_k pubs(k), the same on every rank, so the ring's
+// numbering stays equal.
+//
+// Slots. A publication of chunks [f, f + n) in the slice's bank fills slots f .. f+n-1 of
+// the sender's buffer, each 1/(kBanks C) of it (slot_bytes_for with C chunks). Before a
+// rank overwrites a slot, every reader of the publication that last filled it must have
+// consumed it. Between calls: before a plan call, and before any other call after one,
+// every rank waits until all it published has been read (drain_publications): the slots'
+// layout depends on the algorithm, so nothing carries from one to the next.
+#include <algorithm>
+#include <cstring>
+
+#include "host_comm.h"
+#include "host_strip.h"
+#include "ringcoll/ring_loop.h"
+
+namespace ringcoll::host {
+
+namespace {
+
+template <typename T, class Op>
+class PlanRun {
+ public:
+  PlanRun(HostComm& comm, const CompiledPlan& plan, Collective coll, int64_t ring_count, const void* input,
+          void* output, uint64_t base, std::vector<char>& work)
+      : comm_(comm), plan_(plan), coll_(coll), me_(comm.rank()), chunks_(plan.plan.chunks),
+        ring_count_(ring_count), input_(static_cast<const T*>(input)), output_(static_cast<T*>(output)),
+        slot_bytes_(slot_bytes_for(comm.buffer_bytes(), chunks_, kSlotAlignment)),
+        slice_elems_(static_cast<int64_t>(slot_bytes_ / sizeof(T))),
+        slices_(slice_elems_ > 0 ? num_slices(ring_count, chunks_, slice_elems_) : 0), base_(base),
+        slot_last_(static_cast<size_t>(kBanks) * chunks_), slot_readers_(slot_last_.size(), 0) {
+    RINGCOLL_CHECK(slice_elems_ > 0, std::invalid_argument, "plan of ", chunks_, " chunks: buffer_bytes ",
+                   comm.buffer_bytes(), " leaves no slot of ", sizeof(T), " bytes");
+    const size_t work_bytes = static_cast<size_t>(chunks_) * static_cast<size_t>(slice_elems_) * sizeof(T);
+    if (work.size() < work_bytes) work.resize(work_bytes);
+    work_ = reinterpret_cast<T*>(work.data());
+  }
+
+  int64_t slices() const { return slices_; }
+
+  // Slice j: every op of this rank, in order.
+  void run_slice(int64_t j) {
+    const int bank = static_cast<int>(j % kBanks);
+    const auto& ops = plan_.plan.ops[me_];
+    int published = 0;  // this rank's publications so far in this slice
+    for (size_t i = 0; i < ops.size(); ++i) {
+      const PlanOp& op = ops[i];
+      comm_.set_plan_position(j, slices_, static_cast<int>(i), static_cast<int>(ops.size()));
+      const bool receives = op.a == Operand::kPeer || op.b == Operand::kPeer;
+      const uint64_t reads = receives ? number(op.from, j, plan_.publication_read[me_][i]) : 0;
+      if (receives) comm_.wait_for(op.from, &comm_.header(op.from).published.value, reads, "publish data");
+      const uint64_t writes = (op.to & kToSlot) ? number(me_, j, ++published) : 0;
+      if (writes) wait_slots_free(bank, op.first, op.count);
+      for (int c = op.first; c < op.first + op.count; ++c) combine(op, bank, j, c);
+      if (receives) flag_store_release(&comm_.header(me_).consumed_from[op.from], reads);
+      if (writes) {
+        for (int c = op.first; c < op.first + op.count; ++c) {
+          slot_last_[slot_index(bank, c, chunks_)] = writes;
+          slot_readers_[slot_index(bank, c, chunks_)] = op.readers;
+        }
+        flag_store_release(&comm_.header(me_).published.value, writes);
+      }
+    }
+  }
+
+  // Per peer: my latest publication it reads (drain_publications waits for it).
+  void note_unread(std::vector<uint64_t>& unread) const {
+    for (size_t s = 0; s < slot_last_.size(); ++s)
+      for (int r = 0; r < comm_.world(); ++r)
+        if (has_bit(slot_readers_[s], r)) unread[r] = std::max(unread[r], slot_last_[s]);
+  }
+
+ private:
+  // The number of rank k's m-th publication of slice j.
+  uint64_t number(int k, int64_t j, int m) const {
+    return base_ + static_cast<uint64_t>(j) * static_cast<uint64_t>(plan_.publications[k]) + static_cast<uint64_t>(m);
+  }
+
+  void wait_slots_free(int bank, int first, int count) {
+    for (int c = first; c < first + count; ++c) {
+      const size_t s = static_cast<size_t>(slot_index(bank, c, chunks_));
+      for (int r = 0; r < comm_.world(); ++r)
+        if (has_bit(slot_readers_[s], r))
+          comm_.wait_for(r, &comm_.header(r).consumed_from[me_], slot_last_[s], "consume data");
+    }
+  }
+
+  // The elements of chunk c that belong to slice j, and where they start in a chunk.
+  int64_t length(int c, int64_t j) const {
+    return slice_length(chunk_length(ring_count_, chunks_, c), slice_elems_, j);
+  }
+
+  T* slot(int rank, int bank, int c) const {
+    return reinterpret_cast<T*>(comm_.data(rank) + static_cast<size_t>(slot_index(bank, c, chunks_)) * slot_bytes_);
+  }
+  // All-gather's input is this rank's chunk only; reduce-scatter's output likewise
+  // (the checker refuses plans that address any other chunk of them).
+  const T* input_at(int c, int64_t j) const {
+    return input_ + j * slice_elems_ + (coll_ == Collective::kAllGather ? 0 : chunk_begin(ring_count_, chunks_, c));
+  }
+  T* output_at(int c, int64_t j) const {
+    return output_ + j * slice_elems_ + (coll_ == Collective::kReduceScatter ? 0 : chunk_begin(ring_count_, chunks_, c));
+  }
+  T* work_at(int c) const { return work_ + static_cast<int64_t>(c) * slice_elems_; }
+
+  const T* operand(Operand which, int from, int bank, int c, int64_t j) const {
+    switch (which) {
+      case Operand::kPeer: return slot(from, bank, c);
+      case Operand::kInput: return input_at(c, j);
+      case Operand::kOutput: return output_at(c, j);
+      case Operand::kWork: return work_at(c);
+      case Operand::kNone: break;
+    }
+    return nullptr;
+  }
+
+  void combine(const PlanOp& op, int bank, int64_t j, int c) {
+    const int64_t len = length(c, j);
+    if (len == 0) return;
+    // Up to two places, the slot first (reduce_strip writes its first target with
+    // ordinary stores: the reader takes it from cache).
+    T* places[2] = {nullptr, nullptr};
+    int n = 0;
+    if (op.to & kToSlot) places[n++] = slot(me_, bank, c);
+    if (op.to & kToWork) places[n++] = work_at(c);
+    if (op.to & kToOutput) places[n++] = output_at(c, j);
+    const T* a = operand(op.a, op.from, bank, c, j);
+    if (op.b == Operand::kNone) {
+      if (places[0] == a) places[0] = nullptr;  // in place: already there
+      if (places[0] == nullptr) std::swap(places[0], places[1]);
+      if (places[0] != nullptr) copy_strip(places[0], places[1], a, len, false);
+      return;
+    }
+    const T* b = operand(op.b, op.from, bank, c, j);
+    if (op.final) reduce_strip<T, Op, true>(places[0], places[1], a, b, len, comm_.world(), false);
+    else reduce_strip<T, Op, false>(places[0], places[1], a, b, len, comm_.world(), false);
+  }
+
+  HostComm& comm_;
+  const CompiledPlan& plan_;
+  Collective coll_;
+  int me_, chunks_;
+  int64_t ring_count_;
+  const T* input_;
+  T* output_;
+  size_t slot_bytes_;
+  int64_t slice_elems_, slices_;
+  uint64_t base_;
+  T* work_ = nullptr;
+  std::vector<uint64_t> slot_last_;     // per slot: the publication that last filled it (this call)
+  std::vector<uint64_t> slot_readers_;  // ... and its readers
+};
+
+}  // namespace
+
+// Slices of a call by `plan` (every rank starts at publication number `base`); returns how
+// many publications numbers the call took on every rank, and notes in `unread`, per peer,
+// this rank's latest publication that peer reads.
+uint64_t run_host_plan(HostComm& comm, const CompiledPlan& plan, const RingCall& call, const void* input,
+                       void* output, uint64_t base, std::vector<uint64_t>& unread, std::vector<char>& work) {
+  int64_t slices = 0;
+  dispatch_call(call.descriptor, [&](auto t, auto o) {
+    PlanRun<decltype(t), decltype(o)> run(comm, plan, call.collective, call.ring_count, input, output, base, work);
+    slices = run.slices();
+    for (int64_t j = 0; j < slices; ++j) run.run_slice(j);
+    run.note_unread(unread);
+  });
+  stream_fence();
+  const int most = *std::max_element(plan.publications.begin(), plan.publications.end());
+  return static_cast<uint64_t>(slices) * static_cast<uint64_t>(most);
+}
+
+}  // namespace ringcoll::host

@@ -1,0 +1,273 @@
+// plan.h: an algorithm as data. A plan says, for every rank, which ops it runs, in order,
+// on each slice of a message; one engine (plan_engine.h) runs any plan, and the checker
+// (ringcoll/learning/plans.py) proves a plan's postcondition before it runs.
+//
+// The message (one slice of it, ring_loop.h's sense) is cut into C chunks, as ring.h cuts
+// it into P (chunk_begin(n, C, c)). An op computes one value per chunk of a range and
+// writes it somewhere:
+//
+//     value = b == kNone ? a : a OP b        (OP the call's reduction; a first, as the
+//                                             ring's reduce(received partial, own copy))
+//
+// where a and b each come from one of
+//     kPeer    the publication of rank `from` that this op receives (see matching below)
+//     kInput   the caller's input (all-gather: only this rank's own chunk)
+//     kOutput  the caller's output (reduce-scatter: only this rank's own chunk)
+//     kWork    this rank's private work space (C chunks: one slice of the whole message)
+// and the value goes to any two of
+//     kToOutput, kToWork, kToSlot (this rank's slots, published at once to `readers`).
+//
+// The ring, for instance, is per rank: one op "publish my input's chunk k-1 to my right
+// neighbour" (a = kInput, to = kToSlot), then for each step one op "receive chunk c from my
+// left neighbour, reduce it with my input's chunk c (b = kInput), and publish the result to
+// my right neighbour", the last reduce-scatter step writing kToOutput instead, and so on
+// (ring_plan below). One-shot, recursive halving-doubling, recursive doubling and a
+// binomial tree are other op lists over the same records.
+//
+// Matching. A publication is read by each of its readers exactly once, and the receives of
+// rank j from rank k read k's publications that list j as a reader, in the order k makes
+// them (first in, first out, per connection). compile_plan resolves each receive to the
+// number of the publication it reads and checks that the two name the same chunks.
+//
+// Slots. Each rank's buffer holds kBanks x C slots, slot (bank, c) for chunk c; a
+// publication of chunks [first, first + count) fills slots first .. first+count-1 of the
+// slice's bank. Before a rank overwrites a slot, every reader of the publication that last
+// filled it must have read it (the engine waits for that).
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "ringcoll/check.h"
+#include "ringcoll/collectives.h"
+#include "ringcoll/ring.h"
+
+namespace ringcoll {
+
+// The most ranks a plan may address: readers are a bitmask of one word.
+constexpr int kMaxPlanWorld = 64;
+
+enum class Operand : uint8_t { kNone = 0, kPeer = 1, kInput = 2, kOutput = 3, kWork = 4 };
+constexpr uint8_t kToOutput = 1, kToWork = 2, kToSlot = 4;
+
+struct PlanOp {
+  Operand a = Operand::kNone;
+  Operand b = Operand::kNone;  // kNone: the value is a (a copy)
+  int16_t from = -1;           // with an operand kPeer: the rank whose publication is read
+  int16_t first = 0;           // the chunks [first, first + count)
+  int16_t count = 0;
+  uint8_t to = 0;              // kToOutput | kToWork | kToSlot, at most two of them
+  bool final = false;          // the value is the chunks' result (AVG divides here)
+  uint64_t readers = 0;        // with kToSlot: the ranks that read the publication (bit r: rank r)
+};
+
+// Every rank's ops, and the chunk count; what a generator makes and compile_plan checks.
+struct Plan {
+  int chunks = 0;
+  std::vector<std::vector<PlanOp>> ops;  // ops[rank]
+};
+
+// A plan resolved for running, per rank: for each receive, the number (1, 2, ...) of the
+// publication it reads among the sender's publications of one slice; and every rank's
+// publications per slice, so each rank can number any peer's publications.
+struct CompiledPlan {
+  Plan plan;
+  std::vector<std::vector<int>> publication_read;  // [rank][op]: 0 if the op receives nothing
+  std::vector<int> publications;                    // [rank]: publications per slice
+  std::vector<std::vector<int>> last_read;          // [rank][op]: 1 if it is the last read of its sender's publication by this rank
+};
+
+RINGCOLL_INLINE bool has_bit(uint64_t mask, int r) { return (mask >> r) & 1u; }
+RINGCOLL_INLINE uint64_t bit(int r) { return uint64_t{1} << r; }
+
+// Resolve and check a plan's structure (not its result: that is the Python checker's, and
+// every generator's test's). Throws std::invalid_argument naming the first bad op.
+inline CompiledPlan compile_plan(Plan plan, const std::string& name, int world) {
+  auto where = [&](int rank, size_t i) {
+    return name + ": rank " + std::to_string(rank) + ", op " + std::to_string(i) + ": ";
+  };
+  RINGCOLL_CHECK(world >= 1 && world <= kMaxPlanWorld, std::invalid_argument, name, ": plans run on 1 to ",
+                 kMaxPlanWorld, " ranks, not ", world);
+  RINGCOLL_CHECK(static_cast<int>(plan.ops.size()) == world, std::invalid_argument, name, ": ", plan.ops.size(),
+                 " op lists for ", world, " ranks");
+  RINGCOLL_CHECK(plan.chunks >= 1 && plan.chunks <= 32767, std::invalid_argument, name, ": ", plan.chunks,
+                 " chunks");
+  CompiledPlan out;
+  out.publications.assign(world, 0);
+  // sent[k][j]: the (publication number, first, count) of k's publications that j reads, in order
+  struct Sent { int number, first, count; };
+  std::vector<std::vector<std::vector<Sent>>> sent(world, std::vector<std::vector<Sent>>(world));
+  for (int k = 0; k < world; ++k) {
+    for (size_t i = 0; i < plan.ops[k].size(); ++i) {
+      const PlanOp& op = plan.ops[k][i];
+      RINGCOLL_CHECK(op.count >= 1 && op.first >= 0 && op.first + op.count <= plan.chunks, std::invalid_argument,
+                     where(k, i), "chunks [", op.first, ", ", op.first + op.count, ") are not within 0..",
+                     plan.chunks);
+      RINGCOLL_CHECK(op.a != Operand::kNone, std::invalid_argument, where(k, i), "has no first operand");
+      const int targets = (op.to & kToOutput ? 1 : 0) + (op.to & kToWork ? 1 : 0) + (op.to & kToSlot ? 1 : 0);
+      RINGCOLL_CHECK(targets >= 1 && targets <= 2 && (op.to & ~(kToOutput | kToWork | kToSlot)) == 0,
+                     std::invalid_argument, where(k, i), "writes to ", targets, " places: one or two of output, "
+                     "work, slot");
+      const bool peer = op.a == Operand::kPeer || op.b == Operand::kPeer;
+      RINGCOLL_CHECK(!(op.a == Operand::kPeer && op.b == Operand::kPeer), std::invalid_argument, where(k, i),
+                     "receives twice");
+      RINGCOLL_CHECK(!peer || (op.from >= 0 && op.from < world && op.from != k), std::invalid_argument,
+                     where(k, i), "receives from rank ", op.from, ", not a peer");
+      if (op.to & kToSlot) {
+        const uint64_t everyone = world == 64 ? ~uint64_t{0} : bit(world) - 1;
+        RINGCOLL_CHECK(op.readers != 0 && (op.readers & ~everyone) == 0 && !has_bit(op.readers, k),
+                       std::invalid_argument, where(k, i), "publishes to no peer, or to itself or a rank beyond ",
+                       world - 1);
+        const int number = ++out.publications[k];
+        for (int j = 0; j < world; ++j)
+          if (has_bit(op.readers, j)) sent[k][j].push_back(Sent{number, op.first, op.count});
+      } else {
+        RINGCOLL_CHECK(op.readers == 0, std::invalid_argument, where(k, i), "names readers but publishes nothing");
+      }
+    }
+  }
+  out.publication_read.resize(world);
+  out.last_read.resize(world);
+  for (int j = 0; j < world; ++j) {
+    std::vector<size_t> next(world, 0);  // per sender: its next publication to j
+    out.publication_read[j].assign(plan.ops[j].size(), 0);
+    out.last_read[j].assign(plan.ops[j].size(), 0);
+    for (size_t i = 0; i < plan.ops[j].size(); ++i) {
+      const PlanOp& op = plan.ops[j][i];
+      if (op.a != Operand::kPeer && op.b != Operand::kPeer) continue;
+      const int k = op.from;
+      RINGCOLL_CHECK(next[k] < sent[k][j].size(), std::invalid_argument, where(j, i), "receives from rank ", k,
+                     " more often than rank ", k, " publishes to it (", sent[k][j].size(), " times)");
+      const Sent& s = sent[k][j][next[k]++];
+      RINGCOLL_CHECK(s.first == op.first && s.count == op.count, std::invalid_argument, where(j, i),
+                     "receives chunks [", op.first, ", ", op.first + op.count, ") from rank ", k,
+                     ", whose publication it reads holds [", s.first, ", ", s.first + s.count, ")");
+      out.publication_read[j][i] = s.number;
+      out.last_read[j][i] = 1;  // one receive per publication: each read is the last
+    }
+    for (int k = 0; k < world; ++k)
+      RINGCOLL_CHECK(next[k] == sent[k][j].size(), std::invalid_argument, name, ": rank ", k, " publishes to rank ",
+                     j, " ", sent[k][j].size(), " times, which receives ", next[k], " of them");
+  }
+  out.plan = std::move(plan);
+  return out;
+}
+
+// --- the built-in plans ------------------------------------------------------------------
+//
+// Each generator returns every rank's ops for `coll` on `world` ranks (the algorithms'
+// list: RINGCOLL_ALGORITHMS in collectives.h).
+
+// The ring (ring.h): C = P chunks. Reduce-scatter: publish the input's chunk k-1 to the
+// right, then P-1 times receive chunk k-s-2 from the left and reduce it with the input's
+// copy, passing it on (the last one, chunk k, to the output). All-gather: the own chunk
+// to the output and to the right, then P-1 times receive a chunk and copy it to the
+// output, passing it on but the last. All-reduce: the two, the first all-gather send being
+// the last reduce-scatter result.
+inline Plan ring_plan(Collective coll, int world) {
+  Plan plan;
+  plan.chunks = world;
+  plan.ops.resize(world);
+  for (int k = 0; k < world; ++k) {
+    if (world == 1) break;
+    const uint64_t right = bit(right_neighbour(k, world));
+    const int left = left_neighbour(k, world);
+    auto& ops = plan.ops[k];
+    const int first = first_send_chunk(coll, k, world);
+    PlanOp send;
+    send.a = Operand::kInput;
+    send.first = static_cast<int16_t>(first);
+    send.count = 1;
+    send.to = kToSlot | (coll == Collective::kAllGather ? kToOutput : 0);
+    send.final = coll == Collective::kAllGather;
+    send.readers = right;
+    ops.push_back(send);
+    for (int s = 0; s < ring_steps(coll, world); ++s) {
+      PlanOp step;
+      step.a = Operand::kPeer;
+      step.from = static_cast<int16_t>(left);
+      step.b = step_reduces(coll, s, world) ? Operand::kInput : Operand::kNone;
+      step.first = static_cast<int16_t>(step_recv_chunk(coll, k, s, world));
+      step.count = 1;
+      step.final = step_writes_output(coll, s, world);
+      step.to = (step.final ? kToOutput : 0) | (step_forwards(coll, s, world) ? kToSlot : 0);
+      step.readers = step_forwards(coll, s, world) ? right : 0;
+      ops.push_back(step);
+    }
+  }
+  return plan;
+}
+
+// One step for small messages (the CPU transport's small-message path): every rank
+// publishes each chunk of its input to every peer, then folds each chunk itself, in the
+// order the ring reduces it (rs_contributor: the ring's bits); all-gather publishes its
+// own chunk and copies every peer's. C = P chunks.
+inline Plan one_shot_plan(Collective coll, int world) {
+  Plan plan;
+  plan.chunks = world;
+  plan.ops.resize(world);
+  for (int k = 0; k < world; ++k) {
+    if (world == 1) break;
+    auto& ops = plan.ops[k];
+    const uint64_t peers = (world == 64 ? ~uint64_t{0} : bit(world) - 1) & ~bit(k);
+    const bool gather = coll == Collective::kAllGather;
+    for (int c = gather ? k : 0; c < (gather ? k + 1 : world); ++c) {
+      PlanOp send;
+      send.a = Operand::kInput;
+      send.first = static_cast<int16_t>(c);
+      send.count = 1;
+      send.to = kToSlot | (gather ? kToOutput : 0);
+      send.final = gather;
+      send.readers = coll == Collective::kReduceScatter ? bit(c) : peers;  // reduce-scatter: only its owner
+      if (coll == Collective::kReduceScatter && c == k) continue;  // my own chunk stays here
+      ops.push_back(send);
+    }
+    if (gather) {
+      for (int c = 0; c < world; ++c) {
+        if (c == k) continue;
+        PlanOp copy;
+        copy.a = Operand::kPeer;
+        copy.from = static_cast<int16_t>(c);
+        copy.first = static_cast<int16_t>(c);
+        copy.count = 1;
+        copy.to = kToOutput;
+        copy.final = true;
+        ops.push_back(copy);
+      }
+      continue;
+    }
+    for (int c = (coll == Collective::kReduceScatter ? k : 0); c < (coll == Collective::kReduceScatter ? k + 1 : world);
+         ++c) {
+      for (int i = 0; i < world; ++i) {
+        const int r = rs_contributor(c, i, world);
+        const Operand contribution = r == k ? Operand::kInput : Operand::kPeer;
+        PlanOp fold;
+        fold.from = static_cast<int16_t>(r == k ? -1 : r);
+        fold.first = static_cast<int16_t>(c);
+        fold.count = 1;
+        if (i == 0) {
+          fold.a = contribution;
+        } else {
+          fold.a = Operand::kWork;
+          fold.b = contribution;
+        }
+        fold.final = i + 1 == world;
+        fold.to = fold.final ? kToOutput : kToWork;
+        ops.push_back(fold);
+      }
+    }
+  }
+  return plan;
+}
+
+inline Plan builtin_plan(Algorithm algorithm, Collective coll, int world) {
+  switch (algorithm) {
+    case Algorithm::kRing: return ring_plan(coll, world);
+    case Algorithm::kOneShot: return one_shot_plan(coll, world);
+  }
+  throw std::invalid_argument("unknown algorithm");
+}
+
+}  // namespace ringcoll

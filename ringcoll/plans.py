@@ -1,0 +1,500 @@
+"""Algorithms as plans (csrc/include/ringcoll/plan.h): what a plan is, the built-in ones,
+plans written in Python, and the checker that proves a plan right before it runs.
+
+A plan gives every rank a list of ops, run in order on each slice of a message cut into
+C chunks. An op computes, for each chunk of a range, ``value = a`` or ``value = a OP b``
+(OP the call's reduction, ``a`` first) from
+
+    PEER    the publication of rank ``frm`` that this op receives
+    INPUT   the caller's input (all-gather: only the rank's own chunk)
+    OUTPUT  the caller's output (reduce-scatter: only the rank's own chunk)
+    WORK    the rank's private work space (C chunks)
+
+and writes it to one or two of OUTPUT, WORK and SLOT (the rank's buffer, published at once
+to ``readers``). A rank's receives from a peer read that peer's publications to it in the
+order it makes them. The ring, for one, is "publish my input's chunk k-1 to my right
+neighbour; then receive a chunk from my left neighbour, add my copy, publish it on" (see
+``plan("ring", "all_reduce", 4)``).
+
+A plan written in Python runs on the CPU transport with no rebuild::
+
+    def bidirectional_ring(world, rank): ...           # returns this rank's ops
+    ringcoll.register_algorithm("bidir", bidirectional_ring)
+    ringcoll.all_reduce(t, algorithm="bidir")
+
+Before it runs, :func:`check` proves it: every op addresses what exists; the ranks'
+sends and receives pair up and cannot deadlock; nothing is read before it is written;
+every output chunk holds every rank's contribution exactly once, combined in the same order
+on every rank (so every rank gets the same bits); and it stays right when the output is the
+input (in place). A wrong plan is refused with a message naming the first bad op.
+docs/algorithms.md walks through one.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import threading
+from dataclasses import dataclass
+from typing import Callable, Iterable, NamedTuple, Optional, Sequence
+
+from ringcoll import _C
+from ringcoll._types import COLLECTIVE_CODES, DATA_COLLECTIVES
+
+__all__ = ["Operand", "PEER", "INPUT", "OUTPUT", "WORK", "TO_OUTPUT", "TO_WORK", "TO_SLOT", "PlanOp", "Plan",
+           "PlanError", "op", "plan", "check", "simulate", "register_algorithm", "algorithms", "builtin_algorithms"]
+
+
+class Operand(enum.IntEnum):
+    """Where an op's operand comes from (plan.h's Operand)."""
+
+    NONE = 0
+    PEER = 1
+    INPUT = 2
+    OUTPUT = 3
+    WORK = 4
+
+
+PEER, INPUT, OUTPUT, WORK = Operand.PEER, Operand.INPUT, Operand.OUTPUT, Operand.WORK
+TO_OUTPUT, TO_WORK, TO_SLOT = 1, 2, 4  # where an op's value goes (plan.h's kTo*)
+_PLACES = {TO_OUTPUT: "output", TO_WORK: "work", TO_SLOT: "slot"}
+
+
+class PlanOp(NamedTuple):
+    """One op of one rank (plan.h's PlanOp; the tuple C++ takes, field for field)."""
+
+    a: int
+    b: int = Operand.NONE
+    frm: int = -1  # with an operand PEER: the rank whose publication is read
+    first: int = 0  # the chunks [first, first + count)
+    count: int = 1
+    to: int = 0  # TO_OUTPUT | TO_WORK | TO_SLOT
+    final: bool = False  # the value is the chunks' result (AVG divides here)
+    readers: int = 0  # with TO_SLOT: a bit per reading rank
+
+    def __str__(self) -> str:
+        def operand(o):
+            return f"rank {self.frm}'s publication" if o == PEER else Operand(o).name.lower()
+
+        chunks = f"chunk {self.first}" if self.count == 1 else f"chunks {self.first}..{self.first + self.count - 1}"
+        value = operand(self.a) + ("" if self.b == Operand.NONE else f" OP {operand(self.b)}")
+        places = [name for bit, name in _PLACES.items() if self.to & bit]
+        if self.to & TO_SLOT:
+            places[-1] = "published to rank" + ("s " if bin(self.readers).count("1") > 1 else " ") + ", ".join(
+                str(r) for r in range(64) if self.readers >> r & 1)
+        return f"{chunks}: {value} -> {' and '.join(places)}" + (" (final)" if self.final else "")
+
+
+def op(a, chunks, to, b=Operand.NONE, frm: int = -1, readers: Iterable[int] = (), final: bool = False) -> PlanOp:
+    """An op, spelled for people: ``chunks`` an int or a (first, count) pair; ``to`` one or
+    two of TO_OUTPUT, TO_WORK, TO_SLOT (or'ed); ``readers`` the ranks that read a publication.
+
+        op(INPUT, c, TO_SLOT, readers=[right])                  # publish my chunk c
+        op(PEER, c, TO_SLOT, b=INPUT, frm=left, readers=[right])  # add mine, pass it on
+    """
+    first, count = (chunks, 1) if isinstance(chunks, int) else chunks
+    mask = 0
+    for r in readers:
+        mask |= 1 << r
+    return PlanOp(int(a), int(b), frm, first, count, to, final, mask)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every rank's ops (``ops[rank]``) over ``chunks`` chunks, for one collective."""
+
+    name: str
+    collective: str
+    chunks: int
+    ops: tuple
+
+    @property
+    def world(self) -> int:
+        return len(self.ops)
+
+
+class PlanError(ValueError):
+    """A plan the checker refuses (the message names the first bad op)."""
+
+
+# --- the built-in plans (plan.h's generators) and plans written in Python --------------------
+
+#: plan.h's algorithms: name -> code (the code travels in the call's descriptor)
+BUILTIN: dict = dict(_C.algorithm_table)
+MAX_WORLD: int = _C.max_plan_world
+
+_registry: dict = {}  # (name, collective) -> plan_fn
+_compiled: dict = {}  # (name, collective, world) -> (Plan, _C.CompiledPlan, plan id)
+_lock = threading.Lock()
+
+
+def builtin_algorithms() -> list:
+    """The built-in algorithms' names, "auto" first (the communicator's choice by size)."""
+    return ["auto", *BUILTIN]
+
+
+def algorithms() -> list:
+    """Every name ``algorithm=`` takes: the built-in ones, then those registered here."""
+    return builtin_algorithms() + sorted({name for name, _ in _registry} - set(BUILTIN))
+
+
+def register_algorithm(name: str, plan_fn: Callable[[int, int], Sequence[PlanOp]],
+                       collective: str = "all_reduce") -> None:
+    """Make ``algorithm=name`` run ``plan_fn(world_size, rank)``'s ops (a list of PlanOp,
+    :func:`op` makes them) for ``collective`` on the CPU transport. The plan is built and
+    checked (:func:`check`) the first time it is used at a world size; a wrong plan raises
+    PlanError there, on every rank, before anything moves. Register it on every rank."""
+    if collective not in DATA_COLLECTIVES:
+        raise ValueError(f"register_algorithm: collective must be one of {', '.join(DATA_COLLECTIVES)}, "
+                         f"got {collective!r}")
+    if not isinstance(name, str) or not name or name == "auto" or name in BUILTIN:
+        raise ValueError(f"register_algorithm: {name!r} is not a name a plan may take (not 'auto' nor a built-in "
+                         f"one: {', '.join(BUILTIN)})")
+    with _lock:
+        _registry[name, collective] = plan_fn
+        for key in [k for k in _compiled if k[:2] == (name, collective)]:
+            del _compiled[key]  # built again from the new function
+
+
+def plan(name: str, collective: str, world: int) -> Plan:
+    """The plan ``name`` runs for ``collective`` on ``world`` ranks (not yet checked)."""
+    if collective not in DATA_COLLECTIVES:
+        raise ValueError(f"plan: collective must be one of {', '.join(DATA_COLLECTIVES)}, got {collective!r}")
+    if name in BUILTIN:
+        chunks, ops = _C.builtin_plan(BUILTIN[name], COLLECTIVE_CODES[collective], world)
+        return Plan(name, collective, chunks, tuple(tuple(PlanOp(*o) for o in mine) for mine in ops))
+    plan_fn = _registry.get((name, collective))
+    if plan_fn is None:
+        raise ValueError(f"unknown algorithm {name!r} for {collective}; choose from {', '.join(algorithms())}"
+                         + (f" (registered for other collectives: {name!r})"
+                            if any(n == name for n, _ in _registry) else ""))
+    if world == 1:  # one rank runs no plan: its output is its input
+        return Plan(name, collective, 1, ((),))
+    ops = []
+    for rank in range(world):
+        mine = tuple(o if isinstance(o, PlanOp) else PlanOp(*o) for o in plan_fn(world, rank))
+        ops.append(mine)
+    chunks = 1 + max((o.first + o.count - 1 for mine in ops for o in mine), default=0)
+    return Plan(name, collective, chunks, tuple(ops))
+
+
+def compiled(name: str, collective: str, world: int) -> tuple:
+    """(the Plan, its _C.CompiledPlan, the id its calls carry): built, checked and
+    compiled once per (name, collective, world). Built-in plans are checked by their tests;
+    a plan written in Python is checked here before its first call."""
+    key = (name, collective, world)
+    with _lock:
+        found = _compiled.get(key)
+    if found is not None:
+        return found
+    p = plan(name, collective, world)
+    if name not in BUILTIN:
+        check(p)  # before the extension's own checks: its messages name the plan's ops as written
+    try:
+        resolved = _C.compile_plan(f"{collective} plan {name!r}", world, p.chunks, p.ops)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+    found = (p, resolved, BUILTIN[name] if name in BUILTIN else plan_id(p))
+    with _lock:
+        _compiled[key] = found
+    return found
+
+
+def plan_id(p: Plan) -> int:
+    """A user plan's id in the call descriptor: from its ops, so ranks running different
+    plans under one name raise MismatchError; above the built-ins' codes (1000 and up)."""
+    digest = hashlib.sha256(repr((p.collective, p.chunks, p.ops)).encode()).digest()
+    return 1000 + int.from_bytes(digest[:4], "little") % (2**31 - 1000)
+
+
+# --- running a plan: on symbols (the checker) or on numbers (the trace, the tests) ----------
+#
+# One executor runs every rank's ops the way the engine does: a receive waits for its
+# publication; a publication waits until every reader of what last filled its slots has
+# taken it (two banks: slice j+2 refills slice j's slots); a rank runs its slices in order.
+# Ranks take turns as far as each can go; a round in which none moves is a deadlock. What
+# the values are is the algebra's business: for the checker, expressions (rank r's input
+# chunk c is ("x", r, c), a combine ("+", a, b), a finished result ("=", v): AVG divides
+# there), so the postcondition can be read off them.
+
+SLICES = 3  # enough for the slots of both banks to be refilled
+
+
+class _Bad(Exception):
+    """Raised by an algebra; the executor names the rank and op."""
+
+
+class _Symbols:
+    """The checker's values: expressions, and the rules they must keep."""
+
+    def __init__(self, world: int):
+        self.world = world
+
+    def leaf(self, rank, c):
+        return ("x", rank, c)
+
+    def combine(self, a, b, final):
+        for v in (a, b):
+            if v[0] == "=":
+                raise _Bad("combines a value already marked final (AVG would divide it before all contributions)")
+        v = ("+", a, b)
+        if final:
+            if len(_leaves(v)) != self.world:
+                raise _Bad(f"marks final a value of {len(_leaves(v))} contributions, not all {self.world}")
+            return ("=", v)
+        return v
+
+
+class _Numbers:
+    """The simulator's values: lists of numbers, ``combine(a, b)`` element by element."""
+
+    def __init__(self, inputs, chunk_of, combine, finalize):
+        self.inputs, self.chunk_of, self.combine_one, self.finalize = inputs, chunk_of, combine, finalize
+
+    def leaf(self, rank, c):
+        return self.chunk_of(rank, c)
+
+    def combine(self, a, b, final):
+        v = [self.combine_one(x, y) for x, y in zip(a, b)]
+        return [self.finalize(x) for x in v] if final else v
+
+
+def _leaves(v) -> list:
+    if v[0] == "x":
+        return [(v[1], v[2])]
+    return _leaves(v[1]) + (_leaves(v[2]) if v[0] == "+" else [])
+
+
+@dataclass
+class Step:
+    """What rank ``rank`` did at op ``index`` of slice 0: the op, and its value per chunk."""
+
+    rank: int
+    index: int
+    op: PlanOp
+    values: list
+
+
+def _fail(p: Plan, rank: int, i: int, why: str) -> PlanError:
+    return PlanError(f"{p.collective} plan {p.name!r} on {p.world} ranks: rank {rank}, op {i} ({p.ops[rank][i]}): {why}")
+
+
+def _execute(p: Plan, algebra, slices: int = SLICES) -> tuple:
+    """(every rank's output of slice 0 as {chunk: value}, the steps of slice 0 in the order
+    they ran); raises PlanError (deadlock, a read of nothing, an unsafe read in place)."""
+    world = p.world
+    pc = [[0] * slices for _ in range(world)]
+    pubs = [[[] for _ in range(slices)] for _ in range(world)]  # [sender][slice]: [first, count, values, readers, left]
+    taken: dict = {}  # (reader, sender, slice) -> how many of the sender's publications to it it took
+    filled: dict = {}  # (rank, bank, chunk) -> the publication that filled that slot last
+    work = [[{} for _ in range(slices)] for _ in range(world)]
+    output = [[{} for _ in range(slices)] for _ in range(world)]
+    steps: list = []
+
+    def publication(reader, k, j):
+        """The publication of rank k in slice j that `reader`'s next receive from k reads, or None."""
+        n = taken.get((reader, k, j), 0)
+        mine = [pub for pub in pubs[k][j] if pub[3] >> reader & 1]
+        return mine[n] if n < len(mine) else None
+
+    def can_run(rank, j):
+        o = p.ops[rank][pc[rank][j]]
+        if PEER in (o.a, o.b) and publication(rank, o.frm, j) is None:
+            return False
+        if o.to & TO_SLOT:
+            for c in range(o.first, o.first + o.count):
+                last = filled.get((rank, j % 2, c))
+                if last is not None and last[4] != 0:
+                    return False
+        return True
+
+    def operand(rank, j, i, which, c, got):
+        if which == PEER:
+            return got[c - p.ops[rank][i].first]
+        if which == INPUT:
+            return algebra.leaf(rank, c)
+        store = work[rank][j] if which == WORK else output[rank][j]
+        if c not in store:
+            raise _fail(p, rank, i, f"reads {Operand(which).name.lower()} chunk {c} before anything wrote it")
+        return store[c]
+
+    def run(rank, j):
+        i = pc[rank][j]
+        o = p.ops[rank][i]
+        got = None
+        if PEER in (o.a, o.b):
+            pub = publication(rank, o.frm, j)
+            if (pub[0], pub[1]) != (o.first, o.count):
+                raise _fail(p, rank, i, f"receives chunks {o.first}..{o.first + o.count - 1} from rank {o.frm}, whose "
+                                        f"publication it reads holds {pub[0]}..{pub[0] + pub[1] - 1}")
+            pub[4] &= ~(1 << rank)
+            taken[rank, o.frm, j] = taken.get((rank, o.frm, j), 0) + 1
+            got = pub[2]
+        values = []
+        for c in range(o.first, o.first + o.count):
+            reads_own_input = INPUT in (o.a, o.b) and (p.collective == "all_reduce" or c == rank)
+            if reads_own_input and p.collective != "all_gather" and c in output[rank][j]:
+                raise _fail(p, rank, i, f"reads input chunk {c} after writing output chunk {c}: wrong when the "
+                                        "output is the input (in place)")
+            a = operand(rank, j, i, o.a, c, got)
+            try:
+                v = a if o.b == Operand.NONE else algebra.combine(a, operand(rank, j, i, o.b, c, got), o.final)
+            except _Bad as e:
+                raise _fail(p, rank, i, str(e)) from None
+            values.append(v)
+            if o.to & TO_WORK:
+                work[rank][j][c] = v
+            if o.to & TO_OUTPUT:
+                output[rank][j][c] = v
+        if o.to & TO_SLOT:
+            pub = [o.first, o.count, values, o.readers, o.readers]
+            pubs[rank][j].append(pub)
+            for c in range(o.first, o.first + o.count):
+                filled[rank, j % 2, c] = pub
+        if j == 0:
+            steps.append(Step(rank, i, o, values))
+        pc[rank][j] += 1
+
+    def ready(rank, j):  # the rank is on slice j: the earlier ones are done
+        return pc[rank][j] < len(p.ops[rank]) and all(pc[rank][e] == len(p.ops[rank]) for e in range(j))
+
+    while True:
+        moved = False
+        for rank in range(world):
+            for j in range(slices):
+                while ready(rank, j) and can_run(rank, j):
+                    run(rank, j)
+                    moved = True
+        waiting = [(r, j) for r in range(world) for j in range(slices) if ready(r, j)]
+        if not waiting:
+            break
+        if not moved:
+            r, j = waiting[0]
+            o = p.ops[r][pc[r][j]]
+            if PEER in (o.a, o.b) and publication(r, o.frm, j) is None:
+                why = f"this one for a publication of rank {o.frm} that never comes"
+            else:
+                c, last = next((c, filled[r, j % 2, c]) for c in range(o.first, o.first + o.count)
+                               if filled.get((r, j % 2, c)) is not None and filled[r, j % 2, c][4])
+                reader = next(k for k in range(world) if last[4] >> k & 1)
+                why = f"this one to refill its slot of chunk {c}, whose last publication rank {reader} never reads"
+            raise _fail(p, r, pc[r][j], f"deadlock (slice {j + 1}): every rank waits; {why}")
+    for k in range(world):
+        for pub in pubs[k][0]:
+            if pub[4]:
+                r = next(r for r in range(world) if pub[4] >> r & 1)
+                raise PlanError(f"{p.collective} plan {p.name!r} on {world} ranks: rank {r} never receives rank {k}'s "
+                                f"publication of chunks {pub[0]}..{pub[0] + pub[1] - 1}")
+    return [output[r][0] for r in range(world)], steps
+
+
+def check(p: Plan) -> None:
+    """Prove ``p`` right for its collective, or raise PlanError naming the first bad op
+    (the module docstring says what is proved). One rank runs no plan (its output is its
+    input), so a plan for one rank is right whatever it holds."""
+    world, coll = p.world, p.collective
+    if world == 1:
+        return
+    if world > MAX_WORLD:
+        raise PlanError(f"{coll} plan {p.name!r}: plans run on at most {MAX_WORLD} ranks, not {world}")
+    if coll != "all_reduce" and p.chunks != world:
+        raise PlanError(f"{coll} plan {p.name!r} on {world} ranks: {p.chunks} chunks; {coll} needs one per rank")
+    _structure(p)
+    outputs, _ = _execute(p, _Symbols(world))
+    _postcondition(p, outputs)
+
+
+def _structure(p: Plan) -> None:
+    """Each op on its own: ranges, places, peers, and the chunks of the input and output
+    that exist (all-gather's input and reduce-scatter's output are the rank's own chunk)."""
+    for rank, ops in enumerate(p.ops):
+        for i, o in enumerate(ops):
+            if o.count < 1 or o.first < 0 or o.first + o.count > p.chunks:
+                raise _fail(p, rank, i, f"chunks outside 0..{p.chunks - 1}")
+            if o.a == Operand.NONE:
+                raise _fail(p, rank, i, "has no first operand")
+            if not 1 <= bin(o.to & 7).count("1") <= 2 or o.to & ~7:
+                raise _fail(p, rank, i, "must write to one or two of output, work and slot")
+            if o.a == PEER and o.b == PEER:
+                raise _fail(p, rank, i, "receives twice in one op")
+            if PEER in (o.a, o.b) and not (0 <= o.frm < p.world and o.frm != rank):
+                raise _fail(p, rank, i, f"receives from rank {o.frm}, which is not a peer")
+            if o.to & TO_SLOT and (o.readers == 0 or o.readers >> p.world or o.readers >> rank & 1):
+                raise _fail(p, rank, i, "publishes to no peer, or to itself or a rank past the last")
+            if not o.to & TO_SLOT and o.readers:
+                raise _fail(p, rank, i, "names readers but publishes nothing")
+            own = (o.first, o.count) == (rank, 1)
+            if p.collective == "all_gather" and INPUT in (o.a, o.b) and not own:
+                raise _fail(p, rank, i, f"reads input chunks other than its own ({rank}): an all-gather's input is "
+                                        "one chunk")
+            if p.collective == "reduce_scatter" and (OUTPUT in (o.a, o.b) or o.to & TO_OUTPUT) and not own:
+                raise _fail(p, rank, i, f"addresses output chunks other than its own ({rank}): a reduce-scatter's "
+                                        "output is one chunk")
+
+
+def _postcondition(p: Plan, outputs: list) -> None:
+    """Every output chunk holds every contribution once (all-gather: its owner's chunk),
+    finished (AVG's division made, where the value became complete), and an all-reduce's
+    chunk is the same expression on every rank."""
+    world, coll = p.world, p.collective
+    for rank, out in enumerate(outputs):
+        wanted = [rank] if coll == "reduce_scatter" else list(range(p.chunks))
+        for c in wanted:
+            if c not in out:
+                raise PlanError(f"{coll} plan {p.name!r} on {world} ranks: rank {rank} never writes output chunk {c}")
+            if coll == "all_gather":
+                if out[c] != ("x", c, c):
+                    raise PlanError(f"{coll} plan {p.name!r} on {world} ranks: rank {rank}'s output chunk {c} is not "
+                                    f"rank {c}'s input")
+                continue
+            leaves = _leaves(out[c])
+            ranks = [r for r, _ in leaves]
+            why = None
+            if any(cc != c for _, cc in leaves):
+                why = f"combines other chunks ({sorted({cc for _, cc in leaves if cc != c})}) into it"
+            elif len(set(ranks)) != len(ranks):
+                why = f"holds rank {min(r for r in ranks if ranks.count(r) > 1)}'s contribution more than once"
+            elif len(ranks) != world:
+                why = f"lacks rank {min(set(range(world)) - set(ranks))}'s contribution"
+            elif out[c][0] != "=":
+                why = "is never marked final (the op that completes it must say final: AVG divides there)"
+            if why:
+                raise PlanError(f"{coll} plan {p.name!r} on {world} ranks: rank {rank}'s output chunk {c} {why}")
+        if coll == "all_reduce" and rank > 0:
+            for c in range(p.chunks):
+                if out[c] != outputs[0][c]:
+                    raise PlanError(f"{coll} plan {p.name!r} on {world} ranks: ranks 0 and {rank} combine chunk {c} "
+                                    "in different orders, so their results could differ in the last bits; every rank "
+                                    "must end with the same expression (one rank reduces, the others copy its result)")
+
+
+def simulate(p: Plan, inputs: Sequence[Sequence], combine: Callable = lambda x, y: x + y,
+             finalize: Callable = lambda x: x) -> tuple:
+    """Run ``p`` on lists, a slice being the whole message: ``inputs[r]`` is rank r's input
+    (all-gather: its chunk), cut as ring.h cuts a message into ``p.chunks``. Values combine
+    with ``combine(a, b)``, ``a`` first, as in the engine, and ``finalize`` where an op is
+    final (AVG's division). Returns (every rank's output, the steps as they ran)."""
+    world, coll = p.world, p.collective
+    n = len(inputs[0]) * (world if coll == "all_gather" else 1)
+
+    def bounds(c):
+        q, r = divmod(n, p.chunks)
+        return c * q + min(c, r), (c + 1) * q + min(c + 1, r)
+
+    def chunk_of(rank, c):
+        if coll == "all_gather":
+            return list(inputs[rank])
+        lo, hi = bounds(c)
+        return list(inputs[rank][lo:hi])
+
+    if world == 1:
+        return [list(inputs[0])], []
+    outs, steps = _execute(p, _Numbers(inputs, chunk_of, combine, finalize), slices=1)
+    results = []
+    for rank, out in enumerate(outs):
+        full = [None] * n
+        for c, values in out.items():
+            lo, hi = bounds(c)
+            full[lo:hi] = values
+        results.append(full[slice(*bounds(rank))] if coll == "reduce_scatter" else full)
+    return results, steps

@@ -1,0 +1,138 @@
+"""Algorithms as plans on the CPU transport's plan engine (csrc/host/host_plan.cpp), against
+gloo on the same inputs: every built-in plan, every collective, at P = 1..8 (the full dtype x
+op matrix at P = 3 and 4, where test_collectives' inputs sum exactly in any order, a
+selection elsewhere); algorithms interleaved on one communicator (slots refilled across
+plans with other layouts are the hazard); a plan written in Python end to end; a wrong
+one refused; ranks that disagree on the algorithm."""
+
+import pytest
+import torch
+
+import ringcoll
+from ringcoll import plans
+from ringcoll.harness.launcher import spawn
+from ringcoll.plans import INPUT, PEER, TO_OUTPUT, TO_SLOT, Operand, op
+
+import test_collectives as M
+
+BUILTIN = list(plans.BUILTIN)
+FULL = [(dtype, op_name) for dtype in M.DTYPES for op_name in M.OPS if op_name != "AVG" or dtype in M.FLOATING]
+# Past five ranks the 16-bit floats' test inputs no longer sum exactly in every order.
+SELECTION = [(torch.float32, "SUM"), (torch.float64, "AVG"), (torch.int32, "MAX"), (torch.int8, "PRODUCT"),
+             (torch.int64, "MIN")]
+
+
+def bidirectional_ring(world, rank):
+    """All-reduce in two rings at once: chunks 0..P-1 travel right, P..2P-1 left (the
+    example of docs/algorithms.md)."""
+    ops = []
+    for step in range(-1, 2 * (world - 1)):
+        for d, base in ((+1, 0), (-1, world)):
+            nxt, prv = (rank + d) % world, (rank - d) % world
+
+            def chunk(i):
+                return base + (rank - d * i) % world
+
+            if step == -1:
+                ops.append(op(INPUT, chunk(1), TO_SLOT, readers=[nxt]))
+                continue
+            last, final = step == 2 * (world - 1) - 1, step >= world - 2
+            ops.append(op(PEER, chunk(step + 2), (TO_OUTPUT if final else 0) | (0 if last else TO_SLOT),
+                          b=INPUT if step < world - 1 else Operand.NONE, frm=prv,
+                          readers=[] if last else [nxt], final=final))
+    return ops
+
+
+def _matrix_rank(rank, world):
+    chk = M.Checker(rank)
+    ringcoll.register_algorithm("bidir", bidirectional_ring)
+    comms = [(name, ringcoll.Communicator(algorithm=name, buffer_bytes=M.SMALL_BUFFER, timeout=M.COMM_TIMEOUT))
+             for name in [*BUILTIN, "bidir"]]
+    reduce_comms = comms
+    scatter_gather_comms = [(n, c) for n, c in comms if n != "bidir"]  # bidir is an all-reduce
+    cases = FULL if world in (3, 4) else SELECTION
+    for dtype, op_name in cases:
+        elem = torch.empty(0, dtype=dtype).element_size()
+        big = 3 * M.SMALL_BUFFER // elem + 5  # several slices of the 2 x C slots
+        M.run_reduce_cases(chk, rank, world, reduce_comms, dtype, op_name, [1, world + 1, big], [], (), "plans")
+        M.run_reduce_cases(chk, rank, world, scatter_gather_comms, dtype, op_name, [], [1, 3, big // world + 1],
+                           ("out_of_place", "in_place"), "plans-rs")
+    for dtype in (torch.float32, torch.uint8, torch.bfloat16):
+        M.run_gather_cases(chk, rank, world, scatter_gather_comms, dtype, [1, 3, 2000], ("out_of_place", "in_place"),
+                           "plans")
+    _interleaved(chk, rank, world)
+    for _, comm in comms:
+        comm.close()
+    return chk.finish()
+
+
+def _interleaved(chk, rank, world):
+    """One communicator, the algorithm changing call by call, sizes that fill every slot."""
+    import torch.distributed as dist
+
+    with ringcoll.Communicator(buffer_bytes=M.SMALL_BUFFER, timeout=M.COMM_TIMEOUT) as comm:
+        for i, algorithm in enumerate(["ring", "auto", "oneshot", "bidir", "ring", "oneshot", "auto", "bidir",
+                                       "auto", "ring"] * 2):
+            n = [3, 5000, 17, 1024, 1][i % 5] * world
+            x = M.make_input("int", torch.int32, n, M._seed("interleaved", i, rank))
+            ref = x.clone()
+            dist.all_reduce(ref)
+            comm.all_reduce(x, algorithm=algorithm)
+            chk.equal(f"interleaved call {i} ({algorithm}, n={n})", x, ref)
+            if algorithm != "bidir":
+                out = torch.empty(n // world, dtype=torch.int32)
+                comm.reduce_scatter_tensor(out, x.clone(), algorithm=algorithm)
+                chk.equal(f"interleaved call {i} reduce_scatter ({algorithm})", out, ref.view(world, -1)[rank] * world)
+
+
+@pytest.mark.parametrize("world", range(1, 9), ids=lambda w: f"P{w}")
+def test_every_plan_matches_gloo(world):
+    M._report(spawn(_matrix_rank, world, timeout=M.SPAWN_TIMEOUT, env=M.CLEAN_ENV))
+
+
+def _disagreements(rank, world):
+    messages = []
+    with ringcoll.Communicator(timeout=10) as comm:
+        try:
+            comm.all_reduce(torch.ones(8), algorithm=["ring", "oneshot", "ring"][rank])
+            messages.append("no error")
+        except ringcoll.RingcollMismatchError as e:
+            messages.append(str(e))
+    try:
+        ringcoll.Communicator(algorithm=["ring", "auto", "ring"][rank])
+        messages.append("no error")
+    except ValueError as e:
+        messages.append(str(e))
+
+    def wrong(world_size, r):  # at the end every rank adds its input to its input once more
+        return [*bidirectional_ring(world_size, r), op(INPUT, 0, TO_OUTPUT, b=INPUT, final=True)]
+
+    ringcoll.register_algorithm("wrong", wrong)
+    t = torch.full((6,), float(rank))
+    with ringcoll.Communicator() as comm:
+        try:
+            comm.all_reduce(t, algorithm="wrong")
+            messages.append("no error")
+        except ringcoll.PlanError as e:
+            messages.append(str(e))
+        try:
+            comm.all_reduce(t, algorithm="nope")
+        except ValueError as e:
+            messages.append(str(e))
+        comm.all_reduce(t, algorithm="oneshot")  # the communicator still works: nothing moved before
+    return messages, t.tolist()
+
+
+def test_disagreements_and_wrong_plans_fail_on_every_rank_before_anything_moves():
+    for rank, (messages, t) in enumerate(spawn(_disagreements, 3, timeout=120)):
+        assert messages[0].startswith("all_reduce: mismatched collective calls") and \
+            "all_reduce(float32, SUM, count=8, algorithm ring)" in messages[0] and \
+            "all_reduce(float32, SUM, count=8, algorithm oneshot)" in messages[0] and \
+            messages[0].endswith("no data was moved"), messages[0]
+        assert "RINGCOLL_ALGORITHM / algorithm= differs between ranks: rank 0: ring, rank 1: auto" in messages[1]
+        assert messages[2].startswith("all_reduce plan 'wrong' on 3 ranks: rank ") and messages[2].endswith(
+            "op 10 (chunk 0: input OP input -> output (final)): reads input chunk 0 after writing output chunk 0: "
+            "wrong when the output is the input (in place)"), messages[2]
+        assert messages[3].startswith("all_reduce: unknown algorithm 'nope' for all_reduce; choose from auto, ring"), \
+            messages[3]
+        assert t == [3.0] * 6, t  # 0 + 1 + 2: the refused calls moved nothing

@@ -1,0 +1,274 @@
+"""Tier 1: algorithms as plans (csrc/include/ringcoll/plan.h, ringcoll/plans.py). The built-in
+plans against the schedule they stand for and against the plain reference; the checker,
+one plan per rule it enforces; the registry. The engine runs them in
+tests/multiprocess/test_plans.py."""
+
+import itertools
+import operator
+
+import pytest
+
+from ringcoll import _C, plans
+from ringcoll.learning import schedule as S
+from ringcoll.plans import INPUT, OUTPUT, PEER, TO_OUTPUT, TO_SLOT, TO_WORK, WORK, Operand, PlanError, op
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
+BUILTIN = [name for name in plans.BUILTIN]
+
+
+def inputs_for(coll, world, n):
+    """Distinct integers (a lost or doubled contribution shows); all-gather: one chunk each."""
+    per_rank = n if coll != "all_gather" else max(1, n // world)
+    return [[(r + 1) * 1000 + i for i in range(per_rank)] for r in range(world)]
+
+
+def reference(coll, inputs):
+    world = len(inputs)
+    if coll == "all_gather":
+        full = [x for chunk in inputs for x in chunk]
+        return [full] * world
+    total = [sum(col) for col in zip(*inputs)]
+    if coll == "all_reduce":
+        return [total] * world
+    return [total[S.chunk_begin(len(total), world, r):S.chunk_end(len(total), world, r)] for r in range(world)]
+
+
+@pytest.mark.parametrize("name", BUILTIN)
+@pytest.mark.parametrize("coll", COLLECTIVES)
+def test_builtin_plans_are_proved_and_compute_the_reference(name, coll):
+    for world in range(1, 9):
+        p = plans.plan(name, coll, world)
+        plans.check(p)
+        _C.compile_plan(name, world, p.chunks, p.ops)
+        for n in (world, 2 * world + 1, 5 * world) if coll != "all_gather" else (world, 3 * world):
+            ins = inputs_for(coll, world, n)
+            outs, _ = plans.simulate(p, ins)
+            assert outs == reference(coll, ins), (name, coll, world, n)
+
+
+@pytest.mark.parametrize("world", range(2, 9))
+@pytest.mark.parametrize("coll", [S.Collective.ALL_REDUCE, S.Collective.REDUCE_SCATTER, S.Collective.ALL_GATHER])
+def test_ring_plan_is_ring_h(coll, world):
+    """The ring's plan is ring.h's schedule, op for op: the first send, then per step the
+    chunk received from the left, reduced or copied, written out, passed on."""
+    p = plans.plan("ring", coll.name.lower(), world)
+    for k in range(world):
+        first, *steps = p.ops[k]
+        assert (first.first, first.a, first.readers) == (S.first_send_chunk(coll, k, world), INPUT,
+                                                          1 << S.right_neighbour(k, world))
+        assert len(steps) == S.ring_steps(coll, world)
+        for s, o in enumerate(steps):
+            assert o.first == S.step_recv_chunk(coll, k, s, world) and o.frm == S.left_neighbour(k, world)
+            assert (o.b == INPUT) == S.step_reduces(coll, s, world)
+            assert bool(o.to & TO_OUTPUT) == S.step_writes_output(coll, s, world)
+            assert bool(o.to & TO_SLOT) == S.step_forwards(coll, s, world)
+
+
+@pytest.mark.parametrize("name", ["ring", "oneshot"])
+@pytest.mark.parametrize("world", range(2, 8))
+def test_ring_and_one_shot_combine_in_the_rings_order(name, world):
+    """A string "sum" records the order: both plans fold chunk c from rank c+1 round to
+    rank c (rs_contributor), the ring's bits, as the default path does."""
+    n = 2 * world + 1
+    inputs = [[f"{r}:{i} " for i in range(n)] for r in range(world)]
+    outs, _ = plans.simulate(plans.plan(name, "all_reduce", world), inputs, combine=operator.add)
+    ring = S.simulate(S.Collective.ALL_REDUCE, inputs, op=operator.add).outputs
+    assert outs == ring
+
+
+# --- the checker: one wrong plan per rule --------------------------------------------------------
+
+def ring(world, rank):
+    """A correct all-reduce, to break one op at a time (the built-in ring's ops)."""
+    return list(plans.plan("ring", "all_reduce", world).ops[rank])
+
+
+def user_plan(fn, coll="all_reduce", world=3):
+    plans.register_algorithm("test-plan", fn, coll)
+    try:
+        return plans.plan("test-plan", coll, world)
+    finally:
+        plans._registry.pop(("test-plan", coll), None)
+
+
+def refused(fn, coll="all_reduce", world=3):
+    with pytest.raises(PlanError) as e:
+        plans.check(user_plan(fn, coll, world))
+    return str(e.value)
+
+
+def changed(rank, index, **fields):
+    """The ring with op `index` of rank `rank` changed."""
+    def fn(world, r):
+        ops = ring(world, r)
+        if r == rank:
+            ops[index] = ops[index]._replace(**fields)
+        return ops
+    return fn
+
+
+def test_the_ring_itself_passes():
+    plans.check(user_plan(ring))
+
+
+@pytest.mark.parametrize("fn, words", [
+    (changed(0, 1, first=-1), "chunks outside 0..2"),
+    (changed(0, 1, a=Operand.NONE), "has no first operand"),
+    (changed(0, 1, to=TO_OUTPUT | TO_WORK | TO_SLOT), "one or two of output, work and slot"),
+    (changed(0, 1, b=PEER), "receives twice in one op"),
+    (changed(0, 1, frm=0), "receives from rank 0, which is not a peer"),
+    (changed(0, 0, readers=1), "publishes to no peer, or to itself"),
+    (changed(0, 4, readers=2), "names readers but publishes nothing"),
+    (changed(1, 1, first=0), "receives chunks 0..0 from rank 0, whose publication it reads holds 2..2"),
+    (changed(0, 1, a=WORK, b=INPUT), "reads work chunk 1 before anything wrote it"),
+    (changed(0, 0, a=OUTPUT), "reads output chunk 2 before anything wrote it"),
+    (changed(0, 1, to=TO_WORK, readers=0), "receives chunks 1..1 from rank 0, whose publication it reads holds 0..0"),
+    (changed(0, 2, final=False), "output chunk 0 is never marked final"),
+    (changed(0, 1, final=True), "marks final a value of 2 contributions, not all 3"),
+    (changed(0, 2, b=Operand.NONE), "lacks rank 0's contribution"),
+])
+def test_each_rule_refuses_a_plan_that_breaks_it(fn, words):
+    assert words in refused(fn)
+
+
+def test_deadlocks_are_refused():
+    def both_receive_first(world, r):  # each waits for the other's publication
+        return [op(PEER, 0, TO_OUTPUT, b=INPUT, frm=1 - r, final=True), op(INPUT, 0, TO_SLOT, readers=[1 - r])]
+    assert "deadlock (slice 1): every rank waits; this one for a publication of rank 1 that never comes" in \
+        refused(both_receive_first, world=2)
+
+    def slot_cycle(world, r):
+        """Rank 0 refills its chunk-0 slot for rank 1 once rank 2 has read it, but rank 2
+        first waits for rank 1, which waits for that refill."""
+        return [[op(INPUT, 0, TO_SLOT, readers=[2]), op(INPUT, 0, TO_SLOT, readers=[1])],
+                [op(PEER, 0, TO_WORK, frm=0), op(WORK, 0, TO_SLOT, readers=[2])],
+                [op(PEER, 0, TO_WORK, frm=1), op(PEER, 0, TO_OUTPUT, frm=0)]][r]
+    assert "this one to refill its slot of chunk 0, whose last publication rank 2 never reads" in refused(slot_cycle)
+
+
+def test_a_publication_nobody_receives_is_refused():
+    """Its slot is never free again: the next slice that publishes that chunk waits forever."""
+    def fn(world, r):
+        ops = ring(world, r)
+        return ops + [op(OUTPUT, 0, TO_SLOT, readers=[1])] if r == 0 else ops
+    assert "this one to refill its slot of chunk 0, whose last publication rank 1 never reads" in refused(fn)
+
+
+def test_a_contribution_twice_and_another_chunk_are_refused():
+    def doubled(world, r):  # the value rank 0 passes on holds its input twice
+        ops = ring(world, r)
+        if r == 0:
+            ops[1] = ops[1]._replace(to=TO_WORK, readers=0)
+            ops.insert(2, op(WORK, 1, TO_SLOT, b=INPUT, readers=[1]))
+        return ops
+    assert "marks final a value of 4 contributions, not all 3" in refused(doubled)
+
+    def gathered_to_zero(world, r):  # rank 0 adds rank 1's and its own twice; rank 2's never comes
+        if r == 1:
+            return [op(INPUT, 0, TO_SLOT, readers=[0])]
+        if r == 2:
+            return []
+        return [op(PEER, 0, TO_WORK, b=INPUT, frm=1), op(WORK, 0, TO_OUTPUT, b=INPUT, final=True)]
+    assert "rank 0's output chunk 0 holds rank 0's contribution more than once" in refused(gathered_to_zero)
+
+    def other_chunk(world, r):
+        ops = ring(world, r)
+        if r == 0:
+            ops[0] = op(INPUT, 2, TO_WORK)
+            ops.insert(1, op(WORK, 1, TO_SLOT, b=INPUT, readers=[1]))  # chunk 1's slot fed from chunk 2's work
+        return ops
+    words = refused(other_chunk)
+    assert "before anything wrote it" in words or "other chunks" in words
+
+
+def test_ranks_that_combine_in_different_orders_are_refused():
+    """Recursive doubling where each rank adds the partner's value after its own: both
+    hold every contribution once, but a + b on one rank and b + a on the other."""
+    def careless(world, rank):
+        partner = rank ^ 1
+        return [op(INPUT, (0, 1), TO_SLOT, readers=[partner]),
+                op(INPUT, (0, 1), TO_OUTPUT, b=PEER, frm=partner, final=True)]
+    assert "combine chunk 0 in different orders" in refused(careless, world=2)
+
+
+def test_an_unsafe_read_in_place_is_refused():
+    """Rank 0 writes its output chunk, then reads its input chunk again: in place they are
+    one memory."""
+    def fn(world, r):
+        ops = ring(world, r)
+        if r == 0:
+            ops.append(op(INPUT, 0, TO_WORK))
+        return ops
+    assert "reads input chunk 0 after writing output chunk 0: wrong when the output is the input" in refused(fn)
+
+
+def test_collective_shapes_are_enforced():
+    def gather_reads_other_input(world, r):
+        return [op(INPUT, (r + 1) % world, TO_OUTPUT)]
+    assert "an all-gather's input is one chunk" in refused(gather_reads_other_input, "all_gather")
+
+    def scatter_writes_other_output(world, r):
+        return [op(INPUT, (r + 1) % world, TO_OUTPUT)]
+    assert "a reduce-scatter's output is one chunk" in refused(scatter_writes_other_output, "reduce_scatter")
+
+    def gather_wrong_chunk(world, r):
+        ops = [op(INPUT, r, TO_OUTPUT | TO_SLOT, readers=[p for p in range(world) if p != r])]
+        ops += [op(PEER, p, TO_OUTPUT, frm=p) for p in range(world) if p != r]
+        if r == 1:
+            ops[1] = ops[1]._replace(to=TO_WORK)
+            ops.append(op(INPUT, r, TO_OUTPUT)._replace(first=r))
+        return ops
+    words = refused(gather_wrong_chunk, "all_gather")
+    assert "never writes output chunk 0" in words
+
+
+def test_one_rank_runs_no_plan():
+    p = user_plan(lambda world, rank: [op(INPUT, 0, TO_SLOT, readers=[rank])], world=1)
+    assert p.ops == ((),)
+    plans.check(p)
+
+
+# --- the registry --------------------------------------------------------------------------------
+
+def test_names_and_refusals():
+    assert plans.builtin_algorithms()[:2] == ["auto", "ring"] and "oneshot" in plans.algorithms()
+    for bad in ("auto", "ring", "", None):
+        with pytest.raises(ValueError, match="is not a name a plan may take"):
+            plans.register_algorithm(bad, ring)
+    with pytest.raises(ValueError, match="collective must be one of all_reduce, reduce_scatter, all_gather"):
+        plans.register_algorithm("x", ring, "broadcast")
+    with pytest.raises(ValueError, match="unknown algorithm 'nope' for all_reduce; choose from auto, ring, oneshot"):
+        plans.plan("nope", "all_reduce", 2)
+
+
+def test_a_user_plan_is_checked_and_compiled_once_and_gets_its_own_id():
+    calls = []
+
+    def fn(world, rank):
+        calls.append(rank)
+        return ring(world, rank)
+
+    plans.register_algorithm("counted", fn)
+    try:
+        first = plans.compiled("counted", "all_reduce", 3)
+        assert plans.compiled("counted", "all_reduce", 3) is first and calls == [0, 1, 2]
+        assert first[2] >= 1000 and first[2] != plans.BUILTIN["ring"]
+        assert list(first[1].publications) == [4, 4, 4]  # per rank: the first send, then every step but the last
+    finally:
+        plans._registry.pop(("counted", "all_reduce"), None)
+        plans._compiled.clear()
+
+
+def test_every_op_prints_as_words():
+    words = [str(o) for o in plans.plan("ring", "all_reduce", 3).ops[0]]
+    assert words[0] == "chunk 2: input -> published to rank 1"
+    assert words[2] == "chunk 0: rank 2's publication OP input -> output and published to rank 1 (final)"
+
+
+def test_simulate_records_every_op_in_the_order_ranks_ran_it():
+    p = plans.plan("ring", "all_reduce", 3)
+    _, steps = plans.simulate(p, [[1, 2, 3], [10, 20, 30], [100, 200, 300]])
+    assert sorted((s.rank, s.index) for s in steps) == sorted(itertools.chain.from_iterable(
+        [(r, i) for i in range(len(p.ops[r]))] for r in range(3)))
+    first = next(s for s in steps if (s.rank, s.index) == (1, 1))  # rank 1 adds its chunk 2 to rank 0's
+    assert first.values == [[3 + 30]]
