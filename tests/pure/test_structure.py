@@ -122,3 +122,11 @@ def test_old_module_paths_are_the_new_modules():
     out = subprocess.run([sys.executable, "-m", "ringcoll.model", "--help"], check=True, capture_output=True,
                          text=True).stdout
     assert "usage" in out
+
+
+def test_test_files_have_unique_names():
+    # The test folders are not packages, so pytest imports each file by its bare name: two files
+    # with one name stop the whole run at collection (only a full run shows it, not one file).
+    tests = Path(__file__).resolve().parents[1]
+    names = sorted(p.name for p in tests.rglob("test_*.py"))
+    assert len(names) == len(set(names)), sorted({n for n in names if names.count(n) > 1})
