@@ -120,7 +120,9 @@ class PlanError(ValueError):
 # --- the built-in plans (plan.h's generators) and plans written in Python --------------------
 
 #: plan.h's algorithms: name -> code (the code travels in the call's descriptor)
-BUILTIN: dict = dict(_C.algorithm_table)
+BUILTIN: dict = {name: code for name, code, _ in _C.algorithm_table}
+#: the built-in algorithms that have no reduce-scatter or all-gather (one whole-message chunk)
+ALL_REDUCE_ONLY: frozenset = frozenset(name for name, _, only in _C.algorithm_table if only)
 MAX_WORLD: int = _C.max_plan_world
 
 _registry: dict = {}  # (name, collective) -> plan_fn
@@ -128,14 +130,17 @@ _compiled: dict = {}  # (name, collective, world) -> (Plan, _C.CompiledPlan, pla
 _lock = threading.Lock()
 
 
-def builtin_algorithms() -> list:
-    """The built-in algorithms' names, "auto" first (the communicator's choice by size)."""
-    return ["auto", *BUILTIN]
+def builtin_algorithms(collective: Optional[str] = None) -> list:
+    """The built-in algorithms' names ("auto" first: the communicator's choice by size),
+    those that have ``collective`` where one is named."""
+    return ["auto", *(name for name in BUILTIN if collective in (None, "all_reduce") or name not in ALL_REDUCE_ONLY)]
 
 
-def algorithms() -> list:
-    """Every name ``algorithm=`` takes: the built-in ones, then those registered here."""
-    return builtin_algorithms() + sorted({name for name, _ in _registry} - set(BUILTIN))
+def algorithms(collective: Optional[str] = None) -> list:
+    """Every name ``algorithm=`` takes (for ``collective``, where one is named): the
+    built-in ones, then those registered here."""
+    mine = {name for name, coll in _registry if collective in (None, coll)}
+    return builtin_algorithms(collective) + sorted(mine - set(BUILTIN))
 
 
 def register_algorithm(name: str, plan_fn: Callable[[int, int], Sequence[PlanOp]],
@@ -160,6 +165,9 @@ def plan(name: str, collective: str, world: int) -> Plan:
     """The plan ``name`` runs for ``collective`` on ``world`` ranks (not yet checked)."""
     if collective not in DATA_COLLECTIVES:
         raise ValueError(f"plan: collective must be one of {', '.join(DATA_COLLECTIVES)}, got {collective!r}")
+    if name in ALL_REDUCE_ONLY and collective != "all_reduce":
+        raise ValueError(f"algorithm {name!r} is an all-reduce (one whole-message chunk); for {collective} choose "
+                         f"from {', '.join(algorithms(collective))}")
     if name in BUILTIN:
         chunks, ops = _C.builtin_plan(BUILTIN[name], COLLECTIVE_CODES[collective], world)
         return Plan(name, collective, chunks, tuple(tuple(PlanOp(*o) for o in mine) for mine in ops))

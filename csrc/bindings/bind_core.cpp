@@ -130,9 +130,11 @@ void bind_core(py::module_& m) {
   }
   m.attr("collective_table") = py::tuple(collectives);
 
-  // plan.h: the built-in algorithms (name, code), their plans, and the compile step.
+  // plan.h: the built-in algorithms (name, code, all_reduce_only), their plans, and the
+  // compile step.
   py::list algorithms;
-#define RINGCOLL_ALGORITHM_ROW(e, name, code) algorithms.append(py::make_tuple(name, code));
+#define RINGCOLL_ALGORITHM_ROW(e, name, code, all_reduce_only) \
+  algorithms.append(py::make_tuple(name, code, all_reduce_only));
   RINGCOLL_ALGORITHMS(RINGCOLL_ALGORITHM_ROW)
 #undef RINGCOLL_ALGORITHM_ROW
   m.attr("algorithm_table") = py::tuple(algorithms);

@@ -49,7 +49,7 @@ def _matrix_rank(rank, world):
     comms = [(name, ringcoll.Communicator(algorithm=name, buffer_bytes=M.SMALL_BUFFER, timeout=M.COMM_TIMEOUT))
              for name in [*BUILTIN, "bidir"]]
     reduce_comms = comms
-    scatter_gather_comms = [(n, c) for n, c in comms if n != "bidir"]  # bidir is an all-reduce
+    scatter_gather_comms = [(n, c) for n, c in comms if n in plans.algorithms("reduce_scatter")]  # not rd, tree, bidir
     cases = FULL if world in (3, 4) else SELECTION
     for dtype, op_name in cases:
         elem = torch.empty(0, dtype=dtype).element_size()
@@ -71,15 +71,15 @@ def _interleaved(chk, rank, world):
     import torch.distributed as dist
 
     with ringcoll.Communicator(buffer_bytes=M.SMALL_BUFFER, timeout=M.COMM_TIMEOUT) as comm:
-        for i, algorithm in enumerate(["ring", "auto", "oneshot", "bidir", "ring", "oneshot", "auto", "bidir",
-                                       "auto", "ring"] * 2):
+        for i, algorithm in enumerate(["ring", "auto", "oneshot", "bidir", "rhd", "tree", "rd", "oneshot", "auto",
+                                       "rhd", "bidir", "tree", "ring", "rd"] * 2):
             n = [3, 5000, 17, 1024, 1][i % 5] * world
             x = M.make_input("int", torch.int32, n, M._seed("interleaved", i, rank))
             ref = x.clone()
             dist.all_reduce(ref)
             comm.all_reduce(x, algorithm=algorithm)
             chk.equal(f"interleaved call {i} ({algorithm}, n={n})", x, ref)
-            if algorithm != "bidir":
+            if algorithm in plans.algorithms("reduce_scatter"):
                 out = torch.empty(n // world, dtype=torch.int32)
                 comm.reduce_scatter_tensor(out, x.clone(), algorithm=algorithm)
                 chk.equal(f"interleaved call {i} reduce_scatter ({algorithm})", out, ref.view(world, -1)[rank] * world)

@@ -33,8 +33,8 @@ def reference(coll, inputs):
     return [total[S.chunk_begin(len(total), world, r):S.chunk_end(len(total), world, r)] for r in range(world)]
 
 
-@pytest.mark.parametrize("name", BUILTIN)
-@pytest.mark.parametrize("coll", COLLECTIVES)
+@pytest.mark.parametrize("name, coll", [(name, coll) for name in BUILTIN for coll in COLLECTIVES
+                                         if coll == "all_reduce" or name not in plans.ALL_REDUCE_ONLY])
 def test_builtin_plans_are_proved_and_compute_the_reference(name, coll):
     for world in range(1, 9):
         p = plans.plan(name, coll, world)
@@ -44,6 +44,57 @@ def test_builtin_plans_are_proved_and_compute_the_reference(name, coll):
             ins = inputs_for(coll, world, n)
             outs, _ = plans.simulate(p, ins)
             assert outs == reference(coll, ins), (name, coll, world, n)
+
+
+@pytest.mark.parametrize("name", sorted(plans.ALL_REDUCE_ONLY))
+def test_all_reduce_only_algorithms_refuse_the_others_by_name(name):
+    assert sorted(plans.ALL_REDUCE_ONLY) == ["rd", "tree"]
+    for coll in ("reduce_scatter", "all_gather"):
+        with pytest.raises(ValueError, match=f"algorithm '{name}' is an all-reduce .*; for {coll} choose from auto, "
+                                             "ring, oneshot, rhd$"):
+            plans.plan(name, coll, 4)
+        assert name not in plans.algorithms(coll) and name in plans.algorithms("all_reduce")
+
+
+def _rounds(p):
+    """The plan's critical path in message steps: an op that receives runs one step after
+    the op that published what it reads (ops of one rank run in order)."""
+    _, steps = plans.simulate(p, [[0] * p.chunks for _ in range(p.world)])
+    done, published = {}, {}  # rank -> step its last op finished; (sender, reader, n) -> step
+    count = {}
+    for st in steps:
+        t = done.get(st.rank, 0)
+        o = st.op
+        if PEER in (o.a, o.b):
+            n = count[o.frm, st.rank] = count.get((o.frm, st.rank), 0) + 1
+            t = max(t, published[o.frm, st.rank, n] + 1)
+        done[st.rank] = t
+        if o.to & TO_SLOT:
+            for r in range(p.world):
+                if o.readers >> r & 1:
+                    k = sum(1 for key in published if key[:2] == (st.rank, r)) + 1
+                    published[st.rank, r, k] = t
+    return max(done.values())
+
+
+def _log2(world):
+    return world.bit_length() - 1
+
+
+@pytest.mark.parametrize("name, rounds", [
+    ("ring", lambda P: 2 * (P - 1)), ("oneshot", lambda P: 1), ("rhd", lambda P: 2 * _log2(P)),
+    ("rd", _log2), ("tree", lambda P: 2 * max(bin(r).count("1") for r in range(P)))])  # the tree's depth, up and down
+def test_each_algorithm_takes_the_steps_its_description_says(name, rounds):
+    """The step counts that make each algorithm worth having: log2 P rounds for the
+    recursive ones and the tree, P-1 (per phase) for the ring, one for one-shot."""
+    for world in (2, 4, 8):
+        assert _rounds(plans.plan(name, "all_reduce", world)) == rounds(world), (name, world)
+    for world in (3, 5, 6, 7):
+        taken = _rounds(plans.plan(name, "all_reduce", world))
+        if name in ("rhd", "rd"):  # the largest power of two's rounds, and a hand-over or a hand-back
+            assert rounds(2 ** _log2(world)) < taken <= rounds(2 ** _log2(world)) + 2, (name, world, taken)
+        else:
+            assert taken == rounds(world), (name, world)
 
 
 @pytest.mark.parametrize("world", range(2, 9))

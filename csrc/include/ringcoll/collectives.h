@@ -20,11 +20,17 @@
 #include "ringcoll/platform.h"
 
 // The built-in algorithms (plan.h's generators), listed once the same way:
-//   X(enumerator, name, code)    code: what a call's descriptor carries (0: the default path;
-//                                plans written in Python take codes from 1000 on)
-#define RINGCOLL_ALGORITHMS(X) \
-  X(kRing, "ring", 1)          \
-  X(kOneShot, "oneshot", 2)
+//   X(enumerator, name, code, all_reduce_only)
+//     code             what a call's descriptor carries (0: the default path; plans
+//                      written in Python take codes from 1000 on)
+//     all_reduce_only  the algorithm has no reduce-scatter or all-gather (one whole-message
+//                      chunk: recursive doubling, the tree)
+#define RINGCOLL_ALGORITHMS(X)             \
+  X(kRing, "ring", 1, false)               \
+  X(kOneShot, "oneshot", 2, false)         \
+  X(kHalvingDoubling, "rhd", 3, false)     \
+  X(kRecursiveDoubling, "rd", 4, true)     \
+  X(kTree, "tree", 5, true)
 
 #define RINGCOLL_COLLECTIVES(X)                             \
   X(kAllReduce, "all_reduce", 0, true, true)                \
@@ -66,7 +72,7 @@ RINGCOLL_INLINE CollectiveInfo collective_info(Collective c) {
 }
 
 enum class Algorithm : int {
-#define RINGCOLL_ALGORITHM_ENUMERATOR(e, name, code) e = code,
+#define RINGCOLL_ALGORITHM_ENUMERATOR(e, name, code, all_reduce_only) e = code,
   RINGCOLL_ALGORITHMS(RINGCOLL_ALGORITHM_ENUMERATOR)
 #undef RINGCOLL_ALGORITHM_ENUMERATOR
 };
@@ -75,7 +81,7 @@ constexpr int kFirstUserPlanCode = 1000;
 // The name of a built-in algorithm's code, or null for any other code.
 RINGCOLL_INLINE const char* algorithm_name(int code) {
   switch (code) {
-#define RINGCOLL_ALGORITHM_NAME(e, name, c) \
+#define RINGCOLL_ALGORITHM_NAME(e, name, c, all_reduce_only) \
   case c: return name;
     RINGCOLL_ALGORITHMS(RINGCOLL_ALGORITHM_NAME)
 #undef RINGCOLL_ALGORITHM_NAME

@@ -262,10 +262,217 @@ inline Plan one_shot_plan(Collective coll, int world) {
   return plan;
 }
 
+// An op, spelled short for the generators below: value = a [OP b] over chunks [first,
+// first + count), to `to` (published to `readers` with kToSlot).
+inline PlanOp make_op(Operand a, int first, int count, uint8_t to, Operand b = Operand::kNone, int from = -1,
+                      uint64_t readers = 0, bool final = false) {
+  PlanOp op;
+  op.a = a;
+  op.b = b;
+  op.from = static_cast<int16_t>(from);
+  op.first = static_cast<int16_t>(first);
+  op.count = static_cast<int16_t>(count);
+  op.to = to;
+  op.final = final;
+  op.readers = readers;
+  return op;
+}
+
+// Powers of two below a world that is not one: the recursive algorithms pair ranks 2i and
+// 2i+1 for i < extra (extra = P - 2^floor(log2 P)); the even one of each pair takes part
+// for both, so 2^floor(log2 P) "participants" remain, numbered v = 0, 1, ... in rank order.
+struct Participants {
+  int world, count, extra;
+  explicit Participants(int p) : world(p), count(1), extra(0) {
+    while (count * 2 <= p) count *= 2;
+    extra = p - count;
+  }
+  bool takes_part(int rank) const { return rank >= 2 * extra || rank % 2 == 0; }
+  bool stands_in(int rank) const { return rank < 2 * extra && rank % 2 == 0; }  // for rank + 1 too
+  int index(int rank) const { return rank < 2 * extra ? rank / 2 : rank - extra; }  // v of a participant
+  int rank_of(int v) const { return v < extra ? 2 * v : v + extra; }
+  // The chunks participant v answers for, one per rank it stands for: [first, first + width).
+  int first(int v) const { return v < extra ? 2 * v : v + extra; }
+  int width(int v) const { return v < extra ? 2 : 1; }
+  // Chunks [first(lo), first(lo + n)) of participants lo .. lo+n-1: contiguous, in rank order.
+  int span_first(int lo) const { return first(lo); }
+  int span_count(int lo, int n) const { return (lo + n < count ? first(lo + n) : world) - first(lo); }
+};
+
+// Recursive halving reduce-scatter, then (all-reduce) recursive doubling all-gather
+// (Rabenseifner's): log2 steps each, every rank sending (P-1)/P n per phase, as the ring,
+// but in log2 P steps instead of P-1. C = P chunks.
+//   halving   step s = 0, 1, ..: partner v ^ d (d = count/2, count/4, ..); keep the half of
+//             the range that holds my own chunks, send the other half (my partial of it),
+//             receive the partner's partial of mine and add it: partner's first, mine second.
+//   doubling  step s = 0, 1, ..: partner v ^ d (d = 1, 2, ..); send the range I hold (final
+//             values), receive the partner's into the output: the range doubles.
+// Ranks that do not take part (P not a power of two) hand their input to the even rank of
+// their pair first and get the result back at the end.
+inline Plan halving_doubling_plan(Collective coll, int world) {
+  Plan plan;
+  plan.chunks = world;
+  plan.ops.resize(world);
+  if (world == 1) return plan;
+  const Participants parts(world);
+  const bool reduces = coll != Collective::kAllGather;
+  for (int k = 0; k < world; ++k) {
+    auto& ops = plan.ops[k];
+    if (!parts.takes_part(k)) {  // rank 2i+1 of a pair: hand over, get back
+      const int host = k - 1;
+      if (reduces) ops.push_back(make_op(Operand::kInput, 0, world, kToSlot, Operand::kNone, -1, bit(host)));
+      else ops.push_back(make_op(Operand::kInput, k, 1, kToSlot | kToOutput, Operand::kNone, -1, bit(host), true));
+      if (coll == Collective::kReduceScatter) ops.push_back(make_op(Operand::kPeer, k, 1, kToOutput, Operand::kNone, host));
+      else ops.push_back(make_op(Operand::kPeer, 0, world, kToOutput, Operand::kNone, host));
+      continue;
+    }
+    const int v = parts.index(k);
+    Operand mine = Operand::kInput;  // where my partials are: the input until the first add
+    if (parts.stands_in(k)) {        // take my pair's contribution in first
+      if (reduces) {
+        ops.push_back(make_op(Operand::kPeer, 0, world, kToWork, Operand::kInput, k + 1));
+        mine = Operand::kWork;
+      } else {
+        ops.push_back(make_op(Operand::kInput, k, 1, kToOutput, Operand::kNone, -1, 0, true));
+        ops.push_back(make_op(Operand::kPeer, k + 1, 1, kToOutput, Operand::kNone, k + 1));
+      }
+    }
+    int lo = 0, n = parts.count;  // the participants whose chunks this rank still answers for
+    if (reduces) {
+      for (int d = parts.count / 2; d >= 1; d /= 2) {
+        const int partner = v ^ d;
+        const int keep_lo = (v & d) ? lo + d : lo, send_lo = (v & d) ? lo : lo + d;
+        const bool last = d == 1;
+        ops.push_back(make_op(mine, parts.span_first(send_lo), parts.span_count(send_lo, d), kToSlot, Operand::kNone,
+                              -1, bit(parts.rank_of(partner))));
+        // The last add completes my chunks: to the output for all-reduce and for my own chunk,
+        // to work where it goes on to a pair's rank
+        const bool own_out = last && (coll == Collective::kAllReduce || !parts.stands_in(k));
+        const uint8_t to = own_out ? kToOutput : kToWork;
+        ops.push_back(make_op(Operand::kPeer, parts.span_first(keep_lo), parts.span_count(keep_lo, d), to, mine,
+                              parts.rank_of(partner), 0, last));
+        mine = Operand::kWork;
+        lo = keep_lo;
+        n = d;
+      }
+      if (coll == Collective::kReduceScatter) {
+        if (parts.stands_in(k)) {  // both chunks finished in work: mine to the output, my pair's to it
+          ops.push_back(make_op(Operand::kWork, k, 1, kToOutput));
+          ops.push_back(make_op(Operand::kWork, k + 1, 1, kToSlot, Operand::kNone, -1, bit(k + 1)));
+        }
+        continue;
+      }
+    } else {
+      lo = v;
+      n = 1;
+    }
+    // all-gather (of all-reduce's results, or of the inputs): my range doubles each step
+    for (int d = 1; d < parts.count; d *= 2) {
+      const int partner = v ^ d;
+      const int theirs = lo ^ d;  // the partner's range starts there (ranges are aligned to d)
+      const bool first_send = !reduces && d == 1 && !parts.stands_in(k);
+      ops.push_back(make_op(first_send ? Operand::kInput : Operand::kOutput, parts.span_first(lo),
+                            parts.span_count(lo, n), kToSlot | (first_send ? kToOutput : 0), Operand::kNone, -1,
+                            bit(parts.rank_of(partner)), first_send));
+      ops.push_back(make_op(Operand::kPeer, parts.span_first(theirs), parts.span_count(theirs, n), kToOutput,
+                            Operand::kNone, parts.rank_of(partner)));
+      lo = lo < theirs ? lo : theirs;
+      n *= 2;
+    }
+    if (parts.stands_in(k))  // the whole result to my pair
+      ops.push_back(make_op(Operand::kOutput, 0, world, kToSlot, Operand::kNone, -1, bit(k + 1)));
+  }
+  return plan;
+}
+
+// Recursive doubling all-reduce, for small messages: log2 P steps, each an exchange of the
+// whole message with partner v ^ d (d = 1, 2, ..), both adding the lower rank's value first
+// so both hold the same bits. C = 1 chunk. Pairs as in halving_doubling_plan.
+inline Plan recursive_doubling_plan(Collective coll, int world) {
+  RINGCOLL_CHECK(coll == Collective::kAllReduce, std::invalid_argument,
+                 "rd (recursive doubling) is an all-reduce; for ", collective_info(coll).name, " use rhd");
+  Plan plan;
+  plan.chunks = 1;
+  plan.ops.resize(world);
+  if (world == 1) return plan;
+  const Participants parts(world);
+  for (int k = 0; k < world; ++k) {
+    auto& ops = plan.ops[k];
+    if (!parts.takes_part(k)) {
+      ops.push_back(make_op(Operand::kInput, 0, 1, kToSlot, Operand::kNone, -1, bit(k - 1)));
+      ops.push_back(make_op(Operand::kPeer, 0, 1, kToOutput, Operand::kNone, k - 1));
+      continue;
+    }
+    Operand mine = Operand::kInput;
+    if (parts.stands_in(k)) {
+      ops.push_back(make_op(Operand::kInput, 0, 1, kToWork, Operand::kPeer, k + 1));  // mine first: lower rank
+      mine = Operand::kWork;
+    }
+    const int v = parts.index(k);
+    for (int d = 1; d < parts.count; d *= 2) {
+      const int partner = parts.rank_of(v ^ d);
+      const bool last = 2 * d >= parts.count;
+      ops.push_back(make_op(mine, 0, 1, kToSlot, Operand::kNone, -1, bit(partner)));
+      const bool lower = k < partner;
+      ops.push_back(make_op(lower ? mine : Operand::kPeer, 0, 1, last ? kToOutput : kToWork,
+                            lower ? Operand::kPeer : mine, partner, 0, last));
+      mine = Operand::kWork;
+    }
+    if (parts.stands_in(k)) ops.push_back(make_op(Operand::kOutput, 0, 1, kToSlot, Operand::kNone, -1, bit(k + 1)));
+  }
+  return plan;
+}
+
+// A binomial tree all-reduce: reduce to rank 0, then broadcast from it. Rank k's parent is
+// k minus its lowest set bit; its children k + 1, k + 2, k + 4, .. below that bit. Reduce:
+// add each child's partial, nearest first, then send it up; broadcast: the result comes
+// down the same tree, each rank copying it to its output and sending it on in one
+// publication. log2 P steps each way; each rank sends n up and n down: fewer steps than the
+// ring, more bytes (the root's link carries log2 P messages). C = 1 chunk.
+inline Plan tree_plan(Collective coll, int world) {
+  RINGCOLL_CHECK(coll == Collective::kAllReduce, std::invalid_argument, "tree is an all-reduce; for ",
+                 collective_info(coll).name, " use ring or rhd");
+  Plan plan;
+  plan.chunks = 1;
+  plan.ops.resize(world);
+  if (world == 1) return plan;
+  for (int k = 0; k < world; ++k) {
+    auto& ops = plan.ops[k];
+    const int low = k == 0 ? world : (k & -k);  // children live below my lowest set bit
+    uint64_t children = 0;
+    std::vector<int> order;
+    for (int d = 1; d < low && k + d < world; d *= 2) {
+      children |= bit(k + d);
+      order.push_back(k + d);
+    }
+    // reduce
+    Operand mine = Operand::kInput;
+    for (size_t i = 0; i < order.size(); ++i) {
+      const bool last = i + 1 == order.size();
+      const bool root_done = last && k == 0;
+      const uint8_t to = root_done ? kToOutput : (last ? kToSlot : kToWork);
+      ops.push_back(make_op(mine, 0, 1, to, Operand::kPeer, order[i], (last && k != 0) ? bit(k - low) : 0, root_done));
+      mine = Operand::kWork;
+    }
+    if (k != 0 && order.empty()) ops.push_back(make_op(Operand::kInput, 0, 1, kToSlot, Operand::kNone, -1, bit(k - low)));
+    // broadcast
+    if (k == 0) {
+      ops.push_back(make_op(Operand::kOutput, 0, 1, kToSlot, Operand::kNone, -1, children));
+    } else {
+      ops.push_back(make_op(Operand::kPeer, 0, 1, kToOutput | (children ? kToSlot : 0), Operand::kNone, k - low,
+                            children));
+    }
+  }
+  return plan;
+}
+
 inline Plan builtin_plan(Algorithm algorithm, Collective coll, int world) {
   switch (algorithm) {
     case Algorithm::kRing: return ring_plan(coll, world);
     case Algorithm::kOneShot: return one_shot_plan(coll, world);
+    case Algorithm::kHalvingDoubling: return halving_doubling_plan(coll, world);
+    case Algorithm::kRecursiveDoubling: return recursive_doubling_plan(coll, world);
+    case Algorithm::kTree: return tree_plan(coll, world);
   }
   throw std::invalid_argument("unknown algorithm");
 }
