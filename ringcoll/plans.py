@@ -42,7 +42,8 @@ from ringcoll import _C
 from ringcoll._types import COLLECTIVE_CODES, DATA_COLLECTIVES
 
 __all__ = ["Operand", "PEER", "INPUT", "OUTPUT", "WORK", "TO_OUTPUT", "TO_WORK", "TO_SLOT", "PlanOp", "Plan",
-           "PlanError", "op", "plan", "check", "simulate", "register_algorithm", "algorithms", "builtin_algorithms"]
+           "PlanError", "op", "plan", "check", "simulate", "rounds", "register_algorithm", "algorithms",
+           "builtin_algorithms"]
 
 
 class Operand(enum.IntEnum):
@@ -476,14 +477,42 @@ def _postcondition(p: Plan, outputs: list) -> None:
                                     "must end with the same expression (one rank reduces, the others copy its result)")
 
 
+def rounds(p: Plan, inputs: Optional[Sequence[Sequence]] = None) -> list:
+    """Slice 0's ops as ``(round, Step)``, in the order they ran on ``inputs`` (as for
+    :func:`simulate`; zeros by default): an op that receives ends one round after the op
+    that published what it reads, and no op before the rank's previous one; so round r
+    holds what can happen at once once r messages have gone by in a chain. The last round
+    is the plan's latency in messages (model.plan_cost)."""
+    if p.world == 1:
+        return []
+    _, steps = simulate(p, inputs if inputs is not None else [[0] * p.chunks for _ in range(p.world)])
+    finished: dict = {}  # rank -> the round its last op ended in
+    published: dict = {}  # (sender, reader) -> the rounds its publications to reader ended in
+    taken: dict = {}  # (sender, reader) -> publications read so far
+    out = []
+    for st in steps:
+        o, t = st.op, finished.get(st.rank, 0)
+        if PEER in (o.a, o.b):
+            n = taken[o.frm, st.rank] = taken.get((o.frm, st.rank), 0) + 1
+            t = max(t, published[o.frm, st.rank][n - 1] + 1)
+        finished[st.rank] = t
+        if o.to & TO_SLOT:
+            for r in range(p.world):
+                if o.readers >> r & 1:
+                    published.setdefault((st.rank, r), []).append(t)
+        out.append((t, st))
+    return out
+
+
 def simulate(p: Plan, inputs: Sequence[Sequence], combine: Callable = lambda x, y: x + y,
              finalize: Callable = lambda x: x) -> tuple:
     """Run ``p`` on lists, a slice being the whole message: ``inputs[r]`` is rank r's input
-    (all-gather: its chunk), cut as ring.h cuts a message into ``p.chunks``. Values combine
+    (all-gather: its chunk, as ring.h cuts the output into P), cut as ring.h cuts a message
+    into ``p.chunks``. Values combine
     with ``combine(a, b)``, ``a`` first, as in the engine, and ``finalize`` where an op is
     final (AVG's division). Returns (every rank's output, the steps as they ran)."""
     world, coll = p.world, p.collective
-    n = len(inputs[0]) * (world if coll == "all_gather" else 1)
+    n = sum(map(len, inputs)) if coll == "all_gather" else len(inputs[0])  # all-gather: chunks may differ by one
 
     def bounds(c):
         q, r = divmod(n, p.chunks)

@@ -49,6 +49,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ringcoll import plans
 from ringcoll.learning import model
 from ringcoll._types import DATA_COLLECTIVES, DTYPES, REDUCING_COLLECTIVES
 from ringcoll.communicator import Communicator, parse_bytes
@@ -205,12 +206,14 @@ class TorchBackend(DistBackend):
     """ringcoll (a Communicator) or torch.distributed itself (gloo, or NCCL on `group`), same
     call shapes."""
 
-    def __init__(self, comm=None, forms: Optional[tuple] = None, group=None, prepared: bool = False):
+    def __init__(self, comm=None, forms: Optional[tuple] = None, group=None, prepared: bool = False,
+                 algorithm: Optional[str] = None, name: Optional[str] = None):
         import torch.distributed as dist
 
         self.dist, self.comm, self._forms, self.group = dist, comm, forms, group
         self.prepared = prepared  # time ringcoll's prepared (persistent) calls: comm.prepare_*
-        self.name = "ringcoll" if comm is not None else dist.get_backend(group)
+        self.algorithm = algorithm  # ringcoll's algorithm= on every call (None: the communicator's)
+        self.name = name or ("ringcoll" if comm is not None else dist.get_backend(group))
         self.on_gpu = (comm.device.type if comm is not None else self.name) in ("cuda", "nccl")
 
     def forms(self, coll):
@@ -221,7 +224,11 @@ class TorchBackend(DistBackend):
         return ("in",) if coll == "all_reduce" else ("out",)  # torch.distributed's only forms
 
     def unsupported(self, coll, dtype, op):
-        return "" if self.comm is not None else no_avg(coll, op)
+        if self.comm is None:
+            return no_avg(coll, op)
+        if self.algorithm is not None and self.algorithm not in plans.algorithms(coll.name):
+            return f"{self.algorithm}: all-reduce only"
+        return ""
 
     def _op(self, op: str):
         name = {"sum": "SUM", "prod": "PRODUCT", "min": "MIN", "max": "MAX", "avg": "AVG"}[op]
@@ -238,19 +245,22 @@ class TorchBackend(DistBackend):
             if coll == "reduce_scatter":
                 return partial(self.dist.reduce_scatter_tensor, out, inp, op=reduce_op, group=self.group)
             return partial(self.dist.all_gather_into_tensor, out, inp, group=self.group)
-        comm = self.comm
+        comm, algorithm = self.comm, self.algorithm
         if self.prepared:  # checked once here; each timed call runs the prepared collective
             if coll == "all_reduce":
-                return comm.prepare_all_reduce(inp, op=reduce_op, output=None if in_place else out)
+                return comm.prepare_all_reduce(inp, op=reduce_op, output=None if in_place else out, algorithm=algorithm)
             if coll == "reduce_scatter":
                 return comm.prepare_reduce_scatter_tensor(inp.view(world, -1)[rank] if in_place else out, inp,
-                                                          op=reduce_op)
-            return comm.prepare_all_gather_into_tensor(out, out.view(world, -1)[rank] if in_place else inp)
+                                                          op=reduce_op, algorithm=algorithm)
+            return comm.prepare_all_gather_into_tensor(out, out.view(world, -1)[rank] if in_place else inp,
+                                                       algorithm=algorithm)
         if coll == "all_reduce":
-            return partial(comm.all_reduce, inp, op=reduce_op, output=None if in_place else out)
+            return partial(comm.all_reduce, inp, op=reduce_op, output=None if in_place else out, algorithm=algorithm)
         if coll == "reduce_scatter":  # in place: the output is this rank's chunk of the input
-            return partial(comm.reduce_scatter_tensor, inp.view(world, -1)[rank] if in_place else out, inp, op=reduce_op)
-        return partial(comm.all_gather_into_tensor, out, out.view(world, -1)[rank] if in_place else inp)
+            return partial(comm.reduce_scatter_tensor, inp.view(world, -1)[rank] if in_place else out, inp,
+                           op=reduce_op, algorithm=algorithm)
+        return partial(comm.all_gather_into_tensor, out, out.view(world, -1)[rank] if in_place else inp,
+                       algorithm=algorithm)
 
     def barrier(self):
         if self.comm is not None:
@@ -530,6 +540,7 @@ class Config:
     link: str = ""  # what the link between the machines is (unshaped, or its rate)
     link_interface: Optional[str] = None  # this machine's end of the link, whose counter is read
     pipeline: str = ""  # --hosts: how the hierarchical communicator cut messages (its pipeline_choice)
+    algorithms: tuple = ("auto",)  # --algorithm: the first in the main table, all side by side (CPU)
 
 
 def message_counts(config: Config, world: int) -> list[int]:
@@ -731,7 +742,7 @@ def run_rank(rank: int, world: int, config: Config, with_mpi: bool = False) -> l
         return run_cuda_rank(rank, world, config)
     with Communicator(buffer_bytes=config.buffer_bytes, small_bytes=config.small_bytes,
                       direct_bytes=config.direct_bytes) as comm:
-        backends = [TorchBackend(comm, prepared=config.prepared)] + ([TorchBackend(None)] if config.gloo else [])
+        backends = ringcoll_backends(comm, config) + ([TorchBackend(None)] if config.gloo else [])
         backends += [MpiBackend()] if with_mpi else []
         # DeepSpeed first: the oneCCL binding would set DeepSpeed's op up without its shared memory.
         backends += [DeepSpeedBackend(rank, world)] if config.deepspeed else []
@@ -747,6 +758,15 @@ def run_rank(rank: int, world: int, config: Config, with_mpi: bool = False) -> l
     return rows
 
 
+def ringcoll_backends(comm, config: Config) -> list:
+    """ringcoll on `comm`: the first --algorithm in both forms (the main table's "ringcoll"),
+    then each other one out of place (the algorithms' table, backend "algorithm:NAME")."""
+    first, *others = config.algorithms
+    return [TorchBackend(comm, prepared=config.prepared, algorithm=first)] + [
+        TorchBackend(comm, forms=("out",), prepared=config.prepared, algorithm=name, name=f"algorithm:{name}")
+        for name in others]
+
+
 def run_in_process_rank(group, config: Config) -> list[dict]:
     """One rank of the in-process mode: a thread with its own Communicator, its peers'
     buffers plain pointers. On CUDA every rank is on GPU 0, so all P rings are co-resident
@@ -756,7 +776,7 @@ def run_in_process_rank(group, config: Config) -> list[dict]:
     device = "cuda:0" if config.device == "cuda" else "cpu"
     with Communicator(group=group, device=device, buffer_bytes=config.buffer_bytes,
                       small_bytes=config.small_bytes, direct_bytes=config.direct_bytes) as comm:
-        backends = [TorchBackend(comm, prepared=config.prepared)] + ([CopyBackend()] if config.device == "cuda" else [])
+        backends = ringcoll_backends(comm, config) + ([CopyBackend()] if config.device == "cuda" else [])
         for backend in backends:
             backend.meeting = group
         return bench_all(backends, group.rank, group.world_size, config) + [direct_reads_row(comm)]
@@ -991,12 +1011,18 @@ def same_form_ratio(ours: dict, ref_row: Optional[dict], form: str) -> Optional[
     return ours_bus / ref_bus if ref_bus and ours_bus else None
 
 
+def references(rows: list[dict]) -> list[str]:
+    """The reference backends in `rows`: not ringcoll, nor its other algorithms."""
+    return sorted({r["backend"] for r in rows
+                   if r["backend"] != "ringcoll" and not r["backend"].startswith("algorithm:")})
+
+
 def worst_ratios(rows: list[dict]) -> list[str]:
     """Per reference: the lowest same-form ratio over every collective, size and form, and
     where it was (the summary lines)."""
     lines = []
     ours = {(r["collective"], r["bytes"]): r for r in rows if r["backend"] == "ringcoll" and "out_time_us" in r}
-    for ref in sorted({r["backend"] for r in rows} - {"ringcoll"}):
+    for ref in references(rows):
         found = []
         for row in rows:
             mine = ours.get((row.get("collective"), row.get("bytes")))
@@ -1070,7 +1096,7 @@ def format_table(rows: list[dict], world: int, config: Config, fitted: dict, not
     """nccl-tests' table per collective; `notes`: reference name -> why it is absent ('' if it ran);
     `direct`: direct_reads_row of rank 0's communicator (CPU)."""
     lines = []
-    refs = sorted({r["backend"] for r in rows} - {"ringcoll"})
+    refs = references(rows)
     for name in config.collectives:
         ours = [r for r in rows if r["collective"] == name and r["backend"] == "ringcoll"]
         by_ref = {ref: {r["bytes"]: r for r in rows if r["collective"] == name and r["backend"] == ref}
@@ -1078,8 +1104,11 @@ def format_table(rows: list[dict], world: int, config: Config, fitted: dict, not
         head = f"# {name}, {world} ranks, {config.dtype}, {transport_label(config, world)}; time in us, bandwidth in GB/s"
         if config.straggler_rank is not None:
             head += f"; rank {config.straggler_rank} delayed {config.delay_us:g} us before every call"
-        if config.small_bytes is not None:
-            head += f"; {ALGORITHM_NOTE.get(config.small_bytes, f'one-shot up to {config.small_bytes} bytes')}"
+        if config.algorithms[0] != "auto":
+            head += f"; algorithm {config.algorithms[0]} (the plan engine)"
+        elif config.small_bytes is not None:
+            head += "; the ring at every size" if config.small_bytes == 0 else \
+                f"; one-shot up to {config.small_bytes} bytes"
         if config.prepared:
             head += "; ringcoll's calls prepared (checked once, Communicator.prepare_*)"
         if name == "all_gather" and direct is not None and config.device != "cuda":
@@ -1137,6 +1166,7 @@ def format_table(rows: list[dict], world: int, config: Config, fitted: dict, not
             f = fitted[name]
             lines.append(f"# model: alpha = {f.alpha * 1e6:.2f} us per ring step, beta = {f.beta / 1e9:.2f} GB/s per "
                          f"link, fitted to ringcoll's out-of-place times (ringcoll.learning.model)")
+        lines += algorithms_table(rows, world, config, name)
     if costs:
         lines += ["", "# call check (RINGCOLL_CHECK, mismatch detection): all_reduce out-of-place, measured in turn"]
         for c in costs:
@@ -1150,6 +1180,58 @@ def format_table(rows: list[dict], world: int, config: Config, fitted: dict, not
               f"# Avg bus bandwidth    : {sum(buses) / max(len(buses), 1):.3f} GB/s (ringcoll, out-of-place)"]
     lines += worst_ratios(rows) + [""]
     return "\n".join(lines)
+
+
+def algorithm_backend(config: Config, algorithm: str) -> str:
+    """The backend name --algorithm's `algorithm` was timed under (ringcoll_backends)."""
+    return "ringcoll" if algorithm == config.algorithms[0] else f"algorithm:{algorithm}"
+
+
+def algorithms_table(rows: list[dict], world: int, config: Config, name: str) -> list[str]:
+    """--algorithm A,B,...: every algorithm's out-of-place time per size, each plan's beside
+    the alpha-beta model's prediction (one alpha and beta fitted to all of them,
+    model.fit_plans), the fastest plan, auto over it, and where the model and the
+    measurement put the crossovers."""
+    names = [a for a in config.algorithms if a == "auto" or a in plans.algorithms(name)]
+    if len(config.algorithms) < 2 or len(names) < 2:
+        return []
+    timed = {a: {r["bytes"]: r for r in rows if r["collective"] == name and r["backend"] == algorithm_backend(config, a)
+                 and r.get("out_time_us")} for a in names}
+    fixed = [a for a in names if a != "auto"]
+    measured = [(a, size, r["out_time_us"] * 1e-6) for a in fixed for size, r in timed[a].items()]
+    fit = model.fit_plans(name, world, measured) if world >= 2 and len(measured) >= 2 else None
+    lines = ["", f"# {name}, {world} ranks: the algorithms side by side, out-of-place time in us"
+                 + (" (the model's in brackets)" if fit else "") + "; best: the fastest plan"]
+    width = 17 if fit else 9
+    lines.append(f"{'size':>11} |" + "".join(f" {a:>{width}}" for a in names) + f" | {'best':>8}"
+                 + (f" {'auto/best':>9}" if "auto" in names and fixed else ""))
+    sizes = sorted({size for a in names for size in timed[a]})
+    fastest = []
+    for size in sizes:
+        line = f"{size:>11} |"
+        for a in names:
+            t = timed[a].get(size, {}).get("out_time_us")
+            cell = _f(t, 9, 1, "-")
+            if fit:
+                guess = model.algorithm_time(a, name, world, size, fit.alpha, fit.beta) * 1e6 if a != "auto" else None
+                cell += f" ({_f(guess, 5, 0, '') if guess is not None else '':>5})"
+            line += f" {cell:>{width}}"
+        times = {a: timed[a][size]["out_time_us"] for a in fixed if size in timed[a]}
+        best = min(times, key=times.get) if times else None
+        fastest.append((size, best))
+        line += f" | {best or '-':>8}"
+        if "auto" in names and fixed:
+            auto = timed["auto"].get(size, {}).get("out_time_us")
+            line += f" {_f(auto / times[best] if auto and best else None, 9)}"
+        lines.append(line)
+    if fit:
+        where = ", ".join(f"{a} from {int(start)}" for start, a in model.crossovers(name, world, fit.alpha, fit.beta,
+                                                                                   fixed))
+        lines.append(f"# model: alpha = {fit.alpha * 1e6:.2f} us per round, beta = {fit.beta / 1e9:.2f} GB/s, one "
+                     f"pair fitted to every plan's times; its fastest: {where} bytes")
+    runs = [(size, best) for i, (size, best) in enumerate(fastest) if best and (i == 0 or fastest[i - 1][1] != best)]
+    lines.append("# measured fastest: " + ", ".join(f"{best} from {size}" for size, best in runs) + " bytes")
+    return lines
 
 
 def total_wrong(rows: list[dict]) -> int:
@@ -1179,13 +1261,6 @@ def plot(rows: list[dict], world: int, config: Config, path: str) -> None:
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-
-
-# --algorithm: the small-message threshold each choice sets (Communicator's small_bytes=).
-# "oneshot" takes the one-shot path wherever the message fits one buffer slot, the ring above.
-ALGORITHMS = {"auto": None, "ring": 0, "oneshot": 1 << 62}
-ALGORITHM_NOTE = {0: "algorithm: ring only", 1 << 62: "algorithm: one-shot where it fits a slot, else ring"}
-# (--algorithm ring|oneshot also turns the all-gather's direct reads off, unless --direct-bytes says otherwise.)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -1227,11 +1302,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--direct-bytes", default=None,
                    help="all-gathers from this size read peers directly (one copy) where the kernel allows; 0: "
                         "always through the slots (default: RINGCOLL_DIRECT_BYTES or 16K)")
-    p.add_argument("--algorithm", choices=list(ALGORITHMS), default="auto",
-                   help="ring: the ring at every size; oneshot: the one-shot path wherever the message fits one "
-                        "slot (both without the all-gather's direct reads, unless --direct-bytes); auto (default): "
-                        "the Communicator's choice (RINGCOLL_SMALL_BYTES, RINGCOLL_DIRECT_BYTES). Run ring and "
-                        "oneshot to see the crossover")
+    p.add_argument("--algorithm", default="auto", metavar="NAME[,NAME...]",
+                   help="the algorithms to time (ringcoll.algorithms(): auto, ring, oneshot, rhd, rd, tree): the "
+                        "first in the main table, all of them side by side in a table of their own, each plan beside "
+                        "the model's prediction (CPU; default auto, the Communicator's own choice)")
+    p.add_argument("--small-bytes", default=None,
+                   help="auto's one-shot path up to this size (0: the ring at every size; default: "
+                        "RINGCOLL_SMALL_BYTES or the transport's limit)")
     p.add_argument("--fit", action="store_true", help="fit the alpha-beta model; print predictions")
     p.add_argument("--no-check-cost", action="store_true",
                    help="skip measuring the call check's cost (all-reduce with RINGCOLL_CHECK on and off)")
@@ -1272,6 +1349,14 @@ def main(argv=None) -> int:
     unknown = set(args.collectives.split(",")) - set(COLLECTIVES)
     if unknown:
         return refuse(f"unknown collectives {sorted(unknown)}; choose from {sorted(COLLECTIVES)}")
+    algorithms = tuple(args.algorithm.split(","))
+    unknown = [a for a in algorithms if a not in plans.algorithms()]
+    if unknown or len(set(algorithms)) != len(algorithms):
+        return refuse(f"--algorithm: {', '.join(unknown) or 'a name given twice'}; choose from "
+                      f"{', '.join(plans.algorithms())}")
+    if algorithms != ("auto",) and (args.device == "cuda" or args.hosts > 1):
+        return refuse("--algorithm other than auto runs on the CPU transport only so far (not --device cuda or "
+                      "--hosts 2)")
     if args.straggler_rank is not None and not 0 <= args.straggler_rank < args.nproc:
         return refuse(f"--straggler-rank {args.straggler_rank} is not a rank of --nproc {args.nproc}")
     if args.hosts > 1 and (args.nproc % args.hosts or args.device != "cpu" or args.in_process):
@@ -1296,9 +1381,9 @@ def main(argv=None) -> int:
                     buffer_bytes=parse_bytes(args.buffer_bytes) if args.buffer_bytes else None,
                     check_cost=not args.no_check_cost and args.device == "cpu", straggler_rank=args.straggler_rank,
                     delay_us=args.delay_us, progress=not args.no_progress, device=args.device,
-                    max_seconds=args.max_seconds, small_bytes=ALGORITHMS[args.algorithm],
-                    direct_bytes=(parse_bytes(args.direct_bytes) if args.direct_bytes
-                                  else None if args.algorithm == "auto" else 0),
+                    max_seconds=args.max_seconds, algorithms=algorithms,
+                    small_bytes=parse_bytes(args.small_bytes) if args.small_bytes is not None else None,
+                    direct_bytes=parse_bytes(args.direct_bytes) if args.direct_bytes else None,
                     in_process=args.in_process, prepared=args.prepared,
                     # absolute: the mpirun ranks run from a temporary directory
                     rows_file=os.path.abspath(args.rows_file) if args.rows_file else None)

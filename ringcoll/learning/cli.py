@@ -27,7 +27,8 @@ def _run_trace(args: argparse.Namespace) -> int:
     print(trace.trace(args.collective, args.world, args.n, algorithm=args.algorithm), end="")
     if args.png and args.algorithm != "ring":
         why = {"oneshot": "the one-shot path has a single step", "direct": "the direct read takes no ring steps"}
-        raise ValueError(f"--png draws the ring's steps; {why[args.algorithm]}, shown above")
+        raise ValueError(f"--png draws the ring's steps; "
+                         f"{why.get(args.algorithm, f'{args.algorithm} is not a ring')}, shown above")
     if args.png:
         fig = trace.draw(args.collective, args.world, args.n, path=args.png)
         print(f"wrote {args.png} ({fig.ringcoll_panels} panels, one per ring step)")
@@ -67,9 +68,10 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--world", "-P", type=int, default=4, help="ranks (default 4)")
     t.add_argument("--n", "-n", type=int, default=8, help="elements in the message (default 8)")
     t.add_argument("--png", metavar="FILE", help="also draw the steps (one panel per step) into FILE")
-    t.add_argument("--algorithm", choices=list(trace.ALGORITHMS), default="ring",
+    t.add_argument("--algorithm", default="ring",
                    help="ring (default); oneshot: the CPU transport's small-message path; direct: its "
-                        "direct-read all-gather for large messages (all_gather only)")
+                        "direct-read all-gather for large messages (all_gather only); any other algorithm "
+                        "(rhd, rd, tree: ringcoll.algorithms()) round by round from its plan")
     t.set_defaults(func=_run_trace)
 
     m = sub.add_parser("memory", help="per-GPU memory of Adam training, ZeRO stages 0-3",

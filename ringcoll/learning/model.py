@@ -38,6 +38,30 @@ its steps) and that a slot must hold it, and the combines: the one-shot all-redu
 times float32's cost per byte) moves the crossover down to a few KiB (the transport's
 one_shot_limit). docs/communication.md has the measured crossovers.
 
+Every algorithm, priced from its plan (ringcoll/plans.py). An algorithm is a plan: who
+publishes which chunks to whom, who combines what. Two numbers read off the plan price it
+(``plan_cost``): the rounds, the longest chain of messages each of which waits for the one
+before (the latency term), and the most bytes any one rank receives, per byte of the
+message (the bandwidth term):
+
+    T = rounds * alpha + received * n / beta                  (``algorithm_time``)
+
+    all-reduce            rounds           received per byte    (P a power of two)
+      ring                2(P-1)           2(P-1)/P
+      oneshot             1                P-1
+      rhd (Rabenseifner)  2 log2 P         2(P-1)/P
+      rd                  log2 P           log2 P
+      tree (binomial)     2 log2 P         log2 P (the root, once per child)
+
+rhd is the ring's bytes in 2 log2 P rounds instead of 2(P-1): were alpha and beta all,
+it would never lose to the ring. rd and tree trade bytes for rounds as one-shot does. At
+a P that is not a power of two the recursive ones pair ranks, adding a hand-over and a
+hand-back (up to 2 rounds and 2n bytes), enough for the ring to win large messages
+again. ``crossovers`` gives the sizes where the fastest algorithm changes; ``fit_plans``
+fits one alpha and beta to measurements of several algorithms at once, so one pair has
+to predict them all. Left out, as for the ring: the
+combines (the one-shot and the tree make more of them), and the copy into the slot.
+
 Copies per byte: the all-gather between processes (the CPU transport). Nothing crosses a
 link there; what costs is the copies, each a pass of the bytes through memory. For a
 message of n bytes (the output) on P ranks, each rank copies (``all_gather_copies``;
@@ -129,6 +153,84 @@ def one_shot_crossover(collective: str, world: int, alpha: float, beta: float) -
     return saved_steps * alpha * beta / extra_bytes_per_byte
 
 
+# --- every algorithm, priced from its plan (see the module docstring) ---------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanCost:
+    rounds: int  # messages on the longest chain of sends that wait for each other
+    received: float  # most bytes any rank receives, per byte of the message
+
+
+def plan_cost(p) -> PlanCost:
+    """The rounds and the bytes of a plan (a ringcoll.plans.Plan), read off its ops as the
+    checker runs them (plans.rounds: an op that receives ends one round after the op that
+    published what it reads); the bytes a rank receives are its receives' chunks over the
+    plan's chunk count (all-gather: of the output)."""
+    from ringcoll import plans
+
+    timeline = plans.rounds(p)
+    if not timeline:
+        return PlanCost(0, 0.0)
+    received = [0] * p.world
+    for _, st in timeline:
+        if plans.PEER in (st.op.a, st.op.b):
+            received[st.rank] += st.op.count
+    return PlanCost(max(t for t, _ in timeline), max(received) / p.chunks)
+
+
+def _plan_cost(name: str, collective: str, world: int) -> PlanCost:
+    from ringcoll import plans
+
+    return plan_cost(plans.plan(name, collective, world))
+
+
+def algorithm_time(name: str, collective: str, world: int, nbytes: float, alpha: float, beta: float) -> float:
+    """Predicted seconds for algorithm ``name`` (a built-in or registered plan):
+    rounds * alpha + received * nbytes / beta, both read off its plan."""
+    cost = _plan_cost(name, collective, world)
+    return cost.rounds * alpha + cost.received * nbytes / beta
+
+
+def crossovers(collective: str, world: int, alpha: float, beta: float, names: Sequence[str]) -> list:
+    """Where the fastest of ``names`` changes as the message grows, in the model:
+    ``[(from_bytes, name), ...]``, the first from 0. Each algorithm's time is a line in n;
+    the fastest is their lower envelope, which changes only where two lines cross."""
+    costs = {name: _plan_cost(name, collective, world) for name in names}
+
+    def time(name, n):
+        return costs[name].rounds * alpha + costs[name].received * n / beta
+
+    def fastest(n):  # ties go to the earlier name
+        return min(names, key=lambda name: (time(name, n), names.index(name)))
+
+    cuts = sorted({(costs[b].rounds - costs[a].rounds) * alpha * beta / (costs[a].received - costs[b].received)
+                   for a in names for b in names
+                   if costs[a].received > costs[b].received and costs[a].rounds < costs[b].rounds})
+    edges = [0.0, *cuts]
+    out = []
+    for i, start in enumerate(edges):
+        end = edges[i + 1] if i + 1 < len(edges) else start * 2 + 1.0
+        best = fastest((start + end) / 2)
+        if not out or out[-1][1] != best:
+            out.append((start, best))
+    return out
+
+
+def fit_plans(collective: str, world: int, measured: Sequence[tuple[str, float, float]]) -> Fit:
+    """One alpha and beta for several algorithms at once, from ``(name, bytes, seconds)``:
+    least squares as ``fit``, each algorithm's rounds and bytes read off its plan."""
+    if world < 2:
+        raise ValueError("fit_plans: needs world >= 2 (one rank sends nothing)")
+    xs = []
+    for name, nbytes, t in measured:
+        if t <= 0:
+            raise ValueError("fit_plans: times must be positive")
+        cost = _plan_cost(name, collective, world)
+        xs.append((cost.rounds / t, cost.received * nbytes / t))
+    return _fit_columns(xs)
+
+
 # The all-gather's copies on the CPU transport (see the module docstring).
 ALL_GATHER_PATHS = ("ring", "direct")
 
@@ -204,7 +306,13 @@ def fit(collective: str, world: int, sizes: Sequence[float], times: Sequence[flo
     if any(t <= 0 for t in times):
         raise ValueError("fit: times must be positive")
     steps = float(STEPS[collective](world))
-    xs = [(steps / t, bytes_sent_per_rank(collective, world, n) / t) for n, t in zip(sizes, times)]
+    return _fit_columns([(steps / t, bytes_sent_per_rank(collective, world, n) / t) for n, t in zip(sizes, times)])
+
+
+def _fit_columns(xs: Sequence[tuple[float, float]]) -> Fit:
+    """alpha, beta from rows (steps / t, bytes / t) = 1, both kept non-negative."""
+    if len(xs) < 2:
+        raise ValueError("fit: need at least two (size, time) pairs of equal length")
     ones = [1.0] * len(xs)
     a, inv_b = _least_squares_2(xs, ones)
     if a < 0:  # bandwidth only

@@ -39,6 +39,12 @@ large-message path, from :func:`ringcoll.learning.schedule.simulate_direct_read`
 posts its input, reads each peer's input straight into its output in the order k+1, k+2, ..
 (mod P), copies its own chunk, and waits until every peer has finished reading.
 
+Any other algorithm (``ringcoll.algorithms()``: rhd, rd, tree, or a plan registered with
+``ringcoll.register_algorithm``) is traced from its plan (ringcoll/plans.py), the records
+the engine runs: round by round (``plans.rounds``), each rank's ops as the plan states
+them (``chunks 0..1: rank 2's publication OP work -> output (final)``) with the values they
+make, then the result, the check, and the plan's cost (rounds, bytes received).
+
 :func:`draw` renders the same simulation with matplotlib (Agg): one panel per ring step,
 the ranks on a circle, an arrow from each rank to its right neighbour labelled with the
 chunk it carries and whether the receiver reduces (+) or copies it, and each rank's values
@@ -63,7 +69,8 @@ from ringcoll.learning.schedule import (
     simulate_direct_read,
     simulate_one_shot,
 )
-from ringcoll.learning.model import all_gather_copied_bytes
+from ringcoll import plans
+from ringcoll.learning.model import all_gather_copied_bytes, plan_cost
 
 __all__ = ["COLLECTIVES", "ALGORITHMS", "default_inputs", "describe_inputs", "reference", "trace", "draw"]
 ALGORITHMS = ("ring", "oneshot", "direct")
@@ -200,8 +207,9 @@ def trace(collective: str, world: int, n: int, inputs: Optional[Sequence[Sequenc
     ``algorithm``: ``"ring"``, ``"oneshot"`` for the small-message path, or ``"direct"`` for
     the direct-read all-gather (all_gather only)."""
     coll = _collective(collective)
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"trace: algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
+    choices = [*ALGORITHMS, *(a for a in plans.algorithms(collective) if a not in ALGORITHMS and a != "auto")]
+    if algorithm not in choices:
+        raise ValueError(f"trace: algorithm for {collective} must be one of {', '.join(choices)}, got {algorithm!r}")
     if algorithm == "direct" and coll != Collective.ALL_GATHER:
         raise ValueError(f"trace: the direct read is an all_gather path only (each rank reads its peers' inputs "
                          f"as they are); {collective} combines them: use algorithm ring or oneshot")
@@ -226,6 +234,8 @@ def trace(collective: str, world: int, n: int, inputs: Optional[Sequence[Sequenc
     out.append(f"chunks: chunk c = [chunk_begin(c), chunk_begin(c+1)) with q = n // P = {q}, r = n % P = {r}:")
     out.append("  " + "  ".join(f"chunk {c} = [{chunk_begin(n, world, c)}, {chunk_end(n, world, c)})"
                                 for c in range(world)))
+    if algorithm not in ALGORITHMS:
+        return "\n".join(out + _plan_lines(plans.plan(algorithm, collective, world), n, inputs)) + "\n"
     if algorithm == "oneshot":
         return "\n".join(out + _one_shot_lines(collective, coll, world, n, inputs)) + "\n"
     if algorithm == "direct":
@@ -285,6 +295,33 @@ def _one_shot_lines(collective: str, coll: Collective, world: int, n: int, input
         lines.append(f"cost: 1 step instead of the ring's {steps}; each rank reads {read:.4g} elements of its peers' "
                      f"slots ({'(P-1) n' if reduce_all else '(P-1)/P n'}), the ring {steps * n / world:.4g} "
                      f"({'2(P-1)/P n' if reduce_all else '(P-1)/P n'})")
+    return lines
+
+
+def _plan_lines(p: plans.Plan, n: int, inputs) -> List[str]:
+    """A plan run on the inputs (plans.simulate), round by round (plans.rounds), each op as
+    the plan states it with the values it makes; the result, the check and the cost."""
+    coll = _collective(p.collective)
+    outputs, _ = plans.simulate(p, inputs)
+    lines = [f"plan {p.name!r}: {p.chunks} chunk{'s' * (p.chunks > 1)} per message, ops per rank "
+             f"{', '.join(str(len(ops)) for ops in p.ops)}; an op computes a or a OP b per chunk and writes it to "
+             "output, work (the rank's own) or its slot (published to the ranks named)"]
+    if p.chunks != p.world:
+        lines.append(f"  (this plan cuts the message into {p.chunks} chunk{'s' * (p.chunks > 1)}, not the P above)")
+    timeline = plans.rounds(p, inputs)
+    if not timeline:
+        lines.append("P = 1: no ops; the input is the result")
+    for t in sorted({t for t, _ in timeline}):
+        lines += ["", f"round {t}" + ("  (no message waited for yet)" if t == 0 else "")]
+        for _, st in sorted(((t2, st) for t2, st in timeline if t2 == t), key=lambda e: (e[1].rank, e[1].index)):
+            values = " | ".join(_fmt(v) for v in st.values)
+            lines.append(f"  rank {st.rank}, op {st.index}: {st.op}  = {values}")
+    lines.append("")
+    lines.extend(_result_lines(p.collective, coll, outputs, inputs))
+    if p.world > 1:
+        cost = plan_cost(p)
+        lines.append(f"cost: {cost.rounds} rounds (the ring's: {ring_steps(coll, p.world)}); the busiest rank receives "
+                     f"{cost.received:.4g} n (learning.model.plan_cost)")
     return lines
 
 

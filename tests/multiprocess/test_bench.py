@@ -299,15 +299,37 @@ def test_straggler_shows_ring_runs_at_slowest_pace(capsys):
     assert "# DeepSpeed reference: skipped (--no-deepspeed)" in printed and "# oneCCL reference: skipped (--no-ccl)" in printed
 
 
-def test_algorithm_option_times_the_one_shot_path_checked(capsys):
-    status = bench.main(["-b", "1K", "-e", "4K", "-f", "4", "-w", "1", "-n", "2", "--trials", "1", "--min-ms", "1",
+def test_algorithms_side_by_side_checked_with_the_model(capsys):
+    """--algorithm A,B,..: the first in the main table, every one checked and timed in a
+    table of its own, each plan beside the model's prediction from one fitted alpha-beta,
+    the all-reduce-only ones marked so for reduce-scatter; auto over the fastest plan."""
+    status = bench.main(["-b", "1K", "-e", "64K", "-f", "8", "-w", "1", "-n", "2", "--trials", "1", "--min-ms", "1",
                          "--no-gloo", "--no-mpi", "--no-deepspeed", "--no-ccl", "--no-progress", "--no-check-cost",
-                         "--algorithm", "oneshot"])
+                         "--collectives", "all_reduce,reduce_scatter", "--algorithm", "rhd,auto,ring,rd,tree,oneshot"])
     printed = capsys.readouterr().out
     assert status == 0, printed
-    assert printed.count("algorithm: one-shot where it fits a slot, else ring") == 3, printed
     assert "Out of bounds values : 0 OK" in printed
-    assert bench.ALGORITHMS["ring"] == 0 and bench.ALGORITHMS["auto"] is None
+    assert printed.count("algorithm rhd (the plan engine)") == 2, printed
+    table = printed[printed.index("# all_reduce, 2 ranks: the algorithms side by side"):]
+    head = table.splitlines()[1].split()
+    assert head[:8] == ["size", "|", "rhd", "auto", "ring", "rd", "tree", "oneshot"] and head[-2:] == ["best",
+                                                                                                     "auto/best"]
+    rows = table.splitlines()[2:5]
+    assert [int(line.split()[0]) for line in rows] == [1024, 8192, 65536], table
+    for line in rows:  # six times, five model predictions (auto has none), the fastest plan, auto's ratio
+        cells = line.split("|")[1].replace("(", " ").replace(")", " ").split()
+        assert len(cells) == 11 and all(float(c) > 0 for c in cells), line
+        best = line.split("|")[2].split()[0]
+        assert best in ("rhd", "ring", "rd", "tree", "oneshot")
+    assert "# model: alpha = " in table and "one pair fitted to every plan's times; its fastest: " in table
+    assert "# measured fastest: " in table
+    scatter = printed[printed.index("# reduce_scatter, 2 ranks: the algorithms side by side"):]
+    assert scatter.splitlines()[1].split()[:6] == ["size", "|", "rhd", "auto", "ring", "oneshot"], scatter
+
+
+def test_algorithm_option_refuses_unknown_names(capsys):
+    assert bench.main(["--algorithm", "ring,nope", "--no-progress"]) == 2
+    assert "--algorithm: nope; choose from auto, ring, oneshot, rhd, rd, tree" in capsys.readouterr().err
 
 
 def test_direct_bytes_option_says_which_all_gather_path_ran(capsys):

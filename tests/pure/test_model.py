@@ -4,6 +4,7 @@ import math
 
 import pytest
 
+from ringcoll import plans
 from ringcoll.learning import model
 
 
@@ -173,3 +174,56 @@ def test_link_bytes_per_host_two_levels_against_one_flat_ring():
     assert model.link_bytes_per_host("all_reduce", 4, 32) == 1.5  # 2(H-1)/H, whatever L
     assert model.link_bytes_per_host("all_reduce", 4, 32, two_level=False) == 2 * 31 / 32
     assert model.link_bytes_per_host("all_reduce", 1, 8) == 0.0  # one host: no link
+
+
+# --- every algorithm priced from its plan --------------------------------------------------------
+
+ALGORITHMS = ["ring", "oneshot", "rhd", "rd", "tree"]
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_plan_costs_are_the_docstrings_table(p):
+    """Rounds and bytes read off each plan, against the closed forms the docstring gives
+    (P a power of two): the table a learner reads is the plans' own."""
+    log2 = p.bit_length() - 1
+    table = {"ring": (2 * (p - 1), 2 * (p - 1) / p), "oneshot": (1, p - 1), "rhd": (2 * log2, 2 * (p - 1) / p),
+             "rd": (log2, log2), "tree": (2 * log2, log2)}
+    for name, (rounds, received) in table.items():
+        cost = model.plan_cost(plans.plan(name, "all_reduce", p))
+        assert (cost.rounds, cost.received) == (rounds, pytest.approx(received)), name
+    # The ring's plan prices as the ring's formula (ring_time) for every collective.
+    for coll in ("all_reduce", "reduce_scatter", "all_gather"):
+        assert model.algorithm_time("ring", coll, p, 1e6, 2e-6, 3e9) == pytest.approx(
+            model.ring_time(coll, p, 1e6, 2e-6, 3e9))
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 6, 8])
+def test_crossovers_are_the_lower_envelope(p):
+    alpha, beta = 4e-6, 6e9
+    segments = model.crossovers("all_reduce", p, alpha, beta, ALGORITHMS)
+    assert segments[0][0] == 0
+    bounds = [start for start, _ in segments[1:]]
+    assert bounds == sorted(bounds)
+
+    def times(n):
+        return {name: model.algorithm_time(name, "all_reduce", p, n, alpha, beta) for name in ALGORITHMS}
+
+    for i, (start, best) in enumerate(segments):
+        end = segments[i + 1][0] if i + 1 < len(segments) else start * 4 + 1e6
+        for n in (start + (end - start) * f for f in (0.01, 0.5, 0.99)):
+            t = times(n)
+            assert t[best] == pytest.approx(min(t.values())), (p, n, best, t)
+        if i + 1 < len(segments):  # at a crossover the two algorithms take the same time
+            t = times(end)
+            assert t[best] == pytest.approx(t[segments[i + 1][1]])
+    if p >= 4:  # one step for small messages; for large ones the ring's bytes in fewer rounds (rhd),
+        # except where P is not a power of two: rhd's hand-over and hand-back cost 2n more
+        assert segments[0][1] == "oneshot" and segments[-1][1] == ("rhd" if p & (p - 1) == 0 else "ring")
+
+
+def test_fit_plans_recovers_one_alpha_beta_from_several_algorithms():
+    alpha, beta = 3e-6, 4e9
+    measured = [(name, n, model.algorithm_time(name, "all_reduce", 4, n, alpha, beta))
+                for name in ALGORITHMS for n in (1e3, 1e5, 1e7)]
+    f = model.fit_plans("all_reduce", 4, measured)
+    assert f.alpha == pytest.approx(alpha) and f.beta == pytest.approx(beta)

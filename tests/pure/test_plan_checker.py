@@ -57,24 +57,7 @@ def test_all_reduce_only_algorithms_refuse_the_others_by_name(name):
 
 
 def _rounds(p):
-    """The plan's critical path in message steps: an op that receives runs one step after
-    the op that published what it reads (ops of one rank run in order)."""
-    _, steps = plans.simulate(p, [[0] * p.chunks for _ in range(p.world)])
-    done, published = {}, {}  # rank -> step its last op finished; (sender, reader, n) -> step
-    count = {}
-    for st in steps:
-        t = done.get(st.rank, 0)
-        o = st.op
-        if PEER in (o.a, o.b):
-            n = count[o.frm, st.rank] = count.get((o.frm, st.rank), 0) + 1
-            t = max(t, published[o.frm, st.rank, n] + 1)
-        done[st.rank] = t
-        if o.to & TO_SLOT:
-            for r in range(p.world):
-                if o.readers >> r & 1:
-                    k = sum(1 for key in published if key[:2] == (st.rank, r)) + 1
-                    published[st.rank, r, k] = t
-    return max(done.values())
+    return max(t for t, _ in plans.rounds(p))
 
 
 def _log2(world):

@@ -179,8 +179,57 @@ def test_one_shot_cli_and_bad_arguments(capsys):
     assert "algorithm = one-shot" in out and "OK, every rank matches" in out
     assert main(["trace", "all_reduce", "--algorithm", "oneshot", "--png", "x.png"]) == 2
     assert "single step" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="algorithm"):
-        trace("all_reduce", 2, 3, algorithm="tree")
+    with pytest.raises(ValueError, match="algorithm for all_reduce must be one of ring, oneshot, direct, rhd, rd, "
+                                         "tree, got 'nope'"):
+        trace("all_reduce", 2, 3, algorithm="nope")
+    with pytest.raises(ValueError, match="algorithm for reduce_scatter must be one of ring, oneshot, direct, rhd, "
+                                         "got 'tree'"):
+        trace("reduce_scatter", 2, 3, algorithm="tree")
+
+
+PLAN_ROUND = re.compile(r"^round (\d+)")
+PLAN_OP = re.compile(r"^  rank (\d+), op (\d+): (.*)  = (.*)$")
+
+
+@pytest.mark.parametrize("name, coll", [("rhd", c) for c in COLLECTIVES] + [("rd", "all_reduce"),
+                                                                          ("tree", "all_reduce")])
+@pytest.mark.parametrize("world, n", [(1, 3), (3, 7), (4, 8), (6, 13)])
+def test_plan_traces_print_every_op_of_the_plan_round_by_round(name, coll, world, n):
+    """A trace from a plan shows each op of every rank exactly once, as the plan states it,
+    with the values the simulation made, under the round plans.rounds puts it in; the
+    result is the reference's and the cost line the model's."""
+    from ringcoll import plans
+    from ringcoll.learning import model
+
+    p = plans.plan(name, coll, world)
+    inputs = default_inputs(coll, world, n)
+    text = trace(coll, world, n, algorithm=name)
+    rounds = {(st.rank, st.index): (t, st) for t, st in plans.rounds(p, inputs)}
+    seen, current = set(), None
+    for line in text.splitlines():
+        m = PLAN_ROUND.match(line)
+        if m:
+            current = int(m.group(1))
+        m = PLAN_OP.match(line)
+        if m:
+            key = (int(m.group(1)), int(m.group(2)))
+            t, st = rounds[key]
+            assert (current, m.group(3)) == (t, str(p.ops[key[0]][key[1]])), line
+            assert m.group(4) == " | ".join("[" + " ".join(map(str, v)) + "]" for v in st.values), line
+            seen.add(key)
+    assert seen == {(r, i) for r in range(world) for i in range(len(p.ops[r]))}
+    assert "OK, every rank matches" in text
+    if world > 1:
+        assert f"cost: {model.plan_cost(p).rounds} rounds" in text
+
+
+def test_plan_trace_cli(capsys):
+    assert main(["trace", "all_reduce", "-P", "4", "-n", "4", "--algorithm", "tree"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 2, op 1: chunk 0: rank 0's publication -> output and published to rank 3  = [1111 2222 3333 4444]" \
+        in out and "cost: 4 rounds (the ring's: 6); the busiest rank receives 2 n" in out
+    assert main(["trace", "all_reduce", "--algorithm", "rd", "--png", "x.png"]) == 2
+    assert "rd is not a ring" in capsys.readouterr().err
 
 
 # --- the direct-read all-gather (large messages, CPU transport) ----------------------------
