@@ -17,8 +17,8 @@ order) and that each communicator took the path it should, then runs --blocks ro
 barrier, --calls out-of-place calls on the first, a barrier, --calls on the second. A
 block's time is the slowest rank's mean per call. The table gives, per size, the median
 and the 10th percentile over blocks of each, and second / first.
-`ringcoll-bench --algorithm ring|oneshot` and `--direct-bytes 0|1` time the paths in
-separate runs instead. The recorded runs: bench/results/2026-12-01-cpu-small-message-crossover.txt
+`ringcoll-bench --small-bytes 0|1G` and `--direct-bytes 0|1` time the paths in separate
+runs instead. The recorded runs: bench/results/2026-12-01-cpu-small-message-crossover.txt
 (one-shot), bench/results/2026-12-01-cpu-direct-read.txt (direct).
 """
 

@@ -42,8 +42,8 @@ from ringcoll import _C
 from ringcoll._types import COLLECTIVE_CODES, DATA_COLLECTIVES
 
 __all__ = ["Operand", "PEER", "INPUT", "OUTPUT", "WORK", "TO_OUTPUT", "TO_WORK", "TO_SLOT", "PlanOp", "Plan",
-           "PlanError", "op", "plan", "check", "simulate", "rounds", "register_algorithm", "algorithms",
-           "builtin_algorithms"]
+           "PlanError", "op", "plan", "check", "simulate", "rounds", "register_algorithm", "load_plans",
+           "algorithms", "builtin_algorithms"]
 
 
 class Operand(enum.IntEnum):
@@ -160,6 +160,18 @@ def register_algorithm(name: str, plan_fn: Callable[[int, int], Sequence[PlanOp]
         _registry[name, collective] = plan_fn
         for key in [k for k in _compiled if k[:2] == (name, collective)]:
             del _compiled[key]  # built again from the new function
+
+
+def load_plans(path: str) -> dict:
+    """Run the Python file ``path``, which registers plans (``register_algorithm``), and
+    return its names: how ``ringcoll-bench --plans`` and ``ringcoll trace --plans`` reach a
+    plan written outside the package (each benchmark rank runs the file itself)."""
+    import os
+    import runpy
+
+    if not os.path.isfile(path):
+        raise ValueError(f"plans file {path!r} does not exist")
+    return runpy.run_path(path)
 
 
 def plan(name: str, collective: str, world: int) -> Plan:

@@ -541,6 +541,7 @@ class Config:
     link_interface: Optional[str] = None  # this machine's end of the link, whose counter is read
     pipeline: str = ""  # --hosts: how the hierarchical communicator cut messages (its pipeline_choice)
     algorithms: tuple = ("auto",)  # --algorithm: the first in the main table, all side by side (CPU)
+    plans_file: Optional[str] = None  # --plans: a Python file that registers plans, run by every rank
 
 
 def message_counts(config: Config, world: int) -> list[int]:
@@ -740,6 +741,8 @@ def run_rank(rank: int, world: int, config: Config, with_mpi: bool = False) -> l
 
     if config.device == "cuda":
         return run_cuda_rank(rank, world, config)
+    if config.plans_file:  # each rank registers the plans (a spawned or mpirun process starts without them)
+        plans.load_plans(config.plans_file)
     with Communicator(buffer_bytes=config.buffer_bytes, small_bytes=config.small_bytes,
                       direct_bytes=config.direct_bytes) as comm:
         backends = ringcoll_backends(comm, config) + ([TorchBackend(None)] if config.gloo else [])
@@ -1306,6 +1309,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the algorithms to time (ringcoll.algorithms(): auto, ring, oneshot, rhd, rd, tree): the "
                         "first in the main table, all of them side by side in a table of their own, each plan beside "
                         "the model's prediction (CPU; default auto, the Communicator's own choice)")
+    p.add_argument("--plans", metavar="FILE.py", default=None,
+                   help="a Python file that registers plans (ringcoll.register_algorithm), run by every rank: its "
+                        "names are then --algorithm names (docs/algorithms.md)")
     p.add_argument("--small-bytes", default=None,
                    help="auto's one-shot path up to this size (0: the ring at every size; default: "
                         "RINGCOLL_SMALL_BYTES or the transport's limit)")
@@ -1350,6 +1356,11 @@ def main(argv=None) -> int:
     if unknown:
         return refuse(f"unknown collectives {sorted(unknown)}; choose from {sorted(COLLECTIVES)}")
     algorithms = tuple(args.algorithm.split(","))
+    if args.plans:
+        try:
+            plans.load_plans(args.plans)
+        except ValueError as e:
+            return refuse(f"--plans: {e}")
     unknown = [a for a in algorithms if a not in plans.algorithms()]
     if unknown or len(set(algorithms)) != len(algorithms):
         return refuse(f"--algorithm: {', '.join(unknown) or 'a name given twice'}; choose from "
@@ -1382,6 +1393,7 @@ def main(argv=None) -> int:
                     check_cost=not args.no_check_cost and args.device == "cpu", straggler_rank=args.straggler_rank,
                     delay_us=args.delay_us, progress=not args.no_progress, device=args.device,
                     max_seconds=args.max_seconds, algorithms=algorithms,
+                    plans_file=os.path.abspath(args.plans) if args.plans else None,
                     small_bytes=parse_bytes(args.small_bytes) if args.small_bytes is not None else None,
                     direct_bytes=parse_bytes(args.direct_bytes) if args.direct_bytes else None,
                     in_process=args.in_process, prepared=args.prepared,

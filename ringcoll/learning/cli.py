@@ -24,6 +24,10 @@ from ringcoll.learning import memory, trace
 
 
 def _run_trace(args: argparse.Namespace) -> int:
+    if args.plans:
+        from ringcoll import plans
+
+        plans.load_plans(args.plans)
     print(trace.trace(args.collective, args.world, args.n, algorithm=args.algorithm), end="")
     if args.png and args.algorithm != "ring":
         why = {"oneshot": "the one-shot path has a single step", "direct": "the direct read takes no ring steps"}
@@ -72,6 +76,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="ring (default); oneshot: the CPU transport's small-message path; direct: its "
                         "direct-read all-gather for large messages (all_gather only); any other algorithm "
                         "(rhd, rd, tree: ringcoll.algorithms()) round by round from its plan")
+    t.add_argument("--plans", metavar="FILE.py", default=None,
+                   help="a Python file that registers plans (ringcoll.register_algorithm): its names are then "
+                        "--algorithm names")
     t.set_defaults(func=_run_trace)
 
     m = sub.add_parser("memory", help="per-GPU memory of Adam training, ZeRO stages 0-3",

@@ -2,11 +2,14 @@
 and prints nccl-tests' columns. Speed itself is never asserted here."""
 
 import json
+import os
 
 import pytest
 import torch
 
 from ringcoll.harness import bench
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_expected_results_are_the_plain_reference():
@@ -303,24 +306,33 @@ def test_algorithms_side_by_side_checked_with_the_model(capsys):
     """--algorithm A,B,..: the first in the main table, every one checked and timed in a
     table of its own, each plan beside the model's prediction from one fitted alpha-beta,
     the all-reduce-only ones marked so for reduce-scatter; auto over the fastest plan."""
-    status = bench.main(["-b", "1K", "-e", "64K", "-f", "8", "-w", "1", "-n", "2", "--trials", "1", "--min-ms", "1",
-                         "--no-gloo", "--no-mpi", "--no-deepspeed", "--no-ccl", "--no-progress", "--no-check-cost",
-                         "--collectives", "all_reduce,reduce_scatter", "--algorithm", "rhd,auto,ring,rd,tree,oneshot"])
+    from ringcoll import plans
+
+    example = os.path.join(ROOT, "examples", "bidirectional_ring.py")  # registers "bidir" (all-reduce)
+    saved = dict(plans._registry)
+    try:
+        status = bench.main(["-b", "1K", "-e", "64K", "-f", "8", "-w", "1", "-n", "2", "--trials", "1", "--min-ms",
+                             "1", "--no-gloo", "--no-mpi", "--no-deepspeed", "--no-ccl", "--no-progress",
+                             "--no-check-cost", "--collectives", "all_reduce,reduce_scatter", "--plans", example,
+                             "--algorithm", "rhd,auto,ring,rd,tree,oneshot,bidir"])
+    finally:  # the pytest process's registry as other tests expect it
+        plans._registry.clear()
+        plans._registry.update(saved)
     printed = capsys.readouterr().out
     assert status == 0, printed
     assert "Out of bounds values : 0 OK" in printed
     assert printed.count("algorithm rhd (the plan engine)") == 2, printed
     table = printed[printed.index("# all_reduce, 2 ranks: the algorithms side by side"):]
     head = table.splitlines()[1].split()
-    assert head[:8] == ["size", "|", "rhd", "auto", "ring", "rd", "tree", "oneshot"] and head[-2:] == ["best",
-                                                                                                     "auto/best"]
+    assert head[:9] == ["size", "|", "rhd", "auto", "ring", "rd", "tree", "oneshot", "bidir"] and \
+        head[-2:] == ["best", "auto/best"]
     rows = table.splitlines()[2:5]
     assert [int(line.split()[0]) for line in rows] == [1024, 8192, 65536], table
-    for line in rows:  # six times, five model predictions (auto has none), the fastest plan, auto's ratio
+    for line in rows:  # seven times, six model predictions (auto has none), the fastest plan, auto's ratio
         cells = line.split("|")[1].replace("(", " ").replace(")", " ").split()
-        assert len(cells) == 11 and all(float(c) > 0 for c in cells), line
+        assert len(cells) == 13 and all(float(c) > 0 for c in cells), line
         best = line.split("|")[2].split()[0]
-        assert best in ("rhd", "ring", "rd", "tree", "oneshot")
+        assert best in ("rhd", "ring", "rd", "tree", "oneshot", "bidir")
     assert "# model: alpha = " in table and "one pair fitted to every plan's times; its fastest: " in table
     assert "# measured fastest: " in table
     scatter = printed[printed.index("# reduce_scatter, 2 ranks: the algorithms side by side"):]
@@ -344,11 +356,10 @@ def test_direct_bytes_option_says_which_all_gather_path_ran(capsys):
 def test_crossover_script_checks_and_times_both_paths():
     """bench/crossover.py, which the thresholds' defaults were chosen from: each path's
     results are checked and each communicator must take the path it stands for."""
-    import os
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = ROOT
     for paths, coll, size in (("direct", "all_gather", "128K"), ("oneshot", "all_reduce", "4K")):
         done = subprocess.run([sys.executable, os.path.join(root, "bench", "crossover.py"), "--paths", paths,
                                "--collectives", coll, "-b", size, "-e", size, "--blocks", "1", "--calls", "2"],
@@ -361,11 +372,10 @@ def test_crossover_script_checks_and_times_both_paths():
 def test_ddp_step_script_trains_both_backends_alike():
     """bench/ddp_step.py, whose step times the docs quote, under torchrun (one machine, 2
     ranks, a short run): both replicas train and end within rounding of each other."""
-    import os
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = ROOT
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                            os.path.join(root, "bench", "ddp_step.py")], capture_output=True, text=True, timeout=120,
                           cwd=root, env={**os.environ, "ROUNDS": "1", "STEPS": "2"})
@@ -377,11 +387,10 @@ def test_ddp_step_script_trains_both_backends_alike():
 def test_small_call_script_times_every_case():
     """bench/small_call.py, whose figures the docs quote for the per-call cost: it runs each
     case at P = 2 (processes), the binding floor among them."""
-    import os
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = ROOT
     done = subprocess.run([sys.executable, os.path.join(root, "bench", "small_call.py"), "2"], capture_output=True,
                           text=True, timeout=120, env={**os.environ, "PYTHONPATH": root, "REPS": "1", "CALLS": "3"})
     assert done.returncode == 0, done.stderr

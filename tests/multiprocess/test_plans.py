@@ -5,13 +5,15 @@ selection elsewhere); algorithms interleaved on one communicator (slots refilled
 plans with other layouts are the hazard); a plan written in Python end to end; a wrong
 one refused; ranks that disagree on the algorithm."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
 import ringcoll
 from ringcoll import plans
 from ringcoll.harness.launcher import spawn
-from ringcoll.plans import INPUT, PEER, TO_OUTPUT, TO_SLOT, Operand, op
+from ringcoll.plans import INPUT, TO_OUTPUT, op
 
 import test_collectives as M
 
@@ -22,30 +24,14 @@ SELECTION = [(torch.float32, "SUM"), (torch.float64, "AVG"), (torch.int32, "MAX"
              (torch.int64, "MIN")]
 
 
-def bidirectional_ring(world, rank):
-    """All-reduce in two rings at once: chunks 0..P-1 travel right, P..2P-1 left (the
-    example of docs/algorithms.md)."""
-    ops = []
-    for step in range(-1, 2 * (world - 1)):
-        for d, base in ((+1, 0), (-1, world)):
-            nxt, prv = (rank + d) % world, (rank - d) % world
-
-            def chunk(i):
-                return base + (rank - d * i) % world
-
-            if step == -1:
-                ops.append(op(INPUT, chunk(1), TO_SLOT, readers=[nxt]))
-                continue
-            last, final = step == 2 * (world - 1) - 1, step >= world - 2
-            ops.append(op(PEER, chunk(step + 2), (TO_OUTPUT if final else 0) | (0 if last else TO_SLOT),
-                          b=INPUT if step < world - 1 else Operand.NONE, frm=prv,
-                          readers=[] if last else [nxt], final=final))
-    return ops
+# docs/algorithms.md's example; running it registers "bidir" (only in the ranks: the pytest process's registry
+# stays as other tests expect it)
+EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "bidirectional_ring.py")
 
 
 def _matrix_rank(rank, world):
     chk = M.Checker(rank)
-    ringcoll.register_algorithm("bidir", bidirectional_ring)
+    plans.load_plans(EXAMPLE)
     comms = [(name, ringcoll.Communicator(algorithm=name, buffer_bytes=M.SMALL_BUFFER, timeout=M.COMM_TIMEOUT))
              for name in [*BUILTIN, "bidir"]]
     reduce_comms = comms
@@ -103,6 +89,8 @@ def _disagreements(rank, world):
         messages.append("no error")
     except ValueError as e:
         messages.append(str(e))
+
+    bidirectional_ring = plans.load_plans(EXAMPLE)["bidirectional_ring"]
 
     def wrong(world_size, r):  # at the end every rank adds its input to its input once more
         return [*bidirectional_ring(world_size, r), op(INPUT, 0, TO_OUTPUT, b=INPUT, final=True)]

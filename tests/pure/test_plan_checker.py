@@ -306,3 +306,34 @@ def test_simulate_records_every_op_in_the_order_ranks_ran_it():
         [(r, i) for i in range(len(p.ops[r]))] for r in range(3)))
     first = next(s for s in steps if (s.rank, s.index) == (1, 1))  # rank 1 adds its chunk 2 to rank 0's
     assert first.values == [[3 + 30]]
+
+
+def test_the_docs_example_is_proved_traced_and_priced(capsys):
+    """examples/bidirectional_ring.py (docs/algorithms.md): registered by running the file,
+    proved at P = 1..8, the reference's sums, traced from the CLI, and priced: the ring's
+    rounds and bytes (two half-size rings side by side)."""
+    from pathlib import Path
+
+    from ringcoll.learning import model
+    from ringcoll.learning.cli import main
+
+    example = str(Path(__file__).resolve().parents[2] / "examples" / "bidirectional_ring.py")
+    saved = dict(plans._registry)
+    try:
+        plans.load_plans(example)
+        assert "bidir" in plans.algorithms("all_reduce") and "bidir" not in plans.algorithms("reduce_scatter")
+        for world in range(1, 9):
+            p = plans.plan("bidir", "all_reduce", world)
+            plans.check(p)
+            ins = inputs_for("all_reduce", world, 4 * world + 3)
+            assert plans.simulate(p, ins)[0] == reference("all_reduce", ins)
+            if world > 1:
+                assert model.plan_cost(p) == model.plan_cost(plans.plan("ring", "all_reduce", world))
+        assert main(["trace", "all_reduce", "-P", "3", "-n", "12", "--plans", example, "--algorithm", "bidir"]) == 0
+        assert "OK, every rank matches" in capsys.readouterr().out
+    finally:
+        plans._registry.clear()
+        plans._registry.update(saved)
+        plans._compiled.clear()
+    with pytest.raises(ValueError, match="plans file 'nope.py' does not exist"):
+        plans.load_plans("nope.py")

@@ -1,6 +1,7 @@
 // plan.h: an algorithm as data. A plan says, for every rank, which ops it runs, in order,
-// on each slice of a message; one engine (plan_engine.h) runs any plan, and the checker
-// (ringcoll/learning/plans.py) proves a plan's postcondition before it runs.
+// on each slice of a message; one engine (csrc/host/host_plan.cpp) runs any plan, and the
+// checker (ringcoll/plans.py) proves a plan's postcondition before it runs. A learner's
+// walk through: docs/algorithms.md.
 //
 // The message (one slice of it, ring_loop.h's sense) is cut into C chunks, as ring.h cuts
 // it into P (chunk_begin(n, C, c)). An op computes one value per chunk of a range and
@@ -76,7 +77,8 @@ struct CompiledPlan {
   Plan plan;
   std::vector<std::vector<int>> publication_read;  // [rank][op]: 0 if the op receives nothing
   std::vector<int> publications;                    // [rank]: publications per slice
-  std::vector<std::vector<int>> last_read;          // [rank][op]: 1 if it is the last read of its sender's publication by this rank
+  std::vector<std::vector<int>> last_read;          // [rank][op]: 1 if it is this rank's last read of
+                                                    // its sender's publication
 };
 
 RINGCOLL_INLINE bool has_bit(uint64_t mask, int r) { return (mask >> r) & 1u; }
@@ -322,8 +324,10 @@ inline Plan halving_doubling_plan(Collective coll, int world) {
       const int host = k - 1;
       if (reduces) ops.push_back(make_op(Operand::kInput, 0, world, kToSlot, Operand::kNone, -1, bit(host)));
       else ops.push_back(make_op(Operand::kInput, k, 1, kToSlot | kToOutput, Operand::kNone, -1, bit(host), true));
-      if (coll == Collective::kReduceScatter) ops.push_back(make_op(Operand::kPeer, k, 1, kToOutput, Operand::kNone, host));
-      else ops.push_back(make_op(Operand::kPeer, 0, world, kToOutput, Operand::kNone, host));
+      if (coll == Collective::kReduceScatter)
+        ops.push_back(make_op(Operand::kPeer, k, 1, kToOutput, Operand::kNone, host));
+      else
+        ops.push_back(make_op(Operand::kPeer, 0, world, kToOutput, Operand::kNone, host));
       continue;
     }
     const int v = parts.index(k);
@@ -451,10 +455,12 @@ inline Plan tree_plan(Collective coll, int world) {
       const bool last = i + 1 == order.size();
       const bool root_done = last && k == 0;
       const uint8_t to = root_done ? kToOutput : (last ? kToSlot : kToWork);
-      ops.push_back(make_op(mine, 0, 1, to, Operand::kPeer, order[i], (last && k != 0) ? bit(k - low) : 0, root_done));
+      const uint64_t parent = (last && k != 0) ? bit(k - low) : 0;
+      ops.push_back(make_op(mine, 0, 1, to, Operand::kPeer, order[i], parent, root_done));
       mine = Operand::kWork;
     }
-    if (k != 0 && order.empty()) ops.push_back(make_op(Operand::kInput, 0, 1, kToSlot, Operand::kNone, -1, bit(k - low)));
+    if (k != 0 && order.empty())  // a leaf: its input is its partial
+      ops.push_back(make_op(Operand::kInput, 0, 1, kToSlot, Operand::kNone, -1, bit(k - low)));
     // broadcast
     if (k == 0) {
       ops.push_back(make_op(Operand::kOutput, 0, 1, kToSlot, Operand::kNone, -1, children));
