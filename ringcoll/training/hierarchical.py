@@ -567,26 +567,38 @@ class HierarchicalCommunicator(ArgumentChecks):
     # --- the collectives: the Communicator's signatures -----------------------------------
 
     def all_reduce(self, tensor: torch.Tensor, op=ReduceOp.SUM, async_op: bool = False, *,
-                   output: Optional[torch.Tensor] = None):
+                   output: Optional[torch.Tensor] = None, algorithm: Optional[str] = None):
         """In place over every rank of every node (see the module docstring); with ``output``,
         into it, ``tensor`` left unchanged (as Communicator.all_reduce)."""
+        self._auto_only("all_reduce", algorithm)
         return self._submit_planned("all_reduce", self._all_reduce_run, tensor, op, output, async_op=async_op)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM,
-                              async_op: bool = False):
+                              async_op: bool = False, *, algorithm: Optional[str] = None):
         """``output = op over ranks of input.view(P, -1)[rank]``."""
+        self._auto_only("reduce_scatter_tensor", algorithm)
         return self._submit_planned("reduce_scatter_tensor", self._reduce_scatter_run, output, input, op,
                                     async_op=async_op)
 
     def all_gather_into_tensor(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
-                               async_op: bool = False):
+                               async_op: bool = False, *, algorithm: Optional[str] = None):
         """``output_tensor.view(P, -1)[r] = input_tensor on rank r``."""
+        self._auto_only("all_gather_into_tensor", algorithm)
         return self._submit_planned("all_gather_into_tensor", self._all_gather_run, output_tensor, input_tensor,
                                     async_op=async_op)
 
     # Each method's checks, and what it plans: (run, outputs) for _submit, the tensors it
     # reads and writes (a prepared call's layout), and the call check_call compares
     # (dtype code, op code or -1, the count the Communicator's call names).
+
+    @staticmethod
+    def _auto_only(name: str, algorithm: Optional[str]) -> None:
+        """The Communicator's signatures take ``algorithm=``; across machines only the
+        default is offered per call so far (each machine's ring runs its communicator's
+        algorithm: RINGCOLL_ALGORITHM)."""
+        if algorithm not in (None, "auto"):
+            raise ValueError(f"{name}: algorithm={algorithm!r} is not offered per call across machines yet (each "
+                             "machine's ring runs RINGCOLL_ALGORITHM); leave it out or pass 'auto'")
 
     def _submit_planned(self, name: str, plan: Callable, *args, async_op: bool) -> Optional[Work]:
         """Check and plan the call (plan(name, *args): one of the *_run methods below), then submit it."""
@@ -615,26 +627,31 @@ class HierarchicalCommunicator(ArgumentChecks):
 
     # --- prepared calls (as Communicator.prepare_*) ---------------------------------------
 
-    def prepare_all_reduce(self, tensor: torch.Tensor, op=ReduceOp.SUM, *,
-                           output: Optional[torch.Tensor] = None) -> "PreparedHierarchicalCall":
+    def prepare_all_reduce(self, tensor: torch.Tensor, op=ReduceOp.SUM, *, output: Optional[torch.Tensor] = None,
+                           algorithm: Optional[str] = None) -> "PreparedHierarchicalCall":
         """all_reduce(tensor, op, output=output), checked now, run by calling the result."""
         name = "prepare_all_reduce"
+        self._auto_only(name, algorithm)
         return PreparedHierarchicalCall(self, name, *self._all_reduce_run(name, tensor, op, output))
 
-    def prepare_reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor,
-                                      op=ReduceOp.SUM) -> "PreparedHierarchicalCall":
+    def prepare_reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, *,
+                                      algorithm: Optional[str] = None) -> "PreparedHierarchicalCall":
         """reduce_scatter_tensor(output, input, op), prepared (see prepare_all_reduce)."""
         name = "prepare_reduce_scatter_tensor"
+        self._auto_only(name, algorithm)
         return PreparedHierarchicalCall(self, name, *self._reduce_scatter_run(name, output, input, op))
 
-    def prepare_all_gather_into_tensor(self, output_tensor: torch.Tensor,
-                                       input_tensor: torch.Tensor) -> "PreparedHierarchicalCall":
+    def prepare_all_gather_into_tensor(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, *,
+                                       algorithm: Optional[str] = None) -> "PreparedHierarchicalCall":
         """all_gather_into_tensor(output_tensor, input_tensor), prepared (see prepare_all_reduce)."""
         name = "prepare_all_gather_into_tensor"
+        self._auto_only(name, algorithm)
         return PreparedHierarchicalCall(self, name, *self._all_gather_run(name, output_tensor, input_tensor))
 
-    def all_gather(self, tensor_list: list, tensor: torch.Tensor, async_op: bool = False):
+    def all_gather(self, tensor_list: list, tensor: torch.Tensor, async_op: bool = False, *,
+                   algorithm: Optional[str] = None):
         """``tensor_list[r] = tensor on rank r``."""
+        self._auto_only("all_gather", algorithm)
         dtype = self._check_list("all_gather", "tensor_list", tensor_list, tensor)
         flat = tensor.new_empty(self.world_size * tensor.numel())
 
@@ -644,18 +661,22 @@ class HierarchicalCommunicator(ArgumentChecks):
 
         return self._submit("all_gather", run, list(tensor_list), async_op, (dtype, -1, tensor.numel()))
 
-    def reduce_scatter(self, output: torch.Tensor, input_list: list, op=ReduceOp.SUM, async_op: bool = False):
+    def reduce_scatter(self, output: torch.Tensor, input_list: list, op=ReduceOp.SUM, async_op: bool = False, *,
+                       algorithm: Optional[str] = None):
         """``output = op over ranks of input_list[rank]``."""
         name = "reduce_scatter"
+        self._auto_only(name, algorithm)
         dtype = self._check_list(name, "input_list", input_list, output)
         level_op, divide, code = self._level_op(name, op, dtype)
         flat = packing.concat(input_list)  # taken now: output may alias an entry
         return self._submit(name, lambda: self._reduce_scatter_flat(output, flat, level_op, divide), [output],
                             async_op, (dtype, code, output.numel()))
 
-    def all_reduce_coalesced(self, tensors: list, op=ReduceOp.SUM, async_op: bool = False):
+    def all_reduce_coalesced(self, tensors: list, op=ReduceOp.SUM, async_op: bool = False, *,
+                             algorithm: Optional[str] = None):
         """Each tensor all-reduced in place, as one flat call."""
         name = "all_reduce_coalesced"
+        self._auto_only(name, algorithm)
         dtype = self._check_same_dtype(name, "tensors", tensors)
         level_op, divide, code = self._level_op(name, op, dtype)
         flat = packing.concat(tensors)
@@ -666,9 +687,11 @@ class HierarchicalCommunicator(ArgumentChecks):
 
         return self._submit(name, run, list(tensors), async_op, (dtype, code, flat.numel()))
 
-    def all_gather_into_tensor_coalesced(self, outputs: list, inputs: list, async_op: bool = False):
+    def all_gather_into_tensor_coalesced(self, outputs: list, inputs: list, async_op: bool = False, *,
+                                         algorithm: Optional[str] = None):
         """all_gather_into_tensor for each (outputs[i], inputs[i]) pair, as one flat call."""
         name = "all_gather_into_tensor_coalesced"
+        self._auto_only(name, algorithm)
         dtype = self._check_pairs(name, outputs, inputs, GATHER)
         flat_in = packing.concat(inputs)
         gathered = flat_in.new_empty(self.world_size * flat_in.numel())
@@ -680,9 +703,10 @@ class HierarchicalCommunicator(ArgumentChecks):
         return self._submit(name, run, list(outputs), async_op, (dtype, -1, flat_in.numel()))
 
     def reduce_scatter_tensor_coalesced(self, outputs: list, inputs: list, op=ReduceOp.SUM,
-                                        async_op: bool = False):
+                                        async_op: bool = False, *, algorithm: Optional[str] = None):
         """reduce_scatter_tensor for each (outputs[i], inputs[i]) pair, as one flat call."""
         name = "reduce_scatter_tensor_coalesced"
+        self._auto_only(name, algorithm)
         dtype = self._check_pairs(name, outputs, inputs, SCATTER)
         level_op, divide, code = self._level_op(name, op, dtype)
         flat_in = packing.chunks_by_rank(inputs, self.world_size)

@@ -219,7 +219,9 @@ def _bad_sizes(rank, world):
                      lambda: h.all_gather_into_tensor(torch.empty(4 * 3), torch.empty(3, dtype=torch.int32)),
                      lambda: h.all_reduce(torch.empty(4), op=dist.ReduceOp.BAND),
                      lambda: h.all_reduce(torch.empty(4), output=torch.empty(5)),
-                     lambda: h.prepare_reduce_scatter_tensor(torch.empty(3), torch.empty(4 * 3 + 1))):
+                     lambda: h.prepare_reduce_scatter_tensor(torch.empty(3), torch.empty(4 * 3 + 1)),
+                     lambda: h.all_gather_into_tensor(torch.empty(8), torch.empty(2), algorithm="rhd"),
+                     lambda: h.all_reduce(torch.ones(4), algorithm="auto")):
             try:
                 call()
                 messages.append("no error")
@@ -238,6 +240,10 @@ def test_bad_arguments_are_refused_by_name():
         assert messages[2].startswith("all_reduce: unsupported reduction op"), messages[2]
         assert messages[3] == "all_reduce: output has 5 elements, expected input size (4)", messages[3]
         assert messages[4].startswith("prepare_reduce_scatter_tensor: output has 3 elements"), messages[4]
+        # the Communicator's keywords, algorithm= among them (ringcoll.* passes them on)
+        assert messages[5] == ("all_gather_into_tensor: algorithm='rhd' is not offered per call across machines yet "
+                               "(each machine's ring runs RINGCOLL_ALGORITHM); leave it out or pass 'auto'"), messages[5]
+        assert messages[6] == "no error", messages[6]
 
 
 def _groups_released(rank, world):

@@ -41,3 +41,25 @@ def test_in_place_is_exactly_this_ranks_chunk():
     assert Checks(4, rank=2)._check_pair("rs", buf[4:6], buf, SCATTER)[0] == 0
     with pytest.raises(ValueError, match="rs: output and input overlap"):
         Checks(4, rank=1)._check_pair("rs", buf[4:6], buf, SCATTER)
+
+
+def test_the_hierarchical_communicator_takes_every_communicator_call_as_written():
+    """ringcoll.* hands a call to whichever communicator serves the group, one machine's or
+    several machines' (HierarchicalCommunicator), with the same keywords (algorithm= among
+    them): so every collective method of the Communicator must exist on both with the same
+    parameters, names, kinds and defaults. (The CuPy *_array forms and the CUDA stream's
+    synchronize are one-machine features, not reached through ringcoll.*.)"""
+    import inspect
+
+    from ringcoll.communicator import Communicator
+    from ringcoll.training.hierarchical import HierarchicalCommunicator
+
+    one_machine_only = {"all_reduce_array", "reduce_scatter_array", "all_gather_array", "synchronize",
+                        "transport_class"}
+    for name, method in inspect.getmembers(Communicator, inspect.isfunction):
+        if name.startswith("_") or name in one_machine_only:
+            continue
+        theirs = getattr(HierarchicalCommunicator, name, None)
+        assert theirs is not None, f"HierarchicalCommunicator has no {name}"
+        ours = [(p.name, p.kind, p.default) for p in inspect.signature(method).parameters.values()]
+        assert [(p.name, p.kind, p.default) for p in inspect.signature(theirs).parameters.values()] == ours, name
