@@ -495,9 +495,9 @@ class _Worker:
                 digest)
 
 
-def _worker_main(rank, size, port, conn, parent_pid):
+def _worker_main(rank, size, port, conn):
     """A pool worker: init gloo (world `size`), then answer cases until told to stop."""
-    _set_pdeathsig(parent_pid)  # SIGKILL this worker when the parent dies: no run leaves orphans
+    _set_pdeathsig()  # SIGKILL this worker when the parent dies: no run leaves orphans
     try:
         import warnings
 
@@ -588,7 +588,7 @@ class FuzzPool:
         try:
             for rank in range(self.size):
                 parent_conn, child_conn = ctx.Pipe(duplex=True)
-                boot = {"_env": env, "_args": (rank, self.size, port, child_conn, os.getpid())}
+                boot = {"_env": env, "_args": (rank, self.size, port, child_conn)}
                 proc = ctx.Process(target=exec, args=(_BOOT, boot), name=f"ringcoll-fuzz-rank{rank}", daemon=True)
                 proc.start()
                 child_conn.close()

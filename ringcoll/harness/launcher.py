@@ -1,9 +1,12 @@
 """Multi-process launcher for tests and benchmarks.
 
 :func:`spawn` runs ``fn(rank, world_size, *args)`` in ``world_size`` fresh
-processes (multiprocessing "spawn" context), each with an initialised
-``torch.distributed`` process group, and returns the per-rank return values in
-rank order.  It is built so that a broken collective cannot wedge or litter a
+processes, each with an initialised ``torch.distributed`` process group, and
+returns the per-rank return values in rank order.  The processes are forked from
+a fork server that imported torch once (multiprocessing "forkserver" context),
+which saves each rank the ~2.5 s of CPU a torch import costs; where the
+environment asks for something torch reads as it loads, they are started as new
+interpreters instead ("spawn" context; see ``_context``).  It is built so that a broken collective cannot wedge or litter a
 test run:
 
 * every rank's exception comes back as text (type name, ``str(exc)`` and the
@@ -39,13 +42,17 @@ Notes:
 * ``fn``, ``args`` and return values travel by (plain) pickle; ``fn`` must be
   a top-level function of an importable module, and a script that calls
   :func:`spawn` needs the usual ``if __name__ == "__main__":`` guard.
-* Each child sets ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT`` (a free port
-  picked by the parent), ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and
-  ``LOCAL_WORLD_SIZE``, then the ``env`` entries (a value of ``None`` unsets
-  the variable), before it imports ringcoll, torch or ``fn``'s module, so
-  variables read at import time take effect.  (Exceptions: variables the C
-  runtime reads at exec, e.g. ``LD_PRELOAD``, and whatever a script's
-  ``__main__`` imports, since "spawn" re-imports the main script first.)
+* Each child starts from the caller's environment as it is at the call, sets
+  ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT`` (a free port picked by the parent),
+  ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``, then the
+  ``env`` entries (a value of ``None`` unsets the variable), before it imports
+  ringcoll or ``fn``'s module, so variables they read at import time take
+  effect.  A variable torch may read as it loads (anything but ringcoll's,
+  torch.distributed's, CUDA's and ``OMP_NUM_THREADS``, see ``_context``) makes the
+  call start new interpreters, where it takes effect too;
+  ``RINGCOLL_SPAWN_FRESH=1`` always does.  (Exceptions:
+  variables the C runtime reads at exec, e.g. ``LD_PRELOAD``, and whatever a
+  script's ``__main__`` imports, since the main script is imported first.)
 * ``init_timeout`` (default: ``timeout``) is the process-group timeout, which
   also bounds each collective.  With :func:`spawn_outcomes`, ranks blocked in a
   collective on a rank that raised wait for that timeout (or the total one).
@@ -136,10 +143,12 @@ class SpawnTimeout(SpawnError, TimeoutError):
 # --------------------------------------------------------------------------- child
 
 
-def _set_pdeathsig(parent_pid: int) -> None:
-    """Best effort: SIGKILL this process when the parent dies (Linux only)."""
+def _set_pdeathsig() -> None:
+    """Best effort: SIGKILL this process when its parent dies (Linux only). The parent is
+    the caller of spawn, or the fork server it started (which exits with the caller)."""
     if not sys.platform.startswith("linux"):
         return
+    parent = os.getppid()
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         PR_SET_PDEATHSIG = 1
@@ -148,7 +157,7 @@ def _set_pdeathsig(parent_pid: int) -> None:
             return
     except Exception:
         return
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+    if os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(1)
 
 
@@ -164,13 +173,30 @@ def _safe_str(obj: Any) -> str:
 # the ringcoll package (and torch) before ``env`` is in place.  This way the
 # variables are set before anything of ours or the caller's is imported, and a
 # failing ``import ringcoll`` is still reported with its traceback.
+#
+# A rank forked by the fork server first lets go of the server. multiprocessing hands every
+# process the server forks the write end of the pipe whose closing tells the server that its
+# last client is gone; a rank holding it would keep the server alive while the server keeps
+# the rank alive (the rank dies with its parent, the server), so killing the caller would
+# leave both running. A rank that starts processes itself gets a server of its own.
 _BOOTSTRAP = """
 import os
+if _whole_env is not None:  # forked from the fork server: the caller's environment as it is now
+    os.environ.clear()
+    os.environ.update(_whole_env)
+    from multiprocessing import forkserver as _fs
+    if _fs._forkserver._forkserver_alive_fd is not None:
+        os.close(_fs._forkserver._forkserver_alive_fd)
+    _fs._forkserver._forkserver_alive_fd = _fs._forkserver._forkserver_address = None
+    _fs._forkserver._forkserver_pid = None
 for _k, _v in _env.items():
     if _v is None:
         os.environ.pop(_k, None)
     else:
         os.environ[_k] = _v
+if _whole_env is not None and os.environ.get("OMP_NUM_THREADS", "").isdigit():
+    import torch
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # OpenMP read it before the fork
 try:
     from ringcoll.harness.launcher import _child_main
 except BaseException as _exc:
@@ -182,9 +208,8 @@ _child_main(*_args, conn=_conn)
 """
 
 
-def _child_main(rank, world_size, backend, pg_timeout_s, payload, parent_pid, hold_on_error,
-                *, conn):
-    _set_pdeathsig(parent_pid)
+def _child_main(rank, world_size, backend, pg_timeout_s, payload, hold_on_error, *, conn):
+    _set_pdeathsig()
     _dump_stacks_on_request()
     dist = None
     phase = "setup"
@@ -449,9 +474,44 @@ def _addr_in_use(r: _Rank) -> bool:
     return "EADDRINUSE" in text or "ddress already in use" in text
 
 
+# Starting a rank costs a Python and a torch import (~2.5 s of CPU), which on a small
+# machine is most of what a short test spends. So ranks are forked from a fork server that
+# imported torch once ("forkserver" context, torch preloaded): each still a fresh process,
+# with the caller's environment of the moment set before ringcoll (never preloaded) or the
+# caller's function is imported. Variables read when torch itself loads cannot take effect
+# in a forked rank, so a call whose environment differs from the server's in anything but
+# the variables below (ringcoll's, and those torch.distributed reads when a group starts)
+# starts fresh interpreters instead ("spawn"), as does RINGCOLL_SPAWN_FRESH=1. CUDA reads
+# its variables when a process first uses it, which the server never does; OMP_NUM_THREADS,
+# read by OpenMP as torch loads, a forked rank applies itself (torch.set_num_threads).
+_PRELOAD = ["torch", "torch.distributed"]
+_READ_AFTER_IMPORT = ("RINGCOLL_", "MASTER_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GLOO_",
+                      "NCCL_", "TORCH_NCCL_", "CUDA_", "OMP_NUM_THREADS", "PYTEST_")
+_server_env: Optional[Dict[str, str]] = None  # os.environ when the fork server started
+
+
+def _context(env: Dict[str, Optional[str]]):
+    """(the multiprocessing context for this launch, the environment forked ranks start from)."""
+    global _server_env
+    if os.environ.get("RINGCOLL_SPAWN_FRESH") == "1" or not sys.platform.startswith("linux"):
+        return multiprocessing.get_context("spawn"), None
+    now = dict(os.environ)
+    if _server_env is None:
+        _server_env = now
+        multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
+    wanted = {**now, **{k: v for k, v in env.items() if v is not None}}
+    for k in env:
+        if env[k] is None:
+            wanted.pop(k, None)
+    differs = {k for k in set(wanted) | set(_server_env) if wanted.get(k) != _server_env.get(k)}
+    if any(not k.startswith(_READ_AFTER_IMPORT) for k in differs):
+        return multiprocessing.get_context("spawn"), None
+    return multiprocessing.get_context("forkserver"), now
+
+
 def _run_once(fn_payload, world_size, timeout, deadline, backend, env, pg_timeout_s, fail_fast):
     """One launch.  Returns (ranks, order, retry_port)."""
-    ctx = multiprocessing.get_context("spawn")
+    ctx, whole_env = _context(env)
     port = _free_port()
     ranks: List[_Rank] = []
     order: List[int] = []
@@ -476,9 +536,9 @@ def _run_once(fn_payload, world_size, timeout, deadline, backend, env, pg_timeou
             boot_globals = {
                 "__name__": "__ringcoll_spawn__",
                 "_env": child_env,
+                "_whole_env": whole_env,
                 "_conn": child_conn,
-                "_args": (rank, world_size, backend, pg_timeout_s, fn_payload, os.getpid(),
-                          fail_fast),
+                "_args": (rank, world_size, backend, pg_timeout_s, fn_payload, fail_fast),
             }
             proc = ctx.Process(target=exec, args=(_BOOTSTRAP, boot_globals),
                                name=f"ringcoll-rank{rank}")

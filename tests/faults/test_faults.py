@@ -96,7 +96,8 @@ def _alive(pid: int) -> bool:
 
 def _my_children() -> list:
     """(pid, cmdline) of this process's children, minus multiprocessing's resource tracker
-    (started once per parent by the 'spawn' start method and meant to outlive a spawn)."""
+    and fork server (each started once per parent and meant to outlive a spawn; the ranks
+    are the fork server's children, checked by pid)."""
     me, found = os.getpid(), []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -109,7 +110,7 @@ def _my_children() -> list:
         except OSError:
             continue
         ppid = int(stat[stat.rindex(")") + 2:].split()[1])
-        if ppid == me and "resource_tracker" not in cmdline:
+        if ppid == me and "resource_tracker" not in cmdline and "multiprocessing.forkserver" not in cmdline:
             found.append((int(entry), cmdline))
     return found
 
@@ -238,9 +239,15 @@ BOOTSTRAP_ALLOWED = {
 
 
 def _bootstrap_fault(rank, world, victim, point, tmpdir, port):
+    import torch.distributed as dist
+
     import ringcoll
     import ringcoll.transports.host as rc
 
+    # Every rank is done with torch's own start (the process group) before the victim dies
+    # in ringcoll's: otherwise a victim that started first dies while a peer still talks to
+    # its store, and that peer fails inside init_process_group, not in the bootstrap tested.
+    dist.barrier()
     _stamp(tmpdir, "pid", rank, os.getpid())
     state = {"pid": os.getpid(), "names": []}
     real = rc._C

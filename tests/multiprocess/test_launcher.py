@@ -179,6 +179,28 @@ def test_env_is_visible_in_child(basic_results):
     assert "RINGCOLL_TESTING_PROBE" not in os.environ  # the parent is untouched
 
 
+def _how_started(rank, world_size):
+    return {"parent": os.getppid(), "threads": torch.get_num_threads(),
+            "probe": os.environ.get("RINGCOLL_TESTING_LATER"), "omp": os.environ.get("OMP_NUM_THREADS")}
+
+
+def test_ranks_fork_from_the_server_unless_torch_must_see_the_environment(monkeypatch):
+    """By default the ranks are forked by the fork server that preloaded torch (their
+    parent is not this process), and see this process's environment as it is at the call,
+    not as it was when the server started; OMP_NUM_THREADS, which OpenMP read before the
+    fork, still sets torch's threads. A variable torch may read as it loads starts new
+    interpreters instead, so it takes effect there; so does RINGCOLL_SPAWN_FRESH=1."""
+    spawn(_how_started, 2, timeout=60)  # the server runs from here on
+    monkeypatch.setenv("RINGCOLL_TESTING_LATER", "set after the server started")
+    forked = spawn(_how_started, 2, timeout=60, env={"OMP_NUM_THREADS": "1"})
+    assert all(r["parent"] != os.getpid() and r["threads"] == 1 and r["omp"] == "1" for r in forked), forked
+    assert all(r["probe"] == "set after the server started" for r in forked)
+    fresh = spawn(_how_started, 2, timeout=60, env={"TORCH_SHOW_CPP_STACKTRACES": "1"})
+    assert all(r["parent"] == os.getpid() and r["probe"] == "set after the server started" for r in fresh), fresh
+    monkeypatch.setenv("RINGCOLL_SPAWN_FRESH", "1")
+    assert all(r["parent"] == os.getpid() for r in spawn(_how_started, 2, timeout=60))
+
+
 def test_busy_master_port_is_retried(monkeypatch):
     # The parent's free port can be taken before rank 0 binds it; the launch is
     # then redone on a fresh port.  Force that with a port we hold ourselves.
