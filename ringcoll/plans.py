@@ -520,9 +520,9 @@ def simulate(p: Plan, inputs: Sequence[Sequence], combine: Callable = lambda x, 
              finalize: Callable = lambda x: x) -> tuple:
     """Run ``p`` on lists, a slice being the whole message: ``inputs[r]`` is rank r's input
     (all-gather: its chunk, as ring.h cuts the output into P), cut as ring.h cuts a message
-    into ``p.chunks``. Values combine
-    with ``combine(a, b)``, ``a`` first, as in the engine, and ``finalize`` where an op is
-    final (AVG's division). Returns (every rank's output, the steps as they ran)."""
+    into ``p.chunks``. Values combine with ``combine(a, b)``, ``a`` first, as in the engine,
+    and ``finalize`` where an op is final (AVG's division). Returns (every rank's output,
+    the steps as they ran)."""
     world, coll = p.world, p.collective
     n = sum(map(len, inputs)) if coll == "all_gather" else len(inputs[0])  # all-gather: chunks may differ by one
 
