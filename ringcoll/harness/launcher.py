@@ -47,7 +47,7 @@ Notes:
   ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``, then the
   ``env`` entries (a value of ``None`` unsets the variable), before it imports
   ringcoll or ``fn``'s module, so variables they read at import time take
-  effect.  A variable torch may read as it loads (anything but ringcoll's,
+  effect.  An ``env`` entry torch may read as it loads (anything but ringcoll's,
   torch.distributed's, CUDA's and ``OMP_NUM_THREADS``, see ``_context``) makes the
   call start new interpreters, where it takes effect too;
   ``RINGCOLL_SPAWN_FRESH=1`` always does.  (Exceptions:
@@ -479,34 +479,29 @@ def _addr_in_use(r: _Rank) -> bool:
 # imported torch once ("forkserver" context, torch preloaded): each still a fresh process,
 # with the caller's environment of the moment set before ringcoll (never preloaded) or the
 # caller's function is imported. Variables read when torch itself loads cannot take effect
-# in a forked rank, so a call whose environment differs from the server's in anything but
-# the variables below (ringcoll's, and those torch.distributed reads when a group starts)
-# starts fresh interpreters instead ("spawn"), as does RINGCOLL_SPAWN_FRESH=1. CUDA reads
-# its variables when a process first uses it, which the server never does; OMP_NUM_THREADS,
-# read by OpenMP as torch loads, a forked rank applies itself (torch.set_num_threads).
+# in a forked rank, so a call whose `env` sets anything but the variables below (ringcoll's,
+# and those torch.distributed, gloo, NCCL and CUDA read when they start) starts fresh
+# interpreters instead ("spawn"), as does RINGCOLL_SPAWN_FRESH=1. OMP_NUM_THREADS, read by
+# OpenMP as torch loads, a forked rank applies itself (torch.set_num_threads). What the
+# calling process changes in its own environment after its first spawn reaches the ranks,
+# but not torch's loading (libraries such as scikit-learn set OpenMP variables at import).
 _PRELOAD = ["torch", "torch.distributed"]
 _READ_AFTER_IMPORT = ("RINGCOLL_", "MASTER_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GLOO_",
-                      "NCCL_", "TORCH_NCCL_", "CUDA_", "OMP_NUM_THREADS", "PYTEST_")
-_server_env: Optional[Dict[str, str]] = None  # os.environ when the fork server started
+                      "NCCL_", "TORCH_NCCL_", "CUDA_", "OMP_NUM_THREADS")
+_preloading = False  # the fork server's preload is set (once, before it starts)
 
 
 def _context(env: Dict[str, Optional[str]]):
     """(the multiprocessing context for this launch, the environment forked ranks start from)."""
-    global _server_env
-    if os.environ.get("RINGCOLL_SPAWN_FRESH") == "1" or not sys.platform.startswith("linux"):
+    global _preloading
+    if (os.environ.get("RINGCOLL_SPAWN_FRESH") == "1" or not sys.platform.startswith("linux")
+            or any(not k.startswith(_READ_AFTER_IMPORT) for k in env)):
         return multiprocessing.get_context("spawn"), None
-    now = dict(os.environ)
-    if _server_env is None:
-        _server_env = now
-        multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
-    wanted = {**now, **{k: v for k, v in env.items() if v is not None}}
-    for k in env:
-        if env[k] is None:
-            wanted.pop(k, None)
-    differs = {k for k in set(wanted) | set(_server_env) if wanted.get(k) != _server_env.get(k)}
-    if any(not k.startswith(_READ_AFTER_IMPORT) for k in differs):
-        return multiprocessing.get_context("spawn"), None
-    return multiprocessing.get_context("forkserver"), now
+    context = multiprocessing.get_context("forkserver")
+    if not _preloading:
+        context.set_forkserver_preload(_PRELOAD)
+        _preloading = True
+    return context, dict(os.environ)
 
 
 def _run_once(fn_payload, world_size, timeout, deadline, backend, env, pg_timeout_s, fail_fast):

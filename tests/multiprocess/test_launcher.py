@@ -188,7 +188,7 @@ def test_ranks_fork_from_the_server_unless_torch_must_see_the_environment(monkey
     """By default the ranks are forked by the fork server that preloaded torch (their
     parent is not this process), and see this process's environment as it is at the call,
     not as it was when the server started; OMP_NUM_THREADS, which OpenMP read before the
-    fork, still sets torch's threads. A variable torch may read as it loads starts new
+    fork, still sets torch's threads. An env entry torch may read as it loads starts new
     interpreters instead, so it takes effect there; so does RINGCOLL_SPAWN_FRESH=1."""
     spawn(_how_started, 2, timeout=60)  # the server runs from here on
     monkeypatch.setenv("RINGCOLL_TESTING_LATER", "set after the server started")
