@@ -162,108 +162,6 @@ inline CompiledPlan compile_plan(Plan plan, const std::string& name, int world) 
 // Each generator returns every rank's ops for `coll` on `world` ranks (the algorithms'
 // list: RINGCOLL_ALGORITHMS in collectives.h).
 
-// The ring (ring.h): C = P chunks. Reduce-scatter: publish the input's chunk k-1 to the
-// right, then P-1 times receive chunk k-s-2 from the left and reduce it with the input's
-// copy, passing it on (the last one, chunk k, to the output). All-gather: the own chunk
-// to the output and to the right, then P-1 times receive a chunk and copy it to the
-// output, passing it on but the last. All-reduce: the two, the first all-gather send being
-// the last reduce-scatter result.
-inline Plan ring_plan(Collective coll, int world) {
-  Plan plan;
-  plan.chunks = world;
-  plan.ops.resize(world);
-  for (int k = 0; k < world; ++k) {
-    if (world == 1) break;
-    const uint64_t right = bit(right_neighbour(k, world));
-    const int left = left_neighbour(k, world);
-    auto& ops = plan.ops[k];
-    const int first = first_send_chunk(coll, k, world);
-    PlanOp send;
-    send.a = Operand::kInput;
-    send.first = static_cast<int16_t>(first);
-    send.count = 1;
-    send.to = kToSlot | (coll == Collective::kAllGather ? kToOutput : 0);
-    send.final = coll == Collective::kAllGather;
-    send.readers = right;
-    ops.push_back(send);
-    for (int s = 0; s < ring_steps(coll, world); ++s) {
-      PlanOp step;
-      step.a = Operand::kPeer;
-      step.from = static_cast<int16_t>(left);
-      step.b = step_reduces(coll, s, world) ? Operand::kInput : Operand::kNone;
-      step.first = static_cast<int16_t>(step_recv_chunk(coll, k, s, world));
-      step.count = 1;
-      step.final = step_writes_output(coll, s, world);
-      step.to = (step.final ? kToOutput : 0) | (step_forwards(coll, s, world) ? kToSlot : 0);
-      step.readers = step_forwards(coll, s, world) ? right : 0;
-      ops.push_back(step);
-    }
-  }
-  return plan;
-}
-
-// One step for small messages (the CPU transport's small-message path): every rank
-// publishes each chunk of its input to every peer, then folds each chunk itself, in the
-// order the ring reduces it (rs_contributor: the ring's bits); all-gather publishes its
-// own chunk and copies every peer's. C = P chunks.
-inline Plan one_shot_plan(Collective coll, int world) {
-  Plan plan;
-  plan.chunks = world;
-  plan.ops.resize(world);
-  for (int k = 0; k < world; ++k) {
-    if (world == 1) break;
-    auto& ops = plan.ops[k];
-    const uint64_t peers = (world == 64 ? ~uint64_t{0} : bit(world) - 1) & ~bit(k);
-    const bool gather = coll == Collective::kAllGather;
-    for (int c = gather ? k : 0; c < (gather ? k + 1 : world); ++c) {
-      PlanOp send;
-      send.a = Operand::kInput;
-      send.first = static_cast<int16_t>(c);
-      send.count = 1;
-      send.to = kToSlot | (gather ? kToOutput : 0);
-      send.final = gather;
-      send.readers = coll == Collective::kReduceScatter ? bit(c) : peers;  // reduce-scatter: only its owner
-      if (coll == Collective::kReduceScatter && c == k) continue;  // my own chunk stays here
-      ops.push_back(send);
-    }
-    if (gather) {
-      for (int c = 0; c < world; ++c) {
-        if (c == k) continue;
-        PlanOp copy;
-        copy.a = Operand::kPeer;
-        copy.from = static_cast<int16_t>(c);
-        copy.first = static_cast<int16_t>(c);
-        copy.count = 1;
-        copy.to = kToOutput;
-        copy.final = true;
-        ops.push_back(copy);
-      }
-      continue;
-    }
-    for (int c = (coll == Collective::kReduceScatter ? k : 0); c < (coll == Collective::kReduceScatter ? k + 1 : world);
-         ++c) {
-      for (int i = 0; i < world; ++i) {
-        const int r = rs_contributor(c, i, world);
-        const Operand contribution = r == k ? Operand::kInput : Operand::kPeer;
-        PlanOp fold;
-        fold.from = static_cast<int16_t>(r == k ? -1 : r);
-        fold.first = static_cast<int16_t>(c);
-        fold.count = 1;
-        if (i == 0) {
-          fold.a = contribution;
-        } else {
-          fold.a = Operand::kWork;
-          fold.b = contribution;
-        }
-        fold.final = i + 1 == world;
-        fold.to = fold.final ? kToOutput : kToWork;
-        ops.push_back(fold);
-      }
-    }
-  }
-  return plan;
-}
-
 // An op, spelled short for the generators below: value = a [OP b] over chunks [first,
 // first + count), to `to` (published to `readers` with kToSlot).
 inline PlanOp make_op(Operand a, int first, int count, uint8_t to, Operand b = Operand::kNone, int from = -1,
@@ -278,6 +176,71 @@ inline PlanOp make_op(Operand a, int first, int count, uint8_t to, Operand b = O
   op.final = final;
   op.readers = readers;
   return op;
+}
+
+// The ring (ring.h): C = P chunks. Reduce-scatter: publish the input's chunk k-1 to the
+// right, then P-1 times receive chunk k-s-2 from the left and reduce it with the input's
+// copy, passing it on (the last one, chunk k, to the output). All-gather: the own chunk
+// to the output and to the right, then P-1 times receive a chunk and copy it to the
+// output, passing it on but the last. All-reduce: the two, the first all-gather send being
+// the last reduce-scatter result.
+inline Plan ring_plan(Collective coll, int world) {
+  Plan plan;
+  plan.chunks = world;
+  plan.ops.resize(world);
+  if (world == 1) return plan;
+  for (int k = 0; k < world; ++k) {
+    const uint64_t right = bit(right_neighbour(k, world));
+    const bool gather = coll == Collective::kAllGather;
+    auto& ops = plan.ops[k];
+    ops.push_back(make_op(Operand::kInput, first_send_chunk(coll, k, world), 1, kToSlot | (gather ? kToOutput : 0),
+                          Operand::kNone, -1, right, gather));
+    for (int s = 0; s < ring_steps(coll, world); ++s) {
+      const bool final = step_writes_output(coll, s, world), forwards = step_forwards(coll, s, world);
+      ops.push_back(make_op(Operand::kPeer, step_recv_chunk(coll, k, s, world), 1,
+                            (final ? kToOutput : 0) | (forwards ? kToSlot : 0),
+                            step_reduces(coll, s, world) ? Operand::kInput : Operand::kNone,
+                            left_neighbour(k, world), forwards ? right : 0, final));
+    }
+  }
+  return plan;
+}
+
+// One step for small messages (the CPU transport's small-message path): every rank
+// publishes each chunk of its input to every peer, then folds each chunk itself, in the
+// order the ring reduces it (rs_contributor: the ring's bits); all-gather publishes its
+// own chunk and copies every peer's. C = P chunks.
+inline Plan one_shot_plan(Collective coll, int world) {
+  Plan plan;
+  plan.chunks = world;
+  plan.ops.resize(world);
+  if (world == 1) return plan;
+  const uint64_t everyone = world == 64 ? ~uint64_t{0} : bit(world) - 1;
+  for (int k = 0; k < world; ++k) {
+    auto& ops = plan.ops[k];
+    if (coll == Collective::kAllGather) {  // publish my chunk, copy every peer's
+      ops.push_back(make_op(Operand::kInput, k, 1, kToSlot | kToOutput, Operand::kNone, -1, everyone & ~bit(k), true));
+      for (int c = 0; c < world; ++c)
+        if (c != k) ops.push_back(make_op(Operand::kPeer, c, 1, kToOutput, Operand::kNone, c, 0, true));
+      continue;
+    }
+    const bool scatter = coll == Collective::kReduceScatter;
+    for (int c = 0; c < world; ++c)  // reduce-scatter: chunk c to its owner only, mine stays here
+      if (!(scatter && c == k))
+        ops.push_back(make_op(Operand::kInput, c, 1, kToSlot, Operand::kNone, -1,
+                              scatter ? bit(c) : everyone & ~bit(k)));
+    for (int c = scatter ? k : 0; c < (scatter ? k + 1 : world); ++c) {
+      for (int i = 0; i < world; ++i) {  // fold chunk c in the ring's order
+        const int r = rs_contributor(c, i, world);
+        const Operand contribution = r == k ? Operand::kInput : Operand::kPeer;
+        const bool final = i + 1 == world;
+        ops.push_back(i == 0 ? make_op(contribution, c, 1, kToWork, Operand::kNone, r == k ? -1 : r)
+                             : make_op(Operand::kWork, c, 1, final ? kToOutput : kToWork, contribution,
+                                       r == k ? -1 : r, 0, final));
+      }
+    }
+  }
+  return plan;
 }
 
 // Powers of two below a world that is not one: the recursive algorithms pair ranks 2i and
