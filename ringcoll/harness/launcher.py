@@ -6,8 +6,8 @@ returns the per-rank return values in rank order.  The processes are forked from
 a fork server that imported torch once (multiprocessing "forkserver" context),
 which saves each rank the ~2.5 s of CPU a torch import costs; where the
 environment asks for something torch reads as it loads, they are started as new
-interpreters instead ("spawn" context; see ``_context``).  It is built so that a broken collective cannot wedge or litter a
-test run:
+interpreters instead ("spawn" context; see ``_context``).  It is built so that a
+broken collective cannot wedge or litter a test run:
 
 * every rank's exception comes back as text (type name, ``str(exc)`` and the
   full formatted traceback) and is re-raised in the parent as
