@@ -766,7 +766,8 @@ def ringcoll_backends(comm, config: Config) -> list:
     then each other one out of place (the algorithms' table, backend "algorithm:NAME")."""
     first, *others = config.algorithms
     return [TorchBackend(comm, prepared=config.prepared, algorithm=first)] + [
-        TorchBackend(comm, forms=("out",), prepared=config.prepared, algorithm=name, name=f"algorithm:{name}")
+        TorchBackend(comm, forms=("out",), prepared=config.prepared, algorithm=name,
+                     name=algorithm_backend(config, name))
         for name in others]
 
 

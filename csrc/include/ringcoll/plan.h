@@ -83,6 +83,7 @@ struct CompiledPlan {
 
 RINGCOLL_INLINE bool has_bit(uint64_t mask, int r) { return (mask >> r) & 1u; }
 RINGCOLL_INLINE uint64_t bit(int r) { return uint64_t{1} << r; }
+RINGCOLL_INLINE uint64_t all_ranks(int world) { return world == kMaxPlanWorld ? ~uint64_t{0} : bit(world) - 1; }
 
 // Resolve and check a plan's structure (not its result: that is the Python checker's, and
 // every generator's test's). Throws std::invalid_argument naming the first bad op.
@@ -118,7 +119,7 @@ inline CompiledPlan compile_plan(Plan plan, const std::string& name, int world) 
       RINGCOLL_CHECK(!peer || (op.from >= 0 && op.from < world && op.from != k), std::invalid_argument,
                      where(k, i), "receives from rank ", op.from, ", not a peer");
       if (op.to & kToSlot) {
-        const uint64_t everyone = world == 64 ? ~uint64_t{0} : bit(world) - 1;
+        const uint64_t everyone = all_ranks(world);
         RINGCOLL_CHECK(op.readers != 0 && (op.readers & ~everyone) == 0 && !has_bit(op.readers, k),
                        std::invalid_argument, where(k, i), "publishes to no peer, or to itself or a rank beyond ",
                        world - 1);
@@ -215,7 +216,7 @@ inline Plan one_shot_plan(Collective coll, int world) {
   plan.chunks = world;
   plan.ops.resize(world);
   if (world == 1) return plan;
-  const uint64_t everyone = world == 64 ? ~uint64_t{0} : bit(world) - 1;
+  const uint64_t everyone = all_ranks(world);
   for (int k = 0; k < world; ++k) {
     auto& ops = plan.ops[k];
     if (coll == Collective::kAllGather) {  // publish my chunk, copy every peer's
