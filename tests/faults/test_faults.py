@@ -714,6 +714,27 @@ def test_peer_that_never_arrives_times_out_on_waiting_ranks(world, check, algori
 
 # --- a rank killed mid-collective -------------------------------------------------------
 
+def _unreadable_from_the_middle(nbytes):
+    """A float tensor of ones over nbytes of anonymous memory, and a function that makes its
+    second half unreadable: a rank that copies the tensor afterwards dies of SIGSEGV
+    halfway through, at the same point of its call every time (no timer to race)."""
+    import ctypes
+    import mmap
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # the crash is the test: no core file
+    memory = mmap.mmap(-1, nbytes)
+    t = torch.frombuffer(memory, dtype=torch.float32).fill_(1.0)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+
+    def cut_off():
+        if libc.mprotect(t.data_ptr() + nbytes // 2, nbytes // 2, 0) != 0:  # PROT_NONE
+            raise OSError(ctypes.get_errno(), "mprotect")
+
+    return t, cut_off
+
+
 def _killed_mid_collective(rank, world, victim, collective, algorithm):
     import ringcoll
 
@@ -721,7 +742,12 @@ def _killed_mid_collective(rank, world, victim, collective, algorithm):
     # each read from its owner directly (one long process_vm_readv per peer; 6 MiB in all at
     # P = 3, under the direct path's 8 MiB). Long enough to interrupt.
     comm = ringcoll.Communicator(timeout=60.0, buffer_bytes=64 * 1024, direct_bytes=1, algorithm=algorithm)
-    t = torch.ones(4 << 20 if collective == "all_reduce" else 1 << 19)
+    numel = 4 << 20 if collective == "all_reduce" else 1 << 19
+    # Under a plan the victim dies where the plan reads the second half of its input (its
+    # peers are then inside the same call's plan, so their errors name the op they wait in);
+    # a SIGKILL from a timer could land between two calls, before any data moved.
+    on_a_plan = algorithm != "auto"
+    t, cut_off = _unreadable_from_the_middle(numel * 4) if on_a_plan else (torch.ones(numel), None)
     out = torch.empty(world * t.numel()) if collective == "all_gather" else None
 
     def call():
@@ -732,7 +758,10 @@ def _killed_mid_collective(rank, world, victim, collective, algorithm):
 
     call()  # one full round first: the kill lands in a later, running call
     if rank == victim:
-        threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        if on_a_plan:
+            cut_off()
+        else:
+            threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGKILL)).start()
     start = time.monotonic()
     try:
         for _ in range(1000):
@@ -752,7 +781,8 @@ def _killed_mid_collective(rank, world, victim, collective, algorithm):
 def test_rank_killed_mid_collective(world, victim, collective, algorithm):
     outcomes = spawn_outcomes(_killed_mid_collective, world, victim, collective, algorithm, timeout=90)
     victim_outcome = outcomes[victim]
-    assert not victim_outcome.ok and victim_outcome.exitcode == -signal.SIGKILL
+    assert not victim_outcome.ok
+    assert victim_outcome.exitcode == (-signal.SIGKILL if algorithm == "auto" else -signal.SIGSEGV)
     for o in outcomes:
         if o.rank == victim:
             continue
