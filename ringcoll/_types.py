@@ -33,6 +33,8 @@ DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name, _code, _s
 DTYPE_CODES: dict[torch.dtype, int] = {getattr(torch, name): code for name, code, _size, _floating in _C.dtype_table}
 #: the code of reduce.h's DType enum -> its name
 DTYPE_NAMES: dict[int, str] = {code: name for name, code, _size, _floating in _C.dtype_table}
+#: the code of reduce.h's DType enum -> its element's bytes
+DTYPE_SIZES: dict[int, int] = {code: size for _name, code, size, _floating in _C.dtype_table}
 FLOATING_DTYPES = frozenset(getattr(torch, name) for name, _code, _size, floating in _C.dtype_table if floating)
 
 #: collectives.h's name -> code ("all_reduce": 0, ..., "barrier")

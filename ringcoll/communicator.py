@@ -28,9 +28,10 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ringcoll import _C, packing, plans
+from ringcoll import _C, packing, plans, tuning
 from ringcoll.bootstrap import bootstrap_for
-from ringcoll._types import CPU, DTYPE_NAMES, ReduceOp, dtype_code, op_code
+from ringcoll._types import (CPU, COLLECTIVE_CODES, DATA_COLLECTIVES, DTYPE_NAMES, DTYPE_SIZES, ReduceOp, dtype_code,
+                             op_code)
 from ringcoll.errors import RingcollError
 from ringcoll.transports import CollectiveCall, Settings, new_call, transport_for
 from ringcoll.views import as_device_array, check_count, tensor_view
@@ -278,6 +279,11 @@ class PreparedCollective(PreparedTensors):
 EQUAL, GATHER, SCATTER = _C.EQUAL_SIZES, _C.GATHER_SIZES, _C.SCATTER_SIZES
 
 
+# The algorithms a plain call may run: native, and auto where its table picks native (the
+# binding hands the call back, writing nothing, where auto may pick a plan).
+PLAIN_ALGORITHMS = ("auto", tuning.NATIVE)
+
+
 def _call(collective: str, src: torch.Tensor, dst: torch.Tensor, user_count: int, dtype: int,
           op: Optional[int] = None, plan: Optional[tuple] = None) -> CollectiveCall:
     """The transports' record of a call on checked tensors (the list and packed forms; the
@@ -374,11 +380,14 @@ class Communicator(ArgumentChecks):
     0 turns it off; default ``RINGCOLL_DIRECT_BYTES`` or 16 KiB (it goes before the one-shot
     path). The same on all ranks (checked). ``algorithm``: the algorithm every call runs
     unless it names one (``algorithm=`` on each collective): ``"auto"`` (the default, or
-    ``RINGCOLL_ALGORITHM``: the ring, with the one-shot and direct-read paths where the
-    thresholds above say), a built-in plan (``ringcoll.algorithms()``: ``"ring"``,
-    ``"oneshot"``, ... run by the CPU transport's plan engine) or one registered with
-    ``ringcoll.register_algorithm``; the same on all ranks (checked; a call that names
-    another on some rank raises RingcollMismatchError). ``shares_cores`` (CPU): this rank's cores also
+    ``RINGCOLL_ALGORITHM``: on the CPU, whichever of native and the built-in plans the
+    recorded cost model prices lowest for the call's size, ringcoll/tuning.py; on CUDA the
+    ring kernels), ``"native"`` (the CPU transport's own path: the ring, with the one-shot
+    and direct-read paths where the thresholds above say), a built-in plan
+    (``ringcoll.algorithms()``: ``"ring"``, ``"oneshot"``, ... run by the CPU transport's
+    plan engine) or one registered with ``ringcoll.register_algorithm``; the same on all
+    ranks (checked, as is auto's table; a call that runs another on some rank raises
+    RingcollMismatchError). ``shares_cores`` (CPU): this rank's cores also
     run other busy threads, so its waits nap instead of spinning (HierarchicalCommunicator
     sets it for its node's ring where ranks and their link threads outnumber the cores).
 
@@ -394,10 +403,10 @@ class Communicator(ArgumentChecks):
         self.algorithm = algorithm if algorithm is not None else os.environ.get("RINGCOLL_ALGORITHM", "auto")
         if not isinstance(self.algorithm, str):
             raise TypeError(f"Communicator: algorithm must be a name, got {self.algorithm!r}")
-        self._auto = self.algorithm == "auto"  # calls that name none take the default path (the plain calls')
         transport_cls = self.transport_class(device)
         self._configure(group, transport_cls.resolve_device(device), timeout, buffer_bytes, check,
                         transport_cls.slot_alignment)
+        self._choose_automatically()
         self.small_bytes = _resolve_threshold(small_bytes, "small_bytes", "RINGCOLL_SMALL_BYTES", DEFAULT_SMALL_BYTES,
                                               "always the ring")
         self.direct_bytes = _resolve_threshold(direct_bytes, "direct_bytes", "RINGCOLL_DIRECT_BYTES",
@@ -410,6 +419,13 @@ class Communicator(ArgumentChecks):
         self._transport = transport_cls(settings, self._exchange)
         self._view = tensor_view if transport_cls.takes_arrays else (lambda t: t)
         self._closed = False
+        plain = self._transport.plain_calls
+        for collective, bands in self._auto_bands.items() if plain is not None else ():
+            # The sizes where auto may run a plan: there the plain calls hand auto's calls back to _plan.
+            planned = [i for i, (_, name) in enumerate(bands) if name != tuning.NATIVE]
+            if planned:
+                end = bands[planned[-1] + 1][0] if planned[-1] + 1 < len(bands) else 2**64 - 1
+                plain.set_auto_plan_span(COLLECTIVE_CODES[collective], bands[planned[0]][0], end)
 
     def _exchange(self, mine, **settings) -> list:
         """Send this rank's `mine` (segment name, IPC handle) round the group together with
@@ -418,13 +434,16 @@ class Communicator(ArgumentChecks):
         setting differs: peers would otherwise read each other's buffers with different
         layouts."""
         settings = {"RINGCOLL_CHECK / check=": self.check, "RINGCOLL_BUFFER_BYTES / buffer_bytes=": self.buffer_bytes,
-                    "RINGCOLL_ALGORITHM / algorithm=": self.algorithm, **settings}
+                    "RINGCOLL_ALGORITHM / algorithm=": self.algorithm,
+                    "RINGCOLL_TUNING (auto's table, its digest)": self._tuning_digest, **settings}
         offers = self._bootstrap.all_gather_object((mine, settings))
         for name in settings:
             values = [theirs[name] for _, theirs in offers]
             if len(set(values)) != 1:
                 raise ValueError(f"Communicator: {name} differs between ranks: "
                                  + ", ".join(f"rank {r}: {v}" for r, v in enumerate(values)))
+        if self._tuning_error is not None:
+            raise self._tuning_error
         return [theirs for theirs, _ in offers]
 
     def _configure(self, group, device: torch.device, timeout, buffer_bytes, check, slot_alignment: int) -> None:
@@ -507,17 +526,36 @@ class Communicator(ArgumentChecks):
                                      submit)
         return None if completion is None else Work(completion, list(outputs), keep_alive)
 
-    def _plan(self, name: str, collective: str, algorithm: Optional[str]) -> Optional[tuple]:
-        """The plan a call runs: None for "auto" (the default path), else (the compiled
-        plan, its id) of a built-in or registered algorithm (ringcoll/plans.py), built and
-        checked on first use; ValueError naming the call for an unknown name, PlanError for
-        a plan the checker refuses."""
+    def _choose_automatically(self) -> None:
+        """Read auto's table (ringcoll/tuning.py) for this world size: per collective, the
+        bands of sizes where each algorithm is the cheapest. On CUDA auto is the ring
+        kernels: no table."""
+        table, self._tuning_error = None, None
+        try:
+            table = tuning.load() if self.device.type == "cpu" else None
+        except ValueError as e:  # raised once every rank has said so (_exchange): no rank waits for it
+            self._tuning_error = e
+        self._tuning_digest = (table.digest if table is not None
+                               else f"unreadable ({self._tuning_error})" if self._tuning_error else None)
+        self._auto_bands = {c: table.bands(c, self.world_size) if table is not None else [(0, tuning.NATIVE)]
+                            for c in DATA_COLLECTIVES}
+
+    def _plan(self, name: str, collective: str, algorithm: Optional[str], count: int,
+              dtype: int) -> Optional[tuple]:
+        """The plan a call of `count` elements (as its descriptor counts them) runs: None for
+        native (the transport's own path), else (the compiled plan, its id) of a built-in or
+        registered algorithm (ringcoll/plans.py), built and checked on first use; auto
+        chooses by the message's size. ValueError naming the call for an unknown name,
+        PlanError for a plan the checker refuses."""
         algorithm = self.algorithm if algorithm is None else algorithm
-        if algorithm == "auto" or (algorithm == "ring" and self.device.type != "cpu"):
-            return None  # the default path (on CUDA: the ring kernels, the same ring)
+        if algorithm == "auto":
+            nbytes = count * DTYPE_SIZES[dtype] * (1 if collective == "all_reduce" else self.world_size)
+            algorithm = tuning.choose(self._auto_bands[collective], nbytes)
+        if algorithm == tuning.NATIVE or (algorithm == "ring" and self.device.type != "cpu"):
+            return None  # the transport's own path (on CUDA: the ring kernels, the same ring)
         if self.device.type != "cpu":
             raise ValueError(f"{name}: algorithm={algorithm!r} runs on the CPU transport only so far; on CUDA "
-                             "'auto' or 'ring' (the ring kernels)")
+                             "'auto', 'native' or 'ring' (the ring kernels)")
         try:
             _, compiled, plan_id = plans.compiled(algorithm, collective, self.world_size)
         except plans.PlanError:
@@ -539,16 +577,18 @@ class Communicator(ArgumentChecks):
         rounded after every combine, so they match, bit for bit, a fold round the ring with
         one rounding per step: element i of chunk c (ring.h's chunks) is
         ``((x[c+1] + x[c+2]) + ...) + x[c]`` over ranks (indices mod P) in that dtype, not
-        ``stack.sum(0)``, which rounds once.
+        ``stack.sum(0)``, which rounds once. That is native's order and the ring plan's; another
+        plan folds in its own (docs/algorithms.md), also where auto's table picks one.
         ``output`` (keyword, not in torch.distributed): write the result there instead and
         leave ``tensor`` unchanged, NCCL's out-of-place form. ``algorithm`` (keyword): this
         call's algorithm (see the class), the communicator's by default.
         """
         plain = self._transport.plain_calls
         # Checked and run in one binding call (not while torch.profiler records: _submit's range)
-        if plain is not None and not async_op and not profiler_enabled() and (
-                self._auto if algorithm is None else algorithm == "auto"):
-            return plain.all_reduce_tensor(tensor, output, op)
+        if plain is not None and not async_op and not profiler_enabled():
+            chosen = self.algorithm if algorithm is None else algorithm
+            if chosen in PLAIN_ALGORITHMS and plain.all_reduce_tensor(tensor, output, op, chosen == "auto"):
+                return None
         return self._submit("all_reduce", *self._all_reduce_call("all_reduce", tensor, op, output, algorithm),
                             async_op)
 
@@ -561,7 +601,7 @@ class Communicator(ArgumentChecks):
             output, dst = tensor, src
         else:
             dtype, src, count, dst, _ = self._check_pair(name, output, tensor, EQUAL)
-        plan = self._plan(name, "all_reduce", algorithm)
+        plan = self._plan(name, "all_reduce", algorithm, count, dtype)
         return new_call(("all_reduce", src, dst, count, dtype, op_code(name, op, dtype), plan)), [output], (tensor,)
 
     def all_reduce_coalesced(self, tensors: list, op=ReduceOp.SUM, async_op: bool = False, *,
@@ -574,7 +614,8 @@ class Communicator(ArgumentChecks):
         dtype = self._check_same_dtype(name, "tensors", tensors)
         code = op_code(name, op, dtype)
         flat = packing.concat(tensors)
-        call = _call("all_reduce", flat, flat, flat.numel(), dtype, code, self._plan(name, "all_reduce", algorithm))
+        call = _call("all_reduce", flat, flat, flat.numel(), dtype, code,
+                     self._plan(name, "all_reduce", algorithm, flat.numel(), dtype))
         return self._submit(name, call, list(tensors), (flat,), async_op,
                             then=lambda: packing.split_into(flat, tensors))
 
@@ -583,9 +624,10 @@ class Communicator(ArgumentChecks):
         """``output = op over ranks of input.view(P, -1)[rank]``; input has P x output.numel()
         elements. In place when output is exactly chunk ``rank`` of input."""
         plain = self._transport.plain_calls
-        if plain is not None and not async_op and not profiler_enabled() and (
-                self._auto if algorithm is None else algorithm == "auto"):
-            return plain.reduce_scatter_tensor(output, input, op)
+        if plain is not None and not async_op and not profiler_enabled():
+            chosen = self.algorithm if algorithm is None else algorithm
+            if chosen in PLAIN_ALGORITHMS and plain.reduce_scatter_tensor(output, input, op, chosen == "auto"):
+                return None
         name = "reduce_scatter_tensor"
         return self._submit(name, *self._reduce_scatter_call(name, output, input, op, algorithm), async_op)
 
@@ -594,7 +636,7 @@ class Communicator(ArgumentChecks):
         self._ensure_open(name)
         dtype, src, _, dst, count = self._check_pair(name, output, input, SCATTER)
         call = ("reduce_scatter", src, dst, count, dtype, op_code(name, op, dtype),
-                self._plan(name, "reduce_scatter", algorithm))
+                self._plan(name, "reduce_scatter", algorithm, count, dtype))
         return new_call(call), [output], (input,)
 
     def all_gather_into_tensor(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
@@ -602,9 +644,11 @@ class Communicator(ArgumentChecks):
         """``output_tensor.view(P, -1)[r] = input_tensor on rank r`` for every r. In place when
         input_tensor is exactly chunk ``rank`` of output_tensor."""
         plain = self._transport.plain_calls
-        if plain is not None and not async_op and not profiler_enabled() and (
-                self._auto if algorithm is None else algorithm == "auto"):
-            return plain.all_gather_into_tensor(output_tensor, input_tensor)
+        if plain is not None and not async_op and not profiler_enabled():
+            chosen = self.algorithm if algorithm is None else algorithm
+            if chosen in PLAIN_ALGORITHMS and plain.all_gather_into_tensor(output_tensor, input_tensor,
+                                                                           chosen == "auto"):
+                return None
         name = "all_gather_into_tensor"
         return self._submit(name, *self._all_gather_call(name, output_tensor, input_tensor, algorithm), async_op)
 
@@ -612,8 +656,8 @@ class Communicator(ArgumentChecks):
         output, input = self._view(output), self._view(input)
         self._ensure_open(name)
         dtype, src, count, dst, _ = self._check_pair(name, output, input, GATHER)
-        return new_call(("all_gather", src, dst, count, dtype, None, self._plan(name, "all_gather", algorithm))), \
-            [output], (input,)
+        plan = self._plan(name, "all_gather", algorithm, count, dtype)
+        return new_call(("all_gather", src, dst, count, dtype, None, plan)), [output], (input,)
 
     # --- prepared (persistent) collectives -------------------------------------------------
 
@@ -645,7 +689,8 @@ class Communicator(ArgumentChecks):
         self._ensure_open(name)
         dtype = self._check_list(name, "tensor_list", tensor_list, tensor)
         flat = tensor.new_empty(self.world_size * tensor.numel())
-        call = _call("all_gather", tensor, flat, tensor.numel(), dtype, None, self._plan(name, "all_gather", algorithm))
+        call = _call("all_gather", tensor, flat, tensor.numel(), dtype, None,
+                     self._plan(name, "all_gather", algorithm, tensor.numel(), dtype))
         return self._submit(name, call, list(tensor_list), (tensor, flat), async_op,
                             then=lambda: packing.split_into(flat, tensor_list))
 
@@ -659,7 +704,8 @@ class Communicator(ArgumentChecks):
         code = op_code(name, op, dtype)
         # The packed copy is taken now, so output may alias an entry of input_list.
         flat = packing.concat(input_list)
-        call = _call(name, flat, output, output.numel(), dtype, code, self._plan(name, "reduce_scatter", algorithm))
+        call = _call(name, flat, output, output.numel(), dtype, code,
+                     self._plan(name, "reduce_scatter", algorithm, output.numel(), dtype))
         return self._submit(name, call, [output], (flat, *input_list), async_op)
 
     def all_gather_into_tensor_coalesced(self, outputs: list, inputs: list, async_op: bool = False, *,
@@ -673,7 +719,7 @@ class Communicator(ArgumentChecks):
         flat_in = packing.concat(inputs)
         gathered = flat_in.new_empty(self.world_size * flat_in.numel())
         call = _call("all_gather", flat_in, gathered, flat_in.numel(), dtype, None,
-                     self._plan(name, "all_gather", algorithm))
+                     self._plan(name, "all_gather", algorithm, flat_in.numel(), dtype))
         return self._submit(name, call, list(outputs), (flat_in, gathered), async_op,
                             then=lambda: packing.gathered_rows_into(gathered, outputs, self.world_size))
 
@@ -688,7 +734,7 @@ class Communicator(ArgumentChecks):
         flat_in = packing.chunks_by_rank(inputs, self.world_size)
         mine = flat_in.new_empty(flat_in.numel() // self.world_size)
         call = _call("reduce_scatter", flat_in, mine, mine.numel(), dtype, code,
-                     self._plan(name, "reduce_scatter", algorithm))
+                     self._plan(name, "reduce_scatter", algorithm, mine.numel(), dtype))
         return self._submit(name, call, list(outputs), (flat_in, mine), async_op,
                             then=lambda: packing.split_into(mine, outputs))
 

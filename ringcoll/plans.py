@@ -132,9 +132,10 @@ _lock = threading.Lock()
 
 
 def builtin_algorithms(collective: Optional[str] = None) -> list:
-    """The built-in algorithms' names ("auto" first: the communicator's choice by size),
-    those that have ``collective`` where one is named."""
-    return ["auto", *(name for name in BUILTIN if collective in (None, "all_reduce") or name not in ALL_REDUCE_ONLY)]
+    """The built-in algorithms' names ("auto" first: the communicator's choice by size;
+    then "native", the transport's own path; then the plans), those that have
+    ``collective`` where one is named."""
+    return ["auto", "native", *(name for name in BUILTIN if collective in (None, "all_reduce") or name not in ALL_REDUCE_ONLY)]
 
 
 def algorithms(collective: Optional[str] = None) -> list:
@@ -153,9 +154,9 @@ def register_algorithm(name: str, plan_fn: Callable[[int, int], Sequence[PlanOp]
     if collective not in DATA_COLLECTIVES:
         raise ValueError(f"register_algorithm: collective must be one of {', '.join(DATA_COLLECTIVES)}, "
                          f"got {collective!r}")
-    if not isinstance(name, str) or not name or name == "auto" or name in BUILTIN:
-        raise ValueError(f"register_algorithm: {name!r} is not a name a plan may take (not 'auto' nor a built-in "
-                         f"one: {', '.join(BUILTIN)})")
+    if not isinstance(name, str) or not name or name in ("auto", "native") or name in BUILTIN:
+        raise ValueError(f"register_algorithm: {name!r} is not a name a plan may take (not 'auto', 'native' nor a "
+                         f"built-in one: {', '.join(BUILTIN)})")
     with _lock:
         _registry[name, collective] = plan_fn
         for key in [k for k in _compiled if k[:2] == (name, collective)]:

@@ -69,7 +69,17 @@ bool run_prepared(HostComm& c, const std::string& name, py::handle tensors, py::
   return true;
 }
 
-void all_reduce_tensor(HostComm& c, py::handle tensor, py::handle output, py::handle op) {
+// Whether a plain call of `bytes` (the message: all-reduce's tensor, reduce-scatter's input,
+// all-gather's output) goes back to Python, where auto may choose a plan for it.
+bool handed_back(const HostComm& c, bool auto_choice, ringcoll::Collective coll, int64_t count, int dtype,
+                 int per_rank) {
+  const auto bytes = static_cast<size_t>(count) * dtype_info(static_cast<DType>(dtype)).size_bytes * per_rank;
+  return auto_choice && c.in_auto_plan_span(coll, bytes);
+}
+
+// The plain tensor calls: checked and run in one binding call. Each returns false, having
+// written nothing, where auto's choice is Python's to make (handed_back).
+bool all_reduce_tensor(HostComm& c, py::handle tensor, py::handle output, py::handle op, bool auto_choice) {
   constexpr const char* name = "all_reduce";
   ensure_open(c, name);
   int dtype;
@@ -83,25 +93,32 @@ void all_reduce_tensor(HostComm& c, py::handle tensor, py::handle output, py::ha
     dtype = p.dtype, src = p.input, dst = p.output, count = p.input_count;
   }
   const auto code = static_cast<ReduceOp>(op_code(name, op, dtype));
+  if (handed_back(c, auto_choice, ringcoll::Collective::kAllReduce, count, dtype, 1)) return false;
   py::gil_scoped_release release;
   c.all_reduce(as_ptr(src), as_mut_ptr(dst), count, static_cast<DType>(dtype), code);
+  return true;
 }
 
-void reduce_scatter_tensor(HostComm& c, py::handle output, py::handle input, py::handle op) {
+bool reduce_scatter_tensor(HostComm& c, py::handle output, py::handle input, py::handle op, bool auto_choice) {
   constexpr const char* name = "reduce_scatter_tensor";
   ensure_open(c, name);
   const auto p = check_pair(name, output, input, PairSizes::kScatter, cpu_device(), c.rank(), c.world());
   const auto code = static_cast<ReduceOp>(op_code(name, op, p.dtype));
+  if (handed_back(c, auto_choice, ringcoll::Collective::kReduceScatter, p.output_count, p.dtype, c.world()))
+    return false;
   py::gil_scoped_release release;
   c.reduce_scatter(as_ptr(p.input), as_mut_ptr(p.output), p.output_count, static_cast<DType>(p.dtype), code);
+  return true;
 }
 
-void all_gather_into_tensor(HostComm& c, py::handle output, py::handle input) {
+bool all_gather_into_tensor(HostComm& c, py::handle output, py::handle input, bool auto_choice) {
   constexpr const char* name = "all_gather_into_tensor";
   ensure_open(c, name);
   const auto p = check_pair(name, output, input, PairSizes::kGather, cpu_device(), c.rank(), c.world());
+  if (handed_back(c, auto_choice, ringcoll::Collective::kAllGather, p.input_count, p.dtype, c.world())) return false;
   py::gil_scoped_release release;
   c.all_gather(as_ptr(p.input), as_mut_ptr(p.output), p.input_count, static_cast<DType>(p.dtype));
+  return true;
 }
 }  // namespace
 
@@ -173,9 +190,18 @@ void bind_host(py::module_& m) {
       .def("run_prepared", &run_prepared, py::arg("name"), py::arg("tensors"), py::arg("layout"),
            py::arg("collective"), py::arg("src"), py::arg("dst"), py::arg("count"), py::arg("dtype"), py::arg("op"),
            py::arg("plan") = py::none())
-      .def("all_reduce_tensor", &all_reduce_tensor, py::arg("tensor"), py::arg("output"), py::arg("op"))
-      .def("reduce_scatter_tensor", &reduce_scatter_tensor, py::arg("output"), py::arg("input"), py::arg("op"))
-      .def("all_gather_into_tensor", &all_gather_into_tensor, py::arg("output"), py::arg("input"))
+      .def("all_reduce_tensor", &all_reduce_tensor, py::arg("tensor"), py::arg("output"), py::arg("op"),
+           py::arg("auto_choice"))
+      .def("reduce_scatter_tensor", &reduce_scatter_tensor, py::arg("output"), py::arg("input"), py::arg("op"),
+           py::arg("auto_choice"))
+      .def("all_gather_into_tensor", &all_gather_into_tensor, py::arg("output"), py::arg("input"),
+           py::arg("auto_choice"))
+      .def(
+          "set_auto_plan_span",
+          [](HostComm& c, int collective, size_t from, size_t to) {
+            c.set_auto_plan_span(static_cast<ringcoll::Collective>(collective), from, to);
+          },
+          py::arg("collective"), py::arg("from_bytes"), py::arg("to_bytes"))
       .def("barrier", &HostComm::barrier, py::call_guard<py::gil_scoped_release>())
       .def("close", &HostComm::close)
       .def_property_readonly("rank", &HostComm::rank)

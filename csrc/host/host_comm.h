@@ -11,10 +11,12 @@
 // small messages, run_one_shot). docs/flags.md says who writes and reads each flag.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ringcoll/call.h"
@@ -177,6 +179,16 @@ class HostComm {
   void barrier();
   void close();
 
+  // Message sizes [from, to) in bytes where "auto" may run a plan for `coll` (ringcoll/tuning.py
+  // decides, in Python): the plain tensor calls (bind_host.cpp) hand such a call back rather
+  // than run the transport's own path, so outside the span auto costs nothing extra.
+  void set_auto_plan_span(Collective coll, size_t from, size_t to) {
+    auto_plan_spans_.at(static_cast<int>(coll)) = {from, to};
+  }
+  bool in_auto_plan_span(Collective coll, size_t bytes) const {
+    const auto& [from, to] = auto_plan_spans_[static_cast<int>(coll)];
+    return from <= bytes && bytes < to;
+  }
   bool check_calls() const { return check_calls_; }
   bool closed() const { return closed_; }
   int rank() const { return rank_; }
@@ -272,6 +284,7 @@ class HostComm {
   size_t buffer_bytes_, slot_bytes_, small_bytes_, direct_bytes_, direct_max_bytes_;
   WaitPolicy policy_;
   bool check_calls_;
+  std::array<std::pair<size_t, size_t>, kNumCollectives> auto_plan_spans_{};  // empty: [0, 0)
   std::vector<SegmentMapping> segments_;
   uint64_t step_base_ = 0;          // number of my latest publication (all ranks agree)
   uint64_t barrier_generation_ = 0;

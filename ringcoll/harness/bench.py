@@ -45,11 +45,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
-from ringcoll import plans
+from ringcoll import plans, tuning
 from ringcoll.learning import model
 from ringcoll._types import DATA_COLLECTIVES, DTYPES, REDUCING_COLLECTIVES
 from ringcoll.communicator import Communicator, parse_bytes
@@ -1123,7 +1123,9 @@ def format_table(rows: list[dict], world: int, config: Config, fitted: dict, not
         head = f"# {name}, {world} ranks, {config.dtype}, {transport_label(config, world)}; time in us, bandwidth in GB/s"
         if config.straggler_rank is not None:
             head += f"; rank {config.straggler_rank} delayed {config.delay_us:g} us before every call"
-        if config.algorithms[0] != "auto":
+        if config.algorithms[0] == tuning.NATIVE:
+            head += "; algorithm native (the transport's own path)"
+        elif config.algorithms[0] != "auto":
             head += f"; algorithm {config.algorithms[0]} (the plan engine)"
         elif config.small_bytes is not None:
             head += "; the ring at every size" if config.small_bytes == 0 else \
@@ -1201,6 +1203,25 @@ def format_table(rows: list[dict], world: int, config: Config, fitted: dict, not
     return "\n".join(lines)
 
 
+def tuning_times(rows: list[dict], config: Config, name: str, algorithms: Sequence[str]) -> dict:
+    """{algorithm: {bytes: out-of-place us}} of collective `name`, for each of `algorithms`:
+    the algorithms' table and --record-tuning (ringcoll/tuning.py) read the same numbers."""
+    return {a: {r["bytes"]: r["out_time_us"] for r in rows
+                if r["collective"] == name and r["backend"] == algorithm_backend(config, a) and r.get("out_time_us")}
+            for a in algorithms}
+
+
+def record_tuning(path: str, rows: list[dict], world: int, config: Config, argv: Sequence[str]) -> str:
+    """--record-tuning: write native's and the built-in plans' times into auto's table for
+    `world` (auto's candidates: a registered plan need not exist where the table is read)."""
+    times = {name: tuning_times(rows, config, name, [a for a in config.algorithms if a in tuning.candidates(name)])
+             for name in config.collectives}
+    how = (f"{time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()} x {os.cpu_count()} cores, "
+           f"torch {torch.__version__}: ringcoll-bench {' '.join(argv)}")
+    table = tuning.record(path, world, times, how)
+    return f"# auto's table for P = {world} written to {path} (digest {table.digest})"
+
+
 def algorithm_backend(config: Config, algorithm: str) -> str:
     """The backend name --algorithm's `algorithm` was timed under (ringcoll_backends)."""
     return "ringcoll" if algorithm == config.algorithms[0] else f"algorithm:{algorithm}"
@@ -1208,19 +1229,19 @@ def algorithm_backend(config: Config, algorithm: str) -> str:
 
 def algorithms_table(rows: list[dict], world: int, config: Config, name: str) -> list[str]:
     """--algorithm A,B,...: every algorithm's out-of-place time per size, each plan's beside
-    the alpha-beta model's prediction (one alpha and beta fitted to all of them,
-    model.fit_plans), the fastest plan, auto over it, and where the model and the
+    the alpha-beta model's prediction (one alpha and beta fitted to all the plans,
+    model.fit_plans), the fastest but auto, auto over it, and where the model and the
     measurement put the crossovers."""
-    names = [a for a in config.algorithms if a == "auto" or a in plans.algorithms(name)]
+    names = [a for a in config.algorithms if a in plans.algorithms(name)]
     if len(config.algorithms) < 2 or len(names) < 2:
         return []
-    timed = {a: {r["bytes"]: r for r in rows if r["collective"] == name and r["backend"] == algorithm_backend(config, a)
-                 and r.get("out_time_us")} for a in names}
+    timed = tuning_times(rows, config, name, names)
     fixed = [a for a in names if a != "auto"]
-    measured = [(a, size, r["out_time_us"] * 1e-6) for a in fixed for size, r in timed[a].items()]
+    planned = [a for a in fixed if a != tuning.NATIVE]
+    measured = [(a, size, t * 1e-6) for a in planned for size, t in timed[a].items()]
     fit = model.fit_plans(name, world, measured) if world >= 2 and len(measured) >= 2 else None
     lines = ["", f"# {name}, {world} ranks: the algorithms side by side, out-of-place time in us"
-                 + (" (the model's in brackets)" if fit else "") + "; best: the fastest plan"]
+                 + (" (the model's in brackets)" if fit else "") + "; best: the fastest but auto"]
     width = 17 if fit else 9
     lines.append(f"{'size':>11} |" + "".join(f" {a:>{width}}" for a in names) + f" | {'best':>8}"
                  + (f" {'auto/best':>9}" if "auto" in names and fixed else ""))
@@ -1229,23 +1250,22 @@ def algorithms_table(rows: list[dict], world: int, config: Config, name: str) ->
     for size in sizes:
         line = f"{size:>11} |"
         for a in names:
-            t = timed[a].get(size, {}).get("out_time_us")
-            cell = _f(t, 9, 1, "-")
+            cell = _f(timed[a].get(size), 9, 1, "-")
             if fit:
-                guess = model.algorithm_time(a, name, world, size, fit.alpha, fit.beta) * 1e6 if a != "auto" else None
+                guess = model.algorithm_time(a, name, world, size, fit.alpha, fit.beta) * 1e6 if a in planned else None
                 cell += f" ({_f(guess, 5, 0, '') if guess is not None else '':>5})"
             line += f" {cell:>{width}}"
-        times = {a: timed[a][size]["out_time_us"] for a in fixed if size in timed[a]}
+        times = {a: timed[a][size] for a in fixed if size in timed[a]}
         best = min(times, key=times.get) if times else None
         fastest.append((size, best))
         line += f" | {best or '-':>8}"
         if "auto" in names and fixed:
-            auto = timed["auto"].get(size, {}).get("out_time_us")
+            auto = timed["auto"].get(size)
             line += f" {_f(auto / times[best] if auto and best else None, 9)}"
         lines.append(line)
     if fit:
         where = ", ".join(f"{a} from {int(start)}" for start, a in model.crossovers(name, world, fit.alpha, fit.beta,
-                                                                                   fixed))
+                                                                                   planned))
         lines.append(f"# model: alpha = {fit.alpha * 1e6:.2f} us per round, beta = {fit.beta / 1e9:.2f} GB/s, one "
                      f"pair fitted to every plan's times; its fastest: {where} bytes")
     runs = [(size, best) for i, (size, best) in enumerate(fastest) if best and (i == 0 or fastest[i - 1][1] != best)]
@@ -1322,14 +1342,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="all-gathers from this size read peers directly (one copy) where the kernel allows; 0: "
                         "always through the slots (default: RINGCOLL_DIRECT_BYTES or 16K)")
     p.add_argument("--algorithm", default="auto", metavar="NAME[,NAME...]",
-                   help="the algorithms to time (ringcoll.algorithms(): auto, ring, oneshot, rhd, rd, tree): the "
-                        "first in the main table, all of them side by side in a table of their own, each plan beside "
-                        "the model's prediction (CPU; default auto, the Communicator's own choice)")
+                   help="the algorithms to time (ringcoll.algorithms(): auto, native, ring, oneshot, rhd, rd, "
+                        "tree): the first in the main table, all of them side by side in a table of their own, each "
+                        "plan beside the model's prediction (CPU; default auto, the Communicator's own choice)")
+    p.add_argument("--record-tuning", metavar="FILE.json", default=None,
+                   help="write native's and the plans' times into auto's table FILE for this world size (each "
+                        "replaces the time of the same collective, algorithm and size; the rest stays): "
+                        "RINGCOLL_TUNING=FILE makes auto read it (ringcoll/tuning.py)")
     p.add_argument("--plans", metavar="FILE.py", default=None,
                    help="a Python file that registers plans (ringcoll.register_algorithm), run by every rank: its "
                         "names are then --algorithm names (docs/algorithms.md)")
     p.add_argument("--small-bytes", default=None,
-                   help="auto's one-shot path up to this size (0: the ring at every size; default: "
+                   help="native's one-shot path up to this size (0: the ring at every size; default: "
                         "RINGCOLL_SMALL_BYTES or the transport's limit)")
     p.add_argument("--fit", action="store_true", help="fit the alpha-beta model; print predictions")
     p.add_argument("--no-check-cost", action="store_true",
@@ -1384,6 +1408,9 @@ def main(argv=None) -> int:
     if algorithms != ("auto",) and (args.device == "cuda" or args.hosts > 1):
         return refuse("--algorithm other than auto runs on the CPU transport only so far (not --device cuda or "
                       "--hosts 2)")
+    if args.record_tuning and (tuning.NATIVE not in algorithms or args.device != "cpu" or args.hosts > 1):
+        return refuse("--record-tuning weighs the plans against native on the CPU transport of one machine: give "
+                      "--algorithm native,<plans> (not --device cuda, --hosts 2)")
     if args.straggler_rank is not None and not 0 <= args.straggler_rank < args.nproc:
         return refuse(f"--straggler-rank {args.straggler_rank} is not a rank of --nproc {args.nproc}")
     if args.hosts > 1 and (args.nproc % args.hosts or args.device != "cpu" or args.in_process):
@@ -1453,6 +1480,8 @@ def main(argv=None) -> int:
     rows = [r for r in rows if "kind" not in r]
     fitted = fits(rows, args.nproc) if args.fit else {}
     print(format_table(rows, args.nproc, config, fitted, notes, costs, direct))
+    if args.record_tuning:
+        print(record_tuning(args.record_tuning, rows, args.nproc, config, sys.argv[1:] if argv is None else argv))
     if cut is not None:
         print(f"# --max-seconds {args.max_seconds:g} spent: {cut['collective']} from {cut['count']} elements on "
               "not measured, nor what comes after it")

@@ -207,7 +207,7 @@ def trace(collective: str, world: int, n: int, inputs: Optional[Sequence[Sequenc
     ``algorithm``: ``"ring"``, ``"oneshot"`` for the small-message path, or ``"direct"`` for
     the direct-read all-gather (all_gather only)."""
     coll = _collective(collective)
-    choices = [*ALGORITHMS, *(a for a in plans.algorithms(collective) if a not in ALGORITHMS and a != "auto")]
+    choices = [*ALGORITHMS, *(a for a in plans.algorithms(collective) if a not in (*ALGORITHMS, "auto", "native"))]
     if algorithm not in choices:
         raise ValueError(f"trace: algorithm for {collective} must be one of {', '.join(choices)}, got {algorithm!r}")
     if algorithm == "direct" and coll != Collective.ALL_GATHER:

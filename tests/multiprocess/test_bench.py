@@ -302,11 +302,12 @@ def test_straggler_shows_ring_runs_at_slowest_pace(capsys):
     assert "# DeepSpeed reference: skipped (--no-deepspeed)" in printed and "# oneCCL reference: skipped (--no-ccl)" in printed
 
 
-def test_algorithms_side_by_side_checked_with_the_model(capsys):
+def test_algorithms_side_by_side_checked_with_the_model(capsys, tmp_path):
     """--algorithm A,B,..: the first in the main table, every one checked and timed in a
     table of its own, each plan beside the model's prediction from one fitted alpha-beta,
-    the all-reduce-only ones marked so for reduce-scatter; auto over the fastest plan."""
-    from ringcoll import plans
+    the all-reduce-only ones marked so for reduce-scatter; auto over the fastest of the
+    others; --record-tuning writes native's and the built-in plans' times as auto's table."""
+    from ringcoll import plans, tuning
 
     example = os.path.join(ROOT, "examples", "bidirectional_ring.py")  # registers "bidir" (all-reduce)
     saved = dict(plans._registry)
@@ -314,7 +315,8 @@ def test_algorithms_side_by_side_checked_with_the_model(capsys):
         status = bench.main(["-b", "1K", "-e", "64K", "-f", "8", "-w", "1", "-n", "2", "--trials", "1", "--min-ms",
                              "1", "--no-gloo", "--no-mpi", "--no-deepspeed", "--no-ccl", "--no-progress",
                              "--no-check-cost", "--collectives", "all_reduce,reduce_scatter", "--plans", example,
-                             "--algorithm", "rhd,auto,ring,rd,tree,oneshot,bidir"])
+                             "--algorithm", "rhd,auto,native,ring,rd,tree,oneshot,bidir",
+                             "--json", str(tmp_path / "rows.json"), "--record-tuning", str(tmp_path / "tuning.json")])
     finally:  # the pytest process's registry as other tests expect it
         plans._registry.clear()
         plans._registry.update(saved)
@@ -324,24 +326,39 @@ def test_algorithms_side_by_side_checked_with_the_model(capsys):
     assert printed.count("algorithm rhd (the plan engine)") == 2, printed
     table = printed[printed.index("# all_reduce, 2 ranks: the algorithms side by side"):]
     head = table.splitlines()[1].split()
-    assert head[:9] == ["size", "|", "rhd", "auto", "ring", "rd", "tree", "oneshot", "bidir"] and \
+    assert head[:10] == ["size", "|", "rhd", "auto", "native", "ring", "rd", "tree", "oneshot", "bidir"] and \
         head[-2:] == ["best", "auto/best"]
     rows = table.splitlines()[2:5]
     assert [int(line.split()[0]) for line in rows] == [1024, 8192, 65536], table
-    for line in rows:  # seven times, six model predictions (auto has none), the fastest plan, auto's ratio
+    for line in rows:  # eight times, six model predictions (auto and native have none); the fastest, auto's ratio
         cells = line.split("|")[1].replace("(", " ").replace(")", " ").split()
-        assert len(cells) == 13 and all(float(c) > 0 for c in cells), line
+        assert len(cells) == 14 and all(float(c) > 0 for c in cells), line
         best = line.split("|")[2].split()[0]
-        assert best in ("rhd", "ring", "rd", "tree", "oneshot", "bidir")
+        assert best in ("rhd", "native", "ring", "rd", "tree", "oneshot", "bidir")
     assert "# model: alpha = " in table and "one pair fitted to every plan's times; its fastest: " in table
     assert "# measured fastest: " in table
     scatter = printed[printed.index("# reduce_scatter, 2 ranks: the algorithms side by side"):]
-    assert scatter.splitlines()[1].split()[:6] == ["size", "|", "rhd", "auto", "ring", "oneshot"], scatter
+    assert scatter.splitlines()[1].split()[:7] == ["size", "|", "rhd", "auto", "native", "ring", "oneshot"], scatter
+    # The table: the out-of-place times the run measured, of what auto weighs (not bidir, registered only here).
+    table = tuning.load(str(tmp_path / "tuning.json"))
+    assert f"auto's table for P = 2 written to {tmp_path / 'tuning.json'} (digest {table.digest})" in printed
+    measured = json.loads((tmp_path / "rows.json").read_text())["rows"]
+    for collective in ("all_reduce", "reduce_scatter"):
+        names = ["rhd", "native", "ring", "rd", "tree", "oneshot"] if collective == "all_reduce" else \
+            ["rhd", "native", "ring", "oneshot"]
+        assert table.times_us[2][collective] == {
+            name: {r["bytes"]: pytest.approx(r["out_time_us"], abs=0.01) for r in measured
+                   if r["collective"] == collective and r["backend"] == ("ringcoll" if name == "rhd" else
+                                                                         f"algorithm:{name}")}
+            for name in names}
+        assert "ringcoll-bench -b 1K" in table.recorded[2]
 
 
 def test_algorithm_option_refuses_unknown_names(capsys):
     assert bench.main(["--algorithm", "ring,nope", "--no-progress"]) == 2
-    assert "--algorithm: nope; choose from auto, ring, oneshot, rhd, rd, tree" in capsys.readouterr().err
+    assert "--algorithm: nope; choose from auto, native, ring, oneshot, rhd, rd, tree" in capsys.readouterr().err
+    assert bench.main(["--algorithm", "rd", "--record-tuning", "t.json", "--no-progress"]) == 2
+    assert "--record-tuning weighs the plans against native" in capsys.readouterr().err
 
 
 def test_direct_bytes_option_says_which_all_gather_path_ran(capsys):

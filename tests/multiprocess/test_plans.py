@@ -121,6 +121,75 @@ def test_disagreements_and_wrong_plans_fail_on_every_rank_before_anything_moves(
         assert messages[2].startswith("all_reduce plan 'wrong' on 3 ranks: rank ") and messages[2].endswith(
             "op 10 (chunk 0: input OP input -> output (final)): reads input chunk 0 after writing output chunk 0: "
             "wrong when the output is the input (in place)"), messages[2]
-        assert messages[3].startswith("all_reduce: unknown algorithm 'nope' for all_reduce; choose from auto, ring"), \
-            messages[3]
+        assert messages[3].startswith("all_reduce: unknown algorithm 'nope' for all_reduce; choose from auto, "
+                                      "native, ring"), messages[3]
         assert t == [3.0] * 6, t  # 0 + 1 + 2: the refused calls moved nothing
+
+
+# auto's choice from a table (ringcoll/tuning.py). In the band [1024, 8192] native costs
+# 10 + 90 (n - 1024) / 7168 us and rd (with the 5% margin) 21: rd from 1901 bytes; past 8192
+# native is flat at 100 and rd reaches it at 12595 bytes. reduce_scatter: rhd, the same times.
+BANDED = {"native": {1024: 10.0, 8192: 100.0, 65536: 100.0}, "plan": {1024: 20.0, 8192: 20.0, 65536: 1000.0}}
+IN_BAND, BELOW, ABOVE = 1000, 100, 5000  # float32 elements: 4000, 400 and 20000 bytes
+
+
+def _table(tmp_path, name, plan_times):
+    from ringcoll import tuning
+
+    times = {"all_reduce": {"native": BANDED["native"], "rd": plan_times},
+             "reduce_scatter": {"native": BANDED["native"], "rhd": plan_times}}
+    return tuning.record(str(tmp_path / name), 2, times, "test").source
+
+
+def _auto_by_table(rank, world, table, other_table):
+    import os
+
+    import torch.distributed as dist
+
+    os.environ["RINGCOLL_TUNING"] = table
+    results, messages = {}, []
+    with ringcoll.Communicator(timeout=10) as comm:
+        for count in (BELOW, IN_BAND, ABOVE):
+            x = torch.randn(count, generator=torch.Generator().manual_seed(rank * 7 + count))
+            ref, out = x.clone(), torch.empty(count // world)
+            dist.all_reduce(ref)
+            comm.reduce_scatter_tensor(out, x)
+            comm.all_reduce(x)
+            results[count] = (torch.equal(x, ref), torch.equal(out, ref.view(world, -1)[rank]))
+        # auto's choice travels in the descriptor: rank 1 naming it agrees with rank 0's auto
+        for count, named in ((IN_BAND, "rd"), (BELOW, "native"), (ABOVE, "native"), (IN_BAND, "rhd"),
+                             (IN_BAND, "native")):
+            try:
+                algorithm = "auto" if rank == 0 else named
+                if named == "rhd":
+                    comm.reduce_scatter_tensor(torch.empty(count // world), torch.ones(count), algorithm=algorithm)
+                else:
+                    comm.all_reduce(torch.ones(count), algorithm=algorithm)
+                messages.append("no error")
+            except ringcoll.RingcollMismatchError as e:
+                messages.append(str(e))
+    os.environ["RINGCOLL_TUNING"] = other_table if rank == 1 else table
+    try:
+        ringcoll.Communicator(timeout=10)
+        messages.append("no error")
+    except ValueError as e:
+        messages.append(str(e))
+    os.environ["RINGCOLL_TUNING"] = table + ".absent" if rank == 0 else table
+    try:
+        ringcoll.Communicator(timeout=10)
+        messages.append("no error")
+    except ValueError as e:
+        messages.append(str(e))
+    return results, messages
+
+
+def test_auto_runs_what_the_table_prices_lowest_and_every_rank_agrees(tmp_path):
+    table = _table(tmp_path, "banded.json", BANDED["plan"])
+    other = _table(tmp_path, "other.json", {size: t * 2 for size, t in BANDED["plan"].items()})
+    for rank, (results, messages) in enumerate(spawn(_auto_by_table, 2, table, other, timeout=120)):
+        assert all(all(ok) for ok in results.values()), results  # every size against gloo, bitwise (P = 2)
+        assert messages[:4] == ["no error"] * 4, messages
+        assert "algorithm rd" in messages[4] and "mismatched collective calls" in messages[4], messages[4]
+        assert "RINGCOLL_TUNING (auto's table, its digest) differs between ranks" in messages[5], messages[5]
+        assert ("RINGCOLL_TUNING (auto's table, its digest) differs between ranks: rank 0: unreadable "
+                "(RINGCOLL_TUNING: cannot read a tuning table from" in messages[6]), messages[6]

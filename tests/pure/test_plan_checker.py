@@ -51,7 +51,7 @@ def test_all_reduce_only_algorithms_refuse_the_others_by_name(name):
     assert sorted(plans.ALL_REDUCE_ONLY) == ["rd", "tree"]
     for coll in ("reduce_scatter", "all_gather"):
         with pytest.raises(ValueError, match=f"algorithm '{name}' is an all-reduce .*; for {coll} choose from auto, "
-                                             "ring, oneshot, rhd$"):
+                                             "native, ring, oneshot, rhd$"):
             plans.plan(name, coll, 4)
         assert name not in plans.algorithms(coll) and name in plans.algorithms("all_reduce")
 
@@ -265,13 +265,14 @@ def test_one_rank_runs_no_plan():
 # --- the registry --------------------------------------------------------------------------------
 
 def test_names_and_refusals():
-    assert plans.builtin_algorithms()[:2] == ["auto", "ring"] and "oneshot" in plans.algorithms()
-    for bad in ("auto", "ring", "", None):
+    assert plans.builtin_algorithms()[:3] == ["auto", "native", "ring"] and "oneshot" in plans.algorithms()
+    for bad in ("auto", "native", "ring", "", None):
         with pytest.raises(ValueError, match="is not a name a plan may take"):
             plans.register_algorithm(bad, ring)
     with pytest.raises(ValueError, match="collective must be one of all_reduce, reduce_scatter, all_gather"):
         plans.register_algorithm("x", ring, "broadcast")
-    with pytest.raises(ValueError, match="unknown algorithm 'nope' for all_reduce; choose from auto, ring, oneshot"):
+    with pytest.raises(ValueError, match="unknown algorithm 'nope' for all_reduce; choose from auto, native, ring, "
+                                         "oneshot"):
         plans.plan("nope", "all_reduce", 2)
 
 

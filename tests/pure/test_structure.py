@@ -20,7 +20,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "ringcoll"
 # Lower layers may not import higher ones; a layer may import itself (no cycles, checked below).
 LAYERS = [
     ("ringcoll._C",),
-    ("ringcoll._types", "ringcoll.errors", "ringcoll.views", "ringcoll.packing", "ringcoll._moved", "ringcoll.plans"),
+    ("ringcoll._types", "ringcoll.errors", "ringcoll.views", "ringcoll.packing", "ringcoll._moved", "ringcoll.plans",
+     "ringcoll.tuning"),
     ("ringcoll.bootstrap",),
     ("ringcoll.transports",),
     ("ringcoll.communicator",),

@@ -1,0 +1,202 @@
+"""How ``algorithm="auto"`` chooses: a cost model per algorithm, read from a recorded table.
+
+The candidates are ``"native"``, the CPU transport's own path (the hand-written ring, with
+the one-shot and direct-read paths where its thresholds say), and every built-in plan that
+has the collective (``ringcoll.algorithms(collective)``). For each world size and
+collective the table holds every candidate's measured time at a ladder of message sizes
+n_0 < n_1 < ... (the benchmark's out-of-place times). Between two neighbouring sizes a
+candidate costs the line through its two points,
+
+    t(n) = alpha + n / beta        (alpha: what a call costs before it moves a byte;
+                                    beta: the bytes per second it then moves)
+
+below n_0 its time at n_0; past the last size its time there, grown in proportion to the
+bytes (the bandwidth term is all that is left, so the last size's choice holds: the last
+band's lines, extended, would cross wherever their noise puts them). A plan must be priced
+at least ``PLAN_MARGIN`` (5%) below native to be chosen: a recorded table is noisy, and two
+candidates within a few percent of each other would otherwise trade sizes on that noise. One line per band, not
+one per algorithm: on a CPU a message's bandwidth changes as it outgrows the caches (P = 2,
+native all-reduce: 1.4 GB/s at 64 KiB, 4.4 GB/s at 16 MiB), and a single line fitted over
+1 KiB-16 MiB misprices the middle sizes, where the candidates are closest. ``auto`` runs,
+at each size, the candidate whose line is lowest (ties to native, then the table's order);
+``bands`` gives where that changes, once per communicator, so a call only looks its size up.
+(The teaching model, ``learning.model.algorithm_time``, prices a plan from its rounds and
+bytes alone; it predicts where crossovers lie, this table says where they were measured.)
+
+Where the table comes from (decided once per process):
+
+- ``RINGCOLL_TUNING=path``: a JSON file ``ringcoll-bench --algorithm native,ring,...
+  --record-tuning path`` wrote (each run adds its times, replacing those of the same
+  world size, collective, algorithm and message size);
+- otherwise the table shipped in the package (``tuning_cpu.json``), recorded on this
+  project's 2-core VM at P = 2 and 4 (its ``recorded`` field says how). On another machine,
+  record your own: the crossovers move with the cores, the caches and the memory.
+
+A world size or collective the table does not hold runs native, as does every call on
+CUDA (the ring kernels). Every rank must choose alike, so a communicator's ranks agree on
+the table's digest at construction (ValueError naming both otherwise); a call's descriptor
+carries the algorithm chosen, so ranks that still differ raise MismatchError, not a hang.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+from ringcoll._types import DATA_COLLECTIVES
+
+NATIVE = "native"
+PLAN_MARGIN = 0.05  # a plan is chosen only where it is priced this much below native
+DEFAULT_TABLE = Path(__file__).with_name("tuning_cpu.json")
+TUNING_ENV = "RINGCOLL_TUNING"
+
+
+@dataclass(frozen=True)
+class Table:
+    source: str  # the file it was read from
+    recorded: dict  # {world: how it was measured (machine, date, command)}
+    times_us: dict  # {world: {collective: {algorithm: {bytes: microseconds}}}}
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """The times' fingerprint: communicators compare it across ranks."""
+        canonical = json.dumps(self.times_us, sort_keys=True)
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+    def bands(self, collective: str, world: int) -> list:
+        """``[(from_bytes, algorithm), ...]``, the first from 0: which candidate ``auto`` runs
+        from each size on (native where the table has nothing for this world and collective)."""
+        return lower_envelope(self.times_us.get(world, {}).get(collective, {}))
+
+    def choose(self, collective: str, world: int, nbytes: float) -> str:
+        return choose(self.bands(collective, world), nbytes)
+
+
+def choose(bands: Sequence[tuple], nbytes: float) -> str:
+    """The algorithm ``bands`` (Table.bands) gives a message of ``nbytes``."""
+    return bands[bisect.bisect_right([start for start, _ in bands], nbytes) - 1][1]
+
+
+def lower_envelope(times: dict) -> list:
+    """Where the fastest of ``times`` ({algorithm: {bytes: us}}) changes as the message
+    grows, each algorithm priced by its band lines (module docstring): ``[(from_bytes,
+    algorithm), ...]``, the first from 0. Only the sizes every algorithm was timed at count."""
+    names = sorted(times, key=lambda name: name != NATIVE)  # native first: it wins ties
+    sizes = sorted(set.intersection(*(set(t) for t in times.values()))) if times else []
+    if not sizes:
+        return [(0, NATIVE)]
+
+    def line(name: str, band: int) -> tuple:
+        """(time at 0, us per byte) of `name` in `band` (between sizes[band] and the next),
+        a plan's raised by the margin."""
+        weight = 1.0 if name == NATIVE else 1.0 + PLAN_MARGIN
+        if len(sizes) == 1:
+            return times[name][sizes[0]] * weight, 0.0
+        lo, hi = sizes[band], sizes[band + 1]
+        per_byte = (times[name][hi] - times[name][lo]) / (hi - lo)
+        return (times[name][lo] - per_byte * lo) * weight, per_byte * weight
+
+    def band_of(n: float) -> int:
+        return min(max(bisect.bisect_left(sizes, n) - 1, 0), max(len(sizes) - 2, 0))
+
+    def cost(name: str, n: float) -> float:
+        if n > sizes[-1]:
+            return cost(name, sizes[-1]) * n / sizes[-1]
+        at_zero, per_byte = line(name, band_of(n))
+        return at_zero + per_byte * max(n, sizes[0])  # below the first size: its time there
+
+    def fastest(n: float) -> str:
+        return min(names, key=lambda name: cost(name, n))
+
+    # Within a band the fastest changes only where two lines cross: cut there, and at
+    # every recorded size, then take the fastest in the middle of each piece.
+    cuts = {0.0, *map(float, sizes)}
+    for band in range(max(len(sizes) - 1, 1)):
+        lo, hi = sizes[band], sizes[min(band + 1, len(sizes) - 1)]
+        lines = {name: line(name, band) for name in names}
+        for a in names:
+            for b in names:
+                (a0, a1), (b0, b1) = lines[a], lines[b]
+                if a1 > b1 and lo < (b0 - a0) / (a1 - b1) < hi:
+                    cuts.add((b0 - a0) / (a1 - b1))
+    edges = sorted(cuts)
+    out: list = []
+    for i, start in enumerate(edges):
+        end = edges[i + 1] if i + 1 < len(edges) else start * 2 + 1.0
+        best = fastest((start + end) / 2)
+        if not out or out[-1][1] != best:
+            out.append((math.ceil(start), best))
+    return out
+
+
+def candidates(collective: str) -> list:
+    """What auto weighs for ``collective``: native and the built-in plans that have it."""
+    from ringcoll import plans
+
+    return [NATIVE, *(name for name in plans.builtin_algorithms(collective) if name in plans.BUILTIN)]
+
+
+def _read(path: str) -> Table:
+    try:
+        data = json.loads(Path(path).read_text())
+        times = {int(world): {collective: {name: {int(n): float(t) for n, t in points.items()}
+                                          for name, points in by_name.items()}
+                              for collective, by_name in by_collective.items()}
+                 for world, by_collective in data["times_us"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{TUNING_ENV}: cannot read a tuning table from {path!r} ({type(e).__name__}: {e}); "
+                         "ringcoll-bench --record-tuning writes one") from None
+    for world, by_collective in times.items():
+        for collective, by_name in by_collective.items():
+            if collective not in DATA_COLLECTIVES:
+                raise ValueError(f"{TUNING_ENV}: the table {path!r} names {collective!r}, not a collective")
+            strangers = sorted(set(by_name) - set(candidates(collective)))
+            if strangers:
+                raise ValueError(f"{TUNING_ENV}: the table {path!r} prices {', '.join(strangers)} for {collective} "
+                                 f"at P = {world}: auto weighs only {', '.join(candidates(collective))}")
+    return Table(str(path), {int(w): str(how) for w, how in data.get("recorded", {}).items()}, times)
+
+
+@functools.lru_cache(maxsize=None)
+def _load(path: str) -> Table:
+    return _read(path)
+
+
+def load(path: Optional[str] = None) -> Table:
+    """The table ``auto`` reads: ``path``, else ``RINGCOLL_TUNING``, else the shipped one
+    (read once per file)."""
+    return _load(str(path or os.environ.get(TUNING_ENV) or DEFAULT_TABLE))
+
+
+def record(path: str, world: int, times_us: dict, recorded: str) -> Table:
+    """Write ``times_us`` ({collective: {algorithm: {bytes: us}}}, native among them) into
+    the table at ``path`` for ``world``: each time replaces the one recorded for the same
+    (collective, algorithm, size), every other entry stays. So a sweep can be refined by a
+    longer run over the sizes where candidates are close; a fresh table starts from no file."""
+    old = _read(path) if Path(path).exists() else Table(str(path), {}, {})
+    merged = {c: {name: dict(points) for name, points in by_name.items()}
+              for c, by_name in old.times_us.get(world, {}).items()}
+    for c, by_name in times_us.items():
+        for name, points in by_name.items():
+            merged.setdefault(c, {}).setdefault(name, {}).update(points)
+    missing = [c for c, by_name in merged.items() if NATIVE not in by_name]
+    if missing:
+        raise ValueError(f"record: the table needs {NATIVE!r} times for {', '.join(missing)} (auto weighs the plans "
+                         "against it)")
+    how = f"{old.recorded[world]}; then {recorded}" if world in old.recorded else recorded
+    notes, existing = {**old.recorded, world: how}, {**old.times_us, world: merged}
+    data = {"recorded": {str(w): how for w, how in sorted(notes.items())},
+            "times_us": {str(w): {c: {name: {str(n): round(t, 2) for n, t in sorted(points.items())}
+                                      for name, points in by_name.items()}
+                                  for c, by_name in by_collective.items()}
+                         for w, by_collective in sorted(existing.items())}}
+    Path(path).write_text(json.dumps(data, indent=1) + "\n")
+    _load.cache_clear()
+    return _read(path)
