@@ -279,8 +279,9 @@ class PreparedCollective(PreparedTensors):
 EQUAL, GATHER, SCATTER = _C.EQUAL_SIZES, _C.GATHER_SIZES, _C.SCATTER_SIZES
 
 
-# The algorithms a plain call may run: native, and auto where its table picks native (the
-# binding hands the call back, writing nothing, where auto may pick a plan).
+# The algorithms a plain call runs without looking further: native, and auto where its table
+# picks native (the binding hands the call back, writing nothing, where auto may pick a plan;
+# the call then runs plain again, with the plan _plan gives, as a named plan's does).
 PLAIN_ALGORITHMS = ("auto", tuning.NATIVE)
 
 
@@ -540,17 +541,19 @@ class Communicator(ArgumentChecks):
         self._auto_bands = {c: table.bands(c, self.world_size) if table is not None else [(0, tuning.NATIVE)]
                             for c in DATA_COLLECTIVES}
 
-    def _plan(self, name: str, collective: str, algorithm: Optional[str], count: int,
-              dtype: int) -> Optional[tuple]:
-        """The plan a call of `count` elements (as its descriptor counts them) runs: None for
-        native (the transport's own path), else (the compiled plan, its id) of a built-in or
-        registered algorithm (ringcoll/plans.py), built and checked on first use; auto
-        chooses by the message's size. ValueError naming the call for an unknown name,
-        PlanError for a plan the checker refuses."""
+    def _message_bytes(self, collective: str, count: int, dtype: int) -> int:
+        """The message of a call of `count` elements as its descriptor counts them (all-reduce:
+        the tensor; reduce-scatter: the input; all-gather: the output), in bytes."""
+        return count * DTYPE_SIZES[dtype] * (1 if collective == "all_reduce" else self.world_size)
+
+    def _plan(self, name: str, collective: str, algorithm: Optional[str], message_bytes: int) -> Optional[tuple]:
+        """The plan a call runs: None for native (the transport's own path), else (the
+        compiled plan, its id) of a built-in or registered algorithm (ringcoll/plans.py),
+        built and checked on first use; auto chooses by the message's size. ValueError
+        naming the call for an unknown name, PlanError for a plan the checker refuses."""
         algorithm = self.algorithm if algorithm is None else algorithm
         if algorithm == "auto":
-            nbytes = count * DTYPE_SIZES[dtype] * (1 if collective == "all_reduce" else self.world_size)
-            algorithm = tuning.choose(self._auto_bands[collective], nbytes)
+            algorithm = tuning.choose(self._auto_bands[collective], message_bytes)
         if algorithm == tuning.NATIVE or (algorithm == "ring" and self.device.type != "cpu"):
             return None  # the transport's own path (on CUDA: the ring kernels, the same ring)
         if self.device.type != "cpu":
@@ -589,6 +592,10 @@ class Communicator(ArgumentChecks):
             chosen = self.algorithm if algorithm is None else algorithm
             if chosen in PLAIN_ALGORITHMS and plain.all_reduce_tensor(tensor, output, op, chosen == "auto"):
                 return None
+            # A plan (named, or auto's choice where the binding handed the call back): run there too.
+            plain.all_reduce_tensor(tensor, output, op, False,
+                                    self._plan("all_reduce", "all_reduce", chosen, getattr(tensor, "nbytes", 0)))
+            return None
         return self._submit("all_reduce", *self._all_reduce_call("all_reduce", tensor, op, output, algorithm),
                             async_op)
 
@@ -601,7 +608,7 @@ class Communicator(ArgumentChecks):
             output, dst = tensor, src
         else:
             dtype, src, count, dst, _ = self._check_pair(name, output, tensor, EQUAL)
-        plan = self._plan(name, "all_reduce", algorithm, count, dtype)
+        plan = self._plan(name, "all_reduce", algorithm, self._message_bytes("all_reduce", count, dtype))
         return new_call(("all_reduce", src, dst, count, dtype, op_code(name, op, dtype), plan)), [output], (tensor,)
 
     def all_reduce_coalesced(self, tensors: list, op=ReduceOp.SUM, async_op: bool = False, *,
@@ -615,7 +622,7 @@ class Communicator(ArgumentChecks):
         code = op_code(name, op, dtype)
         flat = packing.concat(tensors)
         call = _call("all_reduce", flat, flat, flat.numel(), dtype, code,
-                     self._plan(name, "all_reduce", algorithm, flat.numel(), dtype))
+                     self._plan(name, "all_reduce", algorithm, flat.nbytes))
         return self._submit(name, call, list(tensors), (flat,), async_op,
                             then=lambda: packing.split_into(flat, tensors))
 
@@ -628,6 +635,9 @@ class Communicator(ArgumentChecks):
             chosen = self.algorithm if algorithm is None else algorithm
             if chosen in PLAIN_ALGORITHMS and plain.reduce_scatter_tensor(output, input, op, chosen == "auto"):
                 return None
+            plain.reduce_scatter_tensor(output, input, op, False, self._plan(
+                "reduce_scatter_tensor", "reduce_scatter", chosen, getattr(input, "nbytes", 0)))
+            return None
         name = "reduce_scatter_tensor"
         return self._submit(name, *self._reduce_scatter_call(name, output, input, op, algorithm), async_op)
 
@@ -636,7 +646,7 @@ class Communicator(ArgumentChecks):
         self._ensure_open(name)
         dtype, src, _, dst, count = self._check_pair(name, output, input, SCATTER)
         call = ("reduce_scatter", src, dst, count, dtype, op_code(name, op, dtype),
-                self._plan(name, "reduce_scatter", algorithm, count, dtype))
+                self._plan(name, "reduce_scatter", algorithm, self._message_bytes("reduce_scatter", count, dtype)))
         return new_call(call), [output], (input,)
 
     def all_gather_into_tensor(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
@@ -649,6 +659,9 @@ class Communicator(ArgumentChecks):
             if chosen in PLAIN_ALGORITHMS and plain.all_gather_into_tensor(output_tensor, input_tensor,
                                                                            chosen == "auto"):
                 return None
+            plain.all_gather_into_tensor(output_tensor, input_tensor, False, self._plan(
+                "all_gather_into_tensor", "all_gather", chosen, getattr(output_tensor, "nbytes", 0)))
+            return None
         name = "all_gather_into_tensor"
         return self._submit(name, *self._all_gather_call(name, output_tensor, input_tensor, algorithm), async_op)
 
@@ -656,7 +669,7 @@ class Communicator(ArgumentChecks):
         output, input = self._view(output), self._view(input)
         self._ensure_open(name)
         dtype, src, count, dst, _ = self._check_pair(name, output, input, GATHER)
-        plan = self._plan(name, "all_gather", algorithm, count, dtype)
+        plan = self._plan(name, "all_gather", algorithm, self._message_bytes("all_gather", count, dtype))
         return new_call(("all_gather", src, dst, count, dtype, None, plan)), [output], (input,)
 
     # --- prepared (persistent) collectives -------------------------------------------------
@@ -690,7 +703,7 @@ class Communicator(ArgumentChecks):
         dtype = self._check_list(name, "tensor_list", tensor_list, tensor)
         flat = tensor.new_empty(self.world_size * tensor.numel())
         call = _call("all_gather", tensor, flat, tensor.numel(), dtype, None,
-                     self._plan(name, "all_gather", algorithm, tensor.numel(), dtype))
+                     self._plan(name, "all_gather", algorithm, flat.nbytes))
         return self._submit(name, call, list(tensor_list), (tensor, flat), async_op,
                             then=lambda: packing.split_into(flat, tensor_list))
 
@@ -705,7 +718,7 @@ class Communicator(ArgumentChecks):
         # The packed copy is taken now, so output may alias an entry of input_list.
         flat = packing.concat(input_list)
         call = _call(name, flat, output, output.numel(), dtype, code,
-                     self._plan(name, "reduce_scatter", algorithm, output.numel(), dtype))
+                     self._plan(name, "reduce_scatter", algorithm, flat.nbytes))
         return self._submit(name, call, [output], (flat, *input_list), async_op)
 
     def all_gather_into_tensor_coalesced(self, outputs: list, inputs: list, async_op: bool = False, *,
@@ -719,7 +732,7 @@ class Communicator(ArgumentChecks):
         flat_in = packing.concat(inputs)
         gathered = flat_in.new_empty(self.world_size * flat_in.numel())
         call = _call("all_gather", flat_in, gathered, flat_in.numel(), dtype, None,
-                     self._plan(name, "all_gather", algorithm, flat_in.numel(), dtype))
+                     self._plan(name, "all_gather", algorithm, gathered.nbytes))
         return self._submit(name, call, list(outputs), (flat_in, gathered), async_op,
                             then=lambda: packing.gathered_rows_into(gathered, outputs, self.world_size))
 
@@ -734,7 +747,7 @@ class Communicator(ArgumentChecks):
         flat_in = packing.chunks_by_rank(inputs, self.world_size)
         mine = flat_in.new_empty(flat_in.numel() // self.world_size)
         call = _call("reduce_scatter", flat_in, mine, mine.numel(), dtype, code,
-                     self._plan(name, "reduce_scatter", algorithm, mine.numel(), dtype))
+                     self._plan(name, "reduce_scatter", algorithm, flat_in.nbytes))
         return self._submit(name, call, list(outputs), (flat_in, mine), async_op,
                             then=lambda: packing.split_into(mine, outputs))
 

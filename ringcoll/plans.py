@@ -205,8 +205,7 @@ def compiled(name: str, collective: str, world: int) -> tuple:
     compiled once per (name, collective, world). Built-in plans are checked by their tests;
     a plan written in Python is checked here before its first call."""
     key = (name, collective, world)
-    with _lock:
-        found = _compiled.get(key)
+    found = _compiled.get(key)  # one dict read is atomic: the lock guards building and replacing
     if found is not None:
         return found
     p = plan(name, collective, world)

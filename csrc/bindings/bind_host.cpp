@@ -77,9 +77,11 @@ bool handed_back(const HostComm& c, bool auto_choice, ringcoll::Collective coll,
   return auto_choice && c.in_auto_plan_span(coll, bytes);
 }
 
-// The plain tensor calls: checked and run in one binding call. Each returns false, having
-// written nothing, where auto's choice is Python's to make (handed_back).
-bool all_reduce_tensor(HostComm& c, py::handle tensor, py::handle output, py::handle op, bool auto_choice) {
+// The plain tensor calls: checked and run in one binding call, by `plan` where one is given
+// (a named algorithm, or auto's choice), else the transport's own path. Each returns false,
+// having written nothing, where auto's choice is Python's to make (handed_back).
+bool all_reduce_tensor(HostComm& c, py::handle tensor, py::handle output, py::handle op, bool auto_choice,
+                       PlanChoice plan) {
   constexpr const char* name = "all_reduce";
   ensure_open(c, name);
   int dtype;
@@ -95,11 +97,16 @@ bool all_reduce_tensor(HostComm& c, py::handle tensor, py::handle output, py::ha
   const auto code = static_cast<ReduceOp>(op_code(name, op, dtype));
   if (handed_back(c, auto_choice, ringcoll::Collective::kAllReduce, count, dtype, 1)) return false;
   py::gil_scoped_release release;
-  c.all_reduce(as_ptr(src), as_mut_ptr(dst), count, static_cast<DType>(dtype), code);
+  if (plan.has_value())
+    c.run_plan(ringcoll::Collective::kAllReduce, *std::get<0>(*plan), std::get<1>(*plan), as_ptr(src), as_mut_ptr(dst),
+               count, static_cast<DType>(dtype), code);
+  else
+    c.all_reduce(as_ptr(src), as_mut_ptr(dst), count, static_cast<DType>(dtype), code);
   return true;
 }
 
-bool reduce_scatter_tensor(HostComm& c, py::handle output, py::handle input, py::handle op, bool auto_choice) {
+bool reduce_scatter_tensor(HostComm& c, py::handle output, py::handle input, py::handle op, bool auto_choice,
+                           PlanChoice plan) {
   constexpr const char* name = "reduce_scatter_tensor";
   ensure_open(c, name);
   const auto p = check_pair(name, output, input, PairSizes::kScatter, cpu_device(), c.rank(), c.world());
@@ -107,17 +114,25 @@ bool reduce_scatter_tensor(HostComm& c, py::handle output, py::handle input, py:
   if (handed_back(c, auto_choice, ringcoll::Collective::kReduceScatter, p.output_count, p.dtype, c.world()))
     return false;
   py::gil_scoped_release release;
-  c.reduce_scatter(as_ptr(p.input), as_mut_ptr(p.output), p.output_count, static_cast<DType>(p.dtype), code);
+  if (plan.has_value())
+    c.run_plan(ringcoll::Collective::kReduceScatter, *std::get<0>(*plan), std::get<1>(*plan), as_ptr(p.input),
+               as_mut_ptr(p.output), p.output_count, static_cast<DType>(p.dtype), code);
+  else
+    c.reduce_scatter(as_ptr(p.input), as_mut_ptr(p.output), p.output_count, static_cast<DType>(p.dtype), code);
   return true;
 }
 
-bool all_gather_into_tensor(HostComm& c, py::handle output, py::handle input, bool auto_choice) {
+bool all_gather_into_tensor(HostComm& c, py::handle output, py::handle input, bool auto_choice, PlanChoice plan) {
   constexpr const char* name = "all_gather_into_tensor";
   ensure_open(c, name);
   const auto p = check_pair(name, output, input, PairSizes::kGather, cpu_device(), c.rank(), c.world());
   if (handed_back(c, auto_choice, ringcoll::Collective::kAllGather, p.input_count, p.dtype, c.world())) return false;
   py::gil_scoped_release release;
-  c.all_gather(as_ptr(p.input), as_mut_ptr(p.output), p.input_count, static_cast<DType>(p.dtype));
+  if (plan.has_value())
+    c.run_plan(ringcoll::Collective::kAllGather, *std::get<0>(*plan), std::get<1>(*plan), as_ptr(p.input),
+               as_mut_ptr(p.output), p.input_count, static_cast<DType>(p.dtype), ReduceOp{});
+  else
+    c.all_gather(as_ptr(p.input), as_mut_ptr(p.output), p.input_count, static_cast<DType>(p.dtype));
   return true;
 }
 }  // namespace
@@ -191,11 +206,11 @@ void bind_host(py::module_& m) {
            py::arg("collective"), py::arg("src"), py::arg("dst"), py::arg("count"), py::arg("dtype"), py::arg("op"),
            py::arg("plan") = py::none())
       .def("all_reduce_tensor", &all_reduce_tensor, py::arg("tensor"), py::arg("output"), py::arg("op"),
-           py::arg("auto_choice"))
+           py::arg("auto_choice"), py::arg("plan") = py::none())
       .def("reduce_scatter_tensor", &reduce_scatter_tensor, py::arg("output"), py::arg("input"), py::arg("op"),
-           py::arg("auto_choice"))
+           py::arg("auto_choice"), py::arg("plan") = py::none())
       .def("all_gather_into_tensor", &all_gather_into_tensor, py::arg("output"), py::arg("input"),
-           py::arg("auto_choice"))
+           py::arg("auto_choice"), py::arg("plan") = py::none())
       .def(
           "set_auto_plan_span",
           [](HostComm& c, int collective, size_t from, size_t to) {
