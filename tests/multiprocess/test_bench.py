@@ -3,6 +3,7 @@ and prints nccl-tests' columns. Speed itself is never asserted here."""
 
 import json
 import os
+import statistics
 
 import pytest
 import torch
@@ -352,6 +353,15 @@ def test_algorithms_side_by_side_checked_with_the_model(capsys, tmp_path):
                                                                          f"algorithm:{name}")}
             for name in names}
         assert "ringcoll-bench -b 1K" in table.recorded[2]
+    # The summary of auto over the fastest of the others, from the same times.
+    reduce = [r for r in measured if r["collective"] == "all_reduce"]
+    ratios = [next(r["out_time_us"] for r in reduce if r["bytes"] == size and r["backend"] == "algorithm:auto")
+              / min(r["out_time_us"] for r in reduce if r["bytes"] == size and r["backend"] != "algorithm:auto")
+              for size in (1024, 8192, 65536)]
+    summary = next(line for line in printed.splitlines() if line.startswith("# auto over the fastest: "))
+    assert summary == (f"# auto over the fastest: geometric mean {statistics.geometric_mean(ratios):.3f}, within 5% "
+                       f"at {sum(r <= 1.05 for r in ratios)} of 3 sizes, worst {max(ratios):.2f} at "
+                       f"{[1024, 8192, 65536][ratios.index(max(ratios))]}"), summary
 
 
 def test_algorithm_option_refuses_unknown_names(capsys):
