@@ -131,3 +131,15 @@ def test_test_files_have_unique_names():
     tests = Path(__file__).resolve().parents[1]
     names = sorted(p.name for p in tests.rglob("test_*.py"))
     assert len(names) == len(set(names)), sorted({n for n in names if names.count(n) > 1})
+
+
+def test_data_files_the_package_reads_are_installed_with_it():
+    # `pip install .` (the README's main job) copies only what pyproject.toml declares; the
+    # tests run an editable install, which would not notice a file left out.
+    import tomllib
+
+    from ringcoll import tuning
+
+    declared = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    data = sorted(p.name for p in PACKAGE.iterdir() if p.is_file() and p.suffix == ".json")
+    assert data == [tuning.DEFAULT_TABLE.name] and declared == {"ringcoll": data}
