@@ -12,18 +12,21 @@ candidate costs the line through its two points,
 
 below n_0 its time at n_0; past the last size its time there, grown in proportion to the
 bytes (the bandwidth term is all that is left, so the last size's choice holds: the last
-band's lines, extended, would cross wherever their noise puts them). A plan must be priced
-at least ``PLAN_MARGIN`` (5%) below native to be chosen: a recorded table is noisy, and two
-candidates within a few percent of each other would otherwise trade sizes on that noise. One line per band, not
-one per algorithm: on a CPU a message's bandwidth changes as it outgrows the caches (P = 2,
-native all-reduce: 1.4 GB/s at 64 KiB, 4.4 GB/s at 16 MiB), and a single line fitted over
-1 KiB-16 MiB misprices the middle sizes, where the candidates are closest. ``auto`` runs,
-at each size, the candidate whose line is lowest (ties to native, then the table's order);
-``bands`` gives where that changes, once per communicator, so a call only looks its size up.
-(The teaching model, ``learning.model.algorithm_time``, prices a plan from its rounds and
-bytes alone; it predicts where crossovers lie, this table says where they were measured.)
+band's lines, extended, would cross wherever their noise puts them).
 
-Where the table comes from (decided once per process):
+One line per band, not one per algorithm: a message's cost is not one line from 1 KiB to
+16 MiB (paths change with the size, messages outgrow the caches). One line fitted through
+all of rd's P = 2 all-reduce times prices it at 28.5 us at 128 KiB, where it took 20.2,
+and would hide the 1.3-1.4x by which it beats native there. A plan must be priced at
+least ``PLAN_MARGIN`` (5%) below native to be chosen: a recorded table is noisy, and two
+candidates within a few percent of each other would otherwise trade sizes on that noise.
+``auto`` runs, at each size, the candidate whose line is lowest (ties to native, then the
+table's order); ``bands`` gives where that changes, once per communicator, so a call only
+looks its size up. (The teaching model, ``learning.model.algorithm_time``, prices a plan
+from its rounds and bytes alone; it predicts where crossovers lie, this table says where
+they were measured.)
+
+Where the table comes from (read when a communicator is built, each file once per process):
 
 - ``RINGCOLL_TUNING=path``: a JSON file ``ringcoll-bench --algorithm native,ring,...
   --record-tuning path`` wrote (each run adds its times, replacing those of the same
