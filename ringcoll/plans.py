@@ -135,7 +135,8 @@ def builtin_algorithms(collective: Optional[str] = None) -> list:
     """The built-in algorithms' names ("auto" first: the communicator's choice by size;
     then "native", the transport's own path; then the plans), those that have
     ``collective`` where one is named."""
-    return ["auto", "native", *(name for name in BUILTIN if collective in (None, "all_reduce") or name not in ALL_REDUCE_ONLY)]
+    plans = [name for name in BUILTIN if collective in (None, "all_reduce") or name not in ALL_REDUCE_ONLY]
+    return ["auto", "native", *plans]
 
 
 def algorithms(collective: Optional[str] = None) -> list:

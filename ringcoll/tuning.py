@@ -78,9 +78,6 @@ class Table:
         from each size on (native where the table has nothing for this world and collective)."""
         return lower_envelope(self.times_us.get(world, {}).get(collective, {}))
 
-    def choose(self, collective: str, world: int, nbytes: float) -> str:
-        return choose(self.bands(collective, world), nbytes)
-
 
 def choose(bands: Sequence[tuple], nbytes: float) -> str:
     """The algorithm ``bands`` (Table.bands) gives a message of ``nbytes``."""
@@ -119,23 +116,31 @@ def lower_envelope(times: dict) -> list:
         return min(names, key=lambda name: cost(name, n))
 
     # Within a band the fastest changes only where two lines cross: cut there, and at
-    # every recorded size, then take the fastest in the middle of each piece.
+    # every recorded size.
     cuts = {0.0, *map(float, sizes)}
     for band in range(max(len(sizes) - 1, 1)):
-        lo, hi = sizes[band], sizes[min(band + 1, len(sizes) - 1)]
         lines = {name: line(name, band) for name in names}
-        for a in names:
-            for b in names:
-                (a0, a1), (b0, b1) = lines[a], lines[b]
-                if a1 > b1 and lo < (b0 - a0) / (a1 - b1) < hi:
-                    cuts.add((b0 - a0) / (a1 - b1))
+        cuts.update(crossings(lines, sizes[band], sizes[min(band + 1, len(sizes) - 1)]))
+    return [(math.ceil(start), name) for start, name in fastest_between(cuts, fastest)]
+
+
+def crossings(lines: dict, lo: float = 0.0, hi: float = math.inf) -> set:
+    """The sizes in (lo, hi) where two of ``lines`` ({name: (time at 0, time per byte)}) cross."""
+    return {(b0 - a0) / (a1 - b1) for a0, a1 in lines.values() for b0, b1 in lines.values()
+            if a1 > b1 and lo < (b0 - a0) / (a1 - b1) < hi}
+
+
+def fastest_between(cuts, fastest) -> list:
+    """``[(from, name), ...]``: ``fastest(n)`` taken in the middle of each piece between the
+    sorted ``cuts`` (0 among them; past the last, at twice it), runs of one name merged. The
+    lower envelope of lines only changes at a cut where two cross (``crossings``)."""
     edges = sorted(cuts)
     out: list = []
     for i, start in enumerate(edges):
         end = edges[i + 1] if i + 1 < len(edges) else start * 2 + 1.0
         best = fastest((start + end) / 2)
         if not out or out[-1][1] != best:
-            out.append((math.ceil(start), best))
+            out.append((start, best))
     return out
 
 
@@ -160,10 +165,11 @@ def _read(path: str) -> Table:
         for collective, by_name in by_collective.items():
             if collective not in DATA_COLLECTIVES:
                 raise ValueError(f"{TUNING_ENV}: the table {path!r} names {collective!r}, not a collective")
-            strangers = sorted(set(by_name) - set(candidates(collective)))
+            weighed = candidates(collective)
+            strangers = sorted(set(by_name) - set(weighed))
             if strangers:
                 raise ValueError(f"{TUNING_ENV}: the table {path!r} prices {', '.join(strangers)} for {collective} "
-                                 f"at P = {world}: auto weighs only {', '.join(candidates(collective))}")
+                                 f"at P = {world}: auto weighs only {', '.join(weighed)}")
     return Table(str(path), {int(w): str(how) for w, how in data.get("recorded", {}).items()}, times)
 
 

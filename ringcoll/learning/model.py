@@ -96,6 +96,8 @@ import dataclasses
 import math
 from typing import Iterable, Sequence
 
+from ringcoll.tuning import crossings, fastest_between
+
 STEPS = {"all_reduce": lambda p: 2 * (p - 1), "reduce_scatter": lambda p: p - 1, "all_gather": lambda p: p - 1}
 BUS_FACTOR = {"all_reduce": lambda p: 2 * (p - 1) / p, "reduce_scatter": lambda p: (p - 1) / p,
               "all_gather": lambda p: (p - 1) / p}
@@ -204,17 +206,8 @@ def crossovers(collective: str, world: int, alpha: float, beta: float, names: Se
     def fastest(n):  # ties go to the earlier name
         return min(names, key=lambda name: (time(name, n), names.index(name)))
 
-    cuts = sorted({(costs[b].rounds - costs[a].rounds) * alpha * beta / (costs[a].received - costs[b].received)
-                   for a in names for b in names
-                   if costs[a].received > costs[b].received and costs[a].rounds < costs[b].rounds})
-    edges = [0.0, *cuts]
-    out = []
-    for i, start in enumerate(edges):
-        end = edges[i + 1] if i + 1 < len(edges) else start * 2 + 1.0
-        best = fastest((start + end) / 2)
-        if not out or out[-1][1] != best:
-            out.append((start, best))
-    return out
+    lines = {name: (costs[name].rounds * alpha, costs[name].received / beta) for name in names}
+    return fastest_between({0.0, *crossings(lines)}, fastest)
 
 
 def fit_plans(collective: str, world: int, measured: Sequence[tuple[str, float, float]]) -> Fit:
