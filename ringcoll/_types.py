@@ -37,12 +37,19 @@ DTYPE_NAMES: dict[int, str] = {code: name for name, code, _size, _floating in _C
 DTYPE_SIZES: dict[int, int] = {code: size for _name, code, size, _floating in _C.dtype_table}
 FLOATING_DTYPES = frozenset(getattr(torch, name) for name, _code, _size, floating in _C.dtype_table if floating)
 
-#: collectives.h's name -> code ("all_reduce": 0, ..., "barrier")
-COLLECTIVE_CODES: dict[str, int] = {name: code for name, code, _reduces, _moves in _C.collective_table}
+#: collectives.h's name -> code ("all_reduce": 0, ..., "barrier", "broadcast", "reduce")
+COLLECTIVE_CODES: dict[str, int] = {row[0]: row[1] for row in _C.collective_table}
 #: the collectives with a message, in code order (all of them but barrier)
-DATA_COLLECTIVES: tuple = tuple(name for name, _code, _reduces, moves in _C.collective_table if moves)
+DATA_COLLECTIVES: tuple = tuple(name for name, _code, _reduces, moves, _rooted in _C.collective_table if moves)
 #: those that combine the ranks' contributions with an op
-REDUCING_COLLECTIVES: frozenset = frozenset(name for name, _code, reduces, _moves in _C.collective_table if reduces)
+REDUCING_COLLECTIVES: frozenset = frozenset(name for name, _code, reduces, _moves, _rooted in _C.collective_table
+                                            if reduces)
+#: those with a root (broadcast's source, reduce's destination), which only plans run
+ROOTED_COLLECTIVES: frozenset = frozenset(name for name, _code, _reduces, _moves, rooted in _C.collective_table
+                                          if rooted)
+#: the data collectives every rank ends with a share of, in code order: the ring's three,
+#: which every transport runs natively (ring.h)
+RING_COLLECTIVES: tuple = tuple(name for name in DATA_COLLECTIVES if name not in ROOTED_COLLECTIVES)
 
 
 #: torch.distributed.ReduceOp's values -> ours (torch imports torch.distributed with itself;

@@ -30,8 +30,8 @@ import torch
 
 from ringcoll import _C, packing, plans, tuning
 from ringcoll.bootstrap import bootstrap_for
-from ringcoll._types import (CPU, COLLECTIVE_CODES, DATA_COLLECTIVES, DTYPE_NAMES, DTYPE_SIZES, ReduceOp, dtype_code,
-                             op_code)
+from ringcoll._types import (CPU, COLLECTIVE_CODES, DATA_COLLECTIVES, DTYPE_NAMES, DTYPE_SIZES, ROOTED_COLLECTIVES,
+                             ReduceOp, dtype_code, op_code)
 from ringcoll.errors import RingcollError
 from ringcoll.transports import CollectiveCall, Settings, new_call, transport_for
 from ringcoll.views import as_device_array, check_count, tensor_view
@@ -292,6 +292,13 @@ def _call(collective: str, src: torch.Tensor, dst: torch.Tensor, user_count: int
     return new_call((collective, src.data_ptr(), dst.data_ptr(), user_count, dtype, op, plan))
 
 
+def check_root(name: str, what: str, root, world_size: int) -> None:
+    """A rooted call's root (broadcast's src, reduce's dst) is a rank of the communicator:
+    ValueError naming the call otherwise."""
+    if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < world_size:
+        raise ValueError(f"{name}: {what}={root!r} is not a rank of this communicator (0..{world_size - 1})")
+
+
 class ArgumentChecks:
     """The argument checks, one place for both communicators (this one and the hierarchical
     one in training/hierarchical.py). They read ``self.device``, ``self.world_size`` and
@@ -542,25 +549,36 @@ class Communicator(ArgumentChecks):
                             for c in DATA_COLLECTIVES}
 
     def _message_bytes(self, collective: str, count: int, dtype: int) -> int:
-        """The message of a call of `count` elements as its descriptor counts them (all-reduce:
-        the tensor; reduce-scatter: the input; all-gather: the output), in bytes."""
-        return count * DTYPE_SIZES[dtype] * (1 if collective == "all_reduce" else self.world_size)
+        """The message of a call of `count` elements as its descriptor counts them (all-reduce,
+        broadcast, reduce: the tensor; reduce-scatter: the input; all-gather: the output), in
+        bytes."""
+        return count * DTYPE_SIZES[dtype] * (self.world_size if collective in ("reduce_scatter", "all_gather") else 1)
 
-    def _plan(self, name: str, collective: str, algorithm: Optional[str], message_bytes: int) -> Optional[tuple]:
+    def _plan(self, name: str, collective: str, algorithm: Optional[str], message_bytes: int,
+              root: int = 0) -> Optional[tuple]:
         """The plan a call runs: None for native (the transport's own path), else (the
         compiled plan, its id) of a built-in or registered algorithm (ringcoll/plans.py),
-        built and checked on first use; auto chooses by the message's size. ValueError
-        naming the call for an unknown name, PlanError for a plan the checker refuses."""
+        built and checked on first use (for a rooted collective, relabelled for `root`);
+        auto chooses by the message's size. ValueError naming the call for an unknown name,
+        PlanError for a plan the checker refuses."""
         algorithm = self.algorithm if algorithm is None else algorithm
         if algorithm == "auto":
             algorithm = tuning.choose(self._auto_bands[collective], message_bytes)
+        rooted = collective in ROOTED_COLLECTIVES
+        if rooted and self.device.type != "cpu":
+            raise ValueError(f"{name}: runs on the CPU transport only so far (by its plan engine); for CUDA tensors "
+                             "use torch.distributed's NCCL (the ringcoll backend forwards them there)")
+        if rooted and algorithm == tuning.NATIVE:
+            # No ring kernel of its own: the transport's path is the chain, and, as for the others,
+            # the one-shot up to small_bytes (the same bits: plan.h's one_shot_plan folds in the chain's order)
+            algorithm = "oneshot" if message_bytes <= self.small_bytes else "ring"
         if algorithm == tuning.NATIVE or (algorithm == "ring" and self.device.type != "cpu"):
             return None  # the transport's own path (on CUDA: the ring kernels, the same ring)
         if self.device.type != "cpu":
             raise ValueError(f"{name}: algorithm={algorithm!r} runs on the CPU transport only so far; on CUDA "
                              "'auto', 'native' or 'ring' (the ring kernels)")
         try:
-            _, compiled, plan_id = plans.compiled(algorithm, collective, self.world_size)
+            _, compiled, plan_id = plans.compiled(algorithm, collective, self.world_size, root)
         except plans.PlanError:
             raise  # it names the plan, the rank and the op
         except ValueError as e:
@@ -671,6 +689,44 @@ class Communicator(ArgumentChecks):
         dtype, src, count, dst, _ = self._check_pair(name, output, input, GATHER)
         plan = self._plan(name, "all_gather", algorithm, self._message_bytes("all_gather", count, dtype))
         return new_call(("all_gather", src, dst, count, dtype, None, plan)), [output], (input,)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False, *, algorithm: Optional[str] = None):
+        """In place: ``tensor = tensor on rank src`` on every rank (``src`` a rank of this
+        communicator). Bytes are copied as they are, so every dtype works and every rank
+        ends with the root's bits. ``algorithm``: "ring" (a chain from the root, pipelined
+        over chunks), "tree" (binomial), "oneshot" (every rank reads the root's copy), a
+        registered plan, or "native" / "auto": the one-shot up to ``small_bytes``, the chain
+        above (CPU only)."""
+        return self._rooted("broadcast", tensor, src, None, async_op, algorithm)
+
+    def reduce(self, tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, async_op: bool = False, *,
+               algorithm: Optional[str] = None):
+        """In place on rank ``dst`` only: ``tensor = op(tensor on rank 0, ..., rank P-1)``
+        there; every other rank's tensor is left as it was (NCCL's and gloo's contract says
+        nothing of it; ringcoll guarantees it). The fold's order is the plan's: the chain
+        ("ring") and the one-shot fold ``((x[dst-1] OP x[dst-2]) ...) OP x[dst]`` round the
+        ring from the rank before ``dst`` (the same bits for both), "tree" up a binomial tree.
+        ``algorithm`` as for :meth:`broadcast`."""
+        return self._rooted("reduce", tensor, dst, op, async_op, algorithm)
+
+    def _rooted(self, name: str, tensor, root, op, async_op: bool, algorithm: Optional[str]):
+        """broadcast and reduce: the checks (the root a rank of this communicator), the plan
+        for the root, then the plain binding (synchronous) or a queued call."""
+        tensor = self._view(tensor)
+        self._ensure_open(name)
+        check_root(name, "src" if name == "broadcast" else "dst", root, self.world_size)
+        dtype, address, count = self._check_tensor(name, "tensor", tensor)
+        code = None if op is None else op_code(name, op, dtype)
+        compiled, plan_id = self._plan(name, name, algorithm, self._message_bytes(name, count, dtype), root)
+        plain = self._transport.plain_calls
+        if plain is not None and not async_op and not profiler_enabled():
+            if name == "broadcast":
+                plain.broadcast_tensor(tensor, compiled, plan_id)
+            else:
+                plain.reduce_tensor(tensor, op, compiled, plan_id)
+            return None
+        call = new_call((name, address, address, count, dtype, code, (compiled, plan_id)))
+        return self._submit(name, call, [tensor], (tensor,), async_op)
 
     # --- prepared (persistent) collectives -------------------------------------------------
 

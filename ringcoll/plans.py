@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, NamedTuple, Optional, Sequence
 
 from ringcoll import _C
-from ringcoll._types import COLLECTIVE_CODES, DATA_COLLECTIVES
+from ringcoll._types import COLLECTIVE_CODES, DATA_COLLECTIVES, ROOTED_COLLECTIVES
 
 __all__ = ["Operand", "PEER", "INPUT", "OUTPUT", "WORK", "TO_OUTPUT", "TO_WORK", "TO_SLOT", "PlanOp", "Plan",
            "PlanError", "op", "plan", "check", "simulate", "rounds", "register_algorithm", "load_plans",
@@ -122,12 +122,12 @@ class PlanError(ValueError):
 
 #: plan.h's algorithms: name -> code (the code travels in the call's descriptor)
 BUILTIN: dict = {name: code for name, code, _ in _C.algorithm_table}
-#: the built-in algorithms that have no reduce-scatter or all-gather (one whole-message chunk)
-ALL_REDUCE_ONLY: frozenset = frozenset(name for name, _, only in _C.algorithm_table if only)
+#: name -> the collectives it has plans for (rd: all-reduce only; rhd: not the rooted ones; ...)
+BUILTIN_COLLECTIVES: dict = {name: collectives for name, _, collectives in _C.algorithm_table}
 MAX_WORLD: int = _C.max_plan_world
 
 _registry: dict = {}  # (name, collective) -> plan_fn
-_compiled: dict = {}  # (name, collective, world) -> (Plan, _C.CompiledPlan, plan id)
+_compiled: dict = {}  # (name, collective, world, root) -> (Plan, _C.CompiledPlan, plan id)
 _lock = threading.Lock()
 
 
@@ -135,7 +135,7 @@ def builtin_algorithms(collective: Optional[str] = None) -> list:
     """The built-in algorithms' names ("auto" first: the communicator's choice by size;
     then "native", the transport's own path; then the plans), those that have
     ``collective`` where one is named."""
-    plans = [name for name in BUILTIN if collective in (None, "all_reduce") or name not in ALL_REDUCE_ONLY]
+    plans = [name for name in BUILTIN if collective is None or collective in BUILTIN_COLLECTIVES[name]]
     return ["auto", "native", *plans]
 
 
@@ -151,7 +151,9 @@ def register_algorithm(name: str, plan_fn: Callable[[int, int], Sequence[PlanOp]
     """Make ``algorithm=name`` run ``plan_fn(world_size, rank)``'s ops (a list of PlanOp,
     :func:`op` makes them) for ``collective`` on the CPU transport. The plan is built and
     checked (:func:`check`) the first time it is used at a world size; a wrong plan raises
-    PlanError there, on every rank, before anything moves. Register it on every rank."""
+    PlanError there, on every rank, before anything moves. Register it on every rank. A
+    broadcast or reduce plan is written for root 0; another root runs it relabelled (rank
+    k does what rank (k - root) mod P does for root 0)."""
     if collective not in DATA_COLLECTIVES:
         raise ValueError(f"register_algorithm: collective must be one of {', '.join(DATA_COLLECTIVES)}, "
                          f"got {collective!r}")
@@ -177,12 +179,13 @@ def load_plans(path: str) -> dict:
 
 
 def plan(name: str, collective: str, world: int) -> Plan:
-    """The plan ``name`` runs for ``collective`` on ``world`` ranks (not yet checked)."""
+    """The plan ``name`` runs for ``collective`` on ``world`` ranks (not yet checked; a
+    rooted collective's for root 0)."""
     if collective not in DATA_COLLECTIVES:
         raise ValueError(f"plan: collective must be one of {', '.join(DATA_COLLECTIVES)}, got {collective!r}")
-    if name in ALL_REDUCE_ONLY and collective != "all_reduce":
-        raise ValueError(f"algorithm {name!r} is an all-reduce (one whole-message chunk); for {collective} choose "
-                         f"from {', '.join(algorithms(collective))}")
+    if name in BUILTIN and collective not in BUILTIN_COLLECTIVES[name]:
+        raise ValueError(f"algorithm {name!r} has no {collective} (it has {', '.join(BUILTIN_COLLECTIVES[name])}); "
+                         f"for {collective} choose from {', '.join(algorithms(collective))}")
     if name in BUILTIN:
         chunks, ops = _C.builtin_plan(BUILTIN[name], COLLECTIVE_CODES[collective], world)
         return Plan(name, collective, chunks, tuple(tuple(PlanOp(*o) for o in mine) for mine in ops))
@@ -201,11 +204,13 @@ def plan(name: str, collective: str, world: int) -> Plan:
     return Plan(name, collective, chunks, tuple(ops))
 
 
-def compiled(name: str, collective: str, world: int) -> tuple:
+def compiled(name: str, collective: str, world: int, root: int = 0) -> tuple:
     """(the Plan, its _C.CompiledPlan, the id its calls carry): built, checked and
-    compiled once per (name, collective, world). Built-in plans are checked by their tests;
-    a plan written in Python is checked here before its first call."""
-    key = (name, collective, world)
+    compiled once per (name, collective, world, root); the compiled plan is relabelled for
+    ``root`` (a rooted collective's; the Plan stays as written, for root 0). Built-in plans
+    are checked by their tests; a plan written in Python is checked here before its first
+    call."""
+    key = (name, collective, world, root)
     found = _compiled.get(key)  # one dict read is atomic: the lock guards building and replacing
     if found is not None:
         return found
@@ -213,7 +218,7 @@ def compiled(name: str, collective: str, world: int) -> tuple:
     if name not in BUILTIN:
         check(p)  # before the extension's own checks: its messages name the plan's ops as written
     try:
-        resolved = _C.compile_plan(f"{collective} plan {name!r}", world, p.chunks, p.ops)
+        resolved = _C.compile_plan(f"{collective} plan {name!r}", world, p.chunks, p.ops, root)
     except ValueError as e:
         raise PlanError(str(e)) from None
     found = (p, resolved, BUILTIN[name] if name in BUILTIN else plan_id(p))
@@ -354,8 +359,10 @@ def _execute(p: Plan, algebra, slices: int = SLICES) -> tuple:
             got = pub[2]
         values = []
         for c in range(o.first, o.first + o.count):
-            reads_own_input = INPUT in (o.a, o.b) and (p.collective == "all_reduce" or c == rank)
-            if reads_own_input and p.collective != "all_gather" and c in output[rank][j]:
+            # in place, the input is the output: all-reduce and reduce read every chunk of it,
+            # reduce-scatter its own (all-gather and broadcast read an input nothing overwrites)
+            reads_own_input = INPUT in (o.a, o.b) and (p.collective in ("all_reduce", "reduce") or c == rank)
+            if reads_own_input and p.collective not in ("all_gather", "broadcast") and c in output[rank][j]:
                 raise _fail(p, rank, i, f"reads input chunk {c} after writing output chunk {c}: wrong when the "
                                         "output is the input (in place)")
             a = operand(rank, j, i, o.a, c, got)
@@ -419,7 +426,7 @@ def check(p: Plan) -> None:
         return
     if world > MAX_WORLD:
         raise PlanError(f"{coll} plan {p.name!r}: plans run on at most {MAX_WORLD} ranks, not {world}")
-    if coll != "all_reduce" and p.chunks != world:
+    if coll in ("reduce_scatter", "all_gather") and p.chunks != world:
         raise PlanError(f"{coll} plan {p.name!r} on {world} ranks: {p.chunks} chunks; {coll} needs one per rank")
     _structure(p)
     outputs, _ = _execute(p, _Symbols(world))
@@ -452,18 +459,35 @@ def _structure(p: Plan) -> None:
             if p.collective == "reduce_scatter" and (OUTPUT in (o.a, o.b) or o.to & TO_OUTPUT) and not own:
                 raise _fail(p, rank, i, f"addresses output chunks other than its own ({rank}): a reduce-scatter's "
                                         "output is one chunk")
+            # The rooted collectives, written for root 0, run in place on one tensor per rank
+            if p.collective == "broadcast" and INPUT in (o.a, o.b) and rank != 0:
+                raise _fail(p, rank, i, "reads its input, but only the root (rank 0) has one: a broadcast's other "
+                                        "ranks' tensors are where the result lands")
+            if p.collective == "broadcast" and o.b != Operand.NONE:
+                raise _fail(p, rank, i, "combines two values: a broadcast only copies")
+            if p.collective == "reduce" and (OUTPUT in (o.a, o.b) or o.to & TO_OUTPUT) and rank != 0:
+                raise _fail(p, rank, i, "addresses its output, but only the root (rank 0) gets the result: a "
+                                        "reduce leaves the other ranks' tensors as they were")
 
 
 def _postcondition(p: Plan, outputs: list) -> None:
-    """Every output chunk holds every contribution once (all-gather: its owner's chunk),
-    finished (AVG's division made, where the value became complete), and an all-reduce's
-    chunk is the same expression on every rank."""
+    """Every output chunk holds every contribution once (all-gather: its owner's chunk;
+    broadcast: the root's), finished (AVG's division made, where the value became
+    complete), and an all-reduce's chunk is the same expression on every rank. A reduce's
+    result is the root's alone; a broadcast's root need write nothing (its tensor is the
+    input)."""
     world, coll = p.world, p.collective
     for rank, out in enumerate(outputs):
-        wanted = [rank] if coll == "reduce_scatter" else list(range(p.chunks))
+        wanted = ([rank] if coll == "reduce_scatter" else [] if coll == "reduce" and rank != 0
+                  else sorted(out) if coll == "broadcast" and rank == 0 else list(range(p.chunks)))
         for c in wanted:
             if c not in out:
                 raise PlanError(f"{coll} plan {p.name!r} on {world} ranks: rank {rank} never writes output chunk {c}")
+            if coll == "broadcast":  # the root's input (the root itself need write nothing)
+                if out[c] != ("x", 0, c):
+                    raise PlanError(f"{coll} plan {p.name!r} on {world} ranks: rank {rank}'s output chunk {c} is "
+                                    "not the root's (rank 0's) input")
+                continue
             if coll == "all_gather":
                 if out[c] != ("x", c, c):
                     raise PlanError(f"{coll} plan {p.name!r} on {world} ranks: rank {rank}'s output chunk {c} is not "
@@ -522,8 +546,9 @@ def simulate(p: Plan, inputs: Sequence[Sequence], combine: Callable = lambda x, 
     """Run ``p`` on lists, a slice being the whole message: ``inputs[r]`` is rank r's input
     (all-gather: its chunk, as ring.h cuts the output into P), cut as ring.h cuts a message
     into ``p.chunks``. Values combine with ``combine(a, b)``, ``a`` first, as in the engine,
-    and ``finalize`` where an op is final (AVG's division). Returns (every rank's output,
-    the steps as they ran)."""
+    and ``finalize`` where an op is final (AVG's division). Broadcast and reduce run in
+    place (root 0): an output starts as the rank's input. Returns (every rank's output, the
+    steps as they ran)."""
     world, coll = p.world, p.collective
     n = sum(map(len, inputs)) if coll == "all_gather" else len(inputs[0])  # all-gather: chunks may differ by one
 
@@ -542,7 +567,7 @@ def simulate(p: Plan, inputs: Sequence[Sequence], combine: Callable = lambda x, 
     outs, steps = _execute(p, _Numbers(inputs, chunk_of, combine, finalize), slices=1)
     results = []
     for rank, out in enumerate(outs):
-        full = [None] * n
+        full = list(inputs[rank]) if coll in ROOTED_COLLECTIVES else [None] * n
         for c, values in out.items():
             lo, hi = bounds(c)
             full[lo:hi] = values

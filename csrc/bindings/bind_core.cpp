@@ -122,19 +122,25 @@ void bind_core(py::module_& m) {
     dtypes.append(py::make_tuple(info.name, code, info.size_bytes, info.is_floating));
   }
   m.attr("dtype_table") = py::tuple(dtypes);
-  // collectives.h's list, in code order: (name, code, reduces, moves_data).
+  // collectives.h's list, in code order: (name, code, reduces, moves_data, rooted).
   py::list collectives;
   for (int code = 0; code < kNumCollectives; ++code) {
     const CollectiveInfo info = collective_info(static_cast<Collective>(code));
-    collectives.append(py::make_tuple(info.name, code, info.reduces, info.moves_data));
+    collectives.append(py::make_tuple(info.name, code, info.reduces, info.moves_data, info.rooted));
   }
   m.attr("collective_table") = py::tuple(collectives);
 
-  // plan.h: the built-in algorithms (name, code, all_reduce_only), their plans, and the
-  // compile step.
+  // plan.h: the built-in algorithms (name, code, the names of the collectives it has), their
+  // plans, and the compile step.
   py::list algorithms;
-#define RINGCOLL_ALGORITHM_ROW(e, name, code, all_reduce_only) \
-  algorithms.append(py::make_tuple(name, code, all_reduce_only));
+  auto names_of = [](unsigned collectives) {
+    py::list names;
+    for (int code = 0; code < kNumCollectives; ++code)
+      if (collectives & (1u << code)) names.append(collective_info(static_cast<Collective>(code)).name);
+    return py::tuple(names);
+  };
+#define RINGCOLL_ALGORITHM_ROW(e, name, code, collectives) \
+  algorithms.append(py::make_tuple(name, code, names_of(collectives)));
   RINGCOLL_ALGORITHMS(RINGCOLL_ALGORITHM_ROW)
 #undef RINGCOLL_ALGORITHM_ROW
   m.attr("algorithm_table") = py::tuple(algorithms);
@@ -148,20 +154,22 @@ void bind_core(py::module_& m) {
       "(chunks, ops of each rank) of a built-in algorithm's plan");
   py::class_<CompiledPlan>(m, "CompiledPlan", "a plan resolved for the engine (plan.h's compile_plan)")
       .def_property_readonly("chunks", [](const CompiledPlan& p) { return p.plan.chunks; })
+      .def_property_readonly("root", [](const CompiledPlan& p) { return p.root; })
       .def_property_readonly("publications", [](const CompiledPlan& p) { return p.publications; })
       .def_property_readonly("publication_read", [](const CompiledPlan& p) { return p.publication_read; });
   m.def(
       "compile_plan",
-      [](const std::string& name, int world, int chunks, const py::sequence& ranks) {
+      [](const std::string& name, int world, int chunks, const py::sequence& ranks, int root) {
         Plan plan;
         plan.chunks = chunks;
         for (const auto& ops : ranks) {
           plan.ops.emplace_back();
           for (const auto& op : py::cast<py::sequence>(ops)) plan.ops.back().push_back(op_from_tuple(op));
         }
-        return compile_plan(std::move(plan), name, world);
+        return compile_plan(std::move(plan), name, world, root);
       },
-      py::arg("name"), py::arg("world"), py::arg("chunks"), py::arg("ops"));
+      py::arg("name"), py::arg("world"), py::arg("chunks"), py::arg("ops"), py::arg("root") = 0,
+      "the plan (written for root 0) resolved for the engine, relabelled for `root`");
 
   // The buffer's shape (call.h), so Python validates buffer_bytes without restating it.
   m.attr("banks") = kBanks;

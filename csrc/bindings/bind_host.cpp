@@ -22,7 +22,7 @@ const void* as_ptr(uintptr_t address) { return reinterpret_cast<const void*>(add
 void* as_mut_ptr(uintptr_t address) { return reinterpret_cast<void*>(address); }
 
 // The plain tensor forms on a CPU communicator (Communicator.all_reduce, reduce_scatter_tensor,
-// all_gather_into_tensor, synchronous, nothing queued): the arguments are checked exactly as
+// all_gather_into_tensor, broadcast, reduce; synchronous, nothing queued): the arguments are checked exactly as
 // every other call's (tensor_checks.h), and the collective runs, in one binding call. Through
 // the Python layers a 4 KiB call spent three times as long in Python as in the extension.
 using ringcoll::bindings::check_pair;
@@ -135,6 +135,18 @@ bool all_gather_into_tensor(HostComm& c, py::handle output, py::handle input, bo
     c.all_gather(as_ptr(p.input), as_mut_ptr(p.output), p.input_count, static_cast<DType>(p.dtype));
   return true;
 }
+
+// The rooted collectives, in place on `tensor` (torch's dist.broadcast / dist.reduce), always
+// by a plan (the root travels in it: CompiledPlan::root).
+bool rooted_tensor(HostComm& c, const char* name, ringcoll::Collective coll, py::handle tensor, py::handle op,
+                   const ringcoll::CompiledPlan& plan, uint32_t plan_id) {
+  ensure_open(c, name);
+  const auto t = check_tensor(name, "tensor", tensor, cpu_device());
+  const auto code = op.is_none() ? ReduceOp{} : static_cast<ReduceOp>(op_code(name, op, t.dtype));
+  py::gil_scoped_release release;
+  c.run_plan(coll, plan, plan_id, as_ptr(t.address), as_mut_ptr(t.address), t.count, static_cast<DType>(t.dtype), code);
+  return true;
+}
 }  // namespace
 
 void bind_host(py::module_& m) {
@@ -211,6 +223,18 @@ void bind_host(py::module_& m) {
            py::arg("auto_choice"), py::arg("plan") = py::none())
       .def("all_gather_into_tensor", &all_gather_into_tensor, py::arg("output"), py::arg("input"),
            py::arg("auto_choice"), py::arg("plan") = py::none())
+      .def(
+          "broadcast_tensor",
+          [](HostComm& c, py::handle tensor, const ringcoll::CompiledPlan& plan, uint32_t plan_id) {
+            return rooted_tensor(c, "broadcast", ringcoll::Collective::kBroadcast, tensor, py::none(), plan, plan_id);
+          },
+          py::arg("tensor"), py::arg("plan"), py::arg("plan_id"))
+      .def(
+          "reduce_tensor",
+          [](HostComm& c, py::handle tensor, py::handle op, const ringcoll::CompiledPlan& plan, uint32_t plan_id) {
+            return rooted_tensor(c, "reduce", ringcoll::Collective::kReduce, tensor, op, plan, plan_id);
+          },
+          py::arg("tensor"), py::arg("op"), py::arg("plan"), py::arg("plan_id"))
       .def(
           "set_auto_plan_span",
           [](HostComm& c, int collective, size_t from, size_t to) {

@@ -473,7 +473,7 @@ void HostComm::drain_publications(bool plans_only) {
 
 void HostComm::run_plan(Collective coll, const CompiledPlan& plan, uint32_t plan_id, const void* input,
                         void* output, int64_t user_count, DType dtype, ReduceOp op) {
-  RingCall call = ring_call(coll, user_count, dtype, op, world_);
+  RingCall call = ring_call(coll, user_count, dtype, op, world_, plan.root);
   call.descriptor.algorithm = static_cast<int32_t>(plan_id);
   run_plan_call(collective_info(coll).name, call, plan, input, output);
 }
@@ -482,9 +482,9 @@ void HostComm::run_plan_call(const char* op, const RingCall& call, const Compile
                              void* output) {
   RINGCOLL_CHECK(static_cast<int>(plan.plan.ops.size()) == world_, std::invalid_argument, op, ": a plan for ",
                  plan.plan.ops.size(), " ranks on a communicator of ", world_);
-  RINGCOLL_CHECK(call.collective == Collective::kAllReduce || plan.plan.chunks == world_,
-                 std::invalid_argument, op, ": a plan of ", plan.plan.chunks, " chunks; ", op, " needs one per rank (",
-                 world_, ")");
+  const bool chunk_per_rank = call.collective == Collective::kReduceScatter || call.collective == Collective::kAllGather;
+  RINGCOLL_CHECK(!chunk_per_rank || plan.plan.chunks == world_, std::invalid_argument, op, ": a plan of ",
+                 plan.plan.chunks, " chunks; ", op, " needs one per rank (", world_, ")");
   run_collective(op, call.descriptor, [] {}, [&] {
     auto copy = [](void* dst, const void* src, size_t bytes) { std::memcpy(dst, src, bytes); };
     run_call(call, world_, input, output, copy, [&] {

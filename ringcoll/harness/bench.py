@@ -51,7 +51,7 @@ import torch
 
 from ringcoll import plans, tuning
 from ringcoll.learning import model
-from ringcoll._types import DATA_COLLECTIVES, DTYPES, REDUCING_COLLECTIVES
+from ringcoll._types import DTYPES, REDUCING_COLLECTIVES, RING_COLLECTIVES
 from ringcoll.communicator import Communicator, parse_bytes
 
 # --- the collectives: definitions around one shared harness -------------------------------
@@ -71,8 +71,8 @@ class CollectiveDef:
 SHAPES = {"all_reduce": lambda count, world: (count, count),
           "reduce_scatter": lambda count, world: (count, count // world),
           "all_gather": lambda count, world: (count // world, count)}
-#: collectives.h's collectives with a message, each with its shapes
-COLLECTIVES = {name: CollectiveDef(name, name in REDUCING_COLLECTIVES, SHAPES[name]) for name in DATA_COLLECTIVES}
+#: the ring's collectives (collectives.h), each with its shapes (broadcast and reduce are not timed here yet)
+COLLECTIVES = {name: CollectiveDef(name, name in REDUCING_COLLECTIVES, SHAPES[name]) for name in RING_COLLECTIVES}
 OPS = ("sum", "prod", "min", "max", "avg")
 
 
@@ -519,7 +519,7 @@ class Config:
     min_seconds: float = 0.02
     dtype: str = "float32"
     op: str = "sum"
-    collectives: tuple = DATA_COLLECTIVES
+    collectives: tuple = RING_COLLECTIVES
     gloo: bool = True
     deepspeed: bool = False
     ccl: bool = False

@@ -117,7 +117,7 @@ import operator
 from dataclasses import dataclass
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence
 
-from ringcoll._types import COLLECTIVE_CODES, DATA_COLLECTIVES
+from ringcoll._types import COLLECTIVE_CODES, RING_COLLECTIVES
 
 __all__ = [
     "Collective",
@@ -224,9 +224,9 @@ def ag_recv_chunk(rank: int, step: int, world: int) -> int:
     return ring_mod(rank - step - 1, world)
 
 
-#: The collectives with a message, as collectives.h numbers them (``Collective.ALL_REDUCE``,
+#: The ring's collectives, as collectives.h numbers them (``Collective.ALL_REDUCE``,
 #: ``REDUCE_SCATTER``, ``ALL_GATHER``): read from the C++ table, not restated.
-Collective = enum.IntEnum("Collective", {name.upper(): COLLECTIVE_CODES[name] for name in DATA_COLLECTIVES},
+Collective = enum.IntEnum("Collective", {name.upper(): COLLECTIVE_CODES[name] for name in RING_COLLECTIVES},
                           module=__name__)
 
 

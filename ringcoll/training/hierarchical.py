@@ -13,6 +13,12 @@ inside its node:
                     Each rank puts 2(L-1)/L * n bytes on the fast intra-node ring and only
                     2(N-1)/N * n/L on the slow inter-node link: the node's L links share
                     the inter-node traffic, which is why two levels beat one flat ring.
+    broadcast       the root's local index carries it between the nodes (torch.distributed's
+                    broadcast over that index's group), then each node's ring broadcasts it
+                    from that index.
+    reduce          each node's ring reduces to the root's local index (into a copy on the
+                    other nodes: only the root's tensor may change), then that index's
+                    group reduces the nodes' sums to the root.
     reduce-scatter  the input's P = N*L chunks are regrouped by local index; reduce-scatter
                     inside the node leaves rank l the N chunks of the ranks that share its
                     local index, reduced over the node; a reduce-scatter across nodes gives
@@ -55,7 +61,8 @@ import torch.distributed as dist
 from ringcoll import packing
 from ringcoll._types import DTYPE_NAMES, ReduceOp, op_code, reduce_op
 from ringcoll.communicator import (EQUAL, GATHER, SCATTER, ArgumentChecks, Communicator, PreparedTensors, Work,
-                                   _resolve_check, call_details, parse_bytes, resolve_timeout, submit_profiled)
+                                   _resolve_check, call_details, check_root, parse_bytes, resolve_timeout,
+                                   submit_profiled)
 from ringcoll.errors import RingcollError, RingcollMismatchError, RingcollPeerError, RingcollTimeoutError
 from ringcoll.transports.host import CallQueue, ThreadCompletion, ranks_by_domain, shared_memory_domain
 
@@ -76,16 +83,19 @@ def _size(nbytes: int) -> str:
 
 #: the user's collectives, as check_call numbers them
 USER_CALLS = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_gather", "reduce_scatter",
-              "all_reduce_coalesced", "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced", "barrier")
+              "all_reduce_coalesced", "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced", "barrier",
+              "broadcast", "reduce")
 
 
 def describe_call(user_call) -> str:
-    """(collective index, dtype code, op code or -1, count) in words: 'all_reduce of 1001 float32 (SUM)'."""
-    collective, dtype, op, count = user_call
+    """(collective index, dtype code, op code or -1, count, root or -1) in words: 'all_reduce
+    of 1001 float32 (SUM)', 'broadcast of 8 int32 from rank 2'."""
+    collective, dtype, op, count, root = user_call
     if dtype < 0:
         return USER_CALLS[collective]
     reduction = f" ({ReduceOp(op).name})" if op >= 0 else ""
-    return f"{USER_CALLS[collective]} of {count} {DTYPE_NAMES[dtype]}{reduction}"
+    rooted = "" if root < 0 else f" {'from' if USER_CALLS[collective] == 'broadcast' else 'to'} rank {root}"
+    return f"{USER_CALLS[collective]} of {count} {DTYPE_NAMES[dtype]}{reduction}{rooted}"
 
 
 def _node_of(rank: int, node_id) -> object:
@@ -233,13 +243,14 @@ class HierarchicalCommunicator(ArgumentChecks):
         """Run the validated call now, or queued in call order (a Work, as the ring's). On
         CUDA both levels enqueue on the current stream without blocking the host (the ring
         and NCCL alike), so the call runs now even when async: its Work is already done.
-        `call` is (dtype code, op code or -1, count): what check_call compares."""
+        `call` is (dtype code, op code or -1, count[, root]): what check_call compares."""
         if self.group is None:
             raise RingcollError(f"{name}: communicator is closed")
         if self._broken_reason:
             raise RingcollError(f"{name}: communicator is broken by an earlier error ({self._broken_reason})")
         collective = USER_CALLS.index(name.removeprefix("prepare_"))  # a prepared run is its collective
-        user_call = (collective, *call) if call else (collective, -1, -1, 0)
+        dtype, op, count, *root = call if call else (-1, -1, 0)
+        user_call = (collective, dtype, op, count, root[0] if root else -1)
         run = functools.partial(self._run_checked, name, user_call, run)
 
         def submit() -> Optional[ThreadCompletion]:
@@ -248,7 +259,6 @@ class HierarchicalCommunicator(ArgumentChecks):
             self._calls.submit(run, async_op=False)
             return ThreadCompletion.finished(name) if async_op else None
 
-        _, dtype, op, count = user_call
         completion = submit_profiled(name, outputs, lambda: call_details(None if dtype < 0 else dtype,
                                                                         None if op < 0 else op, count), submit)
         return None if completion is None else Work(completion, outputs)
@@ -717,6 +727,46 @@ class HierarchicalCommunicator(ArgumentChecks):
             packing.split_into(mine, outputs)
 
         return self._submit(name, run, list(outputs), async_op, (dtype, code, mine.numel()))
+
+    def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False, *, algorithm: Optional[str] = None):
+        """In place: ``tensor = tensor on rank src`` on every rank (module docstring)."""
+        name = "broadcast"
+        self._auto_only(name, algorithm)
+        src_local = self._local_index_of(name, "src", src)
+        dtype, _, count = self._check_tensor(name, "tensor", tensor)
+
+        def run() -> None:
+            if self.local_rank == src_local:
+                dist.broadcast(tensor, src=self._global_rank(src), group=self.inter_group)
+            self.intra.broadcast(tensor, src_local)
+
+        return self._submit(name, run, [tensor], async_op, (dtype, -1, count, src))
+
+    def reduce(self, tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, async_op: bool = False, *,
+               algorithm: Optional[str] = None):
+        """In place on rank ``dst`` only (module docstring); every other rank's tensor is left
+        as it was, as the Communicator's."""
+        name = "reduce"
+        self._auto_only(name, algorithm)
+        dst_local = self._local_index_of(name, "dst", dst)
+        dtype, _, count = self._check_tensor(name, "tensor", tensor)
+        level_op, divide, code = self._level_op(name, op, dtype)
+
+        def run() -> None:
+            # The node's sum lands on its rank of dst's local index: dst itself, or a copy elsewhere.
+            partial = tensor if self.rank == dst or self.local_rank != dst_local else tensor.clone()
+            self.intra.reduce(partial, dst_local, op=level_op)
+            if self.local_rank == dst_local:
+                dist.reduce(partial, dst=self._global_rank(dst), op=self._inter_op(level_op), group=self.inter_group)
+            if self.rank == dst and divide:
+                tensor.div_(self.world_size)
+
+        return self._submit(name, run, [tensor], async_op, (dtype, code, count, dst))
+
+    def _local_index_of(self, name: str, what: str, rank) -> int:
+        """Group rank `rank`'s index inside its node; ValueError naming the call if it is no rank."""
+        check_root(name, what, rank, self.world_size)
+        return next(ranks.index(rank) for ranks in self.rank_at if rank in ranks)
 
     def barrier(self, async_op: bool = False):
         """Every rank of the node has entered (the ring), then every node (one rank of each

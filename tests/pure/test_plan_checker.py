@@ -9,10 +9,11 @@ import operator
 import pytest
 
 from ringcoll import _C, plans
+from ringcoll._types import COLLECTIVE_CODES
 from ringcoll.learning import schedule as S
 from ringcoll.plans import INPUT, OUTPUT, PEER, TO_OUTPUT, TO_SLOT, TO_WORK, WORK, Operand, PlanError, op
 
-COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
 BUILTIN = [name for name in plans.BUILTIN]
 
 
@@ -23,37 +24,54 @@ def inputs_for(coll, world, n):
 
 
 def reference(coll, inputs):
+    """Every rank's output; the rooted collectives (root 0) in place, so a rank the result
+    does not reach keeps its input."""
     world = len(inputs)
     if coll == "all_gather":
         full = [x for chunk in inputs for x in chunk]
         return [full] * world
+    if coll == "broadcast":
+        return [inputs[0]] * world
     total = [sum(col) for col in zip(*inputs)]
     if coll == "all_reduce":
         return [total] * world
+    if coll == "reduce":
+        return [total, *inputs[1:]]
     return [total[S.chunk_begin(len(total), world, r):S.chunk_end(len(total), world, r)] for r in range(world)]
 
 
 @pytest.mark.parametrize("name, coll", [(name, coll) for name in BUILTIN for coll in COLLECTIVES
-                                         if coll == "all_reduce" or name not in plans.ALL_REDUCE_ONLY])
+                                         if coll in plans.BUILTIN_COLLECTIVES[name]])
 def test_builtin_plans_are_proved_and_compute_the_reference(name, coll):
     for world in range(1, 9):
         p = plans.plan(name, coll, world)
         plans.check(p)
-        _C.compile_plan(name, world, p.chunks, p.ops)
+        for root in range(world if coll in ("broadcast", "reduce") else 1):  # relabelled, it still pairs up
+            assert _C.compile_plan(name, world, p.chunks, p.ops, root).root == root
         for n in (world, 2 * world + 1, 5 * world) if coll != "all_gather" else (world, 3 * world):
             ins = inputs_for(coll, world, n)
             outs, _ = plans.simulate(p, ins)
             assert outs == reference(coll, ins), (name, coll, world, n)
 
 
-@pytest.mark.parametrize("name", sorted(plans.ALL_REDUCE_ONLY))
-def test_all_reduce_only_algorithms_refuse_the_others_by_name(name):
-    assert sorted(plans.ALL_REDUCE_ONLY) == ["rd", "tree"]
-    for coll in ("reduce_scatter", "all_gather"):
-        with pytest.raises(ValueError, match=f"algorithm '{name}' is an all-reduce .*; for {coll} choose from auto, "
-                                             "native, ring, oneshot, rhd$"):
+def test_which_algorithm_has_which_collective():
+    """The algorithms' table (collectives.h): what each has, as its generator can make it."""
+    assert plans.BUILTIN_COLLECTIVES == {
+        "ring": COLLECTIVES, "oneshot": COLLECTIVES, "rhd": ("all_reduce", "reduce_scatter", "all_gather"),
+        "rd": ("all_reduce",), "tree": ("all_reduce", "broadcast", "reduce")}
+
+
+@pytest.mark.parametrize("name", ["rhd", "rd", "tree"])
+def test_algorithms_refuse_the_collectives_they_lack_by_name(name):
+    for coll in set(COLLECTIVES) - set(plans.BUILTIN_COLLECTIVES[name]):
+        choices = ", ".join(a for a in ["auto", "native", *BUILTIN] if a in ("auto", "native")
+                            or coll in plans.BUILTIN_COLLECTIVES[a])
+        with pytest.raises(ValueError, match=f"algorithm '{name}' has no {coll} .*; for {coll} choose from "
+                                             f"{choices}$"):
             plans.plan(name, coll, 4)
-        assert name not in plans.algorithms(coll) and name in plans.algorithms("all_reduce")
+        with pytest.raises(ValueError, match=f"{name} has no {coll}"):  # the generator itself, for C++ callers
+            _C.builtin_plan(plans.BUILTIN[name], COLLECTIVE_CODES[coll], 4)
+        assert name not in plans.algorithms(coll) and name in plans.algorithms(plans.BUILTIN_COLLECTIVES[name][0])
 
 
 def _rounds(p):
@@ -78,6 +96,26 @@ def test_each_algorithm_takes_the_steps_its_description_says(name, rounds):
             assert rounds(2 ** _log2(world)) < taken <= rounds(2 ** _log2(world)) + 2, (name, world, taken)
         else:
             assert taken == rounds(world), (name, world)
+
+
+@pytest.mark.parametrize("coll", ["broadcast", "reduce"])
+def test_rooted_plans_take_the_steps_their_description_says(coll):
+    """Latency in messages: the chain P-1 (its chunks follow one another down it, round by
+    round), the binomial tree its depth (rank r is popcount(r) levels down), the one-shot one."""
+    for world in range(2, 9):
+        depth = max(bin(r).count("1") for r in range(world))
+        taken = {name: _rounds(plans.plan(name, coll, world)) for name in ("ring", "tree", "oneshot")}
+        assert taken == {"ring": world - 1, "tree": depth, "oneshot": 1}, (coll, world)
+
+
+@pytest.mark.parametrize("world", range(2, 8))
+def test_chain_and_one_shot_reduce_fold_in_one_order(world):
+    """Native reduce runs the one-shot up to small_bytes and the chain above: both fold
+    ((x[P-1] OP x[P-2]) ...) OP x[0], so the size where the path changes changes no bit."""
+    inputs = [[f"{r}:{i} " for i in range(2 * world + 1)] for r in range(world)]
+    chain, one_shot = (plans.simulate(plans.plan(name, "reduce", world), inputs, combine=operator.add)[0][0]
+                       for name in ("ring", "oneshot"))
+    assert chain == one_shot == ["".join(inputs[r][i] for r in range(world - 1, -1, -1)) for i in range(2 * world + 1)]
 
 
 @pytest.mark.parametrize("world", range(2, 9))
@@ -256,6 +294,46 @@ def test_collective_shapes_are_enforced():
     assert "never writes output chunk 0" in words
 
 
+def test_rooted_collectives_keep_to_the_root():
+    """Written for root 0: a broadcast's other ranks have no input (their tensor is the
+    output) and nothing to combine; a reduce's other ranks keep their tensors."""
+    def broadcast(world, r):
+        return [op(INPUT, 0, TO_SLOT, readers=range(1, world))] if r == 0 else [op(PEER, 0, TO_OUTPUT, frm=0)]
+    plans.check(user_plan(broadcast, "broadcast"))
+
+    def others_read_input(world, r):
+        return broadcast(world, r) + ([op(INPUT, 0, TO_WORK)] if r == 2 else [])
+    assert "reads its input, but only the root (rank 0) has one" in refused(others_read_input, "broadcast")
+
+    def combines(world, r):
+        return [o._replace(b=WORK) if r == 1 else o for o in broadcast(world, r)]
+    assert "rank 1, op 0 (chunk 0: rank 0's publication OP work -> output): combines two values: a broadcast only " \
+           "copies" in refused(combines, "broadcast")
+
+    def wrong_root(world, r):  # rank 1 broadcasts to rank 2 as well: rank 2 takes rank 1's copy, not the root's
+        if r == 1:
+            return [op(PEER, 0, TO_OUTPUT | TO_SLOT, frm=0, readers=[2])]
+        return [op(INPUT, 0, TO_SLOT, readers=[1])] if r == 0 else [op(PEER, 0, TO_WORK, frm=1)]
+    assert "rank 2 never writes output chunk 0" in refused(wrong_root, "broadcast")
+
+    def reduce(world, r):
+        if r == 0:
+            return [op(PEER, 0, TO_WORK, frm=2), op(WORK, 0, TO_WORK, b=PEER, frm=1),
+                    op(WORK, 0, TO_OUTPUT, b=INPUT, final=True)]
+        return [op(INPUT, 0, TO_SLOT, readers=[0])]
+    plans.check(user_plan(reduce, "reduce"))
+
+    def others_write_output(world, r):
+        return reduce(world, r) + ([op(INPUT, 0, TO_OUTPUT)] if r == 1 else [])
+    assert "only the root (rank 0) gets the result" in refused(others_write_output, "reduce")
+
+    def lacks_one(world, r):  # rank 1's publication never read, and the result not marked final (that is refused first)
+        if r == 1:
+            return []
+        return [o._replace(final=False) for o in reduce(world, r) if o.frm != 1] if r == 0 else reduce(world, r)
+    assert "rank 0's output chunk 0 lacks rank 1's contribution" in refused(lacks_one, "reduce")
+
+
 def test_one_rank_runs_no_plan():
     p = user_plan(lambda world, rank: [op(INPUT, 0, TO_SLOT, readers=[rank])], world=1)
     assert p.ops == ((),)
@@ -269,8 +347,9 @@ def test_names_and_refusals():
     for bad in ("auto", "native", "ring", "", None):
         with pytest.raises(ValueError, match="is not a name a plan may take"):
             plans.register_algorithm(bad, ring)
-    with pytest.raises(ValueError, match="collective must be one of all_reduce, reduce_scatter, all_gather"):
-        plans.register_algorithm("x", ring, "broadcast")
+    with pytest.raises(ValueError, match="collective must be one of all_reduce, reduce_scatter, all_gather, "
+                                         "broadcast, reduce, got 'barrier'"):
+        plans.register_algorithm("x", ring, "barrier")
     with pytest.raises(ValueError, match="unknown algorithm 'nope' for all_reduce; choose from auto, native, ring, "
                                          "oneshot"):
         plans.plan("nope", "all_reduce", 2)

@@ -28,9 +28,10 @@ def sizes(world):
 
 
 def test_collective_codes():
-    # collectives.h: kAllReduce = 0, kReduceScatter = 1, kAllGather = 2, kBarrier = 3.
+    # collectives.h: kAllReduce = 0, kReduceScatter = 1, kAllGather = 2, kBarrier = 3, then the rooted ones;
+    # the ring's schedule has the first three.
     assert [row[:2] for row in _C.collective_table] == [("all_reduce", 0), ("reduce_scatter", 1), ("all_gather", 2),
-                                                       ("barrier", 3)]
+                                                       ("barrier", 3), ("broadcast", 4), ("reduce", 5)]
     assert [int(c) for c in Collective] == [0, 1, 2]
     assert Collective(0) is Collective.ALL_REDUCE
     assert Collective(1) is Collective.REDUCE_SCATTER
@@ -39,16 +40,21 @@ def test_collective_codes():
 
 def test_every_table_by_collective_covers_the_cpp_list():
     """The collectives are listed once (collectives.h, read as _C.collective_table); what
-    Python keeps per collective (formulas, shapes, names) has exactly its collectives."""
+    Python keeps per collective (the ring's formulas, shapes, names) has exactly the ring's
+    collectives (the data collectives without a root; the rooted ones run as plans only)."""
     from ringcoll import _types
     from ringcoll.harness import bench
     from ringcoll.learning import model, trace
 
-    data = [name for name, _code, _reduces, moves in _C.collective_table if moves]
-    assert list(_types.DATA_COLLECTIVES) == data and [c.name.lower() for c in Collective] == data
+    data = [name for name, _code, _reduces, moves, _rooted in _C.collective_table if moves]
+    rooted = [name for name, _code, _reduces, _moves, rooted in _C.collective_table if rooted]
+    ring = [name for name in data if name not in rooted]
+    assert list(_types.DATA_COLLECTIVES) == data and set(_types.ROOTED_COLLECTIVES) == set(rooted) == {"broadcast",
+                                                                                                     "reduce"}
+    assert list(_types.RING_COLLECTIVES) == ring and [c.name.lower() for c in Collective] == ring
     for table in (model.STEPS, model.BUS_FACTOR, model.ONE_SHOT_READ_FACTOR, bench.COLLECTIVES, trace.COLLECTIVES):
-        assert list(table) == data, table
-    assert {name for name, d in bench.COLLECTIVES.items() if d.reduces} == _types.REDUCING_COLLECTIVES
+        assert list(table) == ring, table
+    assert {name for name, d in bench.COLLECTIVES.items() if d.reduces} == _types.REDUCING_COLLECTIVES - {"reduce"}
 
 
 @pytest.mark.parametrize("world", WORLDS)

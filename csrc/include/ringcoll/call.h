@@ -3,10 +3,12 @@
 //
 // Two counts, never to be confused:
 //   user_count  what the caller passes: elements of the all-reduce tensor, of the
-//               reduce-scatter output, of the all-gather input (per rank)
+//               reduce-scatter output, of the all-gather input (per rank), of the
+//               broadcast or reduce tensor
 //   ring_count  the whole message the ring cuts into P chunks (ring_loop.h), in elements
-//               of the type the ring moves: n for all-reduce, P*m for reduce-scatter, and
-//               for all-gather, which only moves bytes, P*m*dtype_size bytes
+//               of the type the ring moves: n for all-reduce and reduce, P*m for
+//               reduce-scatter, and for the collectives that only move bytes, in bytes:
+//               P*m*dtype_size for all-gather, n*dtype_size for broadcast
 //
 // The registered buffer of every rank is kBanks x P slots, each a multiple of the
 // transport's slot alignment (host: 64 bytes, a cache line; CUDA: 128).
@@ -51,13 +53,17 @@ struct RingCall {
   CallDescriptor descriptor;  // what ranks compare first (descriptor.h); its count is user_count
 };
 
-RINGCOLL_INLINE RingCall ring_call(Collective coll, int64_t user_count, DType dtype, ReduceOp op, int world) {
+RINGCOLL_INLINE RingCall ring_call(Collective coll, int64_t user_count, DType dtype, ReduceOp op, int world,
+                                   int root = 0) {
   const int size = dtype_size(dtype);
-  const CallDescriptor descriptor{static_cast<int32_t>(coll), static_cast<int32_t>(dtype),
-                                  coll == Collective::kAllGather ? 0 : static_cast<int32_t>(op), 0, user_count};
+  CallDescriptor descriptor{static_cast<int32_t>(coll), static_cast<int32_t>(dtype),
+                            collective_info(coll).reduces ? static_cast<int32_t>(op) : 0, 0, user_count};
+  descriptor.root = root;
   switch (coll) {
-    case Collective::kAllReduce: return RingCall{coll, user_count, size, descriptor};
+    case Collective::kAllReduce:
+    case Collective::kReduce: return RingCall{coll, user_count, size, descriptor};
     case Collective::kReduceScatter: return RingCall{coll, user_count * world, size, descriptor};
+    case Collective::kBroadcast: return RingCall{coll, user_count * size, 1, descriptor};
     case Collective::kAllGather:
     case Collective::kBarrier: break;  // no message: callers never ask
   }
@@ -65,17 +71,17 @@ RINGCOLL_INLINE RingCall ring_call(Collective coll, int64_t user_count, DType dt
 }
 
 // What the GPU transports refuse before anything moves (the host trusts Python's checks):
-// a reduction a dtype lacks. All-gather takes any dtype: it moves bytes.
+// a reduction a dtype lacks. All-gather and broadcast take any dtype: they move bytes.
 RINGCOLL_INLINE bool is_supported(Collective coll, DType dtype, ReduceOp op) {
-  return coll == Collective::kAllGather || is_supported(dtype, op);
+  return !collective_info(coll).reduces || is_supported(dtype, op);
 }
 
-// The ring's element type and op for a call: all-gather moves bytes, so one instantiation
-// (uint8_t; its op unused) serves every dtype; the reducing collectives dispatch on
-// (dtype, op). `fn` takes (T{}, Op{}) tags, as dispatch_dtype_op's.
+// The ring's element type and op for a call: all-gather and broadcast move bytes, so one
+// instantiation (uint8_t; its op unused) serves every dtype; the reducing collectives
+// dispatch on (dtype, op). `fn` takes (T{}, Op{}) tags, as dispatch_dtype_op's.
 template <typename Fn>
 void dispatch_call(const CallDescriptor& call, Fn&& fn) {
-  if (call.collective == static_cast<int32_t>(Collective::kAllGather)) fn(uint8_t{}, SumOp{});
+  if (!collective_info(static_cast<Collective>(call.collective)).reduces) fn(uint8_t{}, SumOp{});
   else dispatch_dtype_op(static_cast<DType>(call.dtype), static_cast<ReduceOp>(call.op), fn);
 }
 

@@ -2,7 +2,7 @@
 // any data moves (RINGCOLL_CHECK, on by default).
 //
 // Before a collective touches data, each rank publishes a CallDescriptor (which
-// collective, dtype, op, element count, and the communicator's call number) in its own
+// collective, dtype, op, element count, root, algorithm, and the communicator's call number) in its own
 // flag area, then reads every peer's descriptor for the same call number and compares. A
 // difference raises RingcollMismatchError on the rank that sees it; since every rank
 // compares itself with every peer, and two ranks that differ cannot both agree with a
@@ -42,11 +42,12 @@ struct CallDescriptor {
   int32_t variant;     // CUDA transport: its kernel variant (ranks must agree); 0 on the CPU
   int64_t user_count;  // the count the caller passed (call.h)
   int32_t algorithm = 0;  // the plan (plan.h: a built-in's code, a user plan's id); 0: the default path
+  int32_t root = 0;       // a rooted collective's root (collectives.h); 0 for the others
 };
 
 RINGCOLL_INLINE bool same_call(const CallDescriptor& a, const CallDescriptor& b) {
   return a.collective == b.collective && a.dtype == b.dtype && a.op == b.op && a.user_count == b.user_count &&
-         a.variant == b.variant && a.algorithm == b.algorithm;
+         a.variant == b.variant && a.algorithm == b.algorithm && a.root == b.root;
 }
 
 // The descriptor area of one rank: one sequence flag, then the fields.
@@ -70,6 +71,7 @@ RINGCOLL_INLINE void publish_descriptor(DescriptorSlot* slot, const CallDescript
   word_store_relaxed(&slot->call.variant, call.variant);
   word_store_relaxed(&slot->call.user_count, call.user_count);
   word_store_relaxed(&slot->call.algorithm, call.algorithm);
+  word_store_relaxed(&slot->call.root, call.root);
   flag_store_release(&slot->seq, descriptor_seq_written(call_number));
 }
 
@@ -88,6 +90,7 @@ RINGCOLL_INLINE PeerCall compare_descriptor(const DescriptorSlot* slot, const Ca
   theirs->variant = word_load_relaxed(&slot->call.variant);
   theirs->user_count = word_load_relaxed(&slot->call.user_count);
   theirs->algorithm = word_load_relaxed(&slot->call.algorithm);
+  theirs->root = word_load_relaxed(&slot->call.root);
   fence_acquire();  // the fields are read before seq is re-checked
   if (flag_load_relaxed(&slot->seq) != seq) return PeerCall::kMovedOn;  // overwritten meanwhile
   return same_call(mine, *theirs) ? PeerCall::kMatches : PeerCall::kDiffers;
@@ -104,6 +107,7 @@ inline std::string describe_call(const CallDescriptor& call) {
     if (info.reduces)
       text << ", " << (call.op >= 0 && call.op < kNumReduceOps ? kOps[call.op] : "unknown op");
     text << ", count=" << call.user_count;
+    if (info.rooted) text << ", root=" << call.root;
     if (call.variant != 0) text << ", kernel variant " << call.variant;
     if (algorithm_name(call.algorithm) != nullptr) text << ", algorithm " << algorithm_name(call.algorithm);
     else if (call.algorithm != 0) text << ", plan " << call.algorithm << " written in Python";

@@ -12,8 +12,10 @@
 //
 // where a and b each come from one of
 //     kPeer    the publication of rank `from` that this op receives (see matching below)
-//     kInput   the caller's input (all-gather: only this rank's own chunk)
-//     kOutput  the caller's output (reduce-scatter: only this rank's own chunk)
+//     kInput   the caller's input (all-gather: only this rank's own chunk; broadcast: the
+//              root's only)
+//     kOutput  the caller's output (reduce-scatter: only this rank's own chunk; reduce:
+//              the root's only, the others' tensors stay as they were)
 //     kWork    this rank's private work space (C chunks: one slice of the whole message)
 // and the value goes to any two of
 //     kToOutput, kToWork, kToSlot (this rank's slots, published at once to `readers`).
@@ -29,6 +31,10 @@
 // rank j from rank k read k's publications that list j as a reader, in the order k makes
 // them (first in, first out, per connection). compile_plan resolves each receive to the
 // number of the publication it reads and checks that the two name the same chunks.
+//
+// Roots. A rooted collective's plan (broadcast, reduce) is written for root 0; for root r
+// compile_plan relabels it, rank k doing what rank (k - r) mod P does for root 0 (MPI's
+// "relative rank"), so one plan serves every root.
 //
 // Slots. Each rank's buffer holds kBanks x C slots, slot (bank, c) for chunk c; a
 // publication of chunks [first, first + count) fills slots first .. first+count-1 of the
@@ -74,7 +80,8 @@ struct Plan {
 // publication it reads among the sender's publications of one slice; and every rank's
 // publications per slice, so each rank can number any peer's publications.
 struct CompiledPlan {
-  Plan plan;
+  Plan plan;                                        // relabelled for `root`
+  int root = 0;                                     // a rooted collective's root (0 for the others)
   std::vector<std::vector<int>> publication_read;  // [rank][op]: 0 if the op receives nothing
   std::vector<int> publications;                    // [rank]: publications per slice
   std::vector<std::vector<int>> last_read;          // [rank][op]: 1 if it is this rank's last read of
@@ -85,9 +92,31 @@ RINGCOLL_INLINE bool has_bit(uint64_t mask, int r) { return (mask >> r) & 1u; }
 RINGCOLL_INLINE uint64_t bit(int r) { return uint64_t{1} << r; }
 RINGCOLL_INLINE uint64_t all_ranks(int world) { return world == kMaxPlanWorld ? ~uint64_t{0} : bit(world) - 1; }
 
+// A plan for root 0 relabelled for root `root`: rank k runs rank (k - root) mod P's ops,
+// with every peer it names moved on by `root` too.
+inline Plan rooted_plan(const Plan& plan, int root) {
+  const int world = static_cast<int>(plan.ops.size());
+  auto moved = [&](int rank) { return (rank + root) % world; };
+  Plan out;
+  out.chunks = plan.chunks;
+  out.ops.resize(world);
+  for (int k = 0; k < world; ++k) {
+    for (PlanOp op : plan.ops[k]) {
+      if (op.from >= 0) op.from = static_cast<int16_t>(moved(op.from));
+      uint64_t readers = 0;
+      for (int r = 0; r < world; ++r)
+        if (has_bit(op.readers, r)) readers |= bit(moved(r));
+      op.readers = readers;
+      out.ops[moved(k)].push_back(op);
+    }
+  }
+  return out;
+}
+
 // Resolve and check a plan's structure (not its result: that is the Python checker's, and
-// every generator's test's). Throws std::invalid_argument naming the first bad op.
-inline CompiledPlan compile_plan(Plan plan, const std::string& name, int world) {
+// every generator's test's), relabelled for `root` (a rooted collective's; 0 leaves it as it
+// is). Throws std::invalid_argument naming the first bad op.
+inline CompiledPlan compile_plan(Plan plan, const std::string& name, int world, int root = 0) {
   auto where = [&](int rank, size_t i) {
     return name + ": rank " + std::to_string(rank) + ", op " + std::to_string(i) + ": ";
   };
@@ -97,7 +126,11 @@ inline CompiledPlan compile_plan(Plan plan, const std::string& name, int world) 
                  " op lists for ", world, " ranks");
   RINGCOLL_CHECK(plan.chunks >= 1 && plan.chunks <= 32767, std::invalid_argument, name, ": ", plan.chunks,
                  " chunks");
+  RINGCOLL_CHECK(root >= 0 && root < world, std::invalid_argument, name, ": root ", root, " is not a rank of ",
+                 world);
   CompiledPlan out;
+  out.root = root;
+  if (root != 0) plan = rooted_plan(plan, root);
   out.publications.assign(world, 0);
   // sent[k][j]: the (publication number, first, count) of k's publications that j reads, in order
   struct Sent { int number, first, count; };
@@ -185,7 +218,10 @@ inline PlanOp make_op(Operand a, int first, int count, uint8_t to, Operand b = O
 // to the output and to the right, then P-1 times receive a chunk and copy it to the
 // output, passing it on but the last. All-reduce: the two, the first all-gather send being
 // the last reduce-scatter result.
+inline Plan chain_plan(Collective coll, int world);
+
 inline Plan ring_plan(Collective coll, int world) {
+  if (collective_info(coll).rooted) return chain_plan(coll, world);
   Plan plan;
   plan.chunks = world;
   plan.ops.resize(world);
@@ -207,16 +243,69 @@ inline Plan ring_plan(Collective coll, int world) {
   return plan;
 }
 
-// One step for small messages (the CPU transport's small-message path): every rank
-// publishes each chunk of its input to every peer, then folds each chunk itself, in the
-// order the ring reduces it (rs_contributor: the ring's bits); all-gather publishes its
-// own chunk and copies every peer's. C = P chunks.
-inline Plan one_shot_plan(Collective coll, int world) {
+// The rooted collectives' ring (root 0): a chain, the ring with the link into the root cut.
+// Broadcast: rank 0 publishes each chunk of its input to rank 1; rank k receives each from
+// rank k-1, copies it to its output and passes it on to rank k+1 (the last keeps it).
+// Reduce: the other way, rank P-1 publishes its input to rank P-2; rank k receives each
+// chunk's partial from rank k+1, adds its own (received first, as the ring's reduce) and
+// passes it on; rank 0 finishes it into its output: ((x[P-1] OP x[P-2]) ...) OP x[0].
+// C = P chunks: a rank passes chunk c on while its predecessor sends chunk c+1, so the
+// P-1 links work at once (a pipeline of P chunks per slice, slices after that).
+inline Plan chain_plan(Collective coll, int world) {
   Plan plan;
   plan.chunks = world;
   plan.ops.resize(world);
   if (world == 1) return plan;
+  const bool down = coll == Collective::kBroadcast;  // from rank 0 to P-1; reduce: from P-1 to 0
+  for (int k = 0; k < world; ++k) {
+    const int from = down ? k - 1 : k + 1, to = down ? k + 1 : k - 1;  // -1 or world: no such rank
+    const bool first = from < 0 || from == world, last = to < 0 || to == world;
+    for (int c = 0; c < world; ++c) {
+      auto& ops = plan.ops[k];
+      if (first)  // the chain's head publishes its input
+        ops.push_back(make_op(Operand::kInput, c, 1, kToSlot, Operand::kNone, -1, bit(to)));
+      else if (down)  // broadcast: to my output, and on unless I am the tail
+        ops.push_back(make_op(Operand::kPeer, c, 1, kToOutput | (last ? 0 : kToSlot), Operand::kNone, from,
+                              last ? 0 : bit(to)));
+      else  // reduce: add mine; the tail (rank 0) finishes it into its output
+        ops.push_back(make_op(Operand::kPeer, c, 1, last ? kToOutput : kToSlot, Operand::kInput, from,
+                              last ? 0 : bit(to), last));
+    }
+  }
+  return plan;
+}
+
+// One step for small messages (the CPU transport's small-message path): every rank
+// publishes each chunk of its input to every peer, then folds each chunk itself, in the
+// order the ring reduces it (rs_contributor: the ring's bits); all-gather publishes its
+// own chunk and copies every peer's. C = P chunks. The rooted collectives (root 0), C = 1:
+// broadcast, the root publishes its input to every peer, which copies it; reduce, every
+// other rank publishes its input to the root, which folds them in the chain's order
+// (chain_plan: the same bits as the chain).
+inline Plan one_shot_plan(Collective coll, int world) {
+  Plan plan;
+  plan.chunks = collective_info(coll).rooted ? 1 : world;
+  plan.ops.resize(world);
+  if (world == 1) return plan;
   const uint64_t everyone = all_ranks(world);
+  if (coll == Collective::kBroadcast) {
+    plan.ops[0].push_back(make_op(Operand::kInput, 0, 1, kToSlot, Operand::kNone, -1, everyone & ~bit(0)));
+    for (int k = 1; k < world; ++k) plan.ops[k].push_back(make_op(Operand::kPeer, 0, 1, kToOutput, Operand::kNone, 0));
+    return plan;
+  }
+  if (coll == Collective::kReduce) {  // the root: ((x[P-1] OP x[P-2]) ... OP x[1]) OP x[0]
+    for (int k = 1; k < world; ++k)
+      plan.ops[k].push_back(make_op(Operand::kInput, 0, 1, kToSlot, Operand::kNone, -1, bit(0)));
+    auto& ops = plan.ops[0];
+    if (world == 2) {
+      ops.push_back(make_op(Operand::kPeer, 0, 1, kToOutput, Operand::kInput, 1, 0, true));
+      return plan;
+    }
+    ops.push_back(make_op(Operand::kPeer, 0, 1, kToWork, Operand::kNone, world - 1));
+    for (int r = world - 2; r >= 1; --r) ops.push_back(make_op(Operand::kWork, 0, 1, kToWork, Operand::kPeer, r));
+    ops.push_back(make_op(Operand::kWork, 0, 1, kToOutput, Operand::kInput, -1, 0, true));
+    return plan;
+  }
   for (int k = 0; k < world; ++k) {
     auto& ops = plan.ops[k];
     if (coll == Collective::kAllGather) {  // publish my chunk, copy every peer's
@@ -391,52 +480,89 @@ inline Plan recursive_doubling_plan(Collective coll, int world) {
   return plan;
 }
 
-// A binomial tree all-reduce: reduce to rank 0, then broadcast from it. Rank k's parent is
-// k minus its lowest set bit; its children k + 1, k + 2, k + 4, .. below that bit. Reduce:
-// add each child's partial, nearest first, then send it up; broadcast: the result comes
-// down the same tree, each rank copying it to its output and sending it on in one
-// publication. log2 P steps each way; each rank sends n up and n down: fewer steps than the
-// ring, more bytes (the root's link carries log2 P messages). C = 1 chunk.
+// A binomial tree rooted at rank 0: rank k's parent is k minus its lowest set bit; its
+// children k + 1, k + 2, k + 4, .. below that bit (nearest first). log2 P levels.
+struct BinomialTree {
+  int world;
+  int parent(int k) const { return k - (k & -k); }
+  std::vector<int> children(int k) const {
+    const int low = k == 0 ? world : (k & -k);
+    std::vector<int> out;
+    for (int d = 1; d < low && k + d < world; d *= 2) out.push_back(k + d);
+    return out;
+  }
+  uint64_t children_mask(int k) const {
+    uint64_t mask = 0;
+    for (int child : children(k)) mask |= bit(child);
+    return mask;
+  }
+};
+
+// Rank k's ops of a reduce up the tree (C = 1 chunk): add each child's partial to mine
+// (mine first), nearest child first, then send the sum up; the root finishes it into its
+// output.
+inline void tree_reduce_ops(std::vector<PlanOp>& ops, const BinomialTree& tree, int k) {
+  const std::vector<int> children = tree.children(k);
+  const uint64_t parent = k == 0 ? 0 : bit(tree.parent(k));
+  if (children.empty()) {  // a leaf: its input is its partial
+    ops.push_back(make_op(Operand::kInput, 0, 1, kToSlot, Operand::kNone, -1, parent));
+    return;
+  }
+  Operand mine = Operand::kInput;
+  for (size_t i = 0; i < children.size(); ++i) {
+    const bool last = i + 1 == children.size();
+    const uint8_t to = !last ? kToWork : (k == 0 ? kToOutput : kToSlot);
+    ops.push_back(make_op(mine, 0, 1, to, Operand::kPeer, children[i], last ? parent : 0, last && k == 0));
+    mine = Operand::kWork;
+  }
+}
+
+// Rank k's ops of a broadcast down the tree (C = 1 chunk): the root publishes `source` to
+// its children; every other rank receives from its parent, copying to its output and on to
+// its children in one op.
+inline void tree_broadcast_ops(std::vector<PlanOp>& ops, const BinomialTree& tree, int k, Operand source) {
+  const uint64_t children = tree.children_mask(k);
+  if (k == 0)
+    ops.push_back(make_op(source, 0, 1, kToSlot, Operand::kNone, -1, children));
+  else
+    ops.push_back(make_op(Operand::kPeer, 0, 1, kToOutput | (children ? kToSlot : 0), Operand::kNone,
+                          tree.parent(k), children));
+}
+
+// The binomial tree. All-reduce: reduce to rank 0, then broadcast from it: log2 P steps
+// each way; each rank sends n up and n down: fewer steps than the ring, more bytes (the
+// root's link carries log2 P messages). Broadcast and reduce (root 0): one half each. The
+// whole message is one chunk: C = 1.
 inline Plan tree_plan(Collective coll, int world) {
-  RINGCOLL_CHECK(coll == Collective::kAllReduce, std::invalid_argument, "tree is an all-reduce; for ",
-                 collective_info(coll).name, " use ring or rhd");
+  RINGCOLL_CHECK(coll == Collective::kAllReduce || collective_info(coll).rooted, std::invalid_argument,
+                 "tree has no ", collective_info(coll).name, "; use ring or rhd");
   Plan plan;
   plan.chunks = 1;
   plan.ops.resize(world);
   if (world == 1) return plan;
+  const BinomialTree tree{world};
   for (int k = 0; k < world; ++k) {
-    auto& ops = plan.ops[k];
-    const int low = k == 0 ? world : (k & -k);  // children live below my lowest set bit
-    uint64_t children = 0;
-    std::vector<int> order;
-    for (int d = 1; d < low && k + d < world; d *= 2) {
-      children |= bit(k + d);
-      order.push_back(k + d);
-    }
-    // reduce
-    Operand mine = Operand::kInput;
-    for (size_t i = 0; i < order.size(); ++i) {
-      const bool last = i + 1 == order.size();
-      const bool root_done = last && k == 0;
-      const uint8_t to = root_done ? kToOutput : (last ? kToSlot : kToWork);
-      const uint64_t parent = (last && k != 0) ? bit(k - low) : 0;
-      ops.push_back(make_op(mine, 0, 1, to, Operand::kPeer, order[i], parent, root_done));
-      mine = Operand::kWork;
-    }
-    if (k != 0 && order.empty())  // a leaf: its input is its partial
-      ops.push_back(make_op(Operand::kInput, 0, 1, kToSlot, Operand::kNone, -1, bit(k - low)));
-    // broadcast
-    if (k == 0) {
-      ops.push_back(make_op(Operand::kOutput, 0, 1, kToSlot, Operand::kNone, -1, children));
-    } else {
-      ops.push_back(make_op(Operand::kPeer, 0, 1, kToOutput | (children ? kToSlot : 0), Operand::kNone, k - low,
-                            children));
-    }
+    if (coll != Collective::kBroadcast) tree_reduce_ops(plan.ops[k], tree, k);
+    if (coll != Collective::kReduce)
+      tree_broadcast_ops(plan.ops[k], tree, k, coll == Collective::kBroadcast ? Operand::kInput : Operand::kOutput);
   }
   return plan;
 }
 
+// Whether the built-in `algorithm` has a plan for `coll` (the algorithms' table).
+inline bool algorithm_has(Algorithm algorithm, Collective coll) {
+  switch (algorithm) {
+#define RINGCOLL_ALGORITHM_HAS(e, name, code, collectives) \
+  case Algorithm::e: return ((collectives) & collective_bit(coll)) != 0;
+    RINGCOLL_ALGORITHMS(RINGCOLL_ALGORITHM_HAS)
+#undef RINGCOLL_ALGORITHM_HAS
+  }
+  return false;
+}
+
 inline Plan builtin_plan(Algorithm algorithm, Collective coll, int world) {
+  RINGCOLL_CHECK(algorithm_has(algorithm, coll), std::invalid_argument, algorithm_name(static_cast<int>(algorithm)),
+                 " has no ", collective_info(coll).name);
   switch (algorithm) {
     case Algorithm::kRing: return ring_plan(coll, world);
     case Algorithm::kOneShot: return one_shot_plan(coll, world);
