@@ -1,4 +1,5 @@
-"""ringcoll: ring reduce-scatter, all-gather and all-reduce written from scratch.
+"""ringcoll: ring reduce-scatter, all-gather and all-reduce written from scratch (and
+broadcast and reduce, as plans).
 
 Drop-in replacements for the torch.distributed calls of the same names, over POSIX shared
 memory for CPU tensors and CUDA IPC peer memory for CUDA tensors. The package, by role
@@ -23,8 +24,10 @@ from ringcoll.api import (
     all_gather_single,
     all_reduce,
     barrier,
+    broadcast,
     destroy_communicators,
     get_communicator,
+    reduce,
     reduce_scatter,
     reduce_scatter_single,
     reduce_scatter_tensor,
@@ -43,6 +46,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Communicator", "CudaCommunicator", "Work", "ReduceOp",
     "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_gather", "reduce_scatter", "barrier",
+    "broadcast", "reduce",
     "all_gather_single", "reduce_scatter_single",
     "get_communicator", "destroy_communicators", "ddp_hook", "run_in_process",
     "algorithms", "register_algorithm", "PlanError",

@@ -109,6 +109,33 @@ def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=Fal
                                                                        algorithm=algorithm)
 
 
+def _group_rank(op: str, group, rank, group_rank, names: tuple) -> int:
+    """A root as torch.distributed names it: ``rank`` in the default group, or ``group_rank``
+    in ``group`` (exactly one of them), as the group's own number. The in-process groups of
+    run_in_process have no default group: there the two are one."""
+    global_name, group_name = names
+    if (rank is None) == (group_rank is None):
+        raise ValueError(f"{op}: give exactly one of {global_name}= (a rank of the default group) and {group_name}= "
+                         f"(a rank of group), got {global_name}={rank!r}, {group_name}={group_rank!r}")
+    if group_rank is not None:
+        return group_rank
+    if group is None or group is dist.group.WORLD or not isinstance(group, dist.ProcessGroup):
+        return rank
+    return dist.get_group_rank(group, rank)
+
+
+def broadcast(tensor, src=None, group=None, async_op=False, group_src=None, *, algorithm=None):
+    """Like dist.broadcast: ``src`` a rank of the default group, or ``group_src`` one of ``group``."""
+    root = _group_rank("broadcast", group, src, group_src, ("src", "group_src"))
+    return _for_tensor("broadcast", tensor, group).broadcast(tensor, root, async_op, algorithm=algorithm)
+
+
+def reduce(tensor, dst=None, op=ReduceOp.SUM, group=None, async_op=False, group_dst=None, *, algorithm=None):
+    """Like dist.reduce: ``dst`` a rank of the default group, or ``group_dst`` one of ``group``."""
+    root = _group_rank("reduce", group, dst, group_dst, ("dst", "group_dst"))
+    return _for_tensor("reduce", tensor, group).reduce(tensor, root, op, async_op, algorithm=algorithm)
+
+
 def barrier(group=None, async_op=False, device_ids=None):
     """Like dist.barrier; runs on the group's CPU communicator (device_ids is ignored)."""
     return get_communicator(group, "cpu").barrier(async_op=async_op)

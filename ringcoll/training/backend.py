@@ -4,7 +4,8 @@
     import torch.distributed as dist
     dist.init_process_group("ringcoll")                # or "cpu:ringcoll"; env:// / torchrun
     dist.all_reduce(t)                                 # -> ringcoll's shared-memory ring
-    dist.broadcast(t, src=0)                           # -> the backend's internal gloo group
+    dist.broadcast(t, src=0)                           # -> ringcoll's plan engine (a chain, a tree)
+    dist.scatter(t, [...], src=0)                      # -> the backend's internal gloo group
 
 How it plugs in (torch's supported route for out-of-tree backends):
 ``torch.distributed.Backend.register_backend("ringcoll", creator, devices=["cpu"])``, where
@@ -20,14 +21,15 @@ What goes where::
     all_gather_into_tensor (_allgather_base, all_gather_single), all_gather (list),
     reduce_scatter (list), barrier, and the coalesced forms (allreduce_coalesced,
     allgather_into_tensor_coalesced, reduce_scatter_tensor_coalesced: one flat
-    call each, as NCCL's grouped calls)                      -> a ringcoll Communicator
+    call each, as NCCL's grouped calls); broadcast and reduce of one CPU tensor
+    (plans only: CUDA ones go to the fall-back)              -> a ringcoll Communicator
         when every tensor is contiguous, of one dtype ringcoll supports, on one
         device, and the op is SUM/PRODUCT/MIN/MAX (AVG for floating dtypes):
         CPU tensors to the shared-memory ring, tensors on cuda:N to the CUDA ring
         of that GPU (one communicator per device, made on first use, closed with
         the group; ``routing_device`` decides); else -> the fall-back
-    everything else: FORWARDED_TO_GLOO below (broadcast, reduce, gather, scatter,
-    all_to_all, send/recv) and what c10d dispatches itself (object collectives, ...)
+    everything else: FORWARDED_TO_GLOO below (gather, scatter, all_to_all,
+    send/recv) and what c10d dispatches itself (object collectives, ...)
                                                              -> the fall-back
 
 The fall-back is the internal gloo group for CPU tensors; for CUDA tensors an internal
@@ -182,7 +184,8 @@ OP_TYPES = {name: int(getattr(_c10d.OpType, op_type)) for name, op_type in (
     ("reduce_scatter_tensor", "_REDUCE_SCATTER_BASE"), ("reduce_scatter", "REDUCE_SCATTER"),
     ("reduce_scatter_tensor_coalesced", "REDUCE_SCATTER_TENSOR_COALESCED"),
     ("all_gather_into_tensor", "ALLGATHER"), ("all_gather", "ALLGATHER"),
-    ("all_gather_into_tensor_coalesced", "ALLGATHER_COALESCED"), ("barrier", "BARRIER"))}
+    ("all_gather_into_tensor_coalesced", "ALLGATHER_COALESCED"), ("barrier", "BARRIER"),
+    ("broadcast", "BROADCAST"), ("reduce", "REDUCE"))}
 
 
 # --- routing -----------------------------------------------------------------------------
@@ -253,6 +256,27 @@ def _options(cls, opts, op=None, timeout=None):
         opts.reduceOp = op
     if timeout is not None:
         opts.timeout = timeout
+    return opts
+
+
+def _rooted_options(cls, args: tuple, kwargs: dict):
+    """c10d's options for a broadcast or reduce made in any of ProcessGroup's forms:
+    ``(tensors, opts)``, or ``(tensor, root[, op][, timeout])`` (broadcast has no op),
+    positional or keyword."""
+    if args and isinstance(args[0], cls) or "opts" in kwargs:
+        opts = args[0] if args else kwargs["opts"]
+        return opts if opts is not None else cls()
+    if args and args[0] is None:  # c10d's "default options"
+        return cls()
+    given = dict(zip(("root", "op", "timeout") if cls is _c10d.ReduceOptions else ("root", "timeout"), args))
+    given.update(kwargs)
+    opts = cls()
+    if given.get("root") is not None:
+        opts.rootRank = int(given["root"])
+    if given.get("op") is not None:
+        opts.reduceOp = given["op"]
+    if given.get("timeout") is not None:
+        opts.timeout = given["timeout"]
     return opts
 
 
@@ -459,6 +483,26 @@ class RingcollProcessGroup(dist.ProcessGroup):
                              lambda a: comm.all_reduce_coalesced(list(tensors), op=op, async_op=a), list(tensors), opts)
         return self._fallback("all_reduce_coalesced", tensors).allreduce_coalesced(tensors, opts)
 
+    def broadcast(self, tensors, *args, **kwargs):
+        """One CPU tensor, in place, from ``opts.rootRank`` (a rank of this group), on the
+        plan engine (Communicator.broadcast); CUDA tensors and several tensors go to the
+        fall-back."""
+        tensors, opts = _as_list(tensors), _rooted_options(_c10d.BroadcastOptions, args, kwargs)
+        if len(tensors) == 1 and opts.rootTensor == 0 and tensors[0].is_cpu and (comm := self._ring_for(tensors)):
+            t, root = tensors[0], opts.rootRank
+            return self._run("broadcast", lambda a: comm.broadcast(t, root, async_op=a), tensors, opts)
+        return self._fallback("broadcast", tensors).broadcast(tensors, opts)
+
+    def reduce(self, tensors, *args, **kwargs):
+        """One CPU tensor, in place on ``opts.rootRank`` only, as broadcast."""
+        tensors, opts = _as_list(tensors), _rooted_options(_c10d.ReduceOptions, args, kwargs)
+        op = _ringcoll_op(opts.reduceOp, tensors[0].dtype) if tensors else None
+        if (len(tensors) == 1 and op is not None and opts.rootTensor == 0 and tensors[0].is_cpu
+                and (comm := self._ring_for(tensors))):
+            t, root = tensors[0], opts.rootRank
+            return self._run("reduce", lambda a: comm.reduce(t, root, op=op, async_op=a), tensors, opts)
+        return self._fallback("reduce", tensors).reduce(tensors, opts)
+
     def barrier(self, opts=None, timeout=None):
         opts = _options(_c10d.BarrierOptions, opts, timeout=timeout)
         if self._bootstrapping:
@@ -481,8 +525,7 @@ class RingcollProcessGroup(dist.ProcessGroup):
     # They take c10d's arguments unchanged, in any of ProcessGroup's forms (positional or
     # keyword: broadcast(t, root=0), send([t], dstRank=1, tag=0), ...); defined after the
     # class by _forward_to_gloo.
-    FORWARDED_TO_GLOO = ("broadcast", "reduce", "gather", "scatter", "alltoall_base", "alltoall", "send", "recv",
-                         "recv_anysource")
+    FORWARDED_TO_GLOO = ("gather", "scatter", "alltoall_base", "alltoall", "send", "recv", "recv_anysource")
 
     # --- lifetime -----------------------------------------------------------------------
 

@@ -6,9 +6,9 @@ short third spawn checks the "cpu:ringcoll,cuda:ringcoll" form). The reference i
 ``dist.new_group(backend="gloo")`` beside the ringcoll default group, same inputs.
 
 Routing is observed through ``ringcoll.training.backend.call_counts``: a collective ringcoll
-implements must add one to "ringcoll:<op>" and a collective it does not (broadcast,
-all_to_all, send/recv, gather, scatter, reduce, object collectives) must leave every
-"ringcoll:*" count alone and still give the right answer (the internal gloo group).
+implements must add one to "ringcoll:<op>" and a collective it does not (all_to_all,
+send/recv, gather, scatter) must leave every "ringcoll:*" count alone and still give the
+right answer (the internal gloo group).
 """
 
 from __future__ import annotations
@@ -121,6 +121,25 @@ def _implemented(rank, ws) -> dict:
     record("all_gather", ag_list)
     record("reduce_scatter", rs_list)
     record("barrier", lambda: dist.barrier())
+
+    def broadcast():
+        t = torch.full((3,), float(rank))
+        dist.broadcast(t, src=ws - 1)
+        return t
+
+    def reduce():
+        t = torch.tensor([float(rank + 1)])
+        dist.reduce(t, dst=0)
+        return t
+
+    def broadcast_object_list():  # c10d sends the sizes, then the pickled bytes: two broadcasts
+        objs = [{"hello": "world"}] if rank == 0 else [None]
+        dist.broadcast_object_list(objs, src=0)
+        return objs[0]
+
+    record("broadcast", broadcast)
+    record("reduce", reduce)
+    record("broadcast_object_list", broadcast_object_list)
     # Functional collectives (DTensor, torch.compile) call the coalesced tensor forms.
     import torch.distributed._functional_collectives as funcol
 
@@ -140,9 +159,6 @@ def _others(rank, ws) -> dict:
     """Collectives ringcoll does not implement: right answers, and no ringcoll call."""
     before = _ringcoll_counts()
     got = {}
-    t = torch.full((3,), float(rank))
-    dist.broadcast(t, src=ws - 1)
-    got["broadcast"] = t
     out = torch.empty(ws)
     dist.all_to_all_single(out, torch.arange(float(ws)) + 10 * rank)
     got["all_to_all_single"] = out
@@ -159,15 +175,6 @@ def _others(rank, ws) -> dict:
     s = torch.empty(1)
     dist.scatter(s, [torch.tensor([float(10 + r)]) for r in range(ws)] if rank == 0 else None, src=0)
     got["scatter"] = s
-    red = torch.tensor([float(rank + 1)])
-    dist.reduce(red, dst=0)
-    if rank == 0:
-        got["reduce"] = red
-    objs = [None]
-    if rank == 0:
-        objs = [{"hello": "world"}]
-    dist.broadcast_object_list(objs, src=0)
-    got["broadcast_object_list"] = objs[0]
     # Not silently rerouted: ringcoll has no bitwise ops, gloo does.
     b = torch.tensor([0b1100 | rank])
     dist.all_reduce(b, op=dist.ReduceOp.BOR)
@@ -392,8 +399,13 @@ def test_implemented_collectives_run_on_ringcoll(runs):
         assert seen["bootstrap"]["value"] == ws
         assert set(seen["bootstrap"]["delta"]) == {"gloo:all_gather"}, seen["bootstrap"]["delta"]
         for name in ["all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_gather",
-                     "reduce_scatter", "barrier"]:
+                     "reduce_scatter", "barrier", "broadcast", "reduce"]:
             assert seen[name]["delta"] == {f"ringcoll:{name}": 1}, (rank, name, seen[name]["delta"])
+        assert seen["broadcast_object_list"]["delta"] == {"ringcoll:broadcast": 2}
+        assert seen["broadcast_object_list"]["value"] == {"hello": "world"}
+        assert torch.equal(seen["broadcast"]["value"], torch.full((3,), float(ws - 1)))
+        # the root gets the sum; every other rank keeps its tensor
+        assert seen["reduce"]["value"].item() == (ws * (ws + 1) / 2 if rank == 0 else rank + 1)
         assert seen["_allgather_base"]["delta"] == {"ringcoll:all_gather_into_tensor": 1}
         assert seen["funcol_all_reduce"]["delta"] == {"ringcoll:all_reduce": 1}
         assert seen["funcol_all_gather"]["delta"] == {"ringcoll:all_gather_into_tensor_coalesced": 1}
@@ -417,10 +429,8 @@ def test_other_collectives_go_to_gloo(runs):
         others = out["others"]
         assert others["ringcoll_delta"] == {}, (rank, others["ringcoll_delta"])
         got = others["got"]
-        assert torch.equal(got["broadcast"], torch.full((3,), float(ws - 1)))
         assert torch.equal(got["all_to_all_single"], torch.tensor([float(rank + 10 * r) for r in range(ws)]))
         assert torch.equal(got["scatter"], torch.tensor([float(10 + rank)]))
-        assert got["broadcast_object_list"] == {"hello": "world"}
         bor = 0
         for r in range(ws):
             bor |= 0b1100 | r
@@ -428,7 +438,6 @@ def test_other_collectives_go_to_gloo(runs):
         assert torch.equal(got["all_reduce_noncontiguous"], torch.arange(6.0).view(2, 3).t() * (ws * (ws + 1) / 2))
         if rank == 0:
             assert torch.equal(got["gather"], torch.arange(float(ws)))
-            assert got["reduce"].item() == ws * (ws + 1) / 2
         if rank == ws - 1:
             assert got["send_recv"].item() == 42.0
 
@@ -565,12 +574,14 @@ def _many_forwarded_calls(rank, ws, loops):
         dist.broadcast_object_list(objs, src=0)
         if objs[0] != {"call": i}:
             return f"call {i}: got {objs[0]}"
-        t = torch.full((3,), float(rank))
-        dist.broadcast(t, src=ws - 1)
-        red = torch.tensor([1.0])
-        dist.reduce(red, dst=0)
-        if rank == 0 and red.item() != ws:
-            return f"call {i}: reduce gave {red.item()}"
+        gathered = [torch.empty(1) for _ in range(ws)] if rank == 0 else None
+        dist.gather(torch.tensor([float(rank)]), gathered, dst=0)
+        if rank == 0 and torch.cat(gathered).tolist() != list(range(ws)):
+            return f"call {i}: gather gave {gathered}"
+        s = torch.empty(1)
+        dist.scatter(s, [torch.tensor([float(r)]) for r in range(ws)] if rank == 0 else None, src=0)
+        if s.item() != rank:
+            return f"call {i}: scatter gave {s.item()}"
         if i % 10 == 0:
             pair = [torch.ones(2), torch.ones(3)]
             with warnings.catch_warnings():
@@ -581,7 +592,7 @@ def _many_forwarded_calls(rank, ws, loops):
     # Not left to c10d's dispatch: forwarded to gloo by the backend, or (all_reduce_coalesced)
     # run on the ring.
     handled = {route: backend.call_counts[route]
-               for route in ("gloo:broadcast", "gloo:reduce", "ringcoll:all_reduce_coalesced")}
+               for route in ("gloo:gather", "gloo:scatter", "ringcoll:all_reduce_coalesced")}
     if min(handled.values()) == 0:
         return f"not handled by ringcoll's backend itself: {handled}"
     return "ok"
@@ -611,7 +622,10 @@ def _call_forms(pg, rank, ws) -> dict:
     t = base(); run("allreduce(t)", lambda: pg.allreduce(t), t)
     t = base(); run("broadcast(t, root=0)", lambda: pg.broadcast(t, root=0), t)
     t = base(); run("broadcast(t, 1)", lambda: pg.broadcast(t, ws - 1), t)
-    t = base(); run("reduce(t, root=0, op=SUM)", lambda: pg.reduce(t, root=0, op=SUM), t)
+    t = base(); run("reduce(t, root=0, op=SUM)", lambda: pg.reduce(t, root=0, op=SUM), t if rank == 0 else base())
+    t = base(); run("reduce(t, 1, MAX)", lambda: pg.reduce(t, ws - 1, MAX), t if rank == ws - 1 else base())
+    t = base(); run("reduce([t], opts)", lambda: pg.reduce([t], _c10d_options("ReduceOptions")), t if rank == 0 else base())
+    t = base(); run("broadcast([t], opts)", lambda: pg.broadcast([t], _c10d_options("BroadcastOptions")), t)
     outs, t = [torch.empty(5) for _ in range(ws)], base()
     run("allgather(outs, t)", lambda: pg.allgather(outs, t), *outs)
     out, ins = torch.empty(5), [base() + r for r in range(ws)]
@@ -664,5 +678,7 @@ def test_every_call_form_matches_gloo(ws):
         assert out["routed"].get("ringcoll:all_reduce", 0) >= 4, out["routed"]
         assert out["routed"].get("ringcoll:all_reduce_coalesced") == 1, out["routed"]
         assert out["routed"].get("ringcoll:all_gather", 0) >= 3, out["routed"]
+        assert out["routed"].get("ringcoll:broadcast", 0) == 3 and out["routed"].get("ringcoll:reduce", 0) == 3, \
+            out["routed"]
         ours, ref = out["coalesced_api"]
         assert all(torch.equal(x, y) for x, y in zip(ours, ref)), (ours, ref)

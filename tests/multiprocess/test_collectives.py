@@ -293,6 +293,40 @@ def gloo_all_gather(xs, world, group=None):
     return refs
 
 
+def run_rooted_cases(chk, rank, world, comms, dtype, op_name, sizes, tag, broadcast=True, group=None):
+    """reduce, and broadcast where asked (it moves bytes: one op per dtype is enough), of
+    every root and each size, on every communicator in comms, against gloo's broadcast and
+    reduce of the same inputs. A reduce leaves every rank's tensor but the root's as it was
+    (gloo leaves partial sums there)."""
+    kind = _kind(op_name)
+    inputs = [make_input(kind, dtype, n, _seed(tag, "rooted", dtype, op_name, n, rank)) for n in sizes]
+    flat = torch.cat(inputs)
+    for root in range(world):
+        broadcast_ref, reduce_ref = flat.clone(), flat.clone()
+        if flat.numel():
+            dist.broadcast(broadcast_ref, src=dist.get_global_rank(group, root) if group else root, group=group)
+            dist.reduce(reduce_ref, dst=dist.get_global_rank(group, root) if group else root, group=group,
+                        op=dist.ReduceOp.SUM if op_name == "AVG" else getattr(dist.ReduceOp, op_name))
+        if op_name == "AVG":
+            reduce_ref = reduce_ref / world
+        broadcast_refs, reduce_refs = broadcast_ref.split(sizes), reduce_ref.split(sizes)
+        for ci, (comm_name, comm) in enumerate(comms):
+            op = _ops(op_name)[(ci + root) % 2]  # ringcoll's and torch's ReduceOp, in turn
+            for n, x, b_ref, r_ref in zip(sizes, inputs, broadcast_refs, reduce_refs):
+                if broadcast:
+                    label = f"{comm_name} broadcast {_name(dtype)} n={n} from {root}"
+                    t, base = _guarded(n, dtype, x)
+                    comm.broadcast(t, root)
+                    chk.equal(label, t, b_ref)
+                    _guards_intact(chk, label, base, n)
+                t, base = _guarded(n, dtype, x)
+                comm.reduce(t, root, op=op)
+                label = f"{comm_name} reduce {_name(dtype)} {op_name} n={n} to {root}"
+                chk.equal(label if rank == root else label + " (a rank not the root keeps its tensor)", t,
+                          r_ref if rank == root else x)
+                _guards_intact(chk, label, base, n)
+
+
 # --- the matrix ----------------------------------------------------------------------------
 
 REDUCE_FORMS = ("out_of_place", "in_place", "list", "list_alias")

@@ -38,6 +38,10 @@ def _call(comm, kind, rank, world):
     if kind == "barrier":
         comm.barrier()
         return torch.full((1,), -7.0)
+    if kind.startswith(("broadcast", "reduce")):  # "broadcast_from_1", "reduce_to_0", ...
+        out = torch.full((n,), -7.0)
+        getattr(comm, kind.split("_")[0])(out, int(kind[-1]))
+        return out
     raise AssertionError(kind)
 
 
@@ -69,20 +73,23 @@ def _mismatch_every_kind(rank, world, odd_rank, small_bytes):
     return {what: _mismatch(rank, world, kinds, odd_rank, small_bytes) for what, kinds in CASES.items()}
 
 
-# Each kind of mismatch the issue names: collective, dtype, op, count.
+# Each kind of mismatch the issue names: collective, dtype, op, count; and the root.
 CASES = {
     "collective": ("all_reduce", "all_gather"),
     "dtype": ("all_reduce", "all_reduce_int"),
     "op": ("all_reduce", "all_reduce_max"),
     "count": ("all_reduce", "all_reduce_short"),
     "barrier vs collective": ("barrier", "reduce_scatter"),
+    "broadcast root": ("broadcast_from_0", "broadcast_from_1"),
+    "reduce root": ("reduce_to_2", "reduce_to_1"),
+    "rooted vs collective": ("reduce_to_0", "all_reduce"),
 }
 
 
 def _check_mismatch_results(results, odd):
     for rank, (message, later, broken) in enumerate(results):
         assert message.startswith(("all_reduce: mismatched", "all_gather: mismatched", "reduce_scatter: mismatched",
-                                   "barrier: mismatched")), (rank, message)
+                                   "barrier: mismatched", "broadcast: mismatched", "reduce: mismatched")), (rank, message)
         # Both ranks and both descriptors are named.
         assert f"rank {rank} called" in message, message
         assert "but rank" in message and "no data was moved" in message, message

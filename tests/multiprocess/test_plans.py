@@ -46,8 +46,19 @@ def _matrix_rank(rank, world):
     for dtype in (torch.float32, torch.uint8, torch.bfloat16):
         M.run_gather_cases(chk, rank, world, scatter_gather_comms, dtype, [1, 3, 2000], ("out_of_place", "in_place"),
                            "plans")
+    # broadcast and reduce: every algorithm that has them, native and auto (one-shot or chain by size), every root
+    rooted_comms = [(n, c) for n, c in comms if n in plans.algorithms("broadcast")]
+    rooted_comms += [(name, ringcoll.Communicator(algorithm=name, buffer_bytes=M.SMALL_BUFFER,
+                                                  timeout=M.COMM_TIMEOUT, small_bytes=64))
+                     for name in ("native", "auto")]
+    seen = set()
+    for dtype, op_name in cases:
+        elem = torch.empty(0, dtype=dtype).element_size()
+        M.run_rooted_cases(chk, rank, world, rooted_comms, dtype, op_name, [1, world + 1, 3 * M.SMALL_BUFFER // elem + 5],
+                           "plans-rooted", broadcast=dtype not in seen)
+        seen.add(dtype)
     _interleaved(chk, rank, world)
-    for _, comm in comms:
+    for _, comm in comms + rooted_comms[-2:]:
         comm.close()
     return chk.finish()
 
