@@ -74,7 +74,32 @@ def _hierarchical_vs_gloo(rank, world, layout, cases):
                 if not torch.equal(out, _gloo_all_gather(x, world)):
                     failures.append(f"all_gather {dtype} m={m}")
         failures += _out_of_place_and_prepared(h, rank, world, *cases[0])
+        failures += _rooted(h, rank, world, cases)
     return info, failures
+
+
+def _rooted(h, rank, world, cases):
+    """broadcast and reduce from / to every rank against gloo's; a reduce leaves every rank
+    but the root as it was."""
+    import ringcoll
+
+    failures, n = [], 4 * 257 + 3
+    for root in range(world):
+        for dtype, op in cases:
+            x = _inputs(rank, n, dtype, op)
+            ours, ref = x.clone(), x.clone()
+            h.reduce(ours, root, op=getattr(ringcoll.ReduceOp, op))
+            dist.reduce(ref, dst=root, op=dist.ReduceOp.SUM if op == "AVG" else getattr(dist.ReduceOp, op))
+            want = (ref / world if op == "AVG" else ref) if rank == root else x
+            if not torch.equal(ours, want):
+                failures.append(f"reduce {dtype} {op} to {root}")
+        x = _inputs(rank, n, cases[0][0], "SUM")
+        ours, ref = x.clone(), x.clone()
+        h.broadcast(ours, root)
+        dist.broadcast(ref, src=root)
+        if not torch.equal(ours, ref):
+            failures.append(f"broadcast from {root}")
+    return failures
 
 
 def _out_of_place_and_prepared(h, rank, world, dtype, op):
