@@ -20,6 +20,7 @@ import argparse
 import sys
 from typing import List, Optional
 
+from ringcoll._types import ROOTED_COLLECTIVES
 from ringcoll.learning import memory, trace
 
 
@@ -68,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
                        description="Run a ring collective on small integers with ringcoll.learning.schedule.simulate "
                                    "and print, step by step, the chunk each rank sends, receives and reduces, "
                                    "and what every rank holds.")
-    t.add_argument("collective", choices=list(trace.COLLECTIVES))
+    t.add_argument("collective", choices=[*trace.COLLECTIVES, *sorted(ROOTED_COLLECTIVES)])
     t.add_argument("--world", "-P", type=int, default=4, help="ranks (default 4)")
     t.add_argument("--n", "-n", type=int, default=8, help="elements in the message (default 8)")
     t.add_argument("--png", metavar="FILE", help="also draw the steps (one panel per step) into FILE")

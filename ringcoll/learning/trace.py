@@ -43,7 +43,9 @@ Any other algorithm (``ringcoll.algorithms()``: rhd, rd, tree, or a plan registe
 ``ringcoll.register_algorithm``) is traced from its plan (ringcoll/plans.py), the records
 the engine runs: round by round (``plans.rounds``), each rank's ops as the plan states
 them (``chunks 0..1: rank 2's publication OP work -> output (final)``) with the values they
-make, then the result, the check, and the plan's cost (rounds, bytes received).
+make, then the result, the check, and the plan's cost (rounds, bytes received). So are
+broadcast and reduce, which are plans only, with rank 0 as the root (the plans are written
+for root 0; another root relabels them).
 
 :func:`draw` renders the same simulation with matplotlib (Agg): one panel per ring step,
 the ranks on a circle, an arrow from each rank to its right neighbour labelled with the
@@ -70,6 +72,7 @@ from ringcoll.learning.schedule import (
     simulate_one_shot,
 )
 from ringcoll import plans
+from ringcoll._types import ROOTED_COLLECTIVES
 from ringcoll.learning.model import all_gather_copied_bytes, plan_cost
 
 __all__ = ["COLLECTIVES", "ALGORITHMS", "default_inputs", "describe_inputs", "reference", "trace", "draw"]
@@ -92,7 +95,7 @@ def _collective(name: str) -> Collective:
 
 def default_inputs(collective: str, world: int, n: int) -> List[List[int]]:
     """The inputs a trace uses unless given others (see the module docstring)."""
-    if _collective(collective) == Collective.ALL_GATHER:
+    if collective == "all_gather":
         return [[10 * r + j for j in range(chunk_end(n, world, r) - chunk_begin(n, world, r))]
                 for r in range(world)]
     return [[(i + 1) * 10 ** r for i in range(n)] for r in range(world)]
@@ -100,7 +103,7 @@ def default_inputs(collective: str, world: int, n: int) -> List[List[int]]:
 
 def describe_inputs(collective: str) -> str:
     """One line saying what the default inputs are."""
-    if _collective(collective) == Collective.ALL_GATHER:
+    if collective == "all_gather":
         return ("inputs: rank r holds its own chunk r, element j of it = 10*r + j "
                 "(the tens digit names the source rank)")
     return ("inputs: rank r's element i = (i+1) * 10**r (rank 0 writes the units digit, rank 1 "
@@ -108,7 +111,12 @@ def describe_inputs(collective: str) -> str:
 
 
 def reference(collective: str, inputs: Sequence[Sequence[Any]]) -> List[List[Any]]:
-    """What each rank must end with, computed the plain way (no ring)."""
+    """What each rank must end with, computed the plain way (no ring); the rooted
+    collectives with rank 0 as the root, in place (a reduce's other ranks keep their input)."""
+    if collective == "broadcast":
+        return [list(inputs[0]) for _ in inputs]
+    if collective == "reduce":
+        return [[sum(column) for column in zip(*inputs)], *(list(x) for x in inputs[1:])]
     coll = _collective(collective)
     world = len(inputs)
     if coll == Collective.ALL_GATHER:
@@ -205,7 +213,9 @@ def trace(collective: str, world: int, n: int, inputs: Optional[Sequence[Sequenc
     text (what ``ringcoll trace`` prints). ``inputs`` default to :func:`default_inputs`;
     for all_gather ``inputs[r]`` is rank r's chunk and ``n`` must be their total length.
     ``algorithm``: ``"ring"``, ``"oneshot"`` for the small-message path, or ``"direct"`` for
-    the direct-read all-gather (all_gather only)."""
+    the direct-read all-gather (all_gather only); broadcast and reduce trace their plans."""
+    if collective in ROOTED_COLLECTIVES:
+        return _rooted_trace(collective, world, n, inputs, algorithm)
     coll = _collective(collective)
     choices = [*ALGORITHMS, *(a for a in plans.algorithms(collective) if a not in (*ALGORITHMS, "auto", "native"))]
     if algorithm not in choices:
@@ -298,15 +308,33 @@ def _one_shot_lines(collective: str, coll: Collective, world: int, n: int, input
     return lines
 
 
+def _rooted_trace(collective: str, world: int, n: int, inputs, algorithm: str) -> str:
+    """broadcast or reduce, root rank 0, traced from its plan (they have no other path)."""
+    choices = [a for a in plans.algorithms(collective) if a not in ("auto", "native")]
+    if algorithm not in choices:
+        raise ValueError(f"trace: algorithm for {collective} must be one of {', '.join(choices)}, got {algorithm!r}")
+    if world < 1 or n < 0:
+        raise ValueError("trace: world must be >= 1 and n >= 0")
+    given = inputs is not None
+    inputs = [list(x) for x in (inputs if given else default_inputs(collective, world, n))]
+    if len(inputs) != world or any(len(x) != n for x in inputs):
+        raise ValueError(f"trace: {collective} takes {world} inputs of n = {n} elements")
+    what = "op = sum, the result on the root" if collective == "reduce" else "the root's tensor to every rank"
+    out = [f"ringcoll trace: {collective}, P = {world} ranks, n = {n} elements, root = rank 0 ({what})",
+           "inputs: as given" if given else describe_inputs(collective)]
+    out += [f"  rank {k}: {_fmt(x)}" for k, x in enumerate(inputs)]
+    return "\n".join(out + _plan_lines(plans.plan(algorithm, collective, world), n, inputs)) + "\n"
+
+
 def _plan_lines(p: plans.Plan, n: int, inputs) -> List[str]:
     """A plan run on the inputs (plans.simulate), round by round (plans.rounds), each op as
     the plan states it with the values it makes; the result, the check and the cost."""
-    coll = _collective(p.collective)
+    coll = COLLECTIVES.get(p.collective)  # None for broadcast and reduce: no ring schedule
     outputs, _ = plans.simulate(p, inputs)
     lines = [f"plan {p.name!r}: {p.chunks} chunk{'s' * (p.chunks > 1)} per message, ops per rank "
              f"{', '.join(str(len(ops)) for ops in p.ops)}; an op computes a or a OP b per chunk and writes it to "
              "output, work (the rank's own) or its slot (published to the ranks named)"]
-    if p.chunks != p.world:
+    if p.chunks != p.world and coll is not None:
         lines.append(f"  (this plan cuts the message into {p.chunks} chunk{'s' * (p.chunks > 1)}, not the P above)")
     timeline = plans.rounds(p, inputs)
     if not timeline:
@@ -320,8 +348,9 @@ def _plan_lines(p: plans.Plan, n: int, inputs) -> List[str]:
     lines.extend(_result_lines(p.collective, coll, outputs, inputs))
     if p.world > 1:
         cost = plan_cost(p)
-        lines.append(f"cost: {cost.rounds} rounds (the ring's: {ring_steps(coll, p.world)}); the busiest rank receives "
-                     f"{cost.received:.4g} n (learning.model.plan_cost)")
+        ring = f" (the ring's: {ring_steps(coll, p.world)})" if coll is not None else ""
+        lines.append(f"cost: {cost.rounds} rounds{ring}; the busiest rank receives {cost.received:.4g} n "
+                     "(learning.model.plan_cost)")
     return lines
 
 
@@ -363,15 +392,17 @@ def _direct_read_lines(collective: str, coll: Collective, world: int, n: int, in
     return lines
 
 
-def _result_lines(collective: str, coll: Collective, outputs, inputs) -> List[str]:
+def _result_lines(collective: str, coll: Optional[Collective], outputs, inputs) -> List[str]:
     expected = reference(collective, inputs)
     rule = {
-        Collective.ALL_REDUCE: "elementwise sum over ranks",
-        Collective.REDUCE_SCATTER: "chunk k of the elementwise sum over ranks",
-        Collective.ALL_GATHER: "concatenation of the ranks' inputs",
-    }[coll]
-    lines = ["result (" + ("rank k returns chunk k" if coll == Collective.REDUCE_SCATTER
-                           else "every rank returns the whole message") + "):"]
+        "all_reduce": "elementwise sum over ranks",
+        "reduce_scatter": "chunk k of the elementwise sum over ranks",
+        "all_gather": "concatenation of the ranks' inputs",
+        "broadcast": "the root's input",
+        "reduce": "elementwise sum over ranks, on the root; every other rank keeps its input",
+    }[collective]
+    returns = {"reduce_scatter": "rank k returns chunk k", "reduce": "the root returns the sum, the others their input"}
+    lines = ["result (" + returns.get(collective, "every rank returns the whole message") + "):"]
     for k, values in enumerate(outputs):
         lines.append(f"  rank {k}: {_fmt(values)}")
     ok = [list(got) == list(want) for got, want in zip(outputs, expected)]

@@ -97,7 +97,7 @@ def test_given_inputs_and_bad_arguments():
     text = trace("all_reduce", 2, 3, inputs=[[1, 1, 1], [2, 2, 2]])
     assert "inputs: as given" in text and parse_results(text) == {0: [3, 3, 3], 1: [3, 3, 3]}
     with pytest.raises(ValueError, match="collective"):
-        trace("broadcast", 4, 8)
+        trace("all_to_all", 4, 8)
     with pytest.raises(ValueError, match="n = 4"):
         trace("all_reduce", 2, 4, inputs=[[1], [2]])
 
@@ -128,7 +128,7 @@ def test_cli_trace(tmp_path, capsys):
     assert main(["trace", "all_reduce", "--world", "1", "--png", str(tmp_path / "p1.png")]) == 2
     assert "needs world >= 2" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main(["trace", "broadcast"])
+        main(["trace", "all_to_all"])
 
 
 # --- the one-shot path (small messages) ----------------------------------------------------
@@ -187,12 +187,27 @@ def test_one_shot_cli_and_bad_arguments(capsys):
         trace("reduce_scatter", 2, 3, algorithm="tree")
 
 
+def test_rooted_traces_name_the_root_and_refuse_what_they_lack(capsys):
+    """broadcast and reduce are traced from their plans, root rank 0; a reduce's other
+    ranks keep their inputs, and an algorithm without them is refused by name."""
+    from ringcoll.learning import cli
+
+    text = trace("reduce", 3, 2)
+    assert text.startswith("ringcoll trace: reduce, P = 3 ranks, n = 2 elements, root = rank 0")
+    assert "  rank 0: [111 222]\n  rank 1: [10 20]\n  rank 2: [100 200]\ncheck:" in text
+    with pytest.raises(ValueError, match="algorithm for broadcast must be one of ring, oneshot, tree, got 'rhd'"):
+        trace("broadcast", 2, 3, algorithm="rhd")
+    assert cli.main(["trace", "broadcast", "-P", "2", "-n", "2", "--algorithm", "tree"]) == 0
+    assert "check: reference (the root's input) = [1 2]: OK, every rank matches" in capsys.readouterr().out
+
+
 PLAN_ROUND = re.compile(r"^round (\d+)")
 PLAN_OP = re.compile(r"^  rank (\d+), op (\d+): (.*)  = (.*)$")
 
 
 @pytest.mark.parametrize("name, coll", [("rhd", c) for c in COLLECTIVES] + [("rd", "all_reduce"),
-                                                                          ("tree", "all_reduce")])
+                                                                          ("tree", "all_reduce")]
+                         + [(name, c) for c in ("broadcast", "reduce") for name in ("ring", "oneshot", "tree")])
 @pytest.mark.parametrize("world, n", [(1, 3), (3, 7), (4, 8), (6, 13)])
 def test_plan_traces_print_every_op_of_the_plan_round_by_round(name, coll, world, n):
     """A trace from a plan shows each op of every rank exactly once, as the plan states it,
