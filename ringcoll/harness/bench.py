@@ -51,7 +51,7 @@ import torch
 
 from ringcoll import plans, tuning
 from ringcoll.learning import model
-from ringcoll._types import DTYPES, REDUCING_COLLECTIVES, RING_COLLECTIVES
+from ringcoll._types import DATA_COLLECTIVES, DTYPES, REDUCING_COLLECTIVES, RING_COLLECTIVES, ROOTED_COLLECTIVES
 from ringcoll.communicator import Communicator, parse_bytes
 
 # --- the collectives: definitions around one shared harness -------------------------------
@@ -70,9 +70,13 @@ class CollectiveDef:
 
 SHAPES = {"all_reduce": lambda count, world: (count, count),
           "reduce_scatter": lambda count, world: (count, count // world),
-          "all_gather": lambda count, world: (count // world, count)}
-#: the ring's collectives (collectives.h), each with its shapes (broadcast and reduce are not timed here yet)
-COLLECTIVES = {name: CollectiveDef(name, name in REDUCING_COLLECTIVES, SHAPES[name]) for name in RING_COLLECTIVES}
+          "all_gather": lambda count, world: (count // world, count),
+          "broadcast": lambda count, world: (count, count),
+          "reduce": lambda count, world: (count, count)}
+#: collectives.h's collectives with a message, each with its shapes; broadcast and reduce
+#: have rank 0 as the root and the in-place form only, as torch's
+COLLECTIVES = {name: CollectiveDef(name, name in REDUCING_COLLECTIVES, SHAPES[name]) for name in DATA_COLLECTIVES}
+ROOT = 0  # broadcast's source and reduce's destination
 OPS = ("sum", "prod", "min", "max", "avg")
 
 
@@ -100,10 +104,14 @@ def rank_input(rank: int, numel: int, dtype: torch.dtype, op: str, offset: int =
 
 
 def expected_result(coll: CollectiveDef, rank: int, world: int, count: int, dtype: torch.dtype,
-                    op: str) -> torch.Tensor:
+                    op: str) -> Optional[torch.Tensor]:
     """The right answer, computed on this rank from everyone's (regenerable) inputs: over one
     PERIOD of elements, which the result repeats as the inputs do."""
     in_numel, out_numel = coll.shapes(count, world)
+    if coll.name == "broadcast":
+        return rank_input(ROOT, in_numel, dtype, op)
+    if coll.name == "reduce" and rank != ROOT:  # torch defines the root's result only (gloo
+        return None                              # leaves partial sums elsewhere): nothing to check
     if not coll.reduces:
         return torch.cat([rank_input(r, in_numel, dtype, op) for r in range(world)])
     offset = rank * out_numel if coll.name == "reduce_scatter" else 0
@@ -130,8 +138,9 @@ class Backend:
     checked = True  # its results are compared with the expected values
 
     def forms(self, coll: str) -> tuple:
-        """The forms it offers for `coll`: "out" (out-of-place) and/or "in" (in-place)."""
-        return ("out", "in")
+        """The forms it offers for `coll`: "out" (out-of-place) and/or "in" (in-place);
+        broadcast and reduce are in place everywhere (torch's, and MPI's at the root)."""
+        return ("in",) if coll in ROOTED_COLLECTIVES else ("out", "in")
 
     def unsupported(self, coll: CollectiveDef, dtype: torch.dtype, op: str) -> str:
         """Why this collective, dtype and op are not timed here ("" when they are): shown in
@@ -217,6 +226,8 @@ class TorchBackend(DistBackend):
         self.on_gpu = (comm.device.type if comm is not None else self.name) in ("cuda", "nccl")
 
     def forms(self, coll):
+        if coll in ROOTED_COLLECTIVES:
+            return ("in",)
         if self._forms:
             return self._forms
         if self.comm is not None:
@@ -227,7 +238,9 @@ class TorchBackend(DistBackend):
         if self.comm is None:
             return no_avg(coll, op)
         if self.algorithm is not None and self.algorithm not in plans.algorithms(coll.name):
-            return f"{self.algorithm}: all-reduce only"
+            return f"{self.algorithm}: no {coll.name}"
+        if coll.name in ROOTED_COLLECTIVES and (self.on_gpu or self.prepared):
+            return "CPU, unprepared only"
         return ""
 
     def _op(self, op: str):
@@ -239,6 +252,14 @@ class TorchBackend(DistBackend):
 
     def bind(self, coll, inp, out, op, in_place, rank, world):
         partial, reduce_op = functools.partial, self._op(op)
+        if coll in ROOTED_COLLECTIVES:  # in place, root rank 0 of the group
+            if self.comm is None:
+                if coll == "broadcast":
+                    return partial(self.dist.broadcast, inp, group=self.group, group_src=ROOT)
+                return partial(self.dist.reduce, inp, op=reduce_op, group=self.group, group_dst=ROOT)
+            if coll == "broadcast":
+                return partial(self.comm.broadcast, inp, ROOT, algorithm=self.algorithm)
+            return partial(self.comm.reduce, inp, ROOT, op=reduce_op, algorithm=self.algorithm)
         if self.comm is None:  # torch.distributed
             if coll == "all_reduce":  # it has only the in-place form
                 return partial(self.dist.all_reduce, inp, op=reduce_op, group=self.group)
@@ -305,7 +326,7 @@ class MpiBackend(Backend):
     compared with), for all three collectives (MPI-3.1, 5.9.6, 5.10.2 and 5.7)."""
 
     def forms(self, coll):
-        return ("out", "in")
+        return ("in",) if coll in ROOTED_COLLECTIVES else ("out", "in")
 
     def in_place_result(self, coll, inp, out, result, rank, world):
         # MPI_Reduce_scatter_block in place reads every chunk from the receive buffer and
@@ -330,6 +351,11 @@ class MpiBackend(Backend):
         mpi_op = {"sum": self.MPI.SUM, "prod": self.MPI.PROD, "min": self.MPI.MIN, "max": self.MPI.MAX}[op]
         if out.dtype in (torch.bfloat16, torch.float16):  # all-gather: moved as bytes
             inp, out = (None if inp is None else inp.view(torch.int16)), out.view(torch.int16)
+        if coll == "broadcast":
+            return functools.partial(self.comm.Bcast, inp.numpy(), root=ROOT)
+        if coll == "reduce":  # in place at the root (MPI_IN_PLACE); the others only send
+            args = (self.MPI.IN_PLACE, inp.numpy()) if rank == ROOT else (inp.numpy(), None)
+            return functools.partial(self.comm.Reduce, *args, op=mpi_op, root=ROOT)
         if in_place:  # the data is in the one buffer: all-gather's output, the others' input
             send, receive = self.MPI.IN_PLACE, (out if coll == "all_gather" else inp).numpy()
         else:
@@ -622,7 +648,7 @@ def _buffers(coll: CollectiveDef, count: int, world: int, rank: int, dtype, op: 
         out.view(world, -1)[rank].copy_(rank_input(rank, in_numel, dtype, op))
         return None, out, out
     inp = rank_input(rank, in_numel, dtype, op).to(device)
-    result = inp if (in_place and coll.name == "all_reduce") else out
+    result = inp if (in_place and coll.name in ("all_reduce", *ROOTED_COLLECTIVES)) else out
     if in_place and coll.name == "reduce_scatter":
         result = inp.view(world, -1)[rank]
     return inp, out, result
@@ -653,7 +679,7 @@ def bench_size(backends: list, coll: CollectiveDef, count: int, rank: int, world
             backend.meet_after_allocating()
             call()
             backend.synchronize()
-            wrong = int((result.cpu() != expected).sum()) if backend.checked else 0
+            wrong = int((result.cpu() != expected).sum()) if backend.checked and expected is not None else 0
             row[f"{form}_wrong"] = int(backend.reduce_over_ranks(float(wrong), "max"))
             timed.append((row, form, backend, call, calibrate(call, backend, config, rank)))
     trials = {id(entry): [] for entry in timed}
@@ -1040,7 +1066,7 @@ def worst_ratios(rows: list[dict]) -> list[str]:
     """Per reference: the lowest same-form ratio over every collective, size and form, and
     where it was (the summary lines)."""
     lines = []
-    ours = {(r["collective"], r["bytes"]): r for r in rows if r["backend"] == "ringcoll" and "out_time_us" in r}
+    ours = {(r["collective"], r["bytes"]): r for r in rows if r["backend"] == "ringcoll" and forms_timed([r])}
     for ref in references(rows):
         found = []
         for row in rows:
@@ -1159,10 +1185,11 @@ def format_table(rows: list[dict], world: int, config: Config, fitted: dict, not
             groups += f" |{'link bytes per machine / n':^{9 * (len(counted) + 2) - 1}}"
         lines += [groups, cols]
         for r in ours:
-            out_bus, in_bus = busbw(r, "out"), busbw(r, "in")
-            line = (f"{r['bytes']:>11} {r['count']:>10} {r['type']:>8} {r['redop']:>5} |"
-                    f"{r['out_time_us']:9.1f} {r['bytes'] / r['out_time_us'] / 1e3:6.2f} {out_bus:6.2f} {r['out_wrong']:>6} |"
-                    f"{r['in_time_us']:9.1f} {r['bytes'] / r['in_time_us'] / 1e3:6.2f} {in_bus:6.2f} {r['in_wrong']:>6}")
+            line = f"{r['bytes']:>11} {r['count']:>10} {r['type']:>8} {r['redop']:>5}"
+            for form in ("out", "in"):  # broadcast and reduce have no out-of-place form: "-"
+                t = r.get(f"{form}_time_us")
+                line += (f" |{_f(t, 9, 1, '-')} {_f(t and r['bytes'] / t / 1e3, 6, 2, '-')} "
+                         f"{_f(busbw(r, form), 6, 2, '-')} {r.get(f'{form}_wrong', '-'):>6}")
             for ref in refs:
                 ref_row = by_ref[ref].get(r["bytes"])
                 if ref_row and ref_row.get("unsupported"):
@@ -1196,7 +1223,7 @@ def format_table(rows: list[dict], world: int, config: Config, fitted: dict, not
     absent = [f"# {name} reference: {note}" for name, note in notes.items() if note]
     lines += [""] + absent if absent else []
     wrong = total_wrong(rows)
-    buses = [busbw(r, "out") for r in rows if r["backend"] == "ringcoll"]
+    buses = [bus for r in rows if r["backend"] == "ringcoll" and (bus := busbw(r, "out")) is not None]
     lines += ["", f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}",
               f"# Avg bus bandwidth    : {sum(buses) / max(len(buses), 1):.3f} GB/s (ringcoll, out-of-place)"]
     lines += worst_ratios(rows) + [""]
@@ -1204,10 +1231,12 @@ def format_table(rows: list[dict], world: int, config: Config, fitted: dict, not
 
 
 def tuning_times(rows: list[dict], config: Config, name: str, algorithms: Sequence[str]) -> dict:
-    """{algorithm: {bytes: out-of-place us}} of collective `name`, for each of `algorithms`:
-    the algorithms' table and --record-tuning (ringcoll/tuning.py) read the same numbers."""
-    return {a: {r["bytes"]: r["out_time_us"] for r in rows
-                if r["collective"] == name and r["backend"] == algorithm_backend(config, a) and r.get("out_time_us")}
+    """{algorithm: {bytes: us}} of collective `name`, for each of `algorithms`, out of place
+    (broadcast and reduce: in place, their one form): the algorithms' table and
+    --record-tuning (ringcoll/tuning.py) read the same numbers."""
+    key = "in_time_us" if name in ROOTED_COLLECTIVES else "out_time_us"
+    return {a: {r["bytes"]: r[key] for r in rows
+                if r["collective"] == name and r["backend"] == algorithm_backend(config, a) and r.get(key)}
             for a in algorithms}
 
 
@@ -1228,7 +1257,7 @@ def algorithm_backend(config: Config, algorithm: str) -> str:
 
 
 def algorithms_table(rows: list[dict], world: int, config: Config, name: str) -> list[str]:
-    """--algorithm A,B,...: every algorithm's out-of-place time per size, each plan's beside
+    """--algorithm A,B,...: every algorithm's time per size (tuning_times' form), each plan's beside
     the alpha-beta model's prediction (one alpha and beta fitted to all the plans,
     model.fit_plans), the fastest but auto, auto over it, and where the model and the
     measurement put the crossovers."""
@@ -1240,7 +1269,8 @@ def algorithms_table(rows: list[dict], world: int, config: Config, name: str) ->
     planned = [a for a in fixed if a != tuning.NATIVE]
     measured = [(a, size, t * 1e-6) for a in planned for size, t in timed[a].items()]
     fit = model.fit_plans(name, world, measured) if world >= 2 and len(measured) >= 2 else None
-    lines = ["", f"# {name}, {world} ranks: the algorithms side by side, out-of-place time in us"
+    form = "in-place" if name in ROOTED_COLLECTIVES else "out-of-place"
+    lines = ["", f"# {name}, {world} ranks: the algorithms side by side, {form} time in us"
                  + (" (the model's in brackets)" if fit else "") + "; best: the fastest but auto"]
     width = 17 if fit else 9
     lines.append(f"{'size':>11} |" + "".join(f" {a:>{width}}" for a in names) + f" | {'best':>8}"

@@ -100,7 +100,9 @@ from ringcoll.tuning import crossings, fastest_between
 
 STEPS = {"all_reduce": lambda p: 2 * (p - 1), "reduce_scatter": lambda p: p - 1, "all_gather": lambda p: p - 1}
 BUS_FACTOR = {"all_reduce": lambda p: 2 * (p - 1) / p, "reduce_scatter": lambda p: (p - 1) / p,
-              "all_gather": lambda p: (p - 1) / p}
+              "all_gather": lambda p: (p - 1) / p,
+              # nccl-tests' factor for the rooted ones: each link carries the message once
+              "broadcast": lambda p: 1.0, "reduce": lambda p: 1.0}
 
 
 def bytes_sent_per_rank(collective: str, world: int, nbytes: float) -> float:

