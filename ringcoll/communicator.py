@@ -412,6 +412,7 @@ class Communicator(ArgumentChecks):
         if not isinstance(self.algorithm, str):
             raise TypeError(f"Communicator: algorithm must be a name, got {self.algorithm!r}")
         transport_cls = self.transport_class(device)
+        self._runs_plans = transport_cls.runs_plans  # read once: _plan runs on every call
         self._configure(group, transport_cls.resolve_device(device), timeout, buffer_bytes, check,
                         transport_cls.slot_alignment)
         self._choose_automatically()
@@ -459,7 +460,6 @@ class Communicator(ArgumentChecks):
         self._bootstrap = bootstrap_for(group)
         self.group = getattr(self._bootstrap, "group", group)  # a process group, or the in-process rank
         self.device = CPU if device.type == "cpu" else device
-        self._on_cpu = device.type == "cpu"
         self.timeout = resolve_timeout(timeout)
         self.check = _resolve_check(check)
         self.rank = self._bootstrap.rank
@@ -537,11 +537,11 @@ class Communicator(ArgumentChecks):
 
     def _choose_automatically(self) -> None:
         """Read auto's table (ringcoll/tuning.py) for this world size: per collective, the
-        bands of sizes where each algorithm is the cheapest. On CUDA auto is the ring
-        kernels: no table."""
+        bands of sizes where each algorithm is the cheapest. On CUDA (and its emulator) auto
+        is the ring kernels: no table."""
         table, self._tuning_error = None, None
         try:
-            table = tuning.load() if self.device.type == "cpu" else None
+            table = tuning.load() if self._runs_plans else None
         except ValueError as e:  # raised once every rank has said so (_exchange): no rank waits for it
             self._tuning_error = e
         self._tuning_digest = (table.digest if table is not None
@@ -565,18 +565,18 @@ class Communicator(ArgumentChecks):
         algorithm = self.algorithm if algorithm is None else algorithm
         if algorithm == "auto":
             algorithm = tuning.choose(self._auto_bands[collective], message_bytes)
-        on_cpu = self._on_cpu  # (device.type costs 0.3 us a read: a tenth of a small call)
+        plan_engine = self._runs_plans  # the CPU transport's (the others run their own ring only)
         if collective in ROOTED_COLLECTIVES:
-            if not on_cpu:
+            if not plan_engine:
                 raise ValueError(f"{name}: runs on the CPU transport only so far (by its plan engine); for CUDA "
                                  "tensors use torch.distributed's NCCL (the ringcoll backend forwards them there)")
             if algorithm == tuning.NATIVE:
                 # No path of its own: native is the chain, and, as for the others, the one-shot up to
                 # small_bytes (the same bits: plan.h's one_shot_plan folds in the chain's order)
                 algorithm = "oneshot" if message_bytes <= self.small_bytes else "ring"
-        elif algorithm == tuning.NATIVE or (algorithm == "ring" and not on_cpu):
+        elif algorithm == tuning.NATIVE or (algorithm == "ring" and not plan_engine):
             return None  # the transport's own path (on CUDA: the ring kernels, the same ring)
-        if not on_cpu:
+        if not plan_engine:
             raise ValueError(f"{name}: algorithm={algorithm!r} runs on the CPU transport only so far; on CUDA "
                              "'auto', 'native' or 'ring' (the ring kernels)")
         try:

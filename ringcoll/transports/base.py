@@ -16,6 +16,8 @@ validated the arguments and turned them into a :class:`CollectiveCall`. The inte
                                 work is ordered after it; async: return a Completion
                                 (`name`: the user's collective, for its messages)
     launch_on_stream(call, stream)   run `call` on a caller-given stream (CUDA only)
+    runs_plans                  whether it runs plans (ringcoll/plans.py; the CPU transport's
+                                plan engine): without, only its own ring, and no broadcast or reduce
     bind(call)                  (optional) a zero-argument callable running `call`
                                 synchronously by the shortest path: Communicator.prepare_*
     plain_calls                 (optional) what checks and runs a synchronous tensor-form call
@@ -97,6 +99,7 @@ class Transport:
     # all_gather_into_tensor check a synchronous plain call and run it in one binding call,
     # while the Communicator may hand it such a call (None: never, or not now).
     plain_calls = None
+    runs_plans = False  # only the CPU transport has the plan engine so far
 
     @property
     def broken(self) -> bool:

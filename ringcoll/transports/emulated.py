@@ -140,6 +140,7 @@ class EmulatedCudaTransport:
     slot_alignment = _C.cuda_slot_alignment
     takes_arrays = False
     plain_calls = None  # every call goes through the Python path, as on CUDA
+    runs_plans = False  # the ring kernels only, as on CUDA
     # Issue 22's defect 1 fixed: an in-process rank on the shared legacy stream is moved onto
     # its communicator's stream, and a call from the shared stream refused. A test turns it
     # off to show the deadlock of the old order.

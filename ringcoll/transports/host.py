@@ -240,6 +240,7 @@ class HostTransport(Transport):
 
     slot_alignment = _C.host_slot_alignment
     takes_arrays = False  # a CPU array is not viewed as a tensor: the caller passes tensors
+    runs_plans = True  # csrc/host/host_plan.cpp
 
     @staticmethod
     def resolve_device(device):

@@ -192,3 +192,23 @@ def test_the_benchmark_meets_after_allocating(monkeypatch):
     rows = ringcoll.run_in_process(2, bench.run_in_process_rank, config, timeout=120)[0]
     measured = [r for r in rows if "out_wrong" in r]
     assert measured and all(r["out_wrong"] == 0 and r.get("in_wrong", 0) == 0 for r in measured)
+
+
+def test_the_emulated_cuda_ring_runs_no_plans_and_says_so():
+    """Like CUDA, the emulator runs its ring kernels only: a plan, a broadcast or a reduce is
+    refused by name (it used to take the emulator's device, "cpu", for the CPU transport:
+    the plan was dropped and the call ran as something else, without a word), and auto's
+    table, which prices the CPU transport, is not read there."""
+    def body(group):
+        refused = []
+        with communicator(EmulatedCudaTransport)(group=group, timeout=TIMEOUT) as comm:
+            for call in (lambda: comm.broadcast(torch.ones(4), 0), lambda: comm.reduce(torch.ones(4), 1),
+                         lambda: comm.all_reduce(torch.ones(4), algorithm="tree")):
+                with pytest.raises(ValueError, match="runs on the CPU transport only so far") as e:
+                    call()
+                refused.append(str(e.value).split(":")[0])
+            x = torch.ones(32 << 10)  # 128 KiB: a band where the shipped table's auto picks a plan on the CPU
+            comm.all_reduce(x)
+            return refused, bool((x == 2).all())
+
+    assert ringcoll.run_in_process(2, body, timeout=60) == [(["broadcast", "reduce", "all_reduce"], True)] * 2
