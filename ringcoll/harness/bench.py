@@ -1086,6 +1086,12 @@ def worst_ratios(rows: list[dict]) -> list[str]:
     return lines
 
 
+def headline_form(coll: str) -> str:
+    """The form a collective's single figures use (the tuning table, the average bus
+    bandwidth): out of place, as nccl-tests reports; broadcast and reduce have only in place."""
+    return "in" if coll in ROOTED_COLLECTIVES else "out"
+
+
 def busbw(row: Optional[dict], form: str) -> Optional[float]:
     if row is None:
         return None
@@ -1223,9 +1229,11 @@ def format_table(rows: list[dict], world: int, config: Config, fitted: dict, not
     absent = [f"# {name} reference: {note}" for name, note in notes.items() if note]
     lines += [""] + absent if absent else []
     wrong = total_wrong(rows)
-    buses = [bus for r in rows if r["backend"] == "ringcoll" and (bus := busbw(r, "out")) is not None]
+    buses = [bus for r in rows
+             if r["backend"] == "ringcoll" and (bus := busbw(r, headline_form(r["collective"]))) is not None]
     lines += ["", f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}",
-              f"# Avg bus bandwidth    : {sum(buses) / max(len(buses), 1):.3f} GB/s (ringcoll, out-of-place)"]
+              f"# Avg bus bandwidth    : {sum(buses) / max(len(buses), 1):.3f} GB/s "
+              "(ringcoll, out-of-place; broadcast and reduce in place, their one form)"]
     lines += worst_ratios(rows) + [""]
     return "\n".join(lines)
 
@@ -1234,7 +1242,7 @@ def tuning_times(rows: list[dict], config: Config, name: str, algorithms: Sequen
     """{algorithm: {bytes: us}} of collective `name`, for each of `algorithms`, out of place
     (broadcast and reduce: in place, their one form): the algorithms' table and
     --record-tuning (ringcoll/tuning.py) read the same numbers."""
-    key = "in_time_us" if name in ROOTED_COLLECTIVES else "out_time_us"
+    key = f"{headline_form(name)}_time_us"
     return {a: {r["bytes"]: r[key] for r in rows
                 if r["collective"] == name and r["backend"] == algorithm_backend(config, a) and r.get(key)}
             for a in algorithms}

@@ -209,6 +209,19 @@ def test_table_shows_labels_and_absent_references():
     assert "# Open MPI reference: skipped (--no-mpi)" in table and "oneCCL reference" not in table
 
 
+
+def test_average_bus_bandwidth_takes_each_collectives_headline_form():
+    """Out of place where a collective has it, in place for broadcast and reduce (their one
+    form): a rooted-only run averages its in-place rows instead of printing 0."""
+    config = bench.Config(collectives=("all_reduce", "broadcast"))
+    common = {"bytes": 4096, "count": 1024, "type": "float32", "redop": "sum", "world": 2, "backend": "ringcoll"}
+    ar = dict(common, collective="all_reduce", out_time_us=4.096, in_time_us=1.0, out_wrong=0, in_wrong=0)
+    bc = dict(common, collective="broadcast", in_time_us=1.024, in_wrong=0)
+    # all_reduce: algbw 1 GB/s x 2(P-1)/P = 1.0; broadcast: 4 GB/s x 1 = 4.0; average 2.5
+    assert "# Avg bus bandwidth    : 2.500 GB/s" in bench.format_table([ar, bc], 2, config, {}, {})
+    only_rooted = bench.format_table([bc], 2, bench.Config(collectives=("broadcast",)), {}, {})
+    assert "# Avg bus bandwidth    : 4.000 GB/s" in only_rooted, only_rooted
+
 #: What each reference's API offers, by collective (gloo: torch.distributed's forms;
 #: DeepSpeed's and oneCCL's all-reduce bindings are in place only; MPI has MPI_IN_PLACE for
 #: all three). The bench must time every one, each beside ringcoll's same form.
