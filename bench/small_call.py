@@ -44,6 +44,9 @@ def cases(comm, group) -> dict:
         "all_reduce out of place": lambda: comm.all_reduce(t, output=out),
         "all_gather_into_tensor": lambda: comm.all_gather_into_tensor(gathered, piece),
         "reduce_scatter_tensor": lambda: comm.reduce_scatter_tensor(shard, whole),
+        "broadcast from rank 0": lambda: comm.broadcast(t, 0),
+        "broadcast, native named": lambda: comm.broadcast(t, 0, algorithm="native"),
+        "reduce to rank 0": lambda: comm.reduce(t, 0),
         "prepared all_reduce": comm.prepare_all_reduce(t),
         "_C run (floor)": lambda: binding.run("all_reduce", t.data_ptr(), t.data_ptr(), COUNT, 0, 0),
     }

@@ -81,6 +81,8 @@ class Table:
 
 def choose(bands: Sequence[tuple], nbytes: float) -> str:
     """The algorithm ``bands`` (Table.bands) gives a message of ``nbytes``."""
+    if len(bands) == 1:  # one band for every size (no table, or one winner): per call, so no search
+        return bands[0][1]
     return bands[bisect.bisect_right([start for start, _ in bands], nbytes) - 1][1]
 
 
