@@ -571,9 +571,12 @@ class Communicator(ArgumentChecks):
                 raise ValueError(f"{name}: runs on the CPU transport only so far (by its plan engine); for CUDA "
                                  "tensors use torch.distributed's NCCL (the ringcoll backend forwards them there)")
             if algorithm == tuning.NATIVE:
-                # No path of its own: native is the chain, and, as for the others, the one-shot up to
-                # small_bytes (the same bits: plan.h's one_shot_plan folds in the chain's order)
-                algorithm = "oneshot" if message_bytes <= self.small_bytes else "ring"
+                # No path of its own: the one-shot up to small_bytes, as for the others, then the
+                # pipelined star for a broadcast (shared memory: every rank reads the root's copy at
+                # once) and the chain for a reduce (its additions spread over the ranks; the one-shot
+                # folds in the chain's order, so both give the same bits)
+                algorithm = "oneshot" if message_bytes <= self.small_bytes else \
+                    "star" if collective == "broadcast" else "ring"
         elif algorithm == tuning.NATIVE or (algorithm == "ring" and not plan_engine):
             return None  # the transport's own path (on CUDA: the ring kernels, the same ring)
         if not plan_engine:
@@ -696,9 +699,9 @@ class Communicator(ArgumentChecks):
         """In place: ``tensor = tensor on rank src`` on every rank (``src`` a rank of this
         communicator). Bytes are copied as they are, so every dtype works and every rank
         ends with the root's bits. ``algorithm``: "ring" (a chain from the root, pipelined
-        over chunks), "tree" (binomial), "oneshot" (every rank reads the root's copy), a
-        registered plan, or "native" / "auto": the one-shot up to ``small_bytes``, the chain
-        above (CPU only)."""
+        over chunks), "tree" (binomial), "star" (every rank reads the root's copy, pipelined
+        over chunks), "oneshot" (the same in one piece), a registered plan, or "native" /
+        "auto": the one-shot up to ``small_bytes``, the star above (CPU only)."""
         return self._rooted("broadcast", tensor, src, None, async_op, algorithm)
 
     def reduce(self, tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, async_op: bool = False, *,
@@ -708,7 +711,8 @@ class Communicator(ArgumentChecks):
         nothing of it; ringcoll guarantees it). The fold's order is the plan's: the chain
         ("ring") and the one-shot fold ``((x[dst-1] OP x[dst-2]) ...) OP x[dst]`` round the
         ring from the rank before ``dst`` (the same bits for both), "tree" up a binomial tree.
-        ``algorithm`` as for :meth:`broadcast`."""
+        ``algorithm`` as for :meth:`broadcast` (no star: its root would do every addition);
+        "native" / "auto": the one-shot up to ``small_bytes``, the chain above."""
         return self._rooted("reduce", tensor, dst, op, async_op, algorithm)
 
     def _rooted(self, name: str, tensor, root, op, async_op: bool, algorithm: Optional[str]):

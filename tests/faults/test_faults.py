@@ -755,6 +755,8 @@ def _killed_mid_collective(rank, world, victim, collective, algorithm):
             comm.all_gather_into_tensor(out, t)
         elif collective == "reduce":  # the chain to rank 0: the victim, rank 2, is its head
             comm.reduce(t, 0)
+        elif collective == "broadcast":  # the star from rank 0, the victim: both others read its slots
+            comm.broadcast(t, 0)
         else:
             comm.all_reduce(t)
 
@@ -776,12 +778,14 @@ def _killed_mid_collective(rank, world, victim, collective, algorithm):
 # P = 3 with every victim is test_kill_mid_collective above (with recovery); this is P = 2,
 # P = 3 for the direct-read all-gather (a reader may be inside the victim's memory), and
 # P = 3 on the plan engine (the one-shot plan: every rank reads every peer's slots; the
-# chain of a reduce: the rank after the victim waits for it, the root for that rank).
+# chain of a reduce: the rank after the victim waits for it, the root for that rank; the
+# star of a broadcast: the root dies and every other rank waits on its slots).
 @pytest.mark.usefixtures("no_leftover_segments")
 @pytest.mark.parametrize("world,victim,collective,algorithm", [(2, 1, "all_reduce", "auto"),
                                                                (3, 1, "all_gather", "auto"),
                                                                (3, 2, "all_reduce", "oneshot"),
-                                                               (3, 2, "reduce", "ring")])
+                                                               (3, 2, "reduce", "ring"),
+                                                               (3, 0, "broadcast", "star")])
 def test_rank_killed_mid_collective(world, victim, collective, algorithm):
     outcomes = spawn_outcomes(_killed_mid_collective, world, victim, collective, algorithm, timeout=90)
     victim_outcome = outcomes[victim]

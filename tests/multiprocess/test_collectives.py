@@ -293,11 +293,11 @@ def gloo_all_gather(xs, world, group=None):
     return refs
 
 
-def run_rooted_cases(chk, rank, world, comms, dtype, op_name, sizes, tag, broadcast=True, group=None):
-    """reduce, and broadcast where asked (it moves bytes: one op per dtype is enough), of
-    every root and each size, on every communicator in comms, against gloo's broadcast and
-    reduce of the same inputs. A reduce leaves every rank's tensor but the root's as it was
-    (gloo leaves partial sums there)."""
+def run_rooted_cases(chk, rank, world, broadcast_comms, reduce_comms, dtype, op_name, sizes, tag, group=None):
+    """broadcast on every communicator in broadcast_comms and reduce on every one in
+    reduce_comms, of every root and each size, against gloo's broadcast and reduce of the
+    same inputs. A reduce leaves every rank's tensor but the root's as it was (gloo leaves
+    partial sums there)."""
     kind = _kind(op_name)
     inputs = [make_input(kind, dtype, n, _seed(tag, "rooted", dtype, op_name, n, rank)) for n in sizes]
     flat = torch.cat(inputs)
@@ -310,15 +310,16 @@ def run_rooted_cases(chk, rank, world, comms, dtype, op_name, sizes, tag, broadc
         if op_name == "AVG":
             reduce_ref = reduce_ref / world
         broadcast_refs, reduce_refs = broadcast_ref.split(sizes), reduce_ref.split(sizes)
-        for ci, (comm_name, comm) in enumerate(comms):
+        for comm_name, comm in broadcast_comms:
+            for n, x, b_ref in zip(sizes, inputs, broadcast_refs):
+                label = f"{comm_name} broadcast {_name(dtype)} n={n} from {root}"
+                t, base = _guarded(n, dtype, x)
+                comm.broadcast(t, root)
+                chk.equal(label, t, b_ref)
+                _guards_intact(chk, label, base, n)
+        for ci, (comm_name, comm) in enumerate(reduce_comms):
             op = _ops(op_name)[(ci + root) % 2]  # ringcoll's and torch's ReduceOp, in turn
-            for n, x, b_ref, r_ref in zip(sizes, inputs, broadcast_refs, reduce_refs):
-                if broadcast:
-                    label = f"{comm_name} broadcast {_name(dtype)} n={n} from {root}"
-                    t, base = _guarded(n, dtype, x)
-                    comm.broadcast(t, root)
-                    chk.equal(label, t, b_ref)
-                    _guards_intact(chk, label, base, n)
+            for n, x, r_ref in zip(sizes, inputs, reduce_refs):
                 t, base = _guarded(n, dtype, x)
                 comm.reduce(t, root, op=op)
                 label = f"{comm_name} reduce {_name(dtype)} {op_name} n={n} to {root}"

@@ -34,7 +34,7 @@ def _matrix_rank(rank, world):
     plans.load_plans(EXAMPLE)
     comms = [(name, ringcoll.Communicator(algorithm=name, buffer_bytes=M.SMALL_BUFFER, timeout=M.COMM_TIMEOUT))
              for name in [*BUILTIN, "bidir"]]
-    reduce_comms = comms
+    reduce_comms = [(n, c) for n, c in comms if n in plans.algorithms("all_reduce")]  # not star
     scatter_gather_comms = [(n, c) for n, c in comms if n in plans.algorithms("reduce_scatter")]  # not rd, tree, bidir
     cases = FULL if world in (3, 4) else SELECTION
     for dtype, op_name in cases:
@@ -46,19 +46,20 @@ def _matrix_rank(rank, world):
     for dtype in (torch.float32, torch.uint8, torch.bfloat16):
         M.run_gather_cases(chk, rank, world, scatter_gather_comms, dtype, [1, 3, 2000], ("out_of_place", "in_place"),
                            "plans")
-    # broadcast and reduce: every algorithm that has them, native and auto (one-shot or chain by size), every root
-    rooted_comms = [(n, c) for n, c in comms if n in plans.algorithms("broadcast")]
-    rooted_comms += [(name, ringcoll.Communicator(algorithm=name, buffer_bytes=M.SMALL_BUFFER,
-                                                  timeout=M.COMM_TIMEOUT, small_bytes=64))
-                     for name in ("native", "auto")]
+    # broadcast and reduce: every algorithm that has them, native and auto (one-shot, then star or chain by
+    # size), every root; a broadcast moves bytes, so one op per dtype is enough
+    by_size = [(name, ringcoll.Communicator(algorithm=name, buffer_bytes=M.SMALL_BUFFER, timeout=M.COMM_TIMEOUT,
+                                            small_bytes=64)) for name in ("native", "auto")]
+    broadcast_comms, reduce_comms = ([(n, c) for n, c in comms if n in plans.algorithms(coll)] + by_size
+                                     for coll in ("broadcast", "reduce"))
     seen = set()
     for dtype, op_name in cases:
         elem = torch.empty(0, dtype=dtype).element_size()
-        M.run_rooted_cases(chk, rank, world, rooted_comms, dtype, op_name, [1, world + 1, 3 * M.SMALL_BUFFER // elem + 5],
-                           "plans-rooted", broadcast=dtype not in seen)
+        M.run_rooted_cases(chk, rank, world, [] if dtype in seen else broadcast_comms, reduce_comms, dtype, op_name,
+                           [1, world + 1, 3 * M.SMALL_BUFFER // elem + 5], "plans-rooted")
         seen.add(dtype)
     _interleaved(chk, rank, world)
-    for _, comm in comms + rooted_comms[-2:]:
+    for _, comm in comms + by_size:
         comm.close()
     return chk.finish()
 
@@ -80,6 +81,12 @@ def _interleaved(chk, rank, world):
                 out = torch.empty(n // world, dtype=torch.int32)
                 comm.reduce_scatter_tensor(out, x.clone(), algorithm=algorithm)
                 chk.equal(f"interleaved call {i} reduce_scatter ({algorithm})", out, ref.view(world, -1)[rank] * world)
+            if i % 2:  # the star's slots, read by every rank, between the others' plans
+                y = M.make_input("int", torch.int32, n, M._seed("interleaved-broadcast", i, rank))
+                ref = y.clone()
+                dist.broadcast(ref, src=i % world)
+                comm.broadcast(y, i % world, algorithm="star")
+                chk.equal(f"interleaved call {i} broadcast (star) from {i % world}", y, ref)
 
 
 @pytest.mark.parametrize("world", range(1, 9), ids=lambda w: f"P{w}")

@@ -58,10 +58,10 @@ def test_which_algorithm_has_which_collective():
     """The algorithms' table (collectives.h): what each has, as its generator can make it."""
     assert plans.BUILTIN_COLLECTIVES == {
         "ring": COLLECTIVES, "oneshot": COLLECTIVES, "rhd": ("all_reduce", "reduce_scatter", "all_gather"),
-        "rd": ("all_reduce",), "tree": ("all_reduce", "broadcast", "reduce")}
+        "rd": ("all_reduce",), "tree": ("all_reduce", "broadcast", "reduce"), "star": ("broadcast",)}
 
 
-@pytest.mark.parametrize("name", ["rhd", "rd", "tree"])
+@pytest.mark.parametrize("name", ["rhd", "rd", "tree", "star"])
 def test_algorithms_refuse_the_collectives_they_lack_by_name(name):
     for coll in set(COLLECTIVES) - set(plans.BUILTIN_COLLECTIVES[name]):
         choices = ", ".join(a for a in ["auto", "native", *BUILTIN] if a in ("auto", "native")
@@ -101,11 +101,13 @@ def test_each_algorithm_takes_the_steps_its_description_says(name, rounds):
 @pytest.mark.parametrize("coll", ["broadcast", "reduce"])
 def test_rooted_plans_take_the_steps_their_description_says(coll):
     """Latency in messages: the chain P-1 (its chunks follow one another down it, round by
-    round), the binomial tree its depth (rank r is popcount(r) levels down), the one-shot one."""
+    round), the binomial tree its depth (rank r is popcount(r) levels down), the one-shot and
+    the star one (every rank reads the root)."""
     for world in range(2, 9):
         depth = max(bin(r).count("1") for r in range(world))
-        taken = {name: _rounds(plans.plan(name, coll, world)) for name in ("ring", "tree", "oneshot")}
-        assert taken == {"ring": world - 1, "tree": depth, "oneshot": 1}, (coll, world)
+        names = ("ring", "tree", "oneshot", "star") if coll == "broadcast" else ("ring", "tree", "oneshot")
+        taken = {name: _rounds(plans.plan(name, coll, world)) for name in names}
+        assert taken == {name: {"ring": world - 1, "tree": depth}.get(name, 1) for name in names}, (coll, world)
 
 
 @pytest.mark.parametrize("world", range(2, 8))

@@ -39,7 +39,8 @@
   X(kOneShot, "oneshot", 2, kEveryDataCollective)                           \
   X(kHalvingDoubling, "rhd", 3, kUnrootedCollectives)                       \
   X(kRecursiveDoubling, "rd", 4, collective_bit(Collective::kAllReduce))    \
-  X(kTree, "tree", 5, collective_bit(Collective::kAllReduce) | kRootedCollectives)
+  X(kTree, "tree", 5, collective_bit(Collective::kAllReduce) | kRootedCollectives) \
+  X(kStar, "star", 6, collective_bit(Collective::kBroadcast))
 
 namespace ringcoll {
 

@@ -277,24 +277,43 @@ inline Plan chain_plan(Collective coll, int world) {
   return plan;
 }
 
+// The broadcast's star (root 0): the root publishes each of its input's C = kChainChunks
+// chunks once, to every peer, and each peer copies each chunk to its output as it lands.
+// Shared memory is no chain of links: one publication is read by every rank at once, so
+// the P-1 copies run side by side, where the chain copies the message into and out of
+// each of its P-2 middle ranks in turn (P = 4, 256 KiB to 4 MiB: 1.2-1.6x the chain's
+// speed, two cores oversubscribed; bench/results/2026-12-04-rooted.txt). At P = 2 it is
+// the chain. A reduce has no star: the root would do all P-1 additions (as a registered
+// plan at P = 4, 1.1-1.6x slower than the chain from 256 KiB). oneshot's broadcast is its
+// one-chunk form, for small messages.
+inline Plan star_plan(Collective coll, int world, int chunks = kChainChunks) {
+  (void)coll;  // broadcast only (RINGCOLL_ALGORITHMS)
+  Plan plan;
+  plan.chunks = chunks;
+  plan.ops.resize(world);
+  if (world == 1) return plan;
+  for (int c = 0; c < plan.chunks; ++c) {
+    plan.ops[0].push_back(make_op(Operand::kInput, c, 1, kToSlot, Operand::kNone, -1, all_ranks(world) & ~bit(0)));
+    for (int k = 1; k < world; ++k)
+      plan.ops[k].push_back(make_op(Operand::kPeer, c, 1, kToOutput, Operand::kNone, 0));
+  }
+  return plan;
+}
+
 // One step for small messages (the CPU transport's small-message path): every rank
 // publishes each chunk of its input to every peer, then folds each chunk itself, in the
 // order the ring reduces it (rs_contributor: the ring's bits); all-gather publishes its
 // own chunk and copies every peer's. C = P chunks. The rooted collectives (root 0), C = 1:
-// broadcast, the root publishes its input to every peer, which copies it; reduce, every
-// other rank publishes its input to the root, which folds them in the chain's order
-// (chain_plan: the same bits as the chain).
+// broadcast, the star of one chunk (the root publishes its input to every peer, which
+// copies it); reduce, every other rank publishes its input to the root, which folds them
+// in the chain's order (chain_plan: the same bits as the chain).
 inline Plan one_shot_plan(Collective coll, int world) {
+  if (coll == Collective::kBroadcast) return star_plan(coll, world, 1);
   Plan plan;
   plan.chunks = collective_info(coll).rooted ? 1 : world;
   plan.ops.resize(world);
   if (world == 1) return plan;
   const uint64_t everyone = all_ranks(world);
-  if (coll == Collective::kBroadcast) {
-    plan.ops[0].push_back(make_op(Operand::kInput, 0, 1, kToSlot, Operand::kNone, -1, everyone & ~bit(0)));
-    for (int k = 1; k < world; ++k) plan.ops[k].push_back(make_op(Operand::kPeer, 0, 1, kToOutput, Operand::kNone, 0));
-    return plan;
-  }
   if (coll == Collective::kReduce) {  // the root: ((x[P-1] OP x[P-2]) ... OP x[1]) OP x[0]
     for (int k = 1; k < world; ++k)
       plan.ops[k].push_back(make_op(Operand::kInput, 0, 1, kToSlot, Operand::kNone, -1, bit(0)));
@@ -571,6 +590,7 @@ inline Plan builtin_plan(Algorithm algorithm, Collective coll, int world) {
     case Algorithm::kHalvingDoubling: return halving_doubling_plan(coll, world);
     case Algorithm::kRecursiveDoubling: return recursive_doubling_plan(coll, world);
     case Algorithm::kTree: return tree_plan(coll, world);
+    case Algorithm::kStar: return star_plan(coll, world);
   }
   throw std::invalid_argument("unknown algorithm");
 }
