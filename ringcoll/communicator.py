@@ -469,6 +469,8 @@ class Communicator(ArgumentChecks):
         if self.buffer_bytes < minimum:
             raise ValueError(f"Communicator: buffer_bytes={self.buffer_bytes} is too small for "
                              f"{self.world_size} ranks (minimum {minimum})")
+        # A plan of C chunks needs two banks of C aligned slots (plan.h): this many bytes per chunk
+        self._plan_chunk_bytes = _C.min_buffer_bytes(1, slot_alignment)
 
     # --- lifetime -------------------------------------------------------------------------
 
@@ -566,6 +568,7 @@ class Communicator(ArgumentChecks):
         if algorithm == "auto":
             algorithm = tuning.choose(self._auto_bands[collective], message_bytes)
         plan_engine = self._runs_plans  # the CPU transport's (the others run their own ring only)
+        native_rooted = False
         if collective in ROOTED_COLLECTIVES:
             if not plan_engine:
                 raise ValueError(f"{name}: runs on the CPU transport only so far (by its plan engine); for CUDA "
@@ -577,17 +580,26 @@ class Communicator(ArgumentChecks):
                 # folds in the chain's order, so both give the same bits)
                 algorithm = "oneshot" if message_bytes <= self.small_bytes else \
                     "star" if collective == "broadcast" else "ring"
+                native_rooted = True
         elif algorithm == tuning.NATIVE or (algorithm == "ring" and not plan_engine):
             return None  # the transport's own path (on CUDA: the ring kernels, the same ring)
         if not plan_engine:
             raise ValueError(f"{name}: algorithm={algorithm!r} runs on the CPU transport only so far; on CUDA "
                              "'auto', 'native' or 'ring' (the ring kernels)")
         try:
-            _, compiled, plan_id = plans.compiled(algorithm, collective, self.world_size, root)
+            plan, compiled, plan_id = plans.compiled(algorithm, collective, self.world_size, root)
         except plans.PlanError:
             raise  # it names the plan, the rank and the op
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
+        needed = plan.chunks * self._plan_chunk_bytes
+        if self.buffer_bytes < needed:
+            if native_rooted:  # the one-shot's single chunk fits any buffer a communicator accepts
+                return self._plan(name, collective, "oneshot", message_bytes, root)
+            raise ValueError(f"{name}: algorithm {algorithm!r} cuts the message into {plan.chunks} chunks, which "
+                             f"need buffer_bytes >= {needed} (two banks of one {self._plan_chunk_bytes // 2}-byte "
+                             f"slot per chunk); this communicator's is {self.buffer_bytes}: raise it or choose "
+                             "another algorithm")
         return compiled, plan_id
 
     # --- the collectives ------------------------------------------------------------------

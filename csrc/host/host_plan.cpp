@@ -39,8 +39,10 @@ class PlanRun {
         slice_elems_(static_cast<int64_t>(slot_bytes_ / sizeof(T))),
         slices_(slice_elems_ > 0 ? num_slices(ring_count, chunks_, slice_elems_) : 0), base_(base),
         slot_last_(static_cast<size_t>(kBanks) * chunks_), slot_readers_(slot_last_.size(), 0) {
-    RINGCOLL_CHECK(slice_elems_ > 0, std::invalid_argument, "plan of ", chunks_, " chunks: buffer_bytes ",
-                   comm.buffer_bytes(), " leaves no slot of ", sizeof(T), " bytes");
+    // Python checks this first (Communicator._plan); here for callers of the binding itself
+    RINGCOLL_CHECK(slice_elems_ > 0, std::invalid_argument, collective_info(coll).name, ": a plan of ", chunks_,
+                   " chunks needs buffer_bytes >= ", min_buffer_bytes(chunks_, kSlotAlignment), "; this one's is ",
+                   comm.buffer_bytes());
     const size_t work_bytes = static_cast<size_t>(chunks_) * static_cast<size_t>(slice_elems_) * sizeof(T);
     if (work.size() < work_bytes) work.resize(work_bytes);
     work_ = reinterpret_cast<T*>(work.data());

@@ -12,6 +12,7 @@ import torch
 
 import ringcoll
 from ringcoll import plans
+from ringcoll._types import DATA_COLLECTIVES
 from ringcoll.harness.launcher import spawn
 from ringcoll.plans import INPUT, TO_OUTPUT, op
 
@@ -92,6 +93,66 @@ def _interleaved(chk, rank, world):
 @pytest.mark.parametrize("world", range(1, 9), ids=lambda w: f"P{w}")
 def test_every_plan_matches_gloo(world):
     M._report(spawn(_matrix_rank, world, timeout=M.SPAWN_TIMEOUT, env=M.CLEAN_ENV))
+
+
+def _smallest_buffer_rank(rank, world):
+    """At the smallest buffer_bytes a communicator accepts (two banks of one slot per rank),
+    every algorithm of every collective either runs, matching gloo, or (a plan of more chunks
+    than the buffer has slots for) raises a ValueError naming the op and buffer_bytes before
+    anything is written; native and auto always run (a broadcast or reduce falls back to the
+    one-shot, whose single chunk always fits)."""
+    import torch.distributed as dist
+
+    plans.load_plans(EXAMPLE)  # bidir: 2P chunks
+    chk, refused = M.Checker(rank), []
+    smallest = ringcoll._C.min_buffer_bytes(world, ringcoll._C.host_slot_alignment)
+    with ringcoll.Communicator(buffer_bytes=smallest, small_bytes=64, timeout=M.COMM_TIMEOUT) as comm:
+        n = 100 * world  # 400 bytes: above small_bytes, many slices
+        for coll in DATA_COLLECTIVES:
+            for algorithm in plans.algorithms(coll):
+                x = M.make_input("int", torch.int32, n, M._seed("smallest", coll, rank))
+                out = torch.full((n * world if coll == "all_gather" else n // world if coll == "reduce_scatter"
+                                  else n,), -7, dtype=torch.int32)
+                ref = out.clone()
+                if coll == "all_reduce":
+                    dist.all_reduce(ref := x.clone())
+                    call = lambda: comm.all_reduce(x, output=out, algorithm=algorithm)  # noqa: E731
+                elif coll == "reduce_scatter":
+                    dist.reduce_scatter_tensor(ref, x.clone())
+                    call = lambda: comm.reduce_scatter_tensor(out, x, algorithm=algorithm)  # noqa: E731
+                elif coll == "all_gather":
+                    dist.all_gather_into_tensor(ref, x)
+                    call = lambda: comm.all_gather_into_tensor(out, x, algorithm=algorithm)  # noqa: E731
+                else:  # in place, root 1 % P
+                    out.copy_(x)
+                    ref = x.clone()
+                    getattr(dist, coll)(ref, 1 % world)
+                    if coll == "reduce" and rank != 1 % world:
+                        ref = x.clone()  # a rank not the root keeps its tensor
+                    call = lambda: getattr(comm, coll)(out, 1 % world, algorithm=algorithm)  # noqa: E731
+                before = out.clone()
+                try:
+                    call()
+                except ValueError as e:
+                    if not (str(e).startswith(f"{coll}: algorithm {algorithm!r} cuts the message into")
+                            and f"this communicator's is {smallest}" in str(e) and algorithm not in ("native", "auto")):
+                        chk.fail(f"{coll} {algorithm}", f"refused with {e}")
+                    chk.equal(f"{coll} {algorithm} refused: output untouched", out, before)
+                    refused.append((coll, algorithm))
+                    continue
+                chk.equal(f"{coll} {algorithm} at buffer_bytes={smallest}", out, ref)
+    return chk.finish(), refused
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_algorithm_runs_or_is_refused_by_name_at_the_smallest_buffer(world):
+    results = spawn(_smallest_buffer_rank, world, timeout=M.SPAWN_TIMEOUT, env=M.CLEAN_ENV)
+    M._report([r[0] for r in results])
+    refused = results[0][1]
+    # the plans of more chunks than ranks: the rooted chain and star (16) and the bidirectional ring (2P)
+    assert set(refused) == {("broadcast", "ring"), ("reduce", "ring"), ("broadcast", "star"),
+                            ("all_reduce", "bidir")}, refused
+    assert all(r[1] == refused for r in results)
 
 
 def _disagreements(rank, world):
