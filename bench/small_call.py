@@ -37,12 +37,14 @@ def cases(comm, group) -> dict:
     t, out = torch.ones(COUNT), torch.empty(COUNT)
     whole, shard = torch.ones(COUNT * world), torch.empty(COUNT)
     piece, gathered = torch.ones(COUNT), torch.empty(COUNT * world)
+    own = gathered.view(world, -1)[comm.rank]  # in place: this rank's chunk of the output
     binding = comm.transport._comm
     return {
         "all_reduce in place": lambda: comm.all_reduce(t),
         "ringcoll.all_reduce (module)": lambda: ringcoll.all_reduce(t, group=group),
         "all_reduce out of place": lambda: comm.all_reduce(t, output=out),
         "all_gather_into_tensor": lambda: comm.all_gather_into_tensor(gathered, piece),
+        "all_gather_into_tensor in place": lambda: comm.all_gather_into_tensor(gathered, own),
         "reduce_scatter_tensor": lambda: comm.reduce_scatter_tensor(shard, whole),
         "broadcast from rank 0": lambda: comm.broadcast(t, 0),
         "broadcast, native named": lambda: comm.broadcast(t, 0, algorithm="native"),
