@@ -55,6 +55,7 @@ beside it.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any, List, Optional, Sequence
 
@@ -341,9 +342,17 @@ def _plan_lines(p: plans.Plan, n: int, inputs) -> List[str]:
         lines.append("P = 1: no ops; the input is the result")
     for t in sorted({t for t, _ in timeline}):
         lines += ["", f"round {t}" + ("  (no message waited for yet)" if t == 0 else "")]
-        for _, st in sorted(((t2, st) for t2, st in timeline if t2 == t), key=lambda e: (e[1].rank, e[1].index)):
-            values = " | ".join(_fmt(v) for v in st.values)
-            lines.append(f"  rank {st.rank}, op {st.index}: {st.op}  = {values}")
+        steps = sorted((st for t2, st in timeline if t2 == t), key=lambda st: (st.rank, st.index))
+        # A message of fewer elements than chunks leaves chunks empty: a run of ops over empty
+        # chunks only (one rank's, one after another) is said once, not op by op.
+        for _, run in itertools.groupby(steps, key=lambda st: (st.rank, st.index if any(map(len, st.values)) else -1)):
+            run = list(run)
+            if len(run) == 1:
+                st = run[0]
+                lines.append(f"  rank {st.rank}, op {st.index}: {st.op}  = {' | '.join(_fmt(v) for v in st.values)}")
+            else:
+                lines.append(f"  rank {run[0].rank}, ops {run[0].index}-{run[-1].index}: their chunks are empty "
+                             f"(n = {n} elements in {p.chunks} chunks): nothing moves")
     lines.append("")
     lines.extend(_result_lines(p.collective, coll, outputs, inputs))
     if p.world > 1:

@@ -203,6 +203,7 @@ def test_rooted_traces_name_the_root_and_refuse_what_they_lack(capsys):
 
 PLAN_ROUND = re.compile(r"^round (\d+)")
 PLAN_OP = re.compile(r"^  rank (\d+), op (\d+): (.*)  = (.*)$")
+PLAN_EMPTY_OPS = re.compile(r"^  rank (\d+), ops (\d+)-(\d+): their chunks are empty ")
 
 
 @pytest.mark.parametrize("name, coll", [("rhd", c) for c in COLLECTIVES] + [("rd", "all_reduce"),
@@ -233,6 +234,14 @@ def test_plan_traces_print_every_op_of_the_plan_round_by_round(name, coll, world
             assert (current, m.group(3)) == (t, str(p.ops[key[0]][key[1]])), line
             assert m.group(4) == " | ".join("[" + " ".join(map(str, v)) + "]" for v in st.values), line
             seen.add(key)
+        m = PLAN_EMPTY_OPS.match(line)
+        if m:  # a run of one rank's ops over empty chunks, in this round, said once
+            rank, first, last = map(int, m.groups())
+            assert last > first, line
+            for i in range(first, last + 1):
+                t, st = rounds[(rank, i)]
+                assert t == current and not any(st.values), (line, i, st.values)
+                seen.add((rank, i))
     assert seen == {(r, i) for r in range(world) for i in range(len(p.ops[r]))}
     assert "OK, every rank matches" in text
     if world > 1:
