@@ -100,7 +100,7 @@ import datetime
 import os
 import socket
 import threading
-from typing import Callable, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -176,16 +176,26 @@ class _C10dWork(dist._Work):
         return self._future
 
 
-#: each collective's c10d OpType (an int, as _get_op_type gives): gloo's for the same call
-#: where gloo's Work names one (its all_gather_into_tensor says ALLGATHER), else NCCL's
-#: (gloo's reduce_scatter_tensor says UNKNOWN)
-OP_TYPES = {name: int(getattr(_c10d.OpType, op_type)) for name, op_type in (
-    ("all_reduce", "ALLREDUCE"), ("all_reduce_coalesced", "ALLREDUCE_COALESCED"),
-    ("reduce_scatter_tensor", "_REDUCE_SCATTER_BASE"), ("reduce_scatter", "REDUCE_SCATTER"),
-    ("reduce_scatter_tensor_coalesced", "REDUCE_SCATTER_TENSOR_COALESCED"),
-    ("all_gather_into_tensor", "ALLGATHER"), ("all_gather", "ALLGATHER"),
-    ("all_gather_into_tensor_coalesced", "ALLGATHER_COALESCED"), ("barrier", "BARRIER"),
-    ("broadcast", "BROADCAST"), ("reduce", "REDUCE"))}
+#: each collective's c10d OpType name: gloo's for the same call where gloo's Work names one
+#: (its all_gather_into_tensor says ALLGATHER), else NCCL's (gloo's reduce_scatter_tensor says
+#: UNKNOWN)
+OP_TYPE_NAMES = {
+    "all_reduce": "ALLREDUCE", "all_reduce_coalesced": "ALLREDUCE_COALESCED",
+    "reduce_scatter_tensor": "_REDUCE_SCATTER_BASE", "reduce_scatter": "REDUCE_SCATTER",
+    "reduce_scatter_tensor_coalesced": "REDUCE_SCATTER_TENSOR_COALESCED",
+    "all_gather_into_tensor": "ALLGATHER", "all_gather": "ALLGATHER",
+    "all_gather_into_tensor_coalesced": "ALLGATHER_COALESCED", "barrier": "BARRIER",
+    "broadcast": "BROADCAST", "reduce": "REDUCE"}
+
+
+def op_types(op_type_enum) -> Dict[str, int]:
+    """Each collective's OpType as an int (what Work._get_op_type gives); UNKNOWN where this
+    torch has no such OpType (torch 2.11 has no REDUCE_SCATTER_TENSOR_COALESCED): importing
+    ringcoll must not fail on an older torch."""
+    return {name: int(getattr(op_type_enum, op_type, op_type_enum.UNKNOWN)) for name, op_type in OP_TYPE_NAMES.items()}
+
+
+OP_TYPES = op_types(_c10d.OpType)
 
 
 # --- routing -----------------------------------------------------------------------------

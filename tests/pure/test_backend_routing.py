@@ -107,3 +107,19 @@ def test_ops_ringcoll_serves_are_those_the_communicator_accepts():
     assert _ringcoll_op(dist.ReduceOp.AVG, torch.int32) is None  # AVG of integers: gloo's
     assert _ringcoll_op(dist.ReduceOp.BAND, torch.int32) is None
     assert _ringcoll_op(dist.ReduceOp.SUM, torch.complex64) is None
+
+
+def test_op_types_read_as_unknown_where_this_torch_has_no_such_op_type():
+    """torch 2.11 has no OpType.REDUCE_SCATTER_TENSOR_COALESCED: importing ringcoll failed
+    there (the first GPU run, 2026-12-04). A name the enum lacks reads as UNKNOWN; this
+    torch's own names read as themselves."""
+    class Older:  # an OpType enum missing one name, as torch 2.11's
+        UNKNOWN = 99
+        ALLREDUCE, ALLREDUCE_COALESCED, _REDUCE_SCATTER_BASE, REDUCE_SCATTER = 0, 1, 2, 3
+        ALLGATHER, ALLGATHER_COALESCED, BARRIER, BROADCAST, REDUCE = 4, 5, 6, 7, 8
+
+    older = backend.op_types(Older)
+    assert older["reduce_scatter_tensor_coalesced"] == 99
+    assert older["all_reduce"] == 0 and older["broadcast"] == 7
+    op_type = torch._C._distributed_c10d.OpType
+    assert backend.OP_TYPES == {name: int(getattr(op_type, op)) for name, op in backend.OP_TYPE_NAMES.items()}
