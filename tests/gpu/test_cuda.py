@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ringcoll import _C
-from ringcoll.harness.launcher import spawn
+from gpu_spawn import spawn
 
 pytestmark = [
     pytest.mark.gpu,
