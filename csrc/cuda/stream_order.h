@@ -13,8 +13,8 @@ namespace ringcoll::cuda {
 
 // The events a communicator keeps for its calls. `done` follows its latest call on its own
 // stream; inside a CUDA graph capture that record is only a point in the graph (a replay
-// does not record it for the host), so `replayed` is recorded as external there: a replay
-// records it, and closing can wait for a replay still running.
+// does not record it for the host), so `replayed` is recorded as external there, just
+// before `done`: a replay records it, and closing can wait for a replay still running.
 template <class Event>
 struct CallEvents {
   Event ready, done, replayed;
@@ -34,8 +34,11 @@ void queue_collective(Streams& s, typename Streams::Stream user, typename Stream
   s.record(events.ready, user);
   s.wait(own, events.ready);
   queue_work();
-  s.record(events.done, own);
+  // `replayed` before `done`: in a capture the external record is a node of the graph, and
+  // the caller's wait for `done` (or a later one) must come after every node `own` added,
+  // else the capture cannot end (cudaErrorStreamCaptureUnjoined, seen on an H200).
   if (s.capturing(own)) s.record_for_replays(events.replayed, own);
+  s.record(events.done, own);
   if (join) s.wait(user, events.done);
 }
 

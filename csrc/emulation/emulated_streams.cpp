@@ -1,6 +1,7 @@
 // emulated_streams.cpp: the stream model of emulated_streams.h (which says what it models).
 #include "emulated_streams.h"
 
+#include <algorithm>
 #include <chrono>
 #include <stdexcept>
 #include <string>
@@ -110,13 +111,24 @@ uint64_t Device::enqueue_locked(int stream, std::vector<uint64_t> after, Work wo
   return id;
 }
 
+// A node `stream` adds to its capture: one more of its nodes that a join must cover.
+void Device::capture_node_locked(int stream, Node node) {
+  Stream& s = stream_locked(stream);
+  s.capture->push_back(std::move(node));
+  ++s.clock[stream];
+}
+
 void Device::record(int event, int stream, bool external) {
   std::lock_guard<std::mutex> lock(mutex_);
   Event& e = event_locked(event);
   Stream& s = stream_locked(stream);
   if (s.capture) {
-    if (external) s.capture->push_back(Node{{}, event});  // the replay records it for real
-    else e.captured_in = s.capture;                      // only a point inside the graph
+    if (external) {
+      capture_node_locked(stream, Node{{}, event});  // the replay records it for real
+    } else {
+      e.captured_in = s.capture;  // only a point inside the graph
+      e.clock = s.clock;
+    }
     return;
   }
   e.captured_in = nullptr;
@@ -127,8 +139,10 @@ void Device::wait(int stream, int event) {
   std::lock_guard<std::mutex> lock(mutex_);
   Event& e = event_locked(event);
   Stream& s = stream_locked(stream);
-  if (e.captured_in) {  // the stream joins the capture (a graph is replayed in capture order)
+  if (e.captured_in) {  // a fork (the stream joins the capture) or a join: it now comes after e
+    if (s.capture != e.captured_in) s.clock.clear();
     s.capture = e.captured_in;
+    for (const auto& [other, nodes] : e.clock) s.clock[other] = std::max(s.clock[other], nodes);
     return;
   }
   RINGCOLL_CHECK(!s.capture, std::logic_error, "emulated Device: stream ", stream,
@@ -141,7 +155,7 @@ void Device::launch(int stream, Work work) {
   std::lock_guard<std::mutex> lock(mutex_);
   Stream& s = stream_locked(stream);
   if (s.capture) {
-    s.capture->push_back(Node{std::move(work), -1});
+    capture_node_locked(stream, Node{std::move(work), -1});
     return;
   }
   enqueue_locked(stream, {}, std::move(work));
@@ -192,6 +206,7 @@ void Device::begin_capture(int stream) {
   RINGCOLL_CHECK(stream != kLegacyStream, std::logic_error, "emulated Device: the legacy stream cannot capture");
   RINGCOLL_CHECK(!s.capture, std::logic_error, "emulated Device: stream ", stream, " is already capturing");
   s.capture = std::make_shared<Graph>();
+  s.clock.clear();
 }
 
 bool Device::is_capturing(int stream) {
@@ -201,12 +216,31 @@ bool Device::is_capturing(int stream) {
 
 int Device::end_capture(int stream) {
   std::lock_guard<std::mutex> lock(mutex_);
-  std::shared_ptr<Graph> graph = stream_locked(stream).capture;
+  const Stream& origin = stream_locked(stream);
+  std::shared_ptr<Graph> graph = origin.capture;
   RINGCOLL_CHECK(graph, std::logic_error, "emulated Device: stream ", stream, " is not capturing");
+  std::string unjoined;  // the first stream whose last nodes the origin never waited for
+  for (int other = 0; other < static_cast<int>(streams_.size()) && unjoined.empty(); ++other) {
+    const Stream& s = streams_[other];
+    if (other == stream || s.capture != graph) continue;
+    const auto own = s.clock.find(other);
+    const auto seen = origin.clock.find(other);
+    const uint64_t nodes = own == s.clock.end() ? 0 : own->second;
+    const uint64_t joined = seen == origin.clock.end() ? 0 : seen->second;
+    if (joined < nodes)
+      unjoined = "stream " + std::to_string(other) + " joined the capture and added " + std::to_string(nodes) +
+                 " nodes; the origin waited for " + std::to_string(joined) + " of them";
+  }
+  // As cudaStreamEndCapture: the capture ends whether or not it is valid.
   for (Stream& s : streams_)
-    if (s.capture == graph) s.capture = nullptr;  // every stream that joined leaves with it
+    if (s.capture == graph) {  // every stream that joined leaves with it
+      s.capture = nullptr;
+      s.clock.clear();
+    }
   for (Event& e : events_)
     if (e.captured_in == graph) e.captured_in = nullptr;
+  RINGCOLL_CHECK(unjoined.empty(), std::logic_error, "emulated Device: capturing stream ", stream,
+                 " has unjoined work (cudaErrorStreamCaptureUnjoined): ", unjoined);
   graphs_.push_back(graph);
   return static_cast<int>(graphs_.size()) - 1;
 }

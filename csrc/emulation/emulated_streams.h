@@ -22,9 +22,14 @@
 //   implicit sync   cudaFree / cudaMalloc (and cudaDeviceSynchronize) wait for all work
 //                   already queued on the device, every stream's: synchronize_device.
 //   graph capture   a capturing stream records work instead of running it; a stream that
-//                   waits on an event recorded in the capture joins it; replay queues the
-//                   recorded work again. An event recorded in a capture changes nothing a
+//                   waits on an event recorded in the capture joins it (a fork); replay queues
+//                   the recorded work again. An event recorded in a capture changes nothing a
 //                   host can see on replay, unless recorded as external (cudaEventRecordExternal).
+//                   Ending the capture requires every fork joined back: the origin stream
+//                   must have waited (directly or through other streams) on an event recorded
+//                   after the last node of every stream that joined, external records
+//                   included, else cudaErrorStreamCaptureUnjoined. Tracked with vector clocks:
+//                   each capturing stream knows how many nodes of each stream precede it.
 //
 // What it does not model: SM occupancy (every dispatched kernel runs, as if the grids of all
 // ranks fit on the GPU at once: kernel_abi.h's max_blocks_for sizes them so), the memory
@@ -93,19 +98,24 @@ class Device {
     int external_event = -1;  // >= 0: an external event record, replayed as a real one
   };
   using Graph = std::vector<Node>;
+  // In a capture: stream -> how many of its captured nodes come before this point.
+  using CaptureClock = std::map<int, uint64_t>;
   struct Stream {
     int queue;
     bool blocking;
     uint64_t last = 0;  // the last operation queued on it (0: none)
     std::shared_ptr<Graph> capture;
+    CaptureClock clock;  // while capturing: what this stream's next node comes after
   };
   struct Event {
     uint64_t op = 0;  // the record operation it stands for (0: never recorded, or done long ago)
     std::shared_ptr<Graph> captured_in;  // recorded inside this capture (for joins)
+    CaptureClock clock;                  // recorded in a capture: the recording stream's clock then
     bool live = true;
   };
 
   uint64_t enqueue_locked(int stream, std::vector<uint64_t> after, Work work);
+  void capture_node_locked(int stream, Node node);
   bool done_locked(uint64_t op) const { return op == 0 || (!waiting_.count(op) && !running_.count(op)); }
   bool wait_until(double timeout, const std::function<bool()>& done);
   Stream& stream_locked(int stream);

@@ -120,3 +120,61 @@ def test_a_stream_waiting_on_a_captured_event_joins_the_capture():
     dev.replay(graph, user)
     dev.replay(graph, user)
     assert dev.synchronize_stream(user, WAIT) and log == ["on own", "on own"]
+
+
+def unjoined(fn):
+    """The message end_capture raised, or "" if it returned a graph."""
+    try:
+        fn()
+    except RuntimeError as e:  # std::logic_error reaches Python as RuntimeError
+        return str(e)
+    return ""
+
+
+def test_a_capture_whose_fork_is_not_joined_back_cannot_end():
+    """cudaErrorStreamCaptureUnjoined: every node a forked stream adds must come before a
+    point the origin stream waits for. The ringcoll order that broke on an H200 (2026-12-04):
+    the `done` event recorded, then the external `replayed` record after it on the same
+    stream, so the origin's wait for `done` left that last node unjoined."""
+    dev = D(8)
+    user, own = dev.create_stream(), dev.create_stream()
+    ready, done, replayed = dev.create_event(), dev.create_event(), dev.create_event()
+
+    def capture(order):
+        dev.begin_capture(user)
+        dev.record(ready, user)
+        dev.wait(own, ready)
+        dev.launch(own, lambda: None)
+        for step in order:
+            if step == "done":
+                dev.record(done, own)
+            else:
+                dev.record(replayed, own, external=True)
+        dev.wait(user, done)
+        return dev.end_capture(user)
+
+    message = unjoined(lambda: capture(["done", "replayed"]))
+    assert "unjoined work" in message and "added 2 nodes; the origin waited for 1" in message, message
+    assert not dev.is_capturing(user) and not dev.is_capturing(own)  # the capture ended all the same
+    assert unjoined(lambda: capture(["replayed", "done"])) == ""  # the fixed order: the join covers both
+
+
+def test_a_fork_joined_through_another_stream_counts_and_a_fork_never_joined_does_not():
+    dev = D(8)
+    user, a, b = dev.create_stream(), dev.create_stream(), dev.create_stream()
+    e0, ea, eb = dev.create_event(), dev.create_event(), dev.create_event()
+    dev.begin_capture(user)
+    dev.record(e0, user)
+    dev.wait(a, e0)
+    dev.launch(a, lambda: None)
+    dev.record(ea, a)
+    dev.wait(b, ea)  # b comes after a's kernel
+    dev.launch(b, lambda: None)
+    dev.record(eb, b)
+    dev.wait(user, eb)  # user joins b, and through it a
+    assert unjoined(lambda: dev.end_capture(user)) == ""
+    dev.begin_capture(user)
+    dev.record(e0, user)
+    dev.wait(a, e0)
+    dev.launch(a, lambda: None)  # never waited for
+    assert "stream" in unjoined(lambda: dev.end_capture(user))
