@@ -271,12 +271,16 @@ _STACK_FILE_ENV = "RINGCOLL_SPAWN_STACK_FILE"
 
 def _dump_stacks_on_request() -> None:
     """On SIGUSR1 write every thread's Python stack to the file the parent named, so a rank
-    that hangs past the timeout is reported with where it hung."""
+    that hangs past the timeout is reported with where it hung; and on a fatal signal
+    (SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL) too, so a rank that crashes is reported with
+    where it crashed (a native crash leaves no Python exception to report)."""
     path = os.environ.get(_STACK_FILE_ENV)
     if path:
         import faulthandler
 
-        faulthandler.register(_STACK_SIGNAL, file=open(path, "w"), all_threads=True)  # noqa: SIM115 - kept open
+        stacks = open(path, "w")  # noqa: SIM115 - kept open: the handlers write to it
+        faulthandler.register(_STACK_SIGNAL, file=stacks, all_threads=True)
+        faulthandler.enable(file=stacks, all_threads=True)
 
 
 def _collect_stacks(ranks) -> None:
@@ -291,11 +295,15 @@ def _collect_stacks(ranks) -> None:
     if asked:
         time.sleep(0.5)
     for r in asked:
-        try:
-            with open(r.stack_file) as f:
-                r.stacks = f.read().strip() or None
-        except OSError:
-            pass
+        _read_stacks(r)
+
+
+def _read_stacks(r) -> None:
+    try:
+        with open(r.stack_file) as f:
+            r.stacks = f.read().strip() or None
+    except OSError:
+        pass
 
 
 def _fast_exit(exitcode: int) -> None:
@@ -368,7 +376,7 @@ class _Rank:
         self.proc = proc
         self.conn = conn
         self.stack_file = stack_file  # where the child's faulthandler writes its threads' stacks
-        self.stacks = None  # what it wrote when we killed it (timed out, or another rank failed)
+        self.stacks = None  # what it wrote when we killed it (timed out, or another rank failed) or it crashed
         self.report = None  # decoded report tuple
         self.dead = False  # exited before reporting
         self.seq = None  # arrival order of the report / death
@@ -463,7 +471,8 @@ def _outcome(r: _Rank, timeout: float) -> Outcome:
                        f"terminated ({_describe_exit(code)})", r.stacks, code)
     return Outcome(r.rank, False, None, PROCESS_DIED,
                    f"rank {r.rank} died without returning or raising "
-                   f"({_describe_exit(code)})", None, code)
+                   f"({_describe_exit(code)})",
+                   f"its Python stacks when it died:\n{r.stacks}" if r.stacks else None, code)
 
 
 def _addr_in_use(r: _Rank) -> bool:
@@ -612,6 +621,9 @@ def _run_once(fn_payload, world_size, timeout, deadline, backend, env, pg_timeou
             if r.report is not None and r.report[0] == "ok":
                 r.kill_reason = TIMED_OUT  # returned, but hung in teardown
         _terminate([r.proc for r in exiting])
+        for r in ranks:  # a rank a signal killed: what its faulthandler wrote (before the folder goes)
+            if r.dead and r.kill_reason is None and (r.proc.exitcode or 0) < 0:
+                _read_stacks(r)
         return ranks, order, retry_port
     finally:
         # Also reached on KeyboardInterrupt or any error in here: no child survives.

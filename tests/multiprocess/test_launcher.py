@@ -284,6 +284,26 @@ def test_os_exit_is_reported_with_exit_code():
     assert err.outcomes[0].ok and err.outcomes[0].value == 0
 
 
+def _crash_in_native_code(rank, world_size):
+    if rank == 1:
+        import ctypes
+
+        ctypes.string_at(0)  # a read of address 0: SIGSEGV, no Python exception
+    return rank
+
+
+def test_a_rank_killed_by_a_signal_is_reported_with_its_python_stack():
+    """A native crash leaves no exception to report: the rank's faulthandler writes where it
+    was (the first GPU run lost this: ranks 'died by SIGSEGV' and nothing more)."""
+    with pytest.raises(SpawnError) as ei:
+        spawn(_crash_in_native_code, 2, timeout=60)
+    died = ei.value.outcomes[1]
+    assert died.exc_type == "ProcessDied" and died.exitcode == -signal.SIGSEGV
+    assert died.traceback.startswith("its Python stacks when it died:"), died.traceback
+    assert "Segmentation fault" in died.traceback and "_crash_in_native_code" in died.traceback
+    assert "_crash_in_native_code" in str(ei.value)  # the SpawnError's message shows it
+
+
 def test_spawn_outcomes_reports_each_rank():
     outs = spawn_outcomes(_mixed, 3, timeout=60)
     assert [o.rank for o in outs] == [0, 1, 2]
