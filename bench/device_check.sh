@@ -9,12 +9,14 @@
 #   build        90  core   setup.py build_ext (sm_90, CUDA required); meanwhile the machine's
 #                           details: nvidia-smi, versions, MPS (started; does a CUDA process
 #                           really run under it), a CUDA probe
-#   smoke        70  core   bench/cuda_smoke.py: multi-process, then in-process, both kernel
+#   smoke        50  core   bench/cuda_smoke.py: multi-process, then in-process, both kernel
 #                           variants; then multi-process again with RINGCOLL_CUDA_FLAG_SCOPE=system
-#   backend      70  core   pytest tests/gpu/test_backend_cuda.py (torch.distributed, DDP, ZeRO)
+#   backend      90  core   pytest tests/gpu/test_backend_cuda.py (torch.distributed, DDP, ZeRO)
 #   bench        60  core   ringcoll-bench --device cuda, 16K to 64M: in-process P = 2, 4, 8,
 #                           then multi-process P = 2, each run with its own share of the 60 s
-#   features    130  extra  pytest tests/gpu/test_cuda.py less the exhaustive tests
+#   features    130  extra  bench/cuda_error_probe.py (do C++ errors reach Python; a native stack
+#                           for a case that dies), then pytest tests/gpu/test_cuda.py less the
+#                           exhaustive tests
 #   exhaustive   50  extra  pytest tests/gpu/test_cuda.py's exhaustive tests (every dtype x op x size)
 #   wrapup       10  core   MPS stopped if it was started; the summary
 #
@@ -37,6 +39,7 @@
 #   build.log          the build's output
 #   smoke.log          cuda_smoke.py's output
 #   tests.log          pytest's output for backend, features, exhaustive (tracebacks, durations)
+#   errors.log         cuda_error_probe.py's output (features)
 #   bench.log          ringcoll-bench's output: a line per row as it is measured, then the tables
 #   bench_rows.jsonl   every row as one JSON line, appended as it is measured (--rows-file);
 #                      a {"kind": "run", ...} line before each run says which run follows
@@ -45,8 +48,8 @@
 # GPU (1 if the rehearsal failed). Without a GPU (a dry run: OUT=/tmp/dc_out bash
 # bench/device_check.sh) it prints the plan, builds, describes the machine, then rehearses the
 # later stages' commands on the CPU (the smoke script on the shared-memory ring, the
-# benchmark's command line at small sizes, each test stage's selection collected) and stops,
-# saying there is no GPU: about 20 s after a warm build.
+# benchmark's command line at small sizes, the error probe's CPU cases, each test stage's
+# selection collected) and stops, saying there is no GPU: about 45 s after a warm build.
 set -uo pipefail
 
 # --- the plan -----------------------------------------------------------------------------
@@ -54,15 +57,15 @@ CORE_S=300    # the core stages' caps add up to at most this: the normal case
 HARD_S=480    # all caps add up to at most this: the hard stop (the device tool allows 600 a command)
 GRACE_S=5     # a command stopped at its limit is killed this much later, still inside its stage
 RING_TIMEOUT=10  # seconds, for every ring: a hang costs this, and says where it hung
-REHEARSAL_S=40  # without a GPU (a dry run), a CPU rehearsal instead of the stages after the build
+REHEARSAL_S=60  # without a GPU (a dry run), a CPU rehearsal instead of the stages after the build
 EXHAUSTIVE="collectives_exact or every_dtype or larger_than_buffer"
 STAGES=(
   # name     cap  tier   what it runs
   "build      90  core   python setup.py build_ext --inplace, sm_90, CUDA required (build.log); meanwhile nvidia-smi, versions, MPS, a CUDA probe"
-  "smoke      70  core   bench/cuda_smoke.py (smoke.log): --parts multi-process, then --parts in-process, both variants; then RINGCOLL_CUDA_FLAG_SCOPE=system bench/cuda_smoke.py --parts multi-process --variants fused"
-  "backend    70  core   pytest tests/gpu/test_backend_cuda.py (tests.log)"
+  "smoke      50  core   bench/cuda_smoke.py (smoke.log): --parts multi-process, then --parts in-process, both variants; then RINGCOLL_CUDA_FLAG_SCOPE=system bench/cuda_smoke.py --parts multi-process --variants fused"
+  "backend    90  core   pytest tests/gpu/test_backend_cuda.py (tests.log)"
   "bench      60  core   ringcoll-bench --device cuda -b 16K -e 64M -f 8 --rows-file (bench.log, bench_rows.jsonl), its runs below"
-  "features  130  extra  pytest tests/gpu/test_cuda.py -k 'not ($EXHAUSTIVE)' (tests.log)"
+  "features  130  extra  bench/cuda_error_probe.py (errors.log), then pytest tests/gpu/test_cuda.py -k 'not ($EXHAUSTIVE)' (tests.log)"
   "exhaustive 50  extra  pytest tests/gpu/test_cuda.py -k '$EXHAUSTIVE' (tests.log)"
   "wrapup     10  core   stop MPS if it was started; the summary"
 )
@@ -148,10 +151,12 @@ export CUDA_DEVICE_MAX_CONNECTIONS=32
 cd "$(dirname "$0")/.." || exit 2
 OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT"
-rm -f "$OUT"/{smoke,tests,bench}.log "$OUT/bench_rows.jsonl"  # appended to below: none of an earlier run's
+rm -f "$OUT"/{smoke,tests,bench,errors}.log "$OUT/bench_rows.jsonl"  # appended to below: none of an earlier run's
 PY="${PYTHON:-python3}"
 # The tests and the ranks they spawn import this checkout's ringcoll, built in place.
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# PYTHONFAULTHANDLER: a Python process that dies of a signal (a rank, a torchrun child)
+# prints every thread's stack first, so a crash says where it happened.
+export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 exec > >(tee "$OUT/device_check.log") 2>&1
 tee_pid=$!
 T0=$SECONDS
@@ -229,10 +234,12 @@ for tool in cmake ninja; do
   command -v "$tool" >/dev/null 2>&1 || { [ -x "$py_bin/$tool" ] && export PATH="$PATH:$py_bin"; }
 done
 # In place, with the machine's own setuptools/pybind11/cmake/ninja: nothing is installed into
-# its Python (no downloads there). timeout runs it in a process group of its own and stops
+# its Python (no downloads there). RelWithDebInfo keeps the symbols (a Release build of a
+# pybind11 module is stripped), so a native backtrace names ringcoll's functions; the
+# kernels are optimised as in Release (nvcc's device code is not affected by -g). timeout runs it in a process group of its own and stops
 # all of it at the limit. It runs in the background while the machine is described.
 timeout -k "$GRACE_S" "$(upto "$(cap_of build)")" \
-  env CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" RINGCOLL_CUDA_ARCHS=90 RINGCOLL_REQUIRE_CUDA=1 \
+  env CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" RINGCOLL_CUDA_ARCHS=90 RINGCOLL_REQUIRE_CUDA=1 RINGCOLL_BUILD_TYPE=RelWithDebInfo \
   "$PY" setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 &
 build_pid=$!
 
@@ -249,7 +256,7 @@ else
   echo "no nvidia-smi on PATH"
 fi
 echo "nvcc: $(command -v nvcc || echo 'not found') ($(nvcc --version 2>/dev/null | tail -1))${CUDACXX:+, CUDACXX=$CUDACXX}"
-echo "cmake: $(cmake --version 2>/dev/null | head -1 || echo 'not found'); ninja: $(ninja --version 2>/dev/null || echo 'not found')"
+echo "cmake: $(cmake --version 2>/dev/null | head -1 || echo 'not found'); ninja: $(ninja --version 2>/dev/null || echo 'not found'); c++: $(c++ --version 2>/dev/null | head -1 || echo 'not found')"
 timeout "$(upto 30)" "$PY" - <<'EOF' || echo "python/torch did not report in time"
 import importlib, sys
 import torch
@@ -368,10 +375,14 @@ default_int=()
 env --default-signal=INT true 2>/dev/null && default_int=(env --default-signal=INT)
 per_test=()  # a hung test is stopped at 40 s where pytest-timeout is installed
 "$PY" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout=40)
+# Where pytest-xdist is installed, the tests run in one worker process: a test that crashes
+# it (a segfault) is reported as such and the rest still run and report; without it the
+# crash ended the stage before any failure's traceback was printed (2026-12-04, H200).
+"$PY" -c "import xdist" 2>/dev/null && per_test+=(-n 1)
 pytest_run() {  # pytest's arguments: the rest of the stage is theirs
   local lim; lim=$(upto "$((stage_end - SECONDS))")
   note tests.log "== pytest $* (up to ${lim} s)"
-  show tests.log '(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)|^=+ .* =+$' \
+  show tests.log '(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS|crashed)|^=+ .* =+$' \
     timeout -s INT -k "$GRACE_S" "$lim" "${default_int[@]}" "$PY" -m pytest -p no:cacheprovider -m gpu -v -rfE \
     --tb=short --durations=10 "${per_test[@]}" "$@"
 }
@@ -384,6 +395,11 @@ collect() {  # a test stage's selection, collected only (pytest exits 5 when it 
 }
 have_pytest=1
 "$PY" -c "import pytest" 2>/dev/null || have_pytest=0
+error_probe() {  # share (s), then cuda_error_probe.py's arguments: each case 15 s at most
+  local lim; lim=$(upto "$1"); shift
+  note errors.log "== cuda_error_probe.py $* (up to ${lim} s)"
+  show errors.log . timeout -k "$GRACE_S" "$lim" "$PY" bench/cuda_error_probe.py --timeout 15 "$@"
+}
 
 # --- without a GPU: a rehearsal on the CPU, then stop ------------------------------------
 # The later stages' commands, run as they will be on a GPU where they have a CPU form, so a
@@ -393,6 +409,7 @@ if [ "$probe_rc" = 3 ]; then
   ok=1
   smoke_run 15 --device cpu --parts multi-process,in-process --variants fused --hop-seconds 0.2 || ok=0
   bench_run rehearsal_cpu 12 2 4MiB in-process --device cpu -b 16K -e 128K -f 8 || ok=0
+  error_probe 20 --cases cuda_check,host_timeout --no-debugger || ok=0
   collect "${BACKEND_TESTS[@]}" || ok=0
   collect "${FEATURE_TESTS[@]}" || ok=0
   collect "${EXHAUSTIVE_TESTS[@]}" || ok=0
@@ -409,9 +426,9 @@ fi
 # where ranks on one GPU would use .gpu): if the scope is what fails, this one passes.
 begin smoke
 smoke_mp=0 smoke_ip=0 smoke_sys=0
-smoke_run 25 --parts multi-process && smoke_mp=1
-smoke_run 20 --parts in-process && smoke_ip=1
-RINGCOLL_CUDA_FLAG_SCOPE=system smoke_run 20 --parts multi-process --variants fused && smoke_sys=1
+smoke_run 20 --parts multi-process && smoke_mp=1
+smoke_run 15 --parts in-process && smoke_ip=1
+RINGCOLL_CUDA_FLAG_SCOPE=system smoke_run 15 --parts multi-process --variants fused && smoke_sys=1
 if (( smoke_mp && smoke_ip && smoke_sys )); then end ok
 else end "FAILED (passed: multi-process $smoke_mp, in-process $smoke_ip, multi-process at system scope $smoke_sys)"; fi
 if (( ! smoke_mp && ! smoke_ip )); then
@@ -451,8 +468,14 @@ for s in features exhaustive; do
   elif (( ! have_pytest )); then skip "$s" "no pytest in $PY"
   else
     begin "$s"
-    if [ "$s" = features ]; then pytest_run "${FEATURE_TESTS[@]}"; else pytest_run "${EXHAUSTIVE_TESTS[@]}"; fi
-    end "$(outcome $?)"
+    if [ "$s" = features ]; then
+      error_probe 45; probe_outcome=$?
+      pytest_run "${FEATURE_TESTS[@]}"; rc=$?
+      if (( rc == 0 && probe_outcome != 0 )); then rc=$probe_outcome; fi
+    else
+      pytest_run "${EXHAUSTIVE_TESTS[@]}"; rc=$?
+    fi
+    end "$(outcome $rc)"
   fi
 done
 exit "$failed"
