@@ -338,6 +338,13 @@ case "$build_rc" in
   *) echo "the build FAILED (exit $build_rc); the end of build.log:"; tail -60 "$OUT/build.log" ;;
 esac
 if [ "$build_ok" = 1 ] && timeout "$(upto 20)" "$PY" -c "import ringcoll._C as c, sys; sys.exit(0 if c.built_with_cuda else 'built, but without the CUDA backend')"; then
+  # What the module exports (CMakeLists.txt: only PyInit__C) and which C++ runtime it loads:
+  # a copy of libstdc++ of its own, or exported runtime code, would show here.
+  module=$(ls ringcoll/_C*.so 2>/dev/null | head -1)
+  if command -v nm >/dev/null 2>&1 && [ -n "$module" ]; then
+    echo "module: $(nm -D --defined-only "$module" | wc -l) exported symbol(s): $(nm -D --defined-only "$module" | awk '{print $3}' | head -3 | tr '\n' ' ')"
+  fi
+  [ -n "$module" ] && echo "module links: $(ldd "$module" 2>/dev/null | awk '/stdc\+\+|gcc_s|cudart/ {print $1 " => " $3}' | tr '\n' ' ')"
   end "ok (sm_90; MPS $mps)"
 else
   end "FAILED"
