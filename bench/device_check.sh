@@ -70,15 +70,17 @@ STAGES=(
   "wrapup     10  core   stop MPS if it was started; the summary"
 )
 # The bench stage's runs, in order, each with its share of the stage's cap. Buffers: the
-# default 4 MiB at P = 2 in both modes (the two differ only in the mode); 64 MiB at P = 4
-# and 8, whose slots give a large message a block per SM (docs/cuda.md, "What the fused
-# kernel should reach"). In-process first: its rings are co-resident whatever MPS does.
+# CUDA default at P = 2 and 4 (16 MiB x P, whose slots give a large message a block per SM:
+# docs/cuda.md, "What the fused kernel should reach"), the same in both modes at P = 2 (the
+# two differ only in the mode); 64 MiB at P = 8. (The first run, 2026-12-04, used 4 MiB at
+# P = 2: 64 MiB all-reduces moved 133 GB/s of bus bandwidth, in 64 slices of ~8 us each.)
+# In-process first: its rings are co-resident whatever MPS does.
 BENCH_RUNS=(
   # name     share  P  buffer  mode
-  "inproc_p2   13   2   4MiB   in-process"
+  "inproc_p2   13   2  32MiB   in-process"
   "inproc_p4   14   4  64MiB   in-process"
   "inproc_p8   15   8  64MiB   in-process"
-  "mp_p2       18   2   4MiB   multi-process"
+  "mp_p2       18   2  32MiB   multi-process"
 )
 BACKEND_TESTS=(tests/gpu/test_backend_cuda.py)
 FEATURE_TESTS=(tests/gpu/test_cuda.py -k "not ($EXHAUSTIVE)")
