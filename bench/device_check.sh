@@ -14,10 +14,10 @@
 #   backend      90  core   pytest tests/gpu/test_backend_cuda.py (torch.distributed, DDP, ZeRO)
 #   bench        60  core   ringcoll-bench --device cuda, 16K to 64M: in-process P = 2, 4, 8,
 #                           then multi-process P = 2, each run with its own share of the 60 s
-#   features    130  extra  bench/cuda_error_probe.py (do C++ errors reach Python; a native stack
+#   features    120  extra  bench/cuda_error_probe.py (do C++ errors reach Python; a native stack
 #                           for a case that dies), then pytest tests/gpu/test_cuda.py less the
 #                           exhaustive tests
-#   exhaustive   50  extra  pytest tests/gpu/test_cuda.py's exhaustive tests (every dtype x op x size)
+#   exhaustive   60  extra  pytest tests/gpu/test_cuda.py's exhaustive tests (every dtype x op x size)
 #   wrapup       10  core   MPS stopped if it was started; the summary
 #
 # Budget. Each command of a stage gets its share of the stage, cut to what the stage has left
@@ -65,8 +65,8 @@ STAGES=(
   "smoke      50  core   bench/cuda_smoke.py (smoke.log): --parts multi-process, then --parts in-process, both variants; then RINGCOLL_CUDA_FLAG_SCOPE=system bench/cuda_smoke.py --parts multi-process --variants fused"
   "backend    90  core   pytest tests/gpu/test_backend_cuda.py (tests.log)"
   "bench      60  core   ringcoll-bench --device cuda -b 16K -e 64M -f 8 --rows-file (bench.log, bench_rows.jsonl), its runs below"
-  "features  130  extra  bench/cuda_error_probe.py (errors.log), then pytest tests/gpu/test_cuda.py -k 'not ($EXHAUSTIVE)' (tests.log)"
-  "exhaustive 50  extra  pytest tests/gpu/test_cuda.py -k '$EXHAUSTIVE' (tests.log)"
+  "features  120  extra  bench/cuda_error_probe.py (errors.log), then pytest tests/gpu/test_cuda.py -k 'not ($EXHAUSTIVE)' (tests.log)"
+  "exhaustive 60  extra  pytest tests/gpu/test_cuda.py -k '$EXHAUSTIVE' (tests.log)"
   "wrapup     10  core   stop MPS if it was started; the summary"
 )
 # The bench stage's runs, in order, each with its share of the stage's cap. Buffers: the
