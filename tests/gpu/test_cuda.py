@@ -566,8 +566,11 @@ def _barrier_in_capture(group):
         group.barrier()  # no rank's capture (which begins with a device sync) overlaps a peer's warm-up
         graph = torch.cuda.CUDAGraph()
         message = ""
-        # thread_local: another rank's thread may call what a global capture forbids (a sync)
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        # thread_local: another rank's thread may call what a global capture forbids (a sync).
+        # A capture stream of this rank's own: torch.cuda.graph's default is one stream per
+        # process, and a second thread beginning a capture on it while the first captures got
+        # cudaErrorIllegalState on the H200 (2026-12-04).
+        with torch.cuda.graph(graph, stream=torch.cuda.Stream(), capture_error_mode="thread_local"):
             try:
                 comm.barrier()
             except ringcoll.RingcollError as e:
