@@ -238,8 +238,9 @@ done
 # In place, with the machine's own setuptools/pybind11/cmake/ninja: nothing is installed into
 # its Python (no downloads there). RelWithDebInfo keeps the symbols (a Release build of a
 # pybind11 module is stripped), so a native backtrace names ringcoll's functions; the
-# kernels are optimised as in Release (nvcc's device code is not affected by -g). timeout runs it in a process group of its own and stops
-# all of it at the limit. It runs in the background while the machine is described.
+# kernels are optimised as in Release (nvcc's device code is not affected by -g). timeout
+# runs it in a process group of its own and stops all of it at the limit. It runs in the
+# background while the machine is described.
 timeout -k "$GRACE_S" "$(upto "$(cap_of build)")" \
   env CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" RINGCOLL_CUDA_ARCHS=90 RINGCOLL_REQUIRE_CUDA=1 RINGCOLL_BUILD_TYPE=RelWithDebInfo \
   "$PY" setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 &
