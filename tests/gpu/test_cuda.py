@@ -378,6 +378,59 @@ def test_cupy_arrays():
 
 
 
+def _algorithms(rank, world):
+    """Every built-in algorithm named on a CUDA reduce-scatter, all-gather and all-reduce: the
+    ring kernels run for "auto", "native" and "ring" (the same ring: each result exact);
+    every other name, and broadcast and reduce, are refused by name before anything moves
+    (the plan engine is the CPU transport's so far: docs/algorithms.md)."""
+    import ringcoll
+    from ringcoll import CudaCommunicator
+
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    n = 3 * world
+    summed = _expected_reduce(world, n, torch.float32, "SUM")
+    want = {"reduce_scatter": summed.view(world, -1)[rank],
+            "all_gather": torch.cat([_value(r, n, torch.float32) for r in range(world)]), "all_reduce": summed}
+    ran, refused = [], []
+    with CudaCommunicator(device=dev, timeout=60) as comm:
+        for algorithm in ringcoll.algorithms():
+            t = _value(rank, n, torch.float32).to(dev)
+            got = {"reduce_scatter": torch.empty(n // world, device=dev),
+                   "all_gather": torch.empty(n * world, device=dev), "all_reduce": t}
+            calls = {  # all_reduce last: it changes t in place
+                "reduce_scatter": lambda: comm.reduce_scatter_tensor(got["reduce_scatter"], t, algorithm=algorithm),
+                "all_gather": lambda: comm.all_gather_into_tensor(got["all_gather"], t, algorithm=algorithm),
+                "all_reduce": lambda: comm.all_reduce(t, algorithm=algorithm),
+            }
+            for name, call in calls.items():
+                try:
+                    call()
+                except ValueError as e:
+                    refused.append((algorithm, name, "runs on the CPU transport only so far" in str(e)))
+                    continue
+                comm.synchronize()
+                ran.append((algorithm, name, torch.equal(got[name].cpu(), want[name])))
+        for rooted in (lambda: comm.broadcast(t, 0), lambda: comm.reduce(t, 0)):
+            try:
+                rooted()
+                refused.append(("native", "rooted", False))
+            except ValueError as e:
+                refused.append(("native", "rooted", "runs on the CPU transport only so far" in str(e)))
+    return ran, refused
+
+
+def test_every_algorithm_on_cuda_runs_the_ring_or_is_refused_by_name():
+    import ringcoll
+
+    ring_names = {"auto", "native", "ring"}
+    for ran, refused in spawn(_algorithms, 2, timeout=120):
+        assert {a for a, _, _ in ran} == ring_names and len(ran) == 9, ran  # each of the three collectives
+        assert all(exact for _, _, exact in ran), ran
+        assert all(named for _, _, named in refused), refused
+        assert {a for a, _, _ in refused} == (set(ringcoll.algorithms()) - ring_names) | {"native"}, refused
+
+
 def _mismatch(rank, world):
     import ringcoll
     from ringcoll import CudaCommunicator
