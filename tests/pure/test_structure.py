@@ -143,3 +143,16 @@ def test_data_files_the_package_reads_are_installed_with_it():
     declared = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     data = sorted(p.name for p in PACKAGE.iterdir() if p.is_file() and p.suffix == ".json")
     assert data == [tuning.DEFAULT_TABLE.name] and declared == {"ringcoll": data}
+
+
+def test_the_extension_exports_its_entry_point_only():
+    """ringcoll._C exports PyInit__C and nothing else (csrc/bindings/exports.map): C++ runtime
+    code it exported (stringstream, ostream inserters, ...) could be bound to by other
+    libraries, or its own calls to another copy (CMakeLists.txt says why; on the first GPU
+    run every error path crashed in such code)."""
+    from ringcoll import _C
+
+    done = subprocess.run(["nm", "-D", "--defined-only", _C.__file__], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    exported = [line.split()[-1] for line in done.stdout.splitlines() if line.strip()]
+    assert exported == ["PyInit__C"], exported[:10]
