@@ -177,4 +177,4 @@ def test_a_fork_joined_through_another_stream_counts_and_a_fork_never_joined_doe
     dev.record(e0, user)
     dev.wait(a, e0)
     dev.launch(a, lambda: None)  # never waited for
-    assert "stream" in unjoined(lambda: dev.end_capture(user))
+    assert "unjoined work" in unjoined(lambda: dev.end_capture(user))
