@@ -29,10 +29,6 @@ import subprocess
 import sys
 import time
 
-CASES = ("cuda_check", "cuda_check_live", "launch_check", "host_timeout", "kernel_timeout")
-NEEDS_GPU = {"cuda_check_live", "launch_check", "kernel_timeout"}
-
-
 def _cuda_check(live: bool):
     import torch
 
@@ -87,26 +83,18 @@ def _timeout_in_process(device: str):
     return ringcoll.run_in_process(2, body, timeout=30)[0]
 
 
-def run_case(name: str):
-    if name == "cuda_check":
-        return _cuda_check(live=False)
-    if name == "cuda_check_live":
-        return _cuda_check(live=True)
-    if name == "launch_check":
-        return _launch_check()
-    if name == "host_timeout":
-        return _timeout_in_process("cpu")
-    if name == "kernel_timeout":
-        return _timeout_in_process("cuda:0")
-    raise SystemExit(f"unknown case {name!r}")
-
-
-EXPECTED = {"cuda_check": "ValueError", "cuda_check_live": "ValueError", "launch_check": "ValueError",
-            "host_timeout": "RingcollTimeoutError", "kernel_timeout": "RingcollTimeoutError"}
+#: each case: (the exception it must raise, whether it needs a GPU, how it raises it)
+CASES = {
+    "cuda_check": ("ValueError", False, lambda: _cuda_check(live=False)),
+    "cuda_check_live": ("ValueError", True, lambda: _cuda_check(live=True)),
+    "launch_check": ("ValueError", True, _launch_check),
+    "host_timeout": ("RingcollTimeoutError", False, lambda: _timeout_in_process("cpu")),
+    "kernel_timeout": ("RingcollTimeoutError", True, lambda: _timeout_in_process("cuda:0")),
+}
 
 
 def _child(name: str) -> int:
-    outcome = run_case(name)
+    outcome = CASES[name][2]()
     print(f"OUTCOME {outcome[0] if outcome else 'no error'}: {outcome[1] if outcome else ''}", flush=True)
     return 0
 
@@ -134,8 +122,13 @@ def main() -> int:
     gpu = torch.cuda.is_available()
     env = dict(os.environ, PYTHONFAULTHANDLER="1")
     failed = 0
-    for name in args.cases.split(","):
-        if name in NEEDS_GPU and not gpu:
+    names = args.cases.split(",")
+    unknown = [name for name in names if name not in CASES]
+    if unknown:
+        parser.error(f"unknown case(s) {', '.join(unknown)} (cases: {', '.join(CASES)})")
+    for name in names:
+        expected, needs_gpu, _ = CASES[name]
+        if needs_gpu and not gpu:
             print(f"SKIP  {name}: no GPU")
             continue
         start = time.monotonic()
@@ -163,7 +156,7 @@ def main() -> int:
                     print("\n".join("      " + line for line in stack[-35:]) or "      (no stack printed)")
                 except subprocess.TimeoutExpired:
                     print(f"      (the debugger did not finish within {args.timeout:.0f} s)")
-        elif outcome.startswith(f"OUTCOME {EXPECTED[name]}:"):
+        elif outcome.startswith(f"OUTCOME {expected}:"):
             print(f"PASS  {name}: {outcome[len('OUTCOME '):][:300]} ({took:.1f} s)")
         else:
             print(f"FAIL  {name}: exit {done.returncode}, {outcome or 'no outcome'}; stderr ends:\n"
