@@ -26,6 +26,7 @@ thread that fails breaks its group for the others at once (they raise instead of
 from __future__ import annotations
 
 import threading
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch.distributed as dist
@@ -51,8 +52,13 @@ class ProcessGroupBootstrap:
         dist.all_gather_object(everyone, mine, group=self.group)
         return everyone
 
-    def barrier(self) -> None:
-        dist.barrier(group=self.group)
+    def barrier(self, timeout: Optional[float] = None) -> None:
+        """Every rank of the group is here; within `timeout` seconds if given (raises
+        otherwise), else the group's own timeout."""
+        if timeout is None:
+            dist.barrier(group=self.group)
+        else:
+            dist.barrier(group=self.group, async_op=True).wait(timeout=timedelta(seconds=timeout))
 
 
 class InProcessGroup:
@@ -81,15 +87,16 @@ class InProcessGroup:
             self.failed_rank = rank
         self._everyone_here.abort()
 
-    def _wait(self, rank: int, what: str) -> None:
+    def _wait(self, rank: int, what: str, timeout: Optional[float] = None) -> None:
+        timeout = self.timeout if timeout is None else timeout
         try:
-            self._everyone_here.wait(self.timeout)
+            self._everyone_here.wait(timeout)
         except threading.BrokenBarrierError:
             if self.failed_rank is not None:
                 raise RingcollPeerError(f"{what}: rank {self.failed_rank} of the in-process group failed, "
                                         f"so rank {rank} stops waiting for it") from None
             self.fail(rank)  # a timeout breaks the barrier for the others too
-            raise RingcollTimeoutError(f"{what}: rank {rank} waited {self.timeout:g} s for the other "
+            raise RingcollTimeoutError(f"{what}: rank {rank} waited {timeout:g} s for the other "
                                        f"{self.world_size - 1} ranks of its in-process group") from None
 
 
@@ -109,8 +116,8 @@ class InProcessRank:
         group._wait(self.rank, "Communicator")  # every rank has read: the next round may overwrite
         return everyone
 
-    def barrier(self) -> None:
-        self._group._wait(self.rank, "barrier")
+    def barrier(self, timeout: Optional[float] = None) -> None:
+        self._group._wait(self.rank, "barrier", timeout)
 
     def __repr__(self) -> str:
         return f"InProcessRank(rank={self.rank}, world_size={self.world_size})"

@@ -55,4 +55,20 @@ std::string wait_until_peers_finished(int rank, int world, double timeout_second
   }
 }
 
+// Step 3 as both CudaComm and the emulator run it, with what follows a failed wait. By
+// then we have told every peer kWillFree (step 2), so a peer that closes after we gave up
+// would go to the host rendezvous and wait there for us in vain: so we tell every peer again,
+// kKeeps this time (`tell_peers(word)` writes our word into each peer's allocation). Safe:
+// no peer frees before a rendezvous we now skip, so every peer's allocation is still there.
+// A peer that read our first word just before the second still waits at the rendezvous,
+// which is bounded by the communicator's timeout too (transports/cuda.py). Returns "" when
+// every peer will free (the rendezvous follows), else why we keep our allocation.
+template <typename TellPeers, typename ReadFinished>
+std::string wait_for_peers_or_keep(int rank, int world, double timeout_seconds, TellPeers&& tell_peers,
+                                   ReadFinished&& read_finished) {
+  std::string why = wait_until_peers_finished(rank, world, timeout_seconds, read_finished);
+  if (!why.empty()) tell_peers(kKeeps);
+  return why;
+}
+
 }  // namespace ringcoll::cuda

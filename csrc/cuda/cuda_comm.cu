@@ -394,12 +394,14 @@ void CudaComm::all_gather(uintptr_t input, uintptr_t output, int64_t user_count,
 //   3. waits, bounded by the timeout, until every peer's word has arrived in ours: from then
 //      on no peer reads or writes our memory (close_protocol.h; the emulator runs the same
 //      loop in CI). Words are pushed, not pulled, so no rank ever reads the memory of a
-//      peer that may already have freed it;
+//      peer that may already have freed it. A rank that gives up waiting tells every peer
+//      again that it keeps its allocation, so a late peer skips the rendezvous below;
 //   4. unmaps the peers.
 // Then, where every rank will free (each saw only kWillFree words, so all of them go), the
-// caller's host rendezvous (ringcoll/transports/cuda.py: the group's barrier) makes sure
-// every peer has unmapped us too, which no word in GPU memory can say (it would have to
-// be read through the very mapping just closed), and free_memory() frees our allocation.
+// caller's host rendezvous (ringcoll/transports/cuda.py: the group's barrier, bounded by
+// the communicator's timeout) makes sure every peer has unmapped us too, which no word in
+// GPU memory can say (it would have to be read through the very mapping just closed), and
+// free_memory() frees our allocation.
 // Our allocation is kept, not freed (the driver releases it when the process exits, and
 // kept_on_close() says why) when a peer does not close within the timeout (it died, or
 // never closes), when the communicator is broken (a peer's kernel may still be stopping; a
@@ -426,9 +428,9 @@ void CudaComm::leave_peers(bool wait_for_peers) {
   } else if (shared && !wait_for_peers) {
     keep_memory("it was closed without waiting for its peers (by the garbage collector)");
   } else if (shared) {
-    keep_memory(wait_until_peers_finished(rank_, world_, timeout_seconds_, [&](int r, uint64_t* word) {
-      return copy_flag(word, base_ + finished_word_offset(r), cudaMemcpyDeviceToHost);
-    }));
+    keep_memory(wait_for_peers_or_keep(
+        rank_, world_, timeout_seconds_, [&](uint64_t word) { tell_peers_finished(word); },
+        [&](int r, uint64_t* word) { return copy_flag(word, base_ + finished_word_offset(r), cudaMemcpyDeviceToHost); }));
   }
   for (int r = 0; r < world_; ++r) {
     if (peer_by_ipc_[r]) cudaIpcCloseMemHandle(peers_[r]);
@@ -463,15 +465,19 @@ void CudaComm::close(bool wait_for_peers) {
 // before these words; device_ring.h's waits rely on that.
 void CudaComm::announce_closed(bool will_free) {
   if (base_ == nullptr || !peers_open_ || world_ == 1) return;
-  const uint64_t word = will_free ? kWillFree : kKeeps;
-  for (int r = 0; r < world_; ++r) {
-    if (r != rank_ && peers_[r] != nullptr) copy_flag(peers_[r] + finished_word_offset(rank_), &word, cudaMemcpyHostToDevice);
-  }
+  tell_peers_finished(will_free ? kWillFree : kKeeps);
   uint64_t* flag = reinterpret_cast<uint64_t*>(base_ + kAbortedOffset);
   uint64_t cause = 0;
   if (!copy_flag(&cause, flag, cudaMemcpyDeviceToHost) || cause != 0) return;
   cause = static_cast<uint64_t>(AbortCause::kClosed);
   copy_flag(flag, &cause, cudaMemcpyHostToDevice);
+}
+
+// Our `finished` word (close_protocol.h), into every peer's allocation.
+void CudaComm::tell_peers_finished(uint64_t word) {
+  for (int r = 0; r < world_; ++r) {
+    if (r != rank_ && peers_[r] != nullptr) copy_flag(peers_[r] + finished_word_offset(rank_), &word, cudaMemcpyHostToDevice);
+  }
 }
 
 // One flag word between host and device, on our own non-blocking stream: a plain cudaMemcpy

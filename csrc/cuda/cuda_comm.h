@@ -84,6 +84,7 @@ class CudaComm {
   void ensure_usable(const char* op) const;
   void map_peers(const std::vector<std::string>& handles);
   void announce_closed(bool will_free);
+  void tell_peers_finished(uint64_t word);
   bool copy_flag(void* dst, const void* src, int kind);
   void launch(const char* op, Collective coll, uintptr_t input, uintptr_t output, int64_t user_count, int dtype,
               int reduce_op, uintptr_t stream, bool join);

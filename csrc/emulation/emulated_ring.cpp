@@ -18,10 +18,12 @@
 #include "cuda_shim.h"  // before device code: it supplies threadIdx, __syncthreads, ...
 // clang-format on
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <sstream>
 #include <stdexcept>
 #include <thread>
 
@@ -184,12 +186,13 @@ std::vector<CallResult> EmulatedRing::run(const std::vector<EmulatedCall>& calls
 }
 
 // What CudaComm::close does (cuda_comm.cu, steps 2 to 4; this rank's calls are all done,
-// as after its stream synchronisation): write our `finished` word into every peer's memory
-// (kKeeps when broken),
-// set `aborted` = closed unless a kernel already gave up, then, unless broken, wait until
-// every peer's word is in ours, and "free" (mark freed: a later write into it by anyone is
-// a protocol error, reported by the writer's close). The result's message says why the
-// rank would keep its allocation (CudaComm::kept_on_close), "" if it freed it.
+// as after its stream synchronisation), then the caller's host rendezvous: write our
+// `finished` word into every peer's memory (kKeeps when broken), set `aborted` = closed
+// unless a kernel already gave up, then, unless broken, wait until every peer's word is in
+// ours (telling them kKeeps if it does not come), meet every peer at the rendezvous, and
+// "free" (mark freed: a later write into it by anyone is a protocol error, reported by the
+// writer's close). The result's message says why the rank would keep its allocation
+// (CudaComm::kept_on_close), "" if it freed it.
 CallResult EmulatedRing::close_rank(int rank) {
   Rank& me = *ranks_[rank];
   if (me.closed) return {};
@@ -197,29 +200,51 @@ CallResult EmulatedRing::close_rank(int rank) {
   if (!cuda::wait_for_own_work(streams, me.stream, me.events) && me.broken_reason.empty())
     me.broken_reason = "its work did not finish within " + std::to_string(host_wait_seconds()) + " s";
   check_error(rank);  // an error not reported yet makes it broken, as in CudaComm::leave_peers
-  for (int r = 0; r < world_; ++r) {
-    if (r == rank) continue;
-    if (ranks_[r]->freed.load())
-      return {"AssertionError", "rank " + std::to_string(r) + " freed its memory before rank " + std::to_string(rank) +
-                                    " closed"};
-    flag_store_release(reinterpret_cast<uint64_t*>(ranks_[r]->memory.get() + cuda::finished_word_offset(rank)),
-                       me.broken_reason.empty() ? cuda::kWillFree : cuda::kKeeps);
-  }
+  std::string breach;
+  auto tell_peers = [&](uint64_t word) {
+    for (int r = 0; r < world_; ++r) {
+      if (r == rank) continue;
+      if (ranks_[r]->freed.load()) {
+        if (breach.empty())
+          breach = "rank " + std::to_string(r) + " freed its memory before rank " + std::to_string(rank) + " closed";
+        continue;
+      }
+      flag_store_release(reinterpret_cast<uint64_t*>(ranks_[r]->memory.get() + cuda::finished_word_offset(rank)), word);
+    }
+  };
+  tell_peers(me.broken_reason.empty() ? cuda::kWillFree : cuda::kKeeps);
+  if (!breach.empty()) return {"AssertionError", breach};
   char* base = me.memory.get();
   flag_set_once(cuda::aborted_flag(base), static_cast<uint64_t>(AbortCause::kClosed));
   std::string kept;
   if (world_ > 1 && !me.broken_reason.empty()) {
     kept = "the communicator is broken (" + me.broken_reason + ")";
   } else if (world_ > 1) {
-    kept = cuda::wait_until_peers_finished(rank, world_, timeout_seconds_, [&](int r, uint64_t* word) {
+    kept = cuda::wait_for_peers_or_keep(rank, world_, timeout_seconds_, tell_peers, [&](int r, uint64_t* word) {
       *word = flag_load_acquire(reinterpret_cast<const uint64_t*>(base + cuda::finished_word_offset(r)));
       return true;
     });
+    if (!breach.empty()) return {"AssertionError", breach};
+    if (kept.empty()) kept = host_rendezvous(rank);
   }
   me.freed = kept.empty();
   me.closed = true;
   me.broken_reason = "closed";
   return {"", kept};
+}
+
+// The caller's host rendezvous between leaving the peers and freeing (transports/cuda.py:
+// the group's barrier, bounded by the communicator's timeout): every rank has unmapped us.
+std::string EmulatedRing::host_rendezvous(int rank) {
+  std::unique_lock<std::mutex> lock(rendezvous_mutex_);
+  ++at_rendezvous_;
+  rendezvous_cv_.notify_all();
+  const auto timeout = std::chrono::duration<double>(timeout_seconds_);
+  if (rendezvous_cv_.wait_for(lock, timeout, [&] { return at_rendezvous_ >= world_; })) return "";
+  std::ostringstream why;
+  why << "not every peer reached the rendezvous before freeing (rank " << rank << " waited " << timeout_seconds_
+      << " s)";
+  return why.str();
 }
 
 // What CudaComm::launch does for one rank, with the GPU replaced by the modelled device and

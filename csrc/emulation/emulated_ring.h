@@ -5,6 +5,7 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -63,6 +64,7 @@ class EmulatedRing {
  private:
   struct Rank;
   CallResult close_rank(int rank);
+  std::string host_rendezvous(int rank);
   void note_violation(const std::string& what);
 
   int world_;
@@ -73,6 +75,11 @@ class EmulatedRing {
   std::shared_ptr<Device> device_;
   std::vector<std::unique_ptr<Rank>> ranks_;
   std::atomic<uint64_t> launches_{0}, blocks_launched_{0};
+  // The host rendezvous of a close (the group's barrier in transports/cuda.py): how many
+  // ranks have reached it.
+  std::mutex rendezvous_mutex_;
+  std::condition_variable rendezvous_cv_;
+  int at_rendezvous_ = 0;
   mutable std::mutex violations_mutex_;
   std::string violations_;
 };

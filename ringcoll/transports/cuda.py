@@ -283,7 +283,8 @@ class CudaTransport(Transport):
             self._comm.leave_peers(wait_for_peers)
             if wait_for_peers and not self._comm.kept_on_close and self._comm.world > 1:
                 try:
-                    self._bootstrap.barrier()  # bounded: the group's (or run_in_process's) timeout
+                    # Bounded by the communicator's timeout: a peer that gave up on us skips it.
+                    self._bootstrap.barrier(timeout=self._comm.timeout)
                 except Exception as e:  # noqa: BLE001 - a peer may still map us: keep, say why
                     self._comm.keep_memory(f"not every peer reached the rendezvous before freeing ({e})")
             self._comm.free_memory()

@@ -679,6 +679,28 @@ def _absent_peer(rank, world, timeout, check, algorithm):
     return "no error", "", time.monotonic() - start, "", 0.0, False
 
 
+def _barrier_alone(rank, world, timeout):
+    """Rank 0 enters the bootstrap's barrier with a timeout; rank 1 never does."""
+    from ringcoll.bootstrap import ProcessGroupBootstrap
+
+    if rank == 1:
+        time.sleep(timeout + 1.0)  # alive (the group up) until rank 0 has given up
+        return None
+    start = time.monotonic()
+    try:
+        ProcessGroupBootstrap().barrier(timeout=timeout)
+    except RuntimeError as e:
+        return str(e), time.monotonic() - start
+    return "no error", time.monotonic() - start
+
+
+def test_a_bootstrap_barrier_given_a_timeout_gives_up_then():
+    """A CUDA close's rendezvous is bounded by the communicator's timeout, not the process
+    group's (transports/cuda.py): the process-group bootstrap's barrier takes one."""
+    (message, elapsed), _ = spawn(_barrier_alone, 2, 0.5, timeout=60)
+    assert message != "no error" and 0.5 <= elapsed < 2.0, (message, elapsed)
+
+
 @pytest.mark.usefixtures("no_leftover_segments")
 @pytest.mark.parametrize("world,check,algorithm", [(2, True, "auto"), (3, True, "auto"), (3, False, "auto"),
                                                    (3, False, "ring")])

@@ -333,9 +333,14 @@ def test_close_waits_for_every_peer_then_frees():
 
 
 def test_close_keeps_the_buffer_when_a_peer_does_not_close_in_time():
-    (took0, warned0, _), _ = spawn(_close, 2, 6.0, 2.0, timeout=120)
-    assert 1.5 <= took0 < 5.0, took0
+    # Rank 0 gives up on rank 1 and keeps its buffer; rank 1, closing 4 s later, is told so
+    # and keeps its own at once. (On the H200, 2026-12-04, rank 1 instead waited at the host
+    # rendezvous for rank 0, past the test's limit; the CPU model of this is
+    # test_in_process.py's emulated close past the timeout.)
+    (took0, warned0, _), (took1, warned1, _) = spawn(_close, 2, 6.0, 2.0, timeout=120)
+    assert 1.5 <= took0 < 5.0 and took1 < 1.0, (took0, took1)
     assert len(warned0) == 1 and "rank(s) 1 did not close within the timeout" in warned0[0], warned0
+    assert len(warned1) == 1 and "rank(s) 0 keep their buffers" in warned1[0], warned1
 
 
 def _cupy(rank, world):

@@ -157,6 +157,16 @@ def test_bad_arguments():
         InProcessGroup(2, timeout=1).rank_handle(3)
 
 
+def test_a_barrier_given_a_timeout_gives_up_then():
+    """The bootstrap's barrier with its own timeout (a CUDA close's rendezvous is bounded by
+    the communicator's, not the group's): a rank that never comes is a timeout after it."""
+    group = InProcessGroup(2, timeout=60)
+    start = time.monotonic()
+    with pytest.raises(ringcoll.RingcollTimeoutError, match="waited 0.3 s for the other 1 ranks"):
+        group.rank_handle(0).barrier(timeout=0.3)
+    assert time.monotonic() - start < 10
+
+
 def test_threads_are_joined():
     before = threading.active_count()
     ringcoll.run_in_process(4, lambda group: group.barrier(), timeout=60)
@@ -208,3 +218,29 @@ def test_emulated_cuda_mismatch_and_errors_reach_every_rank():
     # A broken ring keeps its buffers (a peer's kernel might still be stopping), saying so.
     with pytest.warns(RuntimeWarning, match="keeps its emulated buffer: the communicator is broken"):
         assert ringcoll.run_in_process(3, body, timeout=60) == [True] * 3
+
+
+def _close_late(group, late_seconds):
+    """Rank 1 closes `late_seconds` after rank 0 (the GPU test's scenario, test_cuda.py):
+    each rank's close time and its warnings."""
+    import warnings
+
+    comm = EmulatedCudaCommunicator(group=group, timeout=1.0)
+    comm.all_reduce(torch.ones(64))
+    if group.rank == 1:
+        time.sleep(late_seconds)
+    started = time.monotonic()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        comm.close()
+    return time.monotonic() - started, [str(w.message) for w in caught]
+
+
+def test_emulated_cuda_close_with_a_peer_past_the_timeout_keeps_both_buffers_without_waiting():
+    """Rank 0 gives up on rank 1 after the timeout and keeps its buffer; rank 1, closing
+    later, learns that at once and keeps its own, instead of waiting at the rendezvous for
+    rank 0 (the hang the H200 showed on 2026-12-04)."""
+    (took0, warned0), (took1, warned1) = ringcoll.run_in_process(2, _close_late, 1.5, timeout=60)
+    assert 1.0 <= took0 < 1.4 and took1 < 0.5, (took0, took1)
+    assert len(warned0) == 1 and "rank(s) 1 did not close within the timeout" in warned0[0], warned0
+    assert len(warned1) == 1 and "rank(s) 0 keep their buffers" in warned1[0], warned1

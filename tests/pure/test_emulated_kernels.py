@@ -542,6 +542,21 @@ def test_close_keeps_the_buffer_when_a_peer_never_closes():
     assert kind == "" and message == "rank(s) 0 2 did not close within the timeout (0.5 s)", message
 
 
+def test_a_peer_that_closes_after_the_timeout_is_told_to_keep_its_buffer():
+    """Rank 0 gives up waiting for rank 1's close; rank 1 closes later. Rank 0 had first told
+    rank 1 it would free (then meet at the host rendezvous), so unless it says again that it
+    keeps its buffer, rank 1 goes to the rendezvous and waits there for a rank that is gone
+    (on the H200, 2026-12-04: until the test's limit). Here the rendezvous is modelled
+    (EmulatedRing::host_rendezvous), so that wait shows as the time rank 1's close takes."""
+    r = ring(2, FUSED, timeout=1.0)
+    assert r.run([(0, E.Ring.CLOSE, 0, 0, 0, 0, 0)]) == [("", "rank(s) 1 did not close within the timeout (1 s)")]
+    started = time.monotonic()
+    late = r.run([(1, E.Ring.CLOSE, 0, 0, 0, 0, 0)])
+    took = time.monotonic() - started
+    assert late == [("", "rank(s) 0 keep their buffers, so they cannot say when they unmapped ours")], late
+    assert took < 0.5, took  # not the rendezvous's 1 s timeout
+
+
 def test_kernels_have_no_data_races(tmp_path):
     """The kernels under ThreadSanitizer (tests/pure/sanitize/emulator_races.cpp), healthy calls
     and the paths that give up: on x86 a missing release or acquire still gives exact
