@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ringcoll._types import RING_COLLECTIVES, ReduceOp
+from ringcoll.bootstrap import InProcessRank
 from ringcoll.harness.bench import COLLECTIVES, DTYPES, OPS, expected_result, rank_input
 
 _REDUCE_OPS = {"sum": ReduceOp.SUM, "prod": ReduceOp.PRODUCT, "min": ReduceOp.MIN, "max": ReduceOp.MAX,
@@ -27,6 +28,7 @@ def run_case(comm, coll: str, count: int, dtype: torch.dtype, op: str, in_place:
     in_numel, out_numel = COLLECTIVES[coll].shapes(count, world)
     inp = rank_input(rank, in_numel, dtype, op).to(device)
     fresh_output = torch.full((out_numel,), 7, dtype=dtype, device=device)
+    _meet_after_allocating(comm)
     if coll == "all_reduce":
         out = inp if in_place else fresh_output
         comm.all_reduce(inp, op=_REDUCE_OPS[op], output=None if in_place else out)
@@ -38,7 +40,22 @@ def run_case(comm, coll: str, count: int, dtype: torch.dtype, op: str, in_place:
         src = out.view(world, -1)[rank] if in_place else inp
         src.copy_(inp)
         comm.all_gather_into_tensor(out, src)
+    if out.is_cuda:  # the ring done before a copy to pageable memory waits for it (below)
+        torch.cuda.current_stream(out.device).synchronize()
     return out.cpu()
+
+
+def _meet_after_allocating(comm) -> None:
+    """Ranks that are threads of one GPU process meet on the host once each has allocated
+    its tensors for a case, before any launches the case's ring (as the benchmark does,
+    bench.Backend.meet_after_allocating). There an allocation (cudaMalloc growing torch's
+    cache) or a copy to or from pageable memory can wait for all the process's GPU work, a
+    peer's ring among it, and that ring waits for this rank's launch: on the H200
+    (2026-12-04) the P = 4 in-process exact checks stopped so at their first case, three
+    ranks inside `.to(device)` while the fourth's ring waited for them (docs/cuda.md, "What
+    not to call while a ring runs")."""
+    if comm.device.type == "cuda" and isinstance(comm.group, InProcessRank):
+        comm.group.barrier()
 
 
 def wrong_cases(comm, counts) -> list[str]:
