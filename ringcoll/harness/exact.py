@@ -28,7 +28,7 @@ def run_case(comm, coll: str, count: int, dtype: torch.dtype, op: str, in_place:
     in_numel, out_numel = COLLECTIVES[coll].shapes(count, world)
     inp = rank_input(rank, in_numel, dtype, op).to(device)
     fresh_output = torch.full((out_numel,), 7, dtype=dtype, device=device)
-    _meet_after_allocating(comm)
+    _allocated(comm)
     if coll == "all_reduce":
         out = inp if in_place else fresh_output
         comm.all_reduce(inp, op=_REDUCE_OPS[op], output=None if in_place else out)
@@ -45,16 +45,19 @@ def run_case(comm, coll: str, count: int, dtype: torch.dtype, op: str, in_place:
     return out.cpu()
 
 
-def _meet_after_allocating(comm) -> None:
-    """Ranks that are threads of one GPU process meet on the host once each has allocated
-    its tensors for a case, before any launches the case's ring (as the benchmark does,
-    bench.Backend.meet_after_allocating). There an allocation (cudaMalloc growing torch's
-    cache) or a copy to or from pageable memory can wait for all the process's GPU work, a
-    peer's ring among it, and that ring waits for this rank's launch: on the H200
+def _allocated(comm) -> None:
+    """This rank has allocated its tensors for a case. Ranks that are threads of one GPU
+    process then meet on the host, before any launches the case's ring (as the benchmark
+    does, bench.Backend.meet_after_allocating): there an allocation (cudaMalloc growing
+    torch's cache) or a copy to or from pageable memory can wait for all the process's GPU
+    work, a peer's ring among it, and that ring waits for this rank's launch. On the H200
     (2026-12-04) the P = 4 in-process exact checks stopped so at their first case, three
-    ranks inside `.to(device)` while the fourth's ring waited for them (docs/cuda.md, "What
-    not to call while a ring runs")."""
-    if comm.device.type == "cuda" and isinstance(comm.group, InProcessRank):
+    ranks inside `.to(device)` while the fourth's ring waited for them. The emulated CUDA
+    transport models that wait, so the CPU tests would stop the same way without the meeting."""
+    device_wide_wait = getattr(comm.transport, "wait_for_the_whole_device", None)
+    if device_wide_wait is not None:
+        device_wide_wait("an allocation")
+    if isinstance(comm.group, InProcessRank) and (comm.device.type == "cuda" or device_wide_wait is not None):
         comm.group.barrier()
 
 

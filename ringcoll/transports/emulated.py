@@ -210,6 +210,16 @@ class EmulatedCudaTransport:
             "s: its queues are stuck (a cycle in the order of the streams)")
         raise self._error
 
+    def wait_for_the_whole_device(self, what: str) -> None:
+        """What an allocation (cudaMalloc growing torch's cache), a free or a copy to or from
+        pageable memory may do on a GPU: wait for all the device's work, a peer's ring among
+        it (docs/cuda.md, "What not to call while a ring runs"). Rank-thread code that
+        allocates calls it (harness/exact.py), so the CPU tests stop where a GPU would: if a
+        peer's ring already waits for this rank, its timeout ends the wait, and the calls
+        that follow raise."""
+        if not self.device.synchronize_device(self.host_wait_seconds):
+            self.stuck(what)
+
     def user_stream(self, op: str) -> int:
         """The current stream, which the call follows; the shared one refused where ranks share it."""
         stream = current_stream()

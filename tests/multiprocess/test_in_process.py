@@ -244,3 +244,33 @@ def test_emulated_cuda_close_with_a_peer_past_the_timeout_keeps_both_buffers_wit
     assert 1.0 <= took0 < 1.4 and took1 < 0.5, (took0, took1)
     assert len(warned0) == 1 and "rank(s) 1 did not close within the timeout" in warned0[0], warned0
     assert len(warned1) == 1 and "rank(s) 0 keep their buffers" in warned1[0], warned1
+
+
+def _allocate_while_a_peer_ring_waits(group):
+    """Rank 1 starts an all-reduce; only then does rank 0 allocate (a device-wide wait on a
+    GPU) before its own call: what the exact harness's meeting prevents."""
+    with EmulatedCudaCommunicator(group=group, timeout=1.0) as comm:
+        t = torch.ones(64)
+        if group.rank == 1:
+            work = comm.all_reduce(t, async_op=True)
+            group.barrier()
+            with pytest.raises(ringcoll.RingcollError):
+                work.wait()
+            return None
+        group.barrier()
+        started = time.monotonic()
+        comm.transport.wait_for_the_whole_device("an allocation")  # waits for rank 1's ring, which waits for us
+        waited = time.monotonic() - started
+        with pytest.raises(ringcoll.RingcollError):
+            comm.all_reduce(t)  # too late: rank 1's ring gave up
+        return waited
+
+
+def test_an_allocation_while_a_peer_ring_waits_for_this_rank_stops_that_ring():
+    """The emulated device models what an allocation may do on a GPU (wait for all the
+    device's work): rank 0's wait lasts until rank 1's ring gives up at its timeout, and the
+    ring is broken. This is how the H200's in-process exact tests stopped (2026-12-04);
+    the exact harness meets after allocating so that it cannot happen there."""
+    with pytest.warns(RuntimeWarning, match="keeps its emulated buffer"):
+        waited, _ = ringcoll.run_in_process(2, _allocate_while_a_peer_ring_waits, timeout=60)
+    assert 0.9 <= waited < 10, waited
