@@ -66,7 +66,7 @@ STAGES=(
   "backend    90  core   pytest tests/gpu/test_backend_cuda.py (tests.log)"
   "bench      60  core   ringcoll-bench --device cuda -b 16K -e 64M -f 8 --rows-file (bench.log, bench_rows.jsonl), its runs below"
   "features  120  extra  bench/cuda_error_probe.py (errors.log), then pytest tests/gpu/test_cuda.py -k 'not ($EXHAUSTIVE)' (tests.log)"
-  "exhaustive 60  extra  pytest tests/gpu/test_cuda.py -k '$EXHAUSTIVE' (tests.log)"
+  "exhaustive 60  extra  pytest tests/gpu/test_cuda.py -k '$EXHAUSTIVE', the in-process ones first (tests.log)"
   "wrapup     10  core   stop MPS if it was started; the summary"
 )
 # The bench stage's runs, in order, each with its share of the stage's cap. Buffers: the
@@ -84,7 +84,11 @@ BENCH_RUNS=(
 )
 BACKEND_TESTS=(tests/gpu/test_backend_cuda.py)
 FEATURE_TESTS=(tests/gpu/test_cuda.py -k "not ($EXHAUSTIVE)")
-EXHAUSTIVE_TESTS=(tests/gpu/test_cuda.py -k "$EXHAUSTIVE")
+# The same tests as -k "$EXHAUSTIVE" selects, named so that they run in this order: the
+# in-process ones first (on 2026-12-04 the stage's cap came before they did; at P = 4 and 8
+# they have not passed on a GPU yet).
+EXHAUSTIVE_TESTS=(tests/gpu/test_cuda.py::test_in_process_collectives_exact tests/gpu/test_cuda.py::test_collectives_exact
+                  tests/gpu/test_cuda.py::test_every_dtype_and_op tests/gpu/test_cuda.py::test_larger_than_buffer)
 
 cap_of() {  # a stage's cap
   local line name cap

@@ -88,6 +88,18 @@ def test_each_stage_names_what_it_runs():
         assert (ROOT / path).exists(), path
 
 
+def test_the_exhaustive_stage_names_the_tests_its_keywords_select():
+    """The exhaustive stage names its tests (to order them), the features stage excludes them
+    by keyword: the two must mean the same tests, or one would be run twice or never."""
+    script = SCRIPT.read_text()
+    keywords = re.search(r'^EXHAUSTIVE="([^"]+)"', script, re.M)[1].split(" or ")
+    named = re.search(r"^EXHAUSTIVE_TESTS=\(([^)]*)\)", script, re.M)[1].split()
+    tests = re.findall(r"^def (test_\w+)", (ROOT / "tests/gpu/test_cuda.py").read_text(), re.M)
+    by_keyword = {name for name in tests if any(k in name for k in keywords)}
+    assert sorted(entry.split("::")[1] for entry in named) == sorted(by_keyword), (named, by_keyword)
+    assert all(entry.startswith("tests/gpu/test_cuda.py::") for entry in named), named
+
+
 def test_header_table_matches_the_plan():
     """The comment at the top of the script repeats the caps: it must stay true."""
     stages, _ = parse(plan().stdout)
