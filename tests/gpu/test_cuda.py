@@ -585,13 +585,15 @@ def _close_then_free(group):
     """An async collective, close, and only then the tensors freed: the caching allocator
     records an event on the communicator's stream when it frees a tensor recorded there, so
     that stream must outlive the communicator. Then a second communicator (which may borrow
-    the same stream) works, and both closed with their buffers freed."""
+    the same stream) works, and both closed with their buffers freed. Tensors are made before
+    each communicator: an allocation may wait for all the device's work, a peer's ring that
+    waits for this rank among it (docs/cuda.md, "What not to call while a ring runs")."""
     import gc
 
     import ringcoll
 
-    comm = ringcoll.Communicator(group=group, device="cuda:0", timeout=30)
     t = torch.ones(1 << 20, device="cuda:0")
+    comm = ringcoll.Communicator(group=group, device="cuda:0", timeout=30)
     work = comm.all_reduce(t, async_op=True)
     work.wait()
     comm.close()
@@ -600,8 +602,8 @@ def _close_then_free(group):
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
+    x = torch.ones(4, device="cuda:0")
     with ringcoll.Communicator(group=group, device="cuda:0", timeout=30) as again:
-        x = torch.ones(4, device="cuda:0")
         again.all_reduce(x)
         again.synchronize()
     return kept_first, again.transport.comm.kept_on_close, x.cpu().tolist()
@@ -616,8 +618,8 @@ def test_in_process_close_then_free_the_tensors():
 def _barrier_in_capture(group):
     import ringcoll
 
+    x = torch.ones(8, device="cuda:0")  # before any rank's ring runs (see _close_then_free)
     with ringcoll.Communicator(group=group, device="cuda:0", timeout=30) as comm:
-        x = torch.ones(8, device="cuda:0")
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -637,6 +639,9 @@ def _barrier_in_capture(group):
             except ringcoll.RingcollError as e:
                 message = str(e)
             comm.all_reduce(x)  # a collective can be captured
+        # torch.cuda.graph begins with a device-wide synchronize: a rank still to begin its
+        # capture would wait there for a peer's replayed ring, which waits for this rank.
+        group.barrier()
         graph.replay()
         comm.synchronize()
         torch.cuda.synchronize()
