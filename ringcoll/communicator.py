@@ -712,8 +712,9 @@ class Communicator(ArgumentChecks):
         communicator). Bytes are copied as they are, so every dtype works and every rank
         ends with the root's bits. ``algorithm``: "ring" (a chain from the root, pipelined
         over chunks), "tree" (binomial), "star" (every rank reads the root's copy, pipelined
-        over chunks), "oneshot" (the same in one piece), a registered plan, or "native" /
-        "auto": the one-shot up to ``small_bytes``, the star above (CPU only)."""
+        over chunks), "oneshot" (the same in one piece), a registered plan, "native" (the
+        one-shot up to ``small_bytes``, the star above), or "auto": whichever auto's table
+        prices lowest at this size, native where it holds nothing (CPU only)."""
         return self._rooted("broadcast", tensor, src, None, async_op, algorithm)
 
     def reduce(self, tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, async_op: bool = False, *,
@@ -724,7 +725,7 @@ class Communicator(ArgumentChecks):
         ("ring") and the one-shot fold ``((x[dst-1] OP x[dst-2]) ...) OP x[dst]`` round the
         ring from the rank before ``dst`` (the same bits for both), "tree" up a binomial tree.
         ``algorithm`` as for :meth:`broadcast` (no star: its root would do every addition);
-        "native" / "auto": the one-shot up to ``small_bytes``, the chain above."""
+        "native": the one-shot up to ``small_bytes``, the chain above."""
         return self._rooted("reduce", tensor, dst, op, async_op, algorithm)
 
     def _rooted(self, name: str, tensor, root, op, async_op: bool, algorithm: Optional[str]):

@@ -207,7 +207,8 @@ def test_disagreements_and_wrong_plans_fail_on_every_rank_before_anything_moves(
 
 # auto's choice from a table (ringcoll/tuning.py). In the band [1024, 8192] native costs
 # 10 + 90 (n - 1024) / 7168 us and rd (with the 5% margin) 21: rd from 1901 bytes; past 8192
-# native is flat at 100 and rd reaches it at 12595 bytes. reduce_scatter: rhd, the same times.
+# native is flat at 100 and rd reaches it at 12595 bytes. reduce_scatter: rhd, the same times;
+# broadcast: tree (a rooted collective's native is its hand-written policy: the one-shot here).
 BANDED = {"native": {1024: 10.0, 8192: 100.0, 65536: 100.0}, "plan": {1024: 20.0, 8192: 20.0, 65536: 1000.0}}
 IN_BAND, BELOW, ABOVE = 1000, 100, 5000  # float32 elements: 4000, 400 and 20000 bytes
 
@@ -216,7 +217,8 @@ def _table(tmp_path, name, plan_times):
     from ringcoll import tuning
 
     times = {"all_reduce": {"native": BANDED["native"], "rd": plan_times},
-             "reduce_scatter": {"native": BANDED["native"], "rhd": plan_times}}
+             "reduce_scatter": {"native": BANDED["native"], "rhd": plan_times},
+             "broadcast": {"native": BANDED["native"], "tree": plan_times}}
     return tuning.record(str(tmp_path / name), 2, times, "test").source
 
 
@@ -247,6 +249,15 @@ def _auto_by_table(rank, world, table, other_table):
                 messages.append("no error")
             except ringcoll.RingcollMismatchError as e:
                 messages.append(str(e))
+    rooted = []  # the same for a broadcast (from rank 1: the plans relabelled), on a fresh communicator
+    with ringcoll.Communicator(timeout=10) as comm:  # (a mismatch breaks one)
+        for count, named in ((IN_BAND, "tree"), (BELOW, "native"), (IN_BAND, "native")):
+            t = torch.full((count,), float(rank))
+            try:
+                comm.broadcast(t, src=1, algorithm="auto" if rank == 0 else named)
+                rooted.append("no error" if torch.equal(t, torch.ones(count)) else "wrong values")
+            except ringcoll.RingcollMismatchError as e:
+                rooted.append(str(e))
     os.environ["RINGCOLL_TUNING"] = other_table if rank == 1 else table
     try:
         ringcoll.Communicator(timeout=10)
@@ -259,16 +270,18 @@ def _auto_by_table(rank, world, table, other_table):
         messages.append("no error")
     except ValueError as e:
         messages.append(str(e))
-    return results, messages
+    return results, messages, rooted
 
 
 def test_auto_runs_what_the_table_prices_lowest_and_every_rank_agrees(tmp_path):
     table = _table(tmp_path, "banded.json", BANDED["plan"])
     other = _table(tmp_path, "other.json", {size: t * 2 for size, t in BANDED["plan"].items()})
-    for rank, (results, messages) in enumerate(spawn(_auto_by_table, 2, table, other, timeout=120)):
+    for rank, (results, messages, rooted) in enumerate(spawn(_auto_by_table, 2, table, other, timeout=120)):
         assert all(all(ok) for ok in results.values()), results  # every size against gloo, bitwise (P = 2)
         assert messages[:4] == ["no error"] * 4, messages
         assert "algorithm rd" in messages[4] and "mismatched collective calls" in messages[4], messages[4]
         assert "RINGCOLL_TUNING (auto's table, its digest) differs between ranks" in messages[5], messages[5]
         assert ("RINGCOLL_TUNING (auto's table, its digest) differs between ranks: rank 0: unreadable "
                 "(RINGCOLL_TUNING: cannot read a tuning table from" in messages[6]), messages[6]
+        assert rooted[:2] == ["no error"] * 2, rooted  # tree in the band, native (the one-shot) below it
+        assert "mismatched collective calls" in rooted[2] and "tree" in rooted[2], rooted[2]
