@@ -348,12 +348,11 @@ if [ "$build_ok" = 1 ] && timeout "$(upto 20)" "$PY" -c "import ringcoll._C as c
   # What the module exports (CMakeLists.txt: only PyInit__C) and which C++ runtime it loads:
   # a copy of libstdc++ of its own, or exported runtime code, would show here.
   module=$(ls ringcoll/_C*.so 2>/dev/null | head -1)
+  # libstdc++'s own compiled code (locale ids, codecvt: never instantiated from headers)
+  # inside the module means a static copy of the C++ runtime beside the process's shared one
+  # (on the H200, 2026-12-04: 116; harmless since the module exports PyInit__C alone).
   if command -v nm >/dev/null 2>&1 && [ -n "$module" ]; then
     echo "module: $(nm -D --defined-only "$module" | wc -l) exported symbol(s): $(nm -D --defined-only "$module" | awk '{print $3}' | head -3 | tr '\n' ' ')"
-  fi
-  # libstdc++'s own compiled code (locale ids, codecvt: never instantiated from headers)
-  # inside the module means a static copy of the C++ runtime beside the process's shared one.
-  if command -v nm >/dev/null 2>&1 && [ -n "$module" ]; then
     echo "module holds $(nm -C --defined-only "$module" 2>/dev/null | grep -c -E 'std::locale::id|std::codecvt<|std::ios_base::Init') libstdc++-internal symbol(s) (0 unless the C++ runtime is linked in statically)"
   fi
   [ -n "$module" ] && echo "module links: $(ldd "$module" 2>/dev/null | awk '/stdc\+\+|gcc_s|cudart/ {print $1 " => " $3}' | tr '\n' ' ')"

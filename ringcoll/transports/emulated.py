@@ -16,8 +16,8 @@ order CudaComm queues them (csrc/cuda/stream_order.h). Host code stands for the 
 program would queue on its current stream after the call, so where that code reads a
 result the host waits for the stream: at the end of a synchronous call, in ``Work.wait()``.
 Where rank-thread code says it allocates (``wait_for_the_whole_device``), the host waits for
-all the device's work, as an allocation may on a GPU. What it does not have is what only a GPU has: IPC, SM occupancy, the memory model and the
-compiled PTX. For tests (tests/multiprocess/test_in_process.py); a Communicator gets it by
+all the device's work, as an allocation may on a GPU. What it does not have is what only a
+GPU has: IPC, SM occupancy, the memory model and the compiled PTX. For tests (tests/multiprocess/test_in_process.py); a Communicator gets it by
 overriding ``Communicator.transport_class``.
 """
 

@@ -241,7 +241,7 @@ def test_emulated_cuda_close_with_a_peer_past_the_timeout_keeps_both_buffers_wit
     later, learns that at once and keeps its own, instead of waiting at the rendezvous for
     rank 0 (the hang the H200 showed on 2026-12-04)."""
     (took0, warned0), (took1, warned1) = ringcoll.run_in_process(2, _close_late, 1.5, timeout=60)
-    assert 1.0 <= took0 < 1.4 and took1 < 0.5, (took0, took1)
+    assert 1.0 <= took0 < 3.0 and took1 < 0.5, (took0, took1)
     assert len(warned0) == 1 and "rank(s) 1 did not close within the timeout" in warned0[0], warned0
     assert len(warned1) == 1 and "rank(s) 0 keep their buffers" in warned1[0], warned1
 
