@@ -26,12 +26,14 @@ from ringcoll.api import (
     barrier,
     broadcast,
     destroy_communicators,
+    empty,
     get_communicator,
     reduce,
     reduce_scatter,
     reduce_scatter_single,
     reduce_scatter_tensor,
     run_in_process,
+    zeros,
 )
 from ringcoll.communicator import Communicator, CudaCommunicator, Work
 from ringcoll.plans import PlanError, algorithms, register_algorithm
@@ -48,7 +50,7 @@ __all__ = [
     "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_gather", "reduce_scatter", "barrier",
     "broadcast", "reduce",
     "all_gather_single", "reduce_scatter_single",
-    "get_communicator", "destroy_communicators", "ddp_hook", "run_in_process",
+    "get_communicator", "destroy_communicators", "ddp_hook", "run_in_process", "empty", "zeros",
     "algorithms", "register_algorithm", "PlanError",
     "RingcollError", "RingcollTimeoutError", "RingcollPeerError", "RingcollMismatchError",
 ]

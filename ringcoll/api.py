@@ -70,6 +70,25 @@ def _for_tensor(op: str, tensor, group) -> Communicator:
     return get_communicator(group, tensor.device)
 
 
+def empty(*size, dtype=None, group=None, device="cpu") -> torch.Tensor:
+    """``torch.empty`` in symmetric memory of (group, device)'s communicator: collectives over
+    such tensors read peers' memory in place (Communicator.empty says the rules). Collective."""
+    return _symmetric_communicator(group, device).empty(*size, dtype=dtype)
+
+
+def zeros(*size, dtype=None, group=None, device="cpu") -> torch.Tensor:
+    """``empty``, filled with zeros. Collective."""
+    return _symmetric_communicator(group, device).zeros(*size, dtype=dtype)
+
+
+def _symmetric_communicator(group, device) -> Communicator:
+    comm = get_communicator(group, device)
+    if not isinstance(comm, Communicator):  # the two-level one of a group across machines
+        raise RuntimeError("empty: symmetric memory needs every rank of the group on one machine (it is memory "
+                           f"they all map); this group's communicator is a {type(comm).__name__}")
+    return comm
+
+
 def destroy_communicators() -> None:
     """Close every cached communicator (call before dist.destroy_process_group)."""
     while _communicators:

@@ -563,9 +563,17 @@ class Communicator(ArgumentChecks):
         compiled plan, its id) of a built-in or registered algorithm (ringcoll/plans.py),
         built and checked on first use (for a rooted collective, relabelled for `root`);
         auto chooses by the message's size. ValueError naming the call for an unknown name,
-        PlanError for a plan the checker refuses."""
+        PlanError for a plan the checker refuses.
+
+        On a communicator with symmetric memory (``empty``) auto is native for the ring's
+        three collectives: native reads symmetric arguments in place, which the recorded
+        table's copying paths cannot, and the choice must not hang on whether this rank's
+        tensor is symmetric (a peer's may not be, and ranks must choose alike), so it hangs
+        on the arenas, which every rank makes together."""
         algorithm = self.algorithm if algorithm is None else algorithm
         if algorithm == "auto":
+            if collective not in ROOTED_COLLECTIVES and self._transport.symmetric_arenas:
+                return None
             algorithm = tuning.choose(self._auto_bands[collective], message_bytes)
         plan_engine = self._runs_plans  # the CPU transport's (the others run their own ring only)
         native_rooted = False
@@ -601,6 +609,36 @@ class Communicator(ArgumentChecks):
                              f"slot per chunk); this communicator's is {self.buffer_bytes}: raise it or choose "
                              "another algorithm")
         return compiled, plan_id
+
+    # --- symmetric memory -----------------------------------------------------------------
+
+    def empty(self, *size, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """A tensor in symmetric memory: storage every rank of this communicator has mapped.
+        A collective whose arguments are such tensors on every rank reads its peers' where
+        they lie instead of staging every byte through the ring's buffer (docs/symmetric.md).
+        Uninitialised, like ``torch.empty``; ``size`` as torch takes it (``3, 4`` or ``(3, 4)``).
+
+        Collective: every rank calls it with the same size and dtype, in the same order as its
+        other calls on this communicator (RingcollMismatchError on every rank otherwise). A
+        tensor may be written again as soon as a collective that read it has returned on this
+        rank (with ``async_op``, once its Work is done), as any tensor. It stays valid after
+        ``close()``. CPU only so far."""
+        shape = torch.Size(size[0] if len(size) == 1 and not isinstance(size[0], int) else size)
+        dtype = torch.get_default_dtype() if dtype is None else dtype
+        code = _C.dtype_code("empty", dtype)
+        nbytes = shape.numel() * dtype.itemsize
+        self._ensure_open("empty")
+        block = self._transport.allocate_symmetric(nbytes, code, list(shape))
+        # The tensor holds the block (torch.frombuffer keeps its buffer), the block the arena.
+        return torch.frombuffer(block, dtype=torch.uint8)[:nbytes].view(dtype).view(shape)
+
+    def zeros(self, *size, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """``empty``, filled with zeros."""
+        return self.empty(*size, dtype=dtype).zero_()
+
+    def is_symmetric(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` lies in this rank's symmetric memory of this communicator."""
+        return tensor.numel() > 0 and self._transport.is_symmetric(tensor.data_ptr())
 
     # --- the collectives ------------------------------------------------------------------
     # On CUDA, arrays (CuPy, DLPack) are first viewed as tensors over the same memory

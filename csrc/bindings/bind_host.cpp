@@ -70,11 +70,12 @@ bool run_prepared(HostComm& c, const std::string& name, py::handle tensors, py::
 }
 
 // Whether a plain call of `bytes` (the message: all-reduce's tensor, reduce-scatter's input,
-// all-gather's output) goes back to Python, where auto may choose a plan for it.
+// all-gather's output) goes back to Python, where auto may choose a plan for it. Never on a
+// communicator with symmetric memory: there auto is native (Communicator._plan says why).
 bool handed_back(const HostComm& c, bool auto_choice, ringcoll::Collective coll, int64_t count, int dtype,
                  int per_rank) {
   const auto bytes = static_cast<size_t>(count) * dtype_info(static_cast<DType>(dtype)).size_bytes * per_rank;
-  return auto_choice && c.in_auto_plan_span(coll, bytes);
+  return auto_choice && c.in_auto_plan_span(coll, bytes) && c.symmetric_arenas() == 0;
 }
 
 // The plain tensor calls: checked and run in one binding call, by `plan` where one is given
@@ -178,6 +179,17 @@ void bind_host(py::module_& m) {
       },
       py::arg("collective"), py::arg("ring_count"), py::arg("elem_size"), py::arg("direct_reads"),
       py::arg("direct_bytes"), py::arg("direct_max_bytes"));
+  // A block of symmetric memory (symmetric_heap.h): a writable buffer torch.frombuffer wraps
+  // (the tensor then holds the block, and the block this rank's segment, alive).
+  py::class_<ringcoll::host::SymmetricBlock, std::shared_ptr<ringcoll::host::SymmetricBlock>>(m, "SymmetricBlock",
+                                                                                               py::buffer_protocol())
+      .def_buffer([](ringcoll::host::SymmetricBlock& b) {
+        return py::buffer_info(b.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(b.bytes())}, {1}, /*readonly=*/false);
+      })
+      .def_property_readonly("bytes", &ringcoll::host::SymmetricBlock::bytes)
+      .def_property_readonly("arena", [](const ringcoll::host::SymmetricBlock& b) { return b.place().arena; })
+      .def_property_readonly("offset", [](const ringcoll::host::SymmetricBlock& b) { return b.place().offset; });
   py::class_<HostComm>(m, "HostComm")
       .def(py::init<int, int, const std::vector<std::string>&, size_t, double, bool, size_t, size_t, size_t, bool>(),
            py::arg("rank"), py::arg("world"), py::arg("names"), py::arg("buffer_bytes"), py::arg("timeout"),
@@ -241,6 +253,20 @@ void bind_host(py::module_& m) {
             c.set_auto_plan_span(static_cast<ringcoll::Collective>(collective), from, to);
           },
           py::arg("collective"), py::arg("from_bytes"), py::arg("to_bytes"))
+      .def(
+          "allocate_symmetric",
+          [](HostComm& c, size_t bytes, int dtype, const std::vector<int64_t>& dims) {
+            ensure_open(c, "empty");
+            return c.allocate_symmetric(bytes, static_cast<DType>(dtype), dims);
+          },
+          py::arg("bytes"), py::arg("dtype"), py::arg("dims"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "is_symmetric", [](const HostComm& c, uintptr_t address, size_t bytes) {
+            return c.is_symmetric(as_ptr(address), bytes);
+          },
+          py::arg("address"), py::arg("bytes"))
+      .def_property_readonly("symmetric_arenas", &HostComm::symmetric_arenas)
+      .def_property_readonly("zero_copy_calls", &HostComm::zero_copy_calls)
       .def("barrier", &HostComm::barrier, py::call_guard<py::gil_scoped_release>())
       .def("close", &HostComm::close)
       .def_property_readonly("rank", &HostComm::rank)

@@ -209,6 +209,7 @@ HostComm::HostComm(int rank, int world, const std::vector<std::string>& names, s
 
 void HostComm::bootstrap(const std::vector<std::string>& names) {
   const size_t total = kHeaderBytes + buffer_bytes_;
+  names_ = names;
   segments_.resize(world_);
   segments_[rank_] = SegmentMapping::create(names[rank_], total, rank_);
   SegmentHeader& me = header(rank_);
@@ -224,32 +225,8 @@ void HostComm::bootstrap(const std::vector<std::string>& names) {
     me.probe_token = probe_token_;
   }
 
-  // Map every peer's segment; a peer may not have created it yet, so retry until the
-  // timeout. All missing peers are tried each round and the mapped ones health-checked, so a
-  // peer that died is noticed even while an earlier one is still slow to appear.
-  using Clock = std::chrono::steady_clock;
-  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                           std::chrono::duration<double>(policy_.timeout_seconds));
   current_op_ = "Communicator";
-  for (;;) {
-    std::vector<int> missing;
-    for (int peer = 0; peer < world_; ++peer) {
-      if (peer == rank_ || segments_[peer].mapped()) continue;
-      segments_[peer] = SegmentMapping::try_open(names[peer], total, peer);
-      if (!segments_[peer].mapped()) missing.push_back(peer);
-    }
-    if (missing.empty()) break;
-    std::ostringstream waiting;
-    waiting << "waiting for rank " << missing[0];
-    for (size_t i = 1; i < missing.size(); ++i) waiting << (i + 1 == missing.size() ? " and " : ", ") << missing[i];
-    waiting << " to create " << (missing.size() > 1 ? "their" : "its") << " shared-memory segment";
-    std::string why;
-    if (!peers_look_alive(&why))
-      fail<PeerError>(current_op_, "rank " + std::to_string(rank_) + " gave up " + waiting.str() + ": " + why);
-    RINGCOLL_CHECK(Clock::now() < deadline, TimeoutError, "Communicator: rank ", rank_, " timed out after ",
-                   policy_.timeout_seconds, " s ", waiting.str());
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
+  map_peer_segments(names, total, segments_, "shared-memory segment");
   // Bootstrap barrier: once every rank has mapped every segment, no name is needed any more.
   flag_store_release(&me.attached.value, 1);
   for (int peer = 0; peer < world_; ++peer) {
@@ -258,6 +235,39 @@ void HostComm::bootstrap(const std::vector<std::string>& names) {
   for (const auto& name : names) unlink_segment(name);
   if (direct_bytes_ > 0 && world_ > 1) probe_direct_reads();
   else if (direct_bytes_ > 0) direct_unavailable_ = "one rank: no peer to read";
+}
+
+// A peer may not have created its segment yet, so retry until the timeout. All missing
+// peers are tried each round and the mapped ones health-checked, so a peer that died is
+// noticed even while an earlier one is still slow to appear.
+void HostComm::map_peer_segments(const std::vector<std::string>& names, size_t bytes,
+                                 std::vector<SegmentMapping>& into, const std::string& what) {
+  using Clock = std::chrono::steady_clock;
+  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                           std::chrono::duration<double>(policy_.timeout_seconds));
+  into.resize(world_);
+  for (;;) {
+    std::vector<int> missing;
+    for (int peer = 0; peer < world_; ++peer) {
+      if (peer == rank_ || into[peer].mapped()) continue;
+      into[peer] = SegmentMapping::try_open(names[peer], bytes, peer);
+      if (!into[peer].mapped()) missing.push_back(peer);
+    }
+    if (missing.empty()) return;
+    std::ostringstream waiting;
+    waiting << "waiting for rank " << missing[0];
+    for (size_t i = 1; i < missing.size(); ++i) waiting << (i + 1 == missing.size() ? " and " : ", ") << missing[i];
+    waiting << " to create " << (missing.size() > 1 ? "their " : "its ") << what;
+    std::string why;
+    if (!peers_look_alive(&why))
+      fail<PeerError>(current_op_, "rank " + std::to_string(rank_) + " gave up " + waiting.str() + ": " + why);
+    if (Clock::now() >= deadline) {
+      std::ostringstream msg;  // a double as the other timeout messages print it
+      msg << "rank " << rank_ << " timed out after " << policy_.timeout_seconds << " s " << waiting.str();
+      fail<TimeoutError>(current_op_, msg.str());
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
 }
 
 // Every rank reads every peer's probe word. Reading the right token proves both that the
@@ -325,17 +335,6 @@ bool HostComm::peers_look_alive(std::string* why) const {
   return true;
 }
 
-template <typename E>
-void HostComm::fail(const char* op, const std::string& message) {
-  broken_reason_ = std::string(op) + ": " + message;
-  // Let every peer's waits see it at their next health check instead of their timeout.
-  if (!segments_.empty() && segments_[rank_].mapped()) {
-    SegmentHeader& me = header(rank_);
-    std::strncpy(me.abort_reason, broken_reason_.c_str(), sizeof(me.abort_reason) - 1);
-    flag_store_release(&me.aborted.value, 1);
-  }
-  throw E(broken_reason_);
-}
 
 void HostComm::wait_for(int peer, const uint64_t* address, uint64_t target, const char* event,
                         const std::function<void()>& before_giving_up) {
@@ -351,13 +350,15 @@ void HostComm::wait_for(int peer, const uint64_t* address, uint64_t target, cons
   else msg << "gave up";
   const char* side = peer == left_neighbour(rank_, world_) ? "left neighbour " : (peer == right_neighbour(rank_, world_) ? "right neighbour " : "");
   msg << " waiting for " << side << "rank " << peer << " to " << event;
-  if (position_.plan) {
+  if (position_.path == Path::kPlan) {
     msg << " (call " << calls_ << ", slice " << position_.slice + 1 << "/" << position_.slices << ", plan op "
         << position_.step + 1 << "/" << position_.steps << ")";
-  } else if (position_.one_shot) {
+  } else if (position_.path == Path::kOneShot) {
     msg << " (call " << calls_ << ", one-shot step 1/1)";
-  } else if (position_.direct) {
+  } else if (position_.path == Path::kDirect) {
     msg << " (call " << calls_ << ", direct read)";
+  } else if (position_.path == Path::kZeroCopy) {
+    msg << " (call " << calls_ << ", reading symmetric memory in place)";
   } else if (position_.steps > 0) {
     msg << " (call " << calls_ << ", slice " << position_.slice + 1 << "/" << position_.slices << ", ";
     if (position_.step < 0) msg << "before ring step 1/" << position_.steps << ")";
@@ -402,25 +403,6 @@ void HostComm::ensure_usable(const char* op) const {
                  broken_reason_, "); create a new one");
 }
 
-template <typename Early, typename Body>
-void HostComm::run_collective(const char* op, const CallDescriptor& call, Early&& early, Body&& body) {
-  std::lock_guard<std::mutex> lock(one_call_at_a_time_);
-  ensure_usable(op);
-  current_op_ = op;
-  ++calls_;
-  position_ = {};
-  const bool check = check_calls_ && world_ > 1;
-  if (check) publish_descriptor(&header(rank_).descriptor, call, calls_);
-  // `early` writes nothing but this rank's own buffer (the one-shot publication), so it may
-  // run before the peers' descriptors are compared: it overlaps the wait for them, and a
-  // small call then waits for its peers once instead of twice. Peers read that buffer only
-  // after their own check passed, so a mismatch still moves no data into any output.
-  early();
-  position_ = {};
-  if (check) check_call(op, call);
-  body();
-  flag_store_release(&header(rank_).completed.value, calls_);
-}
 
 // ---------------------------------------------------------------------------------------
 // The collectives
@@ -428,16 +410,20 @@ void HostComm::run_collective(const char* op, const CallDescriptor& call, Early&
 void HostComm::run_ring_call(const char* op, const RingCall& call, const void* input, void* output) {
   const bool one_shot = uses_one_shot(call);  // never with one rank (one_shot_fits)
   const bool direct = uses_direct_read(call);  // nor this (probed only with peers)
+  // Symmetric memory (host_symmetric.cpp), once there is any: not for a one-shot call.
+  const SymmetricArgs symmetric = one_shot ? SymmetricArgs{} : symmetric_args(call, input, output);
   OneShotPublication mine{};
   auto publish_early = [&] {
     drain_publications(/*plans_only=*/true);  // a plan call's slots lie elsewhere
     if (one_shot) mine = publish_one_shot(call, input);
     if (direct) post_direct_input(input, static_cast<size_t>(call.ring_count / world_));
+    if (symmetric.posted) post_symmetric(call, symmetric);
   };
   run_collective(op, call.descriptor, publish_early, [&] {
     auto copy = [](void* dst, const void* src, size_t bytes) { std::memcpy(dst, src, bytes); };
     run_call(call, world_, input, output, copy, [&] {
       if (one_shot) return finish_one_shot(call, mine, input, output);
+      if (symmetric.posted && run_zero_copy(call, symmetric, input, output)) return;
       if (direct) return run_direct_all_gather(call, input, output);
       if (unconfirmed_one_shot_ != 0 && call.ring_count > 0) {
         // The ring refills a slot once its right neighbour alone has read it; a one-shot
@@ -566,7 +552,7 @@ void one_shot_reduce(T* out, Slot&& slot, int chunk, int64_t offset, int64_t len
 }  // namespace
 
 HostComm::OneShotPublication HostComm::publish_one_shot(const RingCall& call, const void* input) {
-  position_ = {0, 1, 0, 1, true, false, false};
+  set_single_step(Path::kOneShot);
   const int bank = static_cast<int>(one_shot_calls_++ % kBanks);
   const int slot = slot_index(bank, 0, world_);
   const uint64_t v = step_base_ + 1;
@@ -585,7 +571,7 @@ HostComm::OneShotPublication HostComm::publish_one_shot(const RingCall& call, co
 
 void HostComm::finish_one_shot(const RingCall& call, const OneShotPublication& mine, const void* input,
                                void* output) {
-  position_ = {0, 1, 0, 1, true, false, false};
+  set_single_step(Path::kOneShot);
   const uint64_t v = mine.number;
   const size_t published = mine.bytes;
   const bool gather = call.collective == Collective::kAllGather;
@@ -677,7 +663,7 @@ void HostComm::post_direct_input(const void* input, size_t bytes) {
 }
 
 void HostComm::run_direct_all_gather(const RingCall& call, const void* input, void* output) {
-  position_ = {0, 1, 0, 1, false, true, false};
+  set_single_step(Path::kDirect);
   ++direct_calls_;
   const size_t chunk = static_cast<size_t>(call.ring_count / world_);
   auto* out = static_cast<char*>(output);

@@ -9,12 +9,16 @@
 // Rank k writes its own data area and, but for `peer_gave_up`, only its own header; it
 // reads its left neighbour's data area (the ring) or every peer's (the one-shot path for
 // small messages, run_one_shot). docs/flags.md says who writes and reads each flag.
+// Symmetric memory (symmetric_heap.h) lies in further segments, one per rank and arena.
 #pragma once
 
 #include <array>
 #include <cstdint>
+#include <cstring>
 #include <functional>
+#include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -26,6 +30,7 @@
 #include "ringcoll/reduce.h"
 #include "ringcoll/ring.h"
 #include "shm_segment.h"
+#include "symmetric_heap.h"
 
 namespace ringcoll::host {
 
@@ -34,6 +39,7 @@ constexpr size_t kHeaderBytes = 4096;
 constexpr size_t kSlotAlignment = 64;  // a cache line: slots never share one
 
 constexpr uint64_t kProbeReadAll = 1, kProbeFailed = 2;  // SegmentHeader::probed
+constexpr int kAllocationDims = 8;  // the dims an allocation's check compares one by one
 
 // One flag per cache line, so a writer never invalidates its neighbour's flag.
 struct alignas(64) Flag {
@@ -74,6 +80,20 @@ struct SegmentHeader {
   // The plan engine (host_plan.cpp): consumed_from[k] = v, the owner has read rank k's
   // publication v (flow control per connection; the ring's `consumed` is its left one).
   alignas(64) uint64_t consumed_from[kMaxPlanWorld];
+  // Symmetric memory (host_symmetric.cpp). `arenas_mapped` = k: the owner has mapped every
+  // peer's segment of arenas 0 .. k-1. allocation[n % 2]: the owner's collective allocation
+  // number n (`number` stored last; two, so that a peer already at n + 1 does not overwrite
+  // what a slower one still reads). `symmetric_post`: where the owner's arguments of call
+  // `call` lie (arena + 1 and offset; arena 0: not symmetric memory) and the message's
+  // bytes, `call` stored last. `symmetric_round`: the zero-copy rounds the owner finished.
+  Flag arenas_mapped;
+  struct alignas(64) {
+    uint64_t bytes, dtype, need_arena, ndim, dims[kAllocationDims], number;
+  } allocation[2];
+  struct alignas(64) {
+    uint64_t input_arena, input_offset, output_arena, output_offset, bytes, call;
+  } symmetric_post;
+  Flag symmetric_round;
 };
 static_assert(sizeof(SegmentHeader) <= kHeaderBytes, "header must fit its page");
 
@@ -179,6 +199,15 @@ class HostComm {
   void barrier();
   void close();
 
+  // Symmetric memory (symmetric_heap.h; host_symmetric.cpp). Collective: every rank asks
+  // for `bytes` of `dtype` shaped `dims`, in the same order (else MismatchError on every
+  // rank); returns a block of this rank's segment of an arena, made with every rank first
+  // if some rank has no room. Collectives whose arguments are such blocks read them in place.
+  std::shared_ptr<SymmetricBlock> allocate_symmetric(size_t bytes, DType dtype, const std::vector<int64_t>& dims);
+  size_t symmetric_arenas() const { return heap_->arenas(); }
+  bool is_symmetric(const void* address, size_t bytes) const { return heap_->locate(address, bytes).has_value(); }
+  uint64_t zero_copy_calls() const { return zero_copy_calls_; }  // calls that read peers' blocks (for tests)
+
   // Message sizes [from, to) in bytes where "auto" may run a plan for `coll` (ringcoll/tuning.py
   // decides, in Python): the plain tensor calls (bind_host.cpp) hand such a call back rather
   // than run the transport's own path, so outside the span auto costs nothing extra.
@@ -233,15 +262,34 @@ class HostComm {
     wait_for(peer, &(header(peer).*flag).value, target, event);
   }
   void set_position(int64_t slice, int64_t slices, int step, int steps) {
-    position_ = {slice, slices, step, steps, false, false, false};
+    position_ = {slice, slices, step, steps, Path::kRing};
   }
   // The plan engine's position: op `op` of `ops` in slice `slice`.
   void set_plan_position(int64_t slice, int64_t slices, int op, int ops) {
-    position_ = {slice, slices, op, ops, false, false, true};
+    position_ = {slice, slices, op, ops, Path::kPlan};
   }
+  // Where a message's arguments lie in symmetric memory, as every rank posts them (host_symmetric.cpp).
+  struct SymmetricArgs {
+    bool posted = false;  // arenas exist and the call may read in place: this rank posts
+    std::optional<SymmetricPlace> input, output;
+  };
 
  private:
   void bootstrap(const std::vector<std::string>& names);
+  // Map every peer's segment names[peer] of `bytes` into into[peer], retrying until the
+  // timeout: a peer may not have created it yet. `what` names the segment in errors.
+  void map_peer_segments(const std::vector<std::string>& names, size_t bytes, std::vector<SegmentMapping>& into,
+                         const std::string& what);
+  // Symmetric memory: make arena `heap_->arenas()` of `bytes` with every rank.
+  void add_symmetric_arena(size_t bytes);
+  // Where this call's arguments lie in my arenas; posted before the call check.
+  SymmetricArgs symmetric_args(const RingCall& call, const void* input, const void* output) const;
+  void post_symmetric(const RingCall& call, const SymmetricArgs& mine);
+  // Read in place if every rank's arguments are symmetric memory (read from their posts);
+  // false, having moved nothing, if some rank's are not: the call then goes by the slots.
+  bool run_zero_copy(const RingCall& call, const SymmetricArgs& mine, const void* input, void* output);
+  // Tell every peer this rank finished round `symmetric_rounds_ + 1`; wait until all have.
+  void symmetric_round(const char* event);
   void ensure_usable(const char* op) const;
   // Mark this communicator broken (and tell the peers), then throw E with the message.
   template <typename E> [[noreturn]] void fail(const char* op, const std::string& message);
@@ -286,6 +334,12 @@ class HostComm {
   bool check_calls_;
   std::array<std::pair<size_t, size_t>, kNumCollectives> auto_plan_spans_{};  // empty: [0, 0)
   std::vector<SegmentMapping> segments_;
+  std::vector<std::string> names_;  // the segments' names, long unlinked: arenas' names derive from them
+  std::shared_ptr<SymmetricHeap> heap_ = std::make_shared<SymmetricHeap>();
+  std::vector<std::vector<SegmentMapping>> peer_arenas_;  // [arena][rank]: peers' segments (mine: empty)
+  uint64_t allocations_ = 0;      // collective allocations so far
+  uint64_t symmetric_rounds_ = 0;  // zero-copy rounds so far (the same on every rank)
+  uint64_t zero_copy_calls_ = 0;
   uint64_t step_base_ = 0;          // number of my latest publication (all ranks agree)
   uint64_t barrier_generation_ = 0;
   uint64_t calls_ = 0;              // collectives issued on this communicator
@@ -302,12 +356,55 @@ class HostComm {
   std::string direct_unavailable_ = "off";
   uint64_t direct_calls_ = 0;
   const char* current_op_ = "";
-  struct { int64_t slice, slices; int step, steps; bool one_shot, direct, plan; } position_{};  // for error messages
+  // Where this rank is in the current call, for error messages: which path, and on the
+  // ring or a plan which slice and step (steps = 0: before any data moved).
+  enum class Path { kRing, kPlan, kOneShot, kDirect, kZeroCopy };
+  struct Position {
+    int64_t slice, slices;
+    int step, steps;
+    Path path;
+  } position_{};
+  void set_single_step(Path path) { position_ = {0, 1, 0, 1, path}; }
   std::string broken_reason_;
   bool closed_ = false;
   // One call at a time on the ring, whichever thread makes it: Python orders a rank's calls
   // (transports/host.py), but a plain call runs without taking its lock (bind_host.cpp).
   std::mutex one_call_at_a_time_;
 };
+
+// The two templates of HostComm, here so that every file of the transport can use them
+// (host_comm.cpp, host_plan.cpp, host_symmetric.cpp).
+
+template <typename E>
+inline void HostComm::fail(const char* op, const std::string& message) {
+  broken_reason_ = std::string(op) + ": " + message;
+  // Let every peer's waits see it at their next health check instead of their timeout.
+  if (!segments_.empty() && segments_[rank_].mapped()) {
+    SegmentHeader& me = header(rank_);
+    std::strncpy(me.abort_reason, broken_reason_.c_str(), sizeof(me.abort_reason) - 1);
+    flag_store_release(&me.aborted.value, 1);
+  }
+  throw E(broken_reason_);
+}
+
+template <typename Early, typename Body>
+inline void HostComm::run_collective(const char* op, const CallDescriptor& call, Early&& early, Body&& body) {
+  std::lock_guard<std::mutex> lock(one_call_at_a_time_);
+  ensure_usable(op);
+  current_op_ = op;
+  ++calls_;
+  position_ = {};
+  const bool check = check_calls_ && world_ > 1;
+  if (check) publish_descriptor(&header(rank_).descriptor, call, calls_);
+  // `early` writes nothing but this rank's own buffer (the one-shot publication), so it may
+  // run before the peers' descriptors are compared: it overlaps the wait for them, and a
+  // small call then waits for its peers once instead of twice. Peers read that buffer only
+  // after their own check passed, so a mismatch still moves no data into any output.
+  early();
+  position_ = {};
+  if (check) check_call(op, call);
+  body();
+  flag_store_release(&header(rank_).completed.value, calls_);
+}
 
 }  // namespace ringcoll::host

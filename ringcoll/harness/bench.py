@@ -152,6 +152,11 @@ class Backend:
         place) unless the backend's API puts it elsewhere."""
         return result
 
+    def buffers(self, coll: CollectiveDef, count: int, world: int, rank: int, dtype, op: str, in_place: bool,
+                device: str):
+        """(input, output, where the result lands) for one form: ordinary tensors (_buffers)."""
+        return _buffers(coll, count, world, rank, dtype, op, in_place, device)
+
     def run(self, coll: str, inp, out, op: str, in_place: bool, rank: int, world: int) -> None:
         raise NotImplementedError
 
@@ -216,10 +221,11 @@ class TorchBackend(DistBackend):
     call shapes."""
 
     def __init__(self, comm=None, forms: Optional[tuple] = None, group=None, prepared: bool = False,
-                 algorithm: Optional[str] = None, name: Optional[str] = None):
+                 algorithm: Optional[str] = None, name: Optional[str] = None, symmetric: bool = False):
         import torch.distributed as dist
 
         self.dist, self.comm, self._forms, self.group = dist, comm, forms, group
+        self.symmetric = symmetric  # ringcoll's tensors in its symmetric memory (comm.empty; --symmetric)
         self.prepared = prepared  # time ringcoll's prepared (persistent) calls: comm.prepare_*
         self.algorithm = algorithm  # ringcoll's algorithm= on every call (None: the communicator's)
         self.name = name or ("ringcoll" if comm is not None else dist.get_backend(group))
@@ -242,6 +248,20 @@ class TorchBackend(DistBackend):
         if coll.name in ROOTED_COLLECTIVES and (self.on_gpu or self.prepared):
             return "CPU, unprepared only"
         return ""
+
+    def buffers(self, coll, count, world, rank, dtype, op, in_place, device):
+        inp, out, result = _buffers(coll, count, world, rank, dtype, op, in_place, device)
+        if not self.symmetric:
+            return inp, out, result
+
+        def moved(t):  # the same values in symmetric memory (a collective allocation)
+            return None if t is None else self.comm.empty(t.shape, dtype=t.dtype).copy_(t)
+
+        inp, out = moved(inp), moved(out)
+        if coll.name == "all_gather" and in_place:
+            return inp, out, out
+        result = inp if in_place and coll.name == "all_reduce" else out
+        return inp, out, inp.view(world, -1)[rank] if in_place and coll.name == "reduce_scatter" else result
 
     def _op(self, op: str):
         name = {"sum": "SUM", "prod": "PRODUCT", "min": "MIN", "max": "MAX", "avg": "AVG"}[op]
@@ -568,6 +588,7 @@ class Config:
     pipeline: str = ""  # --hosts: how the hierarchical communicator cut messages (its pipeline_choice)
     algorithms: tuple = ("auto",)  # --algorithm: the first in the main table, all side by side (CPU)
     plans_file: Optional[str] = None  # --plans: a Python file that registers plans, run by every rank
+    symmetric: bool = False  # --symmetric: ringcoll's tensors in symmetric memory, "plain" its ordinary calls beside
 
 
 def message_counts(config: Config, world: int) -> list[int]:
@@ -672,7 +693,7 @@ def bench_size(backends: list, coll: CollectiveDef, count: int, rank: int, world
             continue
         for form in backend.forms(coll.name):
             in_place = form == "in"
-            inp, out, result = _buffers(coll, count, world, rank, dtype, config.op, in_place, config.device)
+            inp, out, result = backend.buffers(coll, count, world, rank, dtype, config.op, in_place, config.device)
             if in_place:
                 result = backend.in_place_result(coll.name, inp, out, result, rank, world)
             call = backend.bind(coll.name, inp, out, config.op, in_place, rank, world)
@@ -784,9 +805,13 @@ def run_rank(rank: int, world: int, config: Config, with_mpi: bool = False) -> l
         return run_cuda_rank(rank, world, config)
     if config.plans_file:  # each rank registers the plans (a spawned or mpirun process starts without them)
         plans.load_plans(config.plans_file)
-    with Communicator(buffer_bytes=config.buffer_bytes, small_bytes=config.small_bytes,
-                      direct_bytes=config.direct_bytes) as comm:
-        backends = ringcoll_backends(comm, config) + ([TorchBackend(None)] if config.gloo else [])
+    settings = dict(buffer_bytes=config.buffer_bytes, small_bytes=config.small_bytes, direct_bytes=config.direct_bytes)
+    with Communicator(**settings) as comm, contextlib.ExitStack() as plain_comm:
+        backends = ringcoll_backends(comm, config)
+        if config.symmetric:  # today's calls on ordinary tensors, on a communicator without symmetric memory
+            plain = plain_comm.enter_context(Communicator(**settings))
+            backends.append(TorchBackend(plain, prepared=config.prepared, algorithm=config.algorithms[0], name="plain"))
+        backends += [TorchBackend(None)] if config.gloo else []
         backends += [MpiBackend()] if with_mpi else []
         # DeepSpeed first: the oneCCL binding would set DeepSpeed's op up without its shared memory.
         backends += [DeepSpeedBackend(rank, world)] if config.deepspeed else []
@@ -806,7 +831,7 @@ def ringcoll_backends(comm, config: Config) -> list:
     """ringcoll on `comm`: the first --algorithm in both forms (the main table's "ringcoll"),
     then each other one out of place (the algorithms' table, backend "algorithm:NAME")."""
     first, *others = config.algorithms
-    return [TorchBackend(comm, prepared=config.prepared, algorithm=first)] + [
+    return [TorchBackend(comm, prepared=config.prepared, algorithm=first, symmetric=config.symmetric)] + [
         TorchBackend(comm, forms=("out",), prepared=config.prepared, algorithm=name,
                      name=algorithm_backend(config, name))
         for name in others]
@@ -1136,7 +1161,8 @@ def transport_label(config: Config, world: int) -> str:
                  if config.device == "cuda" else "CPU shared memory")
         return f"run mode: in-process ({world} threads of one process), {where}"
     if config.device != "cuda":
-        return "CPU shared memory"
+        return "CPU shared memory" + ("; ringcoll's tensors in symmetric memory (ringcoll.empty: read in place), "
+                                      "plain: the same calls on ordinary tensors" if config.symmetric else "")
     gpus = len({gpu_of(r, world) for r in range(world)})
     return (f"CUDA IPC, run mode: {world} processes on {gpus} GPU(s) ({torch.cuda.get_device_name(0)}), "
             f"{mps_state()}")
@@ -1369,6 +1395,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--op", choices=OPS, default="sum")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--symmetric", action="store_true",
+                   help="ringcoll's tensors in symmetric memory (ringcoll.empty), its ordinary calls beside as 'plain'")
     p.add_argument("--prepared", action="store_true",
                    help="time ringcoll's prepared calls (Communicator.prepare_*: checked once, then run), "
                         "not the torch.distributed-shaped ones")
@@ -1472,6 +1500,8 @@ def main(argv=None) -> int:
             link = parse_link(args.link)
         except ValueError as e:
             return refuse(f"--link: {e}")
+    if args.symmetric and (args.hosts > 1 or args.device == "cuda" or args.in_process):
+        return refuse("--symmetric: symmetric memory is CPU tensors of ranks in processes on one machine so far")
     config = Config(min_bytes=parse_bytes(args.minbytes), max_bytes=parse_bytes(args.maxbytes),
                     factor=args.stepfactor, warmup=args.warmup_iters, iters=args.iters, trials=args.trials,
                     min_seconds=(args.min_ms if args.min_ms is not None else 200.0 if args.hosts > 1 else 20.0) / 1e3,
@@ -1484,7 +1514,7 @@ def main(argv=None) -> int:
                     plans_file=os.path.abspath(args.plans) if args.plans else None,
                     small_bytes=parse_bytes(args.small_bytes) if args.small_bytes is not None else None,
                     direct_bytes=parse_bytes(args.direct_bytes) if args.direct_bytes else None,
-                    in_process=args.in_process, prepared=args.prepared,
+                    in_process=args.in_process, prepared=args.prepared, symmetric=args.symmetric,
                     # absolute: the mpirun ranks run from a temporary directory
                     rows_file=os.path.abspath(args.rows_file) if args.rows_file else None)
 

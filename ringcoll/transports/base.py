@@ -108,3 +108,14 @@ class Transport:
     @property
     def broken_reason(self) -> str:
         return self._comm.broken_reason
+
+    def allocate_symmetric(self, nbytes: int, dtype: int, dims: list):
+        """A block of symmetric memory (Communicator.empty); only the CPU transport has it so far."""
+        raise NotImplementedError(f"empty: symmetric memory on {type(self).__name__} is not built yet; "
+                                  "it exists for CPU tensors (issue: symmetric memory on CUDA)")
+
+    def is_symmetric(self, address: int) -> bool:
+        """Whether `address` lies in this rank's symmetric memory of this communicator."""
+        return False
+
+    symmetric_arenas = 0  # how many arenas of symmetric memory the ranks have made together

@@ -329,6 +329,26 @@ class HostTransport(Transport):
     def slot_bytes(self) -> int:
         return self._comm.slot_bytes
 
+    def allocate_symmetric(self, nbytes: int, dtype: int, dims: list):
+        """A block of this rank's symmetric memory (csrc/host/symmetric_heap.h): collective, so
+        in call order with the queued collectives."""
+        block = []
+        self._calls.run_now(lambda: block.append(self._comm.allocate_symmetric(nbytes, dtype, dims)))
+        return block[0]
+
+    def is_symmetric(self, address: int) -> bool:
+        return self._comm.is_symmetric(address, 1)
+
+    @property
+    def zero_copy_calls(self) -> int:
+        """How many collectives read their peers' symmetric memory in place (for tests)."""
+        return self._comm.zero_copy_calls
+
+    @property
+    def symmetric_arenas(self) -> int:
+        """How many arenas of symmetric memory this communicator has made."""
+        return self._comm.symmetric_arenas
+
     def launch_on_stream(self, call: CollectiveCall, stream) -> None:
         raise ValueError(f"{call.collective}: arrays on a given stream need a CUDA communicator; "
                          "this one serves CPU tensors")

@@ -35,6 +35,7 @@ Also here: a mismatch with the check off stays bounded by the timeout, and the q
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import re
 import signal
@@ -757,19 +758,39 @@ def _unreadable_from_the_middle(nbytes):
     return t, cut_off
 
 
+def _cut_off_second_half(t: torch.Tensor) -> None:
+    """Make the second half of t's pages unreadable in this process (a page-aligned tensor)."""
+    import ctypes
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # the crash is the test: no core file
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    if libc.mprotect(t.data_ptr() + t.nbytes // 2, t.nbytes // 2, 0) != 0:  # PROT_NONE
+        raise OSError(ctypes.get_errno(), "mprotect")
+
+
 def _killed_mid_collective(rank, world, victim, collective, algorithm):
     import ringcoll
 
     # all_reduce: 16 MiB through a 64 KiB buffer (many slices); all_gather: 2 MiB per rank,
     # each read from its owner directly (one long process_vm_readv per peer; 6 MiB in all at
     # P = 3, under the direct path's 8 MiB). Long enough to interrupt.
-    comm = ringcoll.Communicator(timeout=60.0, buffer_bytes=64 * 1024, direct_bytes=1, algorithm=algorithm)
+    symmetric = algorithm == "symmetric"  # auto, the tensor in symmetric memory (read in place)
+    comm = ringcoll.Communicator(timeout=60.0, buffer_bytes=64 * 1024, direct_bytes=1,
+                                 algorithm="auto" if symmetric else algorithm)
     numel = 4 << 20 if collective == "all_reduce" else 1 << 19
     # Under a plan the victim dies where the plan reads the second half of its input (its
     # peers are then inside the same call's plan, so their errors name the op they wait in);
-    # a SIGKILL from a timer could land between two calls, before any data moved.
+    # a SIGKILL from a timer could land between two calls, before any data moved. In
+    # symmetric memory the victim's own mapping of its tensor is cut (its peers' stay whole):
+    # it dies folding its chunk, the last third, while its peers wait for it in the same call.
     on_a_plan = algorithm != "auto"
-    t, cut_off = _unreadable_from_the_middle(numel * 4) if on_a_plan else (torch.ones(numel), None)
+    if symmetric:
+        t = comm.empty(numel).fill_(1.0)
+        cut_off = functools.partial(_cut_off_second_half, t)
+    else:
+        t, cut_off = _unreadable_from_the_middle(numel * 4) if on_a_plan else (torch.ones(numel), None)
     out = torch.empty(world * t.numel()) if collective == "all_gather" else None
 
     def call():
@@ -793,8 +814,9 @@ def _killed_mid_collective(rank, world, victim, collective, algorithm):
         for _ in range(1000):
             call()
     except ringcoll.RingcollError as e:
-        return type(e).__name__, str(e), time.monotonic() - start, comm.transport.direct_calls
-    return "no error", "", time.monotonic() - start, comm.transport.direct_calls
+            return (type(e).__name__, str(e), time.monotonic() - start, comm.transport.direct_calls,
+                comm.transport.zero_copy_calls)
+    return "no error", "", time.monotonic() - start, comm.transport.direct_calls, comm.transport.zero_copy_calls
 
 
 # P = 3 with every victim is test_kill_mid_collective above (with recovery); this is P = 2,
@@ -807,7 +829,8 @@ def _killed_mid_collective(rank, world, victim, collective, algorithm):
                                                                (3, 1, "all_gather", "auto"),
                                                                (3, 2, "all_reduce", "oneshot"),
                                                                (3, 2, "reduce", "ring"),
-                                                               (3, 0, "broadcast", "star")])
+                                                               (3, 0, "broadcast", "star"),
+                                                               (3, 2, "all_reduce", "symmetric")])
 def test_rank_killed_mid_collective(world, victim, collective, algorithm):
     outcomes = spawn_outcomes(_killed_mid_collective, world, victim, collective, algorithm, timeout=90)
     victim_outcome = outcomes[victim]
@@ -817,14 +840,16 @@ def test_rank_killed_mid_collective(world, victim, collective, algorithm):
         if o.rank == victim:
             continue
         assert o.ok, o.traceback
-        kind, message, elapsed, direct_calls = o.value
+        kind, message, elapsed, direct_calls, zero_copy_calls = o.value
         # Far sooner than the 60 s timeout: the survivors notice the exit itself (or, reading
         # it directly, that its memory is gone).
         assert kind == "RingcollPeerError", message
         assert elapsed < 10.0, elapsed
         assert "has exited" in message or "aborted" in message or "could not read rank" in message, message
         assert (direct_calls > 0) == (collective == "all_gather"), direct_calls
-        assert (", plan op " in message) == (algorithm != "auto"), message
+        assert (", plan op " in message) == (algorithm not in ("auto", "symmetric")), message
+        assert (zero_copy_calls > 0) == (algorithm == "symmetric"), zero_copy_calls
+        assert ("reading symmetric memory in place" in message) == (algorithm == "symmetric"), message
     # The autouse fixture checks /dev/shm is clean.
 
 

@@ -40,7 +40,8 @@ before the one-shot path;
 run_direct_read_cases checks that path on its own, every dtype x form from one element up
 (direct_bytes=1), past 2 MiB (its own chunk streamed), alternating with the other two algorithms,
 async and (run_skewed_unchecked_cases) skewed with the call check off; counted against
-direct_read_fits likewise.
+direct_read_fits likewise. test_symmetric.py's matrix (tensors in symmetric memory, read in
+place) runs in the same processes.
 """
 
 from __future__ import annotations
@@ -850,6 +851,8 @@ def _matrix_rank(rank, world):
     run_one_shot_cases(chk, rank, world)
     run_direct_read_cases(chk, rank, world)
     run_module_level_cases(chk, rank, world)
+    import test_symmetric  # symmetric memory's matrix, in these processes (it imports this module)
+    test_symmetric.run_symmetric_cases(chk, rank, world)
     return chk.finish()
 
 

@@ -34,6 +34,11 @@ namespace ringcoll {
 
 // Collective codes of descriptors: collectives.h's.
 constexpr int kBarrierCollective = static_cast<int>(Collective::kBarrier);
+// A collective allocation of symmetric memory (host: HostComm::allocate_symmetric) is
+// checked as a call is, so a rank allocating while a peer calls a collective raises
+// MismatchError: its descriptor carries this code (outside the collective table, for it
+// moves no data), the dtype, and the bytes as its count.
+constexpr int kAllocateCall = 64;
 
 struct CallDescriptor {
   int32_t collective;  // Collective (collectives.h)
@@ -99,6 +104,11 @@ RINGCOLL_INLINE PeerCall compare_descriptor(const DescriptorSlot* slot, const Ca
 // A call as error messages show it, e.g. "all_reduce(float32, SUM, count=1024)". Host only.
 inline std::string describe_call(const CallDescriptor& call) {
   static const char* const kOps[] = {"SUM", "PRODUCT", "MIN", "MAX", "AVG"};
+  if (call.collective == kAllocateCall) {
+    std::ostringstream text;
+    text << "empty(" << dtype_info(static_cast<DType>(call.dtype)).name << ", " << call.user_count << " bytes)";
+    return text.str();
+  }
   const CollectiveInfo info = collective_info(static_cast<Collective>(call.collective));
   std::ostringstream text;
   text << info.name << "(";
