@@ -282,6 +282,27 @@ def _extras(rank, world):
     except ValueError as exc:
         errors.append(str(exc))
     out["errors"] = errors
+
+    # symmetric=True (last: its arenas make auto native on the default communicator from here
+    # on, so both runs below take the same algorithms): the same bits as ordinary buckets,
+    # with the reduce-scatters and all-gathers of buckets over the one-shot size read in place.
+    comm = ringcoll.get_communicator()
+    for stage in (1, 2):
+        runs = []
+        for symmetric in (True, False):
+            torch.manual_seed(0)
+            wide = torch.nn.Sequential(torch.nn.Linear(96, 200), torch.nn.Tanh(), torch.nn.Linear(200, 96))
+            before = comm.transport.zero_copy_calls
+            opt = ringcoll.training.zero.ShardedOptimizer(wide.parameters(), torch.optim.Adam, stage=stage,
+                                                          bucket_bytes=1 << 17, lr=1e-2, symmetric=symmetric)
+            for step in range(3):
+                x = torch.randn(16, 96, generator=torch.Generator().manual_seed(100 * rank + step))
+                wide(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+            runs.append((_digest(wide), comm.transport.zero_copy_calls - before,
+                         [comm.is_symmetric(b.flat) for b in opt.buckets]))
+        out[f"symmetric{stage}"] = runs
     return out
 
 
@@ -451,3 +472,14 @@ def test_prefetch_params_defers_the_gathers_and_changes_nothing(stage):
         assert deferred[7] == 0  # ... and the forward waited for every one
     assert len({r["extras"][f"prefetch{stage}"][0][0] for r in _results(2)}) == 1
     assert "belong to no submodule" in _results(2)[0]["extras"]["prefetch_refused"]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_symmetric_buckets_read_in_place_and_change_nothing(stage):
+    for r in _results(2):
+        (digest, zero_copy, flats), (plain_digest, plain_zero_copy, plain_flats) = r["extras"][f"symmetric{stage}"]
+        assert digest == plain_digest, "symmetric memory changed the training"
+        assert flats == [True, True] and plain_flats == [False, False]
+        # 3 steps x 2 buckets x (reduce-scatter + all-gather), and ordinary buckets none
+        assert zero_copy == 12 and plain_zero_copy == 0, (zero_copy, plain_zero_copy)
+    assert len({r["extras"][f"symmetric{stage}"][0][0] for r in _results(2)}) == 1

@@ -56,8 +56,10 @@ class _Bucket:
         self.numel = sum(self.numels)
         self.shard_numel = -(-self.numel // world)  # ceil; a bucket of n < P elements still gives every rank 1
         self.padded = self.shard_numel * world
+        self.rank = rank
         self.flat = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
         self.shard = self.flat[rank * self.shard_numel:(rank + 1) * self.shard_numel]
+        self.grad_buffer: Optional[torch.Tensor] = None  # symmetric=True: the one flat gradient, reused
         self.master: torch.nn.Parameter  # set by adopt_parameters, after the broadcast
         self.aliased = self.dtype not in _LOW_PRECISION
         # Stage 2 bookkeeping: the flat gradient being filled in this backward, which
@@ -67,6 +69,21 @@ class _Bucket:
         self.pending: Optional[tuple] = None
         # The all-gather of the updated shard into ``flat`` (prefetch_params: still running).
         self.gathering = None
+
+    def move_to_symmetric_memory(self, comm) -> None:
+        """Allocate the flat parameters and one flat gradient in `comm`'s symmetric memory
+        (collective, before adopt_parameters), so the all-gather of the shards and the
+        reduce-scatter of the gradients read the peers' buffers in place."""
+        self.flat = comm.zeros(self.padded, dtype=self.dtype)
+        self.shard = self.flat[self.rank * self.shard_numel:(self.rank + 1) * self.shard_numel]
+        self.grad_buffer = comm.zeros(self.padded, dtype=self.dtype)
+
+    def new_flat_grad(self) -> torch.Tensor:
+        """A zeroed flat gradient: a fresh one, or with symmetric memory the bucket's own
+        (the caller has waited for the reduce-scatter that last read it)."""
+        if self.grad_buffer is not None:
+            return self.grad_buffer.zero_()
+        return torch.zeros(self.padded, dtype=self.dtype, device=self.device)
 
     def param_view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         off, n = self.offsets[i], self.numels[i]

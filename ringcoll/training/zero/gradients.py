@@ -61,7 +61,7 @@ class _Gradients:
         self._hooks = []
 
     def _alloc_flat_grad(self, b: _Bucket) -> torch.Tensor:
-        flat = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
+        flat = b.new_flat_grad()
         self._flat_grad_bytes += _tensor_bytes(flat)
         self.peak_flat_grad_bytes = max(self.peak_flat_grad_bytes, self._flat_grad_bytes)
         return flat
@@ -149,7 +149,7 @@ class _Gradients:
             self._accumulate_shard_grad(b, received)
 
         for b in self._buckets:
-            flat = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
+            flat = b.new_flat_grad()  # each bucket its own: at most two are in flight
             for i, p in enumerate(b.params):
                 if p.grad is not None:
                     b.param_view(flat, i).copy_(p.grad)

@@ -46,6 +46,11 @@ class ShardedOptimizer(_Checkpoints, _Gradients, torch.optim.Optimizer):
     (shard optimizer state) or 2 (also gradients). ``group``: the process group (default:
     the world); ringcoll's communicator for it moves the data. ``bucket_bytes``: the most
     bytes of parameters flattened into one bucket (one larger parameter gets its own).
+    ``symmetric``: put every bucket's flat parameters and one flat gradient per bucket in
+    the communicator's symmetric memory (docs/symmetric.md), so the all-gather of the shards
+    and the reduce-scatter of the gradients read the peers' buffers in place instead of
+    staging them; results are bitwise the same. CPU, one machine. It keeps one full-size
+    gradient per bucket for good, so stage 2's bound below no longer holds.
 
     ``param_groups`` and ``state`` are the wrapped optimizer's (shard parameters), so
     ``group["lr"] = ...`` and ``torch.optim.lr_scheduler`` work as usual.
@@ -63,7 +68,8 @@ class ShardedOptimizer(_Checkpoints, _Gradients, torch.optim.Optimizer):
     """
 
     def __init__(self, params: Iterable, optimizer_cls: Type[torch.optim.Optimizer], stage: int = 1,
-                 group=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, **optimizer_kwargs: Any):
+                 group=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, symmetric: bool = False,
+                 **optimizer_kwargs: Any):
         name = "ShardedOptimizer"
         if stage not in (1, 2):
             raise ValueError(f"{name}: stage must be 1 or 2, got {stage!r} (stage 3 shards the weights: not here)")
@@ -105,6 +111,13 @@ class ShardedOptimizer(_Checkpoints, _Gradients, torch.optim.Optimizer):
             for chunk in _plan_buckets(g["params"], self.bucket_bytes):
                 self._buckets.append(_Bucket(len(self._buckets), gi, chunk, self.world_size, self.rank))
         self._check_ranks_agree(optimizer_cls)
+        self.symmetric = bool(symmetric)
+        if self.symmetric:
+            if not hasattr(self._comm, "empty") or self.device.type != "cpu":
+                raise ValueError(f"{name}: symmetric=True needs CPU parameters and every rank of the group on one "
+                                 f"machine (its communicator here: {type(self._comm).__name__} on {self.device})")
+            for b in self._buckets:
+                b.move_to_symmetric_memory(self._comm)
         self._adopt_parameters()
 
         shard_groups = []
