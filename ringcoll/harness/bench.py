@@ -858,6 +858,7 @@ def direct_reads_row(comm) -> dict:
     on = getattr(transport, "direct_reads", False)
     return {"kind": "direct_reads", "on": on, "from_bytes": comm.direct_bytes, "below_bytes": comm.direct_max_bytes,
             "after_one_shot": on and transport.oversubscribed,
+            "zero_copy_calls": getattr(transport, "zero_copy_calls", 0),  # --symmetric: calls read in place
             "why": "" if on else getattr(transport, "direct_reads_unavailable", "not on this transport")}
 
 
@@ -1257,6 +1258,9 @@ def format_table(rows: list[dict], world: int, config: Config, fitted: dict, not
     wrong = total_wrong(rows)
     buses = [bus for r in rows
              if r["backend"] == "ringcoll" and (bus := busbw(r, headline_form(r["collective"]))) is not None]
+    if config.symmetric and direct is not None:
+        lines += ["", f"# symmetric memory: {direct['zero_copy_calls']} of rank 0's ringcoll calls read the peers' "
+                      "tensors in place (the others, up to small_bytes, took the one-shot path through the slots)"]
     lines += ["", f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}",
               f"# Avg bus bandwidth    : {sum(buses) / max(len(buses), 1):.3f} GB/s "
               "(ringcoll, out-of-place; broadcast and reduce in place, their one form)"]

@@ -3,6 +3,7 @@ and prints nccl-tests' columns. Speed itself is never asserted here."""
 
 import json
 import os
+import re
 import statistics
 
 import pytest
@@ -505,6 +506,28 @@ def test_prepared_calls_are_timed_checked(capsys):
     assert status == 0, printed
     assert printed.count("ringcoll's calls prepared (checked once, Communicator.prepare_*)") == 3, printed
     assert "Out of bounds values : 0 OK" in printed
+
+
+def test_symmetric_memory_is_timed_checked_beside_the_plain_calls(capsys, tmp_path):
+    """--symmetric: ringcoll's tensors from ringcoll.empty, read in place above the one-shot
+    size, every result checked, and the same calls on ordinary tensors beside them ("plain"),
+    in both forms, so each ratio compares like with like."""
+    out_json = tmp_path / "rows.json"
+    status = bench.main(["-b", "16K", "-e", "256K", "-f", "16", "-w", "1", "-n", "2", "--trials", "1", "--min-ms", "1",
+                         "--no-gloo", "--no-mpi", "--no-deepspeed", "--no-ccl", "--no-progress", "--no-check-cost",
+                         "--symmetric", "--json", str(out_json)])
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    assert printed.count("ringcoll's tensors in symmetric memory") == 3, printed
+    assert "Out of bounds values : 0 OK" in printed and "worst x plain" in printed
+    rows = json.loads(out_json.read_text())["rows"]
+    for backend in ("ringcoll", "plain"):
+        assert {(r["collective"], r["bytes"]) for r in rows if r["backend"] == backend} == {
+            (c, n) for c in ("all_reduce", "reduce_scatter", "all_gather") for n in (16384, 262144)}
+        assert all(r["out_wrong"] == 0 and r["in_wrong"] == 0 for r in rows if r["backend"] == backend)
+    read_in_place = int(re.search(r"symmetric memory: (\d+) of rank 0's ringcoll calls", printed).group(1))
+    assert read_in_place > 0, printed  # the 256 KiB calls, and the all-gathers from 16 KiB
+    assert bench.main(["--symmetric", "--in-process", "--no-progress"]) == 2
 
 
 def test_refuses_bad_arguments(capsys):
