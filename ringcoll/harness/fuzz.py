@@ -8,7 +8,8 @@ forms all_gather / reduce_scatter), dtype, op, element count (0 up to a few time
 registered buffer, with the slice boundaries drawn on purpose), in place or not, async or
 not, the group (the "default" group of the first w ranks, or a subgroup of any w of the 5),
 the API (a ``Communicator`` with a drawn small ``buffer_bytes``, or the module-level
-drop-ins), misaligned views, special values, and the data seed.
+drop-ins), misaligned views, special values, tensors in symmetric memory (``ringcoll.empty``,
+read in place) or ordinary ones, and the data seed.
 
 Design (process starts cost ~2 s each on a 2-core machine, so nothing is spawned per
 example):
@@ -147,6 +148,7 @@ def cases():
             "offset": draw(st.integers(0, 1)),  # 1: every tensor starts one element into its buffer
             "specials": draw(st.booleans()),  # inf / NaN (floats), extremes (integers)
             "torch_op": draw(st.booleans()),  # op spelled dist.ReduceOp.X instead of ringcoll.ReduceOp.X
+            "symmetric": draw(st.booleans()),  # every tensor of the call from ringcoll.empty (read in place)
             "seed": draw(st.integers(0, 2 ** 31 - 1)),
         }
 
@@ -381,6 +383,7 @@ class _Worker:
         ref = plain_reference(case, xs, grank)
         gloo_ref = self.gloo(case, x, group, world)  # before ringcoll: gloo stays in step
 
+        comm = None
         if case["api"] == "comm":
             comm = self.communicator(case, group)
 
@@ -399,6 +402,9 @@ class _Worker:
 
         def guarded(n, like=None, label="output"):
             base = _sentinel(off + n + GUARD, dtype)
+            if case.get("symmetric"):  # the same bits in symmetric memory (a collective allocation)
+                base = (comm.empty(base.numel(), dtype=dtype) if case["api"] == "comm" else
+                        api.empty(base.numel(), dtype=dtype, group=group)).copy_(base)
             view = base[off:off + n]
             if like is not None:
                 view.copy_(like)
@@ -701,15 +707,15 @@ class Stats:
         self.examples = 0
         self.by = {k: collections.Counter() for k in (
             "collective", "dtype", "op", "world", "group", "api", "buffer_bytes", "in_place", "async_op",
-            "specials", "size")}
+            "specials", "symmetric", "size")}
         self.failures: list = []
         self.seconds = 0.0
 
     def add(self, case: dict) -> None:
         self.examples += 1
         for k in ("collective", "dtype", "op", "world", "group", "api", "buffer_bytes", "in_place", "async_op",
-                  "specials"):
-            self.by[k][case[k]] += 1
+                  "specials", "symmetric"):
+            self.by[k][case.get(k, False)] += 1
         world, c = case["world"], case["count"]
         chunk = -(-c // world) if case["collective"] == "all_reduce" else c  # elements per ring chunk
         slices = -(-chunk // slice_elements(case["buffer_bytes"], world, case["dtype"]))

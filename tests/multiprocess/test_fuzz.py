@@ -29,7 +29,7 @@ def pool():
 def _case(**overrides) -> dict:
     case = {"collective": "all_reduce", "dtype": "float32", "op": "SUM", "world": 3, "group": "subgroup",
             "ranks": (0, 2, 4), "count": 1000, "in_place": False, "async_op": False, "api": "comm",
-            "buffer_bytes": 1024, "offset": 1, "specials": False, "torch_op": False, "seed": 7}
+            "buffer_bytes": 1024, "offset": 1, "specials": False, "torch_op": False, "symmetric": False, "seed": 7}
     case.update(overrides)
     return case
 
@@ -44,6 +44,7 @@ def test_fuzz_quick(pool):
     assert set(stats.by["world"]) == {1, 2, 3, 4, 5}
     assert stats.by["size"]["0 elements"] > 0 and stats.by["size"][">= 4 slices"] > 0
     assert stats.by["size"]["message > buffer"] > 0
+    assert stats.by["symmetric"][True] > 0 and stats.by["symmetric"][False] > 0
 
 
 def test_wrong_value_is_caught(pool):
