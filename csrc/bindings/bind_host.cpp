@@ -162,6 +162,17 @@ void bind_host(py::module_& m) {
   m.attr("host_default_direct_max_bytes") = ringcoll::host::kDefaultDirectMaxBytes;
   // Read once per process from RINGCOLL_STREAMING_BYTES (host_strip.h): for tests.
   m.def("streaming_threshold_bytes", &ringcoll::host::streaming_threshold_bytes);
+  // A copy as the CPU transport makes one (host_strip.h: streaming stores from the
+  // threshold on): the benchmark's memory-bandwidth reference (ringcoll-bench --symmetric).
+  m.def(
+      "host_copy",
+      [](uintptr_t dst, uintptr_t src, size_t bytes) {
+        ringcoll::host::copy_strip(static_cast<char*>(nullptr), reinterpret_cast<char*>(dst),
+                                   reinterpret_cast<const char*>(src), static_cast<int64_t>(bytes),
+                                   bytes >= ringcoll::host::streaming_threshold_bytes());
+        ringcoll::host::stream_fence();
+      },
+      py::arg("dst"), py::arg("src"), py::arg("bytes"), py::call_guard<py::gil_scoped_release>());
   m.def(
       "one_shot_fits",
       [](int collective, int64_t ring_count, int elem_size, int world, size_t small_bytes, size_t slot_bytes) {

@@ -49,7 +49,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ringcoll import plans, tuning
+from ringcoll import _C, plans, tuning
 from ringcoll.learning import model
 from ringcoll._types import DATA_COLLECTIVES, DTYPES, REDUCING_COLLECTIVES, RING_COLLECTIVES, ROOTED_COLLECTIVES
 from ringcoll.communicator import Communicator, parse_bytes
@@ -318,7 +318,10 @@ class TorchBackend(DistBackend):
 
 class CopyBackend(DistBackend):
     """The ceiling on a GPU: a device-to-device copy of the message's bytes (no collective,
-    nothing to check). Its column is bytes / time, which the ring's busbw is divided by."""
+    nothing to check). Its column is bytes / time, which the ring's busbw is divided by.
+    On the CPU (--symmetric) every rank copies its message at once as the CPU transport
+    copies (``_C.host_copy``: streaming stores from RINGCOLL_STREAMING_BYTES on), the
+    memory bandwidth the floor column is priced at."""
 
     name = "copy"
     checked = False
@@ -334,10 +337,14 @@ class CopyBackend(DistBackend):
         scratch = self._scratch.get(message.numel())
         if scratch is None:
             scratch = self._scratch[message.numel()] = torch.empty_like(message)
-        scratch.copy_(message)
+        if message.is_cpu:
+            _C.host_copy(scratch.data_ptr(), message.data_ptr(), message.nbytes)
+        else:
+            scratch.copy_(message)
 
     def synchronize(self):
-        torch.cuda.current_stream().synchronize()
+        if torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()
 
 
 class MpiBackend(Backend):
@@ -811,6 +818,7 @@ def run_rank(rank: int, world: int, config: Config, with_mpi: bool = False) -> l
         if config.symmetric:  # today's calls on ordinary tensors, on a communicator without symmetric memory
             plain = plain_comm.enter_context(Communicator(**settings))
             backends.append(TorchBackend(plain, prepared=config.prepared, algorithm=config.algorithms[0], name="plain"))
+            backends.append(CopyBackend())  # every rank copying the message at once: the floor's bandwidth
         backends += [TorchBackend(None)] if config.gloo else []
         backends += [MpiBackend()] if with_mpi else []
         # DeepSpeed first: the oneCCL binding would set DeepSpeed's op up without its shared memory.
@@ -1082,6 +1090,17 @@ def same_form_ratio(ours: dict, ref_row: Optional[dict], form: str) -> Optional[
     return ours_bus / ref_bus if ref_bus and ours_bus else None
 
 
+def symmetric_floor_us(row: dict, copy_rows: dict, world: int) -> Optional[float]:
+    """--symmetric: the least time the memory bus allows this collective's in-place form to
+    read its peers' tensors in place: the bytes it must move (model.symmetric_traffic) at the
+    bandwidth of every rank copying the message at once (the "copy" reference, 2 bytes moved
+    per byte copied), measured in the same run. None where there is no copy time."""
+    copy = copy_rows.get(row["bytes"])
+    if copy is None or not copy.get("out_time_us") or row["collective"] not in model.STEPS:
+        return None
+    return copy["out_time_us"] * model.symmetric_traffic(row["collective"], world, in_place=True) / 2
+
+
 def references(rows: list[dict]) -> list[str]:
     """The reference backends in `rows`: not ringcoll, nor its other algorithms."""
     return sorted({r["backend"] for r in rows
@@ -1209,6 +1228,10 @@ def format_table(rows: list[dict], world: int, config: Config, fitted: dict, not
                 groups += f" |{ref + {'in': ' in-place', 'out': ' out-of-place', '': ''}[form]:^32}"
         if fitted.get(name):
             cols += f" |{'model':>9}"
+        floors = {r["bytes"]: f for r in ours if (f := symmetric_floor_us(r, by_ref.get("copy", {}), world)) is not None}
+        if config.symmetric and floors:
+            cols += f" |{'floor':>9} {'x floor':>7}"
+            groups += f" |{'in place, from copy':^17}"
         if config.straggler_rank is not None:
             cols += f" |{'fastest':>9}"
         counted = [ref for ref in ["ringcoll", *refs] if any(link_fraction(r) is not None for r in rows
@@ -1235,6 +1258,9 @@ def format_table(rows: list[dict], world: int, config: Config, fitted: dict, not
                              f" {_f(same_form_ratio(r, ref_row, form), 7)}")
             if fitted.get(name):
                 line += f" |{fitted[name].predict(name, world, r['bytes']) * 1e6:9.1f}"
+            if config.symmetric and floors:
+                floor = floors.get(r["bytes"])
+                line += f" |{_f(floor, 9, 1)} {_f(floor and r.get('in_time_us', 0) / floor, 7)}"
             if config.straggler_rank is not None:
                 line += f" |{r['out_fastest_us']:9.1f}"
             if counted:

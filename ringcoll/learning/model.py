@@ -226,6 +226,31 @@ def fit_plans(collective: str, world: int, measured: Sequence[tuple[str, float, 
     return _fit_columns(xs)
 
 
+def symmetric_traffic(collective: str, world: int, in_place: bool) -> float:
+    """Bytes each rank reads plus writes, per byte of the message, when a collective reads
+    symmetric memory in place (docs/symmetric.md; the message: all-reduce's tensor,
+    reduce-scatter's input, all-gather's output). The memory bus carries at least this, so
+    with a copy's measured bandwidth (2 bytes moved per byte copied) it gives the floor.
+
+    all-reduce      fold chunk k of P inputs (reads n, writes n/P), then copy P-1 reduced
+                    chunks (reads and writes (P-1)/P n): (3P-1)/P, in place or not
+    reduce-scatter  the fold alone: (P+1)/P
+    all-gather      P-1 peers' chunks read and written, and the own one out of place: 2,
+                    in place 2(P-1)/P
+    """
+    if world < 1:
+        raise ValueError("symmetric_traffic: world must be >= 1")
+    if world == 1:
+        return 0.0 if in_place else 2.0  # one rank: the call copies its input, or nothing
+    if collective == "all_reduce":
+        return (3 * world - 1) / world
+    if collective == "reduce_scatter":
+        return (world + 1) / world
+    if collective == "all_gather":
+        return 2 * (world - 1) / world if in_place else 2.0
+    raise ValueError(f"symmetric_traffic: no model for {collective!r}")
+
+
 # The all-gather's copies on the CPU transport (see the module docstring).
 ALL_GATHER_PATHS = ("ring", "direct")
 

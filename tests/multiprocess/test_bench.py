@@ -520,6 +520,7 @@ def test_symmetric_memory_is_timed_checked_beside_the_plain_calls(capsys, tmp_pa
     assert status == 0, printed
     assert printed.count("ringcoll's tensors in symmetric memory") == 3, printed
     assert "Out of bounds values : 0 OK" in printed and "worst x plain" in printed
+    assert printed.count("x floor") == 3, printed  # the in-place time over the copy-priced floor
     rows = json.loads(out_json.read_text())["rows"]
     for backend in ("ringcoll", "plain"):
         assert {(r["collective"], r["bytes"]) for r in rows if r["backend"] == backend} == {

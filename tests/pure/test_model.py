@@ -227,3 +227,22 @@ def test_fit_plans_recovers_one_alpha_beta_from_several_algorithms():
                 for name in ALGORITHMS for n in (1e3, 1e5, 1e7)]
     f = model.fit_plans("all_reduce", 4, measured)
     assert f.alpha == pytest.approx(alpha) and f.beta == pytest.approx(beta)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 5])
+def test_symmetric_traffic_counts_each_read_and_write_of_the_zero_copy_collectives(p):
+    """Per byte of message, what run_zero_copy (csrc/host/host_symmetric.cpp) reads and writes
+    on one rank, counted from its loops: the fold reads chunk k of P inputs and writes it once;
+    the all-reduce then copies the P-1 other reduced chunks; the all-gather copies P chunks
+    (P-1 in place). docs/symmetric.md's P = 2 table: 2.5, 1.5, 2."""
+    chunk = 1.0 / p
+    fold = p * chunk + chunk
+    assert model.symmetric_traffic("reduce_scatter", p, True) == pytest.approx(fold)
+    assert model.symmetric_traffic("all_reduce", p, True) == pytest.approx(fold + 2 * (p - 1) * chunk)
+    assert model.symmetric_traffic("all_gather", p, False) == pytest.approx(2 * p * chunk)
+    assert model.symmetric_traffic("all_gather", p, True) == pytest.approx(2 * (p - 1) * chunk)
+    if p == 2:
+        assert [model.symmetric_traffic(c, 2, c != "all_gather") for c in ("all_reduce", "reduce_scatter", "all_gather")] \
+            == [2.5, 1.5, 2.0]
+    with pytest.raises(ValueError, match="no model for 'broadcast'"):
+        model.symmetric_traffic("broadcast", p, True)
