@@ -1,9 +1,10 @@
 """The ``ringcoll`` command: teaching tools.
 
-    ringcoll trace COLLECTIVE --world P --n N [--png FILE] [--algorithm ring|oneshot|direct]
+    ringcoll trace COLLECTIVE --world P --n N [--png FILE] [--algorithm ring|oneshot|direct|symmetric]
         a ring collective step by step (ringcoll.learning.trace), from the real schedule;
         --algorithm oneshot shows the small-message path instead, --algorithm direct the
-        CPU transport's direct-read all-gather (all_gather only)
+        CPU transport's direct-read all-gather (all_gather only), --algorithm symmetric a
+        call over symmetric memory, read in place
     ringcoll memory --params N [--world P] [--batch B --seq S --hidden H --layers L --heads A]
                     [--checkpointing-only] [--no-attention-scores] [--measure]
         per-GPU memory of Adam training, ZeRO stages 0-3 (ringcoll.learning.memory)
@@ -31,7 +32,8 @@ def _run_trace(args: argparse.Namespace) -> int:
         plans.load_plans(args.plans)
     print(trace.trace(args.collective, args.world, args.n, algorithm=args.algorithm), end="")
     if args.png and args.algorithm != "ring":
-        why = {"oneshot": "the one-shot path has a single step", "direct": "the direct read takes no ring steps"}
+        why = {"oneshot": "the one-shot path has a single step", "direct": "the direct read takes no ring steps",
+               "symmetric": "reading symmetric memory in place takes no ring steps"}
         raise ValueError(f"--png draws the ring's steps; "
                          f"{why.get(args.algorithm, f'{args.algorithm} is not a ring')}, shown above")
     if args.png:
@@ -75,7 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--png", metavar="FILE", help="also draw the steps (one panel per step) into FILE")
     t.add_argument("--algorithm", default="ring",
                    help="ring (default); oneshot: the CPU transport's small-message path; direct: its "
-                        "direct-read all-gather for large messages (all_gather only); any other algorithm "
+                        "direct-read all-gather for large messages (all_gather only); symmetric: tensors in "
+                        "symmetric memory (ringcoll.empty), read in place; any other algorithm "
                         "(rhd, rd, tree: ringcoll.algorithms()) round by round from its plan")
     t.add_argument("--plans", metavar="FILE.py", default=None,
                    help="a Python file that registers plans (ringcoll.register_algorithm): its names are then "

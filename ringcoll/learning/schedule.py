@@ -599,3 +599,69 @@ def simulate_direct_read(inputs: Sequence[Sequence[Any]]) -> List[DirectReadRank
         into_chunk(output, k, posted[k])  # after the reads, while the peers read mine
         ranks.append(DirectReadRank(rank=k, posted=posted[k], reads=reads, own=list(posted[k]), output=output))
     return ranks
+
+
+# ---------------------------------------------------------------------------------------
+# Symmetric memory: reading the peers' tensors in place (csrc/host/host_symmetric.cpp:
+# run_zero_copy; docs/symmetric.md)
+
+
+@dataclass
+class ZeroCopyRank:
+    """What one rank did in a collective over symmetric memory: ``folded`` ``(chunk,
+    [(rank, values), ...], result)`` for the chunk(s) it reduced, each from every rank's
+    tensor in the ring's order; ``copied`` ``(rank, chunk, values)`` for the chunks it then
+    copied from their owners (all-gather: every input; all-reduce: every reduced chunk but
+    its own); ``rounds`` how many rounds of flags it took; ``output`` what it returns."""
+
+    rank: int
+    folded: List[tuple]
+    copied: List[tuple]
+    rounds: int
+    output: List[Any]
+
+
+def simulate_zero_copy(coll: Collective, inputs: Sequence[Sequence[Any]],
+                       op: Callable[[Any, Any], Any] = operator.add) -> List[ZeroCopyRank]:
+    """Run a collective over symmetric memory on Python lists (inputs as for :func:`simulate`;
+    every output symmetric too, as in place): all-gather copies each peer's input from k+1 on
+    (:func:`direct_read_order`), then its own; reduce-scatter folds chunk k of every input;
+    all-reduce folds chunk k into its own tensor, meets, then copies chunk j from rank j. A
+    fold visits the ranks as the ring reduces that chunk (:func:`rs_contributor`), so the
+    results are the ring's bits."""
+    coll = Collective(coll)
+    world = len(inputs)
+    if world < 1:
+        raise ValueError("simulate_zero_copy: need at least one rank")
+    if coll == Collective.ALL_GATHER:
+        n = _gathered_length("simulate_zero_copy", inputs)
+        ranks = []
+        for k in range(world):
+            order = direct_read_order(k, world) + [k]
+            copied = [(r, r, list(inputs[r])) for r in order]
+            output = [x for r in range(world) for x in inputs[r]]
+            ranks.append(ZeroCopyRank(rank=k, folded=[], copied=copied, rounds=1 if world > 1 else 0, output=output))
+        return ranks
+    n = len(inputs[0])
+
+    def fold(c: int) -> tuple:
+        part = slice(chunk_begin(n, world, c), chunk_end(n, world, c))
+        order = [rs_contributor(c, i, world) for i in range(world)]
+        values = [(r, list(inputs[r][part])) for r in order]
+        result = values[0][1]
+        for _, v in values[1:]:
+            result = [op(a, b) for a, b in zip(result, v)]
+        return c, values, result
+
+    reduced = [fold(c) for c in range(world)]  # chunk c, folded by rank c
+    ranks = []
+    for k in range(world):
+        if coll == Collective.REDUCE_SCATTER:
+            ranks.append(ZeroCopyRank(rank=k, folded=[reduced[k]], copied=[], rounds=1 if world > 1 else 0,
+                                      output=list(reduced[k][2])))
+            continue
+        copied = [(j, j, list(reduced[j][2])) for j in direct_read_order(k, world)]
+        output = [x for c in range(world) for x in reduced[c][2]]
+        ranks.append(ZeroCopyRank(rank=k, folded=[reduced[k]], copied=copied, rounds=2 if world > 1 else 0,
+                                  output=output))
+    return ranks

@@ -39,6 +39,11 @@ large-message path, from :func:`ringcoll.learning.schedule.simulate_direct_read`
 posts its input, reads each peer's input straight into its output in the order k+1, k+2, ..
 (mod P), copies its own chunk, and waits until every peer has finished reading.
 
+``algorithm="symmetric"`` shows a call over tensors in symmetric memory (``ringcoll.empty``),
+from :func:`ringcoll.learning.schedule.simulate_zero_copy`: every rank posts where its tensor
+lies, folds its chunk of every rank's tensor in the ring's order, copies the rest from the
+ranks that hold it, and meets its peers once or twice (docs/symmetric.md).
+
 Any other algorithm (``ringcoll.algorithms()``: rhd, rd, tree, or a plan registered with
 ``ringcoll.register_algorithm``) is traced from its plan (ringcoll/plans.py), the records
 the engine runs: round by round (``plans.rounds``), each rank's ops as the plan states
@@ -71,14 +76,16 @@ from ringcoll.learning.schedule import (
     simulate,
     simulate_direct_read,
     simulate_one_shot,
+    simulate_zero_copy,
 )
 from ringcoll import plans
 from ringcoll._types import ROOTED_COLLECTIVES
-from ringcoll.learning.model import all_gather_copied_bytes, plan_cost
+from ringcoll.learning.model import all_gather_copied_bytes, plan_cost, symmetric_traffic
 
 __all__ = ["COLLECTIVES", "ALGORITHMS", "default_inputs", "describe_inputs", "reference", "trace", "draw"]
-ALGORITHMS = ("ring", "oneshot", "direct")
-_ALGORITHM_NAMES = {"oneshot": "one-shot", "direct": "direct read"}  # in the trace's first line
+ALGORITHMS = ("ring", "oneshot", "direct", "symmetric")
+# in the trace's first line
+_ALGORITHM_NAMES = {"oneshot": "one-shot", "direct": "direct read", "symmetric": "symmetric memory, read in place"}
 
 COLLECTIVES = {coll.name.lower(): coll for coll in Collective}  # "all_reduce": Collective.ALL_REDUCE, ...
 
@@ -213,8 +220,9 @@ def trace(collective: str, world: int, n: int, inputs: Optional[Sequence[Sequenc
     """The step-by-step trace of ``collective`` over ``world`` ranks and ``n`` elements, as
     text (what ``ringcoll trace`` prints). ``inputs`` default to :func:`default_inputs`;
     for all_gather ``inputs[r]`` is rank r's chunk and ``n`` must be their total length.
-    ``algorithm``: ``"ring"``, ``"oneshot"`` for the small-message path, or ``"direct"`` for
-    the direct-read all-gather (all_gather only); broadcast and reduce trace their plans."""
+    ``algorithm``: ``"ring"``, ``"oneshot"`` for the small-message path, ``"direct"`` for
+    the direct-read all-gather (all_gather only), or ``"symmetric"`` for tensors in symmetric
+    memory, read in place; broadcast and reduce trace their plans."""
     if collective in ROOTED_COLLECTIVES:
         return _rooted_trace(collective, world, n, inputs, algorithm)
     coll = _collective(collective)
@@ -251,6 +259,8 @@ def trace(collective: str, world: int, n: int, inputs: Optional[Sequence[Sequenc
         return "\n".join(out + _one_shot_lines(collective, coll, world, n, inputs)) + "\n"
     if algorithm == "direct":
         return "\n".join(out + _direct_read_lines(collective, coll, world, n, inputs)) + "\n"
+    if algorithm == "symmetric":
+        return "\n".join(out + _zero_copy_lines(collective, coll, world, n, inputs)) + "\n"
     sim = simulate(coll, inputs)
     out.append("ring: " + " -> ".join(f"rank {k}" for k in range(world)) + " -> rank 0 "
                "(each rank sends to its right neighbour k+1, receives from its left k-1)")
@@ -398,6 +408,43 @@ def _direct_read_lines(collective: str, coll: Collective, world: int, n: int, in
                   f"  direct {copied['direct', False]:.4g} ((P-1)/P n read + n/P own chunk; in place "
                   f"{copied['direct', True]:.4g}), through the slots {copied['ring', False]:.4g} ((2P-1)/P n; "
                   f"in place {copied['ring', True]:.4g})"]
+    return lines
+
+
+def _zero_copy_lines(collective: str, coll: Collective, world: int, n: int, inputs) -> List[str]:
+    """A collective over symmetric memory (schedule.simulate_zero_copy): post, the fold and
+    the copies, the rounds; the result; and the bytes it moves against the slots'."""
+    ranks = simulate_zero_copy(coll, inputs)
+    lines = ["symmetric memory: every rank's tensor lies in memory every peer has mapped (ringcoll.empty), so each",
+             "  rank reads its peers' tensors where they lie; no byte goes through a slot"]
+    if world == 1:
+        lines += ["P = 1: no peers, nothing to read; the input is the result"]
+    else:
+        lines += ["", "1. post: each rank writes where its tensor lies (arena, offset) in its own header, before the",
+                  "  call check; every rank reads every post, so all agree to read in place (any ordinary tensor:",
+                  "  every rank goes through the slots instead)"]
+        if coll != Collective.ALL_GATHER:
+            lines += ["", "2. fold: rank k reduces chunk k of every rank's tensor, in the order the ring reduces it",
+                      "  (rank k+1 first, rank k last): the ring's bits"]
+            for rs in ranks:
+                for c, values, result in rs.folded:
+                    lines.append(f"  rank {rs.rank}: chunk {c} = " + " + ".join(f"rank {r} {_fmt(v)}" for r, v in values)
+                                 + f" = {_fmt(result)}")
+        if coll == Collective.ALL_REDUCE:
+            lines += ["", "round 1: each rank raises its round counter and waits for every peer's: every chunk is reduced"]
+        if coll != Collective.REDUCE_SCATTER:
+            what = "each peer's input, then its own" if coll == Collective.ALL_GATHER else "chunk j from rank j, who reduced it"
+            lines += ["", f"{2 if coll == Collective.ALL_GATHER else 3}. copy: rank k copies {what}, from k+1 on"]
+            for rs in ranks:
+                lines.append(f"  rank {rs.rank}: " + ", ".join(f"rank {r} {_fmt(v)} -> chunk {c}" for r, c, v in rs.copied))
+        lines += ["", f"last round (round {ranks[0].rounds}): every rank has finished reading every peer's tensor; only",
+                  "  then does a call return, so a tensor may be written as soon as its call returns"]
+    lines.append("")
+    lines.extend(_result_lines(collective, coll, [rs.output for rs in ranks], inputs))
+    if world > 1:
+        traffic = symmetric_traffic(collective, world, in_place=True)
+        lines.append(f"cost: {ranks[0].rounds} round{'s' * (ranks[0].rounds > 1)} of flags; each rank reads and writes "
+                     f"{traffic * n:.4g} elements ({traffic:.4g} n: learning.model.symmetric_traffic), nothing staged")
     return lines
 
 

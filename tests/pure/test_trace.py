@@ -179,11 +179,11 @@ def test_one_shot_cli_and_bad_arguments(capsys):
     assert "algorithm = one-shot" in out and "OK, every rank matches" in out
     assert main(["trace", "all_reduce", "--algorithm", "oneshot", "--png", "x.png"]) == 2
     assert "single step" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="algorithm for all_reduce must be one of ring, oneshot, direct, rhd, rd, "
-                                         "tree, got 'nope'"):
+    with pytest.raises(ValueError, match="algorithm for all_reduce must be one of ring, oneshot, direct, symmetric, "
+                                         "rhd, rd, tree, got 'nope'"):
         trace("all_reduce", 2, 3, algorithm="nope")
-    with pytest.raises(ValueError, match="algorithm for reduce_scatter must be one of ring, oneshot, direct, rhd, "
-                                         "got 'tree'"):
+    with pytest.raises(ValueError, match="algorithm for reduce_scatter must be one of ring, oneshot, direct, "
+                                         "symmetric, rhd, got 'tree'"):
         trace("reduce_scatter", 2, 3, algorithm="tree")
 
 
@@ -343,3 +343,30 @@ def test_direct_read_cli(capsys):
     assert "  rank 1: reads rank 2 [20 21] -> chunk 2, rank 0 [0 1 2] -> chunk 0" in out
     assert main(["trace", "all_gather", "--algorithm", "direct", "--png", "x.png"]) == 2
     assert "no ring steps" in capsys.readouterr().err
+
+
+# --- symmetric memory, read in place (csrc/host/host_symmetric.cpp) ---------------------------
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "all_gather"])
+def test_reading_symmetric_memory_in_place_folds_in_the_rings_order(world, collective):
+    """With an op that records its bracketing (not associative, not commutative), every rank's
+    result over symmetric memory is the ring's, element by element: the same fold order, so
+    the same bits for floats."""
+    from ringcoll.learning.schedule import Collective, simulate, simulate_zero_copy
+
+    coll = Collective[collective.upper()]
+    n = 2 * world + 1
+    if coll == Collective.ALL_GATHER:
+        inputs = [[f"r{r}e{i}" for i in range(schedule.chunk_length(n, world, r))] for r in range(world)]
+    else:
+        inputs = [[f"r{r}e{i}" for i in range(n)] for r in range(world)]
+    bracket = lambda a, b: f"({a}+{b})"  # noqa: E731
+    ring = simulate(coll, inputs, op=bracket).outputs
+    assert [rs.output for rs in simulate_zero_copy(coll, inputs, op=bracket)] == ring
+    text = trace(collective, world, n, algorithm="symmetric")
+    assert "algorithm = symmetric memory, read in place" in text.splitlines()[0]
+    assert "OK, every rank matches" in text
+    if world > 1:
+        rounds = 2 if coll == Collective.ALL_REDUCE else 1
+        assert f"cost: {rounds} round{'s' * (rounds > 1)} of flags" in text, text
