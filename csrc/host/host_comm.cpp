@@ -335,7 +335,6 @@ bool HostComm::peers_look_alive(std::string* why) const {
   return true;
 }
 
-
 void HostComm::wait_for(int peer, const uint64_t* address, uint64_t target, const char* event,
                         const std::function<void()>& before_giving_up) {
   std::string why;
@@ -723,6 +722,7 @@ void HostComm::barrier() {
 void HostComm::close() {
   std::lock_guard<std::mutex> lock(one_call_at_a_time_);
   segments_.clear();  // unmaps; the names were unlinked at bootstrap
+  peer_arenas_.clear();  // the peers' symmetric memory; this rank's own stays while its tensors do
   closed_ = true;
 }
 

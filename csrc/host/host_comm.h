@@ -268,13 +268,13 @@ class HostComm {
   void set_plan_position(int64_t slice, int64_t slices, int op, int ops) {
     position_ = {slice, slices, op, ops, Path::kPlan};
   }
+
+ private:
   // Where a message's arguments lie in symmetric memory, as every rank posts them (host_symmetric.cpp).
   struct SymmetricArgs {
     bool posted = false;  // arenas exist and the call may read in place: this rank posts
     std::optional<SymmetricPlace> input, output;
   };
-
- private:
   void bootstrap(const std::vector<std::string>& names);
   // Map every peer's segment names[peer] of `bytes` into into[peer], retrying until the
   // timeout: a peer may not have created it yet. `what` names the segment in errors.
