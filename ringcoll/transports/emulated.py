@@ -33,7 +33,7 @@ from ringcoll import _C, errors
 from ringcoll._types import COLLECTIVE_CODES
 from ringcoll.bootstrap import InProcessRank
 from ringcoll.errors import RingcollError, RingcollTimeoutError
-from ringcoll.transports.base import CollectiveCall, Settings
+from ringcoll.transports.base import CollectiveCall, Settings, Transport
 from ringcoll.transports.cuda import (check_hardware_queues, hardware_queues, kernel_variant, one_word_barrier,
                                       shared_stream_error)
 
@@ -134,7 +134,7 @@ class EmulatedCompletion:
         self._finish()
 
 
-class EmulatedCudaTransport:
+class EmulatedCudaTransport(Transport):
     """Rank ``settings.rank`` of one ``_C.emulation.Ring`` that rank 0 builds on the process's
     emulated device and the bootstrap hands round (threads of one process share it)."""
 

@@ -156,3 +156,15 @@ def test_the_extension_exports_its_entry_point_only():
     assert done.returncode == 0, done.stderr
     exported = [line.split()[-1] for line in done.stdout.splitlines() if line.strip()]
     assert exported == ["PyInit__C"], exported[:10]
+
+
+def test_every_transport_has_the_whole_interface():
+    """The Communicator calls the base interface on whichever transport it holds (e.g. the
+    arenas of symmetric memory, before auto chooses): every transport class, the emulated
+    CUDA one included, must subclass Transport so that it has each of its members."""
+    from ringcoll.transports import base, cuda, emulated, host
+
+    for cls in (host.HostTransport, cuda.CudaTransport, emulated.EmulatedCudaTransport):
+        assert issubclass(cls, base.Transport), cls
+        for member in ("allocate_symmetric", "is_symmetric", "symmetric_arenas", "broken", "plain_calls"):
+            assert hasattr(cls, member), (cls, member)
