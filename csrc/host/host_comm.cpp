@@ -496,8 +496,9 @@ void HostComm::run_plan_call(const char* op, const RingCall& call, const Compile
 //   all-gather      chunk r of out = slot_r
 //
 // Every rank folds each chunk in the order the ring reduces it (rs_contributor: chunk c from
-// rank c+1 round to rank c) with reduce_strip (the same kernels, the same per-combine
-// rounding of 16-bit floats and AVG's finalize as the ring), so a one-shot call gives the
+// rank c+1 round to rank c; fold_in_ring_order in host_strip.h) with reduce_strip (the same
+// kernels, the same per-combine rounding of 16-bit floats and AVG's finalize as the ring),
+// once every peer's copy is published, so a one-shot call gives the
 // ring's bits, on every rank: the size at which the path changes never changes a result.
 // Reads: P-1 peer slots of the published size each.
 //
@@ -526,29 +527,6 @@ void HostComm::wait_all_consumed(uint64_t target) {
   for (int peer = 0; peer < world_; ++peer)
     if (peer != rank_) wait_for(peer, &SegmentHeader::consumed, target, "consume data");
 }
-
-namespace {
-
-// out[0, len) = chunk `chunk` (elements [offset, offset + len) of every slot) folded over
-// the ranks in the order the ring reduces it (rs_contributor: rank c+1 first, rank c last),
-// each slot read after wait_for_rank(r): so the one-shot gives the ring's bits. After the
-// first combine the partial is out itself (reduce_strip allows recv == to_output: it works
-// elementwise); the last combine finalizes (AVG's division), as the ring's last one does.
-template <typename T, class Op, class Slot, class WaitFor>
-void one_shot_reduce(T* out, Slot&& slot, int chunk, int64_t offset, int64_t len, int world,
-                     WaitFor&& wait_for_rank) {
-  const int first = rs_contributor(chunk, 0, world);
-  wait_for_rank(first);
-  for (int i = 1; i < world; ++i) {
-    const int r = rs_contributor(chunk, i, world);
-    wait_for_rank(r);
-    const T* partial = i == 1 ? slot(first) + offset : out;
-    if (i + 1 == world) reduce_strip<T, Op, true>(nullptr, out, partial, slot(r) + offset, len, world, false);
-    else reduce_strip<T, Op, false>(nullptr, out, partial, slot(r) + offset, len, world, false);
-  }
-}
-
-}  // namespace
 
 HostComm::OneShotPublication HostComm::publish_one_shot(const RingCall& call, const void* input) {
   set_single_step(Path::kOneShot);
@@ -590,17 +568,18 @@ void HostComm::finish_one_shot(const RingCall& call, const OneShotPublication& m
                  static_cast<int64_t>(published), false);
     }
   } else {
+    for (int r = 0; r < world_; ++r) wait_for_rank(r);
     dispatch_call(call.descriptor, [&](auto t, auto o) {
       using T = decltype(t);
       auto slot = [&](int r) { return reinterpret_cast<const T*>(slot_of(r)); };
-      // Chunk by chunk, as the ring cuts the message; reduce-scatter: only my chunk (whose
-      // output is the whole of `output`).
+      // Chunk by chunk, as the ring cuts the message, each folded in the ring's order
+      // (host_strip.h); reduce-scatter: only my chunk (whose output is the whole of `output`).
       const bool scatter = call.collective == Collective::kReduceScatter;
       for (int c = scatter ? rank_ : 0; c < (scatter ? rank_ + 1 : world_); ++c) {
         const int64_t offset = chunk_begin(call.ring_count, world_, c);
         T* out = static_cast<T*>(output) + (scatter ? 0 : offset);
-        one_shot_reduce<T, decltype(o)>(out, slot, c, offset, chunk_length(call.ring_count, world_, c), world_,
-                                        wait_for_rank);
+        fold_in_ring_order<T, decltype(o)>(out, slot, c, offset, chunk_length(call.ring_count, world_, c), world_,
+                                           false);
       }
     });
   }

@@ -10,12 +10,14 @@
 // output no longer fits in cache, hence the threshold (streaming_threshold_bytes).
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 
 #include "host_vector16.h"
 #include "ringcoll/reduce.h"
+#include "ringcoll/ring.h"
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -107,6 +109,27 @@ void reduce_strip(T* to_right, T* to_output, const T* recv, const T* own, int64_
     T* staged = to_right != nullptr ? to_right + i : scratch;
     reduce_span(staged, nullptr, recv + i, own + i, n);
     stream_copy(to_output + i, staged, static_cast<size_t>(n) * sizeof(T));
+  }
+}
+
+// out[0, len) = elements [begin, begin + len) of every rank's `source(r)`, folded in the
+// order the ring reduces chunk `chunk` (rs_contributor), the last combine finalizing (AVG).
+// Tile by tile, the partial in an L1-sized scratch: `out` may be the last contributor's
+// own memory (in place), which each tile reads before it writes. Every path that folds all
+// P contributions itself (the one-shot path, symmetric memory) uses it: the ring's bits.
+template <typename T, class Op, class Source>
+void fold_in_ring_order(T* out, Source&& source, int chunk, int64_t begin, int64_t len, int world, bool stream) {
+  constexpr int64_t kTile = 4096 / sizeof(T);
+  alignas(64) T partial[kTile];
+  const int first = rs_contributor(chunk, 0, world);
+  for (int64_t t = 0; t < len; t += kTile) {
+    const int64_t n = std::min(kTile, len - t);
+    for (int i = 1; i < world; ++i) {
+      const T* own = source(rs_contributor(chunk, i, world)) + begin + t;
+      const T* so_far = i == 1 ? source(first) + begin + t : partial;
+      if (i + 1 == world) reduce_strip<T, Op, true>(nullptr, out + t, so_far, own, n, world, stream);
+      else reduce_strip<T, Op, false>(nullptr, partial, so_far, own, n, world, false);
+    }
   }
 }
 

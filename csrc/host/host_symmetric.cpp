@@ -86,7 +86,8 @@ std::optional<SymmetricPlace> SymmetricHeap::locate(const void* address, size_t 
   const auto* p = static_cast<const char*>(address);
   for (size_t a = 0; a < arenas_.size(); ++a) {
     const char* base = arenas_[a].mine->base();
-    if (p >= base && p + bytes <= base + arenas_[a].mine->bytes()) return SymmetricPlace{a, static_cast<size_t>(p - base)};
+    if (p >= base && p + bytes <= base + arenas_[a].mine->bytes())
+      return SymmetricPlace{a, static_cast<size_t>(p - base)};
   }
   return std::nullopt;
 }
@@ -136,7 +137,8 @@ std::shared_ptr<SymmetricBlock> HostComm::allocate_symmetric(size_t bytes, DType
     mine.dtype = static_cast<uint64_t>(dtype);
     mine.need_arena = heap_->has_room_for(block) ? 0 : 1;
     mine.ndim = dims.size();
-    for (size_t d = 0; d < std::min<size_t>(dims.size(), kAllocationDims); ++d) mine.dims[d] = static_cast<uint64_t>(dims[d]);
+    for (size_t d = 0; d < std::min<size_t>(dims.size(), kAllocationDims); ++d)
+      mine.dims[d] = static_cast<uint64_t>(dims[d]);
     flag_store_release(&mine.number, n);
     bool make_arena = mine.need_arena != 0;
     for (int peer = 0; peer < world_; ++peer) {
@@ -219,62 +221,33 @@ void HostComm::symmetric_round(const char* event) {
     if (peer != rank_) wait_for(peer, &SegmentHeader::symmetric_round, symmetric_rounds_, event);
 }
 
-namespace {
-
-// out[0, len) = elements [begin, begin + len) of every rank's `source(r)`, folded in the
-// order the ring reduces chunk `chunk` (rs_contributor), the last combine finalizing (AVG).
-// Tile by tile, the partial in an L1-sized scratch: `out` may be the last contributor's
-// own memory (in place), which each tile reads before it writes.
-template <typename T, class Op, class Source>
-void fold_in_ring_order(T* out, Source&& source, int chunk, int64_t begin, int64_t len, int world, bool stream) {
-  constexpr int64_t kTile = 4096 / sizeof(T);
-  alignas(64) T partial[kTile];
-  const int first = rs_contributor(chunk, 0, world);
-  for (int64_t t = 0; t < len; t += kTile) {
-    const int64_t n = std::min(kTile, len - t);
-    for (int i = 1; i < world; ++i) {
-      const T* own = source(rs_contributor(chunk, i, world)) + begin + t;
-      const T* so_far = i == 1 ? source(first) + begin + t : partial;
-      if (i + 1 == world) reduce_strip<T, Op, true>(nullptr, out + t, so_far, own, n, world, stream);
-      else reduce_strip<T, Op, false>(nullptr, partial, so_far, own, n, world, false);
-    }
-  }
-}
-
-}  // namespace
-
 bool HostComm::run_zero_copy(const RingCall& call, const SymmetricArgs& mine, const void* input, void* output) {
   if (!mine.input) return false;  // mine are not: I go by the slots, and my post tells the peers to
   set_single_step(Path::kZeroCopy);
   const size_t message = static_cast<size_t>(call.ring_count) * static_cast<size_t>(call.elem_size);
   std::vector<const char*> inputs(world_), outputs(world_);
-  // Whether a rank's output is its input (in place: the same place, for all-reduce the same size).
-  auto in_place = [](uint64_t in_arena, uint64_t in_offset, uint64_t out_arena, uint64_t out_offset) {
-    return in_arena != 0 && in_arena == out_arena && in_offset == out_offset;
-  };
-  bool every_output = mine.output.has_value();
-  bool some_in_place = mine.output && mine.output->arena == mine.input->arena && mine.output->offset == mine.input->offset;
-  for (int peer = 0; peer < world_; ++peer) {
-    if (peer == rank_) {
-      inputs[peer] = static_cast<const char*>(input), outputs[peer] = static_cast<const char*>(output);
-      continue;
-    }
-    const auto& post = header(peer).symmetric_post;
-    wait_for(peer, &post.call, calls_, "post where its arguments lie");
+  bool every_output = true, some_in_place = false;
+  for (int r = 0; r < world_; ++r) {  // every rank's post, mine included (already in my header)
+    const auto& post = header(r).symmetric_post;
+    if (r != rank_) wait_for(r, &post.call, calls_, "post where its arguments lie");
     const uint64_t in_arena = post.input_arena, in_offset = post.input_offset, out_arena = post.output_arena,
                    out_offset = post.output_offset, bytes = post.bytes;
     fence_acquire();  // the fields were read before `call` is read again
     if (flag_load_relaxed(&post.call) != calls_ || bytes != message)
-      fail<MismatchError>(current_op_, "rank " + std::to_string(peer) + " posted a message of " +
+      fail<MismatchError>(current_op_, "rank " + std::to_string(r) + " posted a message of " +
                                            std::to_string(bytes) + " bytes for call " +
                                            std::to_string(flag_load_relaxed(&post.call)) + " but rank " +
                                            std::to_string(rank_) + " has " + std::to_string(message) +
                                            " bytes for call " + std::to_string(calls_));
     if (in_arena == 0) return false;  // some rank's are not: every rank goes by the slots
-    inputs[peer] = peer_arenas_.at(in_arena - 1).at(peer).base() + in_offset;
     every_output = every_output && out_arena != 0;
-    some_in_place = some_in_place || in_place(in_arena, in_offset, out_arena, out_offset);
-    if (out_arena != 0) outputs[peer] = peer_arenas_.at(out_arena - 1).at(peer).base() + out_offset;
+    some_in_place = some_in_place || (in_arena == out_arena && in_offset == out_offset);
+    if (r == rank_) {
+      inputs[r] = static_cast<const char*>(input), outputs[r] = static_cast<const char*>(output);
+      continue;
+    }
+    inputs[r] = peer_arenas_.at(in_arena - 1).at(r).base() + in_offset;
+    if (out_arena != 0) outputs[r] = peer_arenas_.at(out_arena - 1).at(r).base() + out_offset;
   }
   // An all-reduce that folds every chunk on every rank would overwrite an in-place rank's
   // input while its peers still read it: with some outputs ordinary and some in place,
