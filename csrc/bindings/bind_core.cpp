@@ -72,8 +72,8 @@ void reduce_arrays(uintptr_t out, uintptr_t a, uintptr_t b, int64_t count, int d
     auto* dst = reinterpret_cast<T*>(out);
     const auto* x = reinterpret_cast<const T*>(a);
     const auto* y = reinterpret_cast<const T*>(b);
-    if (final) host::reduce_strip<T, Op, true>(nullptr, dst, x, y, count, world, false, isa);
-    else host::reduce_strip<T, Op, false>(nullptr, dst, x, y, count, world, false, isa);
+    if (final) host::reduce_strip<T, Op, true>(nullptr, dst, x, y, count, world, false, false, isa);
+    else host::reduce_strip<T, Op, false>(nullptr, dst, x, y, count, world, false, false, isa);
   });
 }
 

@@ -160,6 +160,11 @@ void bind_host(py::module_& m) {
       py::arg("buffer_bytes"), py::arg("world"));
   m.attr("host_slot_alignment") = ringcoll::host::kSlotAlignment;
   m.attr("host_default_direct_max_bytes") = ringcoll::host::kDefaultDirectMaxBytes;
+  // The neighbour-hop probe (SlotStores in host_comm.h): for tests and the benchmark.
+  m.attr("hop_probe_min_bytes") = ringcoll::host::kHopProbeMinBytes;
+  m.attr("hop_probe_every") = ringcoll::host::kHopProbeEvery;
+  m.attr("hop_off_core_ns") = ringcoll::host::kHopOffCoreNs;
+  m.attr("default_slow_hop_ns") = ringcoll::host::kDefaultSlowHopNs;
   // Read once per process from RINGCOLL_STREAMING_BYTES (host_strip.h): for tests.
   m.def("streaming_threshold_bytes", &ringcoll::host::streaming_threshold_bytes);
   // A copy as the CPU transport makes one (host_strip.h: streaming stores from the
@@ -278,6 +283,10 @@ void bind_host(py::module_& m) {
           py::arg("address"), py::arg("bytes"))
       .def_property_readonly("symmetric_arenas", &HostComm::symmetric_arenas)
       .def_property_readonly("zero_copy_calls", &HostComm::zero_copy_calls)
+      .def_property_readonly("stream_slots", &HostComm::stream_slots)
+      .def_property_readonly("hop_ns", &HostComm::hop_ns)
+      .def_property_readonly("hop_probes", &HostComm::hop_probes)
+      .def_property_readonly("slow_hop_probes", &HostComm::slow_hop_probes)
       .def("barrier", &HostComm::barrier, py::call_guard<py::gil_scoped_release>())
       .def("close", &HostComm::close)
       .def_property_readonly("rank", &HostComm::rank)

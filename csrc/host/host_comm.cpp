@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -30,6 +31,16 @@ size_t streaming_threshold_bytes() {
     return env != nullptr ? static_cast<size_t>(std::strtoull(env, nullptr, 10)) : size_t{8} << 20;
   }();
   return threshold;
+}
+
+SlotStores slot_stores_from_env() {
+  const char* env = std::getenv("RINGCOLL_SLOT_STORES");
+  const std::string value = env != nullptr ? env : "auto";
+  if (value == "auto") return SlotStores::kAuto;
+  if (value == "cache") return SlotStores::kCache;
+  RINGCOLL_CHECK(value == "stream", std::invalid_argument,
+                 "Communicator: RINGCOLL_SLOT_STORES must be auto, cache or stream, not '", value, "'");
+  return SlotStores::kStream;
 }
 
 bool ranks_outnumber_cores(int world) {
@@ -112,11 +123,11 @@ class HostRingContext {
   }
 
   void copy(T* to_right, T* to_output, const T* src, int64_t len) const {
-    copy_strip(to_right, to_output, src, len, stream_output_);
+    copy_strip(to_right, to_output, src, len, stream_output_, stream_slots_);
   }
   void reduce(T* to_right, T* to_output, const T* recv, const T* own, int64_t len, bool is_final) const {
-    if (is_final) reduce_strip<T, Op, true>(to_right, to_output, recv, own, len, world(), stream_output_);
-    else reduce_strip<T, Op, false>(to_right, to_output, recv, own, len, world(), stream_output_);
+    if (is_final) reduce_strip<T, Op, true>(to_right, to_output, recv, own, len, world(), stream_output_, stream_slots_);
+    else reduce_strip<T, Op, false>(to_right, to_output, recv, own, len, world(), stream_output_, stream_slots_);
   }
 
   bool wait_left_published(uint64_t v) {
@@ -127,7 +138,10 @@ class HostRingContext {
     comm_.wait_for(right_neighbour(rank(), world()), &SegmentHeader::consumed, v, "consume data");
     return true;
   }
-  void publish(uint64_t v) { flag_store_release(&comm_.header(rank()).published.value, v); }
+  void publish(uint64_t v) {
+    if (stream_slots_) stream_fence();  // streaming stores are weakly ordered: the slot before the flag
+    flag_store_release(&comm_.header(rank()).published.value, v);
+  }
   void mark_consumed(uint64_t v) { flag_store_release(&comm_.header(rank()).consumed.value, v); }
 
  private:
@@ -161,6 +175,7 @@ class HostRingContext {
   // MiB: all-reduce 1.3-1.4x faster without, reduce-scatter from 16 MiB 1.6x;
   // bench/results/2026-12-01-cpu-in-place.txt).
   bool stream_output_;
+  bool stream_slots_ = comm_.stream_slots();  // how the right neighbour's slots are written (SlotStores)
 };
 
 template <typename T, class Op>
@@ -189,6 +204,9 @@ HostComm::HostComm(int rank, int world, const std::vector<std::string>& names, s
   RINGCOLL_CHECK(static_cast<int>(names.size()) == world, std::invalid_argument,
                  "Communicator: expected one segment name per rank, got ", names.size());
   check_buffer_bytes("Communicator", buffer_bytes, world, kSlotAlignment);
+  slot_stores_ = slot_stores_from_env();
+  stream_slots_ = slot_stores_ == SlotStores::kStream;
+  if (const char* env = std::getenv("RINGCOLL_SLOW_HOP_NS")) slow_hop_ns_ = std::strtoull(env, nullptr, 10);
   try {
     bootstrap(names);
   } catch (...) {
@@ -430,6 +448,7 @@ void HostComm::run_ring_call(const char* op, const RingCall& call, const void* i
         wait_all_consumed(unconfirmed_one_shot_);
         unconfirmed_one_shot_ = 0;
       }
+      choose_slot_stores(call);
       dispatch_call(call.descriptor, [&](auto t, auto o) {
         run_host_ring<decltype(t), decltype(o)>(*this, call, input, output);
       });
@@ -474,6 +493,7 @@ void HostComm::run_plan_call(const char* op, const RingCall& call, const Compile
     auto copy = [](void* dst, const void* src, size_t bytes) { std::memcpy(dst, src, bytes); };
     run_call(call, world_, input, output, copy, [&] {
       drain_publications();
+      choose_slot_stores(call);
       step_base_ += run_host_plan(*this, plan, call, input, output, step_base_, plan_unread_, plan_work_);
       // Every rank to the same number, so the ring's numbering stays equal on all ranks.
       flag_store_release(&header(rank_).published.value, step_base_);
@@ -481,6 +501,63 @@ void HostComm::run_plan_call(const char* op, const RingCall& call, const Compile
   });
 }
 
+
+// ---------------------------------------------------------------------------------------
+// The slots' stores (SlotStores in host_comm.h)
+//
+// A slot is read by a neighbour a moment after it is written. If the two cores share a
+// last-level cache the reader finds the lines there, and ordinary stores are best. If not,
+// each line the reader takes is still in the writer's cache, and fetching it from there
+// costs a hop between dies for every line, far slower than reading memory: then streaming
+// stores, which put the lines in memory, win by up to 10x. Which of the two holds can
+// change while a job runs (a VM's cores move), so kAuto measures the hop itself, on the
+// first large ring or plan call and every kHopProbeEvery-th after: a token passed round the
+// ring. A probe costs a few microseconds (kHopLaps laps of P hops) on calls of at least
+// 256 KiB, which take tens of microseconds or more. Every rank counts the same large calls,
+// so all meet in the same probe; each decides for its own stores from the laps it saw.
+
+void HostComm::choose_slot_stores(const RingCall& call) {
+  const size_t message = static_cast<size_t>(call.ring_count) * static_cast<size_t>(call.elem_size);
+  if (slot_stores_ != SlotStores::kAuto || world_ == 1 || message < kHopProbeMinBytes) return;
+  if (large_slot_calls_++ % kHopProbeEvery == 0) probe_neighbour_hops();
+}
+
+void HostComm::probe_neighbour_hops() {
+  using clock = std::chrono::steady_clock;
+  const uint64_t base = hop_probes_++ * kHopLaps;
+  const int left = left_neighbour(rank_, world_);
+  auto fastest = clock::duration::max();
+  auto lap_began = clock::now();
+  auto lap_ends = [&] {  // the token is here again: one lap since it was here last
+    const auto now = clock::now();
+    fastest = std::min(fastest, now - lap_began);
+    lap_began = now;
+  };
+  for (uint64_t lap = 1; lap <= kHopLaps; ++lap) {
+    // Rank 0 starts each lap once the last came round; the others pass the token on.
+    if (rank_ != 0) {
+      wait_for(left, &SegmentHeader::hop, base + lap, "pass the hop token on");
+      if (lap == 1) lap_began = clock::now();
+      else lap_ends();
+    } else if (lap > 1) {
+      wait_for(left, &SegmentHeader::hop, base + lap - 1, "pass the hop token on");
+      lap_ends();
+    } else {
+      lap_began = clock::now();
+    }
+    flag_store_release(&header(rank_).hop.value, base + lap);
+  }
+  if (rank_ == 0) {
+    wait_for(left, &SegmentHeader::hop, base + kHopLaps, "pass the hop token on");
+    lap_ends();
+  }
+  hop_ns_ = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(fastest).count()) /
+            static_cast<uint64_t>(world_);
+  // Microseconds per hop on every lap is a peer off its core (another process had it, or
+  // ranks outnumber cores), not a distance between caches: keep the choice already made.
+  if (hop_ns_ < kHopOffCoreNs) stream_slots_ = hop_ns_ >= slow_hop_ns_;
+  slow_hop_probes_ += stream_slots_ ? 1 : 0;
+}
 
 // ---------------------------------------------------------------------------------------
 // The one-shot path for small messages

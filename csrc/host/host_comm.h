@@ -94,8 +94,31 @@ struct SegmentHeader {
     uint64_t input_arena, input_offset, output_arena, output_offset, bytes, call;
   } symmetric_post;
   Flag symmetric_round;
+  // The neighbour-hop probe's token (probe_neighbour_hops): lap k of probe n is
+  // n * kHopLaps + k, stored by each rank once its left neighbour's reached it.
+  Flag hop;
 };
 static_assert(sizeof(SegmentHeader) <= kHeaderBytes, "header must fit its page");
+
+// How a rank writes the slots its neighbours read (RINGCOLL_SLOT_STORES): with ordinary
+// stores (kCache: the reader takes the lines from the writer's cache), with streaming
+// stores (kStream: around the cache, the reader takes them from memory), or kAuto: by the
+// neighbour-hop probe (probe_neighbour_hops), repeated every kHopProbeEvery large calls.
+// Why it matters: taking a line another core has just written costs one hop between the
+// two cores, and on this project's VM that hop is sometimes ~60 ns (two cores sharing a
+// last-level cache) and sometimes ~250 ns (on different dies of the EPYC: the hypervisor
+// moves them, for seconds at a time). A 1 MiB all-reduce at P = 2 then takes 64 us with
+// ordinary stores and 134 with streaming ones, or 760-890 us and 98-148
+// (bench/slot_stores.py; bench/results/2026-12-05-cpu-slot-stores.txt).
+enum class SlotStores { kAuto, kCache, kStream };
+SlotStores slot_stores_from_env();  // RINGCOLL_SLOT_STORES: auto (default), cache or stream
+constexpr int kHopLaps = 8;                              // laps of the token per probe
+constexpr uint64_t kHopProbeEvery = 64;                  // large calls between probes
+constexpr size_t kHopProbeMinBytes = size_t{256} << 10;  // "large": from this message size
+// A hop at least this long means the neighbours do not share a cache (RINGCOLL_SLOW_HOP_NS).
+constexpr uint64_t kDefaultSlowHopNs = 150;
+// A hop this long was a wait for the scheduler, not for a cache line: the probe tells nothing.
+constexpr uint64_t kHopOffCoreNs = 5000;
 
 // The one-shot all-reduce folds all P copies of the whole message on every rank, where the
 // ring combines 1/P of it per rank: P-1 combines of n elements against (P-1)/P n. A 16-bit
@@ -240,6 +263,13 @@ class HostComm {
   // one-shot path then goes before direct reads (uses_direct_read).
   bool oversubscribed() const { return oversubscribed_; }
   uint64_t direct_calls() const { return direct_calls_; }  // how many read directly (for tests)
+  // The slots' stores (SlotStores): whether this rank now writes them around the cache, the
+  // latest neighbour hop measured (ns; 0: never probed), and how many probes found the
+  // hop slow, of how many.
+  bool stream_slots() const { return stream_slots_; }
+  uint64_t hop_ns() const { return hop_ns_; }
+  uint64_t hop_probes() const { return hop_probes_; }
+  uint64_t slow_hop_probes() const { return slow_hop_probes_; }
   bool broken() const { return !broken_reason_.empty(); }
   const std::string& broken_reason() const { return broken_reason_; }
   double timeout() const { return policy_.timeout_seconds; }
@@ -321,6 +351,12 @@ class HostComm {
   // one-shot publication: it writes only my own header), then read every peer's.
   void post_direct_input(const void* input, size_t bytes);
   void run_direct_all_gather(const RingCall& call, const void* input, void* output);
+  // Before a ring or plan call: how this rank writes its slots (SlotStores); probes the hop
+  // on the large calls whose turn it is (counted alike on every rank: they meet there).
+  void choose_slot_stores(const RingCall& call);
+  // A token goes kHopLaps times round the ring, each rank passing it on to its right
+  // neighbour; the fastest lap / P is one hop, the time a flag takes from core to core.
+  void probe_neighbour_hops();
   // Wait until every peer's `consumed` >= target: no peer still reads what I published up to it.
   void wait_all_consumed(uint64_t target);
   // Compare my published `call` with every peer's (descriptor.h); throws MismatchError.
@@ -355,6 +391,11 @@ class HostComm {
   bool oversubscribed_ = false;
   std::string direct_unavailable_ = "off";
   uint64_t direct_calls_ = 0;
+  SlotStores slot_stores_ = SlotStores::kAuto;
+  uint64_t slow_hop_ns_ = kDefaultSlowHopNs;
+  bool stream_slots_ = false;
+  uint64_t large_slot_calls_ = 0;  // ring and plan calls of kHopProbeMinBytes or more (the same on every rank)
+  uint64_t hop_probes_ = 0, slow_hop_probes_ = 0, hop_ns_ = 0;
   const char* current_op_ = "";
   // Where this rank is in the current call, for error messages: which path, and on the
   // ring or a plan which slice and step (steps = 0: before any data moved).

@@ -70,6 +70,7 @@ class PlanRun {
           slot_last_[slot_index(bank, c, chunks_)] = writes;
           slot_readers_[slot_index(bank, c, chunks_)] = op.readers;
         }
+        if (comm_.stream_slots()) stream_fence();  // streaming stores are weakly ordered: the slot before the flag
         flag_store_release(&comm_.header(me_).published.value, writes);
       }
     }
@@ -129,23 +130,26 @@ class PlanRun {
   void combine(const PlanOp& op, int bank, int64_t j, int c) {
     const int64_t len = length(c, j);
     if (len == 0) return;
-    // Up to two places, the slot first (reduce_strip writes its first target with
-    // ordinary stores: the reader takes it from cache).
+    // Up to two places, the slot first: its stores are the ones the reader cares about
+    // (SlotStores in host_comm.h); the others take ordinary stores.
     T* places[2] = {nullptr, nullptr};
     int n = 0;
-    if (op.to & kToSlot) places[n++] = slot(me_, bank, c);
+    T* const my_slot = (op.to & kToSlot) ? slot(me_, bank, c) : nullptr;
+    if (my_slot != nullptr) places[n++] = my_slot;
+    auto stream_slot = [&](const T* place) { return place != nullptr && place == my_slot && comm_.stream_slots(); };
     if (op.to & kToWork) places[n++] = work_at(c);
     if (op.to & kToOutput) places[n++] = output_at(c, j);
     const T* a = operand(op.a, op.from, bank, c, j);
     if (op.b == Operand::kNone) {
       if (places[0] == a) places[0] = nullptr;  // in place: already there
       if (places[0] == nullptr) std::swap(places[0], places[1]);
-      if (places[0] != nullptr) copy_strip(places[0], places[1], a, len, false);
+      if (places[0] != nullptr) copy_strip(places[0], places[1], a, len, false, stream_slot(places[0]));
       return;
     }
     const T* b = operand(op.b, op.from, bank, c, j);
-    if (op.final) reduce_strip<T, Op, true>(places[0], places[1], a, b, len, comm_.world(), false);
-    else reduce_strip<T, Op, false>(places[0], places[1], a, b, len, comm_.world(), false);
+    const bool stream_first = stream_slot(places[0]);
+    if (op.final) reduce_strip<T, Op, true>(places[0], places[1], a, b, len, comm_.world(), false, stream_first);
+    else reduce_strip<T, Op, false>(places[0], places[1], a, b, len, comm_.world(), false, stream_first);
   }
 
   HostComm& comm_;

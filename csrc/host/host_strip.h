@@ -2,12 +2,17 @@
 // differs from the GPU's (see ring_loop.h): copy a strip, or reduce one into place.
 //
 // Why two kinds of store. A slot of the registered buffer is read by the right neighbour
-// a moment later, so it should stay in cache: ordinary stores. The user's output of a
-// large message is not read again soon; an ordinary store first reads the line it will
-// overwrite (read-for-ownership), doubling the memory traffic. Streaming (non-temporal)
-// stores write around the cache and skip that read: on this project's 2-core EPYC they
-// copy 64 MiB at ~19 GB/s against glibc memcpy's ~10 GB/s. They pay off only once the
-// output no longer fits in cache, hence the threshold (streaming_threshold_bytes).
+// a moment later: where the two cores share a cache it should stay there (ordinary
+// stores); where they do not, the reader would fetch every line from the writer's cache,
+// a hop between dies each, and streaming stores, which put the lines in memory, are up to
+// 10x faster. The transport measures which holds (SlotStores in host_comm.h). The user's
+// output of a large message is not read again soon; an ordinary store first reads the
+// line it will overwrite (read-for-ownership), doubling the memory traffic. Streaming
+// (non-temporal) stores write around the cache and skip that read: on this project's
+// 2-core EPYC they copy 64 MiB at ~19 GB/s against glibc memcpy's ~10 GB/s. They pay off
+// only once the output no longer fits in cache, hence the threshold
+// (streaming_threshold_bytes). Streaming stores are weakly ordered: a stream_fence goes
+// between them and the flag that publishes what they wrote.
 #pragma once
 
 #include <algorithm>
@@ -63,23 +68,23 @@ inline void stream_fence() {
 #endif
 }
 
-// dst (if any) and dst2 (if any) = src; dst2 streamed when `stream_dst2`.
+// dst (if any) and dst2 (if any) = src; each streamed when its flag says so.
 template <typename T>
-void copy_strip(T* dst, T* dst2, const T* src, int64_t len, bool stream_dst2) {
+void copy_strip(T* dst, T* dst2, const T* src, int64_t len, bool stream_dst2, bool stream_dst = false) {
   const size_t bytes = static_cast<size_t>(len) * sizeof(T);
   if (bytes == 0) return;
-  if (dst != nullptr) std::memcpy(dst, src, bytes);
+  if (dst != nullptr) stream_dst ? stream_copy(dst, src, bytes) : (void)std::memcpy(dst, src, bytes);
   if (dst2 == nullptr || dst2 == src) return;  // in place: already there
-  if (stream_dst2) stream_copy(dst2, src, bytes);
-  else std::memcpy(dst2, src, bytes);
+  stream_dst2 ? stream_copy(dst2, src, bytes) : (void)std::memcpy(dst2, src, bytes);
 }
 
 // to_right[i] (if any) and to_output[i] (if any) = recv[i] op own[i], finalized when
-// kFinal. `own` may alias `to_output` (in-place), so nothing here is __restrict.
-// `isa`: which vector loop may run (host_vector16.h); kNone is the scalar reference, for tests.
+// kFinal; each target streamed when its flag says so. `own` may alias `to_output`
+// (in-place), so nothing here is __restrict. `isa`: which vector loop may run
+// (host_vector16.h); kNone is the scalar reference, for tests.
 template <typename T, class Op, bool kFinal>
 void reduce_strip(T* to_right, T* to_output, const T* recv, const T* own, int64_t len, int world,
-                  bool stream_output, VectorIsa isa = VectorIsa::kBest) {
+                  bool stream_output, bool stream_right = false, VectorIsa isa = VectorIsa::kBest) {
   auto value = [world](T a, T b) {
     if constexpr (kFinal) return combine_final_element<T, Op>(a, b, world);
     else return combine_element<T, Op>(a, b);
@@ -94,21 +99,27 @@ void reduce_strip(T* to_right, T* to_output, const T* recv, const T* own, int64_
       for (; i < n; ++i) out[i] = value(r[i], o[i]);
     }
   };
-  if (to_output == nullptr || !stream_output) {
+  stream_output = stream_output && to_output != nullptr;
+  stream_right = stream_right && to_right != nullptr;
+  if (!stream_output && !stream_right) {
     if (to_output != nullptr && to_right != nullptr) reduce_span(to_right, to_output, recv, own, len);
     else reduce_span(to_right != nullptr ? to_right : to_output, nullptr, recv, own, len);
     return;
   }
-  // Output streamed: compute a block into the slot (which the neighbour reads from cache)
-  // or, with no slot, into an L1-sized scratch block; then stream the block out. Reading
-  // a whole block of `own` before writing it keeps in-place use correct.
+  // Some target streamed: compute a block into the slot, if it takes ordinary stores (the
+  // neighbour reads it from cache), else into an L1-sized scratch block; then copy the
+  // block to the other targets. Reading a whole block of `own` before writing it keeps
+  // in-place use correct.
   constexpr int64_t kBlock = 4096 / sizeof(T);
   alignas(64) T scratch[kBlock];
   for (int64_t i = 0; i < len; i += kBlock) {
     const int64_t n = len - i < kBlock ? len - i : kBlock;
-    T* staged = to_right != nullptr ? to_right + i : scratch;
+    const size_t bytes = static_cast<size_t>(n) * sizeof(T);
+    T* staged = to_right != nullptr && !stream_right ? to_right + i : scratch;
     reduce_span(staged, nullptr, recv + i, own + i, n);
-    stream_copy(to_output + i, staged, static_cast<size_t>(n) * sizeof(T));
+    if (stream_right) stream_copy(to_right + i, staged, bytes);
+    if (to_output != nullptr) stream_output ? stream_copy(to_output + i, staged, bytes)
+                                            : (void)std::memcpy(to_output + i, staged, bytes);
   }
 }
 

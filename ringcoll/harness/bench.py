@@ -867,7 +867,26 @@ def direct_reads_row(comm) -> dict:
     return {"kind": "direct_reads", "on": on, "from_bytes": comm.direct_bytes, "below_bytes": comm.direct_max_bytes,
             "after_one_shot": on and transport.oversubscribed,
             "zero_copy_calls": getattr(transport, "zero_copy_calls", 0),  # --symmetric: calls read in place
+            "slot_stores": getattr(transport, "slot_stores", None),  # the neighbour-hop probes' verdicts
             "why": "" if on else getattr(transport, "direct_reads_unavailable", "not on this transport")}
+
+
+def slot_stores_lines(direct: Optional[dict]) -> list[str]:
+    """How rank 0 wrote its slots during the run (csrc/host/host_comm.cpp, "The slots' stores"):
+    the hop between neighbouring cores decides, and on a VM it can change mid-run, taking every
+    backend's times with it, so the table says what the probes saw."""
+    stores = (direct or {}).get("slot_stores")
+    if not stores:
+        return []
+    setting = os.environ.get("RINGCOLL_SLOT_STORES", "auto")
+    if setting != "auto":
+        return ["", f"# slots written with {'streaming' if setting == 'stream' else 'ordinary'} stores "
+                    f"(RINGCOLL_SLOT_STORES={setting})"]
+    if stores["probes"] == 0:
+        return ["", "# slots written with ordinary stores (no ring call large enough to probe the neighbour hop)"]
+    return ["", f"# slots: {stores['slow_probes']} of {stores['probes']} neighbour-hop probes on rank 0 found the "
+                f"hop slow (the cores on different dies: streaming stores), the others fast (a shared cache: "
+                f"ordinary stores); last hop {stores['hop_ns']} ns"]
 
 
 def gpu_of(rank: int, world: int) -> int:
@@ -1287,6 +1306,7 @@ def format_table(rows: list[dict], world: int, config: Config, fitted: dict, not
     if config.symmetric and direct is not None:
         lines += ["", f"# symmetric memory: {direct['zero_copy_calls']} of rank 0's ringcoll calls read the peers' "
                       "tensors in place (the others, up to small_bytes, took the one-shot path through the slots)"]
+    lines += slot_stores_lines(direct)
     lines += ["", f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}",
               f"# Avg bus bandwidth    : {sum(buses) / max(len(buses), 1):.3f} GB/s "
               "(ringcoll, out-of-place; broadcast and reduce in place, their one form)"]

@@ -422,6 +422,20 @@ def test_crossover_script_checks_and_times_both_paths():
             bench.parse_bytes(size)), done.stdout
 
 
+def test_slot_stores_script_checks_and_times_every_store():
+    """bench/slot_stores.py, whose rounds docs/communication.md quotes: each store's results
+    checked, a round printed with the auto communicator's hop and choice."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "slot_stores.py"), "--seconds", "0",
+                           "--window", "0.01", "--sizes", "4K,256K"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert done.returncode == 0, done.stderr
+    last = done.stdout.strip().splitlines()[-1].split()
+    assert last[0].endswith("ns") and int(last[0][:-2]) > 0 and last[1] in ("cache", "stream"), done.stdout
+
+
 def test_ddp_step_script_trains_both_backends_alike():
     """bench/ddp_step.py, whose step times the docs quote, under torchrun (one machine, 2
     ranks, a short run): both replicas train and end within rounding of each other."""

@@ -75,7 +75,11 @@ SPAWN_TIMEOUT = 240.0
 MAX_REPORTED = 40
 # The matrix runs must not see a RINGCOLL_* setting from the environment of the test run.
 CLEAN_ENV = {"RINGCOLL_TIMEOUT": None, "RINGCOLL_BUFFER_BYTES": None, "RINGCOLL_SMALL_BYTES": None,
-             "RINGCOLL_DIRECT_BYTES": None, "RINGCOLL_DIRECT_MAX_BYTES": None}
+             "RINGCOLL_DIRECT_BYTES": None, "RINGCOLL_DIRECT_MAX_BYTES": None, "RINGCOLL_SLOT_STORES": None,
+             "RINGCOLL_SLOW_HOP_NS": None}
+# The slots written with streaming stores (host_strip.h, SlotStores in host_comm.h) for the
+# odd worlds' matrices: the even ones keep ordinary stores, so both kinds meet every case.
+STREAMED_SLOTS_ENV = {**CLEAN_ENV, "RINGCOLL_SLOT_STORES": "stream"}
 
 _gloo_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _gloo_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -866,7 +870,7 @@ def _report(results) -> None:
 # asserts that P = 5 is reached): here it repeated P = 3's odd-world cases for ~25 s of CI.
 @pytest.mark.parametrize("world", [1, 2, 3, 4], ids=lambda w: f"P{w}")
 def test_collectives_match_gloo(world):
-    _report(spawn(_matrix_rank, world, timeout=SPAWN_TIMEOUT, env=CLEAN_ENV))
+    _report(spawn(_matrix_rank, world, timeout=SPAWN_TIMEOUT, env=STREAMED_SLOTS_ENV if world % 2 else CLEAN_ENV))
 
 
 # --- outputs written with streaming stores ------------------------------------------------
@@ -883,29 +887,91 @@ def _streamed_rank(rank, world):
     chk.checked += 1
     if _C.streaming_threshold_bytes() != 1:
         chk.fail("RINGCOLL_STREAMING_BYTES", f"threshold {_C.streaming_threshold_bytes()}, not the 1 set")
-    with ringcoll.Communicator(buffer_bytes=SMALL_BUFFER, small_bytes=0, direct_bytes=0,
-                               timeout=COMM_TIMEOUT) as comm:
-        comms = [("streamed", comm)]
-        for dtype, op_name in [(torch.float32, "SUM"), (torch.bfloat16, "SUM"), (torch.int8, "MAX"),
-                               (torch.float64, "AVG")]:
-            elem = torch.empty(0, dtype=dtype).element_size()
-            counts = [world + 1, 3 * 4096 // elem + 5]
-            run_reduce_cases(chk, rank, world, comms, dtype, op_name, counts, counts, ("out_of_place", "in_place"),
-                             "streamed")
+    comms = []
+    for slots in ("cache", "stream"):  # the slots too, in the second (RINGCOLL_SLOT_STORES, read at creation)
+        os.environ["RINGCOLL_SLOT_STORES"] = slots
+        comms.append((f"streamed, slots {slots}", ringcoll.Communicator(buffer_bytes=SMALL_BUFFER, small_bytes=0,
+                                                                        direct_bytes=0, timeout=COMM_TIMEOUT)))
+        chk.checked += 1
+        if comms[-1][1].transport.slot_stores["streaming"] != (slots == "stream"):
+            chk.fail("RINGCOLL_SLOT_STORES", f"{slots}: {comms[-1][1].transport.slot_stores}")
+    for dtype, op_name in [(torch.float32, "SUM"), (torch.bfloat16, "SUM"), (torch.int8, "MAX"),
+                           (torch.float64, "AVG")]:
+        elem = torch.empty(0, dtype=dtype).element_size()
+        counts = [world + 1, 3 * 4096 // elem + 5]
+        run_reduce_cases(chk, rank, world, comms, dtype, op_name, counts, counts, ("out_of_place", "in_place"),
+                         "streamed")
+        for name, comm in comms:
             for n in counts:  # all_reduce out of place (run_reduce_cases runs it in place)
                 x = make_input(_kind(op_name), dtype, n, _seed("streamed", dtype, op_name, n, rank))
                 ref = gloo_all_reduce([x], op_name, world)[0]
                 out, base = _guarded(n, dtype)
                 comm.all_reduce(x, op=_ops(op_name)[0], output=out)
-                label = f"streamed all_reduce(output=) {_name(dtype)} {op_name} n={n}"
+                label = f"{name} all_reduce(output=) {_name(dtype)} {op_name} n={n}"
                 chk.equal(label, out, ref)
                 _guards_intact(chk, label, base, n)
-            run_gather_cases(chk, rank, world, comms, dtype, counts, ("out_of_place", "in_place"), "streamed")
+        run_gather_cases(chk, rank, world, comms, dtype, counts, ("out_of_place", "in_place"), "streamed")
+    for _, comm in comms:
+        comm.close()
     return chk.finish()
 
 
 def test_streamed_outputs_match_gloo():
     _report(spawn(_streamed_rank, 3, timeout=SPAWN_TIMEOUT, env={**CLEAN_ENV, "RINGCOLL_STREAMING_BYTES": "1"}))
+
+
+# --- the slots' stores chosen by the neighbour-hop probe ---------------------------------------
+
+def _slot_stores_rank(rank, world):
+    """RINGCOLL_SLOT_STORES=auto (the default): a token passed round the ring measures the hop
+    between neighbours on the first ring or plan call of at least hop_probe_min_bytes and on
+    every hop_probe_every-th after; smaller calls and other paths neither probe nor count
+    (host_comm.cpp, "The slots' stores"). RINGCOLL_SLOW_HOP_NS=0 makes every hop slow, so
+    a probe that measured one (hop < hop_off_core_ns) must switch to streaming stores; a huge
+    one, none. Results exact throughout; a bad setting is a clear error."""
+    from ringcoll import _C
+
+    chk = Checker(rank)
+    big = _C.hop_probe_min_bytes // 4
+    for slow_ns, name in [("0", "every hop slow"), (str(10 ** 12), "no hop slow")]:
+        os.environ["RINGCOLL_SLOW_HOP_NS"] = slow_ns
+        with ringcoll.Communicator(timeout=COMM_TIMEOUT, direct_bytes=0) as comm:
+            streams = [False]  # what the probes so far should have chosen
+
+            def stores(expected_probes, label):
+                s = comm.transport.slot_stores
+                chk.checked += 1
+                if expected_probes and s["hop_ns"] < _C.hop_off_core_ns:  # else a peer off its core: choice kept
+                    streams[0] = slow_ns == "0"
+                if s["probes"] != expected_probes or s["streaming"] != streams[0] or (expected_probes and not s["hop_ns"]):
+                    chk.fail(f"{name}: {label}", f"{s}, expected {expected_probes} probes, streaming {streams[0]}")
+
+            stores(0, "before any call")
+            small = make_input("int", torch.int32, 1000, _seed("hop-small", rank))
+            comm.all_reduce(small.clone())
+            stores(0, "after a small call")
+            for i in range(_C.hop_probe_every):  # the first probes; the other 63 only count
+                x = make_input("int", torch.int32, big, _seed("hop", i, rank))
+                ref = gloo_all_reduce([x], "SUM", world)[0]
+                comm.all_reduce(x, algorithm="rhd" if i == 1 else "auto")  # a plan call counts too
+                chk.equal(f"{name}: large all_reduce {i}", x, ref)
+                comm.all_reduce(small.clone())
+            stores(1, f"after {_C.hop_probe_every} large calls")
+            comm.all_reduce(torch.ones(big, dtype=torch.int32))
+            stores(2, f"after {_C.hop_probe_every + 1} large calls")
+    os.environ["RINGCOLL_SLOT_STORES"] = "fast"
+    try:
+        ringcoll.Communicator(timeout=COMM_TIMEOUT).close()
+        chk.fail("RINGCOLL_SLOT_STORES=fast", "no error")
+    except ValueError as e:
+        chk.checked += 1
+        if "RINGCOLL_SLOT_STORES must be auto, cache or stream, not 'fast'" not in str(e):
+            chk.fail("RINGCOLL_SLOT_STORES=fast", f"unclear error: {e}")
+    return chk.finish()
+
+
+def test_slot_stores_follow_the_neighbour_hop_probe():
+    _report(spawn(_slot_stores_rank, 2, timeout=SPAWN_TIMEOUT, env=CLEAN_ENV))
 
 
 # --- all_reduce_coalesced: one flat ring call for several tensors ------------------------
