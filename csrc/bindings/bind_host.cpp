@@ -284,6 +284,7 @@ void bind_host(py::module_& m) {
       .def_property_readonly("symmetric_arenas", &HostComm::symmetric_arenas)
       .def_property_readonly("zero_copy_calls", &HostComm::zero_copy_calls)
       .def_property_readonly("stream_slots", &HostComm::stream_slots)
+      .def_property_readonly("probes_hops", &HostComm::probes_hops)
       .def_property_readonly("hop_ns", &HostComm::hop_ns)
       .def_property_readonly("hop_probes", &HostComm::hop_probes)
       .def_property_readonly("slow_hop_probes", &HostComm::slow_hop_probes)

@@ -515,10 +515,11 @@ void HostComm::run_plan_call(const char* op, const RingCall& call, const Compile
 // ring. A probe costs a few microseconds (kHopLaps laps of P hops) on calls of at least
 // 256 KiB, which take tens of microseconds or more. Every rank counts the same large calls,
 // so all meet in the same probe; each decides for its own stores from the laps it saw.
+// Ranks that take turns on cores do not probe (probes_hops): their laps time the scheduler.
 
 void HostComm::choose_slot_stores(const RingCall& call) {
   const size_t message = static_cast<size_t>(call.ring_count) * static_cast<size_t>(call.elem_size);
-  if (slot_stores_ != SlotStores::kAuto || world_ == 1 || message < kHopProbeMinBytes) return;
+  if (!probes_hops() || message < kHopProbeMinBytes) return;
   if (large_slot_calls_++ % kHopProbeEvery == 0) probe_neighbour_hops();
 }
 

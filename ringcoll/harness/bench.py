@@ -882,6 +882,8 @@ def slot_stores_lines(direct: Optional[dict]) -> list[str]:
     if setting != "auto":
         return ["", f"# slots written with {'streaming' if setting == 'stream' else 'ordinary'} stores "
                     f"(RINGCOLL_SLOT_STORES={setting})"]
+    if not stores.get("probing", True):
+        return ["", "# slots written with ordinary stores (ranks take turns on the cores: no neighbour-hop probe)"]
     if stores["probes"] == 0:
         return ["", "# slots written with ordinary stores (no ring call large enough to probe the neighbour hop)"]
     return ["", f"# slots: {stores['slow_probes']} of {stores['probes']} neighbour-hop probes on rank 0 found the "

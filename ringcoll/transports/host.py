@@ -333,10 +333,11 @@ class HostTransport(Transport):
     def slot_stores(self) -> dict:
         """How this rank writes the slots its neighbours read (RINGCOLL_SLOT_STORES; the
         neighbour-hop probe in csrc/host/host_comm.cpp): `streaming` (now), the latest `hop_ns`
-        measured (0: never probed), and how many `probes` found the hop slow (`slow_probes`)."""
+        measured (0: never probed), how many `probes` found the hop slow (`slow_probes`), and
+        whether this rank `probing` at all (not where ranks take turns on cores)."""
         c = self._comm
         return {"streaming": c.stream_slots, "hop_ns": c.hop_ns, "probes": c.hop_probes,
-                "slow_probes": c.slow_hop_probes}
+                "slow_probes": c.slow_hop_probes, "probing": c.probes_hops}
 
     def allocate_symmetric(self, nbytes: int, dtype: int, dims: list):
         """A block of this rank's symmetric memory (csrc/host/symmetric_heap.h): collective, so

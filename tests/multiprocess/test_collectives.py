@@ -941,6 +941,9 @@ def _slot_stores_rank(rank, world):
             def stores(expected_probes, label):
                 s = comm.transport.slot_stores
                 chk.checked += 1
+                if s["probing"] != ((os.cpu_count() or 1) >= world):  # a core each: probed (host_wait_policy)
+                    chk.fail(f"{name}: {label}", f"probing {s['probing']} with {os.cpu_count()} cores")
+                expected_probes *= s["probing"]
                 if expected_probes and s["hop_ns"] < _C.hop_off_core_ns:  # else a peer off its core: choice kept
                     streams[0] = slow_ns == "0"
                 if s["probes"] != expected_probes or s["streaming"] != streams[0] or (expected_probes and not s["hop_ns"]):
