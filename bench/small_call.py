@@ -12,7 +12,9 @@ fastest block's mean per call (short blocks: on a loaded machine most long ones 
 descheduled), with the median beside it. At P=2 a barrier starts each block on both ranks and
 rank 0 prints. "_C run" is HostComm.run on the same tensor: the floor the Python layers sit on.
 Under mpirun the cases also hold mpi4py's Allreduce, Reduce_scatter_block and Allgather on
-numpy views of the same tensors, timed in turn with ringcoll's in the same processes.
+numpy views of the same tensors, out of place and in place (MPI_IN_PLACE), timed in turn with
+ringcoll's in the same processes. COUNT (environment, default 1024) is each rank's input in
+float32 elements: 512 gives the benchmark's 4 KiB all-gather and reduce-scatter.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 
 import ringcoll
 
-COUNT = 1024  # 4 KiB of float32
+COUNT = int(os.environ.get("COUNT", "1024"))  # elements per rank's input: 4 KiB of float32
 CALLS = int(os.environ.get("CALLS", "1000"))
 REPS = int(os.environ.get("REPS", "40"))
 
@@ -51,6 +53,8 @@ def cases(comm, group) -> dict:
         "reduce to rank 0": lambda: comm.reduce(t, 0),
         "prepared all_reduce": comm.prepare_all_reduce(t),
         "_C run (floor)": lambda: binding.run("all_reduce", t.data_ptr(), t.data_ptr(), COUNT, 0, 0),
+        "_C run all_gather in place": lambda: binding.run("all_gather", own.data_ptr(), gathered.data_ptr(),
+                                                          COUNT, 0, None),
     }
 
 
@@ -65,6 +69,9 @@ def mpi_cases(mpi) -> dict:
         "mpi Allreduce out of place": lambda: world_comm.Allreduce(t, out, op=mpi.SUM),
         "mpi Reduce_scatter_block": lambda: world_comm.Reduce_scatter_block(whole, shard, op=mpi.SUM),
         "mpi Allgather": lambda: world_comm.Allgather(t, gathered),
+        "mpi Allreduce in place": lambda: world_comm.Allreduce(mpi.IN_PLACE, t, op=mpi.SUM),
+        "mpi Reduce_scatter_block in place": lambda: world_comm.Reduce_scatter_block(mpi.IN_PLACE, whole, op=mpi.SUM),
+        "mpi Allgather in place": lambda: world_comm.Allgather(mpi.IN_PLACE, gathered),
     }
 
 

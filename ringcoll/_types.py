@@ -85,9 +85,16 @@ def _configure_tensor_checks() -> None:
     """Hand the extension's argument checks (csrc/bindings/tensor_checks.h) what they know by
     identity: torch.Tensor, the CPU device, every dtype's code, and the ReduceOp objects a
     call names (ringcoll's and torch.distributed's). Any other op object goes to reduce_op,
-    which resolves it or raises."""
+    which resolves it or raises. Where torch.Tensor carries DLPack's C exchange table (DLPack
+    1.3; torch 2.13 has it), the checks read a plain tensor's facts through it in one C call
+    (csrc/bindings/dlpack_exchange.h), learning DLPack's name of each dtype from an empty
+    sample of it."""
     ops = [(ours, int(ours)) for ours in ReduceOp] + [(theirs, int(ours)) for theirs, ours in _TORCH_OPS.items()]
-    _C.configure_tensor_checks(torch.Tensor, CPU, reduce_op, list(DTYPE_CODES.items()), ops)
+    samples = [(torch.empty(0, dtype=dtype), code) for dtype, code in DTYPE_CODES.items()]
+    _C.configure_tensor_checks(torch.Tensor, CPU, reduce_op, list(DTYPE_CODES.items()), ops,
+                               parameter_type=torch.nn.Parameter,
+                               dlpack_api=getattr(torch.Tensor, "__dlpack_c_exchange_api__", None),
+                               dtype_samples=samples)
 
 
 _configure_tensor_checks()

@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "dlpack_exchange.h"
 #include "ringcoll/reduce.h"
 
 namespace ringcoll::bindings {
@@ -17,10 +18,17 @@ namespace {
 // What ringcoll/_types.py registers at import: torch's objects, known here by identity.
 struct Registry {
   py::object tensor_type;  // torch.Tensor
+  py::object parameter_type;  // torch.nn.Parameter (read by DLPack too: a plain subclass)
   py::object cpu_device;   // the one torch.device("cpu") communicators hold
   py::object resolve_op;   // _types.reduce_op(op_name, op) -> ringcoll.ReduceOp, or raises
   std::vector<std::pair<py::object, int>> dtypes;  // torch.dtype -> reduce.h's DType code
   std::vector<std::pair<py::object, int>> ops;     // ringcoll's and torch's ReduceOp objects -> code
+  // DLPack's exchange table (dlpack_exchange.h), or null where torch has none; its capsule
+  // is held so the table outlives us. dlpack_dtypes: DLPack's (code, bits) -> DType code,
+  // learnt at configuration by exporting an empty tensor of each registered dtype.
+  py::object dlpack_capsule;
+  const dlpack::ExchangeApi* dlpack = nullptr;
+  std::vector<std::pair<uint16_t, int>> dlpack_dtypes;
   // Attribute names, interned once.
   py::object is_cpu{py::str("is_cpu")}, device{py::str("device")}, is_contiguous{py::str("is_contiguous")},
       dtype{py::str("dtype")}, data_ptr{py::str("data_ptr")}, numel{py::str("numel")};
@@ -88,6 +96,50 @@ std::string supported_dtypes() {
   return names;
 }
 
+uint16_t dlpack_dtype_key(const dlpack::DLDataType& t) { return static_cast<uint16_t>(t.code << 8 | t.bits); }
+
+// One C call instead of five attribute reads (dlpack_exchange.h), for a tensor of exactly
+// torch.Tensor or nn.Parameter (a subclass may define its own data_ptr or __torch_function__,
+// which only the attribute reads honour). False wherever it cannot vouch for the tensor:
+// no table, another type, an export error (sparse, meta), another device, a dtype ringcoll
+// lacks, not contiguous; then the attribute reads decide and word any error, so the
+// messages and what is accepted are theirs. torch's rule for contiguous: every dimension
+// of size other than 1 has the stride of the dimensions after it; an empty tensor is.
+bool read_through_dlpack(const Registry& r, py::handle t, TensorFacts* facts) {
+  const auto* type = reinterpret_cast<PyObject*>(Py_TYPE(t.ptr()));
+  if (r.dlpack == nullptr || (type != r.tensor_type.ptr() && type != r.parameter_type.ptr())) return false;
+  dlpack::DLTensor d{};
+  if (r.dlpack->dltensor_from_py_object_no_sync(t.ptr(), &d) != 0) {
+    PyErr_Clear();
+    return false;
+  }
+  if (d.device.device_type != dlpack::kDLCPU || d.dtype.lanes != 1) return false;
+  int dtype = -1;
+  for (const auto& [key, code] : r.dlpack_dtypes)
+    if (key == dlpack_dtype_key(d.dtype)) dtype = code;
+  if (dtype < 0) return false;
+  int64_t count = 1;
+  bool contiguous = true;
+  for (int i = d.ndim - 1; i >= 0; --i) {
+    if (d.shape[i] != 1 && d.strides[i] != count) contiguous = false;
+    count *= d.shape[i];
+  }
+  if (!contiguous && count != 0) return false;
+  *facts = {dtype, reinterpret_cast<uintptr_t>(d.data) + d.byte_offset, count};
+  return true;
+}
+
+// The exchange table from torch.Tensor's capsule, where it is one (an early torch exposed an
+// integer under an older name) and its major version is DLPack's 1; else none, and the
+// attribute reads serve.
+const dlpack::ExchangeApi* exchange_api(py::handle capsule) {
+  if (!PyCapsule_IsValid(capsule.ptr(), dlpack::kCapsuleName)) return nullptr;
+  const auto* api = static_cast<const dlpack::ExchangeApi*>(PyCapsule_GetPointer(capsule.ptr(), dlpack::kCapsuleName));
+  const bool usable = api != nullptr && api->header.version.major == dlpack::kMajorVersion &&
+                      api->dltensor_from_py_object_no_sync != nullptr;
+  return usable ? api : nullptr;
+}
+
 }  // namespace
 
 py::handle cpu_device() { return known().cpu_device; }
@@ -99,9 +151,15 @@ bool same_layout(py::handle tensors, py::handle layout) {
   if (ts.size() != recorded.size()) return false;
   for (size_t i = 0; i < ts.size(); ++i) {
     const auto was = py::reinterpret_borrow<py::tuple>(recorded[i]);  // (address, count, dtype)
-    if (!call(ts[i], r.data_ptr).equal(was[0]) || !call(ts[i], r.numel).equal(was[1]) ||
-        get(ts[i], r.dtype).ptr() != was[2].ptr())
+    TensorFacts now{};
+    if (read_through_dlpack(r, ts[i], &now)) {
+      if (now.address != PyLong_AsUnsignedLongLong(was[0].ptr()) || now.count != as_int(was[1]) ||
+          now.dtype != dtype_code("same_layout", was[2]))
+        return false;
+    } else if (!call(ts[i], r.data_ptr).equal(was[0]) || !call(ts[i], r.numel).equal(was[1]) ||
+               get(ts[i], r.dtype).ptr() != was[2].ptr()) {
       return false;
+    }
   }
   return true;
 }
@@ -125,6 +183,8 @@ int op_code(const char* op, py::handle reduce_op, int dtype) {
 
 TensorFacts check_tensor(const char* op, const char* what, py::handle t, py::handle device) {
   const Registry& r = known();
+  TensorFacts fast{};
+  if (device.ptr() == r.cpu_device.ptr() && read_through_dlpack(r, t, &fast)) return fast;
   const int is_tensor = PyObject_IsInstance(t.ptr(), r.tensor_type.ptr());
   if (is_tensor < 0) throw py::error_already_set();
   if (!is_tensor)
@@ -174,15 +234,29 @@ void bind_tensor_checks(py::module_& m) {
   m.def(
       "configure_tensor_checks",
       [](py::object tensor_type, py::object cpu_device, py::object resolve_op,
-         std::vector<std::pair<py::object, int>> dtypes, std::vector<std::pair<py::object, int>> ops) {
-        auto* fresh = new Registry{std::move(tensor_type), std::move(cpu_device), std::move(resolve_op),
-                                   std::move(dtypes), std::move(ops)};
+         std::vector<std::pair<py::object, int>> dtypes, std::vector<std::pair<py::object, int>> ops,
+         py::object parameter_type, py::object dlpack_capsule, std::vector<std::pair<py::object, int>> dtype_samples) {
+        auto* fresh = new Registry{};
+        fresh->tensor_type = std::move(tensor_type), fresh->parameter_type = std::move(parameter_type);
+        fresh->cpu_device = std::move(cpu_device), fresh->resolve_op = std::move(resolve_op);
+        fresh->dtypes = std::move(dtypes), fresh->ops = std::move(ops);
+        fresh->dlpack = exchange_api(dlpack_capsule);
+        fresh->dlpack_capsule = std::move(dlpack_capsule);
+        for (const auto& [sample, code] : dtype_samples) {  // what DLPack calls each of our dtypes
+          dlpack::DLTensor d{};
+          if (fresh->dlpack == nullptr) break;
+          if (fresh->dlpack->dltensor_from_py_object_no_sync(sample.ptr(), &d) != 0) throw py::error_already_set();
+          fresh->dlpack_dtypes.emplace_back(dlpack_dtype_key(d.dtype), code);
+        }
         std::swap(fresh, registry);
         delete fresh;  // a second configuration (a reload) replaces the first, with the GIL held
       },
       py::arg("tensor_type"), py::arg("cpu_device"), py::arg("resolve_op"), py::arg("dtypes"), py::arg("ops"),
+      py::arg("parameter_type") = py::none(), py::arg("dlpack_api") = py::none(),
+      py::arg("dtype_samples") = std::vector<std::pair<py::object, int>>{},
       "ringcoll/_types.py, at import: torch.Tensor, the CPU device, reduce_op, and the (object, code) pairs "
-      "of every dtype and ReduceOp object known by identity");
+      "of every dtype and ReduceOp object known by identity; nn.Parameter, torch.Tensor's DLPack exchange "
+      "capsule (or None) and an empty tensor of each dtype with its code, for the fast read");
   m.def(
       "check_tensor",
       [](const std::string& op, const std::string& what, py::handle t, py::handle device) {
@@ -202,6 +276,16 @@ void bind_tensor_checks(py::module_& m) {
       },
       py::arg("op"), py::arg("output"), py::arg("input"), py::arg("sizes"), py::arg("device"), py::arg("rank"),
       py::arg("world"), "(dtype code, input address, input count, output address, output count)");
+  m.def(
+      "read_tensor_facts",
+      [](py::handle t) -> py::object {
+        TensorFacts f{};
+        if (!read_through_dlpack(known(), t, &f)) return py::none();
+        return py::make_tuple(f.dtype, f.address, f.count);
+      },
+      py::arg("tensor"),
+      "the fast read alone (DLPack's exchange table): (dtype code, address, element count) of a contiguous CPU "
+      "tensor it vouches for, else None (the attribute reads then decide); for tests");
   m.def("same_layout", &same_layout, py::arg("tensors"), py::arg("layout"),
         "whether each tensor still has the (address, element count, dtype) recorded for it");
   m.def(

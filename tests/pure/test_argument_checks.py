@@ -3,8 +3,10 @@ test machine runs: sizes are compared in integers, so every world size is exact.
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from ringcoll._types import CPU
+from ringcoll._types import CPU, DTYPE_CODES
 from ringcoll.communicator import EQUAL, GATHER, SCATTER, ArgumentChecks
 
 
@@ -64,3 +66,113 @@ def test_the_hierarchical_communicator_takes_every_communicator_call_as_written(
         assert theirs is not None, f"HierarchicalCommunicator has no {name}"
         ours = [(p.name, p.kind, p.default) for p in inspect.signature(method).parameters.values()]
         assert [(p.name, p.kind, p.default) for p in inspect.signature(theirs).parameters.values()] == ours, name
+
+
+# --- the fast read (csrc/bindings/dlpack_exchange.h) ---------------------------------------
+#
+# Where torch.Tensor carries DLPack's C exchange table, the checks read a tensor's dtype,
+# address and element count in one C call instead of five attribute reads. It must say
+# exactly what the attribute reads say, for every tensor it vouches for, and vouch for no
+# other (those fall back to the attribute reads, which word the errors).
+
+HAS_EXCHANGE_TABLE = getattr(torch.Tensor, "__dlpack_c_exchange_api__", None) is not None
+
+
+def attribute_facts(t):
+    """What the attribute reads say of `t`, where the fast read must vouch for it (a strided,
+    contiguous CPU tensor of exactly torch.Tensor or nn.Parameter, of a dtype ringcoll has);
+    None where it must not."""
+    vouched = (type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided and t.is_cpu
+               and t.is_contiguous() and t.dtype in DTYPE_CODES)
+    return (DTYPE_CODES[t.dtype], t.data_ptr(), t.numel()) if vouched else None
+
+
+class Subclass(torch.Tensor):  # may define its own data_ptr: only the attribute reads honour it
+    pass
+
+
+def odd_tensors():
+    base = torch.arange(24.0)
+    yield "plain", base
+    yield "a view at an offset", base[5:11]
+    yield "2-d", base.view(4, 6)
+    yield "a row of 2-d", base.view(4, 6)[2]
+    yield "a column of 2-d", base.view(4, 6)[:, 2]
+    yield "transposed", base.view(4, 6).t()
+    yield "size-1 dimensions", base[:6].view(1, 6, 1)
+    yield "size-1 dimension of any stride", base.view(4, 6)[1:2, :]
+    yield "expanded", torch.ones(1).expand(4)
+    yield "0-d", torch.tensor(3.0)
+    yield "empty", torch.empty(0)
+    yield "empty, odd strides", torch.empty(0, 3).t()
+    yield "channels_last", torch.zeros(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    yield "parameter", torch.nn.Parameter(torch.ones(3))
+    yield "requires grad, not a leaf", torch.ones(3, requires_grad=True) * 2
+    yield "subclass", torch.ones(3).as_subclass(Subclass)
+    yield "bool", torch.ones(3, dtype=torch.bool)
+    yield "complex", torch.ones(3, dtype=torch.complex64)
+    yield "meta", torch.empty(3, device="meta")
+    yield "sparse", torch.ones(3).to_sparse()
+    for dtype in DTYPE_CODES:
+        yield f"{dtype}", torch.ones(5, dtype=dtype)
+        yield f"{dtype}, offset view", torch.ones(9, dtype=dtype)[3:7]
+
+
+def test_the_fast_read_says_what_the_attribute_reads_say():
+    from ringcoll import _C
+
+    vouched = 0
+    for label, t in odd_tensors():
+        expected = attribute_facts(t) if HAS_EXCHANGE_TABLE else None
+        assert _C.read_tensor_facts(t) == expected, label
+        vouched += expected is not None
+    # Where this torch has the table (2.13 does) the fast read must be taken, not silently lost.
+    assert (vouched > 0) == HAS_EXCHANGE_TABLE
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_the_fast_read_matches_on_any_strided_view(data):
+    """Random shapes, strides and offsets over a buffer: where the fast read vouches, its facts
+    are the attribute reads'; where they say contiguous, it vouches (torch's rule: only
+    dimensions of size other than 1 count, an empty tensor is contiguous)."""
+    from ringcoll import _C
+
+    dtype = data.draw(st.sampled_from(sorted(DTYPE_CODES, key=str)))
+    shape = data.draw(st.lists(st.integers(0, 4), max_size=4))
+    strides = data.draw(st.lists(st.integers(0, 12), min_size=len(shape), max_size=len(shape)))
+    offset = data.draw(st.integers(0, 7))
+    reach = offset + sum((n - 1) * s for n, s in zip(shape, strides)) + 1 if all(shape) else offset
+    t = torch.zeros(reach + 1, dtype=dtype).as_strided(shape, strides, offset)
+    assert _C.read_tensor_facts(t) == (attribute_facts(t) if HAS_EXCHANGE_TABLE else None)
+
+
+def test_the_checks_accept_and_refuse_alike_with_and_without_the_table():
+    """check_tensor and check_pair through the fast read and through the attribute reads alone
+    (the checks configured without the table, as on a torch that lacks it): the same facts,
+    or the same error word for word, for every kind of tensor."""
+    from ringcoll import _C, _types
+
+    def outcome(call):
+        try:
+            return call()
+        except (TypeError, ValueError) as e:
+            return type(e), str(e)
+
+    tensors = [t for _, t in odd_tensors()]
+    whole = torch.arange(8.0)
+    pairs = [(whole, whole[2:4]), (whole, torch.ones(2)), (whole, torch.ones(3)), (whole.view(2, 4).t(), whole[:2])]
+
+    def outcomes():
+        return ([outcome(lambda t=t: _C.check_tensor("op", "tensor", t, CPU)) for t in tensors]
+                + [outcome(lambda o=o, i=i: _C.check_pair("ag", o, i, GATHER, CPU, 1, 4)) for o, i in pairs])
+
+    with_table = outcomes()
+    try:
+        _C.configure_tensor_checks(torch.Tensor, CPU, _types.reduce_op, list(DTYPE_CODES.items()),
+                                   [(ours, int(ours)) for ours in _types.ReduceOp])
+        assert _C.read_tensor_facts(torch.ones(3)) is None
+        assert outcomes() == with_table
+    finally:
+        _types._configure_tensor_checks()
+    assert (_C.read_tensor_facts(torch.ones(3)) is not None) == HAS_EXCHANGE_TABLE
