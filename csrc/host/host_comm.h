@@ -156,10 +156,6 @@ inline bool one_shot_fits(Collective coll, int64_t ring_count, int elem_size, in
 // 8-16 MiB, 1.23-1.37 at 32 MiB; bench/results/2026-12-01-cpu-plain-calls.txt). The
 // default of RINGCOLL_DIRECT_MAX_BYTES.
 constexpr size_t kDefaultDirectMaxBytes = size_t{32} << 20;
-// From this message size the direct read copies its own chunk with streaming stores (2-4 MiB
-// at P = 2, three rounds in turn: 1.01-1.04 of Open MPI's speed with ordinary stores,
-// 1.06-1.13 streamed; at 1 MiB no clear difference).
-constexpr size_t kDirectOwnStreamBytes = size_t{2} << 20;
 
 // Whether an all-gather of `ring_count` bytes (ring_call's count) reads its peers' inputs
 // directly (host_comm.cpp, "The direct-read all-gather") rather than through the slots:

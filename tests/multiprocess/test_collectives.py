@@ -38,7 +38,8 @@ was taken exactly where ringcoll.learning.schedule.one_shot_fits says. The defau
 communicator's all-gathers from 16 KiB (RINGCOLL_DIRECT_BYTES) up to 32 MiB read their peers directly,
 before the one-shot path;
 run_direct_read_cases checks that path on its own, every dtype x form from one element up
-(direct_bytes=1), past 2 MiB (its own chunk streamed), alternating with the other two algorithms,
+(direct_bytes=1), past the streaming threshold (its own chunk streamed), alternating with
+the other two algorithms,
 async and (run_skewed_unchecked_cases) skewed with the call check off; counted against
 direct_read_fits likewise. test_symmetric.py's matrix (tensors in symmetric memory, read in
 place) runs in the same processes.
@@ -698,7 +699,8 @@ def _communicator_with_direct_max(max_bytes: int, **settings):
 def run_direct_read_cases(chk, rank, world):
     """The direct-read all-gather against gloo: every dtype x form at 1, P-1, P+1 and a
     prime count per rank (direct_bytes=1, small_bytes=0, no upper bound: every non-empty
-    all-gather reads its peers directly); a message past 2 MiB (the own chunk streamed); one communicator
+    all-gather reads its peers directly); a message past the streaming threshold (the own chunk
+    streamed); one communicator
     where one-shot, ring and direct calls alternate; the async queue. Counts that the path was taken exactly where direct_read_fits says."""
     # Without the upper bound: every case reads directly, whatever the default bound.
     with _communicator_with_direct_max(1 << 62, small_bytes=0, direct_bytes=1) as comm:
@@ -717,7 +719,8 @@ def run_direct_read_cases(chk, rank, world):
             chk.checked += 1
             if taken != expected or (world > 1 and taken == 0):
                 chk.fail(f"direct all_gather {_name(dtype)}", f"{taken} direct calls, expected {expected}")
-        own_streamed = (2 << 20) // (4 * world) + 3  # past 2 MiB: the own chunk takes streaming stores
+        # Past the streaming threshold (RINGCOLL_STREAMING_BYTES): the own chunk takes streaming stores
+        own_streamed = ringcoll._C.streaming_threshold_bytes() // (4 * world) + 3
         run_gather_cases(chk, rank, world, comms, torch.float32, [own_streamed], ("out_of_place", "in_place"), "stream")
         run_async_cases(chk, rank, world, comm, comm)
 
@@ -879,8 +882,9 @@ def _streamed_rank(rank, world):
     """With RINGCOLL_STREAMING_BYTES=1 every ring output takes the streaming-store paths of
     host_strip.h (staged in the slot, or in a scratch block where there is no slot), except
     where the output is the input or a chunk of it (all-reduce and reduce-scatter in place):
-    those take ordinary stores (HostRingContext). Every form, against gloo, through a 4 KiB
-    buffer so the message is sliced, at sizes that leave part of a 4 KiB block."""
+    those take ordinary stores (HostRingContext); the direct-read all-gather's own chunk too.
+    Every form, against gloo, through a 4 KiB buffer so the message is sliced, at sizes that
+    leave part of a 4 KiB block."""
     from ringcoll import _C
 
     chk = Checker(rank)
@@ -895,6 +899,9 @@ def _streamed_rank(rank, world):
         chk.checked += 1
         if comms[-1][1].transport.slot_stores["streaming"] != (slots == "stream"):
             chk.fail("RINGCOLL_SLOT_STORES", f"{slots}: {comms[-1][1].transport.slot_stores}")
+    # The direct-read all-gather streams its own chunk past the threshold too.
+    direct = ringcoll.Communicator(buffer_bytes=SMALL_BUFFER, small_bytes=0, direct_bytes=1, timeout=COMM_TIMEOUT)
+    comms.append(("streamed, direct reads", direct))
     for dtype, op_name in [(torch.float32, "SUM"), (torch.bfloat16, "SUM"), (torch.int8, "MAX"),
                            (torch.float64, "AVG")]:
         elem = torch.empty(0, dtype=dtype).element_size()
@@ -910,7 +917,11 @@ def _streamed_rank(rank, world):
                 label = f"{name} all_reduce(output=) {_name(dtype)} {op_name} n={n}"
                 chk.equal(label, out, ref)
                 _guards_intact(chk, label, base, n)
+        direct_before = direct.transport.direct_calls
         run_gather_cases(chk, rank, world, comms, dtype, counts, ("out_of_place", "in_place"), "streamed")
+        chk.checked += 1
+        if direct.transport.direct_calls == direct_before:
+            chk.fail(f"streamed direct reads {_name(dtype)}", "no all-gather read its peers directly")
     for _, comm in comms:
         comm.close()
     return chk.finish()
