@@ -518,7 +518,7 @@ void HostComm::run_plan_call(const char* op, const RingCall& call, const Compile
 // Ranks that take turns on cores do not probe (probes_hops): their laps time the scheduler.
 
 void HostComm::choose_slot_stores(const RingCall& call) {
-  const size_t message = static_cast<size_t>(call.ring_count) * static_cast<size_t>(call.elem_size);
+  const size_t message = message_bytes(call);
   if (!probes_hops() || message < kHopProbeMinBytes) return;
   if (large_slot_calls_++ % kHopProbeEvery == 0) probe_neighbour_hops();
 }
@@ -611,7 +611,7 @@ HostComm::OneShotPublication HostComm::publish_one_shot(const RingCall& call, co
   const int bank = static_cast<int>(one_shot_calls_++ % kBanks);
   const int slot = slot_index(bank, 0, world_);
   const uint64_t v = step_base_ + 1;
-  const size_t message = static_cast<size_t>(call.ring_count) * static_cast<size_t>(call.elem_size);
+  const size_t message = message_bytes(call);
   const size_t published =
       call.collective == Collective::kAllGather ? message / static_cast<size_t>(world_) : message;
 
@@ -750,7 +750,7 @@ void HostComm::run_direct_all_gather(const RingCall& call, const void* input, vo
   // in cache, and streaming them out costs (P = 2, 2-4 MiB, three rounds in turn on this
   // project's AMD VM: 0.70-0.85 of Open MPI's speed streamed, 1.00-1.06 not; the 2 MiB
   // bound this replaces had been measured on an Intel VM, +5-7% there).
-  const size_t message = static_cast<size_t>(call.ring_count) * static_cast<size_t>(call.elem_size);
+  const size_t message = message_bytes(call);
   copy_strip(static_cast<char*>(nullptr), out + static_cast<size_t>(rank_) * chunk, static_cast<const char*>(input),
              static_cast<int64_t>(chunk), message >= streaming_threshold_bytes());
   for (int peer = 0; peer < world_; ++peer)

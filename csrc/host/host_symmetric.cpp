@@ -195,7 +195,7 @@ void HostComm::add_symmetric_arena(size_t bytes) {
 HostComm::SymmetricArgs HostComm::symmetric_args(const RingCall& call, const void* input, const void* output) const {
   SymmetricArgs args;
   if (world_ == 1 || call.ring_count == 0 || heap_->arenas() == 0) return args;
-  const size_t message = static_cast<size_t>(call.ring_count) * static_cast<size_t>(call.elem_size);
+  const size_t message = message_bytes(call);
   const size_t in_bytes = call.collective == Collective::kAllGather ? message / world_ : message;
   const size_t out_bytes = call.collective == Collective::kReduceScatter ? message / world_ : message;
   args.posted = true;
@@ -210,7 +210,7 @@ void HostComm::post_symmetric(const RingCall& call, const SymmetricArgs& mine) {
   post.input_offset = mine.input ? mine.input->offset : 0;
   post.output_arena = mine.output ? mine.output->arena + 1 : 0;
   post.output_offset = mine.output ? mine.output->offset : 0;
-  post.bytes = static_cast<size_t>(call.ring_count) * static_cast<size_t>(call.elem_size);
+  post.bytes = message_bytes(call);
   flag_store_release(&post.call, calls_);
 }
 
@@ -224,7 +224,7 @@ void HostComm::symmetric_round(const char* event) {
 bool HostComm::run_zero_copy(const RingCall& call, const SymmetricArgs& mine, const void* input, void* output) {
   if (!mine.input) return false;  // mine are not: I go by the slots, and my post tells the peers to
   set_single_step(Path::kZeroCopy);
-  const size_t message = static_cast<size_t>(call.ring_count) * static_cast<size_t>(call.elem_size);
+  const size_t message = message_bytes(call);
   std::vector<const char*> inputs(world_), outputs(world_);
   bool every_output = true, some_in_place = false;
   for (int r = 0; r < world_; ++r) {  // every rank's post, mine included (already in my header)

@@ -53,6 +53,11 @@ struct RingCall {
   CallDescriptor descriptor;  // what ranks compare first (descriptor.h); its count is user_count
 };
 
+// The whole message in bytes (all-reduce's tensor, reduce-scatter's input, all-gather's output).
+inline size_t message_bytes(const RingCall& call) {
+  return static_cast<size_t>(call.ring_count) * static_cast<size_t>(call.elem_size);
+}
+
 RINGCOLL_INLINE RingCall ring_call(Collective coll, int64_t user_count, DType dtype, ReduceOp op, int world,
                                    int root = 0) {
   const int size = dtype_size(dtype);
@@ -91,7 +96,7 @@ void dispatch_call(const CallDescriptor& call, Fn&& fn) {
 template <class Copy, class Ring>
 void run_call(const RingCall& call, int world, const void* input, void* output, Copy&& copy, Ring&& ring) {
   if (world > 1) return ring();
-  const size_t bytes = static_cast<size_t>(call.ring_count) * static_cast<size_t>(call.elem_size);
+  const size_t bytes = message_bytes(call);
   if (input != output && bytes > 0) copy(output, input, bytes);
 }
 
