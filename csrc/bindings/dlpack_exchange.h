@@ -3,7 +3,8 @@
 //
 // DLPack 1.3 adds a C "exchange API": a table of function pointers a framework puts on its
 // tensor type as the capsule `__dlpack_c_exchange_api__` (torch.Tensor has it in the torch
-// this project is built and tested with, 2.13; older ones fall back to the attribute reads). Its `dltensor_from_py_object_no_sync` fills a caller's DLTensor from a Python
+// this project is built and tested with, 2.13; older ones fall back to the attribute
+// reads). Its `dltensor_from_py_object_no_sync` fills a caller's DLTensor from a Python
 // tensor in one C call, allocating nothing: address, device, dtype, shape and strides, the
 // facts ringcoll otherwise reads with five Python attribute calls per tensor (about 0.3 us;
 // tensor_checks.cpp). The layouts below are the ABI's, fixed for every 1.x version; a

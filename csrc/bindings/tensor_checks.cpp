@@ -242,11 +242,12 @@ void bind_tensor_checks(py::module_& m) {
         fresh->dtypes = std::move(dtypes), fresh->ops = std::move(ops);
         fresh->dlpack = exchange_api(dlpack_capsule);
         fresh->dlpack_capsule = std::move(dlpack_capsule);
-        for (const auto& [sample, code] : dtype_samples) {  // what DLPack calls each of our dtypes
-          dlpack::DLTensor d{};
-          if (fresh->dlpack == nullptr) break;
-          if (fresh->dlpack->dltensor_from_py_object_no_sync(sample.ptr(), &d) != 0) throw py::error_already_set();
-          fresh->dlpack_dtypes.emplace_back(dlpack_dtype_key(d.dtype), code);
+        if (fresh->dlpack != nullptr) {
+          for (const auto& [sample, code] : dtype_samples) {  // what DLPack calls each of our dtypes
+            dlpack::DLTensor d{};
+            if (fresh->dlpack->dltensor_from_py_object_no_sync(sample.ptr(), &d) != 0) throw py::error_already_set();
+            fresh->dlpack_dtypes.emplace_back(dlpack_dtype_key(d.dtype), code);
+          }
         }
         std::swap(fresh, registry);
         delete fresh;  // a second configuration (a reload) replaces the first, with the GIL held

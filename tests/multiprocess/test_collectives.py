@@ -700,8 +700,8 @@ def run_direct_read_cases(chk, rank, world):
     """The direct-read all-gather against gloo: every dtype x form at 1, P-1, P+1 and a
     prime count per rank (direct_bytes=1, small_bytes=0, no upper bound: every non-empty
     all-gather reads its peers directly); a message past the streaming threshold (the own chunk
-    streamed); one communicator
-    where one-shot, ring and direct calls alternate; the async queue. Counts that the path was taken exactly where direct_read_fits says."""
+    streamed); one communicator where one-shot, ring and direct calls alternate; the async
+    queue. Counts that the path was taken exactly where direct_read_fits says."""
     # Without the upper bound: every case reads directly, whatever the default bound.
     with _communicator_with_direct_max(1 << 62, small_bytes=0, direct_bytes=1) as comm:
         chk.checked += 1
