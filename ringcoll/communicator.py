@@ -412,7 +412,7 @@ class Communicator(ArgumentChecks):
         if not isinstance(self.algorithm, str):
             raise TypeError(f"Communicator: algorithm must be a name, got {self.algorithm!r}")
         transport_cls = self.transport_class(device)
-        self._runs_plans = transport_cls.runs_plans  # read once: _plan runs on every call
+        self._tuned = transport_cls.tuned  # whether auto reads the recorded table
         self._configure(group, transport_cls.resolve_device(device), timeout, buffer_bytes, check,
                         transport_cls.slot_alignment)
         self._choose_automatically()
@@ -540,10 +540,10 @@ class Communicator(ArgumentChecks):
     def _choose_automatically(self) -> None:
         """Read auto's table (ringcoll/tuning.py) for this world size: per collective, the
         bands of sizes where each algorithm is the cheapest. On CUDA (and its emulator) auto
-        is the ring kernels: no table."""
+        is native, the ring kernels: the table prices the CPU transport."""
         table, self._tuning_error = None, None
         try:
-            table = tuning.load() if self._runs_plans else None
+            table = tuning.load() if self._tuned else None
         except ValueError as e:  # raised once every rank has said so (_exchange): no rank waits for it
             self._tuning_error = e
         self._tuning_digest = (table.digest if table is not None
@@ -575,12 +575,8 @@ class Communicator(ArgumentChecks):
             if collective not in ROOTED_COLLECTIVES and self._transport.symmetric_arenas:
                 return None
             algorithm = tuning.choose(self._auto_bands[collective], message_bytes)
-        plan_engine = self._runs_plans  # the CPU transport's (the others run their own ring only)
         native_rooted = False
         if collective in ROOTED_COLLECTIVES:
-            if not plan_engine:
-                raise ValueError(f"{name}: runs on the CPU transport only so far (by its plan engine); for CUDA "
-                                 "tensors use torch.distributed's NCCL (the ringcoll backend forwards them there)")
             if algorithm == tuning.NATIVE:
                 # No path of its own: the one-shot up to small_bytes, as for the others, then the
                 # pipelined star for a broadcast (shared memory: every rank reads the root's copy at
@@ -589,11 +585,8 @@ class Communicator(ArgumentChecks):
                 algorithm = "oneshot" if message_bytes <= self.small_bytes else \
                     "star" if collective == "broadcast" else "ring"
                 native_rooted = True
-        elif algorithm == tuning.NATIVE or (algorithm == "ring" and not plan_engine):
-            return None  # the transport's own path (on CUDA: the ring kernels, the same ring)
-        if not plan_engine:
-            raise ValueError(f"{name}: algorithm={algorithm!r} runs on the CPU transport only so far; on CUDA "
-                             "'auto', 'native' or 'ring' (the ring kernels)")
+        elif algorithm == tuning.NATIVE:
+            return None  # the transport's own path (on CUDA: the ring kernels)
         try:
             plan, compiled, plan_id = plans.compiled(algorithm, collective, self.world_size, root)
         except plans.PlanError:

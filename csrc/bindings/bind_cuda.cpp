@@ -84,9 +84,17 @@ void bind_cuda(py::module_& m) {
   using ringcoll::emulation::EmulatedRing;
   py::module_ e = m.def_submodule("emulation", "the CUDA ring kernels run on the CPU, ranks and blocks as threads");
   auto result = [](const CallResult& r) { return py::make_tuple(r.error_type, r.message); };
+  // (rank, collective, dtype, op, input, output, count[, (plan, plan_id)]): the plan a
+  // CollectiveCall carries (its _C.CompiledPlan, which Python keeps alive while it runs).
   auto parse_call = [](const py::tuple& c) {
-    return EmulatedCall{c[0].cast<int>(),       c[1].cast<int>(),       c[2].cast<int>(),    c[3].cast<int>(),
-                        c[4].cast<uintptr_t>(), c[5].cast<uintptr_t>(), c[6].cast<int64_t>()};
+    EmulatedCall call{c[0].cast<int>(),       c[1].cast<int>(),       c[2].cast<int>(),    c[3].cast<int>(),
+                      c[4].cast<uintptr_t>(), c[5].cast<uintptr_t>(), c[6].cast<int64_t>()};
+    if (c.size() > 7 && !c[7].is_none()) {
+      const auto plan = c[7].cast<py::tuple>();
+      call.plan = plan[0].cast<const ringcoll::CompiledPlan*>();
+      call.plan_id = plan[1].cast<uint32_t>();
+    }
+    return call;
   };
   py::class_<Device, std::shared_ptr<Device>>(e, "Device", "a modelled CUDA device's streams (emulated_streams.h)")
       .def(py::init([](int queues) {
@@ -178,7 +186,8 @@ void bind_cuda(py::module_& m) {
             return out;
           },
           py::arg("calls"),
-          "calls: (rank, collective, dtype, op, input_ptr, output_ptr, count), collective Ring.CLOSE to close; "
+          "calls: (rank, collective, dtype, op, input_ptr, output_ptr, count[, (plan, plan_id)]), collective "
+          "Ring.CLOSE to close; "
           "each rank runs its calls in order, not waiting for the others between calls; "
           "returns (error_type, message) per call, ('', '') on success")
       .def_property_readonly("launches", &EmulatedRing::launches)
@@ -200,6 +209,9 @@ void bind_cuda(py::module_& m) {
       .def("reduce_scatter", &CudaComm::reduce_scatter, py::arg("input"), py::arg("output"), py::arg("output_count"),
            py::arg("dtype"), py::arg("op"), py::arg("stream"), py::arg("join") = true,
            py::call_guard<py::gil_scoped_release>())
+      .def("run_plan", &CudaComm::run_plan, py::arg("plan"), py::arg("plan_id"), py::arg("collective"),
+           py::arg("input"), py::arg("output"), py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("stream"),
+           py::arg("join") = true, py::call_guard<py::gil_scoped_release>())
       .def("all_gather", &CudaComm::all_gather, py::arg("input"), py::arg("output"), py::arg("input_count"),
            py::arg("dtype"), py::arg("stream"), py::arg("join") = true, py::call_guard<py::gil_scoped_release>())
       .def("check_error", &CudaComm::check_error)

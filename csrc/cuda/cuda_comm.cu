@@ -163,6 +163,8 @@ CudaComm::CudaComm(int rank, int world, int device, size_t buffer_bytes, double 
     const size_t total = kFlagAreaBytes + static_cast<size_t>(kBanks) * world_ * slot_bytes_;
     RINGCOLL_CUDA_CHECK(cudaMalloc(&base_, total));
     RINGCOLL_CUDA_CHECK(cudaMalloc(&state_, sizeof(uint64_t) * kStateWords));
+    RINGCOLL_CUDA_CHECK(cudaMalloc(&plan_records_device_, sizeof(DevicePlanOp) * kPlanRecordCapacity));
+    RINGCOLL_CUDA_CHECK(cudaMalloc(&plan_work_, plan_work_bytes(slot_bytes_, world_)));
     RINGCOLL_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&errors_host_), sizeof(ErrorRecord) * kMaxBlocks,
                                       cudaHostAllocMapped | cudaHostAllocPortable));
     std::memset(errors_host_, 0, sizeof(ErrorRecord) * kMaxBlocks);
@@ -329,8 +331,34 @@ void CudaComm::synchronize() {
   check_error();
 }
 
+PlanParams CudaComm::device_plan(const char* op, Collective coll, const CompiledPlan& plan, uintptr_t user_stream) {
+  check_plan_fits(plan, coll, world_, op);
+  const std::vector<DevicePlanOp> ops = device_plan_ops(plan, rank_, op);
+  bool added = false;
+  const int64_t at = plan_records_.place(ops, &added, op);
+  if (added && !ops.empty()) {
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    RINGCOLL_CUDA_CHECK(cudaStreamIsCapturing(reinterpret_cast<cudaStream_t>(user_stream), &capturing));
+    RINGCOLL_CHECK(capturing == cudaStreamCaptureStatusNone, Error, op, ": this plan has not run on this "
+                   "communicator yet, and its records are copied to the GPU on its first run, which a CUDA graph "
+                   "capture cannot contain: run it once before capturing");
+    // On our stream, before the kernel that reads them, from the copy plan_records_ keeps
+    const std::vector<DevicePlanOp>& kept = plan_records_.newest();
+    RINGCOLL_CUDA_CHECK(cudaMemcpyAsync(plan_records_device_ + at, kept.data(), kept.size() * sizeof(DevicePlanOp),
+                                        cudaMemcpyHostToDevice, static_cast<cudaStream_t>(stream_)));
+  }
+  return plan_params(plan, plan_records_device_ + at, static_cast<int>(ops.size()), slot_bytes_, world_, plan_work_, op);
+}
+
+void CudaComm::run_plan(const CompiledPlan& plan, uint32_t plan_id, int collective, uintptr_t input, uintptr_t output,
+                        int64_t user_count, int dtype, int op, uintptr_t stream, bool join) {
+  const auto coll = static_cast<Collective>(collective);
+  launch(collective_info(coll).name, coll, input, output, user_count, dtype, op, stream, join, &plan, plan_id);
+}
+
 void CudaComm::launch(const char* op, Collective coll, uintptr_t input, uintptr_t output, int64_t user_count,
-                      int dtype, int reduce_op, uintptr_t stream, bool join) {
+                      int dtype, int reduce_op, uintptr_t stream, bool join, const CompiledPlan* plan,
+                      uint32_t plan_id) {
   check_error();
   ensure_usable(op);
   RINGCOLL_CHECK(peers_open_ || world_ == 1, Error, op, ": peers are not mapped yet (open_peers)");
@@ -340,22 +368,33 @@ void CudaComm::launch(const char* op, Collective coll, uintptr_t input, uintptr_
   auto user = reinterpret_cast<cudaStream_t>(stream);
   const FlagScope scope = flag_scope_;
   auto own = static_cast<cudaStream_t>(stream_);
-  const RingCall call = ring_call(coll, user_count, static_cast<DType>(dtype), static_cast<ReduceOp>(reduce_op), world_);
+  RingCall call = ring_call(coll, user_count, static_cast<DType>(dtype), static_cast<ReduceOp>(reduce_op), world_,
+                            plan != nullptr ? plan->root : 0);
+  PlanParams plan_part{};
+  if (plan != nullptr) {
+    call.descriptor.algorithm = static_cast<int32_t>(plan_id);
+    plan_part = device_plan(op, coll, *plan, stream);
+  } else {
+    RINGCOLL_CHECK(!collective_info(coll).rooted, std::invalid_argument, op, ": runs by a plan only");
+  }
   auto copy = [&](void* dst, const void* src, size_t bytes) {
     RINGCOLL_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, own));
   };
   CudaStreams streams;
   queue_collective(streams, user, own, call_events(ready_, done_, replayed_), join, [&] {
     run_call(call, world_, reinterpret_cast<const void*>(input), reinterpret_cast<void*>(output), copy, [&] {
-      const LaunchMemory memory{base_, peers_[left_neighbour(rank_, world_)], peers_[right_neighbour(rank_, world_)],
-                                scope, state_, errors_device_, reinterpret_cast<const void*>(input),
-                                reinterpret_cast<void*>(output)};
-      const RingParams p =
-          call_params(call, rank_, world_, slot_bytes_, timeout_seconds_, check_calls_, variant_, memory);
+      const LaunchMemory memory{base_, peers_.data(), scope, state_, errors_device_,
+                                reinterpret_cast<const void*>(input), reinterpret_cast<void*>(output)};
+      RingParams p = call_params(call, rank_, world_, slot_bytes_, timeout_seconds_, check_calls_, variant_, memory);
+      p.plan = plan_part;
       try {
-        for_each_launch(p, variant_, call.elem_size, max_blocks_, [&](const RingParams& q, int blocks, bool vectorise) {
-          launch_ring(q, blocks, vectorise, own);
-        });
+        if (plan != nullptr)
+          for_each_plan_launch(p, variant_, call.elem_size, max_blocks_,
+                               [&](const RingParams& q, int blocks, bool vectorise) { launch_plan(q, blocks, vectorise, own); });
+        else
+          for_each_launch(p, variant_, call.elem_size, max_blocks_, [&](const RingParams& q, int blocks, bool vectorise) {
+            launch_ring(q, blocks, vectorise, own);
+          });
       } catch (const std::exception& e) {
         // Some of the call's launches may be queued: this rank's numbering no longer matches.
         broken_reason_ = std::string(op) + ": a kernel launch failed: " + e.what();
@@ -447,11 +486,15 @@ void CudaComm::free_memory() {
     if (event != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(event));
   if (errors_host_ != nullptr) cudaFreeHost(errors_host_);
   if (state_ != nullptr) cudaFree(state_);
+  if (plan_records_device_ != nullptr) cudaFree(plan_records_device_);
+  if (plan_work_ != nullptr) cudaFree(plan_work_);
   if (base_ != nullptr && kept_on_close_.empty()) cudaFree(base_);
   if (stream_ != nullptr) StreamLender::instance().give_back(device_, stream_);  // idle: leave_peers waited for it
   done_ = ready_ = replayed_ = stream_ = nullptr;
   errors_host_ = errors_device_ = nullptr;
   state_ = nullptr;
+  plan_records_device_ = nullptr;
+  plan_work_ = nullptr;
   base_ = nullptr;
   cudaGetLastError();
 }

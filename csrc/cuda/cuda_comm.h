@@ -42,6 +42,12 @@ class CudaComm {
   void reduce_scatter(uintptr_t input, uintptr_t output, int64_t user_count, int dtype, int op, uintptr_t stream,
                       bool join);
   void all_gather(uintptr_t input, uintptr_t output, int64_t user_count, int dtype, uintptr_t stream, bool join);
+  // Any collective by a plan (plan.h; device_plan.h runs it): `plan_id` travels in the call's
+  // descriptor, so ranks running different plans get a mismatch. A plan's records are copied
+  // to the GPU the first time it runs, which a CUDA graph capture cannot contain: run a plan
+  // once before capturing it.
+  void run_plan(const CompiledPlan& plan, uint32_t plan_id, int collective, uintptr_t input, uintptr_t output,
+                int64_t user_count, int dtype, int op, uintptr_t stream, bool join);
 
   // Throw (and mark the communicator broken) if a kernel has given up: TimeoutError,
   // MismatchError or PeerError as its record says. Cheap: reads host-mapped memory, no
@@ -87,7 +93,9 @@ class CudaComm {
   void tell_peers_finished(uint64_t word);
   bool copy_flag(void* dst, const void* src, int kind);
   void launch(const char* op, Collective coll, uintptr_t input, uintptr_t output, int64_t user_count, int dtype,
-              int reduce_op, uintptr_t stream, bool join);
+              int reduce_op, uintptr_t stream, bool join, const CompiledPlan* plan = nullptr, uint32_t plan_id = 0);
+  // The plan part of a call's parameters, its records copied to plan_records_device_ on first use.
+  PlanParams device_plan(const char* op, Collective coll, const CompiledPlan& plan, uintptr_t user_stream);
 
   int rank_, world_, device_;
   size_t buffer_bytes_, slot_bytes_;
@@ -102,6 +110,9 @@ class CudaComm {
   uint64_t* state_ = nullptr;            // private: the bookkeeping record, kStateWords
   ErrorRecord* errors_host_ = nullptr;   // host-mapped, kMaxBlocks records
   ErrorRecord* errors_device_ = nullptr;
+  PlanRecords plan_records_;                   // which plans' records lie where in plan_records_device_
+  DevicePlanOp* plan_records_device_ = nullptr;  // kPlanRecordCapacity records
+  void* plan_work_ = nullptr;                  // private plan scratch, plan_work_bytes
   void* stream_ = nullptr;               // cudaStream_t, lent for our lifetime (cuda_comm.cu: StreamLender)
   void* done_ = nullptr;                 // cudaEvent_t, recorded after each launch
   void* ready_ = nullptr;                // cudaEvent_t, recorded on the caller's stream

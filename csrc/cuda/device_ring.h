@@ -148,6 +148,14 @@ enum class BlockFlag : int { kPublished = 0, kConsumed = 1 };
 RINGCOLL_DEVICE inline uint64_t* block_flag(const char* base, int block, BlockFlag which) {
   return reinterpret_cast<uint64_t*>(const_cast<char*>(base) + (2 * block + static_cast<int>(which)) * kFlagStride);
 }
+// A plan's words (device_plan.h): block b's latest plan publication, and the latest plan
+// publication of rank `sender` that this rank's block b has read.
+RINGCOLL_DEVICE inline uint64_t* plan_published_flag(const char* base, int block) {
+  return reinterpret_cast<uint64_t*>(const_cast<char*>(base) + kPlanPublishedOffset + block * kFlagStride);
+}
+RINGCOLL_DEVICE inline uint64_t* consumed_from_flag(const char* base, int block, int sender) {
+  return reinterpret_cast<uint64_t*>(const_cast<char*>(base) + kConsumedFromOffset + block * kFlagStride) + sender;
+}
 RINGCOLL_DEVICE inline uint64_t* aborted_flag(const char* base) {
   return reinterpret_cast<uint64_t*>(const_cast<char*>(base) + kAbortedOffset);
 }
@@ -177,15 +185,202 @@ constexpr unsigned kPollsBeforeNapping = 64;
 // Which flag a wait is for, as ErrorRecord::waiting_for says it.
 enum class Awaited : int { kPublish = 0, kConsume = 1, kDescriptor = 2 };
 
+// What every block of every kernel does alike, ring or plan: waiting on a peer's flag
+// (bounded, giving up when someone gave up), recording why it gave up, the mismatch check,
+// and the bookkeeping words all kernels share. The ring watches its two neighbours' `aborted`
+// flags; a plan, whose ops may wait on any peer, watches every peer's.
+class DeviceBlock {
+ public:
+  RINGCOLL_DEVICE DeviceBlock(const RingParams& p, BlockShared* shared, bool vectorise, bool watch_every_peer)
+      : p_(p), shared_(shared), vectorise_(vectorise), watch_every_peer_(watch_every_peer), block_(blockIdx.x),
+        blocks_(gridDim.x) {
+    calls_ = p.state[kCallWord];
+    plan_grid_ = static_cast<int>(p.state[kPlanGridWord]);
+  }
+
+  RINGCOLL_DEVICE int rank() const { return p_.rank; }
+  RINGCOLL_DEVICE int world() const { return p_.world; }
+  RINGCOLL_DEVICE void set_position(int64_t slice, int step) { slice_ = slice, step_ = step; }
+
+  // The mismatch check (device_ring.h's file comment): compare this rank's descriptor with
+  // the left neighbour's, and, for a plan (`both_sides`), with the right neighbour's too. A
+  // ring's left neighbour cannot finish a call that moves data before this rank has started
+  // it, so a left neighbour already in a later call means the calls differ. A plan's rank may
+  // finish without this one (a broadcast's root reads nobody); but it compared its descriptor
+  // with this rank's first (it checks both sides too), so a peer that moved on matched us.
+  // False if this block gave up.
+  RINGCOLL_DEVICE bool check_call(bool both_sides) {
+    const uint64_t call = ++calls_;
+    if (block_ == 0 && threadIdx.x == 0) publish_descriptor(descriptor_slot(p_.my_base), p_.call, call);
+    if (!compare_call(left(), call, /*moved_on_matched=*/both_sides)) return false;
+    return !both_sides || right() == left() || compare_call(right(), call, true);
+  }
+
+ protected:
+  RINGCOLL_DEVICE int left() const { return left_neighbour(p_.rank, p_.world); }
+  RINGCOLL_DEVICE int right() const { return right_neighbour(p_.rank, p_.world); }
+  RINGCOLL_DEVICE const char* base_of(int rank) const { return p_.peer_bases[rank]; }
+
+  RINGCOLL_DEVICE bool compare_call(int peer, uint64_t call, bool moved_on_matched) {
+    const DescriptorSlot* theirs = descriptor_slot(base_of(peer));
+    if (!wait(&theirs->seq, FlagScope::kSystem, descriptor_seq_written(call), peer, Awaited::kDescriptor)) return false;
+    if (threadIdx.x == 0) {
+      CallDescriptor seen{};
+      const PeerCall verdict = compare_descriptor(theirs, p_.call, call, &seen);
+      // A ring's left neighbour that already moved on finished this call without our data,
+      // which only a call with no data to move can do: if ours moves data, the calls differ.
+      if (verdict == PeerCall::kMovedOn && !moved_on_matched && p_.ring_count > 0) seen.collective = -1;
+      if (verdict == PeerCall::kDiffers || (verdict == PeerCall::kMovedOn && seen.collective < 0))
+        give_up(AbortCause::kMismatch, AbortCause::kNone, peer, Awaited::kDescriptor, 0, 0, 0, &seen);
+    }
+    return block_agrees();
+  }
+
+  // Before a call writes slots that the last plan call published: wait until each peer
+  // that reads those publications has read them, in every block of that plan's grid (a
+  // block's tiles in a plan's slots are not the ring's). Then nothing the plan published is
+  // unread, and the last block records so (save_shared_words). False if this block gave up.
+  RINGCOLL_DEVICE bool drain_plan_publications() {
+    if (plan_grid_ == 0) return true;
+    if (threadIdx.x == 0) {
+      for (int r = 0; r < p_.world && shared_->failed == 0; ++r) {
+        const uint64_t unread = p_.state[kPlanUnreadWord + r];
+        for (int b = 0; b < plan_grid_ && unread != 0 && shared_->failed == 0; ++b)
+          poll(consumed_from_flag(base_of(r), b, p_.rank), p_.flag_scope, unread, r, Awaited::kConsume);
+      }
+    }
+    plan_grid_ = 0;
+    return block_agrees();
+  }
+
+  // By every thread at the end of a launch that went well: a block counts itself done once
+  // all its threads have read the record, so the last one to count may write it; `save`
+  // writes the kernel's own words, then the words every kernel keeps.
+  template <class Save>
+  RINGCOLL_DEVICE void save_if_last_block(Save&& save) {
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    uint64_t* state = p_.state;
+    if (counter_add_acq_rel(&state[kBlocksDoneWord], 1) != static_cast<uint64_t>(blocks_ - 1)) return;
+    state[kBlocksDoneWord] = 0;  // the next launch is ordered after this one (stream order)
+    save(state);
+    state[kPlanGridWord] = static_cast<uint64_t>(plan_grid_);
+    state[kCallWord] = calls_;
+  }
+
+  // See the file comment for why barrier + one release store orders every thread's writes.
+  RINGCOLL_DEVICE void release(uint64_t* flag, uint64_t v) {
+    __syncthreads();
+    if (threadIdx.x == 0) flag_store_release(flag, v, p_.flag_scope);
+  }
+  // Every thread learns whether thread 0 gave up; false if it did.
+  RINGCOLL_DEVICE bool block_agrees() {
+    __syncthreads();
+    const bool ok = shared_->failed == 0;
+    __syncthreads();  // every thread has read `failed` before thread 0 may set it in a later wait
+    return ok;
+  }
+
+  // Thread 0 waits (poll), then the block learns the outcome together.
+  RINGCOLL_DEVICE bool wait(const uint64_t* flag, FlagScope scope, uint64_t target, int peer, Awaited what) {
+    if (threadIdx.x == 0) poll(flag, scope, target, peer, what);
+    return block_agrees();
+  }
+
+  // Thread 0 only: poll until *flag >= target (bounded by the timeout, ended early when
+  // someone gave up; then shared_->failed is set). Most polls read the awaited flag alone;
+  // every kPollsPerAbortCheck-th, and the last, also reads the `aborted` flags of the
+  // watched ranks, *before* the awaited flag: a rank sets it only after everything it
+  // published, so a peer that finished its part and closed is never mistaken for one that
+  // left us waiting. A closed rank stops us only if it is the one we wait for.
+  RINGCOLL_DEVICE void poll(const uint64_t* flag, FlagScope scope, uint64_t target, int peer, Awaited what) {
+    if (flag_load_acquire(flag, scope) >= target) return;
+    const uint64_t start = device_now_ns();
+    for (unsigned polls = 1;; ++polls) {
+      if (polls > kPollsBeforeNapping) __nanosleep(200);  // a long wait: leave issue slots to the peer
+      const uint64_t waited = device_now_ns() - start;
+      const bool out_of_time = waited > p_.timeout_ns;
+      if (!out_of_time && polls % kPollsPerAbortCheck != 0) {
+        if (flag_load_acquire(flag, scope) >= target) return;
+        continue;
+      }
+      const uint64_t peer_cause = flag_load_acquire(aborted_flag(base_of(peer)));
+      uint64_t other_cause = 0;
+      int other = peer;
+      for (int r = 0; r < p_.world && other_cause == 0; ++r) {
+        if (r == peer || r == p_.rank || !(watch_every_peer_ || r == left() || r == right())) continue;
+        const uint64_t cause = flag_load_acquire(aborted_flag(base_of(r)));
+        if (cause != 0 && cause != static_cast<uint64_t>(AbortCause::kClosed)) other_cause = cause, other = r;
+      }
+      const uint64_t seen = flag_load_acquire(flag, scope);
+      if (seen >= target) return;
+      if (peer_cause != 0 || other_cause != 0) {
+        const bool awaited = peer_cause != 0;
+        give_up(AbortCause::kPeerAborted, static_cast<AbortCause>(awaited ? peer_cause : other_cause), peer, what,
+                target, seen, 0, nullptr, awaited ? peer : other);
+        return;
+      }
+      if (flag_load_relaxed(aborted_flag(p_.my_base)) != 0) {  // another block of mine gave up (and said why)
+        shared_->failed = 1;
+        return;
+      }
+      if (out_of_time) {
+        give_up(AbortCause::kTimedOut, AbortCause::kNone, peer, what, target, seen, waited, nullptr);
+        return;
+      }
+    }
+  }
+
+  // Thread 0 only: record why this block stops, and tell this rank's other blocks and its
+  // peers (the aborted flag carries the cause at the origin; the first cause stays).
+  RINGCOLL_DEVICE void give_up(AbortCause kind, AbortCause cause, int peer, Awaited what, uint64_t expected,
+                               uint64_t seen, uint64_t waited, const CallDescriptor* theirs, int aborted_rank = -1) {
+    ErrorRecord* rec = p_.errors + block_;
+    rec->kind = static_cast<int32_t>(kind);
+    rec->cause = static_cast<int32_t>(cause);
+    rec->rank = p_.rank, rec->peer = peer, rec->block = block_, rec->aborted_rank = aborted_rank;
+    rec->waiting_for = static_cast<int32_t>(what);
+    rec->step = step_, rec->slice = slice_, rec->call = calls_;
+    rec->expected = expected, rec->seen = seen, rec->waited_ns = waited;
+    rec->mine = p_.call;
+    if (theirs != nullptr) rec->theirs = *theirs;
+    publish_record(&rec->valid);
+    // Pass on the cause at the origin; a neighbour that closed on us becomes "a rank left".
+    const AbortCause origin = kind != AbortCause::kPeerAborted ? kind
+                              : cause == AbortCause::kClosed ? AbortCause::kPeerLeft : cause;
+    flag_set_once(aborted_flag(p_.my_base), static_cast<uint64_t>(origin));
+    shared_->failed = 1;
+  }
+  // The record's fields become visible to the host before its `valid` word.
+  RINGCOLL_DEVICE static void publish_record(int32_t* valid) {
+#if defined(__CUDA_ARCH__)
+    __threadfence_system();
+    *reinterpret_cast<volatile int32_t*>(valid) = 1;
+#else
+    __atomic_store_n(valid, 1, __ATOMIC_RELEASE);
+#endif
+  }
+
+  RingParams p_;
+  BlockShared* shared_;
+  bool vectorise_;
+  bool watch_every_peer_;
+  int block_, blocks_;
+  int plan_grid_;       // blocks of the last plan launch whose publications may be unread (0: none)
+  uint64_t calls_ = 0;  // calls checked so far, this one included once check_call() ran
+  int64_t slice_ = 0;
+  int step_ = -1;
+};
+
 // The device execution context of ring_loop.h. Every thread of every block holds its own
 // identical copy of the bookkeeping (step base, last publication per slot), read from the
 // one record at the start: all threads run the same loop, so the copies agree without any
 // sharing, and the last block to finish writes them back (save_if_last_block).
 template <typename T, class Op>
-class DeviceRingContext {
+class DeviceRingContext : public DeviceBlock {
  public:
   RINGCOLL_DEVICE DeviceRingContext(const RingParams& p, BlockShared* shared, bool vectorise)
-      : p_(p), shared_(shared), vectorise_(vectorise), block_(blockIdx.x), blocks_(gridDim.x),
+      : DeviceBlock(p, shared, vectorise, /*watch_every_peer=*/false),
         slice_elems_(slice_elems_for(p.slot_bytes, sizeof(T))) {
     const void* user = p.collective == static_cast<int>(Collective::kAllGather) ? p.output : p.input;
     const int misalignment = static_cast<int>(reinterpret_cast<uintptr_t>(user) % kVectorBytes);
@@ -195,22 +390,15 @@ class DeviceRingContext {
     last_placements_ = p.state[kPlacementsWord];
     data_calls_ = p.state[kDataCallWord];
     last_grid_ = static_cast<int>(p.state[kGridWord]);
-    calls_ = p.state[kCallWord];
   }
-  // By every thread, at the end of a launch that went well. A block counts itself done
-  // once all its threads have read the record, so the last one to count may overwrite it.
   RINGCOLL_DEVICE void save_if_last_block() {
-    __syncthreads();
-    if (threadIdx.x != 0) return;
-    uint64_t* state = p_.state;
-    if (counter_add_acq_rel(&state[kBlocksDoneWord], 1) != static_cast<uint64_t>(blocks_ - 1)) return;
-    state[kBlocksDoneWord] = 0;  // the next launch is ordered after this one (stream order)
-    state[0] = base_;
-    for (int s = 0; s < kBanks * p_.world; ++s) state[1 + s] = pubs_[s];
-    state[kPlacementsWord] = last_placements_;
-    state[kDataCallWord] = data_calls_;
-    state[kGridWord] = static_cast<uint64_t>(last_grid_);
-    state[kCallWord] = calls_;
+    DeviceBlock::save_if_last_block([&](uint64_t* state) {
+      state[0] = base_;
+      for (int s = 0; s < kBanks * p_.world; ++s) state[1 + s] = pubs_[s];
+      state[kPlacementsWord] = last_placements_;
+      state[kDataCallWord] = data_calls_;
+      state[kGridWord] = static_cast<uint64_t>(last_grid_);
+    });
   }
 
   // Which block owns which tile depends on the grid (strip.h), and which bytes of a slot a
@@ -222,8 +410,10 @@ class DeviceRingContext {
   // call: then no slot holds anything unread, and the per-slot waits of ring_loop.h (on our
   // own neighbour block, which may not have run) are dropped. Costs one ring round trip,
   // only when the grid or the offsets change (with one block either side, never: one block
-  // owns every byte). False if this block gave up.
+  // owns every byte). A plan call since the last ring call filled the slots its own way:
+  // what it published is drained first (drain_plan_publications). False if this block gave up.
   RINGCOLL_DEVICE bool drain_if_grid_changed() {
+    if (!drain_plan_publications()) return false;
     const uint64_t placements = placement_signature(my_placement_, p_.ring_count, p_.world, sizeof(T));
     const bool same_owners =
         last_grid_ == blocks_ && (last_placements_ == placements || (blocks_ == 1 && last_grid_ == 1));
@@ -247,13 +437,10 @@ class DeviceRingContext {
       word_store_relaxed(placement_word(p_.my_base, data_calls_), static_cast<uint64_t>(my_placement_));
   }
 
-  RINGCOLL_DEVICE int rank() const { return p_.rank; }
-  RINGCOLL_DEVICE int world() const { return p_.world; }
   RINGCOLL_DEVICE int banks() const { return kBanks; }
   RINGCOLL_DEVICE int64_t slice_elems() const { return slice_elems_; }
   RINGCOLL_DEVICE uint64_t& step_base() { return base_; }
   RINGCOLL_DEVICE uint64_t& last_publication(int slot) { return pubs_[slot]; }
-  RINGCOLL_DEVICE void set_position(int64_t slice, int step) { slice_ = slice, step_ = step; }
 
   RINGCOLL_DEVICE T* my_slot(int bank, int c) const { return slot_in(p_.my_base, bank, c, my_placement_); }
   RINGCOLL_DEVICE const T* left_slot(int bank, int c) const { return slot_in(p_.left_base, bank, c, left_placement_); }
@@ -320,27 +507,7 @@ class DeviceRingContext {
   RINGCOLL_DEVICE void publish(uint64_t v) { release(block_flag(p_.my_base, block_, BlockFlag::kPublished), v); }
   RINGCOLL_DEVICE void mark_consumed(uint64_t v) { release(block_flag(p_.my_base, block_, BlockFlag::kConsumed), v); }
 
-  // The mismatch check (file comment). False if this block gave up.
-  RINGCOLL_DEVICE bool check_call() {
-    const uint64_t call = ++calls_;
-    if (block_ == 0 && threadIdx.x == 0) publish_descriptor(descriptor_slot(p_.my_base), p_.call, call);
-    const DescriptorSlot* theirs = descriptor_slot(p_.left_base);
-    if (!wait(&theirs->seq, FlagScope::kSystem, descriptor_seq_written(call), left(), Awaited::kDescriptor)) return false;
-    if (threadIdx.x == 0) {
-      CallDescriptor seen{};
-      const PeerCall verdict = compare_descriptor(theirs, p_.call, call, &seen);
-      // A left neighbour that already moved on finished this call without our data, which
-      // only a call with no data to move can do: if ours moves data, the calls differ.
-      if (verdict == PeerCall::kMovedOn && p_.ring_count > 0) seen.collective = -1;  // "zero-length, moved on"
-      if (verdict == PeerCall::kDiffers || seen.collective < 0)
-        give_up(AbortCause::kMismatch, AbortCause::kNone, left(), Awaited::kDescriptor, 0, 0, 0, &seen);
-    }
-    return block_agrees();
-  }
-
  private:
-  RINGCOLL_DEVICE int left() const { return left_neighbour(p_.rank, p_.world); }
-  RINGCOLL_DEVICE int right() const { return right_neighbour(p_.rank, p_.world); }
   // Chunk c of the current slice in a slot, at the offset modulo 16 that chunk c of the
   // writer's user memory has (`placement`: of its base pointer), so that a chunk whose user
   // pointer is misaligned still agrees with the slot and moves in 16-byte vectors. Slices
@@ -378,95 +545,6 @@ class DeviceRingContext {
   RINGCOLL_DEVICE P* wrapped_at(P* p, int64_t i, int64_t fit) const {
     return p + (i < fit ? i : i - p_.slot_bytes / static_cast<int64_t>(sizeof(T)));
   }
-  RINGCOLL_DEVICE void release(uint64_t* flag, uint64_t v) {
-    __syncthreads();
-    if (threadIdx.x == 0) flag_store_release(flag, v, p_.flag_scope);
-  }
-  // Every thread learns whether thread 0 gave up; false if it did.
-  RINGCOLL_DEVICE bool block_agrees() {
-    __syncthreads();
-    const bool ok = shared_->failed == 0;
-    __syncthreads();  // every thread has read `failed` before thread 0 may set it in a later wait
-    return ok;
-  }
-
-  // Thread 0 polls (bounded by the timeout, ended early when someone gave up), then the
-  // block learns the outcome together. Most polls read the awaited flag alone; every
-  // kPollsPerAbortCheck-th, and the last, also reads the `aborted` flags. Both neighbours'
-  // `aborted` flags are read *before* the awaited flag: a neighbour sets it only after
-  // everything it published, so a neighbour that finished its part and closed is never
-  // mistaken for one that left us waiting. A closed neighbour stops us only if it is the one we wait for.
-  RINGCOLL_DEVICE bool wait(const uint64_t* flag, FlagScope scope, uint64_t target, int peer, Awaited what) {
-    if (threadIdx.x == 0 && flag_load_acquire(flag, scope) < target) {
-      const int other = peer == left() ? right() : left();
-      const char* peer_base = peer == left() ? p_.left_base : p_.right_base;
-      const char* other_base = peer == left() ? p_.right_base : p_.left_base;
-      const uint64_t start = device_now_ns();
-      for (unsigned polls = 1;; ++polls) {
-        if (polls > kPollsBeforeNapping) __nanosleep(200);  // a long wait: leave issue slots to the peer
-        const uint64_t waited = device_now_ns() - start;
-        const bool out_of_time = waited > p_.timeout_ns;
-        if (!out_of_time && polls % kPollsPerAbortCheck != 0) {
-          if (flag_load_acquire(flag, scope) >= target) break;
-          continue;
-        }
-        const uint64_t peer_cause = flag_load_acquire(aborted_flag(peer_base));
-        const uint64_t other_cause = flag_load_acquire(aborted_flag(other_base));
-        const uint64_t seen = flag_load_acquire(flag, scope);
-        if (seen >= target) break;
-        if (peer_cause != 0 || (other_cause != 0 && other_cause != static_cast<uint64_t>(AbortCause::kClosed))) {
-          const bool awaited = peer_cause != 0;
-          give_up(AbortCause::kPeerAborted, static_cast<AbortCause>(awaited ? peer_cause : other_cause), peer, what,
-                  target, seen, 0, nullptr, awaited ? peer : other);
-          break;
-        }
-        if (flag_load_relaxed(aborted_flag(p_.my_base)) != 0) {  // another block of mine gave up (and said why)
-          shared_->failed = 1;
-          break;
-        }
-        if (out_of_time) {
-          give_up(AbortCause::kTimedOut, AbortCause::kNone, peer, what, target, seen, waited, nullptr);
-          break;
-        }
-      }
-    }
-    return block_agrees();
-  }
-
-  // Thread 0 only: record why this block stops, and tell this rank's other blocks and its
-  // neighbours (the aborted flag carries the cause at the origin; the first cause stays).
-  RINGCOLL_DEVICE void give_up(AbortCause kind, AbortCause cause, int peer, Awaited what, uint64_t expected,
-                               uint64_t seen, uint64_t waited, const CallDescriptor* theirs, int aborted_rank = -1) {
-    ErrorRecord* rec = p_.errors + block_;
-    rec->kind = static_cast<int32_t>(kind);
-    rec->cause = static_cast<int32_t>(cause);
-    rec->rank = p_.rank, rec->peer = peer, rec->block = block_, rec->aborted_rank = aborted_rank;
-    rec->waiting_for = static_cast<int32_t>(what);
-    rec->step = step_, rec->slice = slice_, rec->call = calls_;
-    rec->expected = expected, rec->seen = seen, rec->waited_ns = waited;
-    rec->mine = p_.call;
-    if (theirs != nullptr) rec->theirs = *theirs;
-    publish_record(&rec->valid);
-    // Pass on the cause at the origin; a neighbour that closed on us becomes "a rank left".
-    const AbortCause origin = kind != AbortCause::kPeerAborted ? kind
-                              : cause == AbortCause::kClosed ? AbortCause::kPeerLeft : cause;
-    flag_set_once(aborted_flag(p_.my_base), static_cast<uint64_t>(origin));
-    shared_->failed = 1;
-  }
-  // The record's fields become visible to the host before its `valid` word.
-  RINGCOLL_DEVICE static void publish_record(int32_t* valid) {
-#if defined(__CUDA_ARCH__)
-    __threadfence_system();
-    *reinterpret_cast<volatile int32_t*>(valid) = 1;
-#else
-    __atomic_store_n(valid, 1, __ATOMIC_RELEASE);
-#endif
-  }
-
-  RingParams p_;
-  BlockShared* shared_;
-  bool vectorise_;
-  int block_, blocks_;
   int64_t slice_elems_;
   uint64_t base_ = 0;
   uint64_t pubs_[kBanks * kMaxWorld];
@@ -475,9 +553,6 @@ class DeviceRingContext {
   uint64_t data_calls_ = 0;  // calls that moved data, this one included once announced
   int my_placement_;         // my user pointer's offset modulo 16 (0 if not a multiple of sizeof(T))
   int left_placement_ = 0;   // the left neighbour's, read from its placement word
-  uint64_t calls_ = 0;  // calls checked so far, this one included once check_call() ran
-  int64_t slice_ = 0;
-  int step_ = -1;
 };
 
 // One block's part of a launch (kernel_abi.h's RingParams says which).
@@ -489,7 +564,7 @@ RINGCOLL_DEVICE void ring_block(const RingParams& p, BlockShared& shared, bool v
   __syncthreads();  // all have read it before thread 0 can change it
   if (broken) return;  // this rank gave up earlier: launches queued behind that do nothing
   DeviceRingContext<T, Op> ctx(p, &shared, vectorise);
-  bool ok = !p.check_call || ctx.check_call();
+  bool ok = !p.check_call || ctx.check_call(/*both_sides=*/false);
   if (ok && p.last_unit > p.first_unit) ok = ctx.drain_if_grid_changed();
   if (ok && p.first_unit == 0 && p.last_unit > 0) ctx.announce_placement();
   if (ok) ok = run_ring_units(ctx, static_cast<Collective>(p.collective), p.ring_count, p.first_unit, p.last_unit);

@@ -8,12 +8,16 @@
 //
 //   [ flag area, kFlagAreaBytes: per block b < kMaxBlocks published, consumed; aborted;
 //                       the call descriptor; hello; finished[r] for r < kMaxWorld; the
-//                       placement of the data in the slots, one word per call parity
+//                       placement of the data in the slots, one word per call parity;
+//                       then the plans' words: per block b, plan_published and
+//                       consumed_from[r] for r < kMaxWorld
 //                       (128-byte lines; docs/flags.md says who writes and reads each word) ]
-//   [ data area: kBanks x P slots of slot_bytes each (call.h)                           ]
+//   [ data area: kBanks x P slots of slot_bytes each (call.h); a plan of C chunks cuts
+//                the same bytes into kBanks x C slots (plan_slot_bytes)              ]
 //
 // Block b of rank k talks only to block b of ranks k-1 and k+1 (its own tiles of every
-// chunk), so blocks never wait for each other. A fused launch has fused_blocks() blocks:
+// chunk), so blocks never wait for each other. A plan's block b talks to block b of any
+// peer the plan names (device_plan.h), with flags of its own. A fused launch has fused_blocks() blocks:
 // sized from the message and the device (its SM count), so it changes between calls; the
 // kernel then drains the ring before any slot changes hands (device_ring.h). The
 // bookkeeping (step base, the last publication of every slot, see ring_loop.h) is one
@@ -22,6 +26,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -30,6 +35,7 @@
 #include "ringcoll/call.h"
 #include "ringcoll/descriptor.h"
 #include "ringcoll/flags.h"
+#include "ringcoll/plan.h"
 #include "ringcoll/ring_loop.h"
 #include "ringcoll/strip.h"
 
@@ -48,9 +54,14 @@ constexpr size_t kHelloOffset = kDescriptorOffset + kFlagStride;
 constexpr uint64_t kHelloMagic = 0x72696e67636f6c6cULL;  // "ringcoll"; the word holds magic ^ rank
 constexpr size_t kFinishedOffset = kHelloOffset + kFlagStride;
 constexpr size_t kPlacementOffset = kFinishedOffset + kFlagStride;
-constexpr size_t kFlagAreaBytes = (kPlacementOffset + kFlagStride + 4095) / 4096 * 4096;  // 68 KiB
+// The plan engine's words (device_plan.h): per block, the number of this rank's latest plan
+// publication, and a line of kMaxWorld words, consumed_from[k] = the number of rank k's
+// latest plan publication this rank has read (flow control per connection).
+constexpr size_t kPlanPublishedOffset = kPlacementOffset + kFlagStride;
+constexpr size_t kConsumedFromOffset = kPlanPublishedOffset + kMaxBlocks * kFlagStride;
+constexpr size_t kFlagAreaBytes = (kConsumedFromOffset + kMaxBlocks * kFlagStride + 4095) / 4096 * 4096;  // 132 KiB
 inline size_t finished_word_offset(int rank) { return kFinishedOffset + sizeof(uint64_t) * static_cast<size_t>(rank); }
-static_assert(kMaxWorld * sizeof(uint64_t) <= kFlagStride, "the finished words must fit their line");
+static_assert(kMaxWorld * sizeof(uint64_t) <= kFlagStride, "the finished and consumed_from words must fit a line");
 // A slice is the whole slot: every rank slices every call the same way, whatever its
 // pointers. Data sits in a slot at the offset modulo 16 of the user memory it comes from or
 // goes to (device_ring.h: slot_in), so 16-byte vectors stay possible for misaligned user
@@ -62,18 +73,24 @@ static_assert(kMaxWorld * sizeof(uint64_t) <= kFlagStride, "the finished words m
 RINGCOLL_INLINE int64_t slice_elems_for(int64_t slot_bytes, int elem_size) { return slot_bytes / elem_size; }
 constexpr size_t kSlotAlignment = 128;  // a GPU cache line (and a multiple of 16: slices keep their offset)
 // The bookkeeping record: [0] step base, [1..] last publication per slot,
+// [kPlanBaseWord] the plans' numbering (the last plan publication number of every rank),
+// [kPlanGridWord] blocks of the last plan launch whose publications may still be unread (0:
+// none), [kPlanUnreadWord + r] per peer r: the latest of them r reads,
 // [kPlacementsWord] the offsets of the last launch that moved data (placement_signature),
 // [kDataCallWord] calls that moved data (its parity picks the placement word), [kGridWord]
-// blocks of the last launch that moved data, [kBlocksDoneWord] blocks of the running launch
+// blocks of the last ring launch that moved data, [kBlocksDoneWord] blocks of the running launch
 // that have finished, [kCallWord] calls checked so far. The call number lives on the device,
 // not the host, so a collective captured in a CUDA graph gets a new number at every replay.
-constexpr int kStateWords = 2 * kMaxWorld + 8;
+constexpr int kStateWords = 3 * kMaxWorld + 10;
+constexpr int kPlanBaseWord = kBanks * kMaxWorld + 1;
+constexpr int kPlanGridWord = kPlanBaseWord + 1;
+constexpr int kPlanUnreadWord = kPlanGridWord + 1;
 constexpr int kPlacementsWord = kStateWords - 5;
 constexpr int kDataCallWord = kStateWords - 4;
 constexpr int kGridWord = kStateWords - 3;
 constexpr int kBlocksDoneWord = kStateWords - 2;
 constexpr int kCallWord = kStateWords - 1;
-static_assert(kBanks * kMaxWorld + 1 <= kPlacementsWord, "bookkeeping must fit its words");
+static_assert(kPlanUnreadWord + kMaxWorld <= kPlacementsWord, "bookkeeping must fit its words");
 
 // Where a rank puts each chunk in its slots during a call, in one word: the offset modulo
 // 16 (bytes) of chunk c, for c < world, in bits 4c..4c+3 (kMaxWorld chunks of 4 bits fill
@@ -224,10 +241,35 @@ struct ErrorRecord {
   CallDescriptor mine, theirs;  // kMismatch
 };
 
+// One op of a plan as a kernel reads it: plan.h's PlanOp, with the number compile_plan found
+// for its receive.
+struct DevicePlanOp {
+  uint64_t readers;  // with kToSlot: the ranks that read the publication (bit r: rank r)
+  int32_t reads;     // a receive: which of the sender's publications of a slice it reads (1, 2, ..); 0: none
+  int16_t from, first, count;
+  uint8_t a, b, to, final;  // plan.h's Operand codes, kTo* bits, PlanOp::final
+};
+
+// A plan's slot bookkeeping is per block, in shared memory (device_plan.h): this many chunks
+// at most. The built-in plans have at most max(P, 16); a user plan with more is refused.
+constexpr int kMaxPlanChunks = 64;
+
+// What a plan call adds to the launch parameters (zero for the ring).
+struct PlanParams {
+  const DevicePlanOp* ops;  // this rank's ops, in memory its kernels read (device memory on a GPU)
+  int32_t op_count;
+  int32_t chunks;           // C: a slice is cut into C chunks, so the data area into kBanks x C slots
+  int64_t slot_bytes;       // of one of those slots (plan_slot_bytes)
+  int32_t publications[kMaxWorld];  // per rank: its publications per slice (CompiledPlan::publications)
+  int32_t most_publications;        // the largest of them: a call advances the numbering by slices x this
+  void* work;               // private scratch of C chunks x slot_bytes
+};
+
 struct RingParams {
   char* my_base;            // my IPC allocation (flags, then data)
   const char* left_base;    // my left neighbour's, mapped here
   const char* right_base;   // my right neighbour's (its consumed flags and aborted flag are read)
+  const char* peer_bases[kMaxWorld];  // every rank's, mapped here (mine at my rank): a plan's peers
   // The scope of the data flags (published, consumed): kDevice when every rank runs on this
   // GPU, else (or with RINGCOLL_CUDA_FLAG_SCOPE=system) kSystem (flag_scope_for). The aborted
   // flags and the descriptor, which hosts also write, and the error records, which hosts
@@ -245,16 +287,17 @@ struct RingParams {
   // The units of ring_loop.h this launch runs: all of them (fused), or one (naive).
   int64_t first_unit, last_unit;
   // The mismatch check (descriptor.h), made by the launch that starts the call. `call`
-  // also says which kernel runs (dispatch_call).
+  // also says which kernel runs (dispatch_call), and, by call.algorithm != 0, whether it is
+  // a plan's (then `plan` says which).
   bool check_call;
   CallDescriptor call;
+  PlanParams plan;
 };
 
 // Where a rank's kernels find memory (RingParams has the meaning of each).
 struct LaunchMemory {
   char* my_base;
-  const char* left_base;
-  const char* right_base;
+  const char* const* peer_bases;  // world of them, mine at my rank
   FlagScope flag_scope;
   uint64_t* state;
   ErrorRecord* errors;
@@ -267,8 +310,9 @@ inline RingParams call_params(const RingCall& call, int rank, int world, size_t 
                               bool check_calls, KernelVariant variant, const LaunchMemory& memory) {
   RingParams p{};
   p.my_base = memory.my_base;
-  p.left_base = memory.left_base;
-  p.right_base = memory.right_base;
+  p.left_base = memory.peer_bases[left_neighbour(rank, world)];
+  p.right_base = memory.peer_bases[right_neighbour(rank, world)];
+  for (int r = 0; r < world; ++r) p.peer_bases[r] = memory.peer_bases[r];
   p.flag_scope = memory.flag_scope;
   p.state = memory.state;
   p.errors = memory.errors;
@@ -311,6 +355,115 @@ void for_each_launch(RingParams p, KernelVariant variant, int elem_size, int max
   }
 }
 
+// --- plans ---------------------------------------------------------------------------------
+
+// A plan's slot: the data area (kBanks x world slots of the ring's slot_bytes) cut into
+// kBanks x chunks slots, aligned as the ring's.
+inline int64_t plan_slot_bytes(size_t ring_slot_bytes, int world, int chunks) {
+  return static_cast<int64_t>(slot_bytes_for(static_cast<size_t>(kBanks) * world * ring_slot_bytes, chunks,
+                                             kSlotAlignment));
+}
+
+// Rank `rank`'s ops of a compiled plan as its kernels read them. Throws std::invalid_argument
+// for a plan the kernels cannot run (too many chunks for their bookkeeping).
+inline std::vector<DevicePlanOp> device_plan_ops(const CompiledPlan& plan, int rank, const char* op) {
+  RINGCOLL_CHECK(plan.plan.chunks <= kMaxPlanChunks, std::invalid_argument, op, ": a plan of ", plan.plan.chunks,
+                 " chunks; the CUDA kernels run plans of at most ", kMaxPlanChunks);
+  std::vector<DevicePlanOp> out;
+  const auto& ops = plan.plan.ops[static_cast<size_t>(rank)];
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const PlanOp& o = ops[i];
+    DevicePlanOp d;
+    std::memset(&d, 0, sizeof(d));  // padding too: PlanRecords compares records bytewise
+    d.readers = o.readers;
+    d.reads = plan.publication_read[static_cast<size_t>(rank)][i];
+    d.from = o.from, d.first = o.first, d.count = o.count;
+    d.a = static_cast<uint8_t>(o.a), d.b = static_cast<uint8_t>(o.b), d.to = o.to, d.final = o.final ? 1 : 0;
+    out.push_back(d);
+  }
+  return out;
+}
+
+// The plan part of a call's launch parameters; `ops` and `work` are where this rank's kernels
+// find device_plan_ops' records and their scratch (plan_work_bytes). Throws
+// std::invalid_argument, naming `op`, when the buffer has no whole slot for each chunk.
+inline PlanParams plan_params(const CompiledPlan& plan, const DevicePlanOp* ops, int op_count, size_t ring_slot_bytes,
+                              int world, void* work, const char* op) {
+  PlanParams q{};
+  q.ops = ops;
+  q.op_count = op_count;
+  q.chunks = plan.plan.chunks;
+  q.slot_bytes = plan_slot_bytes(ring_slot_bytes, world, plan.plan.chunks);
+  RINGCOLL_CHECK(q.slot_bytes > 0, std::invalid_argument, op, ": a plan of ", q.chunks, " chunks needs two banks of ",
+                 q.chunks, " slots of ", kSlotAlignment, " bytes; this communicator's buffer has ",
+                 static_cast<size_t>(kBanks) * world * ring_slot_bytes, " bytes of slots: raise buffer_bytes");
+  for (int r = 0; r < world; ++r) {
+    q.publications[r] = plan.publications[static_cast<size_t>(r)];
+    if (q.publications[r] > q.most_publications) q.most_publications = q.publications[r];
+  }
+  q.work = work;
+  return q;
+}
+
+// The plans a communicator has run, each rank's records placed once in an area of
+// kPlanRecordCapacity records that its kernels read (device memory on a GPU): a queued
+// kernel may still read any of them, so none moves or goes before the communicator closes.
+// The area is allocated with the communicator, never during a call: an allocation may wait
+// for the whole device, and in one process that includes peers' kernels spinning on us.
+constexpr int64_t kPlanRecordCapacity = 16384;  // 384 KiB: hundreds of distinct plans
+
+class PlanRecords {
+ public:
+  // The index of `ops` in the area, placing them after those already there if they are new
+  // (then `*added` is true and the caller copies them to that index). Throws
+  // std::invalid_argument, naming `op`, when the area is full.
+  int64_t place(const std::vector<DevicePlanOp>& ops, bool* added, const char* op) {
+    for (size_t k = 0; k < known_.size(); ++k)
+      if (known_[k].size() == ops.size() &&
+          (ops.empty() || std::memcmp(known_[k].data(), ops.data(), ops.size() * sizeof(DevicePlanOp)) == 0)) {
+        *added = false;
+        return at_[k];
+      }
+    const int64_t n = static_cast<int64_t>(ops.size());
+    RINGCOLL_CHECK(used_ + n <= kPlanRecordCapacity, std::invalid_argument, op, ": this communicator has run plans of ",
+                   used_, " records in all, and this one's ", n, " more do not fit its area of ", kPlanRecordCapacity,
+                   "; build a new communicator for more plans");
+    known_.push_back(ops);
+    at_.push_back(used_);
+    used_ += n;
+    *added = true;
+    return at_.back();
+  }
+  // The records last placed, kept here (their memory does not move) until the communicator
+  // goes: an asynchronous copy may read them after place() returns.
+  const std::vector<DevicePlanOp>& newest() const { return known_.back(); }
+
+ private:
+  std::vector<std::vector<DevicePlanOp>> known_;
+  std::vector<int64_t> at_;
+  int64_t used_ = 0;
+};
+
+// A plan's private scratch on every rank: C chunks of a plan's slot, at most half the data
+// area (plan_slot_bytes), whatever the plan: allocated with the communicator.
+inline size_t plan_work_bytes(size_t ring_slot_bytes, int world) { return static_cast<size_t>(world) * ring_slot_bytes; }
+
+// The one launch of a plan call (none for a call with nothing to move or check): the fused
+// variant's grid is fused_blocks() over the plan's chunks (block b takes the same tiles of
+// every chunk on every rank), the naive one a single block of scalar loops.
+template <class Launch>
+void for_each_plan_launch(const RingParams& p, KernelVariant variant, int elem_size, int max_blocks, Launch&& launch) {
+  const int64_t slice_elems = slice_elems_for(p.plan.slot_bytes, elem_size);
+  const int64_t slices = p.ring_count > 0 ? num_slices(p.ring_count, p.plan.chunks, slice_elems) : 0;
+  if (slices == 0 && !p.check_call) return;
+  RingParams q = p;
+  q.first_unit = 0, q.last_unit = slices;
+  if (variant == KernelVariant::kFused)
+    launch(q, fused_blocks(p.ring_count, p.plan.chunks, slice_elems, elem_size, max_blocks), true);
+  else
+    launch(q, 1, false);
+}
+
 // The record the host reports among a launch's blocks: a block's own finding (timeout,
 // mismatch) over a note that a neighbour gave up. Null if no block recorded anything.
 inline const ErrorRecord* first_error(const ErrorRecord* records, int blocks) {
@@ -333,7 +486,8 @@ inline AbortCause error_cause(const ErrorRecord& r) {
 
 inline std::string error_message(const ErrorRecord& r, int world, double timeout_seconds) {
   std::ostringstream msg;
-  const char* side = r.peer == left_neighbour(r.rank, world) ? "left neighbour " : "right neighbour ";
+  const bool plan = r.mine.algorithm != 0;  // a plan's kernel: its peers are any ranks, its steps ops
+  const char* side = plan ? "" : r.peer == left_neighbour(r.rank, world) ? "left neighbour " : "right neighbour ";
   static const char* const kWhat[] = {"publish data", "consume data", "announce its call"};
   const char* what = kWhat[r.waiting_for >= 0 && r.waiting_for < 3 ? r.waiting_for : 0];
   switch (static_cast<AbortCause>(r.kind)) {
@@ -343,7 +497,7 @@ inline std::string error_message(const ErrorRecord& r, int world, double timeout
       break;
     case AbortCause::kMismatch:
       msg << "mismatched collective calls (call " << r.call << " on this communicator): rank " << r.rank
-          << " called " << describe_call(r.mine) << " but its " << side << "rank " << r.peer << " called "
+          << " called " << describe_call(r.mine) << " but " << (plan ? "" : "its ") << side << "rank " << r.peer << " called "
           << (r.theirs.collective >= 0 ? describe_call(r.theirs) : "a zero-length collective and has moved on")
           << "; no data was moved";
       break;
@@ -357,7 +511,9 @@ inline std::string error_message(const ErrorRecord& r, int world, double timeout
   if (r.waiting_for == 2) msg << "checking the call)";
   else {
     msg << "slice " << r.slice + 1 << ", ";
-    if (r.step < 0) msg << "before ring step 1)";
+    if (plan && r.step < 0) msg << "before the plan's first op)";
+    else if (plan) msg << "plan op " << r.step + 1 << ")";
+    else if (r.step < 0) msg << "before ring step 1)";
     else msg << "ring step " << r.step + 1 << ")";
   }
   if (r.kind == static_cast<int32_t>(AbortCause::kTimedOut))

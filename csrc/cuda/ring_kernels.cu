@@ -28,10 +28,8 @@
 namespace ringcoll::cuda {
 namespace {
 
-constexpr int kThreads = kTileThreads;  // strip.h sizes a tile for this block size
-
 template <typename T, class Op>
-__global__ void __launch_bounds__(kThreads) ring_kernel(RingParams p, bool vectorise) {
+__global__ void __launch_bounds__(kTileThreads) ring_kernel(RingParams p, bool vectorise) {
   __shared__ BlockShared shared;
   ring_block<T, Op>(p, shared, vectorise);
 }
@@ -39,11 +37,7 @@ __global__ void __launch_bounds__(kThreads) ring_kernel(RingParams p, bool vecto
 }  // namespace
 
 void launch_ring(const RingParams& params, int blocks, bool vectorise, void* stream) {
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
-  dispatch_call(params.call, [&](auto t, auto o) {
-    ring_kernel<decltype(t), decltype(o)><<<blocks, kThreads, 0, s>>>(params, vectorise);
-  });
-  RINGCOLL_CUDA_CHECK(cudaGetLastError());
+  launch_for_call(params, blocks, vectorise, stream, [](auto t, auto o) { return &ring_kernel<decltype(t), decltype(o)>; });
 }
 
 // Lazy loading. Since CUDA 12.2 the runtime loads a kernel into a context when the kernel is
@@ -73,7 +67,7 @@ void launch_ring(const RingParams& params, int blocks, bool vectorise, void* str
 // prints it.
 //
 // One pass per (process, device): a context per device per process (the primary context,
-// as torch uses), and a loaded kernel stays loaded for its lifetime. 36 instantiations
+// as torch uses), and a loaded kernel stays loaded for its lifetime. 36 instantiations of each kernel, ring and plan
 // (8 dtypes x 4 ops, 4 floating dtypes x AVG; all-gather's is uint8 SUM's).
 void preload_ring_kernels() {
   static std::mutex mutex;
@@ -82,18 +76,8 @@ void preload_ring_kernels() {
   RINGCOLL_CUDA_CHECK(cudaGetDevice(&device));
   std::lock_guard<std::mutex> lock(mutex);
   if (loaded.count(device)) return;
-  for (int d = 0; d < kNumDTypes; ++d) {
-    for (int o = 0; o < kNumReduceOps; ++o) {
-      const DType dtype = static_cast<DType>(d);
-      const ReduceOp op = static_cast<ReduceOp>(o);
-      if (!is_supported(dtype, op)) continue;  // AVG of an integer type: never instantiated
-      dispatch_dtype_op(dtype, op, [](auto t, auto o_tag) {
-        cudaFuncAttributes attributes;
-        RINGCOLL_CUDA_CHECK(cudaFuncGetAttributes(
-            &attributes, reinterpret_cast<const void*>(&ring_kernel<decltype(t), decltype(o_tag)>)));
-      });
-    }
-  }
+  for_each_instantiation([](auto t, auto o) { load_kernel(&ring_kernel<decltype(t), decltype(o)>); });
+  preload_plan_kernels();
   loaded.insert(device);
 }
 

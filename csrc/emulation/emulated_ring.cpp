@@ -28,7 +28,7 @@
 #include <thread>
 
 #include "../cuda/close_protocol.h"
-#include "../cuda/device_ring.h"
+#include "../cuda/device_plan.h"
 #include "../cuda/stream_order.h"
 #include "ringcoll/check.h"
 
@@ -42,10 +42,11 @@ using cuda::RingParams;
 
 namespace {
 
-// One launch: blocks x threads std::threads, each running ring_block as its GPU thread would.
-template <typename T, class Op>
-void launch_blocks(const RingParams& p, int blocks, int threads, bool vectorise) {
-  std::vector<cuda::BlockShared> shared(static_cast<size_t>(blocks));
+// One launch: blocks x threads std::threads, each running the kernel's block function
+// (ring_block, or plan_block for a plan's call) as its GPU thread would.
+template <typename T, class Op, class Shared, class Block>
+void launch_blocks(const RingParams& p, int blocks, int threads, bool vectorise, Block&& block) {
+  std::vector<Shared> shared(static_cast<size_t>(blocks));
   std::vector<std::unique_ptr<BlockBarrier>> barriers;
   for (int b = 0; b < blocks; ++b) barriers.push_back(std::make_unique<BlockBarrier>(threads));
   std::vector<std::thread> running;
@@ -54,16 +55,23 @@ void launch_blocks(const RingParams& p, int blocks, int threads, bool vectorise)
       running.emplace_back([&, b, t] {
         threadIdx.x = t, blockIdx.x = b, blockDim.x = threads, gridDim.x = blocks;
         current_block_barrier = barriers[b].get();
-        cuda::ring_block<T, Op>(p, shared[b], vectorise);
+        block(p, shared[b], vectorise);
       });
     }
   }
   for (auto& thread : running) thread.join();
 }
 
-// ring_kernels.cu's launch_ring, with threads for the GPU.
+// ring_kernels.cu's launch_ring and plan_kernels.cu's launch_plan, with threads for the GPU.
 void launch(const RingParams& p, int blocks, int threads, bool vectorise) {
-  dispatch_call(p.call, [&](auto t, auto o) { launch_blocks<decltype(t), decltype(o)>(p, blocks, threads, vectorise); });
+  dispatch_call(p.call, [&](auto t, auto o) {
+    using T = decltype(t);
+    using Op = decltype(o);
+    if (p.call.algorithm != 0)
+      launch_blocks<T, Op, cuda::PlanShared>(p, blocks, threads, vectorise, cuda::plan_block<T, Op>);
+    else
+      launch_blocks<T, Op, cuda::BlockShared>(p, blocks, threads, vectorise, cuda::ring_block<T, Op>);
+  });
 }
 
 const char* error_type(AbortCause cause) {
@@ -93,6 +101,9 @@ struct ModelStreams {
 struct EmulatedRing::Rank {
   std::unique_ptr<char, decltype(&std::free)> memory{nullptr, &std::free};
   std::vector<uint64_t> state;
+  cuda::PlanRecords plan_records;                 // as CudaComm's: which plans' records lie where
+  std::vector<cuda::DevicePlanOp> plan_area;      // kPlanRecordCapacity records, never resized
+  std::vector<char> plan_work;                    // plan_work_bytes
   std::vector<ErrorRecord> errors;
   std::string broken_reason;
   std::atomic<bool> closed{false};
@@ -121,6 +132,8 @@ EmulatedRing::EmulatedRing(int world, size_t buffer_bytes, double timeout_second
     RINGCOLL_CHECK(rank->memory != nullptr, std::runtime_error, "EmulatedRing: out of memory");
     std::memset(rank->memory.get(), 0, total);
     rank->state.assign(cuda::kStateWords, 0);
+    rank->plan_area.resize(static_cast<size_t>(cuda::kPlanRecordCapacity));
+    rank->plan_work.resize(cuda::plan_work_bytes(slot_bytes_, world));
     rank->errors.assign(cuda::kMaxBlocks, ErrorRecord{});
     rank->stream = device_->take_stream();
     rank->events = {device_->create_event(), device_->create_event(), device_->create_event()};
@@ -257,7 +270,22 @@ CallResult EmulatedRing::enqueue(const EmulatedCall& c, int user_stream, bool jo
   const auto coll = static_cast<Collective>(c.collective);
   if (!is_supported(coll, static_cast<DType>(c.dtype), static_cast<ReduceOp>(c.op)))
     return {"ValueError", "unsupported dtype/op"};
-  const RingCall call = ring_call(coll, c.user_count, static_cast<DType>(c.dtype), static_cast<ReduceOp>(c.op), world_);
+  RingCall call = ring_call(coll, c.user_count, static_cast<DType>(c.dtype), static_cast<ReduceOp>(c.op), world_,
+                            c.plan != nullptr ? c.plan->root : 0);
+  cuda::PlanParams plan_part{};
+  if (c.plan != nullptr) {  // CudaComm::device_plan, the copy a plain one
+    const char* op = collective_info(coll).name;
+    check_plan_fits(*c.plan, coll, world_, op);
+    call.descriptor.algorithm = static_cast<int32_t>(c.plan_id);
+    const std::vector<cuda::DevicePlanOp> ops = cuda::device_plan_ops(*c.plan, c.rank, op);
+    bool added = false;
+    const int64_t at = me.plan_records.place(ops, &added, op);
+    if (added) std::copy(ops.begin(), ops.end(), me.plan_area.begin() + at);
+    plan_part = cuda::plan_params(*c.plan, me.plan_area.data() + at, static_cast<int>(ops.size()), slot_bytes_, world_,
+                                  me.plan_work.data(), op);
+  } else if (collective_info(coll).rooted) {
+    return {"ValueError", std::string(collective_info(coll).name) + ": runs by a plan only"};
+  }
   const auto input = reinterpret_cast<const void*>(c.input);
   const auto output = reinterpret_cast<void*>(c.output);
   Device& device = *device_;
@@ -269,12 +297,13 @@ CallResult EmulatedRing::enqueue(const EmulatedCall& c, int user_stream, bool jo
     run_call(call, world_, input, output, copy, [&] {
       const auto variant = static_cast<KernelVariant>(variant_);
       // Host atomics have no scopes (flags.h): the emulator cannot tell device from system scope.
-      const cuda::LaunchMemory memory{me.memory.get(), ranks_[left_neighbour(c.rank, world_)]->memory.get(),
-                                      ranks_[right_neighbour(c.rank, world_)]->memory.get(), FlagScope::kSystem,
+      std::vector<const char*> peers;
+      for (const auto& rank : ranks_) peers.push_back(rank->memory.get());
+      const cuda::LaunchMemory memory{me.memory.get(), peers.data(), FlagScope::kSystem,
                                       me.state.data(), me.errors.data(), input, output};
-      const RingParams p =
-          cuda::call_params(call, c.rank, world_, slot_bytes_, timeout_seconds_, check_calls_, variant, memory);
-      cuda::for_each_launch(p, variant, call.elem_size, max_blocks_, [&](const RingParams& q, int blocks, bool vectorise) {
+      RingParams p = cuda::call_params(call, c.rank, world_, slot_bytes_, timeout_seconds_, check_calls_, variant, memory);
+      p.plan = plan_part;
+      auto queue = [&](const RingParams& q, int blocks, bool vectorise) {
         device.launch(me.stream, [this, &me, rank = c.rank, q, blocks, threads = threads_, vectorise] {
           // A kernel (or a graph's replay of one) still running when its rank closed: the
           // close protocol failed to wait for it, and on a GPU its memory may be gone.
@@ -283,7 +312,9 @@ CallResult EmulatedRing::enqueue(const EmulatedCall& c, int user_stream, bool jo
         });
         ++launches_;
         blocks_launched_ += static_cast<uint64_t>(blocks);
-      });
+      };
+      if (c.plan != nullptr) cuda::for_each_plan_launch(p, variant, call.elem_size, max_blocks_, queue);
+      else cuda::for_each_launch(p, variant, call.elem_size, max_blocks_, queue);
     });
   });
   return {};

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "emulated_streams.h"
+#include "ringcoll/plan.h"
 
 namespace ringcoll::emulation {
 
@@ -23,6 +24,8 @@ struct EmulatedCall {
   int rank, collective, dtype, op;
   uintptr_t input, output;
   int64_t user_count;  // call.h
+  const CompiledPlan* plan = nullptr;  // a plan's call (device_plan.h's kernel), else the ring's
+  uint32_t plan_id = 0;                // the id its descriptor carries
 };
 
 // What the call raised: an empty type for success, else the Python error's name and message.

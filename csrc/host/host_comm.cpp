@@ -484,11 +484,7 @@ void HostComm::run_plan(Collective coll, const CompiledPlan& plan, uint32_t plan
 
 void HostComm::run_plan_call(const char* op, const RingCall& call, const CompiledPlan& plan, const void* input,
                              void* output) {
-  RINGCOLL_CHECK(static_cast<int>(plan.plan.ops.size()) == world_, std::invalid_argument, op, ": a plan for ",
-                 plan.plan.ops.size(), " ranks on a communicator of ", world_);
-  const bool chunk_per_rank = call.collective == Collective::kReduceScatter || call.collective == Collective::kAllGather;
-  RINGCOLL_CHECK(!chunk_per_rank || plan.plan.chunks == world_, std::invalid_argument, op, ": a plan of ",
-                 plan.plan.chunks, " chunks; ", op, " needs one per rank (", world_, ")");
+  check_plan_fits(plan, call.collective, world_, op);
   run_collective(op, call.descriptor, [] {}, [&] {
     auto copy = [](void* dst, const void* src, size_t bytes) { std::memcpy(dst, src, bytes); };
     run_call(call, world_, input, output, copy, [&] {

@@ -1530,9 +1530,9 @@ def main(argv=None) -> int:
     if unknown or len(set(algorithms)) != len(algorithms):
         return refuse(f"--algorithm: {', '.join(unknown) or 'a name given twice'}; choose from "
                       f"{', '.join(plans.algorithms())}")
-    if algorithms != ("auto",) and (args.device == "cuda" or args.hosts > 1):
-        return refuse("--algorithm other than auto runs on the CPU transport only so far (not --device cuda or "
-                      "--hosts 2)")
+    if algorithms != ("auto",) and args.hosts > 1:
+        return refuse("--algorithm other than auto is for one machine so far (not --hosts 2: the hierarchical "
+                      "communicator takes auto only)")
     if args.record_tuning and (tuning.NATIVE not in algorithms or args.device != "cpu" or args.hosts > 1):
         return refuse("--record-tuning weighs the plans against native on the CPU transport of one machine: give "
                       "--algorithm native,<plans> (not --device cuda, --hosts 2)")

@@ -16,8 +16,8 @@ validated the arguments and turned them into a :class:`CollectiveCall`. The inte
                                 work is ordered after it; async: return a Completion
                                 (`name`: the user's collective, for its messages)
     launch_on_stream(call, stream)   run `call` on a caller-given stream (CUDA only)
-    runs_plans                  whether it runs plans (ringcoll/plans.py; the CPU transport's
-                                plan engine): without, only its own ring, and no broadcast or reduce
+    tuned                       whether auto reads the recorded table (ringcoll/tuning.py), which
+                                was measured on the CPU transport: elsewhere auto is native
     bind(call)                  (optional) a zero-argument callable running `call`
                                 synchronously by the shortest path: Communicator.prepare_*
     plain_calls                 (optional) what checks and runs a synchronous tensor-form call
@@ -39,6 +39,8 @@ import functools
 from typing import NamedTuple, Optional
 
 import torch
+
+from ringcoll._types import COLLECTIVE_CODES
 
 
 class Settings(NamedTuple):
@@ -70,15 +72,16 @@ class CollectiveCall(NamedTuple):
     dtype: int  # reduce.h's DType code
     op: Optional[int]  # reduce.h's ReduceOp code; None for all_gather
     # (its _C.CompiledPlan, the id the call's descriptor carries) when an algorithm's plan
-    # runs it (ringcoll/plans.py; the CPU transport's plan engine); None: the default path
+    # runs it (ringcoll/plans.py; every transport's plan engine); None: the default path
     plan: Optional[tuple] = None
 
     def run(self, comm, *stream_args) -> None:
-        """Call the extension's method for this collective on `comm` (HostComm or CudaComm);
-        `stream_args` are the CUDA transport's (stream, join). The CUDA transport takes no plan
-        (the Communicator refuses one there)."""
-        collective, src, dst, user_count, dtype, op, _plan = self  # one unpack: this runs on every call
-        if op is None:
+        """Call CudaComm's method for this collective (the CPU transport hands the whole record
+        to HostComm.run); `stream_args` are (stream, join)."""
+        collective, src, dst, user_count, dtype, op, plan = self  # one unpack: this runs on every call
+        if plan is not None:
+            comm.run_plan(*plan, COLLECTIVE_CODES[collective], src, dst, user_count, dtype, op or 0, *stream_args)
+        elif op is None:
             getattr(comm, collective)(src, dst, user_count, dtype, *stream_args)
         else:
             getattr(comm, collective)(src, dst, user_count, dtype, op, *stream_args)
@@ -99,7 +102,7 @@ class Transport:
     # all_gather_into_tensor check a synchronous plain call and run it in one binding call,
     # while the Communicator may hand it such a call (None: never, or not now).
     plain_calls = None
-    runs_plans = False  # only the CPU transport has the plan engine so far
+    tuned = False  # auto's recorded table prices the CPU transport only
 
     @property
     def broken(self) -> bool:

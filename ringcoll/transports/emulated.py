@@ -141,7 +141,6 @@ class EmulatedCudaTransport(Transport):
     slot_alignment = _C.cuda_slot_alignment
     takes_arrays = False
     plain_calls = None  # every call goes through the Python path, as on CUDA
-    runs_plans = False  # the ring kernels only, as on CUDA
     # Issue 22's defect 1 fixed: an in-process rank on the shared legacy stream is moved onto
     # its communicator's stream, and a call from the shared stream refused. A test turns it
     # off to show the deadlock of the old order.
@@ -241,7 +240,7 @@ class EmulatedCudaTransport(Transport):
             raise RingcollError(f"{op}: communicator is broken by an earlier error ({self._error})")
         user = self.user_stream(op)
         emulated = (self.rank, COLLECTIVE_CODES[call.collective], call.dtype, call.op or 0, call.src, call.dst,
-                    call.user_count)
+                    call.user_count, call.plan)
         self._raise(op, self._ring.enqueue(emulated, user, not async_op))
         if async_op:
             event = self.device.create_event()

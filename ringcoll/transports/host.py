@@ -240,7 +240,7 @@ class HostTransport(Transport):
 
     slot_alignment = _C.host_slot_alignment
     takes_arrays = False  # a CPU array is not viewed as a tensor: the caller passes tensors
-    runs_plans = True  # csrc/host/host_plan.cpp
+    tuned = True  # auto reads ringcoll/tuning_cpu.json, measured on this transport
 
     @staticmethod
     def resolve_device(device):

@@ -194,21 +194,26 @@ def test_the_benchmark_meets_after_allocating(monkeypatch):
     assert measured and all(r["out_wrong"] == 0 and r.get("in_wrong", 0) == 0 for r in measured)
 
 
-def test_the_emulated_cuda_ring_runs_no_plans_and_says_so():
-    """Like CUDA, the emulator runs its ring kernels only: a plan, a broadcast or a reduce is
-    refused by name (it used to take the emulator's device, "cpu", for the CPU transport:
-    the plan was dropped and the call ran as something else, without a word), and auto's
-    table, which prices the CPU transport, is not read there."""
+def test_the_emulated_cuda_ring_runs_plans_and_auto_stays_the_ring_kernels():
+    """Like CUDA, the emulator runs plans by the plan kernels (csrc/cuda/device_plan.h): a
+    broadcast, a reduce and a tree all-reduce give their results (the emulator once took its
+    device, "cpu", for the CPU transport's and dropped the plan without a word; then it refused
+    plans by name). Auto's table, which prices the CPU transport, is not read there: auto is
+    the ring kernels at every size."""
     def body(group):
-        refused = []
+        rank = group.rank
         with communicator(EmulatedCudaTransport)(group=group, timeout=TIMEOUT) as comm:
-            for call in (lambda: comm.broadcast(torch.ones(4), 0), lambda: comm.reduce(torch.ones(4), 1),
-                         lambda: comm.all_reduce(torch.ones(4), algorithm="tree")):
-                with pytest.raises(ValueError, match="runs on the CPU transport only so far") as e:
-                    call()
-                refused.append(str(e.value).split(":")[0])
-            x = torch.ones(32 << 10)  # 128 KiB: a band where the shipped table's auto picks a plan on the CPU
+            b = torch.full((4,), 7.0) if rank == 0 else torch.zeros(4)
+            comm.broadcast(b, 0)
+            r = torch.full((4,), float(rank + 1))
+            comm.reduce(r, 1)
+            t = torch.full((4,), float(rank + 1))
+            comm.all_reduce(t, algorithm="tree")
+            # 128 KiB: a band where the shipped table's auto picks a plan on the CPU
+            native = all(comm._plan("all_reduce", "all_reduce", None, n) is None for n in (4, 128 << 10, 64 << 20))
+            x = torch.ones(32 << 10)
             comm.all_reduce(x)
-            return refused, bool((x == 2).all())
+            return (b.tolist(), r.tolist() if rank == 1 else None, t.tolist(), native, bool((x == 2).all()))
 
-    assert ringcoll.run_in_process(2, body, timeout=60) == [(["broadcast", "reduce", "all_reduce"], True)] * 2
+    assert ringcoll.run_in_process(2, body, timeout=60) == [
+        ([7.0] * 4, None, [3.0] * 4, True, True), ([7.0] * 4, [3.0] * 4, [3.0] * 4, True, True)]

@@ -191,6 +191,17 @@ inline CompiledPlan compile_plan(Plan plan, const std::string& name, int world, 
   return out;
 }
 
+// Throws std::invalid_argument, naming `op`, unless `plan` can run `coll` on `world` ranks:
+// one op list per rank, and one chunk per rank where the input (all-gather) or the output
+// (reduce-scatter) is one rank's chunk. Every engine checks it before anything moves.
+inline void check_plan_fits(const CompiledPlan& plan, Collective coll, int world, const char* op) {
+  RINGCOLL_CHECK(static_cast<int>(plan.plan.ops.size()) == world, std::invalid_argument, op, ": a plan for ",
+                 plan.plan.ops.size(), " ranks on a communicator of ", world);
+  const bool chunk_per_rank = coll == Collective::kReduceScatter || coll == Collective::kAllGather;
+  RINGCOLL_CHECK(!chunk_per_rank || plan.plan.chunks == world, std::invalid_argument, op, ": a plan of ",
+                 plan.plan.chunks, " chunks; ", op, " needs one per rank (", world, ")");
+}
+
 // --- the built-in plans ------------------------------------------------------------------
 //
 // Each generator returns every rank's ops for `coll` on `world` ranks (the algorithms'

@@ -13,7 +13,8 @@
 // within a call and across calls, on both kernel variants, then every rank closes (the
 // close protocol's `finished` words); then fused calls whose grids change; then the paths
 // that give up (a rank that never
-// calls, mismatched calls). Exit status: 0 when every result is exact and every failure
+// calls, mismatched calls); and every built-in plan on the plan kernels, interleaved with
+// the ring's (run_plan_cases). Exit status: 0 when every result is exact and every failure
 // raised where it should (TSan itself exits non-zero on a report).
 #include <cstdint>
 #include <cstdio>
@@ -90,6 +91,94 @@ int run_failure_case(const char* what, int world, const std::vector<int64_t>& co
   return bad == 0 ? 0 : 1;
 }
 
+// Every built-in plan of every collective it has (the rooted ones at root 1), run by the plan
+// kernels (device_plan.h) at P = 3 (the recursive plans pair a rank), int32 sums, each case
+// twice and then a ring all-reduce, in one run per variant: slots refilled across plans of
+// other layouts and between the plans and the ring (the drains) are the hazard. Returns the
+// number of wrong elements (and of calls that raised).
+int64_t run_plan_cases(int variant) {
+  using ringcoll::Algorithm;
+  using ringcoll::Collective;
+  const int world = 3, root = 1;
+  const int64_t count = 3 * 700 + 2;  // several slices of every plan in the buffer below
+  struct Case {
+    int collective;
+    ringcoll::CompiledPlan plan;
+    uint32_t id;
+  };
+  std::vector<Case> cases;
+#define RINGCOLL_PLAN_CASES(e, name, code, collectives)                                                     \
+  for (int c = 0; c < ringcoll::kNumCollectives; ++c)                                                       \
+    if (c != static_cast<int>(Collective::kBarrier) && ringcoll::algorithm_has(Algorithm::e, static_cast<Collective>(c))) \
+      cases.push_back({c, ringcoll::compile_plan(ringcoll::builtin_plan(Algorithm::e, static_cast<Collective>(c), world), \
+                                                 name, world, ringcoll::collective_info(static_cast<Collective>(c)).rooted ? root : 0), \
+                       static_cast<uint32_t>(code)});
+  RINGCOLL_ALGORITHMS(RINGCOLL_PLAN_CASES)
+#undef RINGCOLL_PLAN_CASES
+  EmulatedRing ring(world, 4096 * world, /*timeout=*/60.0, variant, /*threads_per_block=*/3, /*check_calls=*/true);
+  const size_t n = cases.size();
+  // [case][repeat][rank]: input and output (rooted: one buffer, in place)
+  std::vector<std::vector<std::vector<std::vector<int32_t>>>> in(n), out(n);
+  std::vector<EmulatedCall> calls;
+  for (size_t k = 0; k < n; ++k) {
+    const int coll = cases[k].collective;
+    const bool rooted = ringcoll::collective_info(static_cast<Collective>(coll)).rooted;
+    const int64_t in_len = coll == kReduceScatter ? count * world : count;
+    const int64_t out_len = coll == kAllGather ? count * world : count;
+    in[k].resize(2), out[k].resize(2);
+    for (int rep = 0; rep < 2; ++rep) {
+      for (int r = 0; r < world; ++r) {
+        in[k][rep].emplace_back(in_len);
+        for (int64_t i = 0; i < in_len; ++i) in[k][rep][r][i] = value_of(r, rep, i);
+        out[k][rep].emplace_back(rooted ? in[k][rep][r] : std::vector<int32_t>(out_len, -1));
+      }
+    }
+  }
+  std::vector<std::vector<std::vector<int32_t>>> ring_bufs(n, std::vector<std::vector<int32_t>>(world));
+  for (size_t k = 0; k < n; ++k) {
+    const int coll = cases[k].collective;
+    const bool rooted = ringcoll::collective_info(static_cast<Collective>(coll)).rooted;
+    for (int rep = 0; rep < 2; ++rep)
+      for (int r = 0; r < world; ++r) {
+        auto* src = rooted ? out[k][rep][r].data() : in[k][rep][r].data();
+        EmulatedCall call{r, coll, kInt32, kSum, reinterpret_cast<uintptr_t>(src),
+                          reinterpret_cast<uintptr_t>(out[k][rep][r].data()), count};
+        call.plan = &cases[k].plan, call.plan_id = cases[k].id;
+        calls.push_back(call);
+      }
+    for (int r = 0; r < world; ++r) {  // the ring kernels, in place, between plans
+      ring_bufs[k][r].assign(count, r + 1);
+      calls.push_back({r, kAllReduce, kInt32, kSum, reinterpret_cast<uintptr_t>(ring_bufs[k][r].data()),
+                       reinterpret_cast<uintptr_t>(ring_bufs[k][r].data()), count});
+    }
+  }
+  for (int r = 0; r < world; ++r) calls.push_back({r, ringcoll::emulation::kClose, 0, 0, 0, 0, 0});
+  int64_t wrong = run_plan(ring, calls);
+  for (size_t k = 0; k < n; ++k) {
+    const int coll = cases[k].collective;
+    int64_t case_wrong = 0;
+    for (int rep = 0; rep < 2; ++rep)
+      for (int r = 0; r < world; ++r) {
+        const auto& got = out[k][rep][r];
+        for (int64_t i = 0; i < static_cast<int64_t>(got.size()); ++i) {
+          int64_t expected = 0;
+          if (coll == kAllGather) expected = value_of(static_cast<int>(i / count), rep, i % count);
+          else if (coll == static_cast<int>(Collective::kBroadcast)) expected = value_of(root, rep, i);
+          else if (coll == static_cast<int>(Collective::kReduce) && r != root) expected = value_of(r, rep, i);
+          else
+            for (int q = 0; q < world; ++q) expected += value_of(q, rep, coll == kReduceScatter ? r * count + i : i);
+          case_wrong += got[i] != expected;
+        }
+      }
+    for (int r = 0; r < world; ++r)
+      for (int32_t v : ring_bufs[k][r]) case_wrong += v != world * (world + 1) / 2;
+    std::printf("variant %d plan %-8s %-14s wrong %lld\n", variant, ringcoll::algorithm_name(static_cast<int>(cases[k].id)),
+                ringcoll::collective_info(static_cast<Collective>(coll)).name, static_cast<long long>(case_wrong));
+    wrong += case_wrong;
+  }
+  return wrong;
+}
+
 }  // namespace
 
 int main() {
@@ -119,6 +208,7 @@ int main() {
                 static_cast<long long>(w));
     wrong += w;
   }
+  for (int variant = 0; variant < 2; ++variant) wrong += run_plan_cases(variant);
   int failures = 0;
   failures += run_failure_case("missing rank 2 of 3", 3, {4000, 4000, -1}, "RingcollTimeoutError");
   failures += run_failure_case("mismatched counts", 3, {4000, 4000, 3999}, "RingcollMismatchError");

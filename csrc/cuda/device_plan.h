@@ -1,0 +1,206 @@
+// device_plan.h: what one thread block of a plan kernel does: plan.h's plans run on the GPU,
+// the same records and numbering as the CPU transport's engine (csrc/host/host_plan.cpp),
+// so any plan the checker accepts runs here too (docs/algorithms.md). ring_kernels.cu wraps
+// plan_block() in a __global__ kernel; csrc/emulation/ runs it on the CPU, blocks as threads.
+//
+// The engine. For each slice j and each op of this rank, in order (one op: value = a [OP b]
+// over chunks [first, first + count), to one or two of output, work and this rank's slots):
+//   1. a receive waits until the sender's plan_published >= the number of the publication
+//      it reads (rank k's m-th publication of slice j is base + j * pubs(k) + m, every rank
+//      starting a plan call at the same base, as on the CPU);
+//   2. a publication first waits until every reader of each slot it refills has read what
+//      last filled it (that reader's consumed_from[me] >= the number);
+//   3. the block's threads combine their tiles of each chunk (strip.h: block b takes tiles
+//      b, b + B, .. of every chunk, on every rank, so block b of a reader reads what block b
+//      of the writer wrote);
+//   4. after a barrier thread 0 releases consumed_from[sender] (what it read) and
+//      plan_published (what it wrote): the ring's barrier-then-release (device_ring.h).
+// Flags are per block, as the ring's: block b of rank k waits only on block b of its peers.
+// A plan's slots are the data area cut into kBanks x C slots (plan_slot_bytes), the data
+// at offset 0 of each: a misaligned user pointer costs vectors (strip.h's scalar path), not
+// correctness.
+//
+// Between calls. A plan lays its slots out its own way, so a plan call first waits until
+// everything the ring and the last plan published has been read (the ring's: every block of
+// the ring's last grid on the right neighbour has consumed up to the ring's step base; the
+// plan's: drain_plan_publications), and the ring drains a plan's before it refills a slot.
+// The ring and the plans number their publications separately (the ring in `published`, the
+// plans in `plan_published`), so neither moves the other's counters.
+//
+// The mismatch check compares descriptors with both neighbours (DeviceBlock::check_call
+// says why a plan needs the second), and every wait watches every peer's `aborted` flag: a
+// plan's ops may wait on any rank, so a failure anywhere stops every rank within a poll.
+#pragma once
+
+#include "device_ring.h"
+
+namespace ringcoll::cuda {
+
+// What a plan kernel's block keeps in shared memory: BlockShared, and per slot of the call
+// (kBanks x C) the number of the publication that last filled it and its readers. Only
+// thread 0 reads or writes the slot words.
+struct PlanShared {
+  BlockShared block;
+  uint64_t slot_last[kBanks * kMaxPlanChunks];
+  uint64_t slot_readers[kBanks * kMaxPlanChunks];
+};
+
+template <typename T, class Op>
+class DevicePlanContext : public DeviceBlock {
+ public:
+  RINGCOLL_DEVICE DevicePlanContext(const RingParams& p, PlanShared* shared, bool vectorise)
+      : DeviceBlock(p, &shared->block, vectorise, /*watch_every_peer=*/true), slots_(shared),
+        chunks_(p.plan.chunks), slice_elems_(slice_elems_for(p.plan.slot_bytes, sizeof(T))) {
+    plan_base_ = p.state[kPlanBaseWord];
+  }
+
+  // Before the first slot is written: nothing the ring or the last plan published is unread
+  // (file comment). The ring's step base is the number of its last publication; its grid,
+  // the blocks of its last launch (0: none yet). False if this block gave up.
+  RINGCOLL_DEVICE bool drain() {
+    const uint64_t ring_published = p_.state[0];
+    const int ring_grid = static_cast<int>(p_.state[kGridWord]);
+    if (threadIdx.x == 0 && p_.world > 1)
+      for (int b = 0; b < ring_grid && shared_->failed == 0; ++b)
+        poll(block_flag(p_.right_base, b, BlockFlag::kConsumed), p_.flag_scope, ring_published, right(),
+             Awaited::kConsume);
+    if (!block_agrees()) return false;
+    if (!drain_plan_publications()) return false;
+    if (threadIdx.x == 0)
+      for (int s = 0; s < kBanks * chunks_; ++s) slots_->slot_last[s] = 0, slots_->slot_readers[s] = 0;
+    return true;
+  }
+
+  // Slices [first, last) of the call; false if a wait gave up.
+  RINGCOLL_DEVICE bool run(int64_t first, int64_t last) {
+    for (int64_t j = first; j < last; ++j) {
+      const int bank = static_cast<int>(j % kBanks);
+      int published = 0;  // this rank's publications so far in this slice
+      for (int i = 0; i < p_.plan.op_count; ++i) {
+        const DevicePlanOp& op = p_.plan.ops[i];
+        set_position(j, i);
+        const bool receives = op.a == static_cast<uint8_t>(Operand::kPeer) || op.b == static_cast<uint8_t>(Operand::kPeer);
+        const uint64_t reads = receives ? number(op.from, j, op.reads) : 0;
+        const uint64_t writes = (op.to & kToSlot) ? number(p_.rank, j, ++published) : 0;
+        if (threadIdx.x == 0) {
+          if (receives) poll(plan_published_flag(base_of(op.from), block_), p_.flag_scope, reads, op.from,
+                             Awaited::kPublish);
+          if (writes) wait_slots_free(bank, op);
+        }
+        if (!block_agrees()) return false;
+        for (int c = op.first; c < op.first + op.count; ++c) combine(op, bank, j, c);
+        __syncthreads();  // every thread's part is written: before the flags, and before the next op reads it
+        if (threadIdx.x == 0) {
+          if (receives) flag_store_release(consumed_from_flag(p_.my_base, block_, op.from), reads, p_.flag_scope);
+          if (writes) {
+            for (int c = op.first; c < op.first + op.count; ++c) {
+              slots_->slot_last[slot_index(bank, c, chunks_)] = writes;
+              slots_->slot_readers[slot_index(bank, c, chunks_)] = op.readers;
+            }
+            flag_store_release(plan_published_flag(p_.my_base, block_), writes, p_.flag_scope);
+          }
+        }
+      }
+    }
+    return true;
+  }
+
+  // At the end of a call that went well: the numbering moves on by the same amount on every
+  // rank, and what each peer has yet to read of ours is kept for the next call's drain.
+  RINGCOLL_DEVICE void save_if_last_block(int64_t slices) {
+    if (slices == 0) return DeviceBlock::save_if_last_block([](uint64_t*) {});
+    plan_grid_ = blocks_;
+    DeviceBlock::save_if_last_block([&](uint64_t* state) {
+      state[kPlanBaseWord] = plan_base_ + static_cast<uint64_t>(slices) * static_cast<uint64_t>(p_.plan.most_publications);
+      for (int r = 0; r < p_.world; ++r) state[kPlanUnreadWord + r] = 0;
+      for (int s = 0; s < kBanks * chunks_; ++s)
+        for (int r = 0; r < p_.world; ++r)
+          if (has_bit(slots_->slot_readers[s], r) && slots_->slot_last[s] > state[kPlanUnreadWord + r])
+            state[kPlanUnreadWord + r] = slots_->slot_last[s];
+    });
+  }
+
+ private:
+  // The number of rank k's m-th publication of slice j.
+  RINGCOLL_DEVICE uint64_t number(int k, int64_t j, int m) const {
+    return plan_base_ + static_cast<uint64_t>(j) * static_cast<uint64_t>(p_.plan.publications[k]) +
+           static_cast<uint64_t>(m);
+  }
+
+  // Thread 0: wait until every reader of what last filled the op's slots has read it.
+  RINGCOLL_DEVICE void wait_slots_free(int bank, const DevicePlanOp& op) {
+    for (int c = op.first; c < op.first + op.count; ++c) {
+      const int s = slot_index(bank, c, chunks_);
+      for (int r = 0; r < p_.world && shared_->failed == 0; ++r)
+        if (has_bit(slots_->slot_readers[s], r))
+          poll(consumed_from_flag(base_of(r), block_, p_.rank), p_.flag_scope, slots_->slot_last[s], r,
+               Awaited::kConsume);
+    }
+  }
+
+  RINGCOLL_DEVICE T* slot(const char* base, int bank, int c) const {
+    return reinterpret_cast<T*>(const_cast<char*>(base) + kFlagAreaBytes +
+                                static_cast<size_t>(slot_index(bank, c, chunks_)) * p_.plan.slot_bytes);
+  }
+  // All-gather's input is this rank's chunk only; reduce-scatter's output likewise (the
+  // checker refuses plans that address any other chunk of them), as in host_plan.cpp.
+  RINGCOLL_DEVICE T* user_at(const void* user, Collective only_own, int c, int64_t j) const {
+    const bool own = p_.collective == static_cast<int>(only_own);
+    return static_cast<T*>(const_cast<void*>(user)) + j * slice_elems_ + (own ? 0 : chunk_begin(p_.ring_count, chunks_, c));
+  }
+  RINGCOLL_DEVICE T* operand(uint8_t which, int from, int bank, int c, int64_t j) const {
+    switch (static_cast<Operand>(which)) {
+      case Operand::kPeer: return slot(base_of(from), bank, c);
+      case Operand::kInput: return user_at(p_.input, Collective::kAllGather, c, j);
+      case Operand::kOutput: return user_at(p_.output, Collective::kReduceScatter, c, j);
+      case Operand::kWork: return static_cast<T*>(p_.plan.work) + static_cast<int64_t>(c) * slice_elems_;
+      case Operand::kNone: break;
+    }
+    return nullptr;
+  }
+
+  // Chunk c of slice j: this block's tiles, value = a [OP b] to the op's places (the slot
+  // first, as on the CPU). A copy skips a place that is its source (in place).
+  RINGCOLL_DEVICE void combine(const DevicePlanOp& op, int bank, int64_t j, int c) {
+    const int64_t len = slice_length(chunk_length(p_.ring_count, chunks_, c), slice_elems_, j);
+    if (len == 0) return;
+    T* places[2] = {nullptr, nullptr};
+    int n = 0;
+    if (op.to & kToSlot) places[n++] = slot(p_.my_base, bank, c);
+    if (op.to & kToWork) places[n++] = operand(static_cast<uint8_t>(Operand::kWork), -1, bank, c, j);
+    if (op.to & kToOutput) places[n++] = operand(static_cast<uint8_t>(Operand::kOutput), -1, bank, c, j);
+    const T* a = operand(op.a, op.from, bank, c, j);
+    const T* b = op.b == static_cast<uint8_t>(Operand::kNone) ? nullptr : operand(op.b, op.from, bank, c, j);
+    if (b == nullptr && places[0] == a) places[0] = places[1], places[1] = nullptr;
+    for (int64_t t = block_; t < tile_count(len, sizeof(T)); t += blocks_) {
+      const int64_t lo = tile_begin(t, sizeof(T)), hi = tile_end(len, t, sizeof(T));
+      T* first = places[0] ? places[0] + lo : nullptr;
+      T* second = places[1] ? places[1] + lo : nullptr;
+      if (b == nullptr) copy_range<T>(first, second, a + lo, hi - lo, vectorise_);
+      else if (op.final) reduce_range<T, Op, true>(first, second, a + lo, b + lo, hi - lo, p_.world, vectorise_);
+      else reduce_range<T, Op, false>(first, second, a + lo, b + lo, hi - lo, p_.world, vectorise_);
+    }
+  }
+
+  PlanShared* slots_;
+  int chunks_;
+  int64_t slice_elems_;
+  uint64_t plan_base_ = 0;
+};
+
+// One block's part of a plan call (RingParams::plan says which plan).
+template <typename T, class Op>
+RINGCOLL_DEVICE void plan_block(const RingParams& p, PlanShared& shared, bool vectorise) {
+  if (threadIdx.x == 0) shared.block.failed = flag_load_relaxed(aborted_flag(p.my_base)) != 0;
+  __syncthreads();
+  const bool broken = shared.block.failed != 0;
+  __syncthreads();
+  if (broken) return;  // this rank gave up earlier: launches queued behind that do nothing
+  DevicePlanContext<T, Op> ctx(p, &shared, vectorise);
+  const int64_t slices = p.last_unit - p.first_unit;
+  bool ok = !p.check_call || ctx.check_call(/*both_sides=*/true);
+  if (ok && slices > 0) ok = ctx.drain() && ctx.run(p.first_unit, p.last_unit);
+  if (ok) ctx.save_if_last_block(slices);
+}
+
+}  // namespace ringcoll::cuda

@@ -1,0 +1,219 @@
+"""Plans on the CUDA kernels (csrc/cuda/device_plan.h), run by the emulator (ranks as
+threads of one process, thread blocks as std::threads: the kernels' own code on the CPU).
+
+Every built-in plan of every collective (broadcast and reduce at every root) gives the
+very bits the CPU transport's engine gives for the same plan on the same random inputs, at
+P = 1..5 and 8 (the CPU engine is held to gloo by test_plans.py); integer sums are exact.
+Then what the GPU's engine adds to the CPU's: plans and the ring kernels interleaved on one
+communicator, across grids and slot layouts (a slot refilled while a peer's other block
+still reads it is the hazard); both kernel variants; a root that finishes its broadcast
+before its peers have checked their calls (a plan's rank may, a ring's may not: the call
+check must not take it for a mismatch); ranks that disagree on the algorithm; a rank that
+never comes to a plan call; a plan too wide for the kernels' bookkeeping, refused by name.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import ringcoll
+from ringcoll import plans
+from ringcoll.transports.emulated import EmulatedCudaTransport
+
+TIMEOUT = 60
+
+
+class EmulatedCudaCommunicator(ringcoll.Communicator):
+    @staticmethod
+    def transport_class(device):
+        return EmulatedCudaTransport
+
+
+def _inputs(rank: int, count: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 101 + rank)
+    if dtype.is_floating_point:
+        return torch.randn(count, generator=g).to(dtype)
+    return torch.randint(-50, 50, (count,), generator=g).to(dtype)
+
+
+def _run(comm, collective: str, algorithm: str, rank: int, world: int, count: int, dtype, op, root: int, seed: int):
+    """One call of `collective` on fresh inputs; returns its result."""
+    x = _inputs(rank, count * (world if collective == "reduce_scatter" else 1), dtype, seed)
+    if collective == "all_reduce":
+        comm.all_reduce(x, op=op, algorithm=algorithm)
+        return x
+    if collective == "reduce_scatter":
+        out = torch.empty(count, dtype=dtype)
+        comm.reduce_scatter_tensor(out, x, op=op, algorithm=algorithm)
+        return out
+    if collective == "all_gather":
+        out = torch.empty(count * world, dtype=dtype)
+        comm.all_gather_into_tensor(out, x, algorithm=algorithm)
+        return out
+    if collective == "broadcast":
+        comm.broadcast(x, root, algorithm=algorithm)
+        return x
+    comm.reduce(x, root, op=op, algorithm=algorithm)
+    return x
+
+
+def _cases(world: int):
+    """(collective, algorithm, root) for every built-in plan; every root of the rooted ones."""
+    for algorithm in plans.BUILTIN:
+        for collective in plans.BUILTIN_COLLECTIVES[algorithm]:
+            roots = range(world) if collective in ("broadcast", "reduce") else [0]
+            for root in roots:
+                yield collective, algorithm, root
+
+
+def _same_bits_as_the_cpu(group, counts):
+    rank, world = group.rank, group.world_size
+    differ = []
+    # A buffer small enough that the larger count takes several slices of every plan
+    with ringcoll.Communicator(group=group, buffer_bytes=1 << 13, timeout=TIMEOUT) as cpu, \
+            EmulatedCudaCommunicator(group=group, buffer_bytes=1 << 13, timeout=TIMEOUT) as gpu:
+        seed = 0
+        for collective, algorithm, root in _cases(world):
+            for count in counts:
+                for dtype, op in ((torch.float32, ringcoll.ReduceOp.SUM), (torch.int32, ringcoll.ReduceOp.MAX)):
+                    seed += 1
+                    want = _run(cpu, collective, algorithm, rank, world, count, dtype, op, root, seed)
+                    got = _run(gpu, collective, algorithm, rank, world, count, dtype, op, root, seed)
+                    if not torch.equal(want.view(torch.uint8) if dtype.is_floating_point else want,
+                                       got.view(torch.uint8) if dtype.is_floating_point else got):
+                        differ.append(f"{algorithm} {collective} root {root} count {count} {dtype} rank {rank}")
+        gpu.barrier()
+    return differ
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 8], ids=lambda w: f"P{w}")
+def test_every_builtin_plan_gives_the_cpu_engines_bits(world):
+    differ = sum(ringcoll.run_in_process(world, _same_bits_as_the_cpu, [world * 3, world * 701], timeout=300), [])
+    assert not differ, f"{len(differ)} cases differ, e.g. " + "; ".join(differ[:5])
+
+
+def _interleaved(group, variant_checks):
+    """Ring kernels, plans of 1, P and 16 chunks, one grid and several, in turn on one
+    communicator: each result checked against values computed here."""
+    rank, world = group.rank, group.world_size
+    wrong = []
+    # 1 MiB: a chunk of 256 KiB slices in the ring's layout is 8 tiles, so 8 blocks (the
+    # emulated device's SMs); smaller messages run one block
+    with EmulatedCudaCommunicator(group=group, buffer_bytes=1 << 20, timeout=TIMEOUT) as comm:
+        for i, (algorithm, count) in enumerate([("native", 1 << 16), ("rhd", 1 << 16), ("native", 12), ("tree", 1 << 15),
+                                                ("ring", 1 << 16), ("oneshot", 999), ("native", 1 << 16),
+                                                ("rd", 5000), ("native", 1 << 16)]):
+            x = torch.full((count,), float(rank + 1)) + torch.arange(count) % 7
+            comm.all_reduce(x, algorithm=algorithm)
+            want = torch.full((count,), float(world * (world + 1) // 2)) + world * (torch.arange(count) % 7)
+            if not torch.equal(x, want):
+                wrong.append(f"call {i} ({algorithm}, {count}): {int((x != want).sum())} wrong")
+            out = torch.empty(count * world)
+            comm.all_gather_into_tensor(out, torch.full((count,), float(rank)), algorithm="ring" if i % 2 else "native")
+            if not torch.equal(out, torch.arange(world).repeat_interleave(count).float()):
+                wrong.append(f"all_gather after call {i}")
+        comm.barrier()
+    return wrong
+
+
+@pytest.mark.parametrize("variant", ["fused", "naive"])
+def test_plans_and_ring_kernels_interleave_on_one_communicator(variant, monkeypatch):
+    monkeypatch.setenv("RINGCOLL_CUDA_KERNEL", variant)
+    wrong = sum(ringcoll.run_in_process(3, _interleaved, None, timeout=300), [])
+    assert not wrong, "; ".join(wrong[:5])
+
+
+def test_a_broadcast_root_that_finishes_first_is_not_a_mismatch():
+    """A star broadcast's root publishes and is done: nothing it waits for stops it from
+    starting its next call, whose check publishes its next descriptor over the last one,
+    while a late peer has not compared the last one yet. The root queues its calls (async)
+    and rank 1 comes late (a pause, the one way to be late here); a check against the left
+    neighbour alone would find the root already past the call and call it a mismatch. Each
+    rank checks both neighbours, so none moves past a call before both have announced it."""
+    def body(group):
+        rank = group.rank
+        with EmulatedCudaCommunicator(group=group, timeout=TIMEOUT) as comm:
+            xs = [torch.full((64,), float(i)) if rank == 0 else torch.zeros(64) for i in range(4)]
+            if rank == 1:
+                time.sleep(0.3)
+            works = [comm.broadcast(x, 0, async_op=rank == 0, algorithm="star") for x in xs]
+            for w in works:
+                if w is not None:
+                    w.wait()
+            comm.barrier()
+            return [bool((x == i).all()) for i, x in enumerate(xs)]
+
+    assert ringcoll.run_in_process(3, body, timeout=120) == [[True] * 4] * 3
+
+
+def test_ranks_that_disagree_on_the_algorithm_raise_on_every_rank():
+    def body(group):
+        with EmulatedCudaCommunicator(group=group, timeout=TIMEOUT) as comm:
+            x = torch.ones(1000)
+            with pytest.raises(ringcoll.RingcollMismatchError, match="algorithm") as e:
+                comm.all_reduce(x, algorithm="rhd" if group.rank == 1 else "ring")
+            return str(e.value), bool((x == 1).all())
+
+    with pytest.warns(RuntimeWarning, match="keeps its emulated buffer"):
+        results = ringcoll.run_in_process(3, body, timeout=120)
+    assert all(untouched for _, untouched in results), results
+
+
+@pytest.mark.parametrize("check", [True, False], ids=["checked", "unchecked"])
+def test_a_rank_that_never_comes_to_a_plan_call_is_a_timeout_naming_it(check):
+    """Rank 2 stays away (open, not closed) from a tree all-reduce. With the call check the
+    others stop checking the call; without it, in the plan's op that waits for rank 2."""
+    others_done = threading.Barrier(3, timeout=60)
+
+    def body(group):
+        with EmulatedCudaCommunicator(group=group, timeout=2, check=check) as comm:
+            x = torch.ones(1000)
+            comm.all_reduce(x, algorithm="tree")  # all come once: the plan's records are in place
+            if group.rank == 2:
+                others_done.wait()
+                return "absent"
+            with pytest.raises(ringcoll.RingcollError) as e:
+                comm.all_reduce(x, algorithm="tree")
+            others_done.wait()
+            return str(e.value)
+
+    with pytest.warns(RuntimeWarning, match="keeps its emulated buffer"):
+        messages = ringcoll.run_in_process(3, body, timeout=120)
+    assert messages[2] == "absent"
+    # Rank 0, the binomial tree's root, waits for rank 2 (a leaf under it; P = 3)
+    assert "timed out" in messages[0] and "rank 2" in messages[0], messages[0]
+    where = "checking the call" if check else "plan op 2"
+    assert where in messages[0], messages[0]
+    assert "rank 2" in messages[1] or "rank 0" in messages[1], messages[1]
+
+
+def test_a_plan_too_wide_for_the_kernels_is_refused_by_name():
+    def wide(world, rank):  # P = 2: publish all 65 chunks, then add the peer's: x1 OP x0 on both ranks
+        peer = 1 - rank
+        add = (plans.op(plans.PEER, (0, 65), plans.TO_OUTPUT, b=plans.INPUT, frm=peer, final=True) if rank == 0 else
+               plans.op(plans.INPUT, (0, 65), plans.TO_OUTPUT, b=plans.PEER, frm=peer, final=True))
+        return [plans.op(plans.INPUT, (0, 65), plans.TO_SLOT, readers=[peer]), add]
+
+    plans.register_algorithm("wide", wide)
+    try:
+        def body(group):
+            with ringcoll.Communicator(group=group, timeout=TIMEOUT, buffer_bytes=1 << 20) as cpu:
+                x = torch.ones(100)
+                cpu.all_reduce(x, algorithm="wide")  # a plan the checker accepts: the CPU engine runs it
+            with EmulatedCudaCommunicator(group=group, timeout=TIMEOUT, buffer_bytes=1 << 20) as comm:
+                with pytest.raises(ValueError, match="65 chunks; the CUDA kernels run plans of at most 64"):
+                    comm.all_reduce(torch.ones(100), algorithm="wide")
+                y = torch.ones(100)
+                comm.all_reduce(y)  # nothing was queued: the communicator still works
+                return bool((x == 2).all() and (y == 2).all())
+
+        assert ringcoll.run_in_process(2, body, timeout=120) == [True] * 2
+    finally:
+        with plans._lock:
+            plans._registry.pop(("wide", "all_reduce"), None)
+            for key in [k for k in plans._compiled if k[0] == "wide"]:
+                del plans._compiled[key]
