@@ -1,10 +1,13 @@
-"""The ring schedule in plain Python: a line-for-line mirror of ``ring.h`` and of the
-slicing helpers of ``ring_loop.h``, plus :func:`simulate`, which runs a whole collective
-on Python lists so every step can be printed and checked.
+"""The ring schedule in plain Python: ``ring.h``'s indexing and ``ring_loop.h``'s slicing
+stated as arithmetic for reading, plus :func:`simulate`, which runs a whole collective on
+Python lists so every step can be printed and checked.
 
-The C++ headers are the single source of ring indexing for every transport; this module
-restates them for reading, and ``tests/pure/test_schedule.py`` checks it against the compiled
-twins in ``ringcoll._C.schedule`` so the two can never drift apart.
+The C++ headers are the single source of ring indexing for every transport. What
+:func:`simulate` runs is not a restatement: it is the ring's plan, the very records the
+engines run (``plan.h``'s ``ring_plan``, exported through ``ringcoll.plans``). The formulas
+here are checked against the compiled twins in ``ringcoll._C.schedule``
+(``tests/pure/test_schedule.py``), and every simulated step against the formulas
+(``tests/pure/test_trace.py``).
 
 The ring
 ========
@@ -357,26 +360,26 @@ def simulate(
         reduce_scatter:  out[k] = all_reduce result [chunk_begin(n,P,k):chunk_end(n,P,k)]
         all_gather:      out[k] = inputs[0] + inputs[1] + ... + inputs[P-1]
 
-    Each step is driven only by the schedule functions above, exactly as ``run_ring`` in
-    ring_loop.h drives the transports: a rank's first send is :func:`first_send_chunk`;
-    at step t it receives its left neighbour's send of step t (checked to be
-    :func:`step_recv_chunk`), reduces it if :func:`step_reduces` (``op(received, own)``,
-    the same argument order as the C++ ``reduce``), writes it to the output if
-    :func:`step_writes_output`, and sends it on at step t+1 if :func:`step_forwards`.
+    What runs is the ring's *plan*, the records ``plan.h``'s ``ring_plan`` makes for every
+    engine (the CPU transport's, the CUDA plan kernels), read from the extension
+    (``ringcoll.plans.plan("ring", ...)``) and run on lists by ``ringcoll.plans.simulate``:
+    one schedule, not a restatement of it. Rank k's op 0 is its first send
+    (:func:`first_send_chunk`); its op t+1 is ring step t, which receives the left
+    neighbour's publication of op t, combines it with its own copy if the step reduces
+    (``op(received, own)``, the C++ ``reduce``'s order), writes the output if it is the
+    chunk's final value, and publishes it for the right neighbour's step t+1. The formulas
+    above (:func:`step_recv_chunk`, ...) say the same in arithmetic; the tests hold each
+    step to them.
     """
+    from ringcoll import plans  # the plan records come from the extension
+
     coll = Collective(coll)
     world = len(inputs)
     if world < 1:
         raise ValueError("simulate: need at least one rank")
     inputs = [list(x) for x in inputs]
-
     if coll == Collective.ALL_GATHER:
         n = _gathered_length("simulate", inputs)
-
-        def own_values(k: int, c: int) -> List[Any]:
-            assert c == k, "an all-gather rank only owns its own chunk"
-            return list(inputs[k])
-
         state = [[None] * n for _ in range(world)]
         for k in range(world):
             state[k][chunk_begin(n, world, k) : chunk_end(n, world, k)] = inputs[k]
@@ -384,78 +387,25 @@ def simulate(
         n = len(inputs[0])
         if any(len(x) != n for x in inputs):
             raise ValueError("simulate: every rank's input must have the same length")
-
-        def own_values(k: int, c: int) -> List[Any]:
-            return inputs[k][chunk_begin(n, world, c) : chunk_end(n, world, c)]
-
         state = [list(x) for x in inputs]
 
-    def chunk_slice(c: int) -> slice:
-        return slice(chunk_begin(n, world, c), chunk_end(n, world, c))
-
-    # The output each rank returns; filled only from chunks the schedule marks final.
-    output: List[List[Any]] = [[None] * n for _ in range(world)]
-    outbox: List[Optional[tuple]] = []
-
-    if world == 1:
-        # No ring steps: the one rank's contribution is the result (the transports
-        # special-case P = 1 the same way).
-        output = [list(state[0])]
-    else:
-        # Before step 0 each rank publishes its first chunk (an all-gather rank also puts
-        # its own chunk into its output).
-        outbox = []
-        for k in range(world):
-            c = first_send_chunk(coll, k, world)
-            outbox.append((c, own_values(k, c)))
-            if coll == Collective.ALL_GATHER:
-                output[k][chunk_slice(c)] = own_values(k, c)
-
+    ring = plans.plan("ring", coll.name.lower(), world)
+    outputs, ran = plans.simulate(ring, inputs, combine=op)
+    done = [sorted((s for s in ran if s.rank == k), key=lambda s: s.index) for k in range(world)]
     records: List[StepRecord] = []
-    for t in range(ring_steps(coll, world)):
-        reduces = step_reduces(coll, t, world)
-        final = step_writes_output(coll, t, world)
-        forwards = step_forwards(coll, t, world)
-        next_outbox: List[Optional[tuple]] = [None] * world
-        rank_steps: List[RankStep] = []
+    for t in range(len(ring.ops[0]) - 1 if world > 1 else 0):
+        rank_steps = []
         for k in range(world):
-            sent_chunk, sent_values = outbox[k]
-            got_chunk, got_values = outbox[left_neighbour(k, world)]
-            c = step_recv_chunk(coll, k, t, world)
-            if got_chunk != c:
-                raise AssertionError(
-                    f"schedule broken: rank {k} step {t} expects chunk {c}, its left "
-                    f"neighbour sent chunk {got_chunk}"
-                )
-            if reduces:
-                value = [op(a, b) for a, b in zip(got_values, own_values(k, c))]
-            else:
-                value = list(got_values)
-            state[k][chunk_slice(c)] = value
-            if final:
-                output[k][chunk_slice(c)] = value
-            if forwards:
-                next_outbox[k] = (c, value)
-            rank_steps.append(
-                RankStep(
-                    rank=k,
-                    sent=sent_chunk,
-                    sent_values=list(sent_values),
-                    received=c,
-                    reduced=reduces,
-                    final=final,
-                    state=list(state[k]),
-                )
-            )
-        phase = "reduce-scatter" if reduces else "all-gather"
+            sent, step = done[k][t], done[k][t + 1]
+            c = step.op.first
+            value = list(step.values[0])
+            state[k][chunk_begin(n, world, c) : chunk_end(n, world, c)] = value
+            rank_steps.append(RankStep(rank=k, sent=sent.op.first, sent_values=list(sent.values[0]), received=c,
+                                       reduced=step.op.b != plans.Operand.NONE, final=step.op.final,
+                                       state=list(state[k])))
+        phase = "reduce-scatter" if rank_steps[0].reduced else "all-gather"
         records.append(StepRecord(step=t, phase=phase, ranks=rank_steps))
-        outbox = next_outbox
-
-    if coll == Collective.REDUCE_SCATTER:
-        outputs = [output[k][chunk_slice(k)] for k in range(world)]
-    else:
-        outputs = output
-    return Simulation(steps=records, outputs=outputs)
+    return Simulation(steps=records, outputs=[list(out) for out in outputs])
 
 
 # ---------------------------------------------------------------------------------------
