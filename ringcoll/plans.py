@@ -9,6 +9,9 @@ C chunks. An op computes, for each chunk of a range, ``value = a`` or ``value = 
     INPUT   the caller's input (all-gather: only the rank's own chunk)
     OUTPUT  the caller's output (reduce-scatter: only the rank's own chunk)
     WORK    the rank's private work space (C chunks)
+    PEER_INPUT  rank ``frm``'s input, read where it lies, through no slot (all-gather: its own
+            chunk; broadcast: the root's. Only collectives whose input nothing overwrites:
+            a read in place could race the owner's writes otherwise)
 
 and writes it to one or two of OUTPUT, WORK and SLOT (the rank's buffer, published at once
 to ``readers``). A rank's receives from a peer read that peer's publications to it in the
@@ -41,7 +44,7 @@ from typing import Callable, Iterable, NamedTuple, Optional, Sequence
 from ringcoll import _C
 from ringcoll._types import COLLECTIVE_CODES, DATA_COLLECTIVES, ROOTED_COLLECTIVES
 
-__all__ = ["Operand", "PEER", "INPUT", "OUTPUT", "WORK", "TO_OUTPUT", "TO_WORK", "TO_SLOT", "PlanOp", "Plan",
+__all__ = ["Operand", "PEER", "INPUT", "OUTPUT", "WORK", "PEER_INPUT", "TO_OUTPUT", "TO_WORK", "TO_SLOT", "PlanOp", "Plan",
            "PlanError", "op", "plan", "check", "simulate", "rounds", "register_algorithm", "load_plans",
            "algorithms", "builtin_algorithms"]
 
@@ -54,9 +57,10 @@ class Operand(enum.IntEnum):
     INPUT = 2
     OUTPUT = 3
     WORK = 4
+    PEER_INPUT = 5
 
 
-PEER, INPUT, OUTPUT, WORK = Operand.PEER, Operand.INPUT, Operand.OUTPUT, Operand.WORK
+PEER, INPUT, OUTPUT, WORK, PEER_INPUT = Operand.PEER, Operand.INPUT, Operand.OUTPUT, Operand.WORK, Operand.PEER_INPUT
 TO_OUTPUT, TO_WORK, TO_SLOT = 1, 2, 4  # where an op's value goes (plan.h's kTo*)
 _PLACES = {TO_OUTPUT: "output", TO_WORK: "work", TO_SLOT: "slot"}
 
@@ -75,7 +79,8 @@ class PlanOp(NamedTuple):
 
     def __str__(self) -> str:
         def operand(o):
-            return f"rank {self.frm}'s publication" if o == PEER else Operand(o).name.lower()
+            return (f"rank {self.frm}'s publication" if o == PEER else f"rank {self.frm}'s input" if o == PEER_INPUT
+                    else Operand(o).name.lower())
 
         chunks = f"chunk {self.first}" if self.count == 1 else f"chunks {self.first}..{self.first + self.count - 1}"
         value = operand(self.a) + ("" if self.b == Operand.NONE else f" OP {operand(self.b)}")
@@ -340,6 +345,8 @@ def _execute(p: Plan, algebra, slices: int = SLICES) -> tuple:
             return got[c - p.ops[rank][i].first]
         if which == INPUT:
             return algebra.leaf(rank, c)
+        if which == PEER_INPUT:  # read where it lies: posted at the start, nothing to wait for
+            return algebra.leaf(p.ops[rank][i].frm, c)
         store = work[rank][j] if which == WORK else output[rank][j]
         if c not in store:
             raise _fail(p, rank, i, f"reads {Operand(which).name.lower()} chunk {c} before anything wrote it")
@@ -444,10 +451,20 @@ def _structure(p: Plan) -> None:
                 raise _fail(p, rank, i, "has no first operand")
             if not 1 <= bin(o.to & 7).count("1") <= 2 or o.to & ~7:
                 raise _fail(p, rank, i, "must write to one or two of output, work and slot")
-            if o.a == PEER and o.b == PEER:
-                raise _fail(p, rank, i, "receives twice in one op")
-            if PEER in (o.a, o.b) and not (0 <= o.frm < p.world and o.frm != rank):
+            if o.a in (PEER, PEER_INPUT) and o.b in (PEER, PEER_INPUT):
+                raise _fail(p, rank, i, "reads two peers' values (a publication or an input) in one op")
+            if (PEER in (o.a, o.b) or PEER_INPUT in (o.a, o.b)) and not (0 <= o.frm < p.world and o.frm != rank):
                 raise _fail(p, rank, i, f"receives from rank {o.frm}, which is not a peer")
+            if PEER_INPUT in (o.a, o.b):
+                if p.collective not in ("all_gather", "broadcast"):
+                    raise _fail(p, rank, i, f"reads rank {o.frm}'s input where it lies, but a {p.collective}'s input "
+                                            "may be its output (in place), which its owner overwrites while peers "
+                                            "read: only all-gather and broadcast may")
+                if p.collective == "all_gather" and (o.first, o.count) != (o.frm, 1):
+                    raise _fail(p, rank, i, f"reads chunks other than rank {o.frm}'s own from its input: an "
+                                            "all-gather's input is one chunk")
+                if p.collective == "broadcast" and o.frm != 0:
+                    raise _fail(p, rank, i, f"reads rank {o.frm}'s input, but only the root (rank 0) has one")
             if o.to & TO_SLOT and (o.readers == 0 or o.readers >> p.world or o.readers >> rank & 1):
                 raise _fail(p, rank, i, "publishes to no peer, or to itself or a rank past the last")
             if not o.to & TO_SLOT and o.readers:
@@ -529,6 +546,8 @@ def rounds(p: Plan, inputs: Optional[Sequence[Sequence]] = None) -> list:
     out = []
     for st in steps:
         o, t = st.op, finished.get(st.rank, 0)
+        if PEER_INPUT in (o.a, o.b):  # the owner posted where its input lies: one message
+            t = max(t, 1)
         if PEER in (o.a, o.b):
             n = taken[o.frm, st.rank] = taken.get((o.frm, st.rank), 0) + 1
             t = max(t, published[o.frm, st.rank][n - 1] + 1)

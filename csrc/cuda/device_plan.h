@@ -154,6 +154,7 @@ class DevicePlanContext : public DeviceBlock {
       case Operand::kInput: return user_at(p_.input, Collective::kAllGather, c, j);
       case Operand::kOutput: return user_at(p_.output, Collective::kReduceScatter, c, j);
       case Operand::kWork: return static_cast<T*>(p_.plan.work) + static_cast<int64_t>(c) * slice_elems_;
+      case Operand::kPeerInput:  // refused before launch (device_plan_ops): peers' tensors are not mapped
       case Operand::kNone: break;
     }
     return nullptr;

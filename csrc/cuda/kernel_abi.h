@@ -369,6 +369,9 @@ inline int64_t plan_slot_bytes(size_t ring_slot_bytes, int world, int chunks) {
 inline std::vector<DevicePlanOp> device_plan_ops(const CompiledPlan& plan, int rank, const char* op) {
   RINGCOLL_CHECK(plan.plan.chunks <= kMaxPlanChunks, std::invalid_argument, op, ": a plan of ", plan.plan.chunks,
                  " chunks; the CUDA kernels run plans of at most ", kMaxPlanChunks);
+  RINGCOLL_CHECK(!plan.reads_peer_inputs, std::invalid_argument, op, ": this plan reads peers' inputs where they "
+                 "lie, which on CUDA needs the peers' tensors mapped (symmetric memory, not built for CUDA yet); "
+                 "choose a plan that goes through the slots");
   std::vector<DevicePlanOp> out;
   const auto& ops = plan.plan.ops[static_cast<size_t>(rank)];
   for (size_t i = 0; i < ops.size(); ++i) {

@@ -485,7 +485,16 @@ void HostComm::run_plan(Collective coll, const CompiledPlan& plan, uint32_t plan
 void HostComm::run_plan_call(const char* op, const RingCall& call, const CompiledPlan& plan, const void* input,
                              void* output) {
   check_plan_fits(plan, call.collective, world_, op);
-  run_collective(op, call.descriptor, [] {}, [&] {
+  RINGCOLL_CHECK(!plan.reads_peer_inputs || direct_reads_, std::invalid_argument, op, ": this plan reads peers' "
+                 "inputs where they lie (process_vm_readv), which this communicator cannot: ", direct_unavailable_,
+                 " (RINGCOLL_DIRECT_BYTES=0 turns direct reads off; else the probe at bootstrap failed)");
+  // Where my input lies, for the peers' reads (kPeerInput): posted before the call check, as
+  // a direct-read all-gather's; all-gather's input is my chunk, the others' the whole message
+  const size_t input_bytes = message_bytes(call) / (call.collective == Collective::kAllGather ? world_ : 1);
+  auto post = [&] {
+    if (plan.reads_peer_inputs) post_direct_input(input, input_bytes);
+  };
+  run_collective(op, call.descriptor, post, [&] {
     auto copy = [](void* dst, const void* src, size_t bytes) { std::memcpy(dst, src, bytes); };
     run_call(call, world_, input, output, copy, [&] {
       drain_publications();
@@ -493,6 +502,7 @@ void HostComm::run_plan_call(const char* op, const RingCall& call, const Compile
       step_base_ += run_host_plan(*this, plan, call, input, output, step_base_, plan_unread_, plan_work_);
       // Every rank to the same number, so the ring's numbering stays equal on all ranks.
       flag_store_release(&header(rank_).published.value, step_base_);
+      if (plan.reads_peer_inputs) finish_direct_reads();
     });
   });
 }
@@ -738,7 +748,7 @@ void HostComm::run_direct_all_gather(const RingCall& call, const void* input, vo
       fail<PeerError>(current_op_, "rank " + std::to_string(rank_) + " could not read rank " + std::to_string(peer) +
                                        "'s input (call " + std::to_string(calls_) + ", direct read): " + failed);
   }
-  flag_store_release(&header(rank_).direct_read.value, calls_);
+  flag_store_release(&header(rank_).direct_read.value, calls_);  // finish_direct_reads' first half
   // My own chunk last: the copy overlaps the peers still reading my input. Past the
   // streaming threshold (a quarter of the last-level cache by default) the reads above have
   // pushed the output's lines out of cache, so an ordinary store would first read each line
@@ -749,8 +759,27 @@ void HostComm::run_direct_all_gather(const RingCall& call, const void* input, vo
   const size_t message = message_bytes(call);
   copy_strip(static_cast<char*>(nullptr), out + static_cast<size_t>(rank_) * chunk, static_cast<const char*>(input),
              static_cast<int64_t>(chunk), message >= streaming_threshold_bytes());
+  finish_direct_reads();
+}
+
+void HostComm::finish_direct_reads() {
+  flag_store_release(&header(rank_).direct_read.value, calls_);
   for (int peer = 0; peer < world_; ++peer)
     if (peer != rank_) wait_for(peer, &SegmentHeader::direct_read, calls_, "finish reading this rank's input");
+}
+
+void HostComm::read_peer_input(int peer, size_t offset, void* into, size_t bytes) {
+  const SegmentHeader& h = header(peer);
+  wait_for(peer, &h.direct_post.call, calls_, "post its input");
+  if (offset + bytes > h.direct_post.bytes)
+    fail<MismatchError>(current_op_, "rank " + std::to_string(peer) + " posted " + std::to_string(h.direct_post.bytes) +
+                                         " bytes of input but rank " + std::to_string(rank_) + " reads bytes [" +
+                                         std::to_string(offset) + ", " + std::to_string(offset + bytes) + ") of it (call " +
+                                         std::to_string(calls_) + ")");
+  const std::string failed = read_peer_memory(h.pid, h.direct_post.address + offset, into, bytes);
+  if (!failed.empty())
+    fail<PeerError>(current_op_, "rank " + std::to_string(rank_) + " could not read rank " + std::to_string(peer) +
+                                     "'s input (call " + std::to_string(calls_) + ", by a plan): " + failed);
 }
 
 void HostComm::all_reduce(const void* input, void* output, int64_t user_count, DType dtype, ReduceOp op) {

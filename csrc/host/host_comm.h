@@ -301,6 +301,10 @@ class HostComm {
   void set_plan_position(int64_t slice, int64_t slices, int op, int ops) {
     position_ = {slice, slices, op, ops, Path::kPlan};
   }
+  // The plan engine's read of a peer's input where it lies (Operand::kPeerInput): `bytes`
+  // from `offset` of what rank `peer` posted for this call, into `into`. Waits for the post;
+  // MismatchError where the post is shorter, PeerError where the read fails.
+  void read_peer_input(int peer, size_t offset, void* into, size_t bytes);
 
  private:
   // Where a message's arguments lie in symmetric memory, as every rank posts them (host_symmetric.cpp).
@@ -353,6 +357,9 @@ class HostComm {
   // The direct-read all-gather: post my input's address (before the call check, like the
   // one-shot publication: it writes only my own header), then read every peer's.
   void post_direct_input(const void* input, size_t bytes);
+  // The end of a call that read peers' inputs where they lie: tell every peer this rank has
+  // finished reading, and wait until every peer has (only then may the caller reuse its input).
+  void finish_direct_reads();
   void run_direct_all_gather(const RingCall& call, const void* input, void* output);
   // Before a ring or plan call: how this rank writes its slots (SlotStores); probes the hop
   // on the large calls whose turn it is (counted alike on every rank: they meet there).

@@ -36,16 +36,25 @@ class PlanRun {
       : comm_(comm), plan_(plan), coll_(coll), me_(comm.rank()), chunks_(plan.plan.chunks),
         ring_count_(ring_count), input_(static_cast<const T*>(input)), output_(static_cast<T*>(output)),
         slot_bytes_(slot_bytes_for(comm.buffer_bytes(), chunks_, kSlotAlignment)),
-        slice_elems_(static_cast<int64_t>(slot_bytes_ / sizeof(T))),
+        slice_elems_(uses_slots(plan) ? static_cast<int64_t>(slot_bytes_ / sizeof(T))
+                                      : std::max<int64_t>(1, max_chunk_length(ring_count, chunks_))),
         slices_(slice_elems_ > 0 ? num_slices(ring_count, chunks_, slice_elems_) : 0), base_(base),
         slot_last_(static_cast<size_t>(kBanks) * chunks_), slot_readers_(slot_last_.size(), 0) {
     // Python checks this first (Communicator._plan); here for callers of the binding itself
     RINGCOLL_CHECK(slice_elems_ > 0, std::invalid_argument, collective_info(coll).name, ": a plan of ", chunks_,
                    " chunks needs buffer_bytes >= ", min_buffer_bytes(chunks_, kSlotAlignment), "; this one's is ",
                    comm.buffer_bytes());
-    const size_t work_bytes = static_cast<size_t>(chunks_) * static_cast<size_t>(slice_elems_) * sizeof(T);
-    if (work.size() < work_bytes) work.resize(work_bytes);
-    work_ = reinterpret_cast<T*>(work.data());
+    if (plan.uses_work) {
+      const size_t work_bytes = static_cast<size_t>(chunks_) * static_cast<size_t>(slice_elems_) * sizeof(T);
+      if (work.size() < work_bytes) work.resize(work_bytes);
+      work_ = reinterpret_cast<T*>(work.data());
+    }
+  }
+
+  // A plan that neither publishes nor uses the work space (direct reads only) is not cut
+  // into slices: nothing bounds its pieces but the message.
+  static bool uses_slots(const CompiledPlan& plan) {
+    return plan.uses_work || std::any_of(plan.publications.begin(), plan.publications.end(), [](int n) { return n > 0; });
   }
 
   int64_t slices() const { return slices_; }
@@ -122,9 +131,17 @@ class PlanRun {
       case Operand::kInput: return input_at(c, j);
       case Operand::kOutput: return output_at(c, j);
       case Operand::kWork: return work_at(c);
+      case Operand::kPeerInput: return fetched_.data();  // read_peer_input's, just before
       case Operand::kNone: break;
     }
     return nullptr;
+  }
+
+  // Chunk c of slice j of rank `from`'s input, read where it lies (kPeerInput) into `into`;
+  // all-gather's input is the rank's own chunk, so it starts at the chunk's beginning.
+  void read_peer_input(int from, int c, int64_t j, int64_t len, T* into) {
+    const int64_t at = j * slice_elems_ + (coll_ == Collective::kAllGather ? 0 : chunk_begin(ring_count_, chunks_, c));
+    comm_.read_peer_input(from, static_cast<size_t>(at) * sizeof(T), into, static_cast<size_t>(len) * sizeof(T));
   }
 
   void combine(const PlanOp& op, int bank, int64_t j, int c) {
@@ -139,6 +156,15 @@ class PlanRun {
     auto stream_slot = [&](const T* place) { return place != nullptr && place == my_slot && comm_.stream_slots(); };
     if (op.to & kToWork) places[n++] = work_at(c);
     if (op.to & kToOutput) places[n++] = output_at(c, j);
+    if (op.a == Operand::kPeerInput || op.b == Operand::kPeerInput) {
+      if (op.b == Operand::kNone && places[0] != my_slot) {  // a copy: straight into its first place
+        read_peer_input(op.from, c, j, len, places[0]);
+        if (places[1] != nullptr) copy_strip(places[1], static_cast<T*>(nullptr), places[0], len, false, false);
+        return;
+      }
+      fetched_.resize(static_cast<size_t>(len));
+      read_peer_input(op.from, c, j, len, fetched_.data());
+    }
     const T* a = operand(op.a, op.from, bank, c, j);
     if (op.b == Operand::kNone) {
       if (places[0] == a) places[0] = nullptr;  // in place: already there
@@ -165,6 +191,7 @@ class PlanRun {
   T* work_ = nullptr;
   std::vector<uint64_t> slot_last_;     // per slot: the publication that last filled it (this call)
   std::vector<uint64_t> slot_readers_;  // ... and its readers
+  std::vector<T> fetched_;              // a peer's input read where it lies, for an op that combines or publishes it
 };
 
 }  // namespace

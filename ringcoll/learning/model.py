@@ -169,18 +169,23 @@ class PlanCost:
 def plan_cost(p) -> PlanCost:
     """The rounds and the bytes of a plan (a ringcoll.plans.Plan), read off its ops as the
     checker runs them (plans.rounds: an op that receives ends one round after the op that
-    published what it reads); the bytes a rank receives are its receives' chunks over the
-    plan's chunk count (all-gather: of the output)."""
+    published what it reads; one that reads a peer's input where it lies, one round after
+    the start, when the input's place was posted); the bytes a rank receives are its
+    receives' and such reads' chunks over the plan's chunk count (all-gather: of the
+    output). A plan that reads peers' inputs ends with one more round: every rank tells
+    every other it has finished reading, and none returns before all have."""
     from ringcoll import plans
 
     timeline = plans.rounds(p)
     if not timeline:
         return PlanCost(0, 0.0)
     received = [0] * p.world
+    reads_inputs = False
     for _, st in timeline:
-        if plans.PEER in (st.op.a, st.op.b):
+        if plans.PEER in (st.op.a, st.op.b) or plans.PEER_INPUT in (st.op.a, st.op.b):
             received[st.rank] += st.op.count
-    return PlanCost(max(t for t, _ in timeline), max(received) / p.chunks)
+        reads_inputs = reads_inputs or plans.PEER_INPUT in (st.op.a, st.op.b)
+    return PlanCost(max(t for t, _ in timeline) + int(reads_inputs), max(received) / p.chunks)
 
 
 def _plan_cost(name: str, collective: str, world: int) -> PlanCost:

@@ -527,27 +527,25 @@ class DirectReadRank:
 
 def simulate_direct_read(inputs: Sequence[Sequence[Any]]) -> List[DirectReadRank]:
     """Run the direct-read all-gather on Python lists (``inputs[k]`` rank k's own chunk, as
-    for :func:`simulate`). Every value a rank returns was read from its owner's input, with
-    no slot in between; with one rank there is no peer and only the own chunk is copied
-    (the transports copy input to output for P = 1 the same way)."""
+    for :func:`simulate`): the ``direct`` plan's records (``plan.h``'s ``direct_plan``: reads
+    of each peer's input where it lies, in :func:`direct_read_order`, then the own chunk),
+    run by ``ringcoll.plans.simulate``. Every value a rank returns was read from its
+    owner's input, with no slot in between; with one rank there is no peer and only the own
+    chunk is copied (the transports copy input to output for P = 1 the same way)."""
+    from ringcoll import plans  # the plan records come from the extension
+
     world = len(inputs)
     if world < 1:
         raise ValueError("simulate_direct_read: need at least one rank")
     posted = [list(x) for x in inputs]  # a post names the input itself: peers read it in place
-    n = _gathered_length("simulate_direct_read", posted)
-
-    def into_chunk(output: List[Any], c: int, values: List[Any]) -> None:
-        output[chunk_begin(n, world, c):chunk_end(n, world, c)] = values
-
+    _gathered_length("simulate_direct_read", posted)
+    outputs, ran = plans.simulate(plans.plan("direct", "all_gather", world), posted)
     ranks = []
     for k in range(world):
-        output: List[Any] = [None] * n
-        reads = []
-        for peer in direct_read_order(k, world):
-            into_chunk(output, peer, posted[peer])
-            reads.append((peer, list(posted[peer])))
-        into_chunk(output, k, posted[k])  # after the reads, while the peers read mine
-        ranks.append(DirectReadRank(rank=k, posted=posted[k], reads=reads, own=list(posted[k]), output=output))
+        mine = sorted((st for st in ran if st.rank == k), key=lambda st: st.index)
+        reads = [(st.op.frm, list(st.values[0])) for st in mine if st.op.a == plans.PEER_INPUT]
+        ranks.append(DirectReadRank(rank=k, posted=posted[k], reads=reads, own=list(posted[k]),
+                                    output=list(outputs[k])))
     return ranks
 
 

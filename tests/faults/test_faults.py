@@ -853,6 +853,44 @@ def test_rank_killed_mid_collective(world, victim, collective, algorithm):
     # The autouse fixture checks /dev/shm is clean.
 
 
+def _direct_plan_input_cut(rank, world, victim):
+    import ringcoll
+
+    comm = ringcoll.Communicator(timeout=60.0, algorithm="direct")
+    t, cut_off = _unreadable_from_the_middle(4 << 20)
+    out = torch.empty(world * t.numel())
+    comm.all_gather_into_tensor(out, t)  # one full round first
+    if rank == victim:
+        cut_off()
+    start = time.monotonic()
+    try:
+        for _ in range(100):
+            comm.all_gather_into_tensor(out, t)
+    except ringcoll.RingcollError as e:
+        return type(e).__name__, str(e), time.monotonic() - start
+    return "no error", "", time.monotonic() - start
+
+
+@pytest.mark.usefixtures("no_leftover_segments")
+def test_a_direct_plan_whose_peer_input_is_gone_is_a_peer_error_on_every_rank():
+    """The direct plan reads peers' inputs where they lie (process_vm_readv): when the
+    victim's input becomes unreadable, the first rank to read it gets the system's error as
+    a PeerError naming both ranks and the plan, and the others follow at once (the victim
+    dies copying its own chunk, or fails reading a peer that has already given up and
+    freed its tensor); nobody waits out the 60 s timeout."""
+    outcomes = spawn_outcomes(_direct_plan_input_cut, 3, 1, timeout=90)
+    readers_failed = 0
+    for o in outcomes:
+        if not o.ok:
+            assert o.rank == 1 and o.exitcode == -signal.SIGSEGV, (o.rank, o.exitcode, o.traceback)
+            continue
+        kind, message, elapsed = o.value
+        assert kind == "RingcollPeerError" and elapsed < 10.0, (o.rank, kind, message, elapsed)
+        assert "could not read rank" in message or "has exited" in message or "aborted" in message, message
+        readers_failed += "could not read rank 1's input" in message and ", by a plan)" in message
+    assert readers_failed >= 1, [o.value for o in outcomes]
+
+
 # --- segments: created 0600, unlinked once mapped ---------------------------------------
 
 def _segments_unlinked(rank, world):

@@ -61,9 +61,14 @@ def _run(comm, collective: str, algorithm: str, rank: int, world: int, count: in
     return x
 
 
+#: plans that read peers' inputs where they lie: refused on CUDA, whose peers' tensors are not mapped
+READS_PEER_INPUTS = {"direct"}
+
+
 def _cases(world: int):
-    """(collective, algorithm, root) for every built-in plan; every root of the rooted ones."""
-    for algorithm in plans.BUILTIN:
+    """(collective, algorithm, root) for every built-in plan the kernels run; every root of the
+    rooted ones."""
+    for algorithm in sorted(set(plans.BUILTIN) - READS_PEER_INPUTS):
         for collective in plans.BUILTIN_COLLECTIVES[algorithm]:
             roots = range(world) if collective in ("broadcast", "reduce") else [0]
             for root in roots:
@@ -189,6 +194,19 @@ def test_a_rank_that_never_comes_to_a_plan_call_is_a_timeout_naming_it(check):
     where = "checking the call" if check else "plan op 2"
     assert where in messages[0], messages[0]
     assert "rank 2" in messages[1] or "rank 0" in messages[1], messages[1]
+
+
+def test_a_plan_that_reads_peers_inputs_is_refused_by_name_and_nothing_moves():
+    def body(group):
+        with EmulatedCudaCommunicator(group=group, timeout=TIMEOUT) as comm:
+            out = torch.full((8,), -1.0)
+            for name in sorted(READS_PEER_INPUTS):
+                with pytest.raises(ValueError, match="reads peers' inputs where they lie, which on CUDA needs"):
+                    comm.all_gather_into_tensor(out, torch.ones(4), algorithm=name)
+            comm.all_gather_into_tensor(out, torch.full((4,), float(group.rank)))  # the communicator still works
+            return out.tolist()
+
+    assert ringcoll.run_in_process(2, body, timeout=120) == [[0.0] * 4 + [1.0] * 4] * 2
 
 
 def test_a_plan_too_wide_for_the_kernels_is_refused_by_name():

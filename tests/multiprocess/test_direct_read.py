@@ -55,14 +55,23 @@ def _probe_denied(rank, world):
             out = torch.full((world * count,), -1.0)
             comm.all_gather_into_tensor(out, torch.arange(count, dtype=torch.float32) + 1000 * rank)
             results.append(torch.equal(out, _gathered(world, count)))
-        return comm.transport.direct_reads, comm.transport.direct_reads_unavailable, comm.transport.direct_calls, results
+        try:  # the direct plan reads peers where they lie too: refused, nothing moved, the communicator whole
+            comm.all_gather_into_tensor(out, torch.zeros(300_001), algorithm="direct")
+            refused = "no error"
+        except ValueError as e:
+            refused = str(e)
+        results.append(torch.equal(out, _gathered(world, 300_001)))
+        return (comm.transport.direct_reads, comm.transport.direct_reads_unavailable, comm.transport.direct_calls,
+                results, refused)
 
 
 def test_ranks_that_may_not_read_each_other_use_the_slots():
     world = 3
-    for direct, why, calls, results in spawn(_probe_denied, world, timeout=120):
+    for direct, why, calls, results, refused in spawn(_probe_denied, world, timeout=120):
         assert direct is False and calls == 0, (direct, calls)
         assert all(results), results
+        assert refused.startswith("all_gather: this plan reads peers' inputs where they lie (process_vm_readv), "
+                                  "which this communicator cannot: "), refused
         # Each rank quotes the first failed probe it saw: its own or a peer's.
         assert "cannot read rank" in why and "Operation not permitted" in why, why
 
@@ -91,13 +100,13 @@ def test_mismatch_on_the_direct_path_moves_nothing(odd_kind):
         assert untouched, rank
 
 
-def _unchecked_count_mismatch(rank, world):
+def _unchecked_count_mismatch(rank, world, algorithm="native"):
     import ringcoll
 
     with ringcoll.Communicator(small_bytes=0, direct_bytes=1, check=False, timeout=20) as comm:
         count = 64 if rank == 1 else 65
         try:
-            comm.all_gather_into_tensor(torch.empty(world * count), torch.ones(count))
+            comm.all_gather_into_tensor(torch.empty(world * count), torch.ones(count), algorithm=algorithm)
             return "no error"
         except ringcoll.RingcollError as e:
             return type(e).__name__ + ": " + str(e)
@@ -109,6 +118,15 @@ def test_without_the_check_a_count_mismatch_is_caught_by_the_posted_bytes():
         expected = 256 if rank == 0 else 260  # what rank 0 expects is rank 1's 64 floats, and back
         assert message.startswith("RingcollMismatchError: all_gather: "), message
         assert f"posted {expected} bytes of input but rank {rank} expects" in message, message
+
+
+def test_without_the_check_the_direct_plan_reads_no_byte_past_a_peers_post():
+    """The direct plan's reads, checked against what each peer posted: rank 0 would read 260
+    bytes of rank 1's 256 and stops there; rank 1 (whose reads fit) then hears of it."""
+    first, second = spawn(_unchecked_count_mismatch, 2, "direct", timeout=120)
+    assert first.startswith("RingcollMismatchError: all_gather: ") and \
+        "rank 1 posted 256 bytes of input but rank 0 reads bytes [0, 260) of it" in first, first
+    assert second.startswith("RingcollPeerError: all_gather: ") and "rank 0" in second, second
 
 
 def _settings(rank, world, direct_bytes, direct_max=None):

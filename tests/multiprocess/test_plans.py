@@ -37,6 +37,7 @@ def _matrix_rank(rank, world):
              for name in [*BUILTIN, "bidir"]]
     reduce_comms = [(n, c) for n, c in comms if n in plans.algorithms("all_reduce")]  # not star
     scatter_gather_comms = [(n, c) for n, c in comms if n in plans.algorithms("reduce_scatter")]  # not rd, tree, bidir
+    gather_comms = [(n, c) for n, c in comms if n in plans.algorithms("all_gather")]  # and direct
     cases = FULL if world in (3, 4) else SELECTION
     for dtype, op_name in cases:
         elem = torch.empty(0, dtype=dtype).element_size()
@@ -45,8 +46,7 @@ def _matrix_rank(rank, world):
         M.run_reduce_cases(chk, rank, world, scatter_gather_comms, dtype, op_name, [], [1, 3, big // world + 1],
                            ("out_of_place", "in_place"), "plans-rs")
     for dtype in (torch.float32, torch.uint8, torch.bfloat16):
-        M.run_gather_cases(chk, rank, world, scatter_gather_comms, dtype, [1, 3, 2000], ("out_of_place", "in_place"),
-                           "plans")
+        M.run_gather_cases(chk, rank, world, gather_comms, dtype, [1, 3, 2000], ("out_of_place", "in_place"), "plans")
     # broadcast and reduce: every algorithm that has them, native and auto (one-shot, then star or chain by
     # size), every root; a broadcast moves bytes, so one op per dtype is enough
     by_size = [(name, ringcoll.Communicator(algorithm=name, buffer_bytes=M.SMALL_BUFFER, timeout=M.COMM_TIMEOUT,
@@ -82,6 +82,10 @@ def _interleaved(chk, rank, world):
                 out = torch.empty(n // world, dtype=torch.int32)
                 comm.reduce_scatter_tensor(out, x.clone(), algorithm=algorithm)
                 chk.equal(f"interleaved call {i} reduce_scatter ({algorithm})", out, ref.view(world, -1)[rank] * world)
+            if i % 3 == 0:  # direct reads (no slot) between plans that fill the slots: each rank's chunk
+                out = torch.empty(n, dtype=torch.int32)  # of the all-reduced ref, gathered, is ref again
+                comm.all_gather_into_tensor(out, ref.view(world, -1)[rank].clone(), algorithm="direct")
+                chk.equal(f"interleaved call {i} all_gather (direct)", out, ref)
             if i % 2:  # the star's slots, read by every rank, between the others' plans
                 y = M.make_input("int", torch.int32, n, M._seed("interleaved-broadcast", i, rank))
                 ref = y.clone()

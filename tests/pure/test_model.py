@@ -191,6 +191,10 @@ def test_plan_costs_are_the_docstrings_table(p):
     for name, (rounds, received) in table.items():
         cost = model.plan_cost(plans.plan(name, "all_reduce", p))
         assert (cost.rounds, cost.received) == (rounds, pytest.approx(received)), name
+    # Direct reads (all-gather): one round to read every peer's posted input, one to say
+    # every read is done; each rank receives the (P-1)/P of the output it does not own.
+    direct = model.plan_cost(plans.plan("direct", "all_gather", p))
+    assert (direct.rounds, direct.received) == (2, pytest.approx((p - 1) / p))
     # The ring's plan prices as the ring's formula (ring_time) for every collective.
     for coll in ("all_reduce", "reduce_scatter", "all_gather"):
         assert model.algorithm_time("ring", coll, p, 1e6, 2e-6, 3e9) == pytest.approx(

@@ -58,7 +58,8 @@ def test_which_algorithm_has_which_collective():
     """The algorithms' table (collectives.h): what each has, as its generator can make it."""
     assert plans.BUILTIN_COLLECTIVES == {
         "ring": COLLECTIVES, "oneshot": COLLECTIVES, "rhd": ("all_reduce", "reduce_scatter", "all_gather"),
-        "rd": ("all_reduce",), "tree": ("all_reduce", "broadcast", "reduce"), "star": ("broadcast",)}
+        "rd": ("all_reduce",), "tree": ("all_reduce", "broadcast", "reduce"), "star": ("broadcast",),
+        "direct": ("all_gather", "broadcast")}
 
 
 @pytest.mark.parametrize("name", ["rhd", "rd", "tree", "star"])
@@ -189,7 +190,7 @@ def test_the_ring_itself_passes():
     (changed(0, 1, first=-1), "chunks outside 0..2"),
     (changed(0, 1, a=Operand.NONE), "has no first operand"),
     (changed(0, 1, to=TO_OUTPUT | TO_WORK | TO_SLOT), "one or two of output, work and slot"),
-    (changed(0, 1, b=PEER), "receives twice in one op"),
+    (changed(0, 1, b=PEER), "reads two peers' values (a publication or an input) in one op"),
     (changed(0, 1, frm=0), "receives from rank 0, which is not a peer"),
     (changed(0, 0, readers=1), "publishes to no peer, or to itself"),
     (changed(0, 4, readers=2), "names readers but publishes nothing"),
@@ -203,6 +204,30 @@ def test_the_ring_itself_passes():
 ])
 def test_each_rule_refuses_a_plan_that_breaks_it(fn, words):
     assert words in refused(fn)
+
+
+def _direct_gather(world, r):
+    """The direct plan's all-gather, written in Python: every peer's input read where it lies."""
+    return [op(plans.PEER_INPUT, k, TO_OUTPUT, frm=k, final=True) for k in range(world) if k != r] + \
+        [op(INPUT, r, TO_OUTPUT, final=True)]
+
+
+def test_reads_of_peers_inputs_where_they_lie_are_checked():
+    """PEER_INPUT: right where the input is one nothing overwrites (all-gather: the owner's
+    chunk; broadcast: the root's), refused where the input may be the output (in place),
+    which its owner overwrites while peers read; each read stands for its owner's chunk."""
+    plans.check(user_plan(_direct_gather, "all_gather", 3))
+    assert "reads chunks other than rank 1's own from its input" in refused(
+        lambda world, r: [o._replace(first=(o.frm + 1) % world) if o.a == plans.PEER_INPUT else o
+                          for o in _direct_gather(world, r)], "all_gather")
+    assert "a all_reduce's input may be its output (in place)" in refused(
+        lambda world, r: [op(plans.PEER_INPUT, 0, TO_OUTPUT, frm=(r + 1) % world, final=True)], "all_reduce")
+    assert "reads rank 2's input, but only the root (rank 0) has one" in refused(
+        lambda world, r: [op(plans.PEER_INPUT, 0, TO_OUTPUT, frm=2 if r == 1 else 0, final=True)] if r else [],
+        "broadcast")
+    # The reads stand for the owners' inputs: a rank that skips a peer lacks its chunk
+    assert "rank 0 never writes output chunk 1" in refused(
+        lambda world, r: [o for o in _direct_gather(world, r) if not (r == 0 and o.frm == 1)], "all_gather")
 
 
 def test_deadlocks_are_refused():

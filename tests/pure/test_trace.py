@@ -195,7 +195,7 @@ def test_rooted_traces_name_the_root_and_refuse_what_they_lack(capsys):
     text = trace("reduce", 3, 2)
     assert text.startswith("ringcoll trace: reduce, P = 3 ranks, n = 2 elements, root = rank 0")
     assert "  rank 0: [111 222]\n  rank 1: [10 20]\n  rank 2: [100 200]\ncheck:" in text
-    with pytest.raises(ValueError, match="algorithm for broadcast must be one of ring, oneshot, tree, star, got 'rhd'"):
+    with pytest.raises(ValueError, match="algorithm for broadcast must be one of ring, oneshot, tree, star, direct, got 'rhd'"):
         trace("broadcast", 2, 3, algorithm="rhd")
     assert cli.main(["trace", "broadcast", "-P", "2", "-n", "2", "--algorithm", "tree"]) == 0
     assert "check: reference (the root's input) = [1 2]: OK, every rank matches" in capsys.readouterr().out

@@ -40,7 +40,8 @@
   X(kHalvingDoubling, "rhd", 3, kUnrootedCollectives)                       \
   X(kRecursiveDoubling, "rd", 4, collective_bit(Collective::kAllReduce))    \
   X(kTree, "tree", 5, collective_bit(Collective::kAllReduce) | kRootedCollectives) \
-  X(kStar, "star", 6, collective_bit(Collective::kBroadcast))
+  X(kStar, "star", 6, collective_bit(Collective::kBroadcast))                \
+  X(kDirect, "direct", 7, collective_bit(Collective::kAllGather) | collective_bit(Collective::kBroadcast))
 
 namespace ringcoll {
 

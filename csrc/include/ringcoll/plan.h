@@ -17,6 +17,11 @@
 //     kOutput  the caller's output (reduce-scatter: only this rank's own chunk; reduce:
 //              the root's only, the others' tensors stay as they were)
 //     kWork    this rank's private work space (C chunks: one slice of the whole message)
+//     kPeerInput  rank `from`'s input, read where it lies, not through any slot: every rank
+//              posts where its input is when the call starts, and none returns before every
+//              rank has finished reading (all-gather: chunk `from` only; broadcast: the
+//              root's; only collectives whose input nothing overwrites, so a read in place
+//              cannot race the owner's writes: the checker refuses the others)
 // and the value goes to any two of
 //     kToOutput, kToWork, kToSlot (this rank's slots, published at once to `readers`).
 //
@@ -56,7 +61,7 @@ namespace ringcoll {
 // The most ranks a plan may address: readers are a bitmask of one word.
 constexpr int kMaxPlanWorld = 64;
 
-enum class Operand : uint8_t { kNone = 0, kPeer = 1, kInput = 2, kOutput = 3, kWork = 4 };
+enum class Operand : uint8_t { kNone = 0, kPeer = 1, kInput = 2, kOutput = 3, kWork = 4, kPeerInput = 5 };
 constexpr uint8_t kToOutput = 1, kToWork = 2, kToSlot = 4;
 
 struct PlanOp {
@@ -86,7 +91,11 @@ struct CompiledPlan {
   std::vector<int> publications;                    // [rank]: publications per slice
   std::vector<std::vector<int>> last_read;          // [rank][op]: 1 if it is this rank's last read of
                                                     // its sender's publication
+  bool reads_peer_inputs = false;                   // some op reads a peer's input (kPeerInput)
+  bool uses_work = false;                           // some op reads or writes the work space
 };
+
+RINGCOLL_INLINE bool names_a_peer(Operand o) { return o == Operand::kPeer || o == Operand::kPeerInput; }
 
 RINGCOLL_INLINE bool has_bit(uint64_t mask, int r) { return (mask >> r) & 1u; }
 RINGCOLL_INLINE uint64_t bit(int r) { return uint64_t{1} << r; }
@@ -146,11 +155,16 @@ inline CompiledPlan compile_plan(Plan plan, const std::string& name, int world, 
       RINGCOLL_CHECK(targets >= 1 && targets <= 2 && (op.to & ~(kToOutput | kToWork | kToSlot)) == 0,
                      std::invalid_argument, where(k, i), "writes to ", targets, " places: one or two of output, "
                      "work, slot");
-      const bool peer = op.a == Operand::kPeer || op.b == Operand::kPeer;
-      RINGCOLL_CHECK(!(op.a == Operand::kPeer && op.b == Operand::kPeer), std::invalid_argument, where(k, i),
-                     "receives twice");
+      RINGCOLL_CHECK(static_cast<int>(op.a) <= static_cast<int>(Operand::kPeerInput) &&
+                         static_cast<int>(op.b) <= static_cast<int>(Operand::kPeerInput),
+                     std::invalid_argument, where(k, i), "has an operand of no known kind");
+      const bool peer = names_a_peer(op.a) || names_a_peer(op.b);
+      RINGCOLL_CHECK(!(names_a_peer(op.a) && names_a_peer(op.b)), std::invalid_argument, where(k, i),
+                     "reads two peers' values (a publication or an input) in one op");
+      out.reads_peer_inputs = out.reads_peer_inputs || op.a == Operand::kPeerInput || op.b == Operand::kPeerInput;
+      out.uses_work = out.uses_work || op.a == Operand::kWork || op.b == Operand::kWork || (op.to & kToWork) != 0;
       RINGCOLL_CHECK(!peer || (op.from >= 0 && op.from < world && op.from != k), std::invalid_argument,
-                     where(k, i), "receives from rank ", op.from, ", not a peer");
+                     where(k, i), "reads from rank ", op.from, ", not a peer");
       if (op.to & kToSlot) {
         const uint64_t everyone = all_ranks(world);
         RINGCOLL_CHECK(op.readers != 0 && (op.readers & ~everyone) == 0 && !has_bit(op.readers, k),
@@ -581,6 +595,34 @@ inline Plan tree_plan(Collective coll, int world) {
   return plan;
 }
 
+// Direct reads: no slot at all. All-gather: rank k copies each peer's input straight into
+// its output, starting at its right neighbour (k+1, k+2, ..: at each turn every input is
+// read by one rank), then its own chunk, while the peers may still be reading it.
+// Broadcast (root 0): every other rank copies the root's tensor into its own. One copy per
+// byte a rank receives, where the slots make two (the owner's into a slot, the reader's
+// out of it); the price is two handshakes (the posts at the start, "finished reading" at
+// the end) and a transport that can read a peer's memory (process_vm_readv on the CPU).
+// C = P chunks for an all-gather, 1 for a broadcast.
+inline Plan direct_plan(Collective coll, int world) {
+  Plan plan;
+  plan.chunks = coll == Collective::kAllGather ? world : 1;
+  plan.ops.resize(world);
+  if (world == 1) return plan;
+  for (int k = 0; k < world; ++k) {
+    auto& ops = plan.ops[k];
+    if (coll == Collective::kBroadcast) {
+      if (k != 0) ops.push_back(make_op(Operand::kPeerInput, 0, 1, kToOutput, Operand::kNone, 0, 0, true));
+      continue;
+    }
+    for (int i = 1; i < world; ++i) {
+      const int peer = (k + i) % world;
+      ops.push_back(make_op(Operand::kPeerInput, peer, 1, kToOutput, Operand::kNone, peer, 0, true));
+    }
+    ops.push_back(make_op(Operand::kInput, k, 1, kToOutput, Operand::kNone, -1, 0, true));
+  }
+  return plan;
+}
+
 // Whether the built-in `algorithm` has a plan for `coll` (the algorithms' table).
 inline bool algorithm_has(Algorithm algorithm, Collective coll) {
   switch (algorithm) {
@@ -602,6 +644,7 @@ inline Plan builtin_plan(Algorithm algorithm, Collective coll, int world) {
     case Algorithm::kRecursiveDoubling: return recursive_doubling_plan(coll, world);
     case Algorithm::kTree: return tree_plan(coll, world);
     case Algorithm::kStar: return star_plan(coll, world);
+    case Algorithm::kDirect: return direct_plan(coll, world);
   }
   throw std::invalid_argument("unknown algorithm");
 }
