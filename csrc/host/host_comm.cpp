@@ -100,7 +100,7 @@ class HostRingContext {
       : comm_(comm), coll_(call.collective), input_(static_cast<const T*>(input)), output_(static_cast<T*>(output)),
         ring_count_(call.ring_count), slice_elems_(static_cast<int64_t>(comm.slot_bytes() / sizeof(T))),
         slices_(num_slices(ring_count_, comm.world(), slice_elems_)),
-        stream_output_(output_bytes() >= streaming_threshold_bytes() && !output_within_input()) {}
+        stream_output_(streams_output(input, input_bytes(), output, output_bytes())) {}
 
   int rank() const { return comm_.rank(); }
   int world() const { return comm_.world(); }
@@ -153,14 +153,6 @@ class HostRingContext {
     const int64_t elems = coll_ == Collective::kAllGather ? ring_count_ / world() : ring_count_;
     return static_cast<size_t>(elems) * sizeof(T);
   }
-  // Whether every byte of the output is one of the input (all-reduce in place; reduce-
-  // scatter into its own chunk of the input): this call then reads each output line as
-  // input before it writes it. Not so for all-gather in place, whose output is P times the input.
-  bool output_within_input() const {
-    const auto* in_begin = reinterpret_cast<const char*>(input_);
-    const auto* out_begin = reinterpret_cast<const char*>(output_);
-    return out_begin >= in_begin && out_begin + output_bytes() <= in_begin + input_bytes();
-  }
   T* slot_in(char* data, int bank, int c) const {
     return reinterpret_cast<T*>(data + static_cast<size_t>(slot_index(bank, c, world())) * comm_.slot_bytes());
   }
@@ -169,12 +161,7 @@ class HostRingContext {
   const T* input_;
   T* output_;
   int64_t ring_count_, slice_elems_, slices_;
-  // The output is too large to stay in cache: write around it. Not where the output is
-  // (part of) the input: this call read each of its lines as input, so an ordinary store
-  // finds it in cache, and a streaming store would have to evict it (P = 2, in place, 8-32
-  // MiB: all-reduce 1.3-1.4x faster without, reduce-scatter from 16 MiB 1.6x;
-  // bench/results/2026-12-01-cpu-in-place.txt).
-  bool stream_output_;
+  bool stream_output_;  // the output is written around the cache (streams_output)
   bool stream_slots_ = comm_.stream_slots();  // how the right neighbour's slots are written (SlotStores)
 };
 

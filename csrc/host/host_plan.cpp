@@ -44,6 +44,11 @@ class PlanRun {
     RINGCOLL_CHECK(slice_elems_ > 0, std::invalid_argument, collective_info(coll).name, ": a plan of ", chunks_,
                    " chunks needs buffer_bytes >= ", min_buffer_bytes(chunks_, kSlotAlignment), "; this one's is ",
                    comm.buffer_bytes());
+    // all-gather's input and reduce-scatter's output are one rank's chunk (C = P for both)
+    const size_t message = static_cast<size_t>(ring_count) * sizeof(T);
+    const size_t chunk = message / static_cast<size_t>(chunks_);
+    stream_output_ = streams_output(input, coll == Collective::kAllGather ? chunk : message, output,
+                                    coll == Collective::kReduceScatter ? chunk : message);
     if (plan.uses_work) {
       const size_t work_bytes = static_cast<size_t>(chunks_) * static_cast<size_t>(slice_elems_) * sizeof(T);
       if (work.size() < work_bytes) work.resize(work_bytes);
@@ -147,19 +152,21 @@ class PlanRun {
   void combine(const PlanOp& op, int bank, int64_t j, int c) {
     const int64_t len = length(c, j);
     if (len == 0) return;
-    // Up to two places, the slot first: its stores are the ones the reader cares about
-    // (SlotStores in host_comm.h); the others take ordinary stores.
-    T* places[2] = {nullptr, nullptr};
-    int n = 0;
-    T* const my_slot = (op.to & kToSlot) ? slot(me_, bank, c) : nullptr;
-    if (my_slot != nullptr) places[n++] = my_slot;
-    auto stream_slot = [&](const T* place) { return place != nullptr && place == my_slot && comm_.stream_slots(); };
-    if (op.to & kToWork) places[n++] = work_at(c);
-    if (op.to & kToOutput) places[n++] = output_at(c, j);
+    // copy_strip and reduce_strip write two places, as the ring's steps do: the slot (its
+    // stores per SlotStores, host_comm.h) or the work space first, the output (written
+    // around the cache past streams_output's bound) or the work space second.
+    T* const slot_place = (op.to & kToSlot) ? slot(me_, bank, c) : nullptr;
+    T* const work_place = (op.to & kToWork) ? work_at(c) : nullptr;
+    T* const out_place = (op.to & kToOutput) ? output_at(c, j) : nullptr;
+    T* first = slot_place != nullptr ? slot_place : work_place;
+    T* second = out_place != nullptr ? out_place : slot_place != nullptr ? work_place : nullptr;
+    const bool stream_first = slot_place != nullptr && comm_.stream_slots();
+    const bool stream_second = out_place != nullptr && stream_output_;
     if (op.a == Operand::kPeerInput || op.b == Operand::kPeerInput) {
-      if (op.b == Operand::kNone && places[0] != my_slot) {  // a copy: straight into its first place
-        read_peer_input(op.from, c, j, len, places[0]);
-        if (places[1] != nullptr) copy_strip(places[1], static_cast<T*>(nullptr), places[0], len, false, false);
+      if (op.b == Operand::kNone && slot_place == nullptr) {  // a copy: straight into a place of mine
+        T* into = first != nullptr ? first : second;
+        read_peer_input(op.from, c, j, len, into);
+        if (into == first && second != nullptr) copy_strip(static_cast<T*>(nullptr), second, into, len, stream_second);
         return;
       }
       fetched_.resize(static_cast<size_t>(len));
@@ -167,15 +174,14 @@ class PlanRun {
     }
     const T* a = operand(op.a, op.from, bank, c, j);
     if (op.b == Operand::kNone) {
-      if (places[0] == a) places[0] = nullptr;  // in place: already there
-      if (places[0] == nullptr) std::swap(places[0], places[1]);
-      if (places[0] != nullptr) copy_strip(places[0], places[1], a, len, false, stream_slot(places[0]));
+      if (first == a) first = nullptr;  // in place: already there
+      if (second == a) second = nullptr;
+      if (first != nullptr || second != nullptr) copy_strip(first, second, a, len, stream_second, stream_first);
       return;
     }
     const T* b = operand(op.b, op.from, bank, c, j);
-    const bool stream_first = stream_slot(places[0]);
-    if (op.final) reduce_strip<T, Op, true>(places[0], places[1], a, b, len, comm_.world(), false, stream_first);
-    else reduce_strip<T, Op, false>(places[0], places[1], a, b, len, comm_.world(), false, stream_first);
+    if (op.final) reduce_strip<T, Op, true>(first, second, a, b, len, comm_.world(), stream_second, stream_first);
+    else reduce_strip<T, Op, false>(first, second, a, b, len, comm_.world(), stream_second, stream_first);
   }
 
   HostComm& comm_;
@@ -192,6 +198,7 @@ class PlanRun {
   std::vector<uint64_t> slot_last_;     // per slot: the publication that last filled it (this call)
   std::vector<uint64_t> slot_readers_;  // ... and its readers
   std::vector<T> fetched_;              // a peer's input read where it lies, for an op that combines or publishes it
+  bool stream_output_ = false;          // the output is written around the cache (streams_output)
 };
 
 }  // namespace

@@ -882,7 +882,8 @@ def _streamed_rank(rank, world):
     """With RINGCOLL_STREAMING_BYTES=1 every ring output takes the streaming-store paths of
     host_strip.h (staged in the slot, or in a scratch block where there is no slot), except
     where the output is the input or a chunk of it (all-reduce and reduce-scatter in place):
-    those take ordinary stores (HostRingContext); the direct-read all-gather's own chunk too.
+    those take ordinary stores (HostRingContext); the direct-read all-gather's own chunk too,
+    and the plan engine's outputs (the ring's and rhd's plans, the direct plan's all-gather).
     Every form, against gloo, through a 4 KiB buffer so the message is sliced, at sizes that
     leave part of a 4 KiB block."""
     from ringcoll import _C
@@ -902,6 +903,10 @@ def _streamed_rank(rank, world):
     # The direct-read all-gather streams its own chunk past the threshold too.
     direct = ringcoll.Communicator(buffer_bytes=SMALL_BUFFER, small_bytes=0, direct_bytes=1, timeout=COMM_TIMEOUT)
     comms.append(("streamed, direct reads", direct))
+    for name in ("ring", "rhd"):  # the plan engine's outputs, through the slots and the work space
+        comms.append((f"streamed, plan {name}", ringcoll.Communicator(buffer_bytes=SMALL_BUFFER, algorithm=name,
+                                                                     timeout=COMM_TIMEOUT)))
+    direct_plan = ("streamed, plan direct", ringcoll.Communicator(algorithm="direct", timeout=COMM_TIMEOUT))
     for dtype, op_name in [(torch.float32, "SUM"), (torch.bfloat16, "SUM"), (torch.int8, "MAX"),
                            (torch.float64, "AVG")]:
         elem = torch.empty(0, dtype=dtype).element_size()
@@ -918,11 +923,12 @@ def _streamed_rank(rank, world):
                 chk.equal(label, out, ref)
                 _guards_intact(chk, label, base, n)
         direct_before = direct.transport.direct_calls
-        run_gather_cases(chk, rank, world, comms, dtype, counts, ("out_of_place", "in_place"), "streamed")
+        run_gather_cases(chk, rank, world, comms + [direct_plan], dtype, counts, ("out_of_place", "in_place"),
+                         "streamed")
         chk.checked += 1
         if direct.transport.direct_calls == direct_before:
             chk.fail(f"streamed direct reads {_name(dtype)}", "no all-gather read its peers directly")
-    for _, comm in comms:
+    for _, comm in comms + [direct_plan]:
         comm.close()
     return chk.finish()
 
