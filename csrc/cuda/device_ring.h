@@ -28,13 +28,14 @@
 //
 // Giving up. Waits are bounded by the communicator's timeout, measured with %globaltimer,
 // and end early when the awaited neighbour, or another block of this rank, has given up
-// (its `aborted` flag). A block that gives up records why in its host-mapped ErrorRecord,
+// (its `aborted` flag; a plan's kernel, device_plan.h, watches every peer's). A block that gives up records why in its host-mapped ErrorRecord,
 // sets this rank's `aborted` flag (so its neighbours stop too, and so on round the ring)
 // and returns; the host raises at its next check. Later launches on a rank that gave up
 // return at once.
 //
 // The mismatch check. Before any data moves, block 0 publishes this rank's call descriptor
-// (descriptor.h) and every block compares its left neighbour's with its own. Neighbours
+// (descriptor.h) and every block compares its left neighbour's with its own (a plan's, its
+// right neighbour's too: DeviceBlock::check_call says why). Neighbours
 // compare round the whole ring, so a difference anywhere is found by some rank, and its
 // `aborted` flag carries "mismatch" to every other.
 #pragma once
@@ -239,7 +240,7 @@ class DeviceBlock {
   // Before a call writes slots that the last plan call published: wait until each peer
   // that reads those publications has read them, in every block of that plan's grid (a
   // block's tiles in a plan's slots are not the ring's). Then nothing the plan published is
-  // unread, and the last block records so (save_shared_words). False if this block gave up.
+  // unread, and the last block records so (save_if_last_block). False if this block gave up.
   RINGCOLL_DEVICE bool drain_plan_publications() {
     if (plan_grid_ == 0) return true;
     if (threadIdx.x == 0) {
