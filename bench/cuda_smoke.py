@@ -11,7 +11,8 @@ and the benchmark, does the ring work at all, in both ways ranks can share one G
 For each, and for each kernel variant (RINGCOLL_CUDA_KERNEL=fused, naive), every rank
 builds a communicator (the "hello": bootstrap, IPC mapping, the first call), runs one
 all-reduce, one reduce-scatter and one all-gather on integer-valued data (every summation
-order gives the same bits, so results are compared exactly), then times one ring hop: a
+order gives the same bits, so results are compared exactly), two all-reduce plans and a
+broadcast on the plan kernels, then times one ring hop: a
 1-element all-reduce makes 2(P-1) ring steps, each one flag hand-off to the neighbour, so
 its time per call over 2(P-1) bounds a hop from above (the launch and the call check are
 in it too).
@@ -111,6 +112,26 @@ def _rank_checks(comm, rank: int, world: int, device: str, hop_seconds: float, h
         expected = torch.cat([_value(r, n, torch.int32, salt=2) for r in range(world)])
         return (*_compare(out, expected), None)
 
+    def plans():
+        # The plan kernels (csrc/cuda/device_plan.h), not yet run on a GPU when this was
+        # written: two all-reduce plans of other shapes than the ring (halving-doubling,
+        # C = P; the binomial tree, C = 1) and a broadcast from the last rank (its star, or
+        # the one-shot below small_bytes), each exact.
+        n = 200_003
+        expected = sum(_value(r, n, torch.int64, salt=3) for r in range(world)).to(torch.float32)
+        for algorithm in ("rhd", "tree"):
+            t = _value(rank, n, torch.float32, salt=3).to(device)
+            comm.all_reduce(t, algorithm=algorithm)
+            comm.synchronize()
+            ok, detail = _compare(t, expected)
+            if not ok:
+                return False, f"all_reduce {algorithm}: {detail}", None
+        b = _value(rank, n, torch.int32, salt=4).to(device)
+        comm.broadcast(b, world - 1)
+        comm.synchronize()
+        ok, detail = _compare(b, _value(world - 1, n, torch.int32, salt=4))
+        return ok, (detail if ok else f"broadcast: {detail}"), None
+
     def ring_hop():
         # MAX of the ranks' numbers: stays world - 1 however many calls, so it is checked too.
         t = torch.full((1,), float(rank), device=device)
@@ -139,6 +160,7 @@ def _rank_checks(comm, rank: int, world: int, device: str, hop_seconds: float, h
     for name, fn in (("all_reduce float32 n=1000003", all_reduce),
                      ("reduce_scatter float32 m=250007 per rank", reduce_scatter),
                      ("all_gather int32 n=100003 per rank", all_gather),
+                     ("plans: all_reduce rhd, tree; broadcast", plans),
                      ("ring hop", ring_hop)):
         if not check(name, fn):
             break  # the communicator is broken now: later checks would only say so
