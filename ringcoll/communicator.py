@@ -428,13 +428,7 @@ class Communicator(ArgumentChecks):
         self._transport = transport_cls(settings, self._exchange)
         self._view = tensor_view if transport_cls.takes_arrays else (lambda t: t)
         self._closed = False
-        plain = self._transport.plain_calls
-        for collective, bands in self._auto_bands.items() if plain is not None else ():
-            # The sizes where auto may run a plan: there the plain calls hand auto's calls back to _plan.
-            planned = [i for i, (_, name) in enumerate(bands) if name != tuning.NATIVE]
-            if planned:
-                end = bands[planned[-1] + 1][0] if planned[-1] + 1 < len(bands) else 2**64 - 1
-                plain.set_auto_plan_span(COLLECTIVE_CODES[collective], bands[planned[0]][0], end)
+        self._set_auto_bands()
 
     def _exchange(self, mine, **settings) -> list:
         """Send this rank's `mine` (segment name, IPC handle) round the group together with
@@ -548,9 +542,29 @@ class Communicator(ArgumentChecks):
             self._tuning_error = e
         self._tuning_digest = (table.digest if table is not None
                                else f"unreadable ({self._tuning_error})" if self._tuning_error else None)
+        self._tuning_table = table
         self._builtin_plans = {}  # (collective, algorithm, root) -> (compiled plan, id): _plain_plan's
-        self._auto_bands = {c: table.bands(c, self.world_size) if table is not None else [(0, tuning.NATIVE)]
-                            for c in DATA_COLLECTIVES}
+
+    def _set_auto_bands(self) -> None:
+        """Once the transport exists: per collective, auto's bands from the table, leaving out
+        the plans this transport cannot run (those that read peers' inputs where they lie,
+        without direct reads: every rank agreed on those at bootstrap, so on the bands too);
+        and, for the plain calls, the sizes where auto may run a plan (there they hand auto's
+        calls back to _plan)."""
+        table, readable = self._tuning_table, getattr(self._transport, "direct_reads", False)
+
+        def cannot(collective):
+            return [name for name in tuning.candidates(collective) if name in plans.BUILTIN and not readable
+                    and plans.reads_peer_inputs(name, collective, self.world_size)]
+
+        self._auto_bands = {c: table.bands(c, self.world_size, cannot(c)) if table is not None
+                            else [(0, tuning.NATIVE)] for c in DATA_COLLECTIVES}
+        plain = self._transport.plain_calls
+        for collective, bands in self._auto_bands.items() if plain is not None else ():
+            planned = [i for i, (_, name) in enumerate(bands) if name != tuning.NATIVE]
+            if planned:
+                end = bands[planned[-1] + 1][0] if planned[-1] + 1 < len(bands) else 2**64 - 1
+                plain.set_auto_plan_span(COLLECTIVE_CODES[collective], bands[planned[0]][0], end)
 
     def _message_bytes(self, collective: str, count: int, dtype: int) -> int:
         """The message of a call of `count` elements as its descriptor counts them (all-reduce,

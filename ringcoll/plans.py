@@ -44,7 +44,7 @@ from typing import Callable, Iterable, NamedTuple, Optional, Sequence
 from ringcoll import _C
 from ringcoll._types import COLLECTIVE_CODES, DATA_COLLECTIVES, ROOTED_COLLECTIVES
 
-__all__ = ["Operand", "PEER", "INPUT", "OUTPUT", "WORK", "PEER_INPUT", "TO_OUTPUT", "TO_WORK", "TO_SLOT", "PlanOp", "Plan",
+__all__ = ["Operand", "PEER", "INPUT", "OUTPUT", "WORK", "PEER_INPUT", "reads_peer_inputs", "TO_OUTPUT", "TO_WORK", "TO_SLOT", "PlanOp", "Plan",
            "PlanError", "op", "plan", "check", "simulate", "rounds", "register_algorithm", "load_plans",
            "algorithms", "builtin_algorithms"]
 
@@ -207,6 +207,12 @@ def plan(name: str, collective: str, world: int) -> Plan:
         ops.append(mine)
     chunks = 1 + max((o.first + o.count - 1 for mine in ops for o in mine), default=0)
     return Plan(name, collective, chunks, tuple(ops))
+
+
+def reads_peer_inputs(name: str, collective: str, world: int) -> bool:
+    """Whether ``name``'s plan for ``collective`` reads a peer's input where it lies
+    (PEER_INPUT): it needs a transport that can (direct reads on the CPU)."""
+    return any(PEER_INPUT in (o.a, o.b) for ops in plan(name, collective, world).ops for o in ops)
 
 
 def compiled(name: str, collective: str, world: int, root: int = 0) -> tuple:

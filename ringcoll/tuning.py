@@ -73,10 +73,12 @@ class Table:
         canonical = json.dumps(self.times_us, sort_keys=True)
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
-    def bands(self, collective: str, world: int) -> list:
+    def bands(self, collective: str, world: int, exclude: Sequence[str] = ()) -> list:
         """``[(from_bytes, algorithm), ...]``, the first from 0: which candidate ``auto`` runs
-        from each size on (native where the table has nothing for this world and collective)."""
-        return lower_envelope(self.times_us.get(world, {}).get(collective, {}))
+        from each size on (native where the table has nothing for this world and collective),
+        leaving out the algorithms in ``exclude`` (those this communicator cannot run)."""
+        times = self.times_us.get(world, {}).get(collective, {})
+        return lower_envelope({name: t for name, t in times.items() if name not in exclude})
 
 
 def choose(bands: Sequence[tuple], nbytes: float) -> str:

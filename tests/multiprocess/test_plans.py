@@ -289,3 +289,35 @@ def test_auto_runs_what_the_table_prices_lowest_and_every_rank_agrees(tmp_path):
                 "(RINGCOLL_TUNING: cannot read a tuning table from" in messages[6]), messages[6]
         assert rooted[:2] == ["no error"] * 2, rooted  # tree in the band, native (the one-shot) below it
         assert "mismatched collective calls" in rooted[2] and "tree" in rooted[2], rooted[2]
+
+
+def _auto_and_direct_reads(rank, world, table):
+    """A table in which the direct plan is the cheapest all-gather in a band: auto runs it
+    where the ranks can read each other, and native where they cannot (direct reads off),
+    rather than a plan the transport would refuse. Rank 1 names what rank 0's auto should
+    run: the call check says whether they agree."""
+    import os
+
+    os.environ["RINGCOLL_TUNING"] = table
+    outcomes = []
+    for direct_bytes in (None, 0):  # the default (probed: readable here), and off
+        with ringcoll.Communicator(timeout=10, direct_bytes=direct_bytes) as comm:
+            expected = "direct" if comm.transport.direct_reads else "native"
+            out = torch.empty(IN_BAND * world)
+            try:
+                comm.all_gather_into_tensor(out, torch.full((IN_BAND,), float(rank)),
+                                            algorithm="auto" if rank == 0 else expected)
+                right = torch.equal(out, torch.arange(world).repeat_interleave(IN_BAND).float())
+                outcomes.append((expected, "no error" if right else "wrong values"))
+            except ringcoll.RingcollError as e:
+                outcomes.append((expected, str(e)))
+    return outcomes
+
+
+def test_auto_leaves_out_plans_the_transport_cannot_run(tmp_path):
+    from ringcoll import tuning
+
+    table = tuning.record(str(tmp_path / "direct.json"), 2,
+                          {"all_gather": {"native": BANDED["native"], "direct": BANDED["plan"]}}, "test").source
+    for outcomes in spawn(_auto_and_direct_reads, 2, table, timeout=120):
+        assert outcomes == [("direct", "no error"), ("native", "no error")], outcomes
