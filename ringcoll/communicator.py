@@ -586,7 +586,6 @@ class Communicator(ArgumentChecks):
         tensor is symmetric (a peer's may not be, and ranks must choose alike), so it hangs
         on the arenas, which every rank makes together."""
         algorithm = self.algorithm if algorithm is None else algorithm
-        named = algorithm  # as the call (or the communicator) names it: the key of _builtin_plans
         if algorithm == "auto":
             if collective not in ROOTED_COLLECTIVES and self._transport.symmetric_arenas:
                 return None
@@ -603,6 +602,9 @@ class Communicator(ArgumentChecks):
                 native_rooted = True
         elif algorithm == tuning.NATIVE:
             return None  # the transport's own path (on CUDA: the ring kernels)
+        found = self._builtin_plans.get((collective, algorithm, root))  # a built-in plan looked up before
+        if found is not None:
+            return found
         try:
             plan, compiled, plan_id = plans.compiled(algorithm, collective, self.world_size, root)
         except plans.PlanError:
@@ -617,8 +619,8 @@ class Communicator(ArgumentChecks):
                              f"need buffer_bytes >= {needed} (two banks of one {self._plan_chunk_bytes // 2}-byte "
                              f"slot per chunk); this communicator's is {self.buffer_bytes}: raise it or choose "
                              "another algorithm")
-        if named in plans.BUILTIN:  # a built-in plan never changes: later calls find it at once
-            self._builtin_plans[collective, named, root] = (compiled, plan_id)
+        if algorithm in plans.BUILTIN:  # a built-in plan never changes: later calls find it at once
+            self._builtin_plans[collective, algorithm, root] = (compiled, plan_id)
         return compiled, plan_id
 
     def _plain_plan(self, name: str, collective: str, algorithm: str, tensor, root: int = 0) -> Optional[tuple]:
