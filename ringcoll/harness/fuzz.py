@@ -8,8 +8,10 @@ forms all_gather / reduce_scatter), dtype, op, element count (0 up to a few time
 registered buffer, with the slice boundaries drawn on purpose), in place or not, async or
 not, the group (the "default" group of the first w ranks, or a subgroup of any w of the 5),
 the API (a ``Communicator`` with a drawn small ``buffer_bytes``, or the module-level
-drop-ins), misaligned views, special values, tensors in symmetric memory (``ringcoll.empty``,
-read in place) or ordinary ones, and the data seed.
+drop-ins), the algorithm (auto, native, or a built-in plan the collective has: every plan
+must give the exact reference, whatever its order of combining), misaligned views, special
+values, tensors in symmetric memory (``ringcoll.empty``, read in place) or ordinary ones,
+and the data seed.
 
 Design (process starts cost ~2 s each on a 2-core machine, so nothing is spawned per
 example):
@@ -63,7 +65,7 @@ import traceback
 import zlib
 from multiprocessing.connection import wait as _wait
 
-from ringcoll import _types, api
+from ringcoll import _types, api, plans
 from ringcoll.communicator import Communicator, Work
 from ringcoll.harness.launcher import _close, _free_port, _set_pdeathsig, _terminate
 
@@ -135,6 +137,10 @@ def cases():
         op = None
         if collective in REDUCING:
             op = draw(st.sampled_from(OPS if dtype in FLOATING else OPS[:4]))
+        base = {"reduce_scatter_tensor": "reduce_scatter", "all_gather_into_tensor": "all_gather"}.get(
+            collective, collective)
+        algorithm = draw(st.sampled_from(["auto", "native", *(a for a in plans.BUILTIN
+                                                              if base in plans.BUILTIN_COLLECTIVES[a])]))
         which_api = draw(st.sampled_from(("comm", "module")))
         buffer_bytes = draw(st.sampled_from(BUFFER_CHOICES)) if which_api == "comm" else MODULE_BUFFER
         count = draw(_count_strategy(st, collective, world, dtype, buffer_bytes))
@@ -144,6 +150,7 @@ def cases():
         return {
             "collective": collective, "dtype": dtype, "op": op, "world": world, "group": group,
             "ranks": ranks, "count": count, "in_place": in_place, "async_op": draw(st.booleans()),
+            "algorithm": algorithm,
             "api": which_api, "buffer_bytes": buffer_bytes,
             "offset": draw(st.integers(0, 1)),  # 1: every tensor starts one element into its buffer
             "specials": draw(st.booleans()),  # inf / NaN (floats), extremes (integers)
@@ -388,10 +395,10 @@ class _Worker:
             comm = self.communicator(case, group)
 
             def call(name, *args, **kw):
-                return getattr(comm, name)(*args, **kw)
+                return getattr(comm, name)(*args, algorithm=case["algorithm"], **kw)
         else:
-            def call(name, *args, **kw):
-                return getattr(api, name)(*args, group=group, **kw)  # the module-level drop-ins
+            def call(name, *args, **kw):  # the module-level drop-ins
+                return getattr(api, name)(*args, group=group, algorithm=case["algorithm"], **kw)
 
         op_kw = {}
         if op_name is not None:
@@ -703,18 +710,18 @@ def check_replies(case: dict, replies: list) -> list:
 class Stats:
     """What a fuzz run exercised, and its failures."""
 
+    DRAWN = ("collective", "dtype", "op", "world", "group", "api", "algorithm", "buffer_bytes", "in_place", "async_op",
+             "specials", "symmetric")  # the case's fields counted as drawn
+
     def __init__(self):
         self.examples = 0
-        self.by = {k: collections.Counter() for k in (
-            "collective", "dtype", "op", "world", "group", "api", "buffer_bytes", "in_place", "async_op",
-            "specials", "symmetric", "size")}
+        self.by = {k: collections.Counter() for k in (*self.DRAWN, "size")}
         self.failures: list = []
         self.seconds = 0.0
 
     def add(self, case: dict) -> None:
         self.examples += 1
-        for k in ("collective", "dtype", "op", "world", "group", "api", "buffer_bytes", "in_place", "async_op",
-                  "specials", "symmetric"):
+        for k in self.DRAWN:
             self.by[k][case.get(k, False)] += 1
         world, c = case["world"], case["count"]
         chunk = -(-c // world) if case["collective"] == "all_reduce" else c  # elements per ring chunk
