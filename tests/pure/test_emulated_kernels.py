@@ -411,9 +411,26 @@ def call_sequences(draw):
                                     st.sampled_from([torch.float32, torch.float16, torch.int64, torch.uint8]),
                                     st.sampled_from(EXACT_OPS),
                                     st.integers(0, 3 * BIG_SLOT // 4),  # elements per rank
-                                    st.integers(0, 3)),                 # element offset into storage
+                                    st.integers(0, 3),                  # element offset into storage
+                                    st.sampled_from(PLAN_CHOICES)),     # the ring kernels, or a plan
                           min_size=1, max_size=5))
     return world, variant, slot_bytes, threads, calls
+
+
+# None: the ring kernels; else a built-in plan on the plan kernels (device_plan.h), where the
+# collective has one (else the ring kernels); "direct" reads peers' inputs: not on CUDA
+PLAN_CHOICES = [None, "ring", "oneshot", "rhd", "rd", "tree"]
+COLLECTIVE_NAMES = {AR: "all_reduce", RS: "reduce_scatter", AG: "all_gather"}
+
+
+def plan_of(algorithm, coll, world):
+    """(compiled plan, id) for the emulator's call tuple, or None for the ring kernels."""
+    from ringcoll import plans
+
+    if algorithm is None or COLLECTIVE_NAMES[coll] not in plans.BUILTIN_COLLECTIVES[algorithm]:
+        return None
+    _, compiled, plan_id = plans.compiled(algorithm, COLLECTIVE_NAMES[coll], world)
+    return compiled, plan_id
 
 
 # RINGCOLL_EMULATOR_EXAMPLES=N for a longer run (bench/results/ records one).
@@ -422,25 +439,27 @@ def call_sequences(draw):
 @hypothesis.given(call_sequences())
 def test_fuzzed_call_sequences(case):
     """Any ring (world, variant, slot size, threads per block) and any sequence of calls on
-    it (collective, dtype, op, size, pointer misalignment) gives the exact result, with
-    every rank running its whole sequence without waiting for the others between calls."""
+    it (collective, dtype, op, size, pointer misalignment, the ring kernels or a plan's)
+    gives the exact result, with every rank running its whole sequence without waiting for
+    the others between calls."""
     world, variant, slot_bytes, threads, calls = case
     r = ring(world, variant, slot_bytes, threads=threads)
     submitted, checks = [], []
-    for coll, dtype, op, count, shift in calls:
+    for coll, dtype, op, count, shift, algorithm in calls:
+        plan = plan_of(algorithm, coll, world)
         m = count // world if coll != AR else count
         in_n = {AR: m, RS: m * world, AG: m}[coll]
         out_n = {AR: m, RS: m, AG: m * world}[coll]
         xs = [small_ints(k, in_n + shift, dtype)[shift:] for k in range(world)]
         outs = [torch.zeros(out_n + shift, dtype=dtype)[shift:] for _ in range(world)]
-        submitted += [(k, coll, DTYPE_CODES[dtype], int(op), xs[k].data_ptr(), outs[k].data_ptr(), m)
+        submitted += [(k, coll, DTYPE_CODES[dtype], int(op), xs[k].data_ptr(), outs[k].data_ptr(), m, plan)
                       for k in range(world)]
         if coll == AG:
             want = [torch.cat(xs)] * world
         else:
             full = exact_reduce(torch.stack([x.to(torch.int64) for x in xs]), op).to(dtype)
             want = [full] * world if coll == AR else [full[k * m:(k + 1) * m] for k in range(world)]
-        checks.append((xs, outs, want, (coll, dtype, op, count, shift)))  # xs: alive until the run
+        checks.append((xs, outs, want, (coll, dtype, op, count, shift, algorithm)))  # xs: alive until the run
     run_ok(r, submitted)
     for _, outs, want, label in checks:
         for k in range(world):
