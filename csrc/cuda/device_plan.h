@@ -36,6 +36,14 @@
 
 namespace ringcoll::cuda {
 
+// The plan loop's strip work (copy, reduce, final reduce) kept out of line on the GPU: inlined
+// into the op loop, it kept the loop's state live across all three and spilled (ptxas, sm_90).
+#if defined(__CUDACC__)
+#define RINGCOLL_PLAN_NOINLINE __noinline__
+#else
+#define RINGCOLL_PLAN_NOINLINE
+#endif
+
 // What a plan kernel's block keeps in shared memory: BlockShared, and per slot of the call
 // (kBanks x C) the number of the publication that last filled it and its readers. Only
 // thread 0 reads or writes the slot words.
@@ -162,7 +170,7 @@ class DevicePlanContext : public DeviceBlock {
 
   // Chunk c of slice j: this block's tiles, value = a [OP b] to the op's places (the slot
   // first, as on the CPU). A copy skips a place that is its source (in place).
-  RINGCOLL_DEVICE void combine(const DevicePlanOp& op, int bank, int64_t j, int c) {
+  RINGCOLL_DEVICE RINGCOLL_PLAN_NOINLINE void combine(const DevicePlanOp& op, int bank, int64_t j, int c) {
     const int64_t len = slice_length(chunk_length(p_.ring_count, chunks_, c), slice_elems_, j);
     if (len == 0) return;
     T* places[2] = {nullptr, nullptr};
