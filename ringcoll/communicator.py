@@ -283,6 +283,8 @@ EQUAL, GATHER, SCATTER = _C.EQUAL_SIZES, _C.GATHER_SIZES, _C.SCATTER_SIZES
 # picks native (the binding hands the call back, writing nothing, where auto may pick a plan;
 # the call then runs plain again, with the plan _plan gives, as a named plan's does).
 PLAIN_ALGORITHMS = ("auto", tuning.NATIVE)
+# How many message sizes a communicator keeps auto's and native's broadcast/reduce choice for.
+ROOTED_CHOICES = 1024
 
 
 def _call(collective: str, src: torch.Tensor, dst: torch.Tensor, user_count: int, dtype: int,
@@ -544,6 +546,7 @@ class Communicator(ArgumentChecks):
                                else f"unreadable ({self._tuning_error})" if self._tuning_error else None)
         self._tuning_table = table
         self._builtin_plans = {}  # (collective, algorithm, root) -> (compiled plan, id): _plain_plan's
+        self._rooted_choices = {}  # (collective, auto or native, root, bytes) -> (compiled plan, id): _plain_plan's
 
     def _set_auto_bands(self) -> None:
         """Once the transport exists: per collective, auto's bands from the table, leaving out
@@ -626,10 +629,23 @@ class Communicator(ArgumentChecks):
     def _plain_plan(self, name: str, collective: str, algorithm: str, tensor, root: int = 0) -> Optional[tuple]:
         """_plan for a plain call: a built-in plan the call names is found without the
         message's size (getattr(tensor, "nbytes") alone costs 0.2 us, _plan 0.5: a third of a
-        4 KiB call)."""
+        4 KiB call). A broadcast's or reduce's auto and native choose by the size, which
+        nothing else changes for them: their choice is kept per size (a training loop
+        repeats a few), up to ROOTED_CHOICES of them."""
         found = self._builtin_plans.get((collective, algorithm, root))
-        return found if found is not None else self._plan(name, collective, algorithm, getattr(tensor, "nbytes", 0),
-                                                          root)
+        if found is not None:
+            return found
+        nbytes = getattr(tensor, "nbytes", 0)
+        if collective not in ROOTED_COLLECTIVES or algorithm not in PLAIN_ALGORITHMS:
+            return self._plan(name, collective, algorithm, nbytes, root)
+        key = (collective, algorithm, root, nbytes)
+        found = self._rooted_choices.get(key)
+        if found is None:
+            found = self._plan(name, collective, algorithm, nbytes, root)
+            if len(self._rooted_choices) >= ROOTED_CHOICES:
+                self._rooted_choices.clear()
+            self._rooted_choices[key] = found
+        return found
 
     # --- symmetric memory -----------------------------------------------------------------
 
