@@ -332,22 +332,18 @@ void CudaComm::synchronize() {
 }
 
 PlanParams CudaComm::device_plan(const char* op, Collective coll, const CompiledPlan& plan, uintptr_t user_stream) {
-  check_plan_fits(plan, coll, world_, op);
-  const std::vector<DevicePlanOp> ops = device_plan_ops(plan, rank_, op);
-  bool added = false;
-  const int64_t at = plan_records_.place(ops, &added, op);
-  if (added && !ops.empty()) {
+  auto copy_new = [&](DevicePlanOp* to, const std::vector<DevicePlanOp>& kept) {
     cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
     RINGCOLL_CUDA_CHECK(cudaStreamIsCapturing(reinterpret_cast<cudaStream_t>(user_stream), &capturing));
     RINGCOLL_CHECK(capturing == cudaStreamCaptureStatusNone, Error, op, ": this plan has not run on this "
                    "communicator yet, and its records are copied to the GPU on its first run, which a CUDA graph "
                    "capture cannot contain: run it once before capturing");
     // On our stream, before the kernel that reads them, from the copy plan_records_ keeps
-    const std::vector<DevicePlanOp>& kept = plan_records_.newest();
-    RINGCOLL_CUDA_CHECK(cudaMemcpyAsync(plan_records_device_ + at, kept.data(), kept.size() * sizeof(DevicePlanOp),
-                                        cudaMemcpyHostToDevice, static_cast<cudaStream_t>(stream_)));
-  }
-  return plan_params(plan, plan_records_device_ + at, static_cast<int>(ops.size()), slot_bytes_, world_, plan_work_, op);
+    RINGCOLL_CUDA_CHECK(cudaMemcpyAsync(to, kept.data(), kept.size() * sizeof(DevicePlanOp), cudaMemcpyHostToDevice,
+                                        static_cast<cudaStream_t>(stream_)));
+  };
+  return prepare_plan(plan_records_, plan_records_device_, plan_work_, plan, coll, rank_, world_, slot_bytes_, op,
+                      copy_new);
 }
 
 void CudaComm::run_plan(const CompiledPlan& plan, uint32_t plan_id, int collective, uintptr_t input, uintptr_t output,

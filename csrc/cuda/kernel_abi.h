@@ -451,6 +451,21 @@ class PlanRecords {
 // area (plan_slot_bytes), whatever the plan: allocated with the communicator.
 inline size_t plan_work_bytes(size_t ring_slot_bytes, int world) { return static_cast<size_t>(world) * ring_slot_bytes; }
 
+// A plan call's PlanParams for `rank` (what CudaComm and the emulator both do before they
+// queue it): the plan checked for this communicator, its records placed in `records`, and
+// copied by `copy_new(to, records)` into `area` the first time this plan runs.
+template <class CopyNew>
+PlanParams prepare_plan(PlanRecords& records, DevicePlanOp* area, void* work, const CompiledPlan& plan,
+                        Collective coll, int rank, int world, size_t ring_slot_bytes, const char* op,
+                        CopyNew&& copy_new) {
+  check_plan_fits(plan, coll, world, op);
+  const std::vector<DevicePlanOp> ops = device_plan_ops(plan, rank, op);
+  bool added = false;
+  const int64_t at = records.place(ops, &added, op);
+  if (added && !ops.empty()) copy_new(area + at, records.newest());
+  return plan_params(plan, area + at, static_cast<int>(ops.size()), ring_slot_bytes, world, work, op);
+}
+
 // The one launch of a plan call (none for a call with nothing to move or check): the fused
 // variant's grid is fused_blocks() over the plan's chunks (block b takes the same tiles of
 // every chunk on every rank), the naive one a single block of scalar loops.

@@ -274,15 +274,12 @@ CallResult EmulatedRing::enqueue(const EmulatedCall& c, int user_stream, bool jo
                             c.plan != nullptr ? c.plan->root : 0);
   cuda::PlanParams plan_part{};
   if (c.plan != nullptr) {  // CudaComm::device_plan, the copy a plain one
-    const char* op = collective_info(coll).name;
-    check_plan_fits(*c.plan, coll, world_, op);
     call.descriptor.algorithm = static_cast<int32_t>(c.plan_id);
-    const std::vector<cuda::DevicePlanOp> ops = cuda::device_plan_ops(*c.plan, c.rank, op);
-    bool added = false;
-    const int64_t at = me.plan_records.place(ops, &added, op);
-    if (added) std::copy(ops.begin(), ops.end(), me.plan_area.begin() + at);
-    plan_part = cuda::plan_params(*c.plan, me.plan_area.data() + at, static_cast<int>(ops.size()), slot_bytes_, world_,
-                                  me.plan_work.data(), op);
+    plan_part = cuda::prepare_plan(me.plan_records, me.plan_area.data(), me.plan_work.data(), *c.plan, coll, c.rank,
+                                   world_, slot_bytes_, collective_info(coll).name,
+                                   [](cuda::DevicePlanOp* to, const std::vector<cuda::DevicePlanOp>& kept) {
+                                     std::copy(kept.begin(), kept.end(), to);
+                                   });
   } else if (collective_info(coll).rooted) {
     return {"ValueError", std::string(collective_info(coll).name) + ": runs by a plan only"};
   }
