@@ -45,9 +45,15 @@ def cases(comm, group) -> dict:
         "all_reduce in place": lambda: comm.all_reduce(t),
         "ringcoll.all_reduce (module)": lambda: ringcoll.all_reduce(t, group=group),
         "all_reduce out of place": lambda: comm.all_reduce(t, output=out),
+        "all_reduce out of place, native": lambda: comm.all_reduce(t, output=out, algorithm="native"),
+        "all_reduce out of place, ring plan": lambda: comm.all_reduce(t, output=out, algorithm="ring"),
         "all_gather_into_tensor": lambda: comm.all_gather_into_tensor(gathered, piece),
         "all_gather_into_tensor in place": lambda: comm.all_gather_into_tensor(gathered, own),
+        "all_gather_into_tensor, native": lambda: comm.all_gather_into_tensor(gathered, piece, algorithm="native"),
+        "all_gather_into_tensor, ring plan": lambda: comm.all_gather_into_tensor(gathered, piece, algorithm="ring"),
         "reduce_scatter_tensor": lambda: comm.reduce_scatter_tensor(shard, whole),
+        "reduce_scatter_tensor, native": lambda: comm.reduce_scatter_tensor(shard, whole, algorithm="native"),
+        "reduce_scatter_tensor, ring plan": lambda: comm.reduce_scatter_tensor(shard, whole, algorithm="ring"),
         "broadcast from rank 0": lambda: comm.broadcast(t, 0),
         "broadcast, native named": lambda: comm.broadcast(t, 0, algorithm="native"),
         "reduce to rank 0": lambda: comm.reduce(t, 0),
@@ -94,7 +100,7 @@ def measure(comm, group, barrier, extra: Optional[dict] = None) -> dict:
 def report(results: dict, world: int) -> None:
     print(f"P={world} load={os.getloadavg()}")
     for name, (fastest, median) in results.items():
-        print(f"  {name:32s} min {fastest:6.2f} us  median {median:6.2f} us")
+        print(f"  {name:36s} min {fastest:6.2f} us  median {median:6.2f} us")
 
 
 def one_rank() -> None:

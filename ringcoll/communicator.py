@@ -254,14 +254,16 @@ class PreparedCollective(PreparedTensors):
     def __init__(self, comm: "Communicator", name: str, call: CollectiveCall, outputs: list, inputs: Sequence):
         super().__init__(name, (*outputs, *inputs))
         self._comm, self._call, self._outputs, self._inputs = comm, call, outputs, inputs
-        # The transport's shortest synchronous path for this call, where it has one.
-        bind = getattr(comm.transport, "bind", None)
+        # The transport's shortest synchronous paths for this call, where it has them: the call
+        # read once by the extension (run while plain calls are), and a run through its queue.
+        prepare_plain, bind = (getattr(comm.transport, name, None) for name in ("prepare_plain", "bind"))
+        self._run_plain = prepare_plain(name, self._tensors, self._layout, call) if prepare_plain else None
         self._run_now = bind(call) if bind is not None else None
 
     def __call__(self, async_op: bool = False):
-        plain = self._comm._transport.plain_calls
-        if plain is not None and not async_op and not profiler_enabled():  # checked and run in one binding call
-            if not plain.run_prepared(self._name, self._tensors, self._layout, *self._call):
+        if (self._run_plain is not None and self._comm._transport.plain_calls is not None and not async_op
+                and not profiler_enabled()):  # checked and run in one binding call
+            if not self._run_plain():
                 raise self._changed()
             return None
         if not self._unchanged():
@@ -281,8 +283,10 @@ EQUAL, GATHER, SCATTER = _C.EQUAL_SIZES, _C.GATHER_SIZES, _C.SCATTER_SIZES
 
 # The algorithms a plain call runs without looking further: native, and auto where its table
 # picks native (the binding hands the call back, writing nothing, where auto may pick a plan;
-# the call then runs plain again, with the plan _plan gives, as a named plan's does).
-PLAIN_ALGORITHMS = ("auto", tuning.NATIVE)
+# the call then runs plain again, with the plan _plan gives, as a named plan's does). As the
+# binding reads them (its choice_of): None and True.
+PLAIN_ALGORITHMS = {tuning.NATIVE: None, "auto": True}
+_NOT_YET = object()  # an algorithm a communicator's _plain_choices does not hold (yet)
 # How many message sizes a communicator keeps auto's and native's broadcast/reduce choice for.
 ROOTED_CHOICES = 1024
 
@@ -545,8 +549,13 @@ class Communicator(ArgumentChecks):
         self._tuning_digest = (table.digest if table is not None
                                else f"unreadable ({self._tuning_error})" if self._tuning_error else None)
         self._tuning_table = table
-        self._builtin_plans = {}  # (collective, algorithm, root) -> (compiled plan, id): _plain_plan's
-        self._rooted_choices = {}  # (collective, auto or native, root, bytes) -> (compiled plan, id): _plain_plan's
+        self._builtin_plans = {}  # (collective, algorithm, root) -> compiled plan: _plan's
+        self._rooted_choices = {}  # (collective, auto or native, root, bytes) -> compiled plan: _plain_plan's
+        # What a plain call of the ring's three collectives passes the binding, per algorithm
+        # name: PLAIN_ALGORITHMS, and each built-in plan once _plan has built it (the index
+        # the transport holds it under). One dict read per call (a 4 KiB call is ~1.5 us; a
+        # method call here would cost 0.15 more).
+        self._plain_choices = {c: dict(PLAIN_ALGORITHMS) for c in ("all_reduce", "reduce_scatter", "all_gather")}
 
     def _set_auto_bands(self) -> None:
         """Once the transport exists: per collective, auto's bands from the table, leaving out
@@ -576,10 +585,11 @@ class Communicator(ArgumentChecks):
         return count * DTYPE_SIZES[dtype] * (self.world_size if collective in ("reduce_scatter", "all_gather") else 1)
 
     def _plan(self, name: str, collective: str, algorithm: Optional[str], message_bytes: int,
-              root: int = 0) -> Optional[tuple]:
-        """The plan a call runs: None for native (the transport's own path), else (the
-        compiled plan, its id) of a built-in or registered algorithm (ringcoll/plans.py),
-        built and checked on first use (for a rooted collective, relabelled for `root`);
+              root: int = 0):
+        """The plan a call runs: None for native (the transport's own path), else the
+        compiled plan (_C.CompiledPlan: its id travels in the call's descriptor) of a built-in
+        or registered algorithm (ringcoll/plans.py), built and checked on first use (for a
+        rooted collective, relabelled for `root`);
         auto chooses by the message's size. ValueError naming the call for an unknown name,
         PlanError for a plan the checker refuses.
 
@@ -609,7 +619,7 @@ class Communicator(ArgumentChecks):
         if found is not None:
             return found
         try:
-            plan, compiled, plan_id = plans.compiled(algorithm, collective, self.world_size, root)
+            plan, compiled = plans.compiled(algorithm, collective, self.world_size, root)
         except plans.PlanError:
             raise  # it names the plan, the rank and the op
         except ValueError as e:
@@ -623,10 +633,13 @@ class Communicator(ArgumentChecks):
                              f"slot per chunk); this communicator's is {self.buffer_bytes}: raise it or choose "
                              "another algorithm")
         if algorithm in plans.BUILTIN:  # a built-in plan never changes: later calls find it at once
-            self._builtin_plans[collective, algorithm, root] = (compiled, plan_id)
-        return compiled, plan_id
+            self._builtin_plans[collective, algorithm, root] = compiled
+            hold = getattr(self._transport, "hold_plan", None)  # the plain calls name it by index
+            if hold is not None and collective in self._plain_choices:
+                self._plain_choices[collective][algorithm] = hold(compiled)
+        return compiled
 
-    def _plain_plan(self, name: str, collective: str, algorithm: str, tensor, root: int = 0) -> Optional[tuple]:
+    def _plain_plan(self, name: str, collective: str, algorithm: str, tensor, root: int = 0):
         """_plan for a plain call: a built-in plan the call names is found without the
         message's size (getattr(tensor, "nbytes") alone costs 0.2 us, _plan 0.5: a third of a
         4 KiB call). A broadcast's or reduce's auto and native choose by the size, which
@@ -700,10 +713,11 @@ class Communicator(ArgumentChecks):
         # Checked and run in one binding call (not while torch.profiler records: _submit's range)
         if plain is not None and not async_op and not profiler_enabled():
             chosen = self.algorithm if algorithm is None else algorithm
-            if chosen in PLAIN_ALGORITHMS and plain.all_reduce_tensor(tensor, output, op, chosen == "auto"):
-                return None
-            # A plan (named, or auto's choice where the binding handed the call back): run there too.
-            plain.all_reduce_tensor(tensor, output, op, False, self._plain_plan("all_reduce", "all_reduce", chosen, tensor))
+            choice = self._plain_choices["all_reduce"].get(chosen, _NOT_YET)
+            if choice is _NOT_YET:
+                choice = self._plain_plan("all_reduce", "all_reduce", chosen, tensor)
+            if not plain.all_reduce_tensor(tensor, output, op, choice):  # handed back: auto's plan runs it
+                plain.all_reduce_tensor(tensor, output, op, self._plain_plan("all_reduce", "all_reduce", chosen, tensor))
             return None
         return self._submit("all_reduce", *self._all_reduce_call("all_reduce", tensor, op, output, algorithm),
                             async_op)
@@ -742,10 +756,12 @@ class Communicator(ArgumentChecks):
         plain = self._transport.plain_calls
         if plain is not None and not async_op and not profiler_enabled():
             chosen = self.algorithm if algorithm is None else algorithm
-            if chosen in PLAIN_ALGORITHMS and plain.reduce_scatter_tensor(output, input, op, chosen == "auto"):
-                return None
-            plain.reduce_scatter_tensor(output, input, op, False,
-                                        self._plain_plan("reduce_scatter_tensor", "reduce_scatter", chosen, input))
+            choice = self._plain_choices["reduce_scatter"].get(chosen, _NOT_YET)
+            if choice is _NOT_YET:
+                choice = self._plain_plan("reduce_scatter_tensor", "reduce_scatter", chosen, input)
+            if not plain.reduce_scatter_tensor(output, input, op, choice):
+                plain.reduce_scatter_tensor(output, input, op,
+                                            self._plain_plan("reduce_scatter_tensor", "reduce_scatter", chosen, input))
             return None
         name = "reduce_scatter_tensor"
         return self._submit(name, *self._reduce_scatter_call(name, output, input, op, algorithm), async_op)
@@ -765,11 +781,13 @@ class Communicator(ArgumentChecks):
         plain = self._transport.plain_calls
         if plain is not None and not async_op and not profiler_enabled():
             chosen = self.algorithm if algorithm is None else algorithm
-            if chosen in PLAIN_ALGORITHMS and plain.all_gather_into_tensor(output_tensor, input_tensor,
-                                                                           chosen == "auto"):
-                return None
-            plain.all_gather_into_tensor(output_tensor, input_tensor, False,
-                                         self._plain_plan("all_gather_into_tensor", "all_gather", chosen, output_tensor))
+            choice = self._plain_choices["all_gather"].get(chosen, _NOT_YET)
+            if choice is _NOT_YET:
+                choice = self._plain_plan("all_gather_into_tensor", "all_gather", chosen, output_tensor)
+            if not plain.all_gather_into_tensor(output_tensor, input_tensor, choice):
+                plain.all_gather_into_tensor(output_tensor, input_tensor,
+                                             self._plain_plan("all_gather_into_tensor", "all_gather", chosen,
+                                                              output_tensor))
             return None
         name = "all_gather_into_tensor"
         return self._submit(name, *self._all_gather_call(name, output_tensor, input_tensor, algorithm), async_op)
@@ -809,19 +827,18 @@ class Communicator(ArgumentChecks):
         check_root(name, "src" if name == "broadcast" else "dst", root, self.world_size)
         plain = self._transport.plain_calls
         if plain is not None and not async_op and not profiler_enabled():
-            compiled, plan_id = self._plain_plan(name, name, self.algorithm if algorithm is None else algorithm, tensor,
-                                                 root)
+            compiled = self._plain_plan(name, name, self.algorithm if algorithm is None else algorithm, tensor, root)
             if name == "broadcast":
-                plain.broadcast_tensor(tensor, compiled, plan_id)
+                plain.broadcast_tensor(tensor, compiled)
             else:
-                plain.reduce_tensor(tensor, op, compiled, plan_id)
+                plain.reduce_tensor(tensor, op, compiled)
             return None
         tensor = self._view(tensor)
         self._ensure_open(name)
         dtype, address, count = self._check_tensor(name, "tensor", tensor)
         code = None if op is None else op_code(name, op, dtype)
-        compiled, plan_id = self._plan(name, name, algorithm, self._message_bytes(name, count, dtype), root)
-        call = new_call((name, address, address, count, dtype, code, (compiled, plan_id)))
+        call = new_call((name, address, address, count, dtype, code,
+                         self._plan(name, name, algorithm, self._message_bytes(name, count, dtype), root)))
         return self._submit(name, call, [tensor], (tensor,), async_op)
 
     # --- prepared (persistent) collectives -------------------------------------------------

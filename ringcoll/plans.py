@@ -216,9 +216,10 @@ def reads_peer_inputs(name: str, collective: str, world: int) -> bool:
 
 
 def compiled(name: str, collective: str, world: int, root: int = 0) -> tuple:
-    """(the Plan, its _C.CompiledPlan, the id its calls carry): built, checked and
-    compiled once per (name, collective, world, root); the compiled plan is relabelled for
-    ``root`` (a rooted collective's; the Plan stays as written, for root 0). Built-in plans
+    """(the Plan, its _C.CompiledPlan): built, checked and compiled once per (name,
+    collective, world, root); the compiled plan is relabelled for ``root`` (a rooted
+    collective's; the Plan stays as written, for root 0) and carries the id its calls'
+    descriptors carry (``.id``: the built-in's code, or plan_id's hash). Built-in plans
     are checked by their tests; a plan written in Python is checked here before its first
     call."""
     key = (name, collective, world, root)
@@ -229,10 +230,11 @@ def compiled(name: str, collective: str, world: int, root: int = 0) -> tuple:
     if name not in BUILTIN:
         check(p)  # before the extension's own checks: its messages name the plan's ops as written
     try:
-        resolved = _C.compile_plan(f"{collective} plan {name!r}", world, p.chunks, p.ops, root)
+        resolved = _C.compile_plan(f"{collective} plan {name!r}", world, p.chunks, p.ops,
+                                   BUILTIN[name] if name in BUILTIN else plan_id(p), root)
     except ValueError as e:
         raise PlanError(str(e)) from None
-    found = (p, resolved, BUILTIN[name] if name in BUILTIN else plan_id(p))
+    found = (p, resolved)
     with _lock:
         _compiled[key] = found
     return found

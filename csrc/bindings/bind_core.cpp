@@ -155,21 +155,23 @@ void bind_core(py::module_& m) {
   py::class_<CompiledPlan>(m, "CompiledPlan", "a plan resolved for the engine (plan.h's compile_plan)")
       .def_property_readonly("chunks", [](const CompiledPlan& p) { return p.plan.chunks; })
       .def_property_readonly("root", [](const CompiledPlan& p) { return p.root; })
+      .def_property_readonly("id", [](const CompiledPlan& p) { return p.id; })
       .def_property_readonly("publications", [](const CompiledPlan& p) { return p.publications; })
       .def_property_readonly("publication_read", [](const CompiledPlan& p) { return p.publication_read; });
   m.def(
       "compile_plan",
-      [](const std::string& name, int world, int chunks, const py::sequence& ranks, int root) {
+      [](const std::string& name, int world, int chunks, const py::sequence& ranks, uint32_t id, int root) {
         Plan plan;
         plan.chunks = chunks;
         for (const auto& ops : ranks) {
           plan.ops.emplace_back();
           for (const auto& op : py::cast<py::sequence>(ops)) plan.ops.back().push_back(op_from_tuple(op));
         }
-        return compile_plan(std::move(plan), name, world, root);
+        return compile_plan(std::move(plan), name, world, id, root);
       },
-      py::arg("name"), py::arg("world"), py::arg("chunks"), py::arg("ops"), py::arg("root") = 0,
-      "the plan (written for root 0) resolved for the engine, relabelled for `root`");
+      py::arg("name"), py::arg("world"), py::arg("chunks"), py::arg("ops"), py::arg("id"), py::arg("root") = 0,
+      "the plan (written for root 0) resolved for the engine, relabelled for `root`; `id` is what its calls' "
+      "descriptors carry");
 
   // The buffer's shape (call.h), so Python validates buffer_bytes without restating it.
   m.attr("banks") = kBanks;

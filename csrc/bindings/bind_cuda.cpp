@@ -84,16 +84,12 @@ void bind_cuda(py::module_& m) {
   using ringcoll::emulation::EmulatedRing;
   py::module_ e = m.def_submodule("emulation", "the CUDA ring kernels run on the CPU, ranks and blocks as threads");
   auto result = [](const CallResult& r) { return py::make_tuple(r.error_type, r.message); };
-  // (rank, collective, dtype, op, input, output, count[, (plan, plan_id)]): the plan a
-  // CollectiveCall carries (its _C.CompiledPlan, which Python keeps alive while it runs).
+  // (rank, collective, dtype, op, input, output, count[, plan]): the _C.CompiledPlan a
+  // CollectiveCall carries (which Python keeps alive while it runs).
   auto parse_call = [](const py::tuple& c) {
     EmulatedCall call{c[0].cast<int>(),       c[1].cast<int>(),       c[2].cast<int>(),    c[3].cast<int>(),
                       c[4].cast<uintptr_t>(), c[5].cast<uintptr_t>(), c[6].cast<int64_t>()};
-    if (c.size() > 7 && !c[7].is_none()) {
-      const auto plan = c[7].cast<py::tuple>();
-      call.plan = plan[0].cast<const ringcoll::CompiledPlan*>();
-      call.plan_id = plan[1].cast<uint32_t>();
-    }
+    if (c.size() > 7 && !c[7].is_none()) call.plan = c[7].cast<const ringcoll::CompiledPlan*>();
     return call;
   };
   py::class_<Device, std::shared_ptr<Device>>(e, "Device", "a modelled CUDA device's streams (emulated_streams.h)")
@@ -186,7 +182,7 @@ void bind_cuda(py::module_& m) {
             return out;
           },
           py::arg("calls"),
-          "calls: (rank, collective, dtype, op, input_ptr, output_ptr, count[, (plan, plan_id)]), collective "
+          "calls: (rank, collective, dtype, op, input_ptr, output_ptr, count[, plan]), collective "
           "Ring.CLOSE to close; "
           "each rank runs its calls in order, not waiting for the others between calls; "
           "returns (error_type, message) per call, ('', '') on success")
@@ -209,7 +205,7 @@ void bind_cuda(py::module_& m) {
       .def("reduce_scatter", &CudaComm::reduce_scatter, py::arg("input"), py::arg("output"), py::arg("output_count"),
            py::arg("dtype"), py::arg("op"), py::arg("stream"), py::arg("join") = true,
            py::call_guard<py::gil_scoped_release>())
-      .def("run_plan", &CudaComm::run_plan, py::arg("plan"), py::arg("plan_id"), py::arg("collective"),
+      .def("run_plan", &CudaComm::run_plan, py::arg("plan"), py::arg("collective"),
            py::arg("input"), py::arg("output"), py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("stream"),
            py::arg("join") = true, py::call_guard<py::gil_scoped_release>())
       .def("all_gather", &CudaComm::all_gather, py::arg("input"), py::arg("output"), py::arg("input_count"),

@@ -36,18 +36,22 @@ void ensure_open(const HostComm& c, const char* op) {
   if (c.closed()) throw ringcoll::Error(std::string(op) + ": communicator is closed");
 }
 
-// A call by a plan: (its CompiledPlan, the id its descriptor carries), ringcoll/plans.py's
-// CollectiveCall.plan; none for the default path.
-using PlanChoice = std::optional<std::tuple<const ringcoll::CompiledPlan*, uint32_t>>;
+using ringcoll::CompiledPlan;
 
+// A plan argument: None, or a CompiledPlan (read with the GIL held). Taken as a handle and cast
+// here: pybind11 accepts None for a pointer argument only in a second, converting pass over
+// every argument, which cost a 4 KiB call 0.6 us.
+const CompiledPlan* plan_of(py::handle plan) { return plan.is_none() ? nullptr : plan.cast<const CompiledPlan*>(); }
+
+// `plan`: a call by a plan (its CompiledPlan, CollectiveCall.plan in ringcoll/transports/base.py);
+// null for the default path.
 void run_call(HostComm& c, const std::string& collective, uintptr_t in, uintptr_t out, int64_t count, int dtype,
-              std::optional<int> op, PlanChoice plan) {
+              std::optional<int> op, const CompiledPlan* plan) {
   const auto d = static_cast<DType>(dtype);
-  if (plan.has_value()) {
+  if (plan != nullptr) {
     const auto coll = ringcoll::collective_named(collective);
     RINGCOLL_CHECK(coll.has_value(), std::invalid_argument, "unknown collective ", collective);
-    return c.run_plan(*coll, *std::get<0>(*plan), std::get<1>(*plan), as_ptr(in), as_mut_ptr(out), count, d,
-                      static_cast<ReduceOp>(op.value_or(0)));
+    return c.run_plan(*coll, *plan, as_ptr(in), as_mut_ptr(out), count, d, static_cast<ReduceOp>(op.value_or(0)));
   }
   if (collective == "all_gather") return c.all_gather(as_ptr(in), as_mut_ptr(out), count, d);
   RINGCOLL_CHECK(op.has_value(), std::invalid_argument, collective, ": a reduction needs an op");
@@ -57,32 +61,70 @@ void run_call(HostComm& c, const std::string& collective, uintptr_t in, uintptr_
   c.reduce_scatter(as_ptr(in), as_mut_ptr(out), count, d, o);
 }
 
-// A prepared call (Communicator.prepare_*), synchronous, nothing queued: false, and nothing
-// runs, if a tensor changed since it was prepared (Python says how); otherwise it runs.
-bool run_prepared(HostComm& c, const std::string& name, py::handle tensors, py::handle layout,
-                  const std::string& collective, uintptr_t in, uintptr_t out, int64_t count, int dtype,
-                  std::optional<int> op, PlanChoice plan) {
-  if (!same_layout(tensors, layout)) return false;
-  ensure_open(c, name.c_str());
-  py::gil_scoped_release release;
-  run_call(c, collective, in, out, count, dtype, op, plan);
-  return true;
+// A prepared call (Communicator.prepare_*): its arguments read once, when prepared, so that a
+// run is a call with none (a binding call that parsed eleven arguments and two strings each
+// time made prepared calls 0.45 us slower than plain ones at 4 KiB). Running it is
+// synchronous, nothing queued: false, and nothing runs, if a tensor changed since it was
+// prepared (same_layout; Python says how); otherwise it runs and returns true.
+class PreparedCall {
+ public:
+  PreparedCall(py::object comm, std::string name, py::tuple tensors, py::tuple layout, std::string collective,
+               uintptr_t in, uintptr_t out, int64_t count, int dtype, std::optional<int> op, py::object plan)
+      : owner_(std::move(comm)), comm_(owner_.cast<HostComm&>()), name_(std::move(name)),
+        tensors_(std::move(tensors)), layout_(std::move(layout)), collective_(std::move(collective)), in_(in),
+        out_(out), count_(count), dtype_(dtype), op_(op), plan_object_(std::move(plan)),
+        plan_(plan_of(plan_object_)) {}
+
+  bool run() {
+    if (!same_layout(tensors_, layout_)) return false;
+    ensure_open(comm_, name_.c_str());
+    py::gil_scoped_release release;
+    run_call(comm_, collective_, in_, out_, count_, dtype_, op_, plan_);
+    return true;
+  }
+
+ private:
+  py::object owner_;  // the HostComm's Python object: alive while this is
+  HostComm& comm_;
+  std::string name_;
+  py::tuple tensors_, layout_;  // PreparedTensors' (ringcoll/communicator.py)
+  std::string collective_;
+  uintptr_t in_, out_;
+  int64_t count_;
+  int dtype_;
+  std::optional<int> op_;
+  py::object plan_object_;  // the CompiledPlan (None: native), alive while this is
+  const CompiledPlan* plan_;
+};
+
+// How a plain tensor call runs, as Communicator passes it (one argument: this runs on every
+// call): None, the transport's own path (native); True, auto: the own path unless auto's
+// table may pick a plan for the size; a _C.CompiledPlan, or the index of one the
+// communicator holds (HostComm::hold_plan), that plan.
+struct Choice {
+  bool auto_choice = false;
+  const CompiledPlan* plan = nullptr;
+};
+
+Choice choice_of(const HostComm& c, py::handle algorithm, const char* op) {
+  if (algorithm.ptr() == Py_True) return {true, nullptr};
+  if (PyLong_CheckExact(algorithm.ptr())) return {false, &c.held_plan(PyLong_AsLong(algorithm.ptr()), op)};
+  return {false, plan_of(algorithm)};
 }
 
 // Whether a plain call of `bytes` (the message: all-reduce's tensor, reduce-scatter's input,
 // all-gather's output) goes back to Python, where auto may choose a plan for it. Never on a
 // communicator with symmetric memory: there auto is native (Communicator._plan says why).
-bool handed_back(const HostComm& c, bool auto_choice, ringcoll::Collective coll, int64_t count, int dtype,
+bool handed_back(const HostComm& c, const Choice& choice, ringcoll::Collective coll, int64_t count, int dtype,
                  int per_rank) {
   const auto bytes = static_cast<size_t>(count) * dtype_info(static_cast<DType>(dtype)).size_bytes * per_rank;
-  return auto_choice && c.in_auto_plan_span(coll, bytes) && c.symmetric_arenas() == 0;
+  return choice.auto_choice && c.in_auto_plan_span(coll, bytes) && c.symmetric_arenas() == 0;
 }
 
-// The plain tensor calls: checked and run in one binding call, by `plan` where one is given
-// (a named algorithm, or auto's choice), else the transport's own path. Each returns false,
-// having written nothing, where auto's choice is Python's to make (handed_back).
-bool all_reduce_tensor(HostComm& c, py::handle tensor, py::handle output, py::handle op, bool auto_choice,
-                       PlanChoice plan) {
+// The plain tensor calls: checked and run in one binding call, by the chosen plan where there
+// is one (a named algorithm, or auto's choice), else the transport's own path. Each returns
+// false, having written nothing, where auto's choice is Python's to make (handed_back).
+bool all_reduce_tensor(HostComm& c, py::handle tensor, py::handle output, py::handle op, py::handle algorithm) {
   constexpr const char* name = "all_reduce";
   ensure_open(c, name);
   int dtype;
@@ -96,42 +138,44 @@ bool all_reduce_tensor(HostComm& c, py::handle tensor, py::handle output, py::ha
     dtype = p.dtype, src = p.input, dst = p.output, count = p.input_count;
   }
   const auto code = static_cast<ReduceOp>(op_code(name, op, dtype));
-  if (handed_back(c, auto_choice, ringcoll::Collective::kAllReduce, count, dtype, 1)) return false;
+  const Choice choice = choice_of(c, algorithm, name);
+  if (handed_back(c, choice, ringcoll::Collective::kAllReduce, count, dtype, 1)) return false;
   py::gil_scoped_release release;
-  if (plan.has_value())
-    c.run_plan(ringcoll::Collective::kAllReduce, *std::get<0>(*plan), std::get<1>(*plan), as_ptr(src), as_mut_ptr(dst),
-               count, static_cast<DType>(dtype), code);
+  if (choice.plan != nullptr)
+    c.run_plan(ringcoll::Collective::kAllReduce, *choice.plan, as_ptr(src), as_mut_ptr(dst), count,
+               static_cast<DType>(dtype), code);
   else
     c.all_reduce(as_ptr(src), as_mut_ptr(dst), count, static_cast<DType>(dtype), code);
   return true;
 }
 
-bool reduce_scatter_tensor(HostComm& c, py::handle output, py::handle input, py::handle op, bool auto_choice,
-                           PlanChoice plan) {
+bool reduce_scatter_tensor(HostComm& c, py::handle output, py::handle input, py::handle op, py::handle algorithm) {
   constexpr const char* name = "reduce_scatter_tensor";
   ensure_open(c, name);
   const auto p = check_pair(name, output, input, PairSizes::kScatter, cpu_device(), c.rank(), c.world());
   const auto code = static_cast<ReduceOp>(op_code(name, op, p.dtype));
-  if (handed_back(c, auto_choice, ringcoll::Collective::kReduceScatter, p.output_count, p.dtype, c.world()))
+  const Choice choice = choice_of(c, algorithm, name);
+  if (handed_back(c, choice, ringcoll::Collective::kReduceScatter, p.output_count, p.dtype, c.world()))
     return false;
   py::gil_scoped_release release;
-  if (plan.has_value())
-    c.run_plan(ringcoll::Collective::kReduceScatter, *std::get<0>(*plan), std::get<1>(*plan), as_ptr(p.input),
-               as_mut_ptr(p.output), p.output_count, static_cast<DType>(p.dtype), code);
+  if (choice.plan != nullptr)
+    c.run_plan(ringcoll::Collective::kReduceScatter, *choice.plan, as_ptr(p.input), as_mut_ptr(p.output),
+               p.output_count, static_cast<DType>(p.dtype), code);
   else
     c.reduce_scatter(as_ptr(p.input), as_mut_ptr(p.output), p.output_count, static_cast<DType>(p.dtype), code);
   return true;
 }
 
-bool all_gather_into_tensor(HostComm& c, py::handle output, py::handle input, bool auto_choice, PlanChoice plan) {
+bool all_gather_into_tensor(HostComm& c, py::handle output, py::handle input, py::handle algorithm) {
   constexpr const char* name = "all_gather_into_tensor";
   ensure_open(c, name);
   const auto p = check_pair(name, output, input, PairSizes::kGather, cpu_device(), c.rank(), c.world());
-  if (handed_back(c, auto_choice, ringcoll::Collective::kAllGather, p.input_count, p.dtype, c.world())) return false;
+  const Choice choice = choice_of(c, algorithm, name);
+  if (handed_back(c, choice, ringcoll::Collective::kAllGather, p.input_count, p.dtype, c.world())) return false;
   py::gil_scoped_release release;
-  if (plan.has_value())
-    c.run_plan(ringcoll::Collective::kAllGather, *std::get<0>(*plan), std::get<1>(*plan), as_ptr(p.input),
-               as_mut_ptr(p.output), p.input_count, static_cast<DType>(p.dtype), ReduceOp{});
+  if (choice.plan != nullptr)
+    c.run_plan(ringcoll::Collective::kAllGather, *choice.plan, as_ptr(p.input), as_mut_ptr(p.output), p.input_count,
+               static_cast<DType>(p.dtype), ReduceOp{});
   else
     c.all_gather(as_ptr(p.input), as_mut_ptr(p.output), p.input_count, static_cast<DType>(p.dtype));
   return true;
@@ -140,12 +184,12 @@ bool all_gather_into_tensor(HostComm& c, py::handle output, py::handle input, bo
 // The rooted collectives, in place on `tensor` (torch's dist.broadcast / dist.reduce), always
 // by a plan (the root travels in it: CompiledPlan::root).
 bool rooted_tensor(HostComm& c, const char* name, ringcoll::Collective coll, py::handle tensor, py::handle op,
-                   const ringcoll::CompiledPlan& plan, uint32_t plan_id) {
+                   const CompiledPlan& plan) {
   ensure_open(c, name);
   const auto t = check_tensor(name, "tensor", tensor, cpu_device());
   const auto code = op.is_none() ? ReduceOp{} : static_cast<ReduceOp>(op_code(name, op, t.dtype));
   py::gil_scoped_release release;
-  c.run_plan(coll, plan, plan_id, as_ptr(t.address), as_mut_ptr(t.address), t.count, static_cast<DType>(t.dtype), code);
+  c.run_plan(coll, plan, as_ptr(t.address), as_mut_ptr(t.address), t.count, static_cast<DType>(t.dtype), code);
   return true;
 }
 }  // namespace
@@ -206,6 +250,8 @@ void bind_host(py::module_& m) {
       .def_property_readonly("bytes", &ringcoll::host::SymmetricBlock::bytes)
       .def_property_readonly("arena", [](const ringcoll::host::SymmetricBlock& b) { return b.place().arena; })
       .def_property_readonly("offset", [](const ringcoll::host::SymmetricBlock& b) { return b.place().offset; });
+  py::class_<PreparedCall>(m, "PreparedHostCall", "a prepared call on a HostComm (HostComm.prepare)")
+      .def("__call__", &PreparedCall::run);
   py::class_<HostComm>(m, "HostComm")
       .def(py::init<int, int, const std::vector<std::string>&, size_t, double, bool, size_t, size_t, size_t, bool>(),
            py::arg("rank"), py::arg("world"), py::arg("names"), py::arg("buffer_bytes"), py::arg("timeout"),
@@ -231,38 +277,54 @@ void bind_host(py::module_& m) {
       // The whole CollectiveCall (transports/base.py) in one call, as HostTransport passes it:
       // (collective, src, dst, user_count, dtype, op); op is None for all_gather. One
       // binding call instead of a Python-level unpack and a method lookup per collective.
-      .def("run", &run_call, py::arg("collective"), py::arg("src"), py::arg("dst"), py::arg("count"), py::arg("dtype"),
-           py::arg("op"), py::arg("plan") = py::none(), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "run",
+          [](HostComm& c, const std::string& collective, uintptr_t in, uintptr_t out, int64_t count, int dtype,
+             std::optional<int> op, py::handle plan) {
+            const CompiledPlan* by = plan_of(plan);
+            py::gil_scoped_release release;
+            run_call(c, collective, in, out, count, dtype, op, by);
+          },
+          py::arg("collective"), py::arg("src"), py::arg("dst"), py::arg("count"), py::arg("dtype"), py::arg("op"),
+          py::arg("plan") = py::none())
       .def(
           "run_plan",
-          [](HostComm& c, const ringcoll::CompiledPlan& plan, uint32_t plan_id, int collective, uintptr_t in,
-             uintptr_t out, int64_t count, int dtype, int op) {
-            c.run_plan(static_cast<ringcoll::Collective>(collective), plan, plan_id, as_ptr(in), as_mut_ptr(out), count,
+          [](HostComm& c, const CompiledPlan& plan, int collective, uintptr_t in, uintptr_t out, int64_t count,
+             int dtype, int op) {
+            c.run_plan(static_cast<ringcoll::Collective>(collective), plan, as_ptr(in), as_mut_ptr(out), count,
                        static_cast<DType>(dtype), static_cast<ReduceOp>(op));
           },
-          py::arg("plan"), py::arg("plan_id"), py::arg("collective"), py::arg("src"), py::arg("dst"), py::arg("count"),
+          py::arg("plan"), py::arg("collective"), py::arg("src"), py::arg("dst"), py::arg("count"),
           py::arg("dtype"), py::arg("op"), py::call_guard<py::gil_scoped_release>())
-      .def("run_prepared", &run_prepared, py::arg("name"), py::arg("tensors"), py::arg("layout"),
-           py::arg("collective"), py::arg("src"), py::arg("dst"), py::arg("count"), py::arg("dtype"), py::arg("op"),
-           py::arg("plan") = py::none())
+      .def(
+          "prepare",
+          [](py::object self, std::string name, py::tuple tensors, py::tuple layout, std::string collective,
+             uintptr_t in, uintptr_t out, int64_t count, int dtype, std::optional<int> op, py::object plan) {
+            return PreparedCall(std::move(self), std::move(name), std::move(tensors), std::move(layout),
+                                std::move(collective), in, out, count, dtype, op, std::move(plan));
+          },
+          py::arg("name"), py::arg("tensors"), py::arg("layout"), py::arg("collective"), py::arg("src"),
+          py::arg("dst"), py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("plan") = py::none())
+      .def("hold_plan", &HostComm::hold_plan, py::arg("plan"))
+      // `algorithm`: None (native), True (auto), a _C.CompiledPlan or a held plan's index (choice_of)
       .def("all_reduce_tensor", &all_reduce_tensor, py::arg("tensor"), py::arg("output"), py::arg("op"),
-           py::arg("auto_choice"), py::arg("plan") = py::none())
+           py::arg("algorithm"))
       .def("reduce_scatter_tensor", &reduce_scatter_tensor, py::arg("output"), py::arg("input"), py::arg("op"),
-           py::arg("auto_choice"), py::arg("plan") = py::none())
+           py::arg("algorithm"))
       .def("all_gather_into_tensor", &all_gather_into_tensor, py::arg("output"), py::arg("input"),
-           py::arg("auto_choice"), py::arg("plan") = py::none())
+           py::arg("algorithm"))
       .def(
           "broadcast_tensor",
-          [](HostComm& c, py::handle tensor, const ringcoll::CompiledPlan& plan, uint32_t plan_id) {
-            return rooted_tensor(c, "broadcast", ringcoll::Collective::kBroadcast, tensor, py::none(), plan, plan_id);
+          [](HostComm& c, py::handle tensor, const CompiledPlan& plan) {
+            return rooted_tensor(c, "broadcast", ringcoll::Collective::kBroadcast, tensor, py::none(), plan);
           },
-          py::arg("tensor"), py::arg("plan"), py::arg("plan_id"))
+          py::arg("tensor"), py::arg("plan"))
       .def(
           "reduce_tensor",
-          [](HostComm& c, py::handle tensor, py::handle op, const ringcoll::CompiledPlan& plan, uint32_t plan_id) {
-            return rooted_tensor(c, "reduce", ringcoll::Collective::kReduce, tensor, op, plan, plan_id);
+          [](HostComm& c, py::handle tensor, py::handle op, const CompiledPlan& plan) {
+            return rooted_tensor(c, "reduce", ringcoll::Collective::kReduce, tensor, op, plan);
           },
-          py::arg("tensor"), py::arg("op"), py::arg("plan"), py::arg("plan_id"))
+          py::arg("tensor"), py::arg("op"), py::arg("plan"))
       .def(
           "set_auto_plan_span",
           [](HostComm& c, int collective, size_t from, size_t to) {

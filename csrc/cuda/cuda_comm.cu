@@ -346,15 +346,14 @@ PlanParams CudaComm::device_plan(const char* op, Collective coll, const Compiled
                       copy_new);
 }
 
-void CudaComm::run_plan(const CompiledPlan& plan, uint32_t plan_id, int collective, uintptr_t input, uintptr_t output,
+void CudaComm::run_plan(const CompiledPlan& plan, int collective, uintptr_t input, uintptr_t output,
                         int64_t user_count, int dtype, int op, uintptr_t stream, bool join) {
   const auto coll = static_cast<Collective>(collective);
-  launch(collective_info(coll).name, coll, input, output, user_count, dtype, op, stream, join, &plan, plan_id);
+  launch(collective_info(coll).name, coll, input, output, user_count, dtype, op, stream, join, &plan);
 }
 
 void CudaComm::launch(const char* op, Collective coll, uintptr_t input, uintptr_t output, int64_t user_count,
-                      int dtype, int reduce_op, uintptr_t stream, bool join, const CompiledPlan* plan,
-                      uint32_t plan_id) {
+                      int dtype, int reduce_op, uintptr_t stream, bool join, const CompiledPlan* plan) {
   check_error();
   ensure_usable(op);
   RINGCOLL_CHECK(peers_open_ || world_ == 1, Error, op, ": peers are not mapped yet (open_peers)");
@@ -368,7 +367,7 @@ void CudaComm::launch(const char* op, Collective coll, uintptr_t input, uintptr_
                             plan != nullptr ? plan->root : 0);
   PlanParams plan_part{};
   if (plan != nullptr) {
-    call.descriptor.algorithm = static_cast<int32_t>(plan_id);
+    call.descriptor.algorithm = static_cast<int32_t>(plan->id);
     plan_part = device_plan(op, coll, *plan, stream);
   } else {
     RINGCOLL_CHECK(!collective_info(coll).rooted, std::invalid_argument, op, ": runs by a plan only");

@@ -42,11 +42,11 @@ class CudaComm {
   void reduce_scatter(uintptr_t input, uintptr_t output, int64_t user_count, int dtype, int op, uintptr_t stream,
                       bool join);
   void all_gather(uintptr_t input, uintptr_t output, int64_t user_count, int dtype, uintptr_t stream, bool join);
-  // Any collective by a plan (plan.h; device_plan.h runs it): `plan_id` travels in the call's
+  // Any collective by a plan (plan.h; device_plan.h runs it): its id travels in the call's
   // descriptor, so ranks running different plans get a mismatch. A plan's records are copied
   // to the GPU the first time it runs, which a CUDA graph capture cannot contain: run a plan
   // once before capturing it.
-  void run_plan(const CompiledPlan& plan, uint32_t plan_id, int collective, uintptr_t input, uintptr_t output,
+  void run_plan(const CompiledPlan& plan, int collective, uintptr_t input, uintptr_t output,
                 int64_t user_count, int dtype, int op, uintptr_t stream, bool join);
 
   // Throw (and mark the communicator broken) if a kernel has given up: TimeoutError,
@@ -93,7 +93,7 @@ class CudaComm {
   void tell_peers_finished(uint64_t word);
   bool copy_flag(void* dst, const void* src, int kind);
   void launch(const char* op, Collective coll, uintptr_t input, uintptr_t output, int64_t user_count, int dtype,
-              int reduce_op, uintptr_t stream, bool join, const CompiledPlan* plan = nullptr, uint32_t plan_id = 0);
+              int reduce_op, uintptr_t stream, bool join, const CompiledPlan* plan = nullptr);
   // The plan part of a call's parameters, its records copied to plan_records_device_ on first use.
   PlanParams device_plan(const char* op, Collective coll, const CompiledPlan& plan, uintptr_t user_stream);
 

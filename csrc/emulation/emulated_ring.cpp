@@ -274,7 +274,7 @@ CallResult EmulatedRing::enqueue(const EmulatedCall& c, int user_stream, bool jo
                             c.plan != nullptr ? c.plan->root : 0);
   cuda::PlanParams plan_part{};
   if (c.plan != nullptr) {  // CudaComm::device_plan, the copy a plain one
-    call.descriptor.algorithm = static_cast<int32_t>(c.plan_id);
+    call.descriptor.algorithm = static_cast<int32_t>(c.plan->id);
     plan_part = cuda::prepare_plan(me.plan_records, me.plan_area.data(), me.plan_work.data(), *c.plan, coll, c.rank,
                                    world_, slot_bytes_, collective_info(coll).name,
                                    [](cuda::DevicePlanOp* to, const std::vector<cuda::DevicePlanOp>& kept) {

@@ -25,7 +25,6 @@ struct EmulatedCall {
   uintptr_t input, output;
   int64_t user_count;  // call.h
   const CompiledPlan* plan = nullptr;  // a plan's call (device_plan.h's kernel), else the ring's
-  uint32_t plan_id = 0;                // the id its descriptor carries
 };
 
 // What the call raised: an empty type for success, else the Python error's name and message.

@@ -418,7 +418,7 @@ void HostComm::run_ring_call(const char* op, const RingCall& call, const void* i
   const SymmetricArgs symmetric = one_shot ? SymmetricArgs{} : symmetric_args(call, input, output);
   OneShotPublication mine{};
   auto publish_early = [&] {
-    drain_publications(/*plans_only=*/true);  // a plan call's slots lie elsewhere
+    drain_plan_publications();  // a plan call's slots lie elsewhere
     if (one_shot) mine = publish_one_shot(call, input);
     if (direct) post_direct_input(input, static_cast<size_t>(call.ring_count / world_));
     if (symmetric.posted) post_symmetric(call, symmetric);
@@ -446,14 +446,20 @@ void HostComm::run_ring_call(const char* op, const RingCall& call, const void* i
 // ---------------------------------------------------------------------------------------
 // Plans (plan.h): the engine is host_plan.cpp's
 
-void HostComm::drain_publications(bool plans_only) {
+// Before a call that lays the slots out otherwise: every plan publication read, the plan
+// engine's slot records forgotten (PlanScratch).
+void HostComm::drain_plan_publications() {
   for (int peer = 0; peer < world_; ++peer) {
     if (peer == rank_) continue;
     if (plan_unread_[peer] != 0)
       wait_for(peer, &header(peer).consumed_from[rank_], plan_unread_[peer], "consume data");
     plan_unread_[peer] = 0;
   }
-  if (plans_only) return;
+  plan_scratch_.chunks = 0;
+}
+
+// Before a plan call: every one-shot and ring publication read (after a plan call, at once).
+void HostComm::drain_ring_publications() {
   if (unconfirmed_one_shot_ != 0) wait_all_consumed(unconfirmed_one_shot_);
   unconfirmed_one_shot_ = 0;
   // The ring's publications: my right neighbour reads them all.
@@ -462,10 +468,10 @@ void HostComm::drain_publications(bool plans_only) {
   if (ring != 0 && world_ > 1) wait_for(right_neighbour(rank_, world_), &SegmentHeader::consumed, ring, "consume data");
 }
 
-void HostComm::run_plan(Collective coll, const CompiledPlan& plan, uint32_t plan_id, const void* input,
-                        void* output, int64_t user_count, DType dtype, ReduceOp op) {
+void HostComm::run_plan(Collective coll, const CompiledPlan& plan, const void* input, void* output,
+                        int64_t user_count, DType dtype, ReduceOp op) {
   RingCall call = ring_call(coll, user_count, dtype, op, world_, plan.root);
-  call.descriptor.algorithm = static_cast<int32_t>(plan_id);
+  call.descriptor.algorithm = static_cast<int32_t>(plan.id);
   run_plan_call(collective_info(coll).name, call, plan, input, output);
 }
 
@@ -484,9 +490,11 @@ void HostComm::run_plan_call(const char* op, const RingCall& call, const Compile
   run_collective(op, call.descriptor, post, [&] {
     auto copy = [](void* dst, const void* src, size_t bytes) { std::memcpy(dst, src, bytes); };
     run_call(call, world_, input, output, copy, [&] {
-      drain_publications();
+      // A plan of another layout than the last plan call's waits for all it published first.
+      if (plan.plan.chunks != plan_scratch_.chunks) drain_plan_publications();
+      drain_ring_publications();
       choose_slot_stores(call);
-      step_base_ += run_host_plan(*this, plan, call, input, output, step_base_, plan_unread_, plan_work_);
+      step_base_ += run_host_plan(*this, plan, call, input, output, step_base_, plan_unread_, plan_scratch_);
       // Every rank to the same number, so the ring's numbering stays equal on all ranks.
       flag_store_release(&header(rank_).published.value, step_base_);
       if (plan.reads_peer_inputs) finish_direct_reads();

@@ -15,6 +15,7 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -179,11 +180,25 @@ WaitPolicy host_wait_policy(int world, double timeout_seconds, bool shares_cores
 
 class HostComm;
 
+// What the plan engine keeps from call to call: the work space (one slice of a message; no
+// allocation once the sizes have been seen), and per slot (kBanks x chunks of them) the
+// publication that last filled it and its readers. Those records stay valid while the chunk
+// count, and so the slots' layout, stays: consecutive plan calls of one layout go on into
+// the other bank and wait per slot, as the ring's calls do, instead of first waiting for
+// everything the last call published to be read. Every rank makes the same calls, so every
+// rank keeps the same layout and bank.
+struct PlanScratch {
+  std::vector<char> work;
+  std::vector<uint64_t> slot_last, slot_readers;
+  int chunks = 0;           // the layout the records describe (0: none; the next call starts afresh)
+  uint64_t slices_run = 0;  // slices run on it so far: the next call's first bank
+};
+
 // The plan engine (host_plan.cpp): one call by `plan`, from publication number `base`
 // (the same on every rank); returns the publication numbers the call took (the same on
 // every rank) and notes in `unread`, per peer, this rank's latest publication it reads.
 uint64_t run_host_plan(HostComm& comm, const CompiledPlan& plan, const RingCall& call, const void* input,
-                       void* output, uint64_t base, std::vector<uint64_t>& unread, std::vector<char>& work);
+                       void* output, uint64_t base, std::vector<uint64_t>& unread, PlanScratch& scratch);
 
 class HostComm {
  public:
@@ -212,10 +227,10 @@ class HostComm {
   void all_reduce(const void* input, void* output, int64_t user_count, DType dtype, ReduceOp op);
   void reduce_scatter(const void* input, void* output, int64_t user_count, DType dtype, ReduceOp op);
   void all_gather(const void* input, void* output, int64_t user_count, DType dtype);
-  // Any of the three by a plan (plan.h) through the plan engine (host_plan.cpp). The call's
-  // descriptor carries `plan_id`, so ranks running different plans raise MismatchError.
-  void run_plan(Collective coll, const CompiledPlan& plan, uint32_t plan_id, const void* input, void* output,
-                int64_t user_count, DType dtype, ReduceOp op);
+  // Any collective by a plan (plan.h) through the plan engine (host_plan.cpp). The call's
+  // descriptor carries the plan's id, so ranks running different plans raise MismatchError.
+  void run_plan(Collective coll, const CompiledPlan& plan, const void* input, void* output, int64_t user_count,
+                DType dtype, ReduceOp op);
   void barrier();
   void close();
 
@@ -237,6 +252,18 @@ class HostComm {
   bool in_auto_plan_span(Collective coll, size_t bytes) const {
     const auto& [from, to] = auto_plan_spans_[static_cast<int>(coll)];
     return from <= bytes && bytes < to;
+  }
+  // Plans held for the plain tensor calls (bind_host.cpp), which may name one by its index:
+  // a small int is read in nanoseconds, where finding a plan object's C++ type costs a
+  // 4 KiB call 0.04 us of its 1.6. Held plans never move (a deque) and stay till the end.
+  int hold_plan(const CompiledPlan& plan) {
+    held_plans_.push_back(plan);
+    return static_cast<int>(held_plans_.size()) - 1;
+  }
+  const CompiledPlan& held_plan(long index, const char* op) const {
+    RINGCOLL_CHECK(index >= 0 && static_cast<size_t>(index) < held_plans_.size(), std::invalid_argument, op,
+                   ": no plan ", index, " is held by this communicator");
+    return held_plans_[static_cast<size_t>(index)];
   }
   bool check_calls() const { return check_calls_; }
   bool closed() const { return closed_; }
@@ -341,7 +368,8 @@ class HostComm {
   // Wait until every reader has read what this rank published, by the plan engine (all of
   // it, or `plans_only`) and by the ring and one-shot paths: the slots' layout depends on
   // the algorithm, so no slot is refilled across a change of it while a peer still reads.
-  void drain_publications(bool plans_only = false);
+  void drain_plan_publications();
+  void drain_ring_publications();
   // The small-message algorithm: every rank publishes its input once, every rank combines
   // all P copies itself (host_comm.cpp says why it is safe to interleave with the ring).
   // Publishing writes only my own buffer, so it runs before the call check (run_collective).
@@ -379,6 +407,7 @@ class HostComm {
   WaitPolicy policy_;
   bool check_calls_;
   std::array<std::pair<size_t, size_t>, kNumCollectives> auto_plan_spans_{};  // empty: [0, 0)
+  std::deque<CompiledPlan> held_plans_;  // hold_plan's
   std::vector<SegmentMapping> segments_;
   std::vector<std::string> names_;  // the segments' names, long unlinked: arenas' names derive from them
   std::shared_ptr<SymmetricHeap> heap_ = std::make_shared<SymmetricHeap>();
@@ -395,7 +424,7 @@ class HostComm {
   // ring's slot reuse waits only for the right neighbour, so a ring call waits for it first.
   uint64_t unconfirmed_one_shot_ = 0;
   std::vector<uint64_t> plan_unread_;  // per peer: my latest plan publication it reads (0: none left)
-  std::vector<char> plan_work_;        // the plan engine's work space (one slice of a message)
+  PlanScratch plan_scratch_;           // the plan engine's work space and slot records
   uint64_t probe_token_ = 0;  // what peers read back at bootstrap (peer_memory.h)
   bool direct_reads_ = false;
   bool oversubscribed_ = false;

@@ -22,6 +22,11 @@ validated the arguments and turned them into a :class:`CollectiveCall`. The inte
                                 synchronously by the shortest path: Communicator.prepare_*
     plain_calls                 (optional) what checks and runs a synchronous tensor-form call
                                 in one go (HostComm), while nothing queued must go first
+    hold_plan(compiled)         (optional, with plain_calls) keep a compiled plan; the index it
+                                returns names it in a plain call
+    prepare_plain(name, tensors, layout, call)
+                                (optional, with plain_calls) `call` read once: a callable that
+                                checks `tensors` against `layout` and runs it (False: changed)
     barrier(async_op)           return (or a Completion) once every rank has entered
     synchronize()               block until everything submitted so far finished
     close(wait_for_peers)       release the buffers (the Communicator calls it once)
@@ -71,16 +76,16 @@ class CollectiveCall(NamedTuple):
     user_count: int
     dtype: int  # reduce.h's DType code
     op: Optional[int]  # reduce.h's ReduceOp code; None for all_gather
-    # (its _C.CompiledPlan, the id the call's descriptor carries) when an algorithm's plan
-    # runs it (ringcoll/plans.py; every transport's plan engine); None: the default path
-    plan: Optional[tuple] = None
+    # the _C.CompiledPlan that runs it (ringcoll/plans.py; every transport's plan engine; its
+    # id travels in the call's descriptor); None: the default path
+    plan: Optional[object] = None
 
     def run(self, comm, *stream_args) -> None:
         """Call CudaComm's method for this collective (the CPU transport hands the whole record
         to HostComm.run); `stream_args` are (stream, join)."""
         collective, src, dst, user_count, dtype, op, plan = self  # one unpack: this runs on every call
         if plan is not None:
-            comm.run_plan(*plan, COLLECTIVE_CODES[collective], src, dst, user_count, dtype, op or 0, *stream_args)
+            comm.run_plan(plan, COLLECTIVE_CODES[collective], src, dst, user_count, dtype, op or 0, *stream_args)
         elif op is None:
             getattr(comm, collective)(src, dst, user_count, dtype, *stream_args)
         else:

@@ -289,6 +289,17 @@ class HostTransport(Transport):
         """`call` as a synchronous run with nothing left to decide (Communicator.prepare_*)."""
         return functools.partial(self._calls.run_now, self._comm.run, *call)
 
+    def hold_plan(self, compiled) -> int:
+        """Keep `compiled` (a _C.CompiledPlan) in the extension, for the plain calls to name by
+        the index returned (HostComm::hold_plan says why)."""
+        return self._comm.hold_plan(compiled)
+
+    def prepare_plain(self, name: str, tensors: tuple, layout: tuple, call: CollectiveCall):
+        """`call` read once by the extension: calling the result checks that `tensors` are
+        still as `layout` says, then runs the call (true), or runs nothing (false). Only
+        while ``plain_calls`` is set (nothing queued), as the plain calls."""
+        return self._comm.prepare(name, tensors, layout, *call)
+
     def barrier(self, async_op: bool) -> Optional[ThreadCompletion]:
         completion = self._calls.submit(self._comm.barrier, async_op, "barrier")
         self._plain_calls_when_idle()

@@ -748,11 +748,15 @@ def run_direct_read_cases(chk, rank, world):
 
 def run_skewed_unchecked_cases(chk, rank, world, calls=150):
     """With the call check off nothing but the data flags orders the ranks: a random mix of
-    one-shot and ring calls (the same sequence on every rank) with a random rank held back
-    before each, so a fast rank runs ahead onto slots a slow one may still be reading. Each
+    one-shot and ring calls and of plans (the same sequence on every rank) with a random rank
+    held back before each, so a fast rank runs ahead onto slots a slow one may still be
+    reading: within a call, from one call to the next of the same layout (the plan engine
+    keeps its slot records then: PlanScratch), and across a change of layout or path. Each
     result is checked against sums every rank computes itself (integers: exact)."""
     import random
     import time
+
+    from ringcoll import plans
 
     plan = random.Random(_seed("skew", world))
     with ringcoll.Communicator(buffer_bytes=1 << 16, small_bytes=1 << 12, direct_bytes=1 << 14, check=False,
@@ -762,6 +766,12 @@ def run_skewed_unchecked_cases(chk, rank, world, calls=150):
         for i in range(calls):
             coll = plan.choice(["all_reduce", "reduce_scatter", "all_gather"])
             count = plan.choice([1, 5, 200, 1023, 1024 // world, 1500, 5000])
+            # the default path twice as often as each plan; runs of one plan keep its layout
+            runnable = [name for name in plans.BUILTIN if coll in plans.BUILTIN_COLLECTIVES[name]
+                        and (comm.transport.direct_reads or not plans.reads_peer_inputs(name, coll, world))]
+            algorithm = plan.choice([None, None, *runnable]) if i % 4 == 0 else algorithm
+            if algorithm not in runnable:
+                algorithm = None
             held, pause = plan.randrange(2 * world), plan.random() * 2e-3  # drawn alike on every rank
             if held == rank:
                 time.sleep(pause)
@@ -770,20 +780,22 @@ def run_skewed_unchecked_cases(chk, rank, world, calls=150):
                       for r in range(world)]
             mine = inputs[rank].clone()
             if coll == "all_reduce":
-                comm.all_reduce(mine)
+                comm.all_reduce(mine, algorithm=algorithm)
                 got, want = mine, sum(inputs)
             elif coll == "reduce_scatter":
                 got = _sentinel(count, torch.int32)
-                comm.reduce_scatter_tensor(got, mine)
+                comm.reduce_scatter_tensor(got, mine, algorithm=algorithm)
                 want = sum(inputs)[rank * count:(rank + 1) * count]
             else:
                 got = _sentinel(world * count, torch.int32)
-                comm.all_gather_into_tensor(got, mine)
+                comm.all_gather_into_tensor(got, mine, algorithm=algorithm)
                 want = torch.cat(inputs)
             ring_count = count * (1 if coll == "all_reduce" else world)
-            expected_one_shot += _takes_one_shot(comm, Collective[coll.upper()], ring_count, 4)
-            expected_direct += _reads_directly(comm, Collective[coll.upper()], ring_count, 4)
-            chk.equal(f"skewed unchecked call {i}: {coll} count={count}", got, want.to(torch.int32))
+            if algorithm is None:
+                expected_one_shot += _takes_one_shot(comm, Collective[coll.upper()], ring_count, 4)
+                expected_direct += _reads_directly(comm, Collective[coll.upper()], ring_count, 4)
+            chk.equal(f"skewed unchecked call {i}: {coll} count={count} algorithm={algorithm}", got,
+                      want.to(torch.int32))
         chk.checked += 1
         if comm.transport.one_shot_calls - before != expected_one_shot or (world > 1 and expected_one_shot == 0):
             chk.fail("skewed unchecked", f"{comm.transport.one_shot_calls - before} one-shot calls, "

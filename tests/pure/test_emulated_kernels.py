@@ -424,13 +424,12 @@ COLLECTIVE_NAMES = {AR: "all_reduce", RS: "reduce_scatter", AG: "all_gather"}
 
 
 def plan_of(algorithm, coll, world):
-    """(compiled plan, id) for the emulator's call tuple, or None for the ring kernels."""
+    """The compiled plan for the emulator's call tuple, or None for the ring kernels."""
     from ringcoll import plans
 
     if algorithm is None or COLLECTIVE_NAMES[coll] not in plans.BUILTIN_COLLECTIVES[algorithm]:
         return None
-    _, compiled, plan_id = plans.compiled(algorithm, COLLECTIVE_NAMES[coll], world)
-    return compiled, plan_id
+    return plans.compiled(algorithm, COLLECTIVE_NAMES[coll], world)[1]
 
 
 # RINGCOLL_EMULATOR_EXAMPLES=N for a longer run (bench/results/ records one).

@@ -47,7 +47,8 @@ def test_builtin_plans_are_proved_and_compute_the_reference(name, coll):
         p = plans.plan(name, coll, world)
         plans.check(p)
         for root in range(world if coll in ("broadcast", "reduce") else 1):  # relabelled, it still pairs up
-            assert _C.compile_plan(name, world, p.chunks, p.ops, root).root == root
+            compiled = _C.compile_plan(name, world, p.chunks, p.ops, plans.BUILTIN[name], root)
+            assert compiled.root == root and compiled.id == plans.BUILTIN[name]
         for n in (world, 2 * world + 1, 5 * world) if coll != "all_gather" else (world, 3 * world):
             ins = inputs_for(coll, world, n)
             outs, _ = plans.simulate(p, ins)
@@ -393,7 +394,7 @@ def test_a_user_plan_is_checked_and_compiled_once_and_gets_its_own_id():
     try:
         first = plans.compiled("counted", "all_reduce", 3)
         assert plans.compiled("counted", "all_reduce", 3) is first and calls == [0, 1, 2]
-        assert first[2] >= 1000 and first[2] != plans.BUILTIN["ring"]
+        assert first[1].id >= 1000 and first[1].id != plans.BUILTIN["ring"]
         assert list(first[1].publications) == [4, 4, 4]  # per rank: the first send, then every step but the last
     finally:
         plans._registry.pop(("counted", "all_reduce"), None)

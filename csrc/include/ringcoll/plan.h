@@ -87,6 +87,9 @@ struct Plan {
 struct CompiledPlan {
   Plan plan;                                        // relabelled for `root`
   int root = 0;                                     // a rooted collective's root (0 for the others)
+  uint32_t id = 0;                                  // the algorithm id its calls' descriptors carry
+                                                    // (collectives.h's code, or a user plan's hash),
+                                                    // so ranks running different plans mismatch
   std::vector<std::vector<int>> publication_read;  // [rank][op]: 0 if the op receives nothing
   std::vector<int> publications;                    // [rank]: publications per slice
   std::vector<std::vector<int>> last_read;          // [rank][op]: 1 if it is this rank's last read of
@@ -124,8 +127,9 @@ inline Plan rooted_plan(const Plan& plan, int root) {
 
 // Resolve and check a plan's structure (not its result: that is the Python checker's, and
 // every generator's test's), relabelled for `root` (a rooted collective's; 0 leaves it as it
-// is). Throws std::invalid_argument naming the first bad op.
-inline CompiledPlan compile_plan(Plan plan, const std::string& name, int world, int root = 0) {
+// is); `id` is what its calls' descriptors will carry. Throws std::invalid_argument naming
+// the first bad op.
+inline CompiledPlan compile_plan(Plan plan, const std::string& name, int world, uint32_t id, int root = 0) {
   auto where = [&](int rank, size_t i) {
     return name + ": rank " + std::to_string(rank) + ", op " + std::to_string(i) + ": ";
   };
@@ -139,6 +143,7 @@ inline CompiledPlan compile_plan(Plan plan, const std::string& name, int world, 
                  world);
   CompiledPlan out;
   out.root = root;
+  out.id = id;
   if (root != 0) plan = rooted_plan(plan, root);
   out.publications.assign(world, 0);
   // sent[k][j]: the (publication number, first, count) of k's publications that j reads, in order

@@ -104,15 +104,14 @@ int64_t run_plan_cases(int variant) {
   struct Case {
     int collective;
     ringcoll::CompiledPlan plan;
-    uint32_t id;
   };
   std::vector<Case> cases;
 #define RINGCOLL_PLAN_CASES(e, name, code, collectives)                                                     \
   for (int c = 0; c < ringcoll::kNumCollectives; ++c)                                                       \
     if (c != static_cast<int>(Collective::kBarrier) && ringcoll::algorithm_has(Algorithm::e, static_cast<Collective>(c))) \
       cases.push_back({c, ringcoll::compile_plan(ringcoll::builtin_plan(Algorithm::e, static_cast<Collective>(c), world), \
-                                                 name, world, ringcoll::collective_info(static_cast<Collective>(c)).rooted ? root : 0), \
-                       static_cast<uint32_t>(code)});
+                                                 name, world, static_cast<uint32_t>(code),                  \
+                                                 ringcoll::collective_info(static_cast<Collective>(c)).rooted ? root : 0)});
   RINGCOLL_ALGORITHMS(RINGCOLL_PLAN_CASES)
 #undef RINGCOLL_PLAN_CASES
   // Plans that read peers' inputs where they lie are refused on CUDA (no peer tensor is mapped)
@@ -145,7 +144,7 @@ int64_t run_plan_cases(int variant) {
         auto* src = rooted ? out[k][rep][r].data() : in[k][rep][r].data();
         EmulatedCall call{r, coll, kInt32, kSum, reinterpret_cast<uintptr_t>(src),
                           reinterpret_cast<uintptr_t>(out[k][rep][r].data()), count};
-        call.plan = &cases[k].plan, call.plan_id = cases[k].id;
+        call.plan = &cases[k].plan;
         calls.push_back(call);
       }
     for (int r = 0; r < world; ++r) {  // the ring kernels, in place, between plans
@@ -174,7 +173,7 @@ int64_t run_plan_cases(int variant) {
       }
     for (int r = 0; r < world; ++r)
       for (int32_t v : ring_bufs[k][r]) case_wrong += v != world * (world + 1) / 2;
-    std::printf("variant %d plan %-8s %-14s wrong %lld\n", variant, ringcoll::algorithm_name(static_cast<int>(cases[k].id)),
+    std::printf("variant %d plan %-8s %-14s wrong %lld\n", variant, ringcoll::algorithm_name(static_cast<int>(cases[k].plan.id)),
                 ringcoll::collective_info(static_cast<Collective>(coll)).name, static_cast<long long>(case_wrong));
     wrong += case_wrong;
   }
