@@ -446,8 +446,8 @@ void HostComm::run_ring_call(const char* op, const RingCall& call, const void* i
 // ---------------------------------------------------------------------------------------
 // Plans (plan.h): the engine is host_plan.cpp's
 
-// Before a call that lays the slots out otherwise: every plan publication read, the plan
-// engine's slot records forgotten (PlanScratch).
+// Before a plan call, and before any other call after one: every plan publication read
+// (the slots' layout depends on the algorithm).
 void HostComm::drain_plan_publications() {
   for (int peer = 0; peer < world_; ++peer) {
     if (peer == rank_) continue;
@@ -455,7 +455,6 @@ void HostComm::drain_plan_publications() {
       wait_for(peer, &header(peer).consumed_from[rank_], plan_unread_[peer], "consume data");
     plan_unread_[peer] = 0;
   }
-  plan_scratch_.chunks = 0;
 }
 
 // Before a plan call: every one-shot and ring publication read (after a plan call, at once).
@@ -490,8 +489,7 @@ void HostComm::run_plan_call(const char* op, const RingCall& call, const Compile
   run_collective(op, call.descriptor, post, [&] {
     auto copy = [](void* dst, const void* src, size_t bytes) { std::memcpy(dst, src, bytes); };
     run_call(call, world_, input, output, copy, [&] {
-      // A plan of another layout than the last plan call's waits for all it published first.
-      if (plan.plan.chunks != plan_scratch_.chunks) drain_plan_publications();
+      drain_plan_publications();
       drain_ring_publications();
       choose_slot_stores(call);
       step_base_ += run_host_plan(*this, plan, call, input, output, step_base_, plan_unread_, plan_scratch_);

@@ -180,18 +180,12 @@ WaitPolicy host_wait_policy(int world, double timeout_seconds, bool shares_cores
 
 class HostComm;
 
-// What the plan engine keeps from call to call: the work space (one slice of a message; no
-// allocation once the sizes have been seen), and per slot (kBanks x chunks of them) the
-// publication that last filled it and its readers. Those records stay valid while the chunk
-// count, and so the slots' layout, stays: consecutive plan calls of one layout go on into
-// the other bank and wait per slot, as the ring's calls do, instead of first waiting for
-// everything the last call published to be read. Every rank makes the same calls, so every
-// rank keeps the same layout and bank.
+// What the plan engine keeps from call to call, so that a call allocates nothing once the
+// sizes have been seen: the work space (one slice of a message), and per slot (kBanks x
+// chunks of them) the publication that last filled it and its readers, reset at every call.
 struct PlanScratch {
   std::vector<char> work;
   std::vector<uint64_t> slot_last, slot_readers;
-  int chunks = 0;           // the layout the records describe (0: none; the next call starts afresh)
-  uint64_t slices_run = 0;  // slices run on it so far: the next call's first bank
 };
 
 // The plan engine (host_plan.cpp): one call by `plan`, from publication number `base`

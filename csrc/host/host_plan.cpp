@@ -14,10 +14,9 @@
 // Slots. A publication of chunks [f, f + n) in the slice's bank fills slots f .. f+n-1 of
 // the sender's buffer, each 1/(kBanks C) of it (slot_bytes_for with C chunks). Before a
 // rank overwrites a slot, every reader of the publication that last filled it must have
-// consumed it. Slices take the banks in turn, also from one call to the next while the
-// plans keep the layout (the chunk count; PlanScratch holds the records). Before a plan
-// of another layout, and before any other call after a plan, every rank waits until all
-// it published has been read (drain_plan_publications).
+// consumed it. Between calls: before a plan call, and before any other call after one,
+// every rank waits until all it published has been read (drain_plan_publications): the
+// slots' layout depends on the algorithm, so nothing carries from one to the next.
 #include <algorithm>
 #include <cstring>
 
@@ -40,13 +39,9 @@ class PlanRun {
         slice_elems_(uses_slots(plan) ? static_cast<int64_t>(slot_bytes_ / sizeof(T))
                                       : std::max<int64_t>(1, max_chunk_length(ring_count, chunks_))),
         slices_(slice_elems_ > 0 ? num_slices(ring_count, chunks_, slice_elems_) : 0), base_(base),
-        first_bank_(scratch.slices_run), slot_last_(scratch.slot_last), slot_readers_(scratch.slot_readers) {
-    if (scratch.chunks != chunks_) {  // another layout: drained, start afresh
-      scratch.chunks = chunks_;
-      scratch.slices_run = first_bank_ = 0;
-      slot_last_.assign(static_cast<size_t>(kBanks) * chunks_, 0);
-      slot_readers_.assign(slot_last_.size(), 0);
-    }
+        slot_last_(scratch.slot_last), slot_readers_(scratch.slot_readers) {
+    slot_last_.assign(static_cast<size_t>(kBanks) * chunks_, 0);
+    slot_readers_.assign(slot_last_.size(), 0);
     // Python checks this first (Communicator._plan); here for callers of the binding itself
     RINGCOLL_CHECK(slice_elems_ > 0, std::invalid_argument, collective_info(coll).name, ": a plan of ", chunks_,
                    " chunks needs buffer_bytes >= ", min_buffer_bytes(chunks_, kSlotAlignment), "; this one's is ",
@@ -73,7 +68,7 @@ class PlanRun {
 
   // Slice j: every op of this rank, in order.
   void run_slice(int64_t j) {
-    const int bank = static_cast<int>((first_bank_ + static_cast<uint64_t>(j)) % kBanks);
+    const int bank = static_cast<int>(j % kBanks);
     const auto& ops = plan_.plan.ops[me_];
     int published = 0;  // this rank's publications so far in this slice
     for (size_t i = 0; i < ops.size(); ++i) {
@@ -201,7 +196,6 @@ class PlanRun {
   size_t slot_bytes_;
   int64_t slice_elems_, slices_;
   uint64_t base_;
-  uint64_t first_bank_;  // slices run on this layout before this call (PlanScratch)
   T* work_ = nullptr;
   std::vector<uint64_t>& slot_last_;     // per slot: the publication that last filled it (this call)
   std::vector<uint64_t>& slot_readers_;  // ... and its readers
@@ -223,7 +217,6 @@ uint64_t run_host_plan(HostComm& comm, const CompiledPlan& plan, const RingCall&
     for (int64_t j = 0; j < slices; ++j) run.run_slice(j);
     run.note_unread(unread);
   });
-  scratch.slices_run += static_cast<uint64_t>(slices);
   stream_fence();
   const int most = *std::max_element(plan.publications.begin(), plan.publications.end());
   return static_cast<uint64_t>(slices) * static_cast<uint64_t>(most);
