@@ -750,9 +750,9 @@ def run_skewed_unchecked_cases(chk, rank, world, calls=150):
     """With the call check off nothing but the data flags orders the ranks: a random mix of
     one-shot and ring calls and of plans (the same sequence on every rank) with a random rank
     held back before each, so a fast rank runs ahead onto slots a slow one may still be
-    reading: within a call, from one call to the next of the same layout (the plan engine
-    keeps its slot records then: PlanScratch), and across a change of layout or path. Each
-    result is checked against sums every rank computes itself (integers: exact)."""
+    reading: within a call, from one plan call to the next, and across a change of layout or
+    path (the drains). Each result is checked against sums every rank computes itself
+    (integers: exact)."""
     import random
     import time
 
