@@ -108,7 +108,7 @@ struct Choice {
 
 Choice choice_of(const HostComm& c, py::handle algorithm, const char* op) {
   if (algorithm.ptr() == Py_True) return {true, nullptr};
-  if (PyLong_CheckExact(algorithm.ptr())) return {false, &c.held_plan(PyLong_AsLong(algorithm.ptr()), op)};
+  if (PyLong_CheckExact(algorithm.ptr())) return {false, &c.held_plan(algorithm.cast<long>(), op)};
   return {false, plan_of(algorithm)};
 }
 

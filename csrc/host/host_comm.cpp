@@ -347,6 +347,13 @@ void HostComm::wait_for(int peer, const uint64_t* address, uint64_t target, cons
       wait_flag_at_least(address, target, policy_, [&] { return peers_look_alive(&why); });
   if (result == WaitResult::kReady) return;
   if (before_giving_up) before_giving_up();
+  // A peer that found a mismatch aborts at once, while this rank may still wait ahead of its
+  // own check (run_collective's early step): then the mismatch is this rank's error too.
+  if (unchecked_call_ != nullptr) {
+    const CallDescriptor* call = unchecked_call_;
+    unchecked_call_ = nullptr;  // once: the check below waits for nothing
+    fail_if_any_call_differs(current_op_, *call);
+  }
 
   std::ostringstream msg;
   msg << "rank " << rank_ << " ";
@@ -381,15 +388,17 @@ void HostComm::check_call(const char* op, const CallDescriptor& call) {
   // slower peer's announcement; that peer's own descriptor was published before its abort,
   // so before giving up on the wait, look for the mismatch here too: every rank of a
   // mismatched call then raises MismatchError, not a PeerError quoting the peer's abort.
-  auto find_mismatch = [&] {
-    for (int peer = 0; peer < world_; ++peer)
-      if (peer != rank_) fail_if_call_differs(op, call, peer);
-  };
+  auto find_mismatch = [&] { fail_if_any_call_differs(op, call); };
   for (int peer = 0; peer < world_; ++peer) {
     if (peer == rank_) continue;
     wait_for(peer, &header(peer).descriptor.seq, descriptor_seq_written(calls_), "announce its call", find_mismatch);
     fail_if_call_differs(op, call, peer);
   }
+}
+
+void HostComm::fail_if_any_call_differs(const char* op, const CallDescriptor& call) {
+  for (int peer = 0; peer < world_; ++peer)
+    if (peer != rank_) fail_if_call_differs(op, call, peer);
 }
 
 void HostComm::fail_if_call_differs(const char* op, const CallDescriptor& call, int peer) {

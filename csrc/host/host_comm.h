@@ -395,6 +395,8 @@ class HostComm {
   void check_call(const char* op, const CallDescriptor& call);
   // Throw MismatchError if `peer` has announced this call and it differs from `call`.
   void fail_if_call_differs(const char* op, const CallDescriptor& call, int peer);
+  // MismatchError if any peer has announced a call other than `call` (its descriptor is there).
+  void fail_if_any_call_differs(const char* op, const CallDescriptor& call);
 
   int rank_, world_;
   size_t buffer_bytes_, slot_bytes_, small_bytes_, direct_bytes_, direct_max_bytes_;
@@ -430,6 +432,9 @@ class HostComm {
   uint64_t large_slot_calls_ = 0;  // ring and plan calls of kHopProbeMinBytes or more (the same on every rank)
   uint64_t hop_probes_ = 0, slow_hop_probes_ = 0, hop_ns_ = 0;
   const char* current_op_ = "";
+  // This call's descriptor while its early step runs ahead of the call check (run_collective):
+  // a wait that gives up there first looks for a mismatch, as check_call's waits do.
+  const CallDescriptor* unchecked_call_ = nullptr;
   // Where this rank is in the current call, for error messages: which path, and on the
   // ring or a plan which slice and step (steps = 0: before any data moved).
   enum class Path { kRing, kPlan, kOneShot, kDirect, kZeroCopy };
@@ -474,7 +479,13 @@ inline void HostComm::run_collective(const char* op, const CallDescriptor& call,
   // run before the peers' descriptors are compared: it overlaps the wait for them, and a
   // small call then waits for its peers once instead of twice. Peers read that buffer only
   // after their own check passed, so a mismatch still moves no data into any output.
-  early();
+  {
+    struct Checked {  // whether early() returns or throws, its waits are over
+      const CallDescriptor*& unchecked;
+      ~Checked() { unchecked = nullptr; }
+    } checked{unchecked_call_ = check ? &call : nullptr};
+    early();
+  }
   position_ = {};
   if (check) check_call(op, call);
   body();

@@ -177,6 +177,45 @@ def test_zero_length_calls_may_run_ahead_without_false_mismatch():
         assert values == [3.0] * 4
 
 
+def _mismatch_while_draining(rank, world):
+    import os
+    import signal
+    import time
+
+    import torch.distributed as dist
+
+    import ringcoll
+
+    # Rank 0 roots a star broadcast, which it finishes without waiting for its last reads, and
+    # stops rank 2 (SIGSTOP) while it likely still reads the last slices. Rank 0's next call,
+    # mismatched with rank 1's, first waits (ahead of its call check) until rank 2 has read
+    # the broadcast; rank 1 finds the mismatch and aborts meanwhile. That wait's giving up is
+    # the mismatch for rank 0 too, not a PeerError quoting rank 1's abort (seen once in CI
+    # under DDP at P = 3). Rank 1 lets rank 2 go on once it has its error.
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    with ringcoll.Communicator(timeout=20) as comm:
+        comm.broadcast(torch.ones(1 << 21), 0, algorithm="star")  # 8 MiB: many slices
+        if rank == 0:
+            os.kill(pids[2], signal.SIGSTOP)
+        try:
+            comm.all_reduce(torch.ones(4 + (rank == 1)))
+            outcome = ("no error", "")
+        except ringcoll.RingcollError as e:
+            outcome = (type(e).__name__, str(e))
+        if rank == 1:
+            time.sleep(0.5)  # rank 0 gives up within its 50 ms health check
+            os.kill(pids[2], signal.SIGCONT)
+        return outcome
+
+
+def test_a_mismatch_found_while_a_rank_drains_is_a_mismatch_there_too():
+    outcomes = spawn(_mismatch_while_draining, 3)
+    for rank in (0, 1):  # rank 2 may find the communicator already broken by then
+        kind, message = outcomes[rank]
+        assert kind == "RingcollMismatchError" and "mismatched" in message, (rank, kind, message)
+
+
 def _check_setting(rank, world, env_value):
     import os
 
