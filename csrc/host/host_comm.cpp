@@ -340,20 +340,14 @@ bool HostComm::peers_look_alive(std::string* why) const {
   return true;
 }
 
-void HostComm::wait_for(int peer, const uint64_t* address, uint64_t target, const char* event,
-                        const std::function<void()>& before_giving_up) {
+void HostComm::wait_for(int peer, const uint64_t* address, uint64_t target, const char* event) {
   std::string why;
   const WaitResult result =
       wait_flag_at_least(address, target, policy_, [&] { return peers_look_alive(&why); });
   if (result == WaitResult::kReady) return;
-  if (before_giving_up) before_giving_up();
-  // A peer that found a mismatch aborts at once, while this rank may still wait ahead of its
-  // own check (run_collective's early step): then the mismatch is this rank's error too.
-  if (unchecked_call_ != nullptr) {
-    const CallDescriptor* call = unchecked_call_;
-    unchecked_call_ = nullptr;  // once: the check below waits for nothing
-    fail_if_any_call_differs(current_op_, *call);
-  }
+  // A peer's descriptor is published before its abort, so a mismatch that made it abort is
+  // there to find (unchecked_call_).
+  if (unchecked_call_ != nullptr) fail_if_any_call_differs(current_op_, *unchecked_call_);
 
   std::ostringstream msg;
   msg << "rank " << rank_ << " ";
@@ -385,13 +379,10 @@ void HostComm::wait_for(int peer, const uint64_t* address, uint64_t target, cons
 
 void HostComm::check_call(const char* op, const CallDescriptor& call) {
   // A peer that found a mismatch aborts at once, possibly while this rank still waits for a
-  // slower peer's announcement; that peer's own descriptor was published before its abort,
-  // so before giving up on the wait, look for the mismatch here too: every rank of a
-  // mismatched call then raises MismatchError, not a PeerError quoting the peer's abort.
-  auto find_mismatch = [&] { fail_if_any_call_differs(op, call); };
+  // slower peer's announcement: that wait then raises the mismatch (wait_for, unchecked_call_).
   for (int peer = 0; peer < world_; ++peer) {
     if (peer == rank_) continue;
-    wait_for(peer, &header(peer).descriptor.seq, descriptor_seq_written(calls_), "announce its call", find_mismatch);
+    wait_for(peer, &header(peer).descriptor.seq, descriptor_seq_written(calls_), "announce its call");
     fail_if_call_differs(op, call, peer);
   }
 }

@@ -16,7 +16,6 @@
 #include <cstdint>
 #include <cstring>
 #include <deque>
-#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -307,11 +306,9 @@ class HostComm {
   uint64_t& last_publication(int slot) { return last_publication_[slot]; }
   // Wait until header(peer).<flag> >= target; throws (and breaks the communicator) on
   // timeout or when a peer is known to be gone. `event` names what the peer should do
-  // ("publish", ...); the message also gives the ring position set by set_position.
-  // `before_giving_up`, if given, runs first when the wait fails and may throw an error of
-  // its own that says more (the call check's: a peer that aborted on a mismatch).
-  void wait_for(int peer, const uint64_t* flag, uint64_t target, const char* event,
-                const std::function<void()>& before_giving_up = {});
+  // ("publish", ...); the message also gives the ring position set by set_position. A wait
+  // that fails before this call's check has passed looks for a mismatch first (unchecked_call_).
+  void wait_for(int peer, const uint64_t* flag, uint64_t target, const char* event);
   void wait_for(int peer, Flag SegmentHeader::*flag, uint64_t target, const char* event) {
     wait_for(peer, &(header(peer).*flag).value, target, event);
   }
@@ -432,8 +429,9 @@ class HostComm {
   uint64_t large_slot_calls_ = 0;  // ring and plan calls of kHopProbeMinBytes or more (the same on every rank)
   uint64_t hop_probes_ = 0, slow_hop_probes_ = 0, hop_ns_ = 0;
   const char* current_op_ = "";
-  // This call's descriptor while its early step runs ahead of the call check (run_collective):
-  // a wait that gives up there first looks for a mismatch, as check_call's waits do.
+  // This call's descriptor until its call check has passed (run_collective's early step and
+  // check_call): a peer that found a mismatch aborts at once, and a wait of this rank that
+  // gives up meanwhile raises the mismatch, not a PeerError quoting the peer's abort.
   const CallDescriptor* unchecked_call_ = nullptr;
   // Where this rank is in the current call, for error messages: which path, and on the
   // ring or a plan which slice and step (steps = 0: before any data moved).
@@ -480,14 +478,14 @@ inline void HostComm::run_collective(const char* op, const CallDescriptor& call,
   // small call then waits for its peers once instead of twice. Peers read that buffer only
   // after their own check passed, so a mismatch still moves no data into any output.
   {
-    struct Checked {  // whether early() returns or throws, its waits are over
+    struct Checked {  // once the check has passed (or anything before it threw)
       const CallDescriptor*& unchecked;
       ~Checked() { unchecked = nullptr; }
     } checked{unchecked_call_ = check ? &call : nullptr};
     early();
+    position_ = {};
+    if (check) check_call(op, call);
   }
-  position_ = {};
-  if (check) check_call(op, call);
   body();
   flag_store_release(&header(rank_).completed.value, calls_);
 }
