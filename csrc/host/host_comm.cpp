@@ -1,5 +1,6 @@
-// host_comm.cpp: the CPU ring driver. Bootstrap of the shared-memory segments, the host
-// execution context for ring_loop.h, and the three collectives.
+// host_comm.cpp: the CPU transport. Bootstrap of the shared-memory segments, waits and
+// failure, and the collectives' paths: the ring (a plan, run by host_plan.cpp's engine), the
+// one-shot path for small messages, the direct-read all-gather.
 #include "host_comm.h"
 
 #include <signal.h>
@@ -18,8 +19,8 @@
 
 #include "host_strip.h"
 #include "peer_memory.h"
+#include "ringcoll/ring_loop.h"  // the slots' layout (slot_index), shared with the plan engine
 #include "ringcoll/check.h"
-#include "ringcoll/ring_loop.h"
 
 namespace ringcoll::host {
 
@@ -89,89 +90,6 @@ bool process_alive(int64_t pid) {
   return state != 'Z' && state != 'X';
 }
 
-// ---------------------------------------------------------------------------------------
-// The host execution context for run_ring (see ring_loop.h for the interface). One thread
-// does the whole strip of every chunk; loops are plain so the compiler vectorises them.
-
-template <typename T, class Op>
-class HostRingContext {
- public:
-  HostRingContext(HostComm& comm, const RingCall& call, const void* input, void* output)
-      : comm_(comm), coll_(call.collective), input_(static_cast<const T*>(input)), output_(static_cast<T*>(output)),
-        ring_count_(call.ring_count), slice_elems_(static_cast<int64_t>(comm.slot_bytes() / sizeof(T))),
-        slices_(num_slices(ring_count_, comm.world(), slice_elems_)),
-        stream_output_(streams_output(input, input_bytes(), output, output_bytes())) {}
-
-  int rank() const { return comm_.rank(); }
-  int world() const { return comm_.world(); }
-  int banks() const { return kBanks; }
-  int64_t slice_elems() const { return slice_elems_; }
-  uint64_t& step_base() { return comm_.step_base(); }
-  uint64_t& last_publication(int slot) { return comm_.last_publication(slot); }
-  void set_position(int64_t slice, int step) {
-    comm_.set_position(slice, slices_, step, ring_steps(coll_, world()));
-  }
-
-  T* my_slot(int bank, int c) const { return slot_in(comm_.data(rank()), bank, c); }
-  const T* left_slot(int bank, int c) const { return slot_in(comm_.data(left_neighbour(rank(), world())), bank, c); }
-  // All-gather's input is just my chunk; reduce-scatter's output is just my chunk.
-  const T* input_at(int c, int64_t offset) const {
-    return input_ + offset + (coll_ == Collective::kAllGather ? 0 : chunk_begin(ring_count_, world(), c));
-  }
-  T* output_at(int c, int64_t offset) const {
-    return output_ + offset + (coll_ == Collective::kReduceScatter ? 0 : chunk_begin(ring_count_, world(), c));
-  }
-
-  void copy(T* to_right, T* to_output, const T* src, int64_t len) const {
-    copy_strip(to_right, to_output, src, len, stream_output_, stream_slots_);
-  }
-  void reduce(T* to_right, T* to_output, const T* recv, const T* own, int64_t len, bool is_final) const {
-    if (is_final) reduce_strip<T, Op, true>(to_right, to_output, recv, own, len, world(), stream_output_, stream_slots_);
-    else reduce_strip<T, Op, false>(to_right, to_output, recv, own, len, world(), stream_output_, stream_slots_);
-  }
-
-  bool wait_left_published(uint64_t v) {
-    comm_.wait_for(left_neighbour(rank(), world()), &SegmentHeader::published, v, "publish data");
-    return true;
-  }
-  bool wait_right_consumed(uint64_t v) {
-    comm_.wait_for(right_neighbour(rank(), world()), &SegmentHeader::consumed, v, "consume data");
-    return true;
-  }
-  void publish(uint64_t v) {
-    if (stream_slots_) stream_fence();  // streaming stores are weakly ordered: the slot before the flag
-    flag_store_release(&comm_.header(rank()).published.value, v);
-  }
-  void mark_consumed(uint64_t v) { flag_store_release(&comm_.header(rank()).consumed.value, v); }
-
- private:
-  size_t output_bytes() const {
-    const int64_t elems = coll_ == Collective::kReduceScatter ? ring_count_ / world() : ring_count_;
-    return static_cast<size_t>(elems) * sizeof(T);
-  }
-  size_t input_bytes() const {  // all-gather's input is one chunk of the message
-    const int64_t elems = coll_ == Collective::kAllGather ? ring_count_ / world() : ring_count_;
-    return static_cast<size_t>(elems) * sizeof(T);
-  }
-  T* slot_in(char* data, int bank, int c) const {
-    return reinterpret_cast<T*>(data + static_cast<size_t>(slot_index(bank, c, world())) * comm_.slot_bytes());
-  }
-  HostComm& comm_;
-  Collective coll_;
-  const T* input_;
-  T* output_;
-  int64_t ring_count_, slice_elems_, slices_;
-  bool stream_output_;  // the output is written around the cache (streams_output)
-  bool stream_slots_ = comm_.stream_slots();  // how the right neighbour's slots are written (SlotStores)
-};
-
-template <typename T, class Op>
-void run_host_ring(HostComm& comm, const RingCall& call, const void* input, void* output) {
-  HostRingContext<T, Op> ctx(comm, call, input, output);
-  run_ring(ctx, call.collective, call.ring_count);
-  stream_fence();  // the caller may hand the output to another thread right away
-}
-
 }  // namespace
 
 // ---------------------------------------------------------------------------------------
@@ -184,13 +102,20 @@ HostComm::HostComm(int rank, int world, const std::vector<std::string>& names, s
       slot_bytes_(slot_bytes_for(buffer_bytes, world, kSlotAlignment)), small_bytes_(small_bytes),
       direct_bytes_(direct_bytes), direct_max_bytes_(direct_max_bytes),
       policy_(host_wait_policy(world, timeout_seconds, shares_cores)), check_calls_(check_calls),
-      last_publication_(static_cast<size_t>(kBanks) * static_cast<size_t>(world), 0),
       plan_unread_(static_cast<size_t>(world), 0) {
   RINGCOLL_CHECK(world >= 1 && rank >= 0 && rank < world, std::invalid_argument, "Communicator: rank ", rank,
                  " is outside world size ", world);
   RINGCOLL_CHECK(static_cast<int>(names.size()) == world, std::invalid_argument,
                  "Communicator: expected one segment name per rank, got ", names.size());
+  // The plan engine runs every collective, the ring included; its readers are a word's bits.
+  RINGCOLL_CHECK(world <= kMaxPlanWorld, std::invalid_argument, "Communicator: the CPU transport runs at most ",
+                 kMaxPlanWorld, " ranks on one host, not ", world,
+                 " (a plan names the readers of a publication by the bits of one 64-bit word)");
   check_buffer_bytes("Communicator", buffer_bytes, world, kSlotAlignment);
+  native_ring_.resize(kNumCollectives);
+  for (Collective coll : {Collective::kAllReduce, Collective::kReduceScatter, Collective::kAllGather})
+    native_ring_[static_cast<size_t>(coll)] =
+        compile_plan(ring_plan(coll, world), "ring", world, static_cast<uint32_t>(Algorithm::kRing));
   slot_stores_ = slot_stores_from_env();
   stream_slots_ = slot_stores_ == SlotStores::kStream;
   if (const char* env = std::getenv("RINGCOLL_SLOW_HOP_NS")) slow_hop_ns_ = std::strtoull(env, nullptr, 10);
@@ -356,18 +281,15 @@ void HostComm::wait_for(int peer, const uint64_t* address, uint64_t target, cons
   const char* side = peer == left_neighbour(rank_, world_) ? "left neighbour " : (peer == right_neighbour(rank_, world_) ? "right neighbour " : "");
   msg << " waiting for " << side << "rank " << peer << " to " << event;
   if (position_.path == Path::kPlan) {
+    const char* name = algorithm_name(static_cast<int>(position_.algorithm));
     msg << " (call " << calls_ << ", slice " << position_.slice + 1 << "/" << position_.slices << ", plan op "
-        << position_.step + 1 << "/" << position_.steps << ")";
+        << position_.step + 1 << "/" << position_.steps << " of " << (name != nullptr ? name : "a user plan") << ")";
   } else if (position_.path == Path::kOneShot) {
     msg << " (call " << calls_ << ", one-shot step 1/1)";
   } else if (position_.path == Path::kDirect) {
     msg << " (call " << calls_ << ", direct read)";
   } else if (position_.path == Path::kZeroCopy) {
     msg << " (call " << calls_ << ", reading symmetric memory in place)";
-  } else if (position_.steps > 0) {
-    msg << " (call " << calls_ << ", slice " << position_.slice + 1 << "/" << position_.slices << ", ";
-    if (position_.step < 0) msg << "before ring step 1/" << position_.steps << ")";
-    else msg << "ring step " << position_.step + 1 << "/" << position_.steps << ")";
   } else if (calls_ > 0) {
     msg << " (call " << calls_ << ", before any data moved)";
   }
@@ -410,6 +332,12 @@ void HostComm::ensure_usable(const char* op) const {
 
 // ---------------------------------------------------------------------------------------
 // The collectives
+//
+// The transport's own path ("native") for all-reduce, reduce-scatter and all-gather: the
+// one-shot path for small messages, symmetric memory read in place, the direct-read
+// all-gather, and otherwise the ring, which is the ring's plan (plan.h's ring_plan) run by
+// the plan engine like any other plan: one step loop on the CPU. It is compiled once per
+// collective when the communicator is made (native_ring_).
 
 void HostComm::run_ring_call(const char* op, const RingCall& call, const void* input, void* output) {
   const bool one_shot = uses_one_shot(call);  // never with one rank (one_shot_fits)
@@ -429,16 +357,7 @@ void HostComm::run_ring_call(const char* op, const RingCall& call, const void* i
       if (one_shot) return finish_one_shot(call, mine, input, output);
       if (symmetric.posted && run_zero_copy(call, symmetric, input, output)) return;
       if (direct) return run_direct_all_gather(call, input, output);
-      if (unconfirmed_one_shot_ != 0 && call.ring_count > 0) {
-        // The ring refills a slot once its right neighbour alone has read it; a one-shot
-        // slot is read by every peer, so first make sure they all have.
-        wait_all_consumed(unconfirmed_one_shot_);
-        unconfirmed_one_shot_ = 0;
-      }
-      choose_slot_stores(call);
-      dispatch_call(call.descriptor, [&](auto t, auto o) {
-        run_host_ring<decltype(t), decltype(o)>(*this, call, input, output);
-      });
+      run_plan_steps(call, native_ring_.at(static_cast<size_t>(call.collective)), input, output);
     });
   });
 }
@@ -457,14 +376,22 @@ void HostComm::drain_plan_publications() {
   }
 }
 
-// Before a plan call: every one-shot and ring publication read (after a plan call, at once).
-void HostComm::drain_ring_publications() {
+// Before a plan call: the last one-shot publication read by every peer (a one-shot slot is
+// read by all of them; the engine's slot records know only its own publications).
+void HostComm::drain_one_shot_publication() {
   if (unconfirmed_one_shot_ != 0) wait_all_consumed(unconfirmed_one_shot_);
   unconfirmed_one_shot_ = 0;
-  // The ring's publications: my right neighbour reads them all.
-  uint64_t ring = 0;
-  for (uint64_t v : last_publication_) ring = std::max(ring, v);
-  if (ring != 0 && world_ > 1) wait_for(right_neighbour(rank_, world_), &SegmentHeader::consumed, ring, "consume data");
+}
+
+// Slices of one call by `plan`, once its call check has passed (run_call's body).
+void HostComm::run_plan_steps(const RingCall& call, const CompiledPlan& plan, const void* input, void* output) {
+  drain_plan_publications();
+  drain_one_shot_publication();
+  choose_slot_stores(call);
+  step_base_ += run_host_plan(*this, plan, call, input, output, step_base_, plan_unread_, plan_scratch_);
+  // Every rank to the same number, so the numbering stays equal on all ranks.
+  flag_store_release(&header(rank_).published.value, step_base_);
+  if (plan.reads_peer_inputs) finish_direct_reads();
 }
 
 void HostComm::run_plan(Collective coll, const CompiledPlan& plan, const void* input, void* output,
@@ -488,15 +415,7 @@ void HostComm::run_plan_call(const char* op, const RingCall& call, const Compile
   };
   run_collective(op, call.descriptor, post, [&] {
     auto copy = [](void* dst, const void* src, size_t bytes) { std::memcpy(dst, src, bytes); };
-    run_call(call, world_, input, output, copy, [&] {
-      drain_plan_publications();
-      drain_ring_publications();
-      choose_slot_stores(call);
-      step_base_ += run_host_plan(*this, plan, call, input, output, step_base_, plan_unread_, plan_scratch_);
-      // Every rank to the same number, so the ring's numbering stays equal on all ranks.
-      flag_store_release(&header(rank_).published.value, step_base_);
-      if (plan.reads_peer_inputs) finish_direct_reads();
-    });
+    run_call(call, world_, input, output, copy, [&] { run_plan_steps(call, plan, input, output); });
   });
 }
 
@@ -579,18 +498,16 @@ void HostComm::probe_neighbour_hops() {
 // ring's bits, on every rank: the size at which the path changes never changes a result.
 // Reads: P-1 peer slots of the published size each.
 //
-// Flags: the same words as the ring (docs/flags.md). The publication takes the next number
-// of the communicator's one numbering (step_base + 1, identical on every rank), so the
-// ring's waits before and after stay valid; `consumed` = v then means "I have read
-// publication v of every peer", which implies what the ring reads it as (everything of my
-// left neighbour up to v: earlier calls are finished).
+// Flags (docs/flags.md): the publication takes the next number of the communicator's one
+// numbering (step_base + 1, identical on every rank), which the plan engine's numbers
+// continue from; `consumed` = v then means "I have read publication v of every peer".
 //
 // Slot reuse. One-shot calls alternate between slot 0 of bank 0 and of bank 1. Before rank
-// k writes a slot it waits until *every* peer's `consumed` reached the publication that
-// last filled it (a one-shot, read by all; or a ring publication: every rank's `consumed`
-// reaches each call's last number when it finishes the call, so that wait ends too). A
-// ring call that follows a one-shot first waits until every peer consumed that one-shot
-// (unconfirmed_one_shot_), since the ring itself only waits for its right neighbour.
+// k writes a slot it waits until every plan publication of its own has been read
+// (drain_plan_publications: the ring's too, which is a plan) and until *every* peer's
+// `consumed` reached the one-shot publication that last filled that slot. A plan call that
+// follows a one-shot first waits until every peer consumed that one-shot
+// (unconfirmed_one_shot_), since the engine's slot records know only its own publications.
 // These waits are what keeps a fast rank off a slot a slow peer still reads, with the call
 // check on or off: the publication goes before the check (run_collective), so that a small
 // call meets its peers once, not twice.
@@ -614,10 +531,10 @@ HostComm::OneShotPublication HostComm::publish_one_shot(const RingCall& call, co
   const size_t published =
       call.collective == Collective::kAllGather ? message / static_cast<size_t>(world_) : message;
 
-  wait_all_consumed(last_publication_[slot]);
+  wait_all_consumed(one_shot_last_[bank]);
   std::memcpy(data(rank_) + static_cast<size_t>(slot) * slot_bytes_, input, published);
   flag_store_release(&header(rank_).published.value, v);
-  last_publication_[slot] = v;
+  one_shot_last_[bank] = v;
   step_base_ = v;
   unconfirmed_one_shot_ = v;
   return {slot, v, published};

@@ -52,8 +52,8 @@ struct SegmentHeader {
   uint64_t pid_namespace;  // liveness checks only make sense inside one pid namespace
   int32_t rank, world;
   Flag attached;
-  Flag published;
-  Flag consumed;
+  Flag published;  // the owner's latest publication (one numbering: plans and the one-shot)
+  Flag consumed;   // the one-shot path's: the owner has read every peer's publication up to v
   Flag barrier;
   Flag completed;
   Flag aborted;
@@ -78,7 +78,7 @@ struct SegmentHeader {
   } direct_post;
   Flag direct_read;
   // The plan engine (host_plan.cpp): consumed_from[k] = v, the owner has read rank k's
-  // publication v (flow control per connection; the ring's `consumed` is its left one).
+  // publication v (flow control per connection: the ring's plan reads only its left one).
   alignas(64) uint64_t consumed_from[kMaxPlanWorld];
   // Symmetric memory (host_symmetric.cpp). `arenas_mapped` = k: the owner has mapped every
   // peer's segment of arenas 0 .. k-1. allocation[n % 2]: the owner's collective allocation
@@ -299,25 +299,20 @@ class HostComm {
   const WaitPolicy& wait_policy() const { return policy_; }
   void set_timeout(double seconds) { policy_.timeout_seconds = seconds; }
 
-  // --- used by the ring context (HostRingContext, host_comm.cpp); not part of the Python surface ---
+  // --- used by the plan engine (host_plan.cpp); not part of the Python surface ---
   SegmentHeader& header(int r) const { return *reinterpret_cast<SegmentHeader*>(segments_[r].base()); }
   char* data(int r) const { return segments_[r].base() + kHeaderBytes; }
-  uint64_t& step_base() { return step_base_; }
-  uint64_t& last_publication(int slot) { return last_publication_[slot]; }
   // Wait until header(peer).<flag> >= target; throws (and breaks the communicator) on
   // timeout or when a peer is known to be gone. `event` names what the peer should do
-  // ("publish", ...); the message also gives the ring position set by set_position. A wait
+  // ("publish", ...); the message also gives the position (set_plan_position, ...). A wait
   // that fails before this call's check has passed looks for a mismatch first (unchecked_call_).
   void wait_for(int peer, const uint64_t* flag, uint64_t target, const char* event);
   void wait_for(int peer, Flag SegmentHeader::*flag, uint64_t target, const char* event) {
     wait_for(peer, &(header(peer).*flag).value, target, event);
   }
-  void set_position(int64_t slice, int64_t slices, int step, int steps) {
-    position_ = {slice, slices, step, steps, Path::kRing};
-  }
-  // The plan engine's position: op `op` of `ops` in slice `slice`.
-  void set_plan_position(int64_t slice, int64_t slices, int op, int ops) {
-    position_ = {slice, slices, op, ops, Path::kPlan};
+  // The plan engine's position: op `op` of `ops` in slice `slice` of a plan with this id.
+  void set_plan_position(int64_t slice, int64_t slices, int op, int ops, uint32_t algorithm) {
+    position_ = {slice, slices, op, ops, Path::kPlan, algorithm};
   }
   // The plan engine's read of a peer's input where it lies (Operand::kPeerInput): `bytes`
   // from `offset` of what rank `peer` posted for this call, into `into`. Waits for the post;
@@ -360,7 +355,8 @@ class HostComm {
   // it, or `plans_only`) and by the ring and one-shot paths: the slots' layout depends on
   // the algorithm, so no slot is refilled across a change of it while a peer still reads.
   void drain_plan_publications();
-  void drain_ring_publications();
+  void drain_one_shot_publication();
+  void run_plan_steps(const RingCall& call, const CompiledPlan& plan, const void* input, void* output);
   // The small-message algorithm: every rank publishes its input once, every rank combines
   // all P copies itself (host_comm.cpp says why it is safe to interleave with the ring).
   // Publishing writes only my own buffer, so it runs before the call check (run_collective).
@@ -401,6 +397,7 @@ class HostComm {
   bool check_calls_;
   std::array<std::pair<size_t, size_t>, kNumCollectives> auto_plan_spans_{};  // empty: [0, 0)
   std::deque<CompiledPlan> held_plans_;  // hold_plan's
+  std::vector<CompiledPlan> native_ring_;  // by collective code: the ring's plan, native's path (run_ring_call)
   std::vector<SegmentMapping> segments_;
   std::vector<std::string> names_;  // the segments' names, long unlinked: arenas' names derive from them
   std::shared_ptr<SymmetricHeap> heap_ = std::make_shared<SymmetricHeap>();
@@ -411,10 +408,11 @@ class HostComm {
   uint64_t step_base_ = 0;          // number of my latest publication (all ranks agree)
   uint64_t barrier_generation_ = 0;
   uint64_t calls_ = 0;              // collectives issued on this communicator
-  std::vector<uint64_t> last_publication_;  // per slot: the publication that last filled it
   uint64_t one_shot_calls_ = 0;    // one-shot calls so far: their slot alternates between the banks
+  std::array<uint64_t, kBanks> one_shot_last_{};  // per bank: the one-shot publication that last filled its slot
   // The latest one-shot publication not yet known to be read by every peer (0: none). The
-  // ring's slot reuse waits only for the right neighbour, so a ring call waits for it first.
+  // plan engine's slot reuse waits only for its own publications' readers, so a plan call
+  // (the ring's included) waits for it first.
   uint64_t unconfirmed_one_shot_ = 0;
   std::vector<uint64_t> plan_unread_;  // per peer: my latest plan publication it reads (0: none left)
   PlanScratch plan_scratch_;           // the plan engine's work space and slot records
@@ -433,15 +431,16 @@ class HostComm {
   // check_call): a peer that found a mismatch aborts at once, and a wait of this rank that
   // gives up meanwhile raises the mismatch, not a PeerError quoting the peer's abort.
   const CallDescriptor* unchecked_call_ = nullptr;
-  // Where this rank is in the current call, for error messages: which path, and on the
-  // ring or a plan which slice and step (steps = 0: before any data moved).
-  enum class Path { kRing, kPlan, kOneShot, kDirect, kZeroCopy };
+  // Where this rank is in the current call, for error messages: which path, and on a plan
+  // which slice and op (kNone: before any data moved).
+  enum class Path { kNone, kPlan, kOneShot, kDirect, kZeroCopy };
   struct Position {
     int64_t slice, slices;
     int step, steps;
     Path path;
+    uint32_t algorithm;  // kPlan: the plan's id (collectives.h's code, or a user plan's)
   } position_{};
-  void set_single_step(Path path) { position_ = {0, 1, 0, 1, path}; }
+  void set_single_step(Path path) { position_ = {0, 1, 0, 1, path, 0}; }
   std::string broken_reason_;
   bool closed_ = false;
   // One call at a time on the ring, whichever thread makes it: Python orders a rank's calls

@@ -73,7 +73,7 @@ class PlanRun {
     int published = 0;  // this rank's publications so far in this slice
     for (size_t i = 0; i < ops.size(); ++i) {
       const PlanOp& op = ops[i];
-      comm_.set_plan_position(j, slices_, static_cast<int>(i), static_cast<int>(ops.size()));
+      comm_.set_plan_position(j, slices_, static_cast<int>(i), static_cast<int>(ops.size()), plan_.id);
       const bool receives = op.a == Operand::kPeer || op.b == Operand::kPeer;
       const uint64_t reads = receives ? number(op.from, j, plan_.publication_read[me_][i]) : 0;
       if (receives) comm_.wait_for(op.from, &comm_.header(op.from).published.value, reads, "publish data");

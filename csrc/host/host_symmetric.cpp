@@ -255,7 +255,7 @@ bool HostComm::run_zero_copy(const RingCall& call, const SymmetricArgs& mine, co
   if (call.collective == Collective::kAllReduce && !every_output && some_in_place) return false;
   ++zero_copy_calls_;
   // Large outputs are written around the cache (host_strip.h), but not where the output is
-  // the input: the fold has just read those lines (as the ring's HostRingContext does).
+  // the input: the fold has just read those lines (as streams_output decides for the plans).
   const bool stream = message >= streaming_threshold_bytes();
   const bool stream_fold = stream && !(mine.output && mine.output->arena == mine.input->arena &&
                                        mine.output->offset >= mine.input->offset &&

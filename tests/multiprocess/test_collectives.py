@@ -894,8 +894,8 @@ def _streamed_rank(rank, world):
     """With RINGCOLL_STREAMING_BYTES=1 every ring output takes the streaming-store paths of
     host_strip.h (staged in the slot, or in a scratch block where there is no slot), except
     where the output is the input or a chunk of it (all-reduce and reduce-scatter in place):
-    those take ordinary stores (HostRingContext); the direct-read all-gather's own chunk too,
-    and the plan engine's outputs (the ring's and rhd's plans, the direct plan's all-gather).
+    those take ordinary stores (streams_output); the direct-read all-gather's own chunk too,
+    and every output of the plan engine (native's ring, rhd, the direct plan's all-gather).
     Every form, against gloo, through a 4 KiB buffer so the message is sliced, at sizes that
     leave part of a 4 KiB block."""
     from ringcoll import _C

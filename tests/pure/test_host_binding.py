@@ -43,3 +43,18 @@ def test_a_wait_reports_a_publication_made_just_before_the_peer_aborted():
     peer's last announcement (say, of a mismatched call) would be lost to a race and the
     waiter would report the abort instead of what the peer said."""
     assert _C.wait_for_a_publication_before_an_abort() == "ready"
+
+
+def test_more_ranks_than_a_plan_addresses_is_refused_before_any_segment_exists():
+    """The CPU transport runs every collective on the plan engine (the ring too), whose
+    publications name their readers by the bits of one word: a communicator of more ranks is
+    refused when it is made, naming the limit, and leaves nothing in /dev/shm."""
+    import os
+
+    world = _C.max_plan_world + 1
+    names = [_C.random_segment_name() for _ in range(world)]
+    with pytest.raises(ValueError, match=f"at most {_C.max_plan_world} ranks on one host, not {world}"):
+        _C.HostComm(0, world, names, 64 * 1024 * world, 5.0)
+    assert not any(os.path.exists("/dev/shm" + name) for name in names)
+    c = _C.HostComm(0, 1, [names[0]], 64 * 1024, 5.0)  # the limit is the world's, not the machine's
+    c.close()

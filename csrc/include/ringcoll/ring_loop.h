@@ -1,7 +1,10 @@
-// ring_loop.h: the step loop of every ring collective, written once.
+// ring_loop.h: the ring kernels' step loop (CUDA, and the emulator that runs them on the
+// CPU), and the slicing every engine shares (slice_length, num_slices).
 //
-// The host driver (csrc/host/) and the CUDA kernels (csrc/cuda/) run this same template;
-// they differ only in the execution context `Ctx`, which supplies
+// The CPU transport runs the ring as a plan (plan.h's ring_plan, host_plan.cpp's engine):
+// the same chunks in the same order, so the same bits. On a GPU the ring kernels keep this
+// loop, specialised for the two neighbours (device_ring.h), beside the plan kernels
+// (device_plan.h). A context `Ctx` supplies
 //
 //   slot pointers    ctx.my_slot(bank, c) / ctx.left_slot(bank, c): where chunk c of the
 //                    current slice sits in my registered buffer / my left neighbour's
