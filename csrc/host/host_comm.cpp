@@ -346,7 +346,10 @@ void HostComm::run_ring_call(const char* op, const RingCall& call, const void* i
   const SymmetricArgs symmetric = one_shot ? SymmetricArgs{} : symmetric_args(call, input, output);
   OneShotPublication mine{};
   auto publish_early = [&] {
-    drain_plan_publications();  // a plan call's slots lie elsewhere
+    // Before the one-shot's slot is refilled, every plan publication (the ring's too) read:
+    // a plan's slots lie elsewhere. The ring drains after the check (run_plan_steps), so that
+    // a rank announces its call without first waiting for its readers.
+    if (one_shot) drain_plan_publications();
     if (one_shot) mine = publish_one_shot(call, input);
     if (direct) post_direct_input(input, static_cast<size_t>(call.ring_count / world_));
     if (symmetric.posted) post_symmetric(call, symmetric);

@@ -608,3 +608,22 @@ def test_time_budget_cuts_the_sweep_short_and_still_prints(capsys):
     measured = [line for line in printed.splitlines() if line.strip()[:1].isdigit()]
     assert len(measured) == 1 and measured[0].split()[0] == "4096", measured  # the first size, and no other
     assert "Out of bounds values : 0 OK" in printed
+
+
+def test_ab_builds_script_checks_and_times_both_builds(tmp_path):
+    """bench/ab_builds.py, which measured the ring's plan against the hand-written ring it
+    replaced: both groups run (here one build under two names), every result checked, and a
+    group that imports ringcoll from the wrong place is refused."""
+    import subprocess
+    import sys
+
+    (tmp_path / "ringcoll").symlink_to(os.path.join(ROOT, "ringcoll"))
+    command = [sys.executable, os.path.join(ROOT, "bench", "ab_builds.py"), "--old", str(tmp_path), "--ring",
+               "-b", "4K", "-e", "16K", "--rounds", "2", "--calls", "3", "--min-calls", "1", "--warmup", "1"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+    assert done.returncode == 0, done.stderr
+    rows = [line.split() for line in done.stdout.splitlines() if line.split()[:1] in (["all_reduce"], ["all_gather"])]
+    assert [(r[0], r[1]) for r in rows] == [(c, s) for c in ("all_reduce", "all_gather") for s in ("4096", "16384")]
+    wrong = subprocess.run(command[:3] + [ROOT] + command[4:], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "PYTHONPATH": ROOT})
+    assert wrong.returncode != 0 and "the new group imported ringcoll from" in wrong.stderr, wrong.stderr
