@@ -19,8 +19,8 @@
 
 #include "host_strip.h"
 #include "peer_memory.h"
-#include "ringcoll/ring_loop.h"  // the slots' layout (slot_index), shared with the plan engine
 #include "ringcoll/check.h"
+#include "ringcoll/ring_loop.h"  // the slots' layout (slot_index), shared with the plan engine
 
 namespace ringcoll::host {
 
@@ -346,11 +346,13 @@ void HostComm::run_ring_call(const char* op, const RingCall& call, const void* i
   const SymmetricArgs symmetric = one_shot ? SymmetricArgs{} : symmetric_args(call, input, output);
   OneShotPublication mine{};
   auto publish_early = [&] {
-    // Before the one-shot's slot is refilled, every plan publication (the ring's too) read:
-    // a plan's slots lie elsewhere. The ring drains after the check (run_plan_steps), so that
-    // a rank announces its call without first waiting for its readers.
-    if (one_shot) drain_plan_publications();
-    if (one_shot) mine = publish_one_shot(call, input);
+    if (one_shot) {
+      // Before the one-shot's slot is refilled, every plan publication (the ring's too) read:
+      // a plan's slots lie elsewhere. The ring drains after the check (run_plan_steps), so
+      // that a rank announces its call without first waiting for its readers.
+      drain_plan_publications();
+      mine = publish_one_shot(call, input);
+    }
     if (direct) post_direct_input(input, static_cast<size_t>(call.ring_count / world_));
     if (symmetric.posted) post_symmetric(call, symmetric);
   };

@@ -1,22 +1,24 @@
-// host_plan.cpp: the plan engine on the CPU transport. It runs any plan (plan.h) over the
-// ranks' shared-memory segments: the same slots the ring uses, addressed by any peer.
+// host_plan.cpp: the plan engine on the CPU transport, its one step loop. It runs any plan
+// (plan.h) over the ranks' shared-memory segments, addressed by any peer: the ring's plan
+// (native's ring), every other built-in algorithm and a user's.
 //
-// Flags (docs/flags.md). Publications share the ring's numbering: every rank starts a plan
-// call at the same base (the ring keeps all ranks' numbering equal), and rank k's m-th
-// publication of slice j is base + j * pubs(k) + m, where pubs(k) is how many publications
-// rank k makes per slice (compile_plan counts them for every rank, so every rank can
-// number any peer's). A reader waits until the sender's `published` reaches that number,
-// reads, and stores it in its own `consumed_from[sender]`: flow control per connection,
-// not one counter for the left neighbour. At the end of the call every rank moves its
-// `published` to base + slices * max_k pubs(k), the same on every rank, so the ring's
-// numbering stays equal.
+// Flags (docs/flags.md). Publications share the communicator's one numbering: every rank
+// starts a plan call at the same base (each call ends with it equal on all ranks, and a
+// one-shot call adds one on every rank), and rank k's m-th publication of slice j is
+// base + j * pubs(k) + m, where pubs(k) is how many publications rank k makes per slice
+// (compile_plan counts them for every rank, so every rank can number any peer's). A reader
+// waits until the sender's `published` reaches that number, reads, and stores it in its
+// own `consumed_from[sender]`: flow control per connection, not one counter for the left
+// neighbour. At the end of the call every rank moves its `published` to
+// base + slices * max_k pubs(k), the same on every rank, so the numbering stays equal.
 //
 // Slots. A publication of chunks [f, f + n) in the slice's bank fills slots f .. f+n-1 of
 // the sender's buffer, each 1/(kBanks C) of it (slot_bytes_for with C chunks). Before a
 // rank overwrites a slot, every reader of the publication that last filled it must have
-// consumed it. Between calls: before a plan call, and before any other call after one,
-// every rank waits until all it published has been read (drain_plan_publications): the
-// slots' layout depends on the algorithm, so nothing carries from one to the next.
+// consumed it. Between calls: before every plan call (the ring's included) and before a
+// one-shot call, every rank waits until all it published has been read
+// (drain_plan_publications): the slots' layout depends on the algorithm, so nothing
+// carries from one call to the next (carrying it was tried: algorithms.md).
 #include <algorithm>
 #include <cstring>
 
