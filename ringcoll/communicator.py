@@ -549,13 +549,14 @@ class Communicator(ArgumentChecks):
         self._tuning_digest = (table.digest if table is not None
                                else f"unreadable ({self._tuning_error})" if self._tuning_error else None)
         self._tuning_table = table
-        self._builtin_plans = {}  # (collective, algorithm, root) -> compiled plan: _plan's
+        self._known_plans = {}  # (collective, algorithm, root) -> compiled plan: _plan's
         self._rooted_choices = {}  # (collective, auto or native, root, bytes) -> compiled plan: _plain_plan's
         # What a plain call of the ring's three collectives passes the binding, per algorithm
-        # name: PLAIN_ALGORITHMS, and each built-in plan once _plan has built it (the index
-        # the transport holds it under). One dict read per call (a 4 KiB call is ~1.5 us; a
-        # method call here would cost 0.15 more).
+        # name: PLAIN_ALGORITHMS, and each plan once _plan has built it, a user's as a
+        # built-in one (the index the transport holds it under). One dict read per call (a
+        # 4 KiB call is ~1.5 us; a method call here would cost 0.15 more).
         self._plain_choices = {c: dict(PLAIN_ALGORITHMS) for c in ("all_reduce", "reduce_scatter", "all_gather")}
+        plans.hold_compiled_plans(self)  # a user's plan registered again replaces what is kept here
 
     def _set_auto_bands(self) -> None:
         """Once the transport exists: per collective, auto's bands from the table, leaving out
@@ -615,7 +616,7 @@ class Communicator(ArgumentChecks):
                 native_rooted = True
         elif algorithm == tuning.NATIVE:
             return None  # the transport's own path (on CUDA: the ring kernels)
-        found = self._builtin_plans.get((collective, algorithm, root))  # a built-in plan looked up before
+        found = self._known_plans.get((collective, algorithm, root))  # a plan looked up before
         if found is not None:
             return found
         try:
@@ -632,20 +633,28 @@ class Communicator(ArgumentChecks):
                              f"need buffer_bytes >= {needed} (two banks of one {self._plan_chunk_bytes // 2}-byte "
                              f"slot per chunk); this communicator's is {self.buffer_bytes}: raise it or choose "
                              "another algorithm")
-        if algorithm in plans.BUILTIN:  # a built-in plan never changes: later calls find it at once
-            self._builtin_plans[collective, algorithm, root] = compiled
-            hold = getattr(self._transport, "hold_plan", None)  # the plain calls name it by index
-            if hold is not None and collective in self._plain_choices:
-                self._plain_choices[collective][algorithm] = hold(compiled)
+        # Later calls find it at once, a user's plan as a built-in one, so that the two are
+        # timed alike (_forget_plan drops a user's when its name is registered again)
+        self._known_plans[collective, algorithm, root] = compiled
+        hold = getattr(self._transport, "hold_plan", None)  # the plain calls name it by index
+        if hold is not None and collective in self._plain_choices:
+            self._plain_choices[collective][algorithm] = hold(compiled)
         return compiled
 
+    def _forget_plan(self, algorithm: str, collective: str) -> None:
+        """``algorithm`` is registered again (plans.register_algorithm): drop what was kept of
+        the plan it replaces (the transport keeps holding that one, unused)."""
+        for key in [k for k in self._known_plans if k[:2] == (collective, algorithm)]:
+            del self._known_plans[key]
+        self._plain_choices.get(collective, {}).pop(algorithm, None)
+
     def _plain_plan(self, name: str, collective: str, algorithm: str, tensor, root: int = 0):
-        """_plan for a plain call: a built-in plan the call names is found without the
+        """_plan for a plain call: a plan the call names, once built, is found without the
         message's size (getattr(tensor, "nbytes") alone costs 0.2 us, _plan 0.5: a third of a
         4 KiB call). A broadcast's or reduce's auto and native choose by the size, which
         nothing else changes for them: their choice is kept per size (a training loop
         repeats a few), up to ROOTED_CHOICES of them."""
-        found = self._builtin_plans.get((collective, algorithm, root))
+        found = self._known_plans.get((collective, algorithm, root))
         if found is not None:
             return found
         nbytes = getattr(tensor, "nbytes", 0)

@@ -38,6 +38,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterable, NamedTuple, Optional, Sequence
 
@@ -169,6 +170,19 @@ def register_algorithm(name: str, plan_fn: Callable[[int, int], Sequence[PlanOp]
         _registry[name, collective] = plan_fn
         for key in [k for k in _compiled if k[:2] == (name, collective)]:
             del _compiled[key]  # built again from the new function
+        for holder in list(_holders):  # and no communicator runs the one it replaces
+            holder._forget_plan(name, collective)
+
+
+# Communicators that keep the plans they have compiled (Communicator._known_plans), so that a
+# call naming one finds it at once: told whenever a name is registered again.
+_holders: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def hold_compiled_plans(holder) -> None:
+    """Call ``holder._forget_plan(name, collective)`` whenever ``name`` is registered again."""
+    with _lock:
+        _holders.add(holder)
 
 
 def load_plans(path: str) -> dict:
