@@ -11,6 +11,9 @@ others, so that a busy moment of a shared machine hits all of them; a case's num
 fastest block's mean per call (short blocks: on a loaded machine most long ones get
 descheduled), with the median beside it. At P=2 a barrier starts each block on both ranks and
 rank 0 prints. "_C run" is HostComm.run on the same tensor: the floor the Python layers sit on.
+"ring ops as a user plan" is the built-in ring's ops registered as a researcher's plan, timed
+beside the built-in "ring plan": what a plan pays for not being built in (nothing, since
+2026-12-06; 0.4-1.5 us before).
 Under mpirun the cases also hold mpi4py's Allreduce, Reduce_scatter_block and Allgather on
 numpy views of the same tensors, out of place and in place (MPI_IN_PLACE), timed in turn with
 ringcoll's in the same processes. COUNT (environment, default 1024) is each rank's input in
@@ -34,8 +37,17 @@ CALLS = int(os.environ.get("CALLS", "1000"))
 REPS = int(os.environ.get("REPS", "40"))
 
 
+def _ring_as_a_users_plan(world: int, rank: int) -> list:
+    """The built-in ring's own ops, registered as a user's plan: timed beside the built-in, a
+    difference is what a researcher's plan pays for not being built in."""
+    from ringcoll import plans
+
+    return [plans.PlanOp(*o) for o in plans.plan("ring", "all_reduce", world).ops[rank]]
+
+
 def cases(comm, group) -> dict:
     world = comm.world_size
+    ringcoll.register_algorithm("ring (user)", _ring_as_a_users_plan)
     t, out = torch.ones(COUNT), torch.empty(COUNT)
     whole, shard = torch.ones(COUNT * world), torch.empty(COUNT)
     piece, gathered = torch.ones(COUNT), torch.empty(COUNT * world)
@@ -47,6 +59,7 @@ def cases(comm, group) -> dict:
         "all_reduce out of place": lambda: comm.all_reduce(t, output=out),
         "all_reduce out of place, native": lambda: comm.all_reduce(t, output=out, algorithm="native"),
         "all_reduce out of place, ring plan": lambda: comm.all_reduce(t, output=out, algorithm="ring"),
+        "all_reduce, ring ops as a user plan": lambda: comm.all_reduce(t, output=out, algorithm="ring (user)"),
         "all_gather_into_tensor": lambda: comm.all_gather_into_tensor(gathered, piece),
         "all_gather_into_tensor in place": lambda: comm.all_gather_into_tensor(gathered, own),
         "all_gather_into_tensor, native": lambda: comm.all_gather_into_tensor(gathered, piece, algorithm="native"),

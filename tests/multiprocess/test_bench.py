@@ -462,7 +462,7 @@ def test_small_call_script_times_every_case():
                           text=True, timeout=120, env={**os.environ, "PYTHONPATH": root, "REPS": "1", "CALLS": "3"})
     assert done.returncode == 0, done.stderr
     for case in ("all_reduce in place", "reduce_scatter_tensor", "all_gather_into_tensor", "prepared all_reduce",
-                 "_C run (floor)"):
+                 "_C run (floor)", "ring ops as a user plan"):
         assert case in done.stdout, done.stdout
 
 
