@@ -7,8 +7,9 @@
 //   [ data area: kBanks x P slots of slot_bytes each (call.h)            ]
 //
 // Rank k writes its own data area and, but for `peer_gave_up`, only its own header; it
-// reads its left neighbour's data area (the ring) or every peer's (the one-shot path for
-// small messages, run_one_shot). docs/flags.md says who writes and reads each flag.
+// reads the data areas of the peers a plan names (the ring's: its left neighbour's) or every
+// peer's (the one-shot path for small messages, publish_one_shot / finish_one_shot).
+// docs/flags.md says who writes and reads each flag.
 // Symmetric memory (symmetric_heap.h) lies in further segments, one per rank and arena.
 #pragma once
 
@@ -137,7 +138,7 @@ inline size_t one_shot_limit(Collective coll, int elem_size, size_t small_bytes)
   return coll == Collective::kAllReduce && elem_size == 2 ? small_bytes / kSixteenBitOneShotShare : small_bytes;
 }
 
-// Whether a call may take the one-shot path (host_comm.cpp, run_one_shot) rather than the
+// Whether a call may take the one-shot path (host_comm.cpp, publish_one_shot) rather than the
 // ring; an all-gather that reads its peers directly (direct_read_fits) does that instead:
 // there are peers, the message (ring_count x elem_size bytes, nccl-tests' size) is not empty
 // and at most one_shot_limit (`small_bytes`, less for 16-bit all-reduce), and what each rank
@@ -201,7 +202,7 @@ class HostComm {
   //
   // `small_bytes`: messages of at most this many bytes (and whose published part fits one
   // slot) take the one-shot path instead of the ring; 0 never. Ranks must agree (Python
-  // checks). See run_one_shot.
+  // checks). See publish_one_shot.
   //
   // `direct_bytes`: all-gathers of at least this many bytes, and below `direct_max_bytes`,
   // read every peer's input straight into the output (peer_memory.h) where every rank can

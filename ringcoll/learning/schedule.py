@@ -75,8 +75,8 @@ The one-shot path (small messages, CPU transport)
 =================================================
 
 Below a crossover (``RINGCOLL_SMALL_BYTES``) the shared-memory transport does not run the
-ring at all (``run_one_shot`` in ``csrc/host/host_comm.cpp``; :func:`one_shot_fits` mirrors
-its test). In one step every rank copies its input into one slot of its own buffer and
+ring at all (``publish_one_shot`` / ``finish_one_shot`` in ``csrc/host/host_comm.cpp``;
+:func:`one_shot_fits` mirrors its test). In one step every rank copies its input into one slot of its own buffer and
 publishes it; then every rank reads the slots of all P ranks and combines them itself,
 each chunk c in the order the ring reduces it (:func:`rs_contributor`), so it computes the
 ring's bits::
@@ -409,7 +409,7 @@ def simulate(
 
 
 # ---------------------------------------------------------------------------------------
-# The one-shot path (csrc/host/host_comm.h: one_shot_fits; host_comm.cpp: run_one_shot)
+# The one-shot path (csrc/host/host_comm.h: one_shot_fits; host_comm.cpp: publish_one_shot, finish_one_shot)
 
 
 #: The one-shot all-reduce of a 16-bit float (the only 2-byte dtypes) stops at small_bytes
