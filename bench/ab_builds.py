@@ -24,12 +24,12 @@ import time
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 
 
-def _calls(comm, torch, world, rank, sizes, dtype):
+def _calls(comm, torch, world, rank, counts, dtype):
     """Per (collective, bytes): a call, and a check of its result (inputs rank + 1, op SUM)."""
     total = world * (world + 1) // 2
     calls = {}
-    for size in sizes:
-        n = size // dtype.itemsize // world * world  # the message: P equal chunks
+    for n in counts:  # the message in elements: P equal chunks
+        size = n * dtype.itemsize
         t, out = torch.full((n,), rank + 1, dtype=dtype), torch.empty(n, dtype=dtype)
         whole, shard = torch.full((n,), rank + 1, dtype=dtype), torch.empty(n // world, dtype=dtype)
         piece, gathered = torch.full((n // world,), rank + 1, dtype=dtype), torch.empty(n, dtype=dtype)
@@ -58,7 +58,7 @@ def rank_main(build, old_path, rank, args, port, my_turn, their_turn, results):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.nproc)
     settings = {"small_bytes": 0, "direct_bytes": 0} if args.ring else {}
     comm = ringcoll.Communicator(**settings)
-    calls = _calls(comm, torch, args.nproc, rank, args.sizes, getattr(torch, args.dtype))
+    calls = _calls(comm, torch, args.nproc, rank, args.counts, getattr(torch, args.dtype))
     for (coll, size), (call, correct) in calls.items():
         call()
         if not correct():
@@ -89,7 +89,10 @@ def main(argv=None) -> int:
     import multiprocessing as mp
     import queue
 
+    import torch
+
     from ringcoll.communicator import parse_bytes
+    from ringcoll.harness.bench import Config, message_counts
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--old", required=True, help="a directory whose ringcoll/ (with its built _C) is the old build")
@@ -102,12 +105,13 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=200, help="calls per block up to 64 KiB (fewer above, in proportion)")
     p.add_argument("--min-calls", type=int, default=20)
     p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--ring", action="store_true", help="native is the ring at every size (no one-shot, no direct reads)")
+    p.add_argument("--ring", action="store_true",
+                   help="native is the ring at every size (no one-shot, no direct reads)")
     args = p.parse_args(argv)
-    args.sizes, size = [], parse_bytes(args.minbytes)
-    while size <= parse_bytes(args.maxbytes):
-        args.sizes.append(size)
-        size *= args.factor
+    args.counts = message_counts(Config(min_bytes=parse_bytes(args.minbytes), max_bytes=parse_bytes(args.maxbytes),
+                                        factor=args.factor, dtype=args.dtype), args.nproc)
+    itemsize = torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
+    sizes = [n * itemsize for n in args.counts]
     if not os.path.isdir(os.path.join(args.old, "ringcoll")):
         p.error(f"--old {args.old}: no ringcoll package there")
 
@@ -138,7 +142,7 @@ def main(argv=None) -> int:
     print(f"{'collective':15s} {'bytes':>9s} | {'old min':>9s} {'new min':>9s} {'ratio':>6s} | "
           f"{'old med':>9s} {'new med':>9s} {'ratio':>6s}")
     for coll in COLLECTIVES:
-        for size in args.sizes:
+        for size in sizes:
             old, new = got["old"][(coll, size)], got["new"][(coll, size)]
             print(f"{coll:15s} {size:9d} | {min(old):9.2f} {min(new):9.2f} {min(new) / min(old):6.3f} | "
                   f"{statistics.median(old):9.2f} {statistics.median(new):9.2f} "

@@ -42,7 +42,7 @@ def _ring_as_a_users_plan(world: int, rank: int) -> list:
     difference is what a researcher's plan pays for not being built in."""
     from ringcoll import plans
 
-    return [plans.PlanOp(*o) for o in plans.plan("ring", "all_reduce", world).ops[rank]]
+    return list(plans.plan("ring", "all_reduce", world).ops[rank])
 
 
 def cases(comm, group) -> dict:

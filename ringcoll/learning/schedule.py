@@ -76,10 +76,10 @@ The one-shot path (small messages, CPU transport)
 
 Below a crossover (``RINGCOLL_SMALL_BYTES``) the shared-memory transport does not run the
 ring at all (``publish_one_shot`` / ``finish_one_shot`` in ``csrc/host/host_comm.cpp``;
-:func:`one_shot_fits` mirrors its test). In one step every rank copies its input into one slot of its own buffer and
-publishes it; then every rank reads the slots of all P ranks and combines them itself,
-each chunk c in the order the ring reduces it (:func:`rs_contributor`), so it computes the
-ring's bits::
+:func:`one_shot_fits` mirrors its test). In one step every rank copies its input into one
+slot of its own buffer and publishes it; then every rank reads the slots of all P ranks and
+combines them itself, each chunk c in the order the ring reduces it
+(:func:`rs_contributor`), so it computes the ring's bits::
 
     all-reduce      chunk c of out = ((slot_{c+1} op slot_{c+2}) op ...) op slot_c   (mod P)
     reduce-scatter  the same, on chunk k of every slot only

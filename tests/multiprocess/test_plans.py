@@ -211,7 +211,7 @@ def test_disagreements_and_wrong_plans_fail_on_every_rank_before_anything_moves(
 
 def _registered_again(rank, world):
     def copy_of(builtin):  # a built-in plan's own ops, as a user's plan
-        return lambda world_size, r: [plans.PlanOp(*o) for o in plans.plan(builtin, "all_reduce", world_size).ops[r]]
+        return lambda world_size, r: list(plans.plan(builtin, "all_reduce", world_size).ops[r])
 
     x = torch.randn(3000, generator=torch.Generator().manual_seed(7 + rank))
     with ringcoll.Communicator(timeout=M.COMM_TIMEOUT) as comm:
