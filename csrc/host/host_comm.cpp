@@ -1,6 +1,6 @@
 // host_comm.cpp: the CPU transport. Bootstrap of the shared-memory segments, waits and
-// failure, and the collectives' paths: the ring (a plan, run by host_plan.cpp's engine), the
-// one-shot path for small messages, the direct-read all-gather.
+// failure, and the collectives' paths: the ring and the direct-read all-gather (plans, run
+// by host_plan.cpp's engine), the one-shot path for small messages.
 #include "host_comm.h"
 
 #include <signal.h>
@@ -116,6 +116,8 @@ HostComm::HostComm(int rank, int world, const std::vector<std::string>& names, s
   for (Collective coll : {Collective::kAllReduce, Collective::kReduceScatter, Collective::kAllGather})
     native_ring_[static_cast<size_t>(coll)] =
         compile_plan(ring_plan(coll, world), "ring", world, static_cast<uint32_t>(Algorithm::kRing));
+  native_direct_ = compile_plan(direct_plan(Collective::kAllGather, world), "direct", world,
+                                static_cast<uint32_t>(Algorithm::kDirect));
   slot_stores_ = slot_stores_from_env();
   stream_slots_ = slot_stores_ == SlotStores::kStream;
   if (const char* env = std::getenv("RINGCOLL_SLOW_HOP_NS")) slow_hop_ns_ = std::strtoull(env, nullptr, 10);
@@ -279,24 +281,27 @@ void HostComm::wait_for(int peer, const uint64_t* address, uint64_t target, cons
   if (result == WaitResult::kTimedOut) msg << "timed out after " << policy_.timeout_seconds << " s";
   else msg << "gave up";
   const char* side = peer == left_neighbour(rank_, world_) ? "left neighbour " : (peer == right_neighbour(rank_, world_) ? "right neighbour " : "");
-  msg << " waiting for " << side << "rank " << peer << " to " << event;
-  if (position_.path == Path::kPlan) {
-    const char* name = algorithm_name(static_cast<int>(position_.algorithm));
-    msg << " (call " << calls_ << ", slice " << position_.slice + 1 << "/" << position_.slices << ", plan op "
-        << position_.step + 1 << "/" << position_.steps << " of " << (name != nullptr ? name : "a user plan") << ")";
-  } else if (position_.path == Path::kOneShot) {
-    msg << " (call " << calls_ << ", one-shot step 1/1)";
-  } else if (position_.path == Path::kDirect) {
-    msg << " (call " << calls_ << ", direct read)";
-  } else if (position_.path == Path::kZeroCopy) {
-    msg << " (call " << calls_ << ", reading symmetric memory in place)";
-  } else if (calls_ > 0) {
-    msg << " (call " << calls_ << ", before any data moved)";
-  }
+  msg << " waiting for " << side << "rank " << peer << " to " << event << where_in_call();
   msg << "; flag is " << flag_load_relaxed(address) << ", expected >= " << target;
   if (!why.empty()) msg << "; " << why;
   if (result == WaitResult::kTimedOut) fail<TimeoutError>(current_op_, msg.str());
   fail<PeerError>(current_op_, msg.str());
+}
+
+std::string HostComm::where_in_call() const {
+  std::ostringstream at;
+  if (position_.path == Path::kPlan) {
+    const char* name = algorithm_name(static_cast<int>(position_.algorithm));
+    at << " (call " << calls_ << ", slice " << position_.slice + 1 << "/" << position_.slices << ", plan op "
+       << position_.step + 1 << "/" << position_.steps << " of " << (name != nullptr ? name : "a user plan") << ")";
+  } else if (position_.path == Path::kOneShot) {
+    at << " (call " << calls_ << ", one-shot step 1/1)";
+  } else if (position_.path == Path::kZeroCopy) {
+    at << " (call " << calls_ << ", reading symmetric memory in place)";
+  } else if (calls_ > 0) {
+    at << " (call " << calls_ << ", before any data moved)";
+  }
+  return at.str();
 }
 
 void HostComm::check_call(const char* op, const CallDescriptor& call) {
@@ -361,8 +366,9 @@ void HostComm::run_ring_call(const char* op, const RingCall& call, const void* i
     run_call(call, world_, input, output, copy, [&] {
       if (one_shot) return finish_one_shot(call, mine, input, output);
       if (symmetric.posted && run_zero_copy(call, symmetric, input, output)) return;
-      if (direct) return run_direct_all_gather(call, input, output);
-      run_plan_steps(call, native_ring_.at(static_cast<size_t>(call.collective)), input, output);
+      if (direct) ++direct_calls_;
+      run_plan_steps(call, direct ? native_direct_ : native_ring_.at(static_cast<size_t>(call.collective)), input,
+                     output);
     });
   });
 }
@@ -390,9 +396,13 @@ void HostComm::drain_one_shot_publication() {
 
 // Slices of one call by `plan`, once its call check has passed (run_call's body).
 void HostComm::run_plan_steps(const RingCall& call, const CompiledPlan& plan, const void* input, void* output) {
-  drain_plan_publications();
-  drain_one_shot_publication();
-  choose_slot_stores(call);
+  // A plan that fills no slot (direct reads only) has nothing to wait for before it, nor
+  // any stores to choose: a slot call after it drains what came before.
+  if (fills_slots(plan)) {
+    drain_plan_publications();
+    drain_one_shot_publication();
+    choose_slot_stores(call);
+  }
   step_base_ += run_host_plan(*this, plan, call, input, output, step_base_, plan_unread_, plan_scratch_);
   // Every rank to the same number, so the numbering stays equal on all ranks.
   flag_store_release(&header(rank_).published.value, step_base_);
@@ -603,22 +613,30 @@ void HostComm::finish_one_shot(const RingCall& call, const OneShotPublication& m
 //
 // Through the slots (the ring or the one-shot path), every byte of an all-gather is copied
 // twice on its way: by its owner into a slot, and by each reader out of it (1.5 times per
-// byte of output at P = 2, out of place). Where the kernel lets ranks read each other's memory (peer_memory.h, probed
-// at bootstrap), rank k instead
+// byte of output at P = 2, out of place). Where the kernel lets ranks read each other's
+// memory (peer_memory.h, probed at bootstrap), native runs the direct plan instead (plan.h's
+// direct_plan, on the plan engine like the ring; native_direct_): rank k
 //
 //   1. posts where its input lies (address, bytes, call number) in its header;
 //   2. for j = k+1, k+2, .. (mod P): waits for rank j's post of this call and reads rank
 //      j's input straight into chunk j of its output: one copy, in the kernel;
-//   3. says it has read every peer (`direct_read` = the call number), copies its own chunk
-//      into chunk k of its output (nothing in place) while peers may still read its input,
-//      and waits until every peer has said so: only then may the caller reuse its input.
+//   3. says it has read every peer (`direct_read` = the call number: say_peer_inputs_read,
+//      after its last read), copies its own chunk into chunk k of its output (nothing in
+//      place) while peers may still read its input, and waits until every peer has said so
+//      (finish_direct_reads): only then may the caller reuse its input.
 //
 // Each rank reads (P-1)/P of the message once, against the ring's P-1 steps that each
 // write and read a slot. Readers start at different peers, so no input is read by all at
 // once. The post goes before the call check (like the one-shot publication it writes
 // only my own header), and peers read only after their own check passed: a mismatch
-// still moves nothing. Without the check, `bytes` is compared instead, so no rank reads
-// past a peer's input. No slot is touched, so the ring's numbering is untouched too.
+// still moves nothing. Without the check, the posted sizes are compared instead, so no
+// rank reads past a peer's input. No slot is touched, so the slots' numbering is untouched
+// too. The reads go straight into the output: staging them in a bounce buffer that stays
+// in cache, so that the output could take streaming stores, costs a second copy and more
+// than it saves (P = 2, 8 and 16 MiB, two runs: 1048-1116 and 2191-2247 us staged, 908-1021
+// and 1621-1896 straight; bench/results/2026-12-01-cpu-in-place.txt). The own chunk, copied
+// last, streams past the streaming threshold (streams_output), as the ring's output does:
+// by then the reads have pushed the output's lines out of cache.
 
 bool HostComm::uses_direct_read(const RingCall& call) const {
   if (!direct_read_fits(call.collective, call.ring_count, call.elem_size, direct_reads_, direct_bytes_,
@@ -639,46 +657,10 @@ void HostComm::post_direct_input(const void* input, size_t bytes) {
   flag_store_release(&post.call, calls_);
 }
 
-void HostComm::run_direct_all_gather(const RingCall& call, const void* input, void* output) {
-  set_single_step(Path::kDirect);
-  ++direct_calls_;
-  const size_t chunk = static_cast<size_t>(call.ring_count / world_);
-  auto* out = static_cast<char*>(output);
-  for (int i = 1; i < world_; ++i) {
-    const int peer = (rank_ + i) % world_;
-    const SegmentHeader& h = header(peer);
-    wait_for(peer, &h.direct_post.call, calls_, "post its input");
-    if (h.direct_post.bytes != chunk)
-      fail<MismatchError>(current_op_, "rank " + std::to_string(peer) + " posted " +
-                                           std::to_string(h.direct_post.bytes) + " bytes of input but rank " +
-                                           std::to_string(rank_) + " expects " + std::to_string(chunk) +
-                                           " (call " + std::to_string(calls_) + ")");
-    // Straight into the output: one copy. Staging it in a bounce buffer that stays in cache,
-    // so that the output could take streaming stores, costs a second copy and more than it
-    // saves (P = 2, 8 and 16 MiB, two runs: 1048-1116 and 2191-2247 us staged, 908-1021 and
-    // 1621-1896 straight; bench/results/2026-12-01-cpu-in-place.txt).
-    char* to = out + static_cast<size_t>(peer) * chunk;
-    const std::string failed = read_peer_memory(h.pid, h.direct_post.address, to, chunk);
-    if (!failed.empty())
-      fail<PeerError>(current_op_, "rank " + std::to_string(rank_) + " could not read rank " + std::to_string(peer) +
-                                       "'s input (call " + std::to_string(calls_) + ", direct read): " + failed);
-  }
-  flag_store_release(&header(rank_).direct_read.value, calls_);  // finish_direct_reads' first half
-  // My own chunk last: the copy overlaps the peers still reading my input. Past the
-  // streaming threshold (a quarter of the last-level cache by default) the reads above have
-  // pushed the output's lines out of cache, so an ordinary store would first read each line
-  // it overwrites: stream it, as the ring streams its output. Below it the lines are still
-  // in cache, and streaming them out costs (P = 2, 2-4 MiB, three rounds in turn on this
-  // project's AMD VM: 0.70-0.85 of Open MPI's speed streamed, 1.00-1.06 not; the 2 MiB
-  // bound this replaces had been measured on an Intel VM, +5-7% there).
-  const size_t message = message_bytes(call);
-  copy_strip(static_cast<char*>(nullptr), out + static_cast<size_t>(rank_) * chunk, static_cast<const char*>(input),
-             static_cast<int64_t>(chunk), message >= streaming_threshold_bytes());
-  finish_direct_reads();
-}
+void HostComm::say_peer_inputs_read() { flag_store_release(&header(rank_).direct_read.value, calls_); }
 
 void HostComm::finish_direct_reads() {
-  flag_store_release(&header(rank_).direct_read.value, calls_);
+  say_peer_inputs_read();
   for (int peer = 0; peer < world_; ++peer)
     if (peer != rank_) wait_for(peer, &SegmentHeader::direct_read, calls_, "finish reading this rank's input");
 }
@@ -686,15 +668,17 @@ void HostComm::finish_direct_reads() {
 void HostComm::read_peer_input(int peer, size_t offset, void* into, size_t bytes) {
   const SegmentHeader& h = header(peer);
   wait_for(peer, &h.direct_post.call, calls_, "post its input");
-  if (offset + bytes > h.direct_post.bytes)
+  // Every rank posts its whole input, the same size on every rank in a matching call: a
+  // different size is a mismatch the call check (if off) did not see, named by both ranks.
+  const size_t mine = header(rank_).direct_post.bytes;
+  if (h.direct_post.bytes != mine)
     fail<MismatchError>(current_op_, "rank " + std::to_string(peer) + " posted " + std::to_string(h.direct_post.bytes) +
-                                         " bytes of input but rank " + std::to_string(rank_) + " reads bytes [" +
-                                         std::to_string(offset) + ", " + std::to_string(offset + bytes) + ") of it (call " +
-                                         std::to_string(calls_) + ")");
+                                         " bytes of input but rank " + std::to_string(rank_) + " posted " +
+                                         std::to_string(mine) + " (call " + std::to_string(calls_) + ")");
   const std::string failed = read_peer_memory(h.pid, h.direct_post.address + offset, into, bytes);
   if (!failed.empty())
     fail<PeerError>(current_op_, "rank " + std::to_string(rank_) + " could not read rank " + std::to_string(peer) +
-                                     "'s input (call " + std::to_string(calls_) + ", by a plan): " + failed);
+                                     "'s input" + where_in_call() + ": " + failed);
 }
 
 void HostComm::all_reduce(const void* input, void* output, int64_t user_count, DType dtype, ReduceOp op) {

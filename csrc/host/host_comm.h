@@ -207,7 +207,7 @@ class HostComm {
   // `direct_bytes`: all-gathers of at least this many bytes, and below `direct_max_bytes`,
   // read every peer's input straight into the output (peer_memory.h) where every rank can
   // read every peer, probed once here; 0 never. Ranks must agree (Python checks). See
-  // run_direct_all_gather.
+  // "The direct-read all-gather" in host_comm.cpp.
   //
   // `shares_cores`: this rank's cores also run other busy threads (host_wait_policy).
   HostComm(int rank, int world, const std::vector<std::string>& names, size_t buffer_bytes,
@@ -317,8 +317,12 @@ class HostComm {
   }
   // The plan engine's read of a peer's input where it lies (Operand::kPeerInput): `bytes`
   // from `offset` of what rank `peer` posted for this call, into `into`. Waits for the post;
-  // MismatchError where the post is shorter, PeerError where the read fails.
+  // MismatchError where the peer posted another size than this rank, PeerError where the
+  // read fails.
   void read_peer_input(int peer, size_t offset, void* into, size_t bytes);
+  // This rank has read all it reads of its peers' inputs in this call (finish_direct_reads'
+  // first half, said early so that peers may return while this rank still writes).
+  void say_peer_inputs_read();
 
  private:
   // Where a message's arguments lie in symmetric memory, as every rank posts them (host_symmetric.cpp).
@@ -370,13 +374,12 @@ class HostComm {
   void finish_one_shot(const RingCall& call, const OneShotPublication& mine, const void* input, void* output);
   // Bootstrap: see whether this rank may read every peer; then agree with all on direct_reads_.
   void probe_direct_reads();
-  // The direct-read all-gather: post my input's address (before the call check, like the
-  // one-shot publication: it writes only my own header), then read every peer's.
+  // Before a call that reads peers' inputs where they lie: post my input's address and size
+  // (before the call check, like the one-shot publication: it writes only my own header).
   void post_direct_input(const void* input, size_t bytes);
   // The end of a call that read peers' inputs where they lie: tell every peer this rank has
   // finished reading, and wait until every peer has (only then may the caller reuse its input).
   void finish_direct_reads();
-  void run_direct_all_gather(const RingCall& call, const void* input, void* output);
   // Before a ring or plan call: how this rank writes its slots (SlotStores); probes the hop
   // on the large calls whose turn it is (counted alike on every rank: they meet there).
   void choose_slot_stores(const RingCall& call);
@@ -399,6 +402,7 @@ class HostComm {
   std::array<std::pair<size_t, size_t>, kNumCollectives> auto_plan_spans_{};  // empty: [0, 0)
   std::deque<CompiledPlan> held_plans_;  // hold_plan's
   std::vector<CompiledPlan> native_ring_;  // by collective code: the ring's plan, native's path (run_ring_call)
+  CompiledPlan native_direct_;  // the direct plan's all-gather: native's from direct_bytes_ (uses_direct_read)
   std::vector<SegmentMapping> segments_;
   std::vector<std::string> names_;  // the segments' names, long unlinked: arenas' names derive from them
   std::shared_ptr<SymmetricHeap> heap_ = std::make_shared<SymmetricHeap>();
@@ -434,7 +438,7 @@ class HostComm {
   const CallDescriptor* unchecked_call_ = nullptr;
   // Where this rank is in the current call, for error messages: which path, and on a plan
   // which slice and op (kNone: before any data moved).
-  enum class Path { kNone, kPlan, kOneShot, kDirect, kZeroCopy };
+  enum class Path { kNone, kPlan, kOneShot, kZeroCopy };
   struct Position {
     int64_t slice, slices;
     int step, steps;
@@ -442,6 +446,8 @@ class HostComm {
     uint32_t algorithm;  // kPlan: the plan's id (collectives.h's code, or a user plan's)
   } position_{};
   void set_single_step(Path path) { position_ = {0, 1, 0, 1, path, 0}; }
+  // " (call 5, slice 3/8, plan op 2/3 of ring)" and the like: where an error struck.
+  std::string where_in_call() const;
   std::string broken_reason_;
   bool closed_ = false;
   // One call at a time on the ring, whichever thread makes it: Python orders a rank's calls

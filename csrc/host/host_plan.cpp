@@ -62,9 +62,7 @@ class PlanRun {
 
   // A plan that neither publishes nor uses the work space (direct reads only) is not cut
   // into slices: nothing bounds its pieces but the message.
-  static bool uses_slots(const CompiledPlan& plan) {
-    return plan.uses_work || std::any_of(plan.publications.begin(), plan.publications.end(), [](int n) { return n > 0; });
-  }
+  static bool uses_slots(const CompiledPlan& plan) { return plan.uses_work || fills_slots(plan); }
 
   int64_t slices() const { return slices_; }
 
@@ -83,6 +81,9 @@ class PlanRun {
       if (writes) wait_slots_free(bank, op.first, op.count);
       for (int c = op.first; c < op.first + op.count; ++c) combine(op, bank, j, c);
       if (receives) flag_store_release(&comm_.header(me_).consumed_from[op.from], reads);
+      // Done reading the peers' inputs: say so now, so that they may return while this rank
+      // still writes (a direct all-gather's own chunk, copied last).
+      if (j + 1 == slices_ && static_cast<int>(i) == plan_.last_peer_input_op[me_]) comm_.say_peer_inputs_read();
       if (writes) {
         for (int c = op.first; c < op.first + op.count; ++c) {
           slot_last_[slot_index(bank, c, chunks_)] = writes;

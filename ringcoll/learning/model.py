@@ -66,7 +66,7 @@ Copies per byte: the all-gather between processes (the CPU transport). Nothing c
 link there; what costs is the copies, each a pass of the bytes through memory. For a
 message of n bytes (the output) on P ranks, each rank copies (``all_gather_copies``;
 ring_loop.h's ``ring_step`` with host_strip.h's ``copy_strip(dst, dst2, src)``, and
-host_comm.cpp's ``run_direct_all_gather``):
+plan.h's ``direct_plan``, which native runs):
 
     through the slots (the ring)                        out of place   in place
       before step 0:  own chunk -> own slot (dst)       n/P            n/P

@@ -96,8 +96,9 @@ Through the slots every byte of an all-gather is copied twice on its way: by its
 into a slot, and by each reader out of it. Where every rank may read every peer's memory
 (``process_vm_readv``, probed at bootstrap; :func:`direct_read_fits` mirrors the test) and
 the message is between ``direct_bytes`` and ``direct_max_bytes`` (16 KiB and 32 MiB by
-default; below 16 KiB the one-shot path, from 32 MiB the ring), ``run_direct_all_gather`` in
-``csrc/host/host_comm.cpp`` skips the slots. Rank k
+default; below 16 KiB the one-shot path, from 32 MiB the ring), native runs the ``direct``
+plan (``plan.h``'s ``direct_plan``; ``csrc/host/host_comm.cpp`` says why), which skips the
+slots. Rank k
 
 1. posts where its input lies (address, bytes, call number) in its own header;
 2. for j = k+1, k+2, .. k+P-1 (mod P, :func:`direct_read_order`) waits for rank j's post and
@@ -500,7 +501,7 @@ def simulate_one_shot(
 
 
 # ---------------------------------------------------------------------------------------
-# The direct-read all-gather (csrc/host/host_comm.cpp: run_direct_all_gather)
+# The direct-read all-gather (plan.h's direct_plan, which csrc/host/host_comm.cpp runs for native)
 
 
 def direct_read_order(rank: int, world: int) -> List[int]:

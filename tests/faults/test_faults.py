@@ -847,11 +847,12 @@ def test_rank_killed_mid_collective(world, victim, collective, algorithm):
         assert elapsed < 10.0, elapsed
         assert "has exited" in message or "aborted" in message or "could not read rank" in message, message
         assert (direct_calls > 0) == (collective == "all_gather"), direct_calls
-        # Every step through the slots is a plan's op on the CPU, native's ring included; the
-        # direct read (auto's all-gather here) and symmetric memory are no plan.
-        through_a_plan = algorithm != "symmetric" and not (algorithm == "auto" and collective == "all_gather")
+        # Every step is a plan's op on the CPU, native's ring and its direct read (auto's
+        # all-gather here) included; symmetric memory, read in place, is no plan.
+        through_a_plan = algorithm != "symmetric"
         assert (", plan op " in message) == through_a_plan, message
-        assert " of ring)" in message or not (through_a_plan and algorithm == "auto"), message
+        natives_plan = " of direct)" if collective == "all_gather" else " of ring)"
+        assert natives_plan in message or algorithm != "auto", message
         assert (zero_copy_calls > 0) == (algorithm == "symmetric"), zero_copy_calls
         assert ("reading symmetric memory in place" in message) == (algorithm == "symmetric"), message
     # The autouse fixture checks /dev/shm is clean.
@@ -891,7 +892,7 @@ def test_a_direct_plan_whose_peer_input_is_gone_is_a_peer_error_on_every_rank():
         kind, message, elapsed = o.value
         assert kind == "RingcollPeerError" and elapsed < 10.0, (o.rank, kind, message, elapsed)
         assert "could not read rank" in message or "has exited" in message or "aborted" in message, message
-        readers_failed += "could not read rank 1's input" in message and ", by a plan)" in message
+        readers_failed += "could not read rank 1's input" in message and " of direct)" in message
     assert readers_failed >= 1, [o.value for o in outcomes]
 
 

@@ -95,8 +95,18 @@ struct CompiledPlan {
   std::vector<std::vector<int>> last_read;          // [rank][op]: 1 if it is this rank's last read of
                                                     // its sender's publication
   bool reads_peer_inputs = false;                   // some op reads a peer's input (kPeerInput)
+  std::vector<int> last_peer_input_op;              // [rank]: its last op that reads a peer's input
+                                                    // (-1: none), after which, in the last slice, it
+                                                    // tells its peers it is done reading theirs
   bool uses_work = false;                           // some op reads or writes the work space
 };
+
+// Whether a plan publishes anything, so fills slots (a plan of direct reads fills none).
+inline bool fills_slots(const CompiledPlan& plan) {
+  for (int n : plan.publications)
+    if (n > 0) return true;
+  return false;
+}
 
 RINGCOLL_INLINE bool names_a_peer(Operand o) { return o == Operand::kPeer || o == Operand::kPeerInput; }
 
@@ -146,6 +156,7 @@ inline CompiledPlan compile_plan(Plan plan, const std::string& name, int world, 
   out.id = id;
   if (root != 0) plan = rooted_plan(plan, root);
   out.publications.assign(world, 0);
+  out.last_peer_input_op.assign(world, -1);
   // sent[k][j]: the (publication number, first, count) of k's publications that j reads, in order
   struct Sent { int number, first, count; };
   std::vector<std::vector<std::vector<Sent>>> sent(world, std::vector<std::vector<Sent>>(world));
@@ -166,7 +177,10 @@ inline CompiledPlan compile_plan(Plan plan, const std::string& name, int world, 
       const bool peer = names_a_peer(op.a) || names_a_peer(op.b);
       RINGCOLL_CHECK(!(names_a_peer(op.a) && names_a_peer(op.b)), std::invalid_argument, where(k, i),
                      "reads two peers' values (a publication or an input) in one op");
-      out.reads_peer_inputs = out.reads_peer_inputs || op.a == Operand::kPeerInput || op.b == Operand::kPeerInput;
+      if (op.a == Operand::kPeerInput || op.b == Operand::kPeerInput) {
+        out.reads_peer_inputs = true;
+        out.last_peer_input_op[k] = static_cast<int>(i);
+      }
       out.uses_work = out.uses_work || op.a == Operand::kWork || op.b == Operand::kWork || (op.to & kToWork) != 0;
       RINGCOLL_CHECK(!peer || (op.from >= 0 && op.from < world && op.from != k), std::invalid_argument,
                      where(k, i), "reads from rank ", op.from, ", not a peer");
