@@ -39,7 +39,7 @@ from ringcoll.views import as_device_array, check_count, tensor_view
 DEFAULT_TIMEOUT_SECONDS = 300.0
 DEFAULT_BUFFER_BYTES = 4 << 20  # per rank (CPU); messages of any size are sliced through it
 # CPU: messages up to this size take the one-shot path instead of the ring (csrc/host/host_comm.cpp,
-# publish_one_shot); the crossover measured in bench/results/2026-12-01-cpu-small-message-crossover.txt.
+# "The one-shot path"); the crossover measured in bench/results/2026-12-01-cpu-small-message-crossover.txt.
 DEFAULT_SMALL_BYTES = 64 << 10
 # CPU: all-gathers from this size on, and below the second, read each peer's input directly
 # (csrc/host/peer_memory.h) where the kernel allows it; measured in bench/results/2026-12-01-cpu-direct-read.txt.

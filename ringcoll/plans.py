@@ -108,12 +108,16 @@ def op(a, chunks, to, b=Operand.NONE, frm: int = -1, readers: Iterable[int] = ()
 
 @dataclass(frozen=True)
 class Plan:
-    """Every rank's ops (``ops[rank]``) over ``chunks`` chunks, for one collective."""
+    """Every rank's ops (``ops[rank]``) over ``chunks`` chunks, for one collective.
+    ``sends_early``: each rank's leading ops that only publish its input run before the call
+    check where the call is one slice (plan.h's Plan; the one-shot's: one meeting of the
+    peers, not two). It changes when data moves, never what a plan computes."""
 
     name: str
     collective: str
     chunks: int
     ops: tuple
+    sends_early: bool = False
 
     @property
     def world(self) -> int:
@@ -206,8 +210,8 @@ def plan(name: str, collective: str, world: int) -> Plan:
         raise ValueError(f"algorithm {name!r} has no {collective} (it has {', '.join(BUILTIN_COLLECTIVES[name])}); "
                          f"for {collective} choose from {', '.join(algorithms(collective))}")
     if name in BUILTIN:
-        chunks, ops = _C.builtin_plan(BUILTIN[name], COLLECTIVE_CODES[collective], world)
-        return Plan(name, collective, chunks, tuple(tuple(PlanOp(*o) for o in mine) for mine in ops))
+        chunks, ops, sends_early = _C.builtin_plan(BUILTIN[name], COLLECTIVE_CODES[collective], world)
+        return Plan(name, collective, chunks, tuple(tuple(PlanOp(*o) for o in mine) for mine in ops), sends_early)
     plan_fn = _registry.get((name, collective))
     if plan_fn is None:
         raise ValueError(f"unknown algorithm {name!r} for {collective}; choose from {', '.join(algorithms())}"
@@ -245,7 +249,7 @@ def compiled(name: str, collective: str, world: int, root: int = 0) -> tuple:
         check(p)  # before the extension's own checks: its messages name the plan's ops as written
     try:
         resolved = _C.compile_plan(f"{collective} plan {name!r}", world, p.chunks, p.ops,
-                                   BUILTIN[name] if name in BUILTIN else plan_id(p), root)
+                                   BUILTIN[name] if name in BUILTIN else plan_id(p), root, p.sends_early)
     except ValueError as e:
         raise PlanError(str(e)) from None
     found = (p, resolved)

@@ -1,7 +1,7 @@
 """How ``algorithm="auto"`` chooses: a cost model per algorithm, read from a recorded table.
 
 The candidates are ``"native"``, the CPU transport's own path (the ring's plan, with the
-hand-written one-shot and direct-read paths where its thresholds say), and every built-in plan that
+one-shot and direct plans where its thresholds say), and every built-in plan that
 has the collective (``ringcoll.algorithms(collective)``). For each world size and
 collective the table holds every candidate's measured time at a ladder of message sizes
 n_0 < n_1 < ... (the benchmark's out-of-place times). Between two neighbouring sizes a

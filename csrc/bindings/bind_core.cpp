@@ -48,7 +48,7 @@ py::tuple plan_tuple(const Plan& plan) {
     for (const auto& op : ops) mine.append(op_tuple(op));
     ranks.append(py::tuple(mine));
   }
-  return py::make_tuple(plan.chunks, py::tuple(ranks));
+  return py::make_tuple(plan.chunks, py::tuple(ranks), plan.sends_early);
 }
 
 // out[i] = a[i] op b[i] for raw arrays, via the very loop the host ring uses
@@ -151,18 +151,21 @@ void bind_core(py::module_& m) {
         return plan_tuple(builtin_plan(static_cast<Algorithm>(algorithm), static_cast<Collective>(collective), world));
       },
       py::arg("algorithm"), py::arg("collective"), py::arg("world"),
-      "(chunks, ops of each rank) of a built-in algorithm's plan");
+      "(chunks, ops of each rank, sends_early) of a built-in algorithm's plan");
   py::class_<CompiledPlan>(m, "CompiledPlan", "a plan resolved for the engine (plan.h's compile_plan)")
       .def_property_readonly("chunks", [](const CompiledPlan& p) { return p.plan.chunks; })
       .def_property_readonly("root", [](const CompiledPlan& p) { return p.root; })
       .def_property_readonly("id", [](const CompiledPlan& p) { return p.id; })
       .def_property_readonly("publications", [](const CompiledPlan& p) { return p.publications; })
-      .def_property_readonly("publication_read", [](const CompiledPlan& p) { return p.publication_read; });
+      .def_property_readonly("publication_read", [](const CompiledPlan& p) { return p.publication_read; })
+      .def_property_readonly("early_sends", [](const CompiledPlan& p) { return p.early_sends; });
   m.def(
       "compile_plan",
-      [](const std::string& name, int world, int chunks, const py::sequence& ranks, uint32_t id, int root) {
+      [](const std::string& name, int world, int chunks, const py::sequence& ranks, uint32_t id, int root,
+         bool sends_early) {
         Plan plan;
         plan.chunks = chunks;
+        plan.sends_early = sends_early;
         for (const auto& ops : ranks) {
           plan.ops.emplace_back();
           for (const auto& op : py::cast<py::sequence>(ops)) plan.ops.back().push_back(op_from_tuple(op));
@@ -170,6 +173,7 @@ void bind_core(py::module_& m) {
         return compile_plan(std::move(plan), name, world, id, root);
       },
       py::arg("name"), py::arg("world"), py::arg("chunks"), py::arg("ops"), py::arg("id"), py::arg("root") = 0,
+      py::arg("sends_early") = false,
       "the plan (written for root 0) resolved for the engine, relabelled for `root`; `id` is what its calls' "
       "descriptors carry");
 

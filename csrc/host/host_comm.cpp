@@ -1,6 +1,6 @@
 // host_comm.cpp: the CPU transport. Bootstrap of the shared-memory segments, waits and
-// failure, and the collectives' paths: the ring and the direct-read all-gather (plans, run
-// by host_plan.cpp's engine), the one-shot path for small messages.
+// failure, and native's paths: plans run by host_plan.cpp's engine (the one-shot for small
+// messages, the direct-read all-gather, the ring) and symmetric memory read in place.
 #include "host_comm.h"
 
 #include <signal.h>
@@ -102,7 +102,8 @@ HostComm::HostComm(int rank, int world, const std::vector<std::string>& names, s
       slot_bytes_(slot_bytes_for(buffer_bytes, world, kSlotAlignment)), small_bytes_(small_bytes),
       direct_bytes_(direct_bytes), direct_max_bytes_(direct_max_bytes),
       policy_(host_wait_policy(world, timeout_seconds, shares_cores)), check_calls_(check_calls),
-      plan_unread_(static_cast<size_t>(world), 0) {
+      plan_unread_{std::vector<uint64_t>(static_cast<size_t>(world), 0),
+                   std::vector<uint64_t>(static_cast<size_t>(world), 0)} {
   RINGCOLL_CHECK(world >= 1 && rank >= 0 && rank < world, std::invalid_argument, "Communicator: rank ", rank,
                  " is outside world size ", world);
   RINGCOLL_CHECK(static_cast<int>(names.size()) == world, std::invalid_argument,
@@ -113,9 +114,13 @@ HostComm::HostComm(int rank, int world, const std::vector<std::string>& names, s
                  " (a plan names the readers of a publication by the bits of one 64-bit word)");
   check_buffer_bytes("Communicator", buffer_bytes, world, kSlotAlignment);
   native_ring_.resize(kNumCollectives);
+  native_one_shot_.resize(kNumCollectives);
   for (Collective coll : {Collective::kAllReduce, Collective::kReduceScatter, Collective::kAllGather})
     native_ring_[static_cast<size_t>(coll)] =
         compile_plan(ring_plan(coll, world), "ring", world, static_cast<uint32_t>(Algorithm::kRing));
+  for (Collective coll : {Collective::kAllReduce, Collective::kReduceScatter, Collective::kAllGather})
+    native_one_shot_[static_cast<size_t>(coll)] =
+        compile_plan(one_shot_plan(coll, world), "oneshot", world, static_cast<uint32_t>(Algorithm::kOneShot));
   native_direct_ = compile_plan(direct_plan(Collective::kAllGather, world), "direct", world,
                                 static_cast<uint32_t>(Algorithm::kDirect));
   slot_stores_ = slot_stores_from_env();
@@ -294,8 +299,6 @@ std::string HostComm::where_in_call() const {
     const char* name = algorithm_name(static_cast<int>(position_.algorithm));
     at << " (call " << calls_ << ", slice " << position_.slice + 1 << "/" << position_.slices << ", plan op "
        << position_.step + 1 << "/" << position_.steps << " of " << (name != nullptr ? name : "a user plan") << ")";
-  } else if (position_.path == Path::kOneShot) {
-    at << " (call " << calls_ << ", one-shot step 1/1)";
   } else if (position_.path == Path::kZeroCopy) {
     at << " (call " << calls_ << ", reading symmetric memory in place)";
   } else if (calls_ > 0) {
@@ -347,28 +350,20 @@ void HostComm::ensure_usable(const char* op) const {
 void HostComm::run_ring_call(const char* op, const RingCall& call, const void* input, void* output) {
   const bool one_shot = uses_one_shot(call);  // never with one rank (one_shot_fits)
   const bool direct = uses_direct_read(call);  // nor this (probed only with peers)
+  const size_t coll = static_cast<size_t>(call.collective);
+  const CompiledPlan& plan = one_shot ? native_one_shot_.at(coll) : direct ? native_direct_ : native_ring_.at(coll);
   // Symmetric memory (host_symmetric.cpp), once there is any: not for a one-shot call.
   const SymmetricArgs symmetric = one_shot ? SymmetricArgs{} : symmetric_args(call, input, output);
-  OneShotPublication mine{};
-  auto publish_early = [&] {
-    if (one_shot) {
-      // Before the one-shot's slot is refilled, every plan publication (the ring's too) read:
-      // a plan's slots lie elsewhere. The ring drains after the check (run_plan_steps), so
-      // that a rank announces its call without first waiting for its readers.
-      drain_plan_publications();
-      mine = publish_one_shot(call, input);
-    }
-    if (direct) post_direct_input(input, static_cast<size_t>(call.ring_count / world_));
+  run_collective(op, call.descriptor, [&] {
+    one_shot_calls_ += one_shot;  // counted where its sends go, before the check
+    before_the_check(call, plan, input);
     if (symmetric.posted) post_symmetric(call, symmetric);
-  };
-  run_collective(op, call.descriptor, publish_early, [&] {
+  }, [&] {
     auto copy = [](void* dst, const void* src, size_t bytes) { std::memcpy(dst, src, bytes); };
     run_call(call, world_, input, output, copy, [&] {
-      if (one_shot) return finish_one_shot(call, mine, input, output);
       if (symmetric.posted && run_zero_copy(call, symmetric, input, output)) return;
-      if (direct) ++direct_calls_;
-      run_plan_steps(call, direct ? native_direct_ : native_ring_.at(static_cast<size_t>(call.collective)), input,
-                     output);
+      direct_calls_ += direct;
+      run_plan_steps(call, plan, input, output);
     });
   });
 }
@@ -376,37 +371,70 @@ void HostComm::run_ring_call(const char* op, const RingCall& call, const void* i
 // ---------------------------------------------------------------------------------------
 // Plans (plan.h): the engine is host_plan.cpp's
 
-// Before a plan call, and before any other call after one: every plan publication read
-// (the slots' layout depends on the algorithm).
-void HostComm::drain_plan_publications() {
-  for (int peer = 0; peer < world_; ++peer) {
-    if (peer == rank_) continue;
-    if (plan_unread_[peer] != 0)
-      wait_for(peer, &header(peer).consumed_from[rank_], plan_unread_[peer], "consume data");
-    plan_unread_[peer] = 0;
+void HostComm::drain_plan_publications(int bank) {
+  for (int b = 0; b < kBanks; ++b) {
+    if (bank >= 0 && b != bank) continue;
+    for (int peer = 0; peer < world_; ++peer) {
+      uint64_t& unread = plan_unread_[b][peer];
+      if (unread != 0) wait_for(peer, &header(peer).consumed_from[rank_], unread, "consume data");
+      unread = 0;
+    }
   }
 }
 
-// Before a plan call: the last one-shot publication read by every peer (a one-shot slot is
-// read by all of them; the engine's slot records know only its own publications).
-void HostComm::drain_one_shot_publication() {
-  if (unconfirmed_one_shot_ != 0) wait_all_consumed(unconfirmed_one_shot_);
-  unconfirmed_one_shot_ = 0;
+// Before the call check of a call by `plan` (it writes nothing but this rank's own header
+// and slots): where this rank's input lies, if the plan reads peers' inputs, and the plan's
+// early sends, where the call is one slice. Such calls fill the two banks in turn (the same
+// on every rank: each counts them alike), so that a rank's sends wait only for its readers
+// of the call before last, not of the last one: a rank may run a call ahead of a peer that
+// still reads the last (the slack one-shot calls need).
+void HostComm::before_the_check(const RingCall& call, const CompiledPlan& plan, const void* input) {
+  // all-gather's input is my chunk, the others' the whole message
+  if (plan.reads_peer_inputs)
+    post_direct_input(input, message_bytes(call) / (call.collective == Collective::kAllGather ? world_ : 1));
+  call_start_ = {};
+  if (world_ == 1 || !plan.plan.sends_early) return;
+  const int64_t slice = plan_slice_elems(plan, buffer_bytes_, call.ring_count, static_cast<size_t>(call.elem_size));
+  if (slice <= 0 || num_slices(call.ring_count, plan.plan.chunks, slice) != 1) return;
+  call_start_.first_bank = static_cast<int>(one_slice_early_calls_++ % kBanks);
+  if (plan.early_sends[rank_] == 0) return;
+  drain_plan_publications(call_start_.first_bank);
+  run_host_plan_early_sends(*this, plan, call, input, step_base_, plan_scratch_, call_start_.first_bank);
+  call_start_.early_ops_done = plan.early_sends[rank_];
 }
 
 // Slices of one call by `plan`, once its call check has passed (run_call's body).
 void HostComm::run_plan_steps(const RingCall& call, const CompiledPlan& plan, const void* input, void* output) {
   // A plan that fills no slot (direct reads only) has nothing to wait for before it, nor
-  // any stores to choose: a slot call after it drains what came before.
+  // any stores to choose: a slot call after it drains what came before. Early sends
+  // drained before they went.
   if (fills_slots(plan)) {
-    drain_plan_publications();
-    drain_one_shot_publication();
+    if (call_start_.early_ops_done == 0) drain_plan_publications();
     choose_slot_stores(call);
   }
-  step_base_ += run_host_plan(*this, plan, call, input, output, step_base_, plan_unread_, plan_scratch_);
-  // Every rank to the same number, so the numbering stays equal on all ranks.
-  flag_store_release(&header(rank_).published.value, step_base_);
+  step_base_ += run_host_plan(*this, plan, call, input, output, step_base_, plan_unread_, plan_scratch_, call_start_);
+  // Every rank to the same number, so the numbering stays equal on all ranks (a store only
+  // where mine differs: peers poll this line).
+  if (flag_load_relaxed(&header(rank_).published.value) != step_base_)
+    flag_store_release(&header(rank_).published.value, step_base_);
   if (plan.reads_peer_inputs) finish_direct_reads();
+  fail_if_a_peer_gave_up();
+}
+
+// The waits of a call return at once for what is already there, so a rank arriving after a
+// peer gave up on this call (one that published all it had to, then timed out waiting for
+// this rank) could finish the call with no error, and hear of it only in the next. A peer's
+// `aborted` is one load. A peer that completed this call (its `completed`, stored before
+// any later abort, is visible once `aborted` is acquired) aborted in a later call: this
+// one stands.
+void HostComm::fail_if_a_peer_gave_up() {
+  for (int peer = 0; peer < world_; ++peer) {
+    const SegmentHeader& h = header(peer);
+    if (peer == rank_ || flag_load_acquire(&h.aborted.value) == 0) continue;
+    if (flag_load_acquire(&h.completed.value) >= calls_) continue;
+    fail<PeerError>(current_op_, "rank " + std::to_string(rank_) + " gave up after its last wait" + where_in_call() +
+                                     ": rank " + std::to_string(peer) + " has aborted: " + header_text(h.abort_reason));
+  }
 }
 
 void HostComm::run_plan(Collective coll, const CompiledPlan& plan, const void* input, void* output,
@@ -422,13 +450,7 @@ void HostComm::run_plan_call(const char* op, const RingCall& call, const Compile
   RINGCOLL_CHECK(!plan.reads_peer_inputs || direct_reads_, std::invalid_argument, op, ": this plan reads peers' "
                  "inputs where they lie (process_vm_readv), which this communicator cannot: ", direct_unavailable_,
                  " (RINGCOLL_DIRECT_BYTES=0 turns direct reads off; else the probe at bootstrap failed)");
-  // Where my input lies, for the peers' reads (kPeerInput): posted before the call check, as
-  // a direct-read all-gather's; all-gather's input is my chunk, the others' the whole message
-  const size_t input_bytes = message_bytes(call) / (call.collective == Collective::kAllGather ? world_ : 1);
-  auto post = [&] {
-    if (plan.reads_peer_inputs) post_direct_input(input, input_bytes);
-  };
-  run_collective(op, call.descriptor, post, [&] {
+  run_collective(op, call.descriptor, [&] { before_the_check(call, plan, input); }, [&] {
     auto copy = [](void* dst, const void* src, size_t bytes) { std::memcpy(dst, src, bytes); };
     run_call(call, world_, input, output, copy, [&] { run_plan_steps(call, plan, input, output); });
   });
@@ -494,118 +516,27 @@ void HostComm::probe_neighbour_hops() {
 }
 
 // ---------------------------------------------------------------------------------------
-// The one-shot path for small messages
+// The one-shot path for small messages (plan.h's one_shot_plan, native_one_shot_)
 //
 // Below a crossover the ring's 2(P-1) steps (P-1 for reduce-scatter and all-gather), each a
 // publication and a wait, cost more than the bytes. The one-shot takes one step: rank k
-// copies what its peers need into one slot of its own buffer (all-reduce, reduce-scatter:
-// its whole input; all-gather: its input), publishes it once, and then, for r = 0 .. P-1,
-// waits for rank r's publication and combines (or copies) rank r's slot itself:
+// publishes to its peers what they need (all-reduce: every chunk of its input to every
+// peer; reduce-scatter: chunk c to rank c; all-gather: its input), and then, for every
+// chunk it answers for, folds the P contributions itself, in the order the ring reduces
+// them (rs_contributor: chunk c from rank c+1 round to rank c), with the ring's kernels
+// (reduce_strip: the same per-combine rounding of 16-bit floats, AVG's finalize), so a
+// one-shot call gives the ring's bits on every rank: the size at which the path changes
+// never changes a result. Reads: P-1 peer slots of the published size each.
 //
-//   all-reduce      out = (((slot_0 op slot_1) op slot_2) ... op slot_{P-1}), finalized
-//   reduce-scatter  the same on chunk k of every slot only
-//   all-gather      chunk r of out = slot_r
-//
-// Every rank folds each chunk in the order the ring reduces it (rs_contributor: chunk c from
-// rank c+1 round to rank c; fold_in_ring_order in host_strip.h) with reduce_strip (the same
-// kernels, the same per-combine rounding of 16-bit floats and AVG's finalize as the ring),
-// once every peer's copy is published, so a one-shot call gives the
-// ring's bits, on every rank: the size at which the path changes never changes a result.
-// Reads: P-1 peer slots of the published size each.
-//
-// Flags (docs/flags.md): the publication takes the next number of the communicator's one
-// numbering (step_base + 1, identical on every rank), which the plan engine's numbers
-// continue from; `consumed` = v then means "I have read publication v of every peer".
-//
-// Slot reuse. One-shot calls alternate between slot 0 of bank 0 and of bank 1. Before rank
-// k writes a slot it waits until every plan publication of its own has been read
-// (drain_plan_publications: the ring's too, which is a plan) and until *every* peer's
-// `consumed` reached the one-shot publication that last filled that slot. A plan call that
-// follows a one-shot first waits until every peer consumed that one-shot
-// (unconfirmed_one_shot_), since the engine's slot records know only its own publications.
-// These waits are what keeps a fast rank off a slot a slow peer still reads, with the call
-// check on or off: the publication goes before the check (run_collective), so that a small
-// call meets its peers once, not twice.
+// Its publications are early sends (Plan::sends_early): they go before the call check
+// (run_collective), so that a small call meets its peers once, not twice; before them,
+// every publication of this rank in the bank they fill must have been read
+// (drain_plan_publications; such calls take the banks in turn: before_the_check). Peers read
+// them only after their own check passed, so a mismatch still moves nothing into any output.
 
 bool HostComm::uses_one_shot(const RingCall& call) const {
   return one_shot_fits(call.collective, call.ring_count, call.elem_size, world_, small_bytes_, slot_bytes_) &&
          !uses_direct_read(call);
-}
-
-void HostComm::wait_all_consumed(uint64_t target) {
-  for (int peer = 0; peer < world_; ++peer)
-    if (peer != rank_) wait_for(peer, &SegmentHeader::consumed, target, "consume data");
-}
-
-HostComm::OneShotPublication HostComm::publish_one_shot(const RingCall& call, const void* input) {
-  set_single_step(Path::kOneShot);
-  const int bank = static_cast<int>(one_shot_calls_++ % kBanks);
-  const int slot = slot_index(bank, 0, world_);
-  const uint64_t v = step_base_ + 1;
-  const size_t message = message_bytes(call);
-  const size_t published =
-      call.collective == Collective::kAllGather ? message / static_cast<size_t>(world_) : message;
-
-  wait_all_consumed(one_shot_last_[bank]);
-  std::memcpy(data(rank_) + static_cast<size_t>(slot) * slot_bytes_, input, published);
-  flag_store_release(&header(rank_).published.value, v);
-  one_shot_last_[bank] = v;
-  step_base_ = v;
-  unconfirmed_one_shot_ = v;
-  return {slot, v, published};
-}
-
-void HostComm::finish_one_shot(const RingCall& call, const OneShotPublication& mine, const void* input,
-                               void* output) {
-  set_single_step(Path::kOneShot);
-  const uint64_t v = mine.number;
-  const size_t published = mine.bytes;
-  const bool gather = call.collective == Collective::kAllGather;
-  auto slot_of = [&](int r) { return data(r) + static_cast<size_t>(mine.slot) * slot_bytes_; };
-
-  // Rank r's copy is read only once its publication v is seen (acquire: the data then too).
-  auto wait_for_rank = [&](int r) {
-    if (r != rank_) wait_for(r, &SegmentHeader::published, v, "publish data");
-  };
-  if (gather) {
-    auto* out = static_cast<char*>(output);
-    for (int r = 0; r < world_; ++r) {
-      wait_for_rank(r);
-      // My own part from the input (a no-op in place); the others from their slots.
-      copy_strip(static_cast<char*>(nullptr), out + r * published, r == rank_ ? static_cast<const char*>(input)
-                                                                              : slot_of(r),
-                 static_cast<int64_t>(published), false);
-    }
-  } else {
-    for (int r = 0; r < world_; ++r) wait_for_rank(r);
-    dispatch_call(call.descriptor, [&](auto t, auto o) {
-      using T = decltype(t);
-      auto slot = [&](int r) { return reinterpret_cast<const T*>(slot_of(r)); };
-      // Chunk by chunk, as the ring cuts the message, each folded in the ring's order
-      // (host_strip.h); reduce-scatter: only my chunk (whose output is the whole of `output`).
-      const bool scatter = call.collective == Collective::kReduceScatter;
-      for (int c = scatter ? rank_ : 0; c < (scatter ? rank_ + 1 : world_); ++c) {
-        const int64_t offset = chunk_begin(call.ring_count, world_, c);
-        T* out = static_cast<T*>(output) + (scatter ? 0 : offset);
-        fold_in_ring_order<T, decltype(o)>(out, slot, c, offset, chunk_length(call.ring_count, world_, c), world_,
-                                           false);
-      }
-    });
-  }
-  // The waits above return at once for publications already made, so a rank arriving after
-  // its peers gave up on this call (a peer that published, then timed out waiting for it)
-  // would see no error; the ring notices in a later wait. A peer's `aborted` is one load. A
-  // peer that completed this call first (its `completed`, stored before any later abort, is
-  // visible once `aborted` is acquired) aborted in a later call: this one stands.
-  for (int peer = 0; peer < world_; ++peer) {
-    const SegmentHeader& h = header(peer);
-    if (peer == rank_ || flag_load_acquire(&h.aborted.value) == 0) continue;
-    if (flag_load_acquire(&h.completed.value) >= calls_) continue;
-    fail<PeerError>(current_op_, "rank " + std::to_string(rank_) + " gave up after the one-shot step (call " +
-                                     std::to_string(calls_) + "): rank " + std::to_string(peer) + " has aborted: " +
-                                     header_text(h.abort_reason));
-  }
-  flag_store_release(&header(rank_).consumed.value, v);
 }
 
 // ---------------------------------------------------------------------------------------

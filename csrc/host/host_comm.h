@@ -7,8 +7,8 @@
 //   [ data area: kBanks x P slots of slot_bytes each (call.h)            ]
 //
 // Rank k writes its own data area and, but for `peer_gave_up`, only its own header; it
-// reads the data areas of the peers a plan names (the ring's: its left neighbour's) or every
-// peer's (the one-shot path for small messages, publish_one_shot / finish_one_shot).
+// reads the data areas of the peers a plan names (the ring's: its left neighbour's; the
+// one-shot's for small messages: every peer's).
 // docs/flags.md says who writes and reads each flag.
 // Symmetric memory (symmetric_heap.h) lies in further segments, one per rank and arena.
 #pragma once
@@ -53,8 +53,7 @@ struct SegmentHeader {
   uint64_t pid_namespace;  // liveness checks only make sense inside one pid namespace
   int32_t rank, world;
   Flag attached;
-  Flag published;  // the owner's latest publication (one numbering: plans and the one-shot)
-  Flag consumed;   // the one-shot path's: the owner has read every peer's publication up to v
+  Flag published;  // the owner's latest publication (one numbering, every plan's)
   Flag barrier;
   Flag completed;
   Flag aborted;
@@ -138,7 +137,7 @@ inline size_t one_shot_limit(Collective coll, int elem_size, size_t small_bytes)
   return coll == Collective::kAllReduce && elem_size == 2 ? small_bytes / kSixteenBitOneShotShare : small_bytes;
 }
 
-// Whether a call may take the one-shot path (host_comm.cpp, publish_one_shot) rather than the
+// Whether a call may take the one-shot path (host_comm.cpp, one_shot_plan) rather than the
 // ring; an all-gather that reads its peers directly (direct_read_fits) does that instead:
 // there are peers, the message (ring_count x elem_size bytes, nccl-tests' size) is not empty
 // and at most one_shot_limit (`small_bytes`, less for 16-bit all-reduce), and what each rank
@@ -188,11 +187,28 @@ struct PlanScratch {
   std::vector<uint64_t> slot_last, slot_readers;
 };
 
+// Per bank, per peer: this rank's latest plan publication in that bank the peer reads (0: none).
+using UnreadPublications = std::array<std::vector<uint64_t>, kBanks>;
+
+// Where a plan call starts: the bank of its slice 0 (slice j fills bank (j + first_bank)
+// mod kBanks), and how many of this rank's ops of slice 0 already ran (its early sends).
+struct PlanCallStart {
+  int first_bank = 0;
+  int early_ops_done = 0;
+};
+
 // The plan engine (host_plan.cpp): one call by `plan`, from publication number `base`
 // (the same on every rank); returns the publication numbers the call took (the same on
-// every rank) and notes in `unread`, per peer, this rank's latest publication it reads.
+// every rank) and notes in `unread` this rank's latest publications its peers read.
 uint64_t run_host_plan(HostComm& comm, const CompiledPlan& plan, const RingCall& call, const void* input,
-                       void* output, uint64_t base, std::vector<uint64_t>& unread, PlanScratch& scratch);
+                       void* output, uint64_t base, UnreadPublications& unread, PlanScratch& scratch,
+                       PlanCallStart at);
+// Before the call check of a call of one slice: this rank's early sends
+// (CompiledPlan::early_sends) into bank `first_bank`; they write nothing but its slots.
+void run_host_plan_early_sends(HostComm& comm, const CompiledPlan& plan, const RingCall& call, const void* input,
+                               uint64_t base, PlanScratch& scratch, int first_bank);
+// The elements of a chunk one slice holds (a slot's; a plan of direct reads only: the chunk).
+int64_t plan_slice_elems(const CompiledPlan& plan, size_t buffer_bytes, int64_t ring_count, size_t elem_size);
 
 class HostComm {
  public:
@@ -202,7 +218,7 @@ class HostComm {
   //
   // `small_bytes`: messages of at most this many bytes (and whose published part fits one
   // slot) take the one-shot path instead of the ring; 0 never. Ranks must agree (Python
-  // checks). See publish_one_shot.
+  // checks). See "The one-shot path" in host_comm.cpp.
   //
   // `direct_bytes`: all-gathers of at least this many bytes, and below `direct_max_bytes`,
   // read every peer's input straight into the output (peer_memory.h) where every rank can
@@ -320,6 +336,10 @@ class HostComm {
   // MismatchError where the peer posted another size than this rank, PeerError where the
   // read fails.
   void read_peer_input(int peer, size_t offset, void* into, size_t bytes);
+  // Wait until every reader has read what this rank published into `bank` (-1: both): the
+  // slots' layout depends on the algorithm, so no slot is refilled across calls while a
+  // peer still reads it (before a plan call; before its early sends, their bank only).
+  void drain_plan_publications(int bank = -1);
   // This rank has read all it reads of its peers' inputs in this call (finish_direct_reads'
   // first half, said early so that peers may return while this rank still writes).
   void say_peer_inputs_read();
@@ -356,22 +376,13 @@ class HostComm {
   void run_collective(const char* op, const CallDescriptor& call, Early&& early, Body&& body);
   void run_ring_call(const char* op, const RingCall& call, const void* input, void* output);
   void run_plan_call(const char* op, const RingCall& call, const CompiledPlan& plan, const void* input, void* output);
-  // Wait until every reader has read what this rank published, by the plan engine (all of
-  // it, or `plans_only`) and by the ring and one-shot paths: the slots' layout depends on
-  // the algorithm, so no slot is refilled across a change of it while a peer still reads.
-  void drain_plan_publications();
-  void drain_one_shot_publication();
+  // After the call check: the plan's steps (but the early sends before_the_check sent).
   void run_plan_steps(const RingCall& call, const CompiledPlan& plan, const void* input, void* output);
-  // The small-message algorithm: every rank publishes its input once, every rank combines
-  // all P copies itself (host_comm.cpp says why it is safe to interleave with the ring).
-  // Publishing writes only my own buffer, so it runs before the call check (run_collective).
-  struct OneShotPublication {
-    int slot;         // slot of my buffer (and every peer's) that holds this call's copies
-    uint64_t number;  // its publication number
-    size_t bytes;     // what each rank published
-  };
-  OneShotPublication publish_one_shot(const RingCall& call, const void* input);
-  void finish_one_shot(const RingCall& call, const OneShotPublication& mine, const void* input, void* output);
+  // Before the call check (run_collective's early step): post my input for peers' reads,
+  // choose the call's first bank, and send the plan's early sends (call_start_ says).
+  void before_the_check(const RingCall& call, const CompiledPlan& plan, const void* input);
+  // After a call's last wait: PeerError if a peer gave up on this call meanwhile.
+  void fail_if_a_peer_gave_up();
   // Bootstrap: see whether this rank may read every peer; then agree with all on direct_reads_.
   void probe_direct_reads();
   // Before a call that reads peers' inputs where they lie: post my input's address and size
@@ -386,8 +397,6 @@ class HostComm {
   // A token goes kHopLaps times round the ring, each rank passing it on to its right
   // neighbour; the fastest lap / P is one hop, the time a flag takes from core to core.
   void probe_neighbour_hops();
-  // Wait until every peer's `consumed` >= target: no peer still reads what I published up to it.
-  void wait_all_consumed(uint64_t target);
   // Compare my published `call` with every peer's (descriptor.h); throws MismatchError.
   void check_call(const char* op, const CallDescriptor& call);
   // Throw MismatchError if `peer` has announced this call and it differs from `call`.
@@ -401,7 +410,8 @@ class HostComm {
   bool check_calls_;
   std::array<std::pair<size_t, size_t>, kNumCollectives> auto_plan_spans_{};  // empty: [0, 0)
   std::deque<CompiledPlan> held_plans_;  // hold_plan's
-  std::vector<CompiledPlan> native_ring_;  // by collective code: the ring's plan, native's path (run_ring_call)
+  // By collective code, native's plans (run_ring_call): the ring's, and the one-shot's for small messages
+  std::vector<CompiledPlan> native_ring_, native_one_shot_;
   CompiledPlan native_direct_;  // the direct plan's all-gather: native's from direct_bytes_ (uses_direct_read)
   std::vector<SegmentMapping> segments_;
   std::vector<std::string> names_;  // the segments' names, long unlinked: arenas' names derive from them
@@ -413,13 +423,10 @@ class HostComm {
   uint64_t step_base_ = 0;          // number of my latest publication (all ranks agree)
   uint64_t barrier_generation_ = 0;
   uint64_t calls_ = 0;              // collectives issued on this communicator
-  uint64_t one_shot_calls_ = 0;    // one-shot calls so far: their slot alternates between the banks
-  std::array<uint64_t, kBanks> one_shot_last_{};  // per bank: the one-shot publication that last filled its slot
-  // The latest one-shot publication not yet known to be read by every peer (0: none). The
-  // plan engine's slot reuse waits only for its own publications' readers, so a plan call
-  // (the ring's included) waits for it first.
-  uint64_t unconfirmed_one_shot_ = 0;
-  std::vector<uint64_t> plan_unread_;  // per peer: my latest plan publication it reads (0: none left)
+  uint64_t one_shot_calls_ = 0;    // native calls that took the one-shot plan (for tests)
+  UnreadPublications plan_unread_;     // my latest publications that peers read, per bank (0: none left)
+  PlanCallStart call_start_;           // the current plan call's (before_the_check)
+  uint64_t one_slice_early_calls_ = 0;  // calls of one slice by a plan that sends early: they alternate banks
   PlanScratch plan_scratch_;           // the plan engine's work space and slot records
   uint64_t probe_token_ = 0;  // what peers read back at bootstrap (peer_memory.h)
   bool direct_reads_ = false;
@@ -438,7 +445,7 @@ class HostComm {
   const CallDescriptor* unchecked_call_ = nullptr;
   // Where this rank is in the current call, for error messages: which path, and on a plan
   // which slice and op (kNone: before any data moved).
-  enum class Path { kNone, kPlan, kOneShot, kZeroCopy };
+  enum class Path { kNone, kPlan, kZeroCopy };
   struct Position {
     int64_t slice, slices;
     int step, steps;

@@ -1,10 +1,10 @@
 // host_plan.cpp: the plan engine on the CPU transport, its one step loop. It runs any plan
-// (plan.h) over the ranks' shared-memory segments, addressed by any peer: the ring's plan
-// (native's ring), every other built-in algorithm and a user's.
+// (plan.h) over the ranks' shared-memory segments, addressed by any peer: native's plans
+// (the ring's; the one-shot's for small messages; the direct reads' for mid-size
+// all-gathers), every other built-in algorithm and a user's.
 //
 // Flags (docs/flags.md). Publications share the communicator's one numbering: every rank
-// starts a plan call at the same base (each call ends with it equal on all ranks, and a
-// one-shot call adds one on every rank), and rank k's m-th publication of slice j is
+// starts a plan call at the same base (each call ends with it equal on all ranks), and rank k's m-th publication of slice j is
 // base + j * pubs(k) + m, where pubs(k) is how many publications rank k makes per slice
 // (compile_plan counts them for every rank, so every rank can number any peer's). A reader
 // waits until the sender's `published` reaches that number, reads, and stores it in its
@@ -15,10 +15,12 @@
 // Slots. A publication of chunks [f, f + n) in the slice's bank fills slots f .. f+n-1 of
 // the sender's buffer, each 1/(kBanks C) of it (slot_bytes_for with C chunks). Before a
 // rank overwrites a slot, every reader of the publication that last filled it must have
-// consumed it. Between calls: before every plan call (the ring's included) and before a
-// one-shot call, every rank waits until all it published has been read
-// (drain_plan_publications): the slots' layout depends on the algorithm, so nothing
-// carries from one call to the next (carrying it was tried: algorithms.md).
+// consumed it. Between calls: before every plan call every rank waits until all it
+// published has been read (drain_plan_publications): the slots' layout depends on the
+// algorithm, so nothing carries from one call to the next (carrying it was tried:
+// algorithms.md). A bank is the same half of the buffer whatever the plan, though, so a
+// call of one slice whose sends go early (the one-shot's, before the call check) waits only
+// for the bank it fills, and such calls take the two banks in turn (PlanCallStart).
 #include <algorithm>
 #include <cstring>
 
@@ -33,17 +35,19 @@ namespace {
 template <typename T, class Op>
 class PlanRun {
  public:
+  // `at`: the call's first bank, and whether its early sends have run (the records hold them).
   PlanRun(HostComm& comm, const CompiledPlan& plan, Collective coll, int64_t ring_count, const void* input,
-          void* output, uint64_t base, PlanScratch& scratch)
+          void* output, uint64_t base, PlanScratch& scratch, PlanCallStart at)
       : comm_(comm), plan_(plan), coll_(coll), me_(comm.rank()), chunks_(plan.plan.chunks),
         ring_count_(ring_count), input_(static_cast<const T*>(input)), output_(static_cast<T*>(output)),
         slot_bytes_(slot_bytes_for(comm.buffer_bytes(), chunks_, kSlotAlignment)),
-        slice_elems_(uses_slots(plan) ? static_cast<int64_t>(slot_bytes_ / sizeof(T))
-                                      : std::max<int64_t>(1, max_chunk_length(ring_count, chunks_))),
+        slice_elems_(plan_slice_elems(plan, comm.buffer_bytes(), ring_count, sizeof(T))),
         slices_(slice_elems_ > 0 ? num_slices(ring_count, chunks_, slice_elems_) : 0), base_(base),
-        slot_last_(scratch.slot_last), slot_readers_(scratch.slot_readers) {
-    slot_last_.assign(static_cast<size_t>(kBanks) * chunks_, 0);
-    slot_readers_.assign(slot_last_.size(), 0);
+        first_bank_(at.first_bank), slot_last_(scratch.slot_last), slot_readers_(scratch.slot_readers) {
+    if (at.early_ops_done == 0) {
+      slot_last_.assign(static_cast<size_t>(kBanks) * chunks_, 0);
+      slot_readers_.assign(slot_last_.size(), 0);
+    }
     // Python checks this first (Communicator._plan); here for callers of the binding itself
     RINGCOLL_CHECK(slice_elems_ > 0, std::invalid_argument, collective_info(coll).name, ": a plan of ", chunks_,
                    " chunks needs buffer_bytes >= ", min_buffer_bytes(chunks_, kSlotAlignment), "; this one's is ",
@@ -60,18 +64,17 @@ class PlanRun {
     }
   }
 
-  // A plan that neither publishes nor uses the work space (direct reads only) is not cut
-  // into slices: nothing bounds its pieces but the message.
-  static bool uses_slots(const CompiledPlan& plan) { return plan.uses_work || fills_slots(plan); }
-
   int64_t slices() const { return slices_; }
+  bool output_streams() const { return stream_output_; }
 
-  // Slice j: every op of this rank, in order.
-  void run_slice(int64_t j) {
-    const int bank = static_cast<int>(j % kBanks);
+  // Slice j: this rank's ops [first, last), in order (every op but in the early sends'
+  // split; the ops before `first` each published once).
+  void run_slice(int64_t j, int first = 0, int last = -1) {
+    const int bank = static_cast<int>((j + first_bank_) % kBanks);
     const auto& ops = plan_.plan.ops[me_];
-    int published = 0;  // this rank's publications so far in this slice
-    for (size_t i = 0; i < ops.size(); ++i) {
+    int published = first;  // this rank's publications so far in this slice
+    const size_t end = last < 0 ? ops.size() : static_cast<size_t>(last);
+    for (size_t i = static_cast<size_t>(first); i < end; ++i) {
       const PlanOp& op = ops[i];
       comm_.set_plan_position(j, slices_, static_cast<int>(i), static_cast<int>(ops.size()), plan_.id);
       const bool receives = op.a == Operand::kPeer || op.b == Operand::kPeer;
@@ -95,11 +98,14 @@ class PlanRun {
     }
   }
 
-  // Per peer: my latest publication it reads (drain_plan_publications waits for it).
-  void note_unread(std::vector<uint64_t>& unread) const {
+  // Per bank and peer: my latest publication it reads (drain_plan_publications waits for it).
+  void note_unread(UnreadPublications& unread) const {
     for (size_t s = 0; s < slot_last_.size(); ++s)
       for (int r = 0; r < comm_.world(); ++r)
-        if (has_bit(slot_readers_[s], r)) unread[r] = std::max(unread[r], slot_last_[s]);
+        if (has_bit(slot_readers_[s], r)) {
+          uint64_t& latest = unread[s / static_cast<size_t>(chunks_)][r];  // slot s lies in bank s / C
+          latest = std::max(latest, slot_last_[s]);
+        }
   }
 
  private:
@@ -199,6 +205,7 @@ class PlanRun {
   size_t slot_bytes_;
   int64_t slice_elems_, slices_;
   uint64_t base_;
+  int first_bank_;  // slice j fills bank (j + first_bank_) mod kBanks
   T* work_ = nullptr;
   std::vector<uint64_t>& slot_last_;     // per slot: the publication that last filled it (this call)
   std::vector<uint64_t>& slot_readers_;  // ... and its readers
@@ -208,19 +215,36 @@ class PlanRun {
 
 }  // namespace
 
-// Slices of a call by `plan` (every rank starts at publication number `base`); returns how
-// many publications numbers the call took on every rank, and notes in `unread`, per peer,
-// this rank's latest publication that peer reads.
+int64_t plan_slice_elems(const CompiledPlan& plan, size_t buffer_bytes, int64_t ring_count, size_t elem_size) {
+  // A plan that neither publishes nor uses the work space (direct reads only) is not cut
+  // into slices: nothing bounds its pieces but the message.
+  if (!plan.uses_work && !fills_slots(plan)) return std::max<int64_t>(1, max_chunk_length(ring_count, plan.plan.chunks));
+  return static_cast<int64_t>(slot_bytes_for(buffer_bytes, plan.plan.chunks, kSlotAlignment) / elem_size);
+}
+
+void run_host_plan_early_sends(HostComm& comm, const CompiledPlan& plan, const RingCall& call, const void* input,
+                               uint64_t base, PlanScratch& scratch, int first_bank) {
+  dispatch_call(call.descriptor, [&](auto t, auto o) {
+    PlanRun<decltype(t), decltype(o)> run(comm, plan, call.collective, call.ring_count, input, nullptr, base, scratch,
+                                          PlanCallStart{first_bank, 0});
+    run.run_slice(0, 0, plan.early_sends[comm.rank()]);
+  });
+}
+
 uint64_t run_host_plan(HostComm& comm, const CompiledPlan& plan, const RingCall& call, const void* input,
-                       void* output, uint64_t base, std::vector<uint64_t>& unread, PlanScratch& scratch) {
+                       void* output, uint64_t base, UnreadPublications& unread, PlanScratch& scratch,
+                       PlanCallStart at) {
   int64_t slices = 0;
   dispatch_call(call.descriptor, [&](auto t, auto o) {
-    PlanRun<decltype(t), decltype(o)> run(comm, plan, call.collective, call.ring_count, input, output, base, scratch);
+    PlanRun<decltype(t), decltype(o)> run(comm, plan, call.collective, call.ring_count, input, output, base, scratch,
+                                          at);
     slices = run.slices();
-    for (int64_t j = 0; j < slices; ++j) run.run_slice(j);
+    for (int64_t j = 0; j < slices; ++j) run.run_slice(j, j == 0 ? at.early_ops_done : 0);
     run.note_unread(unread);
+    // The output's streaming stores are weakly ordered: done before the caller's next access
+    // (the slots' were fenced before each publication).
+    if (run.output_streams()) stream_fence();
   });
-  stream_fence();
   const int most = *std::max_element(plan.publications.begin(), plan.publications.end());
   return static_cast<uint64_t>(slices) * static_cast<uint64_t>(most);
 }

@@ -75,19 +75,21 @@ The one-shot path (small messages, CPU transport)
 =================================================
 
 Below a crossover (``RINGCOLL_SMALL_BYTES``) the shared-memory transport does not run the
-ring at all (``publish_one_shot`` / ``finish_one_shot`` in ``csrc/host/host_comm.cpp``;
-:func:`one_shot_fits` mirrors its test). In one step every rank copies its input into one
-slot of its own buffer and publishes it; then every rank reads the slots of all P ranks and
-combines them itself, each chunk c in the order the ring reduces it
-(:func:`rs_contributor`), so it computes the ring's bits::
+ring at all: native runs the ``oneshot`` plan (``plan.h``'s ``one_shot_plan``;
+``csrc/host/host_comm.cpp`` says why; :func:`one_shot_fits` mirrors its test). In one step
+every rank publishes to its peers what they need (all-reduce: every chunk of its input to
+every peer; reduce-scatter: chunk c to rank c; all-gather: its own chunk), before the call
+check, so a small call meets its peers once; then every rank combines what it answers for
+itself, each chunk c in the order the ring reduces it (:func:`rs_contributor`), so it
+computes the ring's bits::
 
-    all-reduce      chunk c of out = ((slot_{c+1} op slot_{c+2}) op ...) op slot_c   (mod P)
-    reduce-scatter  the same, on chunk k of every slot only
-    all-gather      chunk r of out = slot_r (each rank publishes only its own part)
+    all-reduce      chunk c of out = ((x_{c+1} op x_{c+2}) op ...) op x_c   (mod P; x_r rank r's chunk c)
+    reduce-scatter  the same, on chunk k only
+    all-gather      chunk r of out = x_r
 
-One publication and P-1 waits per rank instead of 2(P-1) (P-1) ring steps, but each rank
-reads P-1 whole copies: (P-1) * n for all-reduce instead of 2(P-1)/P * n.
-:func:`simulate_one_shot` runs it on lists.
+One step per rank instead of 2(P-1) (P-1) ring steps, but each rank reads P-1 whole
+copies: (P-1) * n for all-reduce instead of 2(P-1)/P * n. :func:`simulate_one_shot` runs
+the plan on lists.
 
 The direct-read all-gather (CPU transport)
 ==========================================
@@ -410,7 +412,7 @@ def simulate(
 
 
 # ---------------------------------------------------------------------------------------
-# The one-shot path (csrc/host/host_comm.h: one_shot_fits; host_comm.cpp: publish_one_shot, finish_one_shot)
+# The one-shot path (csrc/host/host_comm.h: one_shot_fits; plan.h: one_shot_plan)
 
 
 #: The one-shot all-reduce of a 16-bit float (the only 2-byte dtypes) stops at small_bytes
@@ -454,9 +456,11 @@ def direct_read_fits(coll: Collective, ring_count: int, elem_size: int, direct_r
 
 @dataclass
 class OneShotRank:
-    """What one rank did in the one-shot step: ``published`` the values it put in its slot;
-    ``read`` the part of every rank's slot it read, in rank order (for reduce-scatter only
-    chunk k of each); ``output`` what it returns."""
+    """What one rank did in the one-shot step: ``published`` the values it put in its slots
+    (every chunk of its input for all-reduce; the chunks of the others for reduce-scatter;
+    its own for all-gather); ``read`` what it took from every rank, in rank order (its own
+    input's part for itself; for reduce-scatter chunk k of each); ``output`` what it
+    returns."""
 
     rank: int
     published: List[Any]
@@ -469,34 +473,40 @@ def simulate_one_shot(
     inputs: Sequence[Sequence[Any]],
     op: Callable[[Any, Any], Any] = operator.add,
 ) -> List[OneShotRank]:
-    """Run the one-shot path of ``coll`` on Python lists (inputs as for :func:`simulate`).
-    Each rank folds chunk c of the slots in the order the ring reduces it
-    (:func:`rs_contributor`: rank c+1 first, rank c last), ``op(partial, slot_r)``: the
-    argument order of the C++ ``reduce`` (received partial first). So every rank computes
-    the ring's bits, whichever path a size takes."""
+    """Run the one-shot path of ``coll`` on Python lists (inputs as for :func:`simulate`):
+    the ``oneshot`` plan's records (``plan.h``'s ``one_shot_plan``, which native runs for
+    small messages), run by ``ringcoll.plans.simulate``. Each rank folds chunk c in the order
+    the ring reduces it (:func:`rs_contributor`: rank c+1 first, rank c last),
+    ``op(partial, contribution)``: the argument order of the C++ ``reduce`` (received partial
+    first). So every rank computes the ring's bits, whichever path a size takes."""
+    from ringcoll import plans  # the plan records come from the extension
+
     coll = Collective(coll)
     world = len(inputs)
     if world < 1:
         raise ValueError("simulate_one_shot: need at least one rank")
-    slots = [list(x) for x in inputs]  # each rank publishes its whole input
-    n = sum(len(x) for x in slots) if coll == Collective.ALL_GATHER else len(slots[0])
+    mine = [list(x) for x in inputs]
+    if coll == Collective.ALL_GATHER:
+        _gathered_length("simulate_one_shot", mine)
+    outputs, ran = plans.simulate(plans.plan("oneshot", coll.name.lower(), world), mine, combine=op)
+    # What each rank published to each reader, in the order it published it
+    sent = [[[] for _ in range(world)] for _ in range(world)]  # [sender][reader]
+    for st in sorted(ran, key=lambda st: (st.rank, st.index)):
+        if st.op.to & plans.TO_SLOT:
+            for reader in range(world):
+                if st.op.readers >> reader & 1:
+                    sent[st.rank][reader] += [x for chunk in st.values for x in chunk]
+    n = sum(map(len, mine)) if coll == Collective.ALL_GATHER else len(mine[0])
     ranks = []
     for k in range(world):
-        if coll == Collective.ALL_GATHER:
-            read = [list(slots[r]) for r in range(world)]
-            output = [x for part in read for x in part]
-        else:
-            part = slice(chunk_begin(n, world, k), chunk_end(n, world, k)) if coll == Collective.REDUCE_SCATTER \
-                else slice(0, n)
-            read = [slots[r][part] for r in range(world)]
-            output = []
-            for c in ([k] if coll == Collective.REDUCE_SCATTER else range(world)):
-                chunk = slice(chunk_begin(n, world, c), chunk_end(n, world, c))
-                folded = slots[rs_contributor(c, 0, world)][chunk]
-                for i in range(1, world):
-                    folded = [op(a, b) for a, b in zip(folded, slots[rs_contributor(c, i, world)][chunk])]
-                output += folded
-        ranks.append(OneShotRank(rank=k, published=list(slots[k]), read=read, output=output))
+        published = []
+        for st in sorted((st for st in ran if st.rank == k and st.op.to & plans.TO_SLOT), key=lambda st: st.index):
+            published += [x for chunk in st.values for x in chunk]
+        own = mine[k][chunk_begin(n, world, k):chunk_end(n, world, k)] if coll == Collective.REDUCE_SCATTER \
+            else mine[k]
+        ranks.append(OneShotRank(rank=k, published=published,
+                                 read=[own if r == k else sent[r][k] for r in range(world)],
+                                 output=list(outputs[k])))
     return ranks
 
 

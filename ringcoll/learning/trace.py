@@ -31,8 +31,9 @@ Default inputs, chosen so the sums can be done by eye:
   digit says where an element came from.
 
 :func:`trace` with ``algorithm="oneshot"`` (``ringcoll trace ... --algorithm oneshot``)
-shows the small-message path instead, from :func:`ringcoll.learning.schedule.simulate_one_shot`:
-the one step in which every rank publishes its input and combines all P slots itself.
+shows the small-message path instead, from :func:`ringcoll.learning.schedule.simulate_one_shot` (the
+``oneshot`` plan's records): the one step in which every rank publishes what its peers need
+and combines all P contributions itself.
 
 :func:`trace` with ``algorithm="direct"`` (all_gather only) shows the CPU transport's
 large-message path, from :func:`ringcoll.learning.schedule.simulate_direct_read`: every rank
@@ -284,12 +285,14 @@ def trace(collective: str, world: int, n: int, inputs: Optional[Sequence[Sequenc
 
 
 def _one_shot_lines(collective: str, coll: Collective, world: int, n: int, inputs) -> List[str]:
-    """The one-shot step (schedule.simulate_one_shot), the result, and what it saved."""
+    """The one-shot step (schedule.simulate_one_shot, the oneshot plan), the result, and what it saved."""
     gather = coll == Collective.ALL_GATHER
-    what = "its own chunk" if gather else "its whole input"
-    lines = [f"one-shot: each rank copies {what} into one slot of its own buffer and publishes it once; then every",
-             "  rank waits for each peer's publication and " + ("copies slot r into chunk r of its output"
-                                                            if gather else "combines all P slots itself: chunk c in the")]
+    what = {Collective.ALL_GATHER: "its own chunk to every peer", Collective.ALL_REDUCE: "every chunk of its input to "
+            "every peer", Collective.REDUCE_SCATTER: "chunk c of its input to rank c"}[coll]
+    lines = [f"one-shot: each rank publishes {what}, before the call check (so a small call meets its",
+             "  peers once); then every rank waits for each peer's publication and "
+             + ("copies rank r's into chunk r of its output" if gather else "combines the P contributions itself:"
+                                                                             " chunk c in the")]
     if not gather:
         lines.append("  order the ring reduces it (rank c+1 first, rank c last), so every rank gets the ring's bits")
     if world == 1:
@@ -297,7 +300,7 @@ def _one_shot_lines(collective: str, coll: Collective, world: int, n: int, input
         ranks = simulate_one_shot(coll, inputs)
     else:
         ranks = simulate_one_shot(coll, inputs)
-        lines += ["", "step 0  (the only step: one publication and P-1 waits per rank)"]
+        lines += ["", "step 0  (the only step: each rank's publications, then its waits for the P-1 peers')"]
         for rs in ranks:
             line = f"  rank {rs.rank}: publishes {_fmt(rs.published)}; "
             if gather:

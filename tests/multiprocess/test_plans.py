@@ -99,6 +99,58 @@ def test_every_plan_matches_gloo(world):  # the odd worlds with the slots writte
     M._report(spawn(_matrix_rank, world, timeout=M.SPAWN_TIMEOUT, env=M.STREAMED_SLOTS_ENV if world % 2 else M.CLEAN_ENV))
 
 
+def _early_sends_back_to_back(rank, world):
+    """Small calls whose sends go before the call check, back to back with nothing between
+    them that waits for every rank: native's one-shot (all three collectives), the oneshot
+    plan's broadcast and reduce, and now and then a ring call, on one communicator. A call
+    of one slice takes the bank its predecessor did not, and its early sends wait only for
+    the readers of the call before last in that bank (plan.h's Plan::sends_early): a rank
+    running a call ahead must never refill a slot a slower peer still reads. The expected
+    values are computed here from every rank's seeded input, so no reference call (gloo's
+    would be a barrier) hides a race."""
+    chk = M.Checker(rank)
+
+    def inputs(i, n):
+        return [M.make_input("int", torch.int32, n, M._seed("early", i, r)) for r in range(world)]
+
+    with ringcoll.Communicator(timeout=M.COMM_TIMEOUT) as comm:
+        before = comm.transport.one_shot_calls
+        for i in range(240):
+            n = (1 + i % 7) * world * 4
+            xs = inputs(i, n)
+            total = torch.stack(xs).sum(0, dtype=torch.int32)
+            kind, root = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce"][i % 5], i % world
+            algorithm = "ring" if i % 11 == 0 else ("oneshot" if kind in ("broadcast", "reduce") else "native")
+            x = xs[rank].clone()
+            if kind == "all_reduce":
+                comm.all_reduce(x, algorithm=algorithm)
+                chk.equal(f"call {i} all_reduce ({algorithm}, n={n})", x, total)
+            elif kind == "reduce_scatter":
+                out = torch.empty(n // world, dtype=torch.int32)
+                comm.reduce_scatter_tensor(out, x, algorithm=algorithm)
+                chk.equal(f"call {i} reduce_scatter ({algorithm}, n={n})", out, total.view(world, -1)[rank])
+            elif kind == "all_gather":
+                piece = x[:n // world].clone()
+                out = torch.empty(n, dtype=torch.int32)
+                comm.all_gather_into_tensor(out, piece, algorithm=algorithm)
+                chk.equal(f"call {i} all_gather ({algorithm}, n={n})", out,
+                          torch.cat([y[:n // world] for y in xs]))
+            elif kind == "broadcast":
+                comm.broadcast(x, root, algorithm=algorithm)
+                chk.equal(f"call {i} broadcast from {root} ({algorithm}, n={n})", x, xs[root])
+            else:
+                comm.reduce(x, root, algorithm=algorithm)
+                chk.equal(f"call {i} reduce to {root} ({algorithm}, n={n})", x, total if rank == root else xs[rank])
+        if world > 1 and comm.transport.one_shot_calls - before < 100:
+            chk.fail("early sends", f"only {comm.transport.one_shot_calls - before} calls took native's one-shot")
+    return chk.finish()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_early_sends_back_to_back_never_refill_a_slot_a_peer_still_reads(world):
+    M._report(spawn(_early_sends_back_to_back, world, timeout=M.SPAWN_TIMEOUT))
+
+
 def _smallest_buffer_rank(rank, world):
     """At the smallest buffer_bytes a communicator accepts (two banks of one slot per rank),
     every algorithm of every collective either runs, matching gloo, or (a plan of more chunks

@@ -149,8 +149,12 @@ def test_one_shot_trace_is_one_step_and_gives_the_reference(name, world, n):
     assert sum(1 for line in text.splitlines() if STEP.match(line)) == (1 if world > 1 else 0)
     for m in rows:
         rank = int(m.group(1))
-        # Each rank publishes its whole input (all-gather: its own chunk) and reads every slot, in rank order.
-        assert [int(v) for v in m.group(2).split()] == inputs[rank]
+        # Each rank publishes what its peers need (all-reduce: its whole input; reduce-scatter: every
+        # chunk but its own; all-gather: its own chunk) and reads every rank's part, in rank order.
+        mine = inputs[rank]
+        if coll == schedule.Collective.REDUCE_SCATTER:
+            mine = mine[:schedule.chunk_begin(n, world, rank)] + mine[schedule.chunk_end(n, world, rank):]
+        assert [int(v) for v in m.group(2).split()] == mine
         assert m.group(5) == ", ".join(map(str, range(world)))
         assert (m.group(4) is not None) == (coll == schedule.Collective.REDUCE_SCATTER)
         if m.group(4) is not None:

@@ -79,6 +79,11 @@ struct PlanOp {
 struct Plan {
   int chunks = 0;
   std::vector<std::vector<PlanOp>> ops;  // ops[rank]
+  // Each rank's leading sends (ops that only publish its input) may run before the call
+  // check, where the call is one slice: a small call then meets its peers once, not twice
+  // (the one-shot's). Its price is that the last call's publications must all have been
+  // read before them, which where a call has many steps costs more than it saves.
+  bool sends_early = false;
 };
 
 // A plan resolved for running, per rank: for each receive, the number (1, 2, ...) of the
@@ -95,6 +100,8 @@ struct CompiledPlan {
   std::vector<std::vector<int>> last_read;          // [rank][op]: 1 if it is this rank's last read of
                                                     // its sender's publication
   bool reads_peer_inputs = false;                   // some op reads a peer's input (kPeerInput)
+  std::vector<int> early_sends;                     // [rank]: its leading ops that run before the
+                                                    // call check (0 unless plan.sends_early)
   std::vector<int> last_peer_input_op;              // [rank]: its last op that reads a peer's input
                                                     // (-1: none), after which, in the last slice, it
                                                     // tells its peers it is done reading theirs
@@ -121,6 +128,7 @@ inline Plan rooted_plan(const Plan& plan, int root) {
   auto moved = [&](int rank) { return (rank + root) % world; };
   Plan out;
   out.chunks = plan.chunks;
+  out.sends_early = plan.sends_early;
   out.ops.resize(world);
   for (int k = 0; k < world; ++k) {
     for (PlanOp op : plan.ops[k]) {
@@ -157,6 +165,7 @@ inline CompiledPlan compile_plan(Plan plan, const std::string& name, int world, 
   if (root != 0) plan = rooted_plan(plan, root);
   out.publications.assign(world, 0);
   out.last_peer_input_op.assign(world, -1);
+  out.early_sends.assign(world, 0);
   // sent[k][j]: the (publication number, first, count) of k's publications that j reads, in order
   struct Sent { int number, first, count; };
   std::vector<std::vector<std::vector<Sent>>> sent(world, std::vector<std::vector<Sent>>(world));
@@ -197,6 +206,12 @@ inline CompiledPlan compile_plan(Plan plan, const std::string& name, int world, 
       }
     }
   }
+  // The leading ops that read nothing but the input and write nothing but a publication.
+  for (int k = 0; k < world && plan.sends_early; ++k)
+    for (const PlanOp& op : plan.ops[k]) {
+      if (op.a != Operand::kInput || op.b != Operand::kNone || op.to != kToSlot) break;
+      ++out.early_sends[k];
+    }
   out.publication_read.resize(world);
   out.last_read.resize(world);
   for (int j = 0; j < world; ++j) {
@@ -352,9 +367,14 @@ inline Plan star_plan(Collective coll, int world, int chunks = kChainChunks) {
 // copies it); reduce, every other rank publishes its input to the root, which folds them
 // in the chain's order (chain_plan: the same bits as the chain).
 inline Plan one_shot_plan(Collective coll, int world) {
-  if (coll == Collective::kBroadcast) return star_plan(coll, world, 1);
   Plan plan;
+  if (coll == Collective::kBroadcast) {
+    plan = star_plan(coll, world, 1);
+    plan.sends_early = true;
+    return plan;
+  }
   plan.chunks = collective_info(coll).rooted ? 1 : world;
+  plan.sends_early = true;  // one step: its publications go before the call check
   plan.ops.resize(world);
   if (world == 1) return plan;
   const uint64_t everyone = all_ranks(world);
@@ -373,10 +393,11 @@ inline Plan one_shot_plan(Collective coll, int world) {
   }
   for (int k = 0; k < world; ++k) {
     auto& ops = plan.ops[k];
-    if (coll == Collective::kAllGather) {  // publish my chunk, copy every peer's
-      ops.push_back(make_op(Operand::kInput, k, 1, kToSlot | kToOutput, Operand::kNone, -1, everyone & ~bit(k), true));
+    if (coll == Collective::kAllGather) {  // publish my chunk (early: to the slot only), copy every peer's
+      ops.push_back(make_op(Operand::kInput, k, 1, kToSlot, Operand::kNone, -1, everyone & ~bit(k)));
       for (int c = 0; c < world; ++c)
-        if (c != k) ops.push_back(make_op(Operand::kPeer, c, 1, kToOutput, Operand::kNone, c, 0, true));
+        ops.push_back(c == k ? make_op(Operand::kInput, c, 1, kToOutput, Operand::kNone, -1, 0, true)
+                             : make_op(Operand::kPeer, c, 1, kToOutput, Operand::kNone, c, 0, true));
       continue;
     }
     const bool scatter = coll == Collective::kReduceScatter;
@@ -385,14 +406,22 @@ inline Plan one_shot_plan(Collective coll, int world) {
         ops.push_back(make_op(Operand::kInput, c, 1, kToSlot, Operand::kNone, -1,
                               scatter ? bit(c) : everyone & ~bit(k)));
     for (int c = scatter ? k : 0; c < (scatter ? k + 1 : world); ++c) {
-      for (int i = 0; i < world; ++i) {  // fold chunk c in the ring's order
-        const int r = rs_contributor(c, i, world);
-        const Operand contribution = r == k ? Operand::kInput : Operand::kPeer;
-        const bool final = i + 1 == world;
-        ops.push_back(i == 0 ? make_op(contribution, c, 1, kToWork, Operand::kNone, r == k ? -1 : r)
-                             : make_op(Operand::kWork, c, 1, final ? kToOutput : kToWork, contribution,
-                                       r == k ? -1 : r, 0, final));
+      // Fold chunk c in the ring's order: ((x_0 OP x_1) OP x_2) ... with x_i the input of
+      // rank rs_contributor(c, i). Where mine is x_0 or x_1, the first two take one op (at
+      // P = 2 the whole fold does).
+      auto x = [&](int i) { return rs_contributor(c, i, world); };
+      auto operand = [&](int i) { return x(i) == k ? Operand::kInput : Operand::kPeer; };
+      auto to = [&](int i) { return i + 1 == world ? kToOutput : kToWork; };
+      int i = 1;
+      if (x(0) == k || x(1) == k) {
+        const int peer = x(0) == k ? x(1) : x(0);
+        ops.push_back(make_op(operand(0), c, 1, to(1), operand(1), peer, 0, world == 2));
+        i = 2;
+      } else {
+        ops.push_back(make_op(Operand::kPeer, c, 1, kToWork, Operand::kNone, x(0)));
       }
+      for (; i < world; ++i)
+        ops.push_back(make_op(Operand::kWork, c, 1, to(i), operand(i), x(i) == k ? -1 : x(i), 0, i + 1 == world));
     }
   }
   return plan;
