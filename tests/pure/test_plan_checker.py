@@ -445,3 +445,28 @@ def test_the_docs_example_is_proved_traced_and_priced(capsys):
         plans._compiled.clear()
     with pytest.raises(ValueError, match="plans file 'nope.py' does not exist"):
         plans.load_plans("nope.py")
+
+
+def test_only_the_one_shot_sends_before_the_call_check():
+    """Plan.sends_early: the oneshot plan's leading sends (ops that only publish the input,
+    nothing to an output) run before the call check; every other built-in's go after it.
+    compile_plan counts them per rank: all of a rank's publications for the one-shot of the
+    three collectives, the non-roots' for a reduce, the root's for a broadcast."""
+    for name in BUILTIN:
+        for coll in plans.BUILTIN_COLLECTIVES[name]:
+            for world in (2, 3, 5):
+                p, compiled = plans.compiled(name, coll, world)
+                assert p.sends_early == (name == "oneshot"), (name, coll)
+                early = list(compiled.early_sends)
+                if name != "oneshot":
+                    assert early == [0] * world, (name, coll, early)
+                    continue
+                for rank, ops in enumerate(p.ops):
+                    leading = early[rank]
+                    assert all(o.a == plans.INPUT and o.b == plans.Operand.NONE and o.to == plans.TO_SLOT
+                               for o in ops[:leading]), (coll, rank)
+                    assert leading == len(ops) or ops[leading].to != plans.TO_SLOT or ops[leading].a != plans.INPUT
+                expected = {"all_reduce": [world] * world, "reduce_scatter": [world - 1] * world,
+                            "all_gather": [1] * world, "reduce": [0] + [1] * (world - 1),
+                            "broadcast": [1] + [0] * (world - 1)}[coll]
+                assert early == expected, (coll, world, early)
