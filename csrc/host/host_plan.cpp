@@ -4,12 +4,12 @@
 // all-gathers), every other built-in algorithm and a user's.
 //
 // Flags (docs/flags.md). Publications share the communicator's one numbering: every rank
-// starts a plan call at the same base (each call ends with it equal on all ranks), and rank k's m-th publication of slice j is
-// base + j * pubs(k) + m, where pubs(k) is how many publications rank k makes per slice
-// (compile_plan counts them for every rank, so every rank can number any peer's). A reader
-// waits until the sender's `published` reaches that number, reads, and stores it in its
-// own `consumed_from[sender]`: flow control per connection, not one counter for the left
-// neighbour. At the end of the call every rank moves its `published` to
+// starts a plan call at the same base (each call ends with it equal on all ranks), and
+// rank k's m-th publication of slice j is base + j * pubs(k) + m, where pubs(k) is how
+// many publications rank k makes per slice (compile_plan counts them for every rank, so
+// every rank can number any peer's). A reader waits until the sender's `published`
+// reaches that number, reads, and stores it in its own `consumed_from[sender]`: flow
+// control per connection, not one counter for the left neighbour. At the end of the call every rank moves its `published` to
 // base + slices * max_k pubs(k), the same on every rank, so the numbering stays equal.
 //
 // Slots. A publication of chunks [f, f + n) in the slice's bank fills slots f .. f+n-1 of

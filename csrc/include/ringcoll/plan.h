@@ -81,8 +81,9 @@ struct Plan {
   std::vector<std::vector<PlanOp>> ops;  // ops[rank]
   // Each rank's leading sends (ops that only publish its input) may run before the call
   // check, where the call is one slice: a small call then meets its peers once, not twice
-  // (the one-shot's). Its price is that the last call's publications must all have been
-  // read before them, which where a call has many steps costs more than it saves.
+  // (the one-shot's). Their price is a wait, before the check, for the readers of what the
+  // rank last published in the bank they fill (one-slice calls take the banks in turn),
+  // which where a call has many steps costs more than it saves.
   bool sends_early = false;
 };
 
