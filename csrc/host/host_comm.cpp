@@ -115,12 +115,12 @@ HostComm::HostComm(int rank, int world, const std::vector<std::string>& names, s
   check_buffer_bytes("Communicator", buffer_bytes, world, kSlotAlignment);
   native_ring_.resize(kNumCollectives);
   native_one_shot_.resize(kNumCollectives);
-  for (Collective coll : {Collective::kAllReduce, Collective::kReduceScatter, Collective::kAllGather})
+  for (Collective coll : {Collective::kAllReduce, Collective::kReduceScatter, Collective::kAllGather}) {
     native_ring_[static_cast<size_t>(coll)] =
         compile_plan(ring_plan(coll, world), "ring", world, static_cast<uint32_t>(Algorithm::kRing));
-  for (Collective coll : {Collective::kAllReduce, Collective::kReduceScatter, Collective::kAllGather})
     native_one_shot_[static_cast<size_t>(coll)] =
         compile_plan(one_shot_plan(coll, world), "oneshot", world, static_cast<uint32_t>(Algorithm::kOneShot));
+  }
   native_direct_ = compile_plan(direct_plan(Collective::kAllGather, world), "direct", world,
                                 static_cast<uint32_t>(Algorithm::kDirect));
   slot_stores_ = slot_stores_from_env();

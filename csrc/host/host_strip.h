@@ -140,8 +140,8 @@ void reduce_strip(T* to_right, T* to_output, const T* recv, const T* own, int64_
 // out[0, len) = elements [begin, begin + len) of every rank's `source(r)`, folded in the
 // order the ring reduces chunk `chunk` (rs_contributor), the last combine finalizing (AVG).
 // Tile by tile, the partial in an L1-sized scratch: `out` may be the last contributor's
-// own memory (in place), which each tile reads before it writes. Every path that folds all
-// P contributions itself (the one-shot path, symmetric memory) uses it: the ring's bits.
+// own memory (in place), which each tile reads before it writes. Symmetric memory, which
+// folds all P contributions itself, uses it: the ring's bits.
 template <typename T, class Op, class Source>
 void fold_in_ring_order(T* out, Source&& source, int chunk, int64_t begin, int64_t len, int world, bool stream) {
   constexpr int64_t kTile = 4096 / sizeof(T);

@@ -489,22 +489,22 @@ def simulate_one_shot(
     if coll == Collective.ALL_GATHER:
         _gathered_length("simulate_one_shot", mine)
     outputs, ran = plans.simulate(plans.plan("oneshot", coll.name.lower(), world), mine, combine=op)
-    # What each rank published to each reader, in the order it published it
+    # What each rank published, in the order it published it: in all, and to each reader
+    published = [[] for _ in range(world)]
     sent = [[[] for _ in range(world)] for _ in range(world)]  # [sender][reader]
     for st in sorted(ran, key=lambda st: (st.rank, st.index)):
         if st.op.to & plans.TO_SLOT:
+            values = [x for chunk in st.values for x in chunk]
+            published[st.rank] += values
             for reader in range(world):
                 if st.op.readers >> reader & 1:
-                    sent[st.rank][reader] += [x for chunk in st.values for x in chunk]
+                    sent[st.rank][reader] += values
     n = sum(map(len, mine)) if coll == Collective.ALL_GATHER else len(mine[0])
     ranks = []
     for k in range(world):
-        published = []
-        for st in sorted((st for st in ran if st.rank == k and st.op.to & plans.TO_SLOT), key=lambda st: st.index):
-            published += [x for chunk in st.values for x in chunk]
         own = mine[k][chunk_begin(n, world, k):chunk_end(n, world, k)] if coll == Collective.REDUCE_SCATTER \
             else mine[k]
-        ranks.append(OneShotRank(rank=k, published=published,
+        ranks.append(OneShotRank(rank=k, published=published[k],
                                  read=[own if r == k else sent[r][k] for r in range(world)],
                                  output=list(outputs[k])))
     return ranks
