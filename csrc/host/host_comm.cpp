@@ -413,10 +413,6 @@ void HostComm::run_plan_steps(const RingCall& call, const CompiledPlan& plan, co
     choose_slot_stores(call);
   }
   step_base_ += run_host_plan(*this, plan, call, input, output, step_base_, plan_unread_, plan_scratch_, call_start_);
-  // Every rank to the same number, so the numbering stays equal on all ranks (a store only
-  // where mine differs: peers poll this line).
-  if (flag_load_relaxed(&header(rank_).published.value) != step_base_)
-    flag_store_release(&header(rank_).published.value, step_base_);
   if (plan.reads_peer_inputs) finish_direct_reads();
   fail_if_a_peer_gave_up();
 }

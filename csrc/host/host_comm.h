@@ -199,7 +199,8 @@ struct PlanCallStart {
 
 // The plan engine (host_plan.cpp): one call by `plan`, from publication number `base`
 // (the same on every rank); returns the publication numbers the call took (the same on
-// every rank) and notes in `unread` this rank's latest publications its peers read.
+// every rank), leaves this rank's `published` at base + that, and notes in `unread` this
+// rank's latest publications its peers read.
 uint64_t run_host_plan(HostComm& comm, const CompiledPlan& plan, const RingCall& call, const void* input,
                        void* output, uint64_t base, UnreadPublications& unread, PlanScratch& scratch,
                        PlanCallStart at);

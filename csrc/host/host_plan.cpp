@@ -245,8 +245,14 @@ uint64_t run_host_plan(HostComm& comm, const CompiledPlan& plan, const RingCall&
     // (the slots' were fenced before each publication).
     if (run.output_streams()) stream_fence();
   });
+  // Every rank to the same number, so the numbering stays equal on all ranks. A rank that
+  // publishes most per slice is there already (its last publication has that number): it
+  // neither stores nor loads its `published`, a line its peers poll.
   const int most = *std::max_element(plan.publications.begin(), plan.publications.end());
-  return static_cast<uint64_t>(slices) * static_cast<uint64_t>(most);
+  const uint64_t taken = static_cast<uint64_t>(slices) * static_cast<uint64_t>(most);
+  if (plan.publications[comm.rank()] < most && taken > 0)
+    flag_store_release(&comm.header(comm.rank()).published.value, base + taken);
+  return taken;
 }
 
 }  // namespace ringcoll::host
