@@ -136,7 +136,7 @@ BUILTIN: dict = {name: code for name, code, _ in _C.algorithm_table}
 BUILTIN_COLLECTIVES: dict = {name: collectives for name, _, collectives in _C.algorithm_table}
 MAX_WORLD: int = _C.max_plan_world
 
-_registry: dict = {}  # (name, collective) -> plan_fn
+_registry: dict = {}  # (name, collective) -> (plan_fn, sends_early)
 _compiled: dict = {}  # (name, collective, world, root) -> (Plan, _C.CompiledPlan, plan id)
 _lock = threading.Lock()
 
@@ -157,21 +157,26 @@ def algorithms(collective: Optional[str] = None) -> list:
 
 
 def register_algorithm(name: str, plan_fn: Callable[[int, int], Sequence[PlanOp]],
-                       collective: str = "all_reduce") -> None:
+                       collective: str = "all_reduce", *, sends_early: bool = False) -> None:
     """Make ``algorithm=name`` run ``plan_fn(world_size, rank)``'s ops (a list of PlanOp,
     :func:`op` makes them) for ``collective`` on the CPU transport. The plan is built and
     checked (:func:`check`) the first time it is used at a world size; a wrong plan raises
     PlanError there, on every rank, before anything moves. Register it on every rank. A
     broadcast or reduce plan is written for root 0; another root runs it relabelled (rank
-    k does what rank (k - root) mod P does for root 0)."""
+    k does what rank (k - root) mod P does for root 0). ``sends_early``: each rank's
+    leading ops that only publish its input go before the call check where a call is one
+    slice, as the built-in one-shot's do (:class:`Plan`); it is part of the plan's id, so
+    ranks that register it differently raise MismatchError."""
     if collective not in DATA_COLLECTIVES:
         raise ValueError(f"register_algorithm: collective must be one of {', '.join(DATA_COLLECTIVES)}, "
                          f"got {collective!r}")
     if not isinstance(name, str) or not name or name in ("auto", "native") or name in BUILTIN:
         raise ValueError(f"register_algorithm: {name!r} is not a name a plan may take (not 'auto', 'native' nor a "
                          f"built-in one: {', '.join(BUILTIN)})")
+    if not isinstance(sends_early, bool):
+        raise TypeError(f"register_algorithm: sends_early must be True or False, got {sends_early!r}")
     with _lock:
-        _registry[name, collective] = plan_fn
+        _registry[name, collective] = (plan_fn, sends_early)
         for key in [k for k in _compiled if k[:2] == (name, collective)]:
             del _compiled[key]  # built again from the new function
         for holder in list(_holders):  # and no communicator runs the one it replaces
@@ -212,19 +217,20 @@ def plan(name: str, collective: str, world: int) -> Plan:
     if name in BUILTIN:
         chunks, ops, sends_early = _C.builtin_plan(BUILTIN[name], COLLECTIVE_CODES[collective], world)
         return Plan(name, collective, chunks, tuple(tuple(PlanOp(*o) for o in mine) for mine in ops), sends_early)
-    plan_fn = _registry.get((name, collective))
-    if plan_fn is None:
+    entry = _registry.get((name, collective))
+    if entry is None:
         raise ValueError(f"unknown algorithm {name!r} for {collective}; choose from {', '.join(algorithms())}"
                          + (f" (registered for other collectives: {name!r})"
                             if any(n == name for n, _ in _registry) else ""))
+    plan_fn, sends_early = entry
     if world == 1:  # one rank runs no plan: its output is its input
-        return Plan(name, collective, 1, ((),))
+        return Plan(name, collective, 1, ((),), sends_early)
     ops = []
     for rank in range(world):
         mine = tuple(o if isinstance(o, PlanOp) else PlanOp(*o) for o in plan_fn(world, rank))
         ops.append(mine)
     chunks = 1 + max((o.first + o.count - 1 for mine in ops for o in mine), default=0)
-    return Plan(name, collective, chunks, tuple(ops))
+    return Plan(name, collective, chunks, tuple(ops), sends_early)
 
 
 def reads_peer_inputs(name: str, collective: str, world: int) -> bool:
@@ -259,9 +265,11 @@ def compiled(name: str, collective: str, world: int, root: int = 0) -> tuple:
 
 
 def plan_id(p: Plan) -> int:
-    """A user plan's id in the call descriptor: from its ops, so ranks running different
-    plans under one name raise MismatchError; above the built-ins' codes (1000 and up)."""
-    digest = hashlib.sha256(repr((p.collective, p.chunks, p.ops)).encode()).digest()
+    """A user plan's id in the call descriptor: from its ops (and ``sends_early``, which
+    decides the banks its calls take), so ranks running different plans under one name
+    raise MismatchError; above the built-ins' codes (1000 and up)."""
+    written = (p.collective, p.chunks, p.ops) + (("sends early",) if p.sends_early else ())
+    digest = hashlib.sha256(repr(written).encode()).digest()
     return 1000 + int.from_bytes(digest[:4], "little") % (2**31 - 1000)
 
 

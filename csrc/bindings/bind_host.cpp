@@ -358,6 +358,7 @@ void bind_host(py::module_& m) {
       .def_property_readonly("check_calls", &HostComm::check_calls)
       .def_property_readonly("small_bytes", &HostComm::small_bytes)
       .def_property_readonly("one_shot_calls", &HostComm::one_shot_calls)
+      .def_property_readonly("one_slice_early_calls", &HostComm::one_slice_early_calls)
       .def_property_readonly("direct_bytes", &HostComm::direct_bytes)
       .def_property_readonly("direct_max_bytes", &HostComm::direct_max_bytes)
       .def_property_readonly("direct_reads", &HostComm::direct_reads)

@@ -287,6 +287,8 @@ class HostComm {
   // function of the call and of settings every rank agreed on, so every rank decides alike.
   bool uses_one_shot(const RingCall& call) const;
   uint64_t one_shot_calls() const { return one_shot_calls_; }  // how many took it (for tests)
+  // Calls of one slice by a plan that sends early (before_the_check; for tests).
+  uint64_t one_slice_early_calls() const { return one_slice_early_calls_; }
   size_t direct_bytes() const { return direct_bytes_; }
   size_t direct_max_bytes() const { return direct_max_bytes_; }
   // Whether all-gathers from direct_bytes on read peers directly (the same on every rank);

@@ -316,6 +316,12 @@ class HostTransport(Transport):
         return self._comm.one_shot_calls
 
     @property
+    def one_slice_early_calls(self) -> int:
+        """How many calls of one slice ran a plan whose sends go before the call check (native's
+        one-shot, the oneshot plan, a plan registered with sends_early; for tests)."""
+        return self._comm.one_slice_early_calls
+
+    @property
     def direct_reads(self) -> bool:
         """Whether all-gathers from direct_bytes read peers directly (every rank could read every peer)."""
         return self._comm.direct_reads

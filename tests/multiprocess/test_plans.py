@@ -107,8 +107,11 @@ def _early_sends_back_to_back(rank, world):
     the readers of the call before last in that bank (plan.h's Plan::sends_early): a rank
     running a call ahead must never refill a slot a slower peer still reads. The expected
     values are computed here from every rank's seeded input, so no reference call (gloo's
-    would be a barrier) hides a race."""
+    would be a barrier) hides a race. Every third all-reduce runs the oneshot plan's ops
+    registered from Python with sends_early: a user's plan sends early too."""
     chk = M.Checker(rank)
+    oneshot = lambda world_size, r: list(plans.plan("oneshot", "all_reduce", world_size).ops[r])  # noqa: E731
+    ringcoll.register_algorithm("mine_early", oneshot, sends_early=True)
 
     def inputs(i, n):
         return [M.make_input("int", torch.int32, n, M._seed("early", i, r)) for r in range(world)]
@@ -121,10 +124,15 @@ def _early_sends_back_to_back(rank, world):
             total = torch.stack(xs).sum(0, dtype=torch.int32)
             kind, root = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce"][i % 5], i % world
             algorithm = "ring" if i % 11 == 0 else ("oneshot" if kind in ("broadcast", "reduce") else "native")
+            if kind == "all_reduce" and i % 3 == 1:
+                algorithm = "mine_early"
             x = xs[rank].clone()
             if kind == "all_reduce":
+                early_calls = comm.transport.one_slice_early_calls
                 comm.all_reduce(x, algorithm=algorithm)
                 chk.equal(f"call {i} all_reduce ({algorithm}, n={n})", x, total)
+                if algorithm == "mine_early" and world > 1 and comm.transport.one_slice_early_calls != early_calls + 1:
+                    chk.fail(f"call {i}", "the plan registered with sends_early did not send early")
             elif kind == "reduce_scatter":
                 out = torch.empty(n // world, dtype=torch.int32)
                 comm.reduce_scatter_tensor(out, x, algorithm=algorithm)
@@ -219,6 +227,15 @@ def _disagreements(rank, world):
             messages.append("no error")
         except ringcoll.RingcollMismatchError as e:
             messages.append(str(e))
+    # the same ops, sending early on rank 0 only: the banks its calls take would differ
+    oneshot = lambda world_size, r: list(plans.plan("oneshot", "all_reduce", world_size).ops[r])  # noqa: E731
+    ringcoll.register_algorithm("mine", oneshot, sends_early=rank == 0)
+    with ringcoll.Communicator(timeout=10) as comm:
+        try:
+            comm.all_reduce(torch.ones(8), algorithm="mine")
+            messages.append("no error")
+        except ringcoll.RingcollMismatchError as e:
+            messages.append(str(e))
     try:
         ringcoll.Communicator(algorithm=["ring", "auto", "ring"][rank])
         messages.append("no error")
@@ -252,6 +269,12 @@ def test_disagreements_and_wrong_plans_fail_on_every_rank_before_anything_moves(
             "all_reduce(float32, SUM, count=8, algorithm ring)" in messages[0] and \
             "all_reduce(float32, SUM, count=8, algorithm oneshot)" in messages[0] and \
             messages[0].endswith("no data was moved"), messages[0]
+        early, late = (plans.plan_id(plans.Plan("mine", "all_reduce", 3, plans.plan("oneshot", "all_reduce", 3).ops,
+                                                sends_early)) for sends_early in (True, False))
+        assert messages[1].startswith("all_reduce: mismatched collective calls") and \
+            f"plan {early} written in Python" in messages[1] and f"plan {late} written in Python" in messages[1], \
+            messages[1]
+        messages.pop(1)
         assert "RINGCOLL_ALGORITHM / algorithm= differs between ranks: rank 0: ring, rank 1: auto" in messages[1]
         assert messages[2].startswith("all_reduce plan 'wrong' on 3 ranks: rank ") and messages[2].endswith(
             "op 10 (chunk 0: input OP input -> output (final)): reads input chunk 0 after writing output chunk 0: "
