@@ -342,8 +342,10 @@ PlanParams CudaComm::device_plan(const char* op, Collective coll, const Compiled
     RINGCOLL_CUDA_CHECK(cudaMemcpyAsync(to, kept.data(), kept.size() * sizeof(DevicePlanOp), cudaMemcpyHostToDevice,
                                         static_cast<cudaStream_t>(stream_)));
   };
+  // A peer in this process (the in-process mode) reaches this rank's tensors by their device
+  // pointers, as it reaches its allocation; one in another process would need them mapped.
   return prepare_plan(plan_records_, plan_records_device_, plan_work_, plan, coll, rank_, world_, slot_bytes_, op,
-                      copy_new);
+                      /*peer_inputs_mapped=*/ipc_peers() == 0, copy_new);
 }
 
 void CudaComm::run_plan(const CompiledPlan& plan, int collective, uintptr_t input, uintptr_t output,

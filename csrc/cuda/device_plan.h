@@ -30,6 +30,18 @@
 // The mismatch check compares descriptors with both neighbours (DeviceBlock::check_call
 // says why a plan needs the second), and every wait watches every peer's `aborted` flag: a
 // plan's ops may wait on any rank, so a failure anywhere stops every rank within a poll.
+//
+// Peers' inputs where they lie (Operand::kPeerInput: the direct plans). Only where every
+// peer's device pointers are valid here (device_plan_ops refuses the plan elsewhere): every
+// rank is a thread of one process. As on the CPU (host_comm.cpp's direct reads), rank k
+//   1. posts where its input lies for its n-th such call (InputPost; before the call
+//      check, since it writes only its own memory), and every block reads every peer's
+//      post of call n (the counts compared: no rank reads past a peer's input);
+//   2. runs the plan, a kPeerInput operand being that peer's input at the chunk's place;
+//   3. once each block has done its last such read (in the last slice), it says so
+//      (inputs_read[b] = n), and before the kernel ends it waits until block b of every
+//      peer has said so: the kernel, and with it the call on this rank's stream, completes
+//      only when no peer still reads this rank's input.
 #pragma once
 
 #include "device_ring.h"
@@ -49,6 +61,7 @@ namespace ringcoll::cuda {
 // thread 0 reads or writes the slot words.
 struct PlanShared {
   BlockShared block;
+  const void* peer_inputs[kMaxWorld];  // a direct plan's: every rank's input (kPeerInput), from its post
   uint64_t slot_last[kBanks * kMaxPlanChunks];
   uint64_t slot_readers[kBanks * kMaxPlanChunks];
 };
@@ -60,6 +73,49 @@ class DevicePlanContext : public DeviceBlock {
       : DeviceBlock(p, &shared->block, vectorise, /*watch_every_peer=*/true), slots_(shared),
         chunks_(p.plan.chunks), slice_elems_(slice_elems_for(p.plan.slot_bytes, sizeof(T))) {
     plan_base_ = p.state[kPlanBaseWord];
+    input_posts_ = p.state[kInputPostsWord];
+  }
+
+  // A plan that reads peers' inputs (file comment). post_input: step 1, this rank's post of
+  // its next such call (by block 0; every block counts it); find_peer_inputs: the peers'
+  // posts of it; finish_reading: step 3's wait. Those two return false if a wait gave up.
+  RINGCOLL_DEVICE void post_input() {
+    ++input_posts_;
+    if (block_ != 0 || threadIdx.x != 0) return;
+    InputPost* mine = input_post(p_.my_base);
+    word_store_relaxed(&mine->address, reinterpret_cast<uint64_t>(p_.input));
+    word_store_relaxed(&mine->user_count, p_.call.user_count);
+    flag_store_release(&mine->number, input_posts_, p_.flag_scope);
+  }
+
+  RINGCOLL_DEVICE bool find_peer_inputs() {
+    set_position(p_.first_unit, -1);
+    if (threadIdx.x == 0) {
+      slots_->peer_inputs[p_.rank] = p_.input;
+      for (int r = 0; r < p_.world && shared_->failed == 0; ++r) {
+        if (r == p_.rank) continue;
+        const InputPost* theirs = input_post(base_of(r));
+        poll(&theirs->number, p_.flag_scope, input_posts_, r, Awaited::kInputPost);
+        if (shared_->failed != 0) break;
+        CallDescriptor seen = p_.call;  // without the call check, the counts are still compared
+        seen.user_count = word_load_relaxed(&theirs->user_count);
+        if (seen.user_count != p_.call.user_count)
+          give_up(AbortCause::kMismatch, AbortCause::kNone, r, Awaited::kInputPost, 0, 0, 0, &seen);
+        slots_->peer_inputs[r] = reinterpret_cast<const void*>(word_load_relaxed(&theirs->address));
+      }
+    }
+    return block_agrees();
+  }
+
+  RINGCOLL_DEVICE bool finish_reading() {
+    if (threadIdx.x == 0) {
+      if (p_.plan.last_peer_input_op < 0)  // read nobody's (a broadcast's root): nothing to wait for first
+        flag_store_release(inputs_read_flag(p_.my_base, block_), input_posts_, p_.flag_scope);
+      for (int r = 0; r < p_.world && shared_->failed == 0; ++r)
+        if (r != p_.rank)
+          poll(inputs_read_flag(base_of(r), block_), p_.flag_scope, input_posts_, r, Awaited::kInputsRead);
+    }
+    return block_agrees();
   }
 
   // Before the first slot is written: nothing the ring or the last plan published is unread
@@ -100,6 +156,8 @@ class DevicePlanContext : public DeviceBlock {
         __syncthreads();  // every thread's part is written: before the flags, and before the next op reads it
         if (threadIdx.x == 0) {
           if (receives) flag_store_release(consumed_from_flag(p_.my_base, block_, op.from), reads, p_.flag_scope);
+          if (j + 1 == last && i == p_.plan.last_peer_input_op)  // done with the peers' inputs (step 3)
+            flag_store_release(inputs_read_flag(p_.my_base, block_), input_posts_, p_.flag_scope);
           if (writes) {
             for (int c = op.first; c < op.first + op.count; ++c) {
               slots_->slot_last[slot_index(bank, c, chunks_)] = writes;
@@ -119,6 +177,7 @@ class DevicePlanContext : public DeviceBlock {
     if (slices == 0) return DeviceBlock::save_if_last_block([](uint64_t*) {});
     plan_grid_ = blocks_;
     DeviceBlock::save_if_last_block([&](uint64_t* state) {
+      state[kInputPostsWord] = input_posts_;
       state[kPlanBaseWord] = plan_base_ + static_cast<uint64_t>(slices) * static_cast<uint64_t>(p_.plan.most_publications);
       for (int r = 0; r < p_.world; ++r) state[kPlanUnreadWord + r] = 0;
       for (int s = 0; s < kBanks * chunks_; ++s)
@@ -162,7 +221,7 @@ class DevicePlanContext : public DeviceBlock {
       case Operand::kInput: return user_at(p_.input, Collective::kAllGather, c, j);
       case Operand::kOutput: return user_at(p_.output, Collective::kReduceScatter, c, j);
       case Operand::kWork: return static_cast<T*>(p_.plan.work) + static_cast<int64_t>(c) * slice_elems_;
-      case Operand::kPeerInput:  // refused before launch (device_plan_ops): peers' tensors are not mapped
+      case Operand::kPeerInput: return user_at(slots_->peer_inputs[from], Collective::kAllGather, c, j);
       case Operand::kNone: break;
     }
     return nullptr;
@@ -195,6 +254,7 @@ class DevicePlanContext : public DeviceBlock {
   int chunks_;
   int64_t slice_elems_;
   uint64_t plan_base_ = 0;
+  uint64_t input_posts_ = 0;  // this rank's calls that posted their input, this one included once posted
 };
 
 // One block's part of a plan call (RingParams::plan says which plan).
@@ -207,8 +267,12 @@ RINGCOLL_DEVICE void plan_block(const RingParams& p, PlanShared& shared, bool ve
   if (broken) return;  // this rank gave up earlier: launches queued behind that do nothing
   DevicePlanContext<T, Op> ctx(p, &shared, vectorise);
   const int64_t slices = p.last_unit - p.first_unit;
+  const bool reads_inputs = p.plan.reads_peer_inputs != 0 && slices > 0;
+  if (reads_inputs) ctx.post_input();  // writes only this rank's memory: before the check, as on the CPU
   bool ok = !p.check_call || ctx.check_call(/*both_sides=*/true);
+  if (ok && reads_inputs) ok = ctx.find_peer_inputs();
   if (ok && slices > 0) ok = ctx.drain() && ctx.run(p.first_unit, p.last_unit);
+  if (ok && reads_inputs) ok = ctx.finish_reading();
   if (ok) ctx.save_if_last_block(slices);
 }
 

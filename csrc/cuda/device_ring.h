@@ -157,6 +157,14 @@ RINGCOLL_DEVICE inline uint64_t* plan_published_flag(const char* base, int block
 RINGCOLL_DEVICE inline uint64_t* consumed_from_flag(const char* base, int block, int sender) {
   return reinterpret_cast<uint64_t*>(const_cast<char*>(base) + kConsumedFromOffset + block * kFlagStride) + sender;
 }
+// Where a rank's input lies for its current call of a plan that reads peers' inputs, and
+// whether its block b has read every peer's (kernel_abi.h's InputPost).
+RINGCOLL_DEVICE inline InputPost* input_post(const char* base) {
+  return reinterpret_cast<InputPost*>(const_cast<char*>(base) + kInputPostOffset);
+}
+RINGCOLL_DEVICE inline uint64_t* inputs_read_flag(const char* base, int block) {
+  return reinterpret_cast<uint64_t*>(const_cast<char*>(base) + kInputsReadOffset + block * kFlagStride);
+}
 RINGCOLL_DEVICE inline uint64_t* aborted_flag(const char* base) {
   return reinterpret_cast<uint64_t*>(const_cast<char*>(base) + kAbortedOffset);
 }
@@ -184,7 +192,7 @@ constexpr unsigned kPollsPerAbortCheck = 32;
 constexpr unsigned kPollsBeforeNapping = 64;
 
 // Which flag a wait is for, as ErrorRecord::waiting_for says it.
-enum class Awaited : int { kPublish = 0, kConsume = 1, kDescriptor = 2 };
+enum class Awaited : int { kPublish = 0, kConsume = 1, kDescriptor = 2, kInputPost = 3, kInputsRead = 4 };
 
 // What every block of every kernel does alike, ring or plan: waiting on a peer's flag
 // (bounded, giving up when someone gave up), recording why it gave up, the mismatch check,

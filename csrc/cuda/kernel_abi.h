@@ -10,7 +10,9 @@
 //                       the call descriptor; hello; finished[r] for r < kMaxWorld; the
 //                       placement of the data in the slots, one word per call parity;
 //                       then the plans' words: per block b, plan_published and
-//                       consumed_from[r] for r < kMaxWorld
+//                       consumed_from[r] for r < kMaxWorld; the input post (where this
+//                       rank's input lies for a plan that reads peers' inputs); per block
+//                       b, inputs_read
 //                       (128-byte lines; docs/flags.md says who writes and reads each word) ]
 //   [ data area: kBanks x P slots of slot_bytes each (call.h); a plan of C chunks cuts
 //                the same bytes into kBanks x C slots (plan_slot_bytes)              ]
@@ -59,7 +61,18 @@ constexpr size_t kPlacementOffset = kFinishedOffset + kFlagStride;
 // latest plan publication this rank has read (flow control per connection).
 constexpr size_t kPlanPublishedOffset = kPlacementOffset + kFlagStride;
 constexpr size_t kConsumedFromOffset = kPlanPublishedOffset + kMaxBlocks * kFlagStride;
-constexpr size_t kFlagAreaBytes = (kConsumedFromOffset + kMaxBlocks * kFlagStride + 4095) / 4096 * 4096;  // 132 KiB
+// A plan that reads peers' inputs where they lie (Operand::kPeerInput; device_plan.h): the
+// owner posts where its input lies for its n-th such call (InputPost, `number` = n stored
+// last), and its block b says in inputs_read[b] = n that it has read every peer's input.
+constexpr size_t kInputPostOffset = kConsumedFromOffset + kMaxBlocks * kFlagStride;
+constexpr size_t kInputsReadOffset = kInputPostOffset + kFlagStride;
+constexpr size_t kFlagAreaBytes = (kInputsReadOffset + kMaxBlocks * kFlagStride + 4095) / 4096 * 4096;  // 164 KiB
+struct InputPost {
+  uint64_t address;     // the owner's input, as a device pointer every peer of this process can use
+  int64_t user_count;   // the owner's call's (compared, so no rank reads past a peer's input)
+  uint64_t number;      // the owner's n-th call of such a plan (stored last, with release)
+};
+static_assert(sizeof(InputPost) <= kFlagStride, "the input post must fit its line");
 inline size_t finished_word_offset(int rank) { return kFinishedOffset + sizeof(uint64_t) * static_cast<size_t>(rank); }
 static_assert(kMaxWorld * sizeof(uint64_t) <= kFlagStride, "the finished and consumed_from words must fit a line");
 // A slice is the whole slot: every rank slices every call the same way, whatever its
@@ -75,7 +88,8 @@ constexpr size_t kSlotAlignment = 128;  // a GPU cache line (and a multiple of 1
 // The bookkeeping record: [0] step base, [1..] last publication per slot,
 // [kPlanBaseWord] the plans' numbering (the last plan publication number of every rank),
 // [kPlanGridWord] blocks of the last plan launch whose publications may still be unread (0:
-// none), [kPlanUnreadWord + r] per peer r: the latest of them r reads,
+// none), [kPlanUnreadWord + r] per peer r: the latest of them r reads, [kInputPostsWord]
+// the calls whose plans read peers' inputs (each posted its input: InputPost),
 // [kPlacementsWord] the offsets of the last launch that moved data (placement_signature),
 // [kDataCallWord] calls that moved data (its parity picks the placement word), [kGridWord]
 // blocks of the last ring launch that moved data, [kBlocksDoneWord] blocks of the running launch
@@ -85,12 +99,13 @@ constexpr int kStateWords = 3 * kMaxWorld + 10;
 constexpr int kPlanBaseWord = kBanks * kMaxWorld + 1;
 constexpr int kPlanGridWord = kPlanBaseWord + 1;
 constexpr int kPlanUnreadWord = kPlanGridWord + 1;
+constexpr int kInputPostsWord = kPlanUnreadWord + kMaxWorld;  // calls that posted their input (InputPost)
 constexpr int kPlacementsWord = kStateWords - 5;
 constexpr int kDataCallWord = kStateWords - 4;
 constexpr int kGridWord = kStateWords - 3;
 constexpr int kBlocksDoneWord = kStateWords - 2;
 constexpr int kCallWord = kStateWords - 1;
-static_assert(kPlanUnreadWord + kMaxWorld <= kPlacementsWord, "bookkeeping must fit its words");
+static_assert(kInputPostsWord < kPlacementsWord, "bookkeeping must fit its words");
 
 // Where a rank puts each chunk in its slots during a call, in one word: the offset modulo
 // 16 (bytes) of chunk c, for c < world, in bits 4c..4c+3 (kMaxWorld chunks of 4 bits fill
@@ -231,7 +246,7 @@ struct ErrorRecord {
   int32_t kind;      // AbortCause
   int32_t cause;     // kPeerAborted: the neighbour's AbortCause
   int32_t rank, peer, block;
-  int32_t waiting_for;  // which flag: 0 publish, 1 consume, 2 descriptor
+  int32_t waiting_for;  // which flag: 0 publish, 1 consume, 2 descriptor, 3 input post, 4 inputs read
   int32_t aborted_rank;  // kPeerAborted: the neighbour that gave up (the awaited one, or the other)
   int32_t step;      // -1 before the first ring step
   int64_t slice;
@@ -263,6 +278,11 @@ struct PlanParams {
   int32_t publications[kMaxWorld];  // per rank: its publications per slice (CompiledPlan::publications)
   int32_t most_publications;        // the largest of them: a call advances the numbering by slices x this
   void* work;               // private scratch of C chunks x slot_bytes
+  // A plan that reads peers' inputs where they lie (CompiledPlan::reads_peer_inputs): every
+  // rank posts its input; this rank's last op that reads one (-1: none), after which, in the
+  // last slice, each block says it has read them (device_plan.h).
+  int32_t reads_peer_inputs;
+  int32_t last_peer_input_op;
 };
 
 struct RingParams {
@@ -365,13 +385,17 @@ inline int64_t plan_slot_bytes(size_t ring_slot_bytes, int world, int chunks) {
 }
 
 // Rank `rank`'s ops of a compiled plan as its kernels read them. Throws std::invalid_argument
-// for a plan the kernels cannot run (too many chunks for their bookkeeping).
-inline std::vector<DevicePlanOp> device_plan_ops(const CompiledPlan& plan, int rank, const char* op) {
+// for a plan the kernels cannot run (too many chunks for their bookkeeping; one that reads
+// peers' inputs where they lie, unless `peer_inputs_mapped`: every peer's device pointers
+// are valid here, as where every rank is a thread of this process).
+inline std::vector<DevicePlanOp> device_plan_ops(const CompiledPlan& plan, int rank, const char* op,
+                                                 bool peer_inputs_mapped) {
   RINGCOLL_CHECK(plan.plan.chunks <= kMaxPlanChunks, std::invalid_argument, op, ": a plan of ", plan.plan.chunks,
                  " chunks; the CUDA kernels run plans of at most ", kMaxPlanChunks);
-  RINGCOLL_CHECK(!plan.reads_peer_inputs, std::invalid_argument, op, ": this plan reads peers' inputs where they "
-                 "lie, which on CUDA needs the peers' tensors mapped (symmetric memory, not built for CUDA yet); "
-                 "choose a plan that goes through the slots");
+  RINGCOLL_CHECK(!plan.reads_peer_inputs || peer_inputs_mapped, std::invalid_argument, op, ": this plan reads "
+                 "peers' inputs where they lie, which on CUDA needs the peers' tensors mapped: every rank a thread "
+                 "of this process (ringcoll.run_in_process), or symmetric memory (not built for CUDA yet); this "
+                 "communicator's peers are other processes: choose a plan that goes through the slots");
   std::vector<DevicePlanOp> out;
   const auto& ops = plan.plan.ops[static_cast<size_t>(rank)];
   for (size_t i = 0; i < ops.size(); ++i) {
@@ -457,13 +481,16 @@ inline size_t plan_work_bytes(size_t ring_slot_bytes, int world) { return static
 template <class CopyNew>
 PlanParams prepare_plan(PlanRecords& records, DevicePlanOp* area, void* work, const CompiledPlan& plan,
                         Collective coll, int rank, int world, size_t ring_slot_bytes, const char* op,
-                        CopyNew&& copy_new) {
+                        bool peer_inputs_mapped, CopyNew&& copy_new) {
   check_plan_fits(plan, coll, world, op);
-  const std::vector<DevicePlanOp> ops = device_plan_ops(plan, rank, op);
+  const std::vector<DevicePlanOp> ops = device_plan_ops(plan, rank, op, peer_inputs_mapped);
   bool added = false;
   const int64_t at = records.place(ops, &added, op);
   if (added && !ops.empty()) copy_new(area + at, records.newest());
-  return plan_params(plan, area + at, static_cast<int>(ops.size()), ring_slot_bytes, world, work, op);
+  PlanParams q = plan_params(plan, area + at, static_cast<int>(ops.size()), ring_slot_bytes, world, work, op);
+  q.reads_peer_inputs = plan.reads_peer_inputs ? 1 : 0;
+  q.last_peer_input_op = plan.last_peer_input_op[static_cast<size_t>(rank)];
+  return q;
 }
 
 // The one launch of a plan call (none for a call with nothing to move or check): the fused
@@ -506,8 +533,9 @@ inline std::string error_message(const ErrorRecord& r, int world, double timeout
   std::ostringstream msg;
   const bool plan = r.mine.algorithm != 0;  // a plan's kernel: its peers are any ranks, its steps ops
   const char* side = plan ? "" : r.peer == left_neighbour(r.rank, world) ? "left neighbour " : "right neighbour ";
-  static const char* const kWhat[] = {"publish data", "consume data", "announce its call"};
-  const char* what = kWhat[r.waiting_for >= 0 && r.waiting_for < 3 ? r.waiting_for : 0];
+  static const char* const kWhat[] = {"publish data", "consume data", "announce its call", "post where its input lies",
+                                      "finish reading this rank's input"};
+  const char* what = kWhat[r.waiting_for >= 0 && r.waiting_for < 5 ? r.waiting_for : 0];
   switch (static_cast<AbortCause>(r.kind)) {
     case AbortCause::kTimedOut:
       msg << "rank " << r.rank << " timed out after " << timeout_seconds << " s waiting for " << side << "rank "

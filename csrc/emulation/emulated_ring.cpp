@@ -276,7 +276,7 @@ CallResult EmulatedRing::enqueue(const EmulatedCall& c, int user_stream, bool jo
   if (c.plan != nullptr) {  // CudaComm::device_plan, the copy a plain one
     call.descriptor.algorithm = static_cast<int32_t>(c.plan->id);
     plan_part = cuda::prepare_plan(me.plan_records, me.plan_area.data(), me.plan_work.data(), *c.plan, coll, c.rank,
-                                   world_, slot_bytes_, collective_info(coll).name,
+                                   world_, slot_bytes_, collective_info(coll).name, /*peer_inputs_mapped=*/true,
                                    [](cuda::DevicePlanOp* to, const std::vector<cuda::DevicePlanOp>& kept) {
                                      std::copy(kept.begin(), kept.end(), to);
                                    });

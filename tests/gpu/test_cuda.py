@@ -395,7 +395,16 @@ def _algorithms(rank, world):
     dev = torch.device("cuda", 0)
     wrong, ran = [], 0
     with CudaCommunicator(device=dev, timeout=60) as comm:
-        for algorithm in ["auto", "native", *(a for a in plans.BUILTIN if a != "direct")]:  # direct: refused on CUDA
+        # direct reads peers' tensors through their pointers: refused by name where the peers are other processes
+        # (_direct_in_process runs it), before anything moves
+        out = torch.full((2 * world,), -1.0, device=dev)
+        try:
+            comm.all_gather_into_tensor(out, torch.ones(2, device=dev), algorithm="direct")
+            wrong.append(f"direct ran across processes on rank {rank}")
+        except ValueError as e:
+            if "peers are other processes" not in str(e) or not bool((out == -1).all()):
+                wrong.append(f"direct refused unclearly on rank {rank}: {e}")
+        for algorithm in ["auto", "native", *(a for a in plans.BUILTIN if a != "direct")]:
             for name in plans.BUILTIN_COLLECTIVES.get(algorithm, ringcoll._types.DATA_COLLECTIVES):
                 for n in (3 * world, world << 19):
                     for root in range(world) if name in ("broadcast", "reduce") else [0]:
@@ -571,6 +580,45 @@ def test_in_process_collectives_exact(world, variant):
     several times the 256 KiB buffer."""
     wrong = sum(_in_process(world, _exact_in_process, 1 << 18, variant=variant), [])
     assert not wrong, f"{len(wrong)} wrong, e.g. " + "; ".join(wrong[:5])
+
+
+def _direct_in_process(group):
+    """The direct plans (all-gather; broadcast from every root) read the peers' tensors through
+    their device pointers: exact, and each input overwritten on the stream the moment its
+    call is queued after (a peer still reading it would see the overwrite: the kernel must
+    not end before every peer's blocks have read it, device_plan.h). Every tensor is made
+    before the first call (an allocation may wait for the whole device)."""
+    import ringcoll
+
+    rank, world = group.rank, group.world_size
+    dev = torch.device("cuda", 0)
+    wrong = []
+    sizes = (3, 1 << 18)
+    pieces = [torch.full((n,), float(rank + 1), device=dev) for n in sizes]
+    outs = [torch.empty(n * world, device=dev) for n in sizes]
+    wants = [torch.arange(1, world + 1, dtype=torch.float32).repeat_interleave(n) for n in sizes]
+    cast = [[torch.full((n,), float(100 * root + rank), device=dev) for root in range(world)] for n in sizes]
+    with ringcoll.Communicator(group=group, device=dev, timeout=60) as comm:
+        for piece, out, want in zip(pieces, outs, wants):
+            for _ in range(4):
+                piece.fill_(float(rank + 1))
+                comm.all_gather_into_tensor(out, piece, algorithm="direct")
+                piece.fill_(-1.0)  # queued right behind the call on this stream
+                if not torch.equal(out.cpu(), want):
+                    wrong.append(f"all_gather n={piece.numel()} rank {rank}")
+        for n, tensors in zip(sizes, cast):
+            for root, t in enumerate(tensors):
+                comm.broadcast(t, root, algorithm="direct")
+                if not torch.equal(t.cpu(), torch.full((n,), float(100 * root + root))):
+                    wrong.append(f"broadcast n={n} root {root} rank {rank}")
+        comm.synchronize()
+    return wrong
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_in_process_direct_plans_read_peers_tensors_exactly(world):
+    wrong = sum(_in_process(world, _direct_in_process), [])
+    assert not wrong, wrong[:5]
 
 
 def _close_then_free(group):

@@ -9,7 +9,10 @@ communicator, across grids and slot layouts (a slot refilled while a peer's othe
 still reads it is the hazard); both kernel variants; a root that finishes its broadcast
 before its peers have checked their calls (a plan's rank may, a ring's may not: the call
 check must not take it for a mismatch); ranks that disagree on the algorithm; a rank that
-never comes to a plan call; a plan too wide for the kernels' bookkeeping, refused by name.
+never comes to a plan call; a plan too wide for the kernels' bookkeeping, refused by name;
+and for the direct plans, which read peers' inputs where they lie: an input written the
+moment its call returns, counts that differ without the call check, a peer that never
+posts its input.
 """
 
 from __future__ import annotations
@@ -61,14 +64,11 @@ def _run(comm, collective: str, algorithm: str, rank: int, world: int, count: in
     return x
 
 
-#: plans that read peers' inputs where they lie: refused on CUDA, whose peers' tensors are not mapped
-READS_PEER_INPUTS = {"direct"}
-
-
 def _cases(world: int):
-    """(collective, algorithm, root) for every built-in plan the kernels run; every root of the
-    rooted ones."""
-    for algorithm in sorted(set(plans.BUILTIN) - READS_PEER_INPUTS):
+    """(collective, algorithm, root) for every built-in plan; every root of the rooted ones.
+    The direct plans read peers' inputs where they lie: the ranks are threads of one process
+    here, so every peer's pointers are valid (device_plan.h)."""
+    for algorithm in sorted(plans.BUILTIN):
         for collective in plans.BUILTIN_COLLECTIVES[algorithm]:
             roots = range(world) if collective in ("broadcast", "reduce") else [0]
             for root in roots:
@@ -200,17 +200,73 @@ def test_a_rank_that_never_comes_to_a_plan_call_is_a_timeout_naming_it(check):
     assert "rank 2" in messages[1] or "rank 0" in messages[1], messages[1]
 
 
-def test_a_plan_that_reads_peers_inputs_is_refused_by_name_and_nothing_moves():
-    def body(group):
-        with EmulatedCudaCommunicator(group=group, timeout=TIMEOUT) as comm:
-            out = torch.full((8,), -1.0)
-            for name in sorted(READS_PEER_INPUTS):
-                with pytest.raises(ValueError, match="reads peers' inputs where they lie, which on CUDA needs"):
-                    comm.all_gather_into_tensor(out, torch.ones(4), algorithm=name)
-            comm.all_gather_into_tensor(out, torch.full((4,), float(group.rank)))  # the communicator still works
-            return out.tolist()
+def test_a_direct_plans_input_may_be_written_the_moment_its_call_returns():
+    """The direct all-gather reads each peer's input where it lies: a rank's kernel may end
+    (and its call return) only once every peer's blocks have read its input (device_plan.h,
+    inputs_read). Each rank overwrites its input the instant its call returns, and rank 1
+    starts each call later than rank 0 (rank 0 comes first and leaves first if nothing holds
+    it); with that wait removed, rank 1 gathered rank 0's overwrite."""
+    count, calls = 1 << 18, 12
 
-    assert ringcoll.run_in_process(2, body, timeout=120) == [[0.0] * 4 + [1.0] * 4] * 2
+    def body(group):
+        rank, world = group.rank, group.world_size
+        torn = []
+        with EmulatedCudaCommunicator(group=group, timeout=TIMEOUT) as comm:
+            for i in range(calls):
+                piece = torch.full((count,), float(100 * i + rank))
+                out = torch.empty(count * world)
+                if rank == 1:
+                    time.sleep(0.002)
+                comm.all_gather_into_tensor(out, piece, algorithm="direct")
+                piece.fill_(-1.0)  # at once: a peer still reading it would gather this
+                want = (100.0 * i + torch.arange(world, dtype=torch.float32)).repeat_interleave(count)
+                if not torch.equal(out, want):
+                    torn.append(f"call {i}: {int((out != want).sum())} elements wrong")
+            comm.barrier()
+        return torn
+
+    torn = sum(ringcoll.run_in_process(2, body, timeout=300), [])
+    assert not torn, "; ".join(torn[:5])
+
+
+def test_a_direct_plan_with_counts_that_differ_is_a_mismatch_even_unchecked():
+    """Without the call check nothing compares the calls, but a rank that reads a peer's
+    input where it lies compares the count the peer posted with its own: no rank reads past
+    a peer's input. Both counts are named."""
+    def body(group):
+        with EmulatedCudaCommunicator(group=group, timeout=TIMEOUT, check=False) as comm:
+            n = 8 if group.rank == 0 else 10
+            out = torch.full((2 * n,), -1.0)
+            with pytest.raises(ringcoll.RingcollMismatchError) as e:
+                comm.all_gather_into_tensor(out, torch.ones(n), algorithm="direct")
+            return str(e.value)
+
+    with pytest.warns(RuntimeWarning, match="keeps its emulated buffer"):
+        messages = ringcoll.run_in_process(2, body, timeout=120)
+    assert any("count=8," in m and "count=10," in m for m in messages), messages
+
+
+def test_a_rank_that_never_posts_its_input_is_a_timeout_naming_it():
+    """Rank 1 stays away (open, not closed) from a direct all-gather; unchecked, rank 0 times
+    out waiting for rank 1 to post where its input lies."""
+    others_done = threading.Barrier(2, timeout=60)
+
+    def body(group):
+        with EmulatedCudaCommunicator(group=group, timeout=2, check=False) as comm:
+            out = torch.empty(16)
+            comm.all_gather_into_tensor(out, torch.ones(8), algorithm="direct")  # once: the records are in place
+            if group.rank == 1:
+                others_done.wait()
+                return "absent"
+            with pytest.raises(ringcoll.RingcollTimeoutError) as e:
+                comm.all_gather_into_tensor(out, torch.ones(8), algorithm="direct")
+            others_done.wait()
+            return str(e.value)
+
+    with pytest.warns(RuntimeWarning, match="keeps its emulated buffer"):
+        messages = ringcoll.run_in_process(2, body, timeout=120)
+    assert messages[1] == "absent"
+    assert "timed out" in messages[0] and "rank 1 to post where its input lies" in messages[0], messages[0]
 
 
 def test_a_plan_too_wide_for_the_kernels_is_refused_by_name():
