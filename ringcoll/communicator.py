@@ -548,6 +548,12 @@ class Communicator(ArgumentChecks):
             self._tuning_error = e
         self._tuning_digest = (table.digest if table is not None
                                else f"unreadable ({self._tuning_error})" if self._tuning_error else None)
+        self.tuning_note = ""
+        if table is not None and not table.holds_here():  # recorded elsewhere: native (tuning.py says why)
+            self.tuning_note = (f"auto's table {table.source} was recorded on {table.machine}; this machine is "
+                                f"{tuning.this_machine()}: auto runs native here (ringcoll-bench --record-tuning "
+                                "FILE records one, RINGCOLL_TUNING=FILE reads it)")
+            table = None
         self._tuning_table = table
         self._known_plans = {}  # (collective, algorithm, root) -> compiled plan: _plan's
         self._rooted_choices = {}  # (collective, auto or native, root, bytes) -> compiled plan: _plain_plan's
@@ -561,23 +567,29 @@ class Communicator(ArgumentChecks):
     def _set_auto_bands(self) -> None:
         """Once the transport exists: per collective, auto's bands from the table, leaving out
         the plans this transport cannot run (those that read peers' inputs where they lie,
-        without direct reads: every rank agreed on those at bootstrap, so on the bands too);
-        and, for the plain calls, the sizes where auto may run a plan (there they hand auto's
-        calls back to _plan)."""
+        without direct reads: every rank agreed on those at bootstrap, so on the bands too; and
+        those of more chunks than this buffer has slots for); and, for the plain calls, each
+        band's plan, built and held, so that the binding runs auto's choice itself."""
         table, readable = self._tuning_table, getattr(self._transport, "direct_reads", False)
 
         def cannot(collective):
-            return [name for name in tuning.candidates(collective) if name in plans.BUILTIN and not readable
-                    and plans.reads_peer_inputs(name, collective, self.world_size)]
+            return [name for name in tuning.candidates(collective) if name in plans.BUILTIN
+                    and ((not readable and plans.reads_peer_inputs(name, collective, self.world_size))
+                         or plans.compiled(name, collective, self.world_size)[0].chunks * self._plan_chunk_bytes
+                         > self.buffer_bytes)]
 
         self._auto_bands = {c: table.bands(c, self.world_size, cannot(c)) if table is not None
                             else [(0, tuning.NATIVE)] for c in DATA_COLLECTIVES}
         plain = self._transport.plain_calls
-        for collective, bands in self._auto_bands.items() if plain is not None else ():
-            planned = [i for i, (_, name) in enumerate(bands) if name != tuning.NATIVE]
-            if planned:
-                end = bands[planned[-1] + 1][0] if planned[-1] + 1 < len(bands) else 2**64 - 1
-                plain.set_auto_plan_span(COLLECTIVE_CODES[collective], bands[planned[0]][0], end)
+        for collective in self._plain_choices if plain is not None else ():
+            bands = self._auto_bands[collective]
+            ends = [start for start, _ in bands[1:]] + [2**64 - 1]
+            spans = []
+            for (start, name), end in zip(bands, ends):
+                if name != tuning.NATIVE:
+                    self._plan(collective, collective, name, start)  # built and held: _plain_choices has its index
+                    spans.append((start, end, self._plain_choices[collective][name]))
+            plain.set_auto_plan_spans(COLLECTIVE_CODES[collective], spans)
 
     def _message_bytes(self, collective: str, count: int, dtype: int) -> int:
         """The message of a call of `count` elements as its descriptor counts them (all-reduce,
@@ -725,8 +737,7 @@ class Communicator(ArgumentChecks):
             choice = self._plain_choices["all_reduce"].get(chosen, _NOT_YET)
             if choice is _NOT_YET:
                 choice = self._plain_plan("all_reduce", "all_reduce", chosen, tensor)
-            if not plain.all_reduce_tensor(tensor, output, op, choice):  # handed back: auto's plan runs it
-                plain.all_reduce_tensor(tensor, output, op, self._plain_plan("all_reduce", "all_reduce", chosen, tensor))
+            plain.all_reduce_tensor(tensor, output, op, choice)
             return None
         return self._submit("all_reduce", *self._all_reduce_call("all_reduce", tensor, op, output, algorithm),
                             async_op)
@@ -768,9 +779,7 @@ class Communicator(ArgumentChecks):
             choice = self._plain_choices["reduce_scatter"].get(chosen, _NOT_YET)
             if choice is _NOT_YET:
                 choice = self._plain_plan("reduce_scatter_tensor", "reduce_scatter", chosen, input)
-            if not plain.reduce_scatter_tensor(output, input, op, choice):
-                plain.reduce_scatter_tensor(output, input, op,
-                                            self._plain_plan("reduce_scatter_tensor", "reduce_scatter", chosen, input))
+            plain.reduce_scatter_tensor(output, input, op, choice)
             return None
         name = "reduce_scatter_tensor"
         return self._submit(name, *self._reduce_scatter_call(name, output, input, op, algorithm), async_op)
@@ -793,10 +802,7 @@ class Communicator(ArgumentChecks):
             choice = self._plain_choices["all_gather"].get(chosen, _NOT_YET)
             if choice is _NOT_YET:
                 choice = self._plain_plan("all_gather_into_tensor", "all_gather", chosen, output_tensor)
-            if not plain.all_gather_into_tensor(output_tensor, input_tensor, choice):
-                plain.all_gather_into_tensor(output_tensor, input_tensor,
-                                             self._plain_plan("all_gather_into_tensor", "all_gather", chosen,
-                                                              output_tensor))
+            plain.all_gather_into_tensor(output_tensor, input_tensor, choice)
             return None
         name = "all_gather_into_tensor"
         return self._submit(name, *self._all_gather_call(name, output_tensor, input_tensor, algorithm), async_op)

@@ -32,8 +32,15 @@ Where the table comes from (read when a communicator is built, each file once pe
   --record-tuning path`` wrote (each run adds its times, replacing those of the same
   world size, collective, algorithm and message size);
 - otherwise the table shipped in the package (``tuning_cpu.json``), recorded on this
-  project's 2-core VM at P = 2 and 4 (its ``recorded`` field says how). On another machine,
-  record your own: the crossovers move with the cores, the caches and the memory.
+  project's 2-core VM at P = 2 and 4 (its ``recorded`` field says how).
+
+A table holds for the machine it was recorded on (``machine``: the CPU's model and the
+cores, ``this_machine``): the crossovers move with the cores, the caches and the memory
+(the 2026-12-03 table, recorded on an AMD EPYC, sent P = 2 all-reduces of 64 KiB to rd on an
+Intel Xeon, where they took 1.7x native's time). On any other machine auto runs native,
+the transport's own thresholds, and says so (``Communicator.tuning_note``, the benchmark's
+auto line) until ``ringcoll-bench --record-tuning`` records a table there. A table with no
+``machine`` (written before it was recorded) holds anywhere.
 
 A world size or collective the table does not hold runs native, as does every call on
 CUDA (the ring kernels). Every rank must choose alike, so a communicator's ranks agree on
@@ -49,6 +56,7 @@ import hashlib
 import json
 import math
 import os
+import platform
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -61,11 +69,34 @@ DEFAULT_TABLE = Path(__file__).with_name("tuning_cpu.json")
 TUNING_ENV = "RINGCOLL_TUNING"
 
 
+def this_machine() -> str:
+    """What a table is recorded for and holds on: the CPU's model (Linux's /proc/cpuinfo,
+    with its family and model numbers, which a VM's generic name hides) and the cores."""
+    fields = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+            if not line.strip():
+                break  # the first processor's block is enough
+    except OSError:
+        pass
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    return f"{name} x {os.cpu_count()} cores"
+
+
 @dataclass(frozen=True)
 class Table:
     source: str  # the file it was read from
     recorded: dict  # {world: how it was measured (machine, date, command)}
     times_us: dict  # {world: {collective: {algorithm: {bytes: microseconds}}}}
+    machine: str = ""  # this_machine() where it was recorded ("": not said; holds anywhere)
+
+    def holds_here(self) -> bool:
+        """Whether this machine is the one the table was recorded on (module docstring)."""
+        return not self.machine or self.machine == this_machine()
 
     @functools.cached_property
     def digest(self) -> str:
@@ -185,7 +216,8 @@ def _read(path: str) -> Table:
             if strangers:
                 raise ValueError(f"{TUNING_ENV}: the table {path!r} prices {', '.join(strangers)} for {collective} "
                                  f"at P = {world}: auto weighs only {', '.join(weighed)}")
-    return Table(str(path), {int(w): str(how) for w, how in data.get("recorded", {}).items()}, times)
+    return Table(str(path), {int(w): str(how) for w, how in data.get("recorded", {}).items()}, times,
+                 str(data.get("machine", "")))
 
 
 @functools.lru_cache(maxsize=None)
@@ -199,12 +231,18 @@ def load(path: Optional[str] = None) -> Table:
     return _load(str(path or os.environ.get(TUNING_ENV) or DEFAULT_TABLE))
 
 
-def record(path: str, world: int, times_us: dict, recorded: str) -> Table:
+def record(path: str, world: int, times_us: dict, recorded: str, machine: Optional[str] = None) -> Table:
     """Write ``times_us`` ({collective: {algorithm: {bytes: us}}}, native among them) into
-    the table at ``path`` for ``world``: each time replaces the one recorded for the same
-    (collective, algorithm, size), every other entry stays. So a sweep can be refined by a
-    longer run over the sizes where candidates are close; a fresh table starts from no file."""
-    old = _read(path) if Path(path).exists() else Table(str(path), {}, {})
+    the table at ``path`` for ``world``, measured on ``machine`` (default: this one): each
+    time replaces the one recorded for the same (collective, algorithm, size), every other
+    entry stays. So a sweep can be refined by a longer run over the sizes where candidates
+    are close; a fresh table starts from no file. Times of two machines never mix in one
+    table (ValueError naming both)."""
+    machine = machine or this_machine()
+    old = _read(path) if Path(path).exists() else Table(str(path), {}, {}, machine)
+    if old.machine and old.machine != machine:
+        raise ValueError(f"record: the table at {path!r} was recorded on {old.machine}; this is {machine}: record "
+                         "into a fresh file (a table holds for one machine)")
     merged = {c: {name: dict(points) for name, points in by_name.items()}
               for c, by_name in old.times_us.get(world, {}).items()}
     for c, by_name in times_us.items():
@@ -216,7 +254,7 @@ def record(path: str, world: int, times_us: dict, recorded: str) -> Table:
                          "against it)")
     how = f"{old.recorded[world]}; then {recorded}" if world in old.recorded else recorded
     notes, existing = {**old.recorded, world: how}, {**old.times_us, world: merged}
-    data = {"recorded": {str(w): how for w, how in sorted(notes.items())},
+    data = {"machine": machine, "recorded": {str(w): how for w, how in sorted(notes.items())},
             "times_us": {str(w): {c: {name: {str(n): round(t, 2) for n, t in sorted(points.items())}
                                       for name, points in by_name.items()}
                                   for c, by_name in by_collective.items()}

@@ -6,6 +6,7 @@
 
 #include <optional>
 #include <string>
+#include <tuple>
 
 #include "../host/host_comm.h"
 #include "../host/host_strip.h"
@@ -98,9 +99,9 @@ class PreparedCall {
 };
 
 // How a plain tensor call runs, as Communicator passes it (one argument: this runs on every
-// call): None, the transport's own path (native); True, auto: the own path unless auto's
-// table may pick a plan for the size; a _C.CompiledPlan, or the index of one the
-// communicator holds (HostComm::hold_plan), that plan.
+// call): None, the transport's own path (native); True, auto: the plan auto's table gives
+// the message's size (HostComm::auto_plan), else the own path; a _C.CompiledPlan, or the
+// index of one the communicator holds (HostComm::hold_plan), that plan.
 struct Choice {
   bool auto_choice = false;
   const CompiledPlan* plan = nullptr;
@@ -112,19 +113,20 @@ Choice choice_of(const HostComm& c, py::handle algorithm, const char* op) {
   return {false, plan_of(algorithm)};
 }
 
-// Whether a plain call of `bytes` (the message: all-reduce's tensor, reduce-scatter's input,
-// all-gather's output) goes back to Python, where auto may choose a plan for it. Never on a
-// communicator with symmetric memory: there auto is native (Communicator._plan says why).
-bool handed_back(const HostComm& c, const Choice& choice, ringcoll::Collective coll, int64_t count, int dtype,
-                 int per_rank) {
-  const auto bytes = static_cast<size_t>(count) * dtype_info(static_cast<DType>(dtype)).size_bytes * per_rank;
-  return choice.auto_choice && c.in_auto_plan_span(coll, bytes) && c.symmetric_arenas() == 0;
+// The plan a plain call runs (null: the transport's own path): the one it names, or auto's
+// for the message (all-reduce's tensor, reduce-scatter's input, all-gather's output: `count`
+// elements of `dtype`, times `per_rank`). Auto is native on a communicator with symmetric
+// memory (Communicator._plan says why).
+const CompiledPlan* plan_to_run(const HostComm& c, const Choice& choice, ringcoll::Collective coll, int64_t count,
+                                int dtype, int per_rank) {
+  if (!choice.auto_choice) return choice.plan;
+  if (c.symmetric_arenas() != 0) return nullptr;
+  return c.auto_plan(coll, static_cast<size_t>(count) * dtype_info(static_cast<DType>(dtype)).size_bytes * per_rank);
 }
 
 // The plain tensor calls: checked and run in one binding call, by the chosen plan where there
-// is one (a named algorithm, or auto's choice), else the transport's own path. Each returns
-// false, having written nothing, where auto's choice is Python's to make (handed_back).
-bool all_reduce_tensor(HostComm& c, py::handle tensor, py::handle output, py::handle op, py::handle algorithm) {
+// is one (a named algorithm, or auto's choice), else the transport's own path.
+void all_reduce_tensor(HostComm& c, py::handle tensor, py::handle output, py::handle op, py::handle algorithm) {
   constexpr const char* name = "all_reduce";
   ensure_open(c, name);
   int dtype;
@@ -138,47 +140,43 @@ bool all_reduce_tensor(HostComm& c, py::handle tensor, py::handle output, py::ha
     dtype = p.dtype, src = p.input, dst = p.output, count = p.input_count;
   }
   const auto code = static_cast<ReduceOp>(op_code(name, op, dtype));
-  const Choice choice = choice_of(c, algorithm, name);
-  if (handed_back(c, choice, ringcoll::Collective::kAllReduce, count, dtype, 1)) return false;
+  const CompiledPlan* plan = plan_to_run(c, choice_of(c, algorithm, name), ringcoll::Collective::kAllReduce, count,
+                                         dtype, 1);
   py::gil_scoped_release release;
-  if (choice.plan != nullptr)
-    c.run_plan(ringcoll::Collective::kAllReduce, *choice.plan, as_ptr(src), as_mut_ptr(dst), count,
-               static_cast<DType>(dtype), code);
+  if (plan != nullptr)
+    c.run_plan(ringcoll::Collective::kAllReduce, *plan, as_ptr(src), as_mut_ptr(dst), count, static_cast<DType>(dtype),
+               code);
   else
     c.all_reduce(as_ptr(src), as_mut_ptr(dst), count, static_cast<DType>(dtype), code);
-  return true;
 }
 
-bool reduce_scatter_tensor(HostComm& c, py::handle output, py::handle input, py::handle op, py::handle algorithm) {
+void reduce_scatter_tensor(HostComm& c, py::handle output, py::handle input, py::handle op, py::handle algorithm) {
   constexpr const char* name = "reduce_scatter_tensor";
   ensure_open(c, name);
   const auto p = check_pair(name, output, input, PairSizes::kScatter, cpu_device(), c.rank(), c.world());
   const auto code = static_cast<ReduceOp>(op_code(name, op, p.dtype));
-  const Choice choice = choice_of(c, algorithm, name);
-  if (handed_back(c, choice, ringcoll::Collective::kReduceScatter, p.output_count, p.dtype, c.world()))
-    return false;
+  const CompiledPlan* plan = plan_to_run(c, choice_of(c, algorithm, name), ringcoll::Collective::kReduceScatter,
+                                         p.output_count, p.dtype, c.world());
   py::gil_scoped_release release;
-  if (choice.plan != nullptr)
-    c.run_plan(ringcoll::Collective::kReduceScatter, *choice.plan, as_ptr(p.input), as_mut_ptr(p.output),
-               p.output_count, static_cast<DType>(p.dtype), code);
+  if (plan != nullptr)
+    c.run_plan(ringcoll::Collective::kReduceScatter, *plan, as_ptr(p.input), as_mut_ptr(p.output), p.output_count,
+               static_cast<DType>(p.dtype), code);
   else
     c.reduce_scatter(as_ptr(p.input), as_mut_ptr(p.output), p.output_count, static_cast<DType>(p.dtype), code);
-  return true;
 }
 
-bool all_gather_into_tensor(HostComm& c, py::handle output, py::handle input, py::handle algorithm) {
+void all_gather_into_tensor(HostComm& c, py::handle output, py::handle input, py::handle algorithm) {
   constexpr const char* name = "all_gather_into_tensor";
   ensure_open(c, name);
   const auto p = check_pair(name, output, input, PairSizes::kGather, cpu_device(), c.rank(), c.world());
-  const Choice choice = choice_of(c, algorithm, name);
-  if (handed_back(c, choice, ringcoll::Collective::kAllGather, p.input_count, p.dtype, c.world())) return false;
+  const CompiledPlan* plan = plan_to_run(c, choice_of(c, algorithm, name), ringcoll::Collective::kAllGather,
+                                         p.input_count, p.dtype, c.world());
   py::gil_scoped_release release;
-  if (choice.plan != nullptr)
-    c.run_plan(ringcoll::Collective::kAllGather, *choice.plan, as_ptr(p.input), as_mut_ptr(p.output), p.input_count,
+  if (plan != nullptr)
+    c.run_plan(ringcoll::Collective::kAllGather, *plan, as_ptr(p.input), as_mut_ptr(p.output), p.input_count,
                static_cast<DType>(p.dtype), ReduceOp{});
   else
     c.all_gather(as_ptr(p.input), as_mut_ptr(p.output), p.input_count, static_cast<DType>(p.dtype));
-  return true;
 }
 
 // The rooted collectives, in place on `tensor` (torch's dist.broadcast / dist.reduce), always
@@ -326,11 +324,13 @@ void bind_host(py::module_& m) {
           },
           py::arg("tensor"), py::arg("op"), py::arg("plan"))
       .def(
-          "set_auto_plan_span",
-          [](HostComm& c, int collective, size_t from, size_t to) {
-            c.set_auto_plan_span(static_cast<ringcoll::Collective>(collective), from, to);
+          "set_auto_plan_spans",
+          [](HostComm& c, int collective, const std::vector<std::tuple<size_t, size_t, long>>& spans) {
+            std::vector<HostComm::AutoPlanSpan> kept;
+            for (const auto& [from, to, held] : spans) kept.push_back({from, to, held});
+            c.set_auto_plan_spans(static_cast<ringcoll::Collective>(collective), std::move(kept));
           },
-          py::arg("collective"), py::arg("from_bytes"), py::arg("to_bytes"))
+          py::arg("collective"), py::arg("spans"))
       .def(
           "allocate_symmetric",
           [](HostComm& c, size_t bytes, int dtype, const std::vector<int64_t>& dims) {

@@ -254,15 +254,23 @@ class HostComm {
   bool is_symmetric(const void* address, size_t bytes) const { return heap_->locate(address, bytes).has_value(); }
   uint64_t zero_copy_calls() const { return zero_copy_calls_; }  // calls that read peers' blocks (for tests)
 
-  // Message sizes [from, to) in bytes where "auto" may run a plan for `coll` (ringcoll/tuning.py
-  // decides, in Python): the plain tensor calls (bind_host.cpp) hand such a call back rather
-  // than run the transport's own path, so outside the span auto costs nothing extra.
-  void set_auto_plan_span(Collective coll, size_t from, size_t to) {
-    auto_plan_spans_.at(static_cast<int>(coll)) = {from, to};
+  // Where "auto" runs a plan for `coll` (ringcoll/tuning.py decides, in Python, once per
+  // communicator): message sizes [from, to) in bytes, each with the held plan (hold_plan's
+  // index) for it. A plain tensor call (bind_host.cpp) looks its size up here, so auto costs
+  // what the algorithm it picks costs when named.
+  struct AutoPlanSpan {
+    size_t from, to;
+    long held;
+  };
+  void set_auto_plan_spans(Collective coll, std::vector<AutoPlanSpan> spans) {
+    for (const AutoPlanSpan& s : spans) (void)held_plan(s.held, "set_auto_plan_spans");  // held, or refused now
+    auto_plan_spans_.at(static_cast<int>(coll)) = std::move(spans);
   }
-  bool in_auto_plan_span(Collective coll, size_t bytes) const {
-    const auto& [from, to] = auto_plan_spans_[static_cast<int>(coll)];
-    return from <= bytes && bytes < to;
+  // The plan auto runs for a message of `bytes`; null: the transport's own path.
+  const CompiledPlan* auto_plan(Collective coll, size_t bytes) const {
+    for (const AutoPlanSpan& s : auto_plan_spans_[static_cast<int>(coll)])
+      if (s.from <= bytes && bytes < s.to) return &held_plans_[static_cast<size_t>(s.held)];
+    return nullptr;
   }
   // Plans held for the plain tensor calls (bind_host.cpp), which may name one by its index:
   // a small int is read in nanoseconds, where finding a plan object's C++ type costs a
@@ -411,7 +419,7 @@ class HostComm {
   size_t buffer_bytes_, slot_bytes_, small_bytes_, direct_bytes_, direct_max_bytes_;
   WaitPolicy policy_;
   bool check_calls_;
-  std::array<std::pair<size_t, size_t>, kNumCollectives> auto_plan_spans_{};  // empty: [0, 0)
+  std::array<std::vector<AutoPlanSpan>, kNumCollectives> auto_plan_spans_;  // none: auto is native
   std::deque<CompiledPlan> held_plans_;  // hold_plan's
   // By collective code, native's plans (run_ring_call): the ring's, and the one-shot's for small messages
   std::vector<CompiledPlan> native_ring_, native_one_shot_;

@@ -868,6 +868,7 @@ def direct_reads_row(comm) -> dict:
             "after_one_shot": on and transport.oversubscribed,
             "zero_copy_calls": getattr(transport, "zero_copy_calls", 0),  # --symmetric: calls read in place
             "slot_stores": getattr(transport, "slot_stores", None),  # the neighbour-hop probes' verdicts
+            "tuning_note": getattr(comm, "tuning_note", ""),  # auto's table recorded on another machine
             "why": "" if on else getattr(transport, "direct_reads_unavailable", "not on this transport")}
 
 
@@ -1309,6 +1310,8 @@ def format_table(rows: list[dict], world: int, config: Config, fitted: dict, not
         lines += ["", f"# symmetric memory: {direct['zero_copy_calls']} of rank 0's ringcoll calls read the peers' "
                       "tensors in place (the others, up to small_bytes, took the one-shot path through the slots)"]
     lines += slot_stores_lines(direct)
+    if (direct or {}).get("tuning_note"):
+        lines += ["", f"# {direct['tuning_note']}"]
     lines += ["", f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}",
               f"# Avg bus bandwidth    : {sum(buses) / max(len(buses), 1):.3f} GB/s "
               "(ringcoll, out-of-place; broadcast and reduce in place, their one form)"]
@@ -1331,8 +1334,7 @@ def record_tuning(path: str, rows: list[dict], world: int, config: Config, argv:
     `world` (auto's candidates: a registered plan need not exist where the table is read)."""
     times = {name: tuning_times(rows, config, name, [a for a in config.algorithms if a in tuning.candidates(name)])
              for name in config.collectives}
-    how = (f"{time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()} x {os.cpu_count()} cores, "
-           f"torch {torch.__version__}: ringcoll-bench {' '.join(argv)}")
+    how = f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}: ringcoll-bench {' '.join(argv)}"
     table = tuning.record(path, world, times, how)
     return f"# auto's table for P = {world} written to {path} (digest {table.digest})"
 

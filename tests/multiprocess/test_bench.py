@@ -379,6 +379,7 @@ def test_algorithms_side_by_side_checked_with_the_model(capsys, tmp_path):
                                                                          f"algorithm:{name}")}
             for name in names}
         assert "ringcoll-bench -b 1K" in table.recorded[2]
+    assert table.machine == tuning.this_machine()  # where it holds
     # The summary of auto over the fastest of the others, from the same times.
     reduce = [r for r in measured if r["collective"] == "all_reduce"]
     ratios = [next(r["out_time_us"] for r in reduce if r["bytes"] == size and r["backend"] == "algorithm:auto")
@@ -388,6 +389,22 @@ def test_algorithms_side_by_side_checked_with_the_model(capsys, tmp_path):
     assert summary == (f"# auto over the fastest: geometric mean {statistics.geometric_mean(ratios):.3f}, within 5% "
                        f"at {sum(r <= 1.05 for r in ratios)} of 3 sizes, worst {max(ratios):.2f} at "
                        f"{[1024, 8192, 65536][ratios.index(max(ratios))]}"), summary
+
+
+def test_a_table_recorded_on_another_machine_is_said_so(tmp_path, capsys, monkeypatch):
+    """Auto's table holds where it was recorded; elsewhere auto runs native and the run says so."""
+    from ringcoll import tuning
+
+    path = tuning.record(str(tmp_path / "elsewhere.json"), 2, {"all_reduce": {"native": {1024: 1.0}, "rd": {1024: 0.1}}},
+                         "a run elsewhere", machine="Some Other CPU x 64 cores").source
+    monkeypatch.setenv("RINGCOLL_TUNING", path)
+    status = bench.main(["-b", "1K", "-e", "1K", "-w", "1", "-n", "2", "--trials", "1", "--min-ms", "1", "--no-gloo",
+                         "--no-mpi", "--no-deepspeed", "--no-ccl", "--no-progress", "--no-check-cost",
+                         "--collectives", "all_reduce"])
+    printed = capsys.readouterr().out
+    assert status == 0 and "Out of bounds values : 0 OK" in printed, printed
+    assert (f"# auto's table {path} was recorded on Some Other CPU x 64 cores; this machine is "
+            f"{tuning.this_machine()}: auto runs native here") in printed, printed
 
 
 def test_algorithm_option_refuses_unknown_names(capsys):

@@ -324,13 +324,13 @@ BANDED = {"native": {1024: 10.0, 8192: 100.0, 65536: 100.0}, "plan": {1024: 20.0
 IN_BAND, BELOW, ABOVE = 1000, 100, 5000  # float32 elements: 4000, 400 and 20000 bytes
 
 
-def _table(tmp_path, name, plan_times):
+def _table(tmp_path, name, plan_times, machine=None):
     from ringcoll import tuning
 
     times = {"all_reduce": {"native": BANDED["native"], "rd": plan_times},
              "reduce_scatter": {"native": BANDED["native"], "rhd": plan_times},
              "broadcast": {"native": BANDED["native"], "tree": plan_times}}
-    return tuning.record(str(tmp_path / name), 2, times, "test").source
+    return tuning.record(str(tmp_path / name), 2, times, "test", machine).source
 
 
 def _auto_by_table(rank, world, table, other_table):
@@ -396,6 +396,69 @@ def test_auto_runs_what_the_table_prices_lowest_and_every_rank_agrees(tmp_path):
                 "(RINGCOLL_TUNING: cannot read a tuning table from" in messages[6]), messages[6]
         assert rooted[:2] == ["no error"] * 2, rooted  # tree in the band, native (the one-shot) below it
         assert "mismatched collective calls" in rooted[2] and "tree" in rooted[2], rooted[2]
+
+
+def _auto_elsewhere(rank, world, table):
+    """A table recorded on another machine: auto runs native (the band that would run rd
+    included), and the communicator says why. Rank 1 names what rank 0's auto should run."""
+    import os
+
+    os.environ["RINGCOLL_TUNING"] = table
+    messages = []
+    with ringcoll.Communicator(timeout=10) as comm:
+        messages.append(comm.tuning_note)
+        for named in ("native", "rd"):
+            try:
+                comm.all_reduce(torch.ones(IN_BAND), algorithm="auto" if rank == 0 else named)
+                messages.append("no error")
+            except ringcoll.RingcollMismatchError as e:
+                messages.append(str(e))
+    return messages
+
+
+def test_a_table_recorded_on_another_machine_leaves_auto_native(tmp_path):
+    table = _table(tmp_path, "elsewhere.json", BANDED["plan"], machine="Some Other CPU x 64 cores")
+    for note, native, rd in spawn(_auto_elsewhere, 2, table, timeout=120):
+        assert "was recorded on Some Other CPU x 64 cores; this machine is " in note and "runs native" in note, note
+        assert native == "no error", native
+        assert "mismatched collective calls" in rd and "algorithm rd" in rd, rd
+
+
+def _auto_between_plan_bands(rank, world, table):
+    """A plain call runs auto's choice in the binding, with no way back into Python: native in
+    a native band (between two plan bands too), the band's plan, held by the communicator,
+    in a plan's band. Rank 1 names what rank 0's auto should run: the call check says whether
+    they agree; rank 0 counts the calls that went back to Python for a plan."""
+    import os
+
+    os.environ["RINGCOLL_TUNING"] = table
+    messages, detours = [], []
+    with ringcoll.Communicator(timeout=10) as comm:
+        looked_up = comm._plain_plan
+        comm._plain_plan = lambda *args, **kwargs: detours.append(args[2]) or looked_up(*args, **kwargs)
+        # bytes 1 KiB (native), 4 KiB (rd), 16 KiB (native), 64 KiB (rd); the wrong name last (it breaks the communicator)
+        for count, named in ((256, "native"), (1024, "rd"), (4096, "native"), (16384, "rd"), (4096, "rd")):
+            t = torch.ones(count)
+            try:
+                comm.all_reduce(t, algorithm="auto" if rank == 0 else named)
+                messages.append("no error" if bool((t == world).all()) else "wrong values")
+            except ringcoll.RingcollMismatchError as e:
+                messages.append(str(e))
+    return messages, [name for name in detours if name == "auto"]
+
+
+def test_auto_runs_its_choice_in_the_binding_between_two_plan_bands(tmp_path):
+    from ringcoll import tuning
+
+    native, rd = {1024: 10.0, 4096: 10.0, 16384: 10.0, 65536: 10.0}, {1024: 20.0, 4096: 5.0, 16384: 20.0, 65536: 5.0}
+    assert tuning.lower_envelope({"native": native, "rd": rd}) == [(0, "native"), (3170, "rd"), (7802, "native"),
+                                                                   (50713, "rd")]
+    table = tuning.record(str(tmp_path / "two_bands.json"), 2, {"all_reduce": {"native": native, "rd": rd}},
+                          "test").source
+    for rank, (messages, detours) in enumerate(spawn(_auto_between_plan_bands, 2, table, timeout=120)):
+        assert messages[:4] == ["no error"] * 4, messages
+        assert "mismatched collective calls" in messages[4] and "algorithm rd" in messages[4], messages[4]
+        assert detours == [], detours  # auto's plan calls never went back to Python
 
 
 def _auto_and_direct_reads(rank, world, table):

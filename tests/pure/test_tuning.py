@@ -2,6 +2,7 @@
 and the table's file: written by the benchmark, read by every rank alike."""
 
 import json
+import os
 
 import pytest
 
@@ -62,6 +63,27 @@ def test_a_table_is_written_world_by_world_and_read_back(tmp_path):
     assert refined.times_us[4] == four and refined.bands("all_reduce", 2) == [(0, "rd")]
 
 
+def test_a_table_holds_for_the_machine_it_was_recorded_on(tmp_path, monkeypatch):
+    """tuning.this_machine names the CPU and the cores; a table records it, holds there only,
+    and never mixes two machines' times; one with no machine (older) holds anywhere."""
+    assert tuning.this_machine().endswith(f" x {os.cpu_count()} cores")
+    path = str(tmp_path / "t.json")
+    times = {"all_reduce": {"native": {1024: 3.0}, "rd": {1024: 1.0}}}
+    table = tuning.record(path, 2, times, "a run", machine="CPU A x 2 cores")
+    assert table.machine == tuning.load(path).machine == "CPU A x 2 cores"
+    monkeypatch.setattr(tuning, "this_machine", lambda: "CPU A x 2 cores")
+    assert table.holds_here()
+    monkeypatch.setattr(tuning, "this_machine", lambda: "CPU B x 8 cores")
+    assert not table.holds_here()
+    with pytest.raises(ValueError, match=r"was recorded on CPU A x 2 cores; this is CPU B x 8 cores: record into a "
+                                         r"fresh file"):
+        tuning.record(path, 4, times, "another run")
+    assert tuning.load(path).times_us == {2: times}  # untouched
+    legacy = tmp_path / "legacy.json"
+    legacy.write_text(json.dumps({"times_us": {"2": {"all_reduce": {"native": {"1024": 3.0}}}}}))
+    assert tuning.load(str(legacy)).machine == "" and tuning.load(str(legacy)).holds_here()
+
+
 def test_a_table_without_native_or_unreadable_is_refused(tmp_path):
     with pytest.raises(ValueError, match="needs .native. times for all_reduce"):
         tuning.record(str(tmp_path / "t.json"), 2, {"all_reduce": {"rd": {1024: 1.0}}}, "")
@@ -82,7 +104,7 @@ def test_a_table_without_native_or_unreadable_is_refused(tmp_path):
 
 def test_the_shipped_table_offers_what_each_collective_has():
     table = tuning.load(str(tuning.DEFAULT_TABLE))
-    assert set(table.times_us) == {2, 4} and set(table.recorded) == {2, 4}
+    assert set(table.times_us) == {2, 4} and set(table.recorded) == {2, 4} and table.machine  # where it holds
     for world, by_collective in table.times_us.items():
         assert set(by_collective) == set(RING_COLLECTIVES) | {"broadcast"}  # reduce: native (no table yet)
         for collective, by_name in by_collective.items():
