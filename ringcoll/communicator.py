@@ -395,7 +395,8 @@ class Communicator(ArgumentChecks):
     path). The same on all ranks (checked). ``algorithm``: the algorithm every call runs
     unless it names one (``algorithm=`` on each collective): ``"auto"`` (the default, or
     ``RINGCOLL_ALGORITHM``: on the CPU, whichever of native and the built-in plans the
-    recorded cost model prices lowest for the call's size, ringcoll/tuning.py; on CUDA the
+    recorded cost model prices lowest for the call's size, ringcoll/tuning.py, where its table
+    was recorded on this machine, else native, and ``tuning_note`` says why; on CUDA the
     ring kernels), ``"native"`` (the CPU transport's own path: the ring, with the one-shot
     and direct-read paths where the thresholds above say), a built-in plan
     (``ringcoll.algorithms()``: ``"ring"``, ``"oneshot"``, ... run by the CPU transport's
