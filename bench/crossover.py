@@ -33,10 +33,12 @@ import time
 ALWAYS_ONE_SHOT = 1 << 62
 # --paths: (label, Communicator settings, transport counter of calls that took the path) x 2;
 # the second is the path being measured, the first what it replaces.
-PATHS = {
-    "oneshot": (("ring", {"small_bytes": 0, "direct_bytes": 0}),
-                ("oneshot", {"small_bytes": ALWAYS_ONE_SHOT, "direct_bytes": 0}), "one_shot_calls"),
-    "direct": (("slots", {"direct_bytes": 0}), ("direct", {"direct_bytes": 1, "small_bytes": 0}), "direct_calls"),
+PATHS = {  # native's paths (auto might run a plan where its table says)
+    "oneshot": (("ring", {"small_bytes": 0, "direct_bytes": 0, "algorithm": "native"}),
+                ("oneshot", {"small_bytes": ALWAYS_ONE_SHOT, "direct_bytes": 0, "algorithm": "native"}),
+                "one_shot_calls"),
+    "direct": (("slots", {"direct_bytes": 0, "algorithm": "native"}),
+               ("direct", {"direct_bytes": 1, "small_bytes": 0, "algorithm": "native"}), "direct_calls"),
 }
 # Environment of the ranks: the direct path without its upper bound, which is what this measures.
 PATH_ENV = {"direct": {"RINGCOLL_DIRECT_MAX_BYTES": str(1 << 62)}}

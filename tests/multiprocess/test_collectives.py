@@ -617,8 +617,9 @@ def run_one_shot_cases(chk, rank, world):
     the two algorithms on one communicator; the async queue; then skewed ranks with the
     call check off. Counts that the path was taken exactly where one_shot_fits says."""
     threshold = world * ONE_SHOT_PER_RANK
-    # No direct reads: they would take the larger all-gathers off the one-shot path.
-    with ringcoll.Communicator(buffer_bytes=1 << 20, small_bytes=threshold, direct_bytes=0,
+    # No direct reads: they would take the larger all-gathers off the one-shot path. Native,
+    # whose paths these are (auto may pick a plan where its table says: tuning.py).
+    with ringcoll.Communicator(buffer_bytes=1 << 20, small_bytes=threshold, direct_bytes=0, algorithm="native",
                                timeout=COMM_TIMEOUT) as comm:
         comms = [("oneshot", comm)]
         for dtype in DTYPES:
@@ -703,7 +704,7 @@ def run_direct_read_cases(chk, rank, world):
     streamed); one communicator where one-shot, ring and direct calls alternate; the async
     queue. Counts that the path was taken exactly where direct_read_fits says."""
     # Without the upper bound: every case reads directly, whatever the default bound.
-    with _communicator_with_direct_max(1 << 62, small_bytes=0, direct_bytes=1) as comm:
+    with _communicator_with_direct_max(1 << 62, small_bytes=0, direct_bytes=1, algorithm="native") as comm:
         chk.checked += 1
         if world > 1 and not comm.transport.direct_reads:
             chk.fail("direct reads", "not available on this machine, so untested: "
@@ -727,7 +728,7 @@ def run_direct_read_cases(chk, rank, world):
     # In turn: the one-shot path below P x 1 KiB, direct reads (which go before it, unless the
     # ranks outnumber the cores: then from P x 1.5 KiB, past the one-shot) from there to
     # RINGCOLL_DIRECT_MAX_BYTES = P x 4 KiB, the ring above (past small_bytes too).
-    with _communicator_with_direct_max(world * ONE_SHOT_PER_RANK, buffer_bytes=1 << 16,
+    with _communicator_with_direct_max(world * ONE_SHOT_PER_RANK, buffer_bytes=1 << 16, algorithm="native",
                                        small_bytes=world * 1536, direct_bytes=world * 1024) as comm:
         counts = [1, 2048, ONE_SHOT_PER_RANK + 904, 2, 1024, 3]  # int8: bytes per rank
         one_shot, direct = comm.transport.one_shot_calls, comm.transport.direct_calls
@@ -760,7 +761,7 @@ def run_skewed_unchecked_cases(chk, rank, world, calls=150):
 
     plan = random.Random(_seed("skew", world))
     with ringcoll.Communicator(buffer_bytes=1 << 16, small_bytes=1 << 12, direct_bytes=1 << 14, check=False,
-                               timeout=COMM_TIMEOUT) as comm:
+                               algorithm="native", timeout=COMM_TIMEOUT) as comm:
         before, direct_before = comm.transport.one_shot_calls, comm.transport.direct_calls
         expected_one_shot = expected_direct = 0
         for i in range(calls):
@@ -908,12 +909,14 @@ def _streamed_rank(rank, world):
     for slots in ("cache", "stream"):  # the slots too, in the second (RINGCOLL_SLOT_STORES, read at creation)
         os.environ["RINGCOLL_SLOT_STORES"] = slots
         comms.append((f"streamed, slots {slots}", ringcoll.Communicator(buffer_bytes=SMALL_BUFFER, small_bytes=0,
-                                                                        direct_bytes=0, timeout=COMM_TIMEOUT)))
+                                                                        direct_bytes=0, algorithm="native",
+                                                                        timeout=COMM_TIMEOUT)))
         chk.checked += 1
         if comms[-1][1].transport.slot_stores["streaming"] != (slots == "stream"):
             chk.fail("RINGCOLL_SLOT_STORES", f"{slots}: {comms[-1][1].transport.slot_stores}")
     # The direct-read all-gather streams its own chunk past the threshold too.
-    direct = ringcoll.Communicator(buffer_bytes=SMALL_BUFFER, small_bytes=0, direct_bytes=1, timeout=COMM_TIMEOUT)
+    direct = ringcoll.Communicator(buffer_bytes=SMALL_BUFFER, small_bytes=0, direct_bytes=1, algorithm="native",
+                                   timeout=COMM_TIMEOUT)
     comms.append(("streamed, direct reads", direct))
     for name in ("ring", "rhd"):  # the plan engine's outputs, through the slots and the work space
         comms.append((f"streamed, plan {name}", ringcoll.Communicator(buffer_bytes=SMALL_BUFFER, algorithm=name,
