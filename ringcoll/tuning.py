@@ -36,7 +36,7 @@ Where the table comes from (read when a communicator is built, each file once pe
 
 A table holds for the machine it was recorded on (``machine``: the CPU's model and the
 cores, ``this_machine``): the crossovers move with the cores, the caches and the memory
-(the 2026-12-03 table, recorded on an AMD EPYC, sent P = 2 all-reduces of 64 KiB to rd on an
+(the 2026-12-03 table, recorded on an AMD EPYC, sent P = 2 all-reduces of 64 KiB to rhd on an
 Intel Xeon, where they took 1.7x native's time). On any other machine auto runs native,
 the transport's own thresholds, and says so (``Communicator.tuning_note``, the benchmark's
 auto line) until ``ringcoll-bench --record-tuning`` records a table there. A table with no
@@ -69,6 +69,7 @@ DEFAULT_TABLE = Path(__file__).with_name("tuning_cpu.json")
 TUNING_ENV = "RINGCOLL_TUNING"
 
 
+@functools.lru_cache(maxsize=None)
 def this_machine() -> str:
     """What a table is recorded for and holds on: the CPU's model (Linux's /proc/cpuinfo,
     with its family and model numbers, which a VM's generic name hides) and the cores."""
@@ -90,7 +91,7 @@ def this_machine() -> str:
 @dataclass(frozen=True)
 class Table:
     source: str  # the file it was read from
-    recorded: dict  # {world: how it was measured (machine, date, command)}
+    recorded: dict  # {world: how it was measured (date, torch, command)}
     times_us: dict  # {world: {collective: {algorithm: {bytes: microseconds}}}}
     machine: str = ""  # this_machine() where it was recorded ("": not said; holds anywhere)
 
