@@ -65,6 +65,10 @@ from ringcoll._types import DATA_COLLECTIVES
 
 NATIVE = "native"
 PLAN_MARGIN = 0.05  # a plan is chosen only where it is priced this much below native
+# A band narrower than this fraction of the size it starts at goes to the band before it: the
+# table's sizes double, so two lines that cross twice within a fraction of one step (P = 2
+# all-reduce, recorded 2026-12-06: rd from 4079 to 4143 bytes) say nothing the points measured.
+MIN_BAND = 1 / 8
 DEFAULT_TABLE = Path(__file__).with_name("tuning_cpu.json")
 TUNING_ENV = "RINGCOLL_TUNING"
 
@@ -168,7 +172,20 @@ def lower_envelope(times: dict) -> list:
     for band in range(max(len(sizes) - 1, 1)):
         lines = {name: line(name, band) for name in names}
         cuts.update(crossings(lines, sizes[band], sizes[min(band + 1, len(sizes) - 1)]))
-    return [(math.ceil(start), name) for start, name in fastest_between(cuts, fastest)]
+    return without_slivers([(math.ceil(start), name) for start, name in fastest_between(cuts, fastest)])
+
+
+def without_slivers(bands: list) -> list:
+    """``bands`` with every band narrower than MIN_BAND of its start given to the band before
+    it (the first, from 0, stays), runs of one name merged."""
+    kept: list = []
+    for i, (start, name) in enumerate(bands):
+        end = bands[i + 1][0] if i + 1 < len(bands) else math.inf
+        if kept and end - start < MIN_BAND * start:
+            continue
+        if not kept or kept[-1][1] != name:
+            kept.append((start, name))
+    return kept
 
 
 def crossings(lines: dict, lo: float = 0.0, hi: float = math.inf) -> set:

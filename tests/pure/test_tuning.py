@@ -2,6 +2,7 @@
 and the table's file: written by the benchmark, read by every rank alike."""
 
 import json
+import math
 import os
 
 import pytest
@@ -34,6 +35,20 @@ def test_a_plan_needs_the_margin_and_ties_go_to_native():
     clear = {"native": {1000: 10.0, 2000: 20.0}, "rd": {1000: 9.0, 2000: 18.0}}  # 10% faster, at every size
     assert tuning.lower_envelope(clear) == [(0, "rd")]
     assert tuning.lower_envelope({"native": {1000: 5.0}, "ring": {1000: 5.0}}) == [(0, "native")]
+
+
+def test_a_band_narrower_than_an_eighth_of_its_start_goes_to_the_band_before():
+    bands = [(0, "native"), (4079, "rd"), (4143, "native"), (124058, "oneshot"), (997273, "native"),
+             (1091128, "oneshot"), (2409990, "native")]
+    # 4079..4143 and 997273..1091128 are slivers (under 1/8 of where they start); the last band never is
+    assert tuning.without_slivers(bands) == [(0, "native"), (124058, "oneshot"), (2409990, "native")]
+    assert tuning.without_slivers([(0, "rd"), (10, "native")]) == [(0, "rd"), (10, "native")]  # 10..inf
+    table = tuning.load(str(tuning.DEFAULT_TABLE))  # the shipped table's bands have none
+    for world, by_collective in table.times_us.items():
+        for collective in by_collective:
+            bands = table.bands(collective, world)
+            ends = [start for start, _ in bands[1:]] + [math.inf]
+            assert all(end - start >= tuning.MIN_BAND * start for (start, _), end in zip(bands, ends)), bands
 
 
 def test_below_the_first_size_its_times_decide_and_only_common_sizes_count():
