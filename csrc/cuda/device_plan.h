@@ -61,7 +61,7 @@ namespace ringcoll::cuda {
 // thread 0 reads or writes the slot words.
 struct PlanShared {
   BlockShared block;
-  const void* peer_inputs[kMaxWorld];  // a direct plan's: every rank's input (kPeerInput), from its post
+  const void* peer_inputs[kMaxWorld];  // a direct plan's: every peer's input (kPeerInput), from its post
   uint64_t slot_last[kBanks * kMaxPlanChunks];
   uint64_t slot_readers[kBanks * kMaxPlanChunks];
 };
@@ -91,7 +91,6 @@ class DevicePlanContext : public DeviceBlock {
   RINGCOLL_DEVICE bool find_peer_inputs() {
     set_position(p_.first_unit, -1);
     if (threadIdx.x == 0) {
-      slots_->peer_inputs[p_.rank] = p_.input;
       for (int r = 0; r < p_.world && shared_->failed == 0; ++r) {
         if (r == p_.rank) continue;
         const InputPost* theirs = input_post(base_of(r));

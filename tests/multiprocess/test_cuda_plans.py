@@ -172,26 +172,32 @@ def test_ranks_that_disagree_on_the_algorithm_raise_on_every_rank():
     assert all("algorithm rhd" in message or "mismatched calls" in message for message, _ in results), results
 
 
-@pytest.mark.parametrize("check", [True, False], ids=["checked", "unchecked"])
-def test_a_rank_that_never_comes_to_a_plan_call_is_a_timeout_naming_it(check):
-    """Rank 2 stays away (open, not closed) from a tree all-reduce. With the call check the
-    others stop checking the call; without it, in the plan's op that waits for rank 2."""
-    others_done = threading.Barrier(3, timeout=60)
+def _with_a_rank_away(world, away, call, check, error=ringcoll.RingcollError):
+    """Every rank makes `call(comm)` once (the plan's records are then in place); then rank
+    `away` stays away (open, not closed) while the others make it again. The others' error
+    messages, "absent" for `away`."""
+    others_done = threading.Barrier(world, timeout=60)
 
     def body(group):
         with EmulatedCudaCommunicator(group=group, timeout=2, check=check) as comm:
-            x = torch.ones(1000)
-            comm.all_reduce(x, algorithm="tree")  # all come once: the plan's records are in place
-            if group.rank == 2:
+            call(comm)
+            if group.rank == away:
                 others_done.wait()
                 return "absent"
-            with pytest.raises(ringcoll.RingcollError) as e:
-                comm.all_reduce(x, algorithm="tree")
+            with pytest.raises(error) as e:
+                call(comm)
             others_done.wait()
             return str(e.value)
 
     with pytest.warns(RuntimeWarning, match="keeps its emulated buffer"):
-        messages = ringcoll.run_in_process(3, body, timeout=120)
+        return ringcoll.run_in_process(world, body, timeout=120)
+
+
+@pytest.mark.parametrize("check", [True, False], ids=["checked", "unchecked"])
+def test_a_rank_that_never_comes_to_a_plan_call_is_a_timeout_naming_it(check):
+    """Rank 2 stays away (open, not closed) from a tree all-reduce. With the call check the
+    others stop checking the call; without it, in the plan's op that waits for rank 2."""
+    messages = _with_a_rank_away(3, 2, lambda comm: comm.all_reduce(torch.ones(1000), algorithm="tree"), check)
     assert messages[2] == "absent"
     # Rank 0, the binomial tree's root, waits for rank 2 (a leaf under it; P = 3)
     assert "timed out" in messages[0] and "rank 2" in messages[0], messages[0]
@@ -249,22 +255,10 @@ def test_a_direct_plan_with_counts_that_differ_is_a_mismatch_even_unchecked():
 def test_a_rank_that_never_posts_its_input_is_a_timeout_naming_it():
     """Rank 1 stays away (open, not closed) from a direct all-gather; unchecked, rank 0 times
     out waiting for rank 1 to post where its input lies."""
-    others_done = threading.Barrier(2, timeout=60)
+    def gather(comm):
+        comm.all_gather_into_tensor(torch.empty(16), torch.ones(8), algorithm="direct")
 
-    def body(group):
-        with EmulatedCudaCommunicator(group=group, timeout=2, check=False) as comm:
-            out = torch.empty(16)
-            comm.all_gather_into_tensor(out, torch.ones(8), algorithm="direct")  # once: the records are in place
-            if group.rank == 1:
-                others_done.wait()
-                return "absent"
-            with pytest.raises(ringcoll.RingcollTimeoutError) as e:
-                comm.all_gather_into_tensor(out, torch.ones(8), algorithm="direct")
-            others_done.wait()
-            return str(e.value)
-
-    with pytest.warns(RuntimeWarning, match="keeps its emulated buffer"):
-        messages = ringcoll.run_in_process(2, body, timeout=120)
+    messages = _with_a_rank_away(2, 1, gather, check=False, error=ringcoll.RingcollTimeoutError)
     assert messages[1] == "absent"
     assert "timed out" in messages[0] and "rank 1 to post where its input lies" in messages[0], messages[0]
 

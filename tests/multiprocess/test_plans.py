@@ -30,6 +30,11 @@ SELECTION = [(torch.float32, "SUM"), (torch.float64, "AVG"), (torch.int32, "MAX"
 EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "bidirectional_ring.py")
 
 
+def _copy_of(builtin):
+    """A built-in plan's own all-reduce ops, as a plan written in Python (plan_fn)."""
+    return lambda world_size, r: list(plans.plan(builtin, "all_reduce", world_size).ops[r])
+
+
 def _matrix_rank(rank, world):
     chk = M.Checker(rank)
     plans.load_plans(EXAMPLE)
@@ -110,8 +115,7 @@ def _early_sends_back_to_back(rank, world):
     would be a barrier) hides a race. Every third all-reduce runs the oneshot plan's ops
     registered from Python with sends_early: a user's plan sends early too."""
     chk = M.Checker(rank)
-    oneshot = lambda world_size, r: list(plans.plan("oneshot", "all_reduce", world_size).ops[r])  # noqa: E731
-    ringcoll.register_algorithm("mine_early", oneshot, sends_early=True)
+    ringcoll.register_algorithm("mine_early", _copy_of("oneshot"), sends_early=True)
 
     def inputs(i, n):
         return [M.make_input("int", torch.int32, n, M._seed("early", i, r)) for r in range(world)]
@@ -228,8 +232,7 @@ def _disagreements(rank, world):
         except ringcoll.RingcollMismatchError as e:
             messages.append(str(e))
     # the same ops, sending early on rank 0 only: the banks its calls take would differ
-    oneshot = lambda world_size, r: list(plans.plan("oneshot", "all_reduce", world_size).ops[r])  # noqa: E731
-    ringcoll.register_algorithm("mine", oneshot, sends_early=rank == 0)
+    ringcoll.register_algorithm("mine", _copy_of("oneshot"), sends_early=rank == 0)
     with ringcoll.Communicator(timeout=10) as comm:
         try:
             comm.all_reduce(torch.ones(8), algorithm="mine")
@@ -285,20 +288,17 @@ def test_disagreements_and_wrong_plans_fail_on_every_rank_before_anything_moves(
 
 
 def _registered_again(rank, world):
-    def copy_of(builtin):  # a built-in plan's own ops, as a user's plan
-        return lambda world_size, r: list(plans.plan(builtin, "all_reduce", world_size).ops[r])
-
     x = torch.randn(3000, generator=torch.Generator().manual_seed(7 + rank))
     with ringcoll.Communicator(timeout=M.COMM_TIMEOUT) as comm:
         expected = {}
         for builtin in ("ring", "rhd"):
             expected[builtin] = x.clone()
             comm.all_reduce(expected[builtin], algorithm=builtin)
-        ringcoll.register_algorithm("mine", copy_of("ring"))
+        ringcoll.register_algorithm("mine", _copy_of("ring"))
         first = x.clone()
         comm.all_reduce(first, algorithm="mine")
         held = comm._plain_choices["all_reduce"].get("mine")
-        ringcoll.register_algorithm("mine", copy_of("rhd"))  # every rank, at the same point
+        ringcoll.register_algorithm("mine", _copy_of("rhd"))  # every rank, at the same point
         second = x.clone()
         comm.all_reduce(second, algorithm="mine")
     return (torch.equal(first, expected["ring"]), type(held).__name__, torch.equal(second, expected["rhd"]),
