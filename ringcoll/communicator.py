@@ -694,15 +694,15 @@ class Communicator(ArgumentChecks):
         other calls on this communicator (RingcollMismatchError on every rank otherwise). A
         tensor may be written again as soon as a collective that read it has returned on this
         rank (with ``async_op``, once its Work is done), as any tensor. It stays valid after
-        ``close()``. CPU only so far."""
+        ``close()``. On CUDA the collectives read such tensors in place where a plan reads
+        peers' inputs (``algorithm="direct"``), also across processes (docs/symmetric.md)."""
         shape = torch.Size(size[0] if len(size) == 1 and not isinstance(size[0], int) else size)
         dtype = torch.get_default_dtype() if dtype is None else dtype
         code = _C.dtype_code("empty", dtype)
         nbytes = shape.numel() * dtype.itemsize
         self._ensure_open("empty")
-        block = self._transport.allocate_symmetric(nbytes, code, list(shape))
-        # The tensor holds the block (torch.frombuffer keeps its buffer), the block the arena.
-        return torch.frombuffer(block, dtype=torch.uint8)[:nbytes].view(dtype).view(shape)
+        data = self._transport.allocate_symmetric(nbytes, code, list(shape))  # holds the block, which holds the arena
+        return data[:nbytes].view(dtype).view(shape)
 
     def zeros(self, *size, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """``empty``, filled with zeros."""

@@ -145,9 +145,19 @@ void bind_cuda(py::module_& m) {
       .def("end_capture", &Device::end_capture, py::arg("stream"))
       .def("replay", &Device::replay, py::arg("graph"), py::arg("stream"));
   py::class_<EmulatedRing>(e, "Ring")
-      .def(py::init<int, size_t, double, int, int, bool, int, std::shared_ptr<Device>>(), py::arg("world"),
+      .def(py::init<int, size_t, double, int, int, bool, int, std::shared_ptr<Device>, bool>(), py::arg("world"),
            py::arg("buffer_bytes"), py::arg("timeout"), py::arg("variant"), py::arg("threads_per_block") = 4,
-           py::arg("check_calls") = true, py::arg("max_blocks") = 8, py::arg("device") = nullptr)
+           py::arg("check_calls") = true, py::arg("max_blocks") = 8, py::arg("device") = nullptr,
+           py::arg("peers_in_process") = true)
+      // Symmetric memory, one rank's steps (CudaComm's, with the rank first)
+      .def("make_symmetric_arena",
+           [](EmulatedRing& ring, int rank, size_t bytes) { return py::bytes(ring.make_symmetric_arena(rank, bytes)); },
+           py::arg("rank"), py::arg("bytes"))
+      .def("open_symmetric_arena", &EmulatedRing::open_symmetric_arena, py::arg("rank"), py::arg("handles"))
+      .def("take_symmetric", &EmulatedRing::take_symmetric, py::arg("rank"), py::arg("bytes"))
+      .def("symmetric_has_room", &EmulatedRing::symmetric_has_room, py::arg("rank"), py::arg("bytes"))
+      .def("symmetric_arenas", &EmulatedRing::symmetric_arenas, py::arg("rank"))
+      .def("is_symmetric", &EmulatedRing::is_symmetric, py::arg("rank"), py::arg("address"), py::arg("bytes"))
       .def(
           "enqueue",
           [=](EmulatedRing& ring, const py::tuple& call, int user_stream, bool join) {
@@ -210,6 +220,14 @@ void bind_cuda(py::module_& m) {
            py::arg("join") = true, py::call_guard<py::gil_scoped_release>())
       .def("all_gather", &CudaComm::all_gather, py::arg("input"), py::arg("output"), py::arg("input_count"),
            py::arg("dtype"), py::arg("stream"), py::arg("join") = true, py::call_guard<py::gil_scoped_release>())
+      .def("make_symmetric_arena", [](CudaComm& c, size_t bytes) { return py::bytes(c.make_symmetric_arena(bytes)); },
+           py::arg("bytes"))
+      .def("open_symmetric_arena", &CudaComm::open_symmetric_arena, py::arg("handles"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("take_symmetric", &CudaComm::take_symmetric, py::arg("bytes"))
+      .def("symmetric_has_room", &CudaComm::symmetric_has_room, py::arg("bytes"))
+      .def_property_readonly("symmetric_arenas", &CudaComm::symmetric_arenas)
+      .def("is_symmetric", &CudaComm::is_symmetric, py::arg("address"), py::arg("bytes"))
       .def("check_error", &CudaComm::check_error)
       .def("synchronize", &CudaComm::synchronize, py::call_guard<py::gil_scoped_release>())
       .def("leave_peers", &CudaComm::leave_peers, py::arg("wait_for_peers") = true,

@@ -237,17 +237,23 @@ void bind_host(py::module_& m) {
       },
       py::arg("collective"), py::arg("ring_count"), py::arg("elem_size"), py::arg("direct_reads"),
       py::arg("direct_bytes"), py::arg("direct_max_bytes"));
-  // A block of symmetric memory (symmetric_heap.h): a writable buffer torch.frombuffer wraps
-  // (the tensor then holds the block, and the block this rank's segment, alive).
-  py::class_<ringcoll::host::SymmetricBlock, std::shared_ptr<ringcoll::host::SymmetricBlock>>(m, "SymmetricBlock",
+  m.def("symmetric_block_bytes", &ringcoll::symmetric_block_bytes, py::arg("bytes"),
+        "the bytes a symmetric tensor of `bytes` takes from the pool (ringcoll/symmetric_heap.h)");
+  m.def("symmetric_arena_bytes", &ringcoll::symmetric_arena_bytes, py::arg("block_bytes"),
+        "the size of each rank's part of the arena made for a block of `block_bytes`");
+  // A block of symmetric memory (ringcoll/symmetric_heap.h): on the CPU a writable buffer
+  // torch.frombuffer wraps (the tensor then holds the block, and the block this rank's
+  // segment, alive); on CUDA its `address` is a device pointer (transports/cuda.py wraps it).
+  py::class_<ringcoll::SymmetricBlock, std::shared_ptr<ringcoll::SymmetricBlock>>(m, "SymmetricBlock",
                                                                                                py::buffer_protocol())
-      .def_buffer([](ringcoll::host::SymmetricBlock& b) {
+      .def_buffer([](ringcoll::SymmetricBlock& b) {
         return py::buffer_info(b.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
                                {static_cast<py::ssize_t>(b.bytes())}, {1}, /*readonly=*/false);
       })
-      .def_property_readonly("bytes", &ringcoll::host::SymmetricBlock::bytes)
-      .def_property_readonly("arena", [](const ringcoll::host::SymmetricBlock& b) { return b.place().arena; })
-      .def_property_readonly("offset", [](const ringcoll::host::SymmetricBlock& b) { return b.place().offset; });
+      .def_property_readonly("bytes", &ringcoll::SymmetricBlock::bytes)
+      .def_property_readonly("address", [](const ringcoll::SymmetricBlock& b) { return reinterpret_cast<uintptr_t>(b.data()); })
+      .def_property_readonly("arena", [](const ringcoll::SymmetricBlock& b) { return b.place().arena; })
+      .def_property_readonly("offset", [](const ringcoll::SymmetricBlock& b) { return b.place().offset; });
   py::class_<PreparedCall>(m, "PreparedHostCall", "a prepared call on a HostComm (HostComm.prepare)")
       .def("__call__", &PreparedCall::run);
   py::class_<HostComm>(m, "HostComm")

@@ -165,6 +165,7 @@ CudaComm::CudaComm(int rank, int world, int device, size_t buffer_bytes, double 
     RINGCOLL_CUDA_CHECK(cudaMalloc(&state_, sizeof(uint64_t) * kStateWords));
     RINGCOLL_CUDA_CHECK(cudaMalloc(&plan_records_device_, sizeof(DevicePlanOp) * kPlanRecordCapacity));
     RINGCOLL_CUDA_CHECK(cudaMalloc(&plan_work_, plan_work_bytes(slot_bytes_, world_)));
+    RINGCOLL_CUDA_CHECK(cudaMalloc(&symmetric_table_device_, sizeof(const char*) * kSymmetricTableEntries));
     RINGCOLL_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&errors_host_), sizeof(ErrorRecord) * kMaxBlocks,
                                       cudaHostAllocMapped | cudaHostAllocPortable));
     std::memset(errors_host_, 0, sizeof(ErrorRecord) * kMaxBlocks);
@@ -182,6 +183,7 @@ CudaComm::CudaComm(int rank, int world, int device, size_t buffer_bytes, double 
     auto own = static_cast<cudaStream_t>(stream_);
     RINGCOLL_CUDA_CHECK(cudaMemsetAsync(base_, 0, kFlagAreaBytes, own));
     RINGCOLL_CUDA_CHECK(cudaMemsetAsync(state_, 0, sizeof(uint64_t) * kStateWords, own));
+    RINGCOLL_CUDA_CHECK(cudaMemsetAsync(symmetric_table_device_, 0, sizeof(const char*) * kSymmetricTableEntries, own));
     const uint64_t hello = kHelloMagic ^ static_cast<uint64_t>(rank_);
     RINGCOLL_CUDA_CHECK(cudaMemcpyAsync(base_ + kHelloOffset, &hello, sizeof(hello), cudaMemcpyHostToDevice, own));
     RINGCOLL_CUDA_CHECK(cudaStreamSynchronize(own));  // `hello` is a local: copied before it goes
@@ -319,7 +321,8 @@ void CudaComm::check_error() {
   broken_reason_ = "cuda collective: " + error_message(*rec, world_, timeout_seconds_);
   switch (error_cause(*rec)) {
     case AbortCause::kTimedOut: throw TimeoutError(broken_reason_);
-    case AbortCause::kMismatch: throw MismatchError(broken_reason_);
+    case AbortCause::kMismatch:
+    case AbortCause::kNotSymmetric: throw MismatchError(broken_reason_);
     default: throw PeerError(broken_reason_);
   }
 }
@@ -342,10 +345,89 @@ PlanParams CudaComm::device_plan(const char* op, Collective coll, const Compiled
     RINGCOLL_CUDA_CHECK(cudaMemcpyAsync(to, kept.data(), kept.size() * sizeof(DevicePlanOp), cudaMemcpyHostToDevice,
                                         static_cast<cudaStream_t>(stream_)));
   };
-  // A peer in this process (the in-process mode) reaches this rank's tensors by their device
-  // pointers, as it reaches its allocation; one in another process would need them mapped.
   return prepare_plan(plan_records_, plan_records_device_, plan_work_, plan, coll, rank_, world_, slot_bytes_, op,
-                      /*peer_inputs_mapped=*/ipc_peers() == 0, copy_new);
+                      copy_new);
+}
+
+// --- symmetric memory (cuda_comm.h) --------------------------------------------------------
+
+namespace {
+struct ArenaHandle {
+  cudaIpcMemHandle_t handle;  // for peers in other processes
+  uint64_t address;           // for peers in this process
+  uint64_t process;           // process_token() of the process that made it
+  uint64_t bytes;
+  int32_t ipc_error;          // cudaIpcGetMemHandle's result
+  int32_t rank;
+};
+}  // namespace
+
+std::string CudaComm::make_symmetric_arena(size_t bytes) {
+  ensure_usable("empty");
+  RINGCOLL_CUDA_CHECK(cudaSetDevice(device_));
+  void* part = nullptr;
+  RINGCOLL_CUDA_CHECK(cudaMalloc(&part, bytes));
+  // Freed with the last block, unless a peer may still map it (parts_may_be_freed_: set by a
+  // close that saw every peer leave); cudaFree is then the caller's, after the collectives.
+  const int device = device_;
+  making_ = std::shared_ptr<void>(part, [device, may = parts_may_be_freed_](void* p) {
+    if (!*may) return;
+    cudaSetDevice(device);
+    cudaFree(p);
+    cudaGetLastError();
+  });
+  making_bytes_ = bytes;
+  ArenaHandle msg{};
+  msg.ipc_error = cudaIpcGetMemHandle(&msg.handle, part);
+  if (msg.ipc_error != cudaSuccess) (void)cudaGetLastError();
+  msg.address = reinterpret_cast<uint64_t>(part);
+  msg.process = process_token();
+  msg.bytes = bytes;
+  msg.rank = rank_;
+  return std::string(reinterpret_cast<const char*>(&msg), sizeof(msg));
+}
+
+void CudaComm::open_symmetric_arena(const std::vector<std::string>& handles) {
+  ensure_usable("empty");
+  RINGCOLL_CHECK(making_ != nullptr, Error, "empty: no arena is being made (make_symmetric_arena)");
+  RINGCOLL_CHECK(static_cast<int>(handles.size()) == world_, std::invalid_argument, "empty: expected ", world_,
+                 " arena handles, got ", handles.size());
+  RINGCOLL_CUDA_CHECK(cudaSetDevice(device_));
+  std::vector<const char*> row(static_cast<size_t>(world_));
+  for (int r = 0; r < world_; ++r) {
+    ArenaHandle msg;
+    RINGCOLL_CHECK(handles[r].size() == sizeof(msg), std::invalid_argument, "empty: rank ", r, "'s arena handle has ",
+                   handles[r].size(), " bytes, expected ", sizeof(msg));
+    std::memcpy(&msg, handles[r].data(), sizeof(msg));
+    RINGCOLL_CHECK(msg.rank == r && msg.bytes == making_bytes_, std::invalid_argument, "empty: handle ", r,
+                   " is rank ", msg.rank, "'s arena part of ", msg.bytes, " bytes; expected rank ", r, "'s of ",
+                   making_bytes_);
+    if (r == rank_ || msg.process == process_token()) {
+      row[r] = reinterpret_cast<const char*>(msg.address);  // ours, or a thread of this process
+      continue;
+    }
+    RINGCOLL_CHECK(msg.ipc_error == cudaSuccess, Error, "empty: rank ", r, " could not export its arena part through "
+                   "CUDA IPC (", cudaGetErrorString(static_cast<cudaError_t>(msg.ipc_error)), ")");
+    void* mapped = nullptr;
+    RINGCOLL_CUDA_CHECK(cudaIpcOpenMemHandle(&mapped, msg.handle, cudaIpcMemLazyEnablePeerAccess));
+    symmetric_ipc_parts_.push_back(mapped);
+    row[r] = static_cast<const char*>(mapped);
+  }
+  const size_t arena = heap_->arenas();
+  symmetric_table_.add_row(arena, row, "empty");
+  // The new row, on our stream: every later kernel of ours reads it; none running reads it
+  // (their inputs were allocated before). From the table itself, which never moves.
+  RINGCOLL_CUDA_CHECK(cudaMemcpyAsync(symmetric_table_device_ + arena * kMaxWorld, symmetric_table_.row(arena),
+                                      sizeof(const char*) * static_cast<size_t>(world_), cudaMemcpyHostToDevice,
+                                      static_cast<cudaStream_t>(stream_)));
+  char* base = static_cast<char*>(making_.get());
+  heap_->add_arena(std::move(making_), base, making_bytes_);
+  making_bytes_ = 0;
+}
+
+std::shared_ptr<SymmetricBlock> CudaComm::take_symmetric(size_t bytes) {
+  const auto place = heap_->take(bytes);
+  return place ? std::make_shared<SymmetricBlock>(heap_, *place, bytes) : nullptr;
 }
 
 void CudaComm::run_plan(const CompiledPlan& plan, int collective, uintptr_t input, uintptr_t output,
@@ -371,6 +453,10 @@ void CudaComm::launch(const char* op, Collective coll, uintptr_t input, uintptr_
   if (plan != nullptr) {
     call.descriptor.algorithm = static_cast<int32_t>(plan->id);
     plan_part = device_plan(op, coll, *plan, stream);
+    // A peer in this process reaches a plain device pointer; one in another, only symmetric memory.
+    if (plan->reads_peer_inputs)
+      place_input(plan_part, *heap_, symmetric_table_, symmetric_table_device_, call, world_,
+                  reinterpret_cast<const void*>(input), ipc_peers() == 0);
   } else {
     RINGCOLL_CHECK(!collective_info(coll).rooted, std::invalid_argument, op, ": runs by a plan only");
   }
@@ -468,6 +554,8 @@ void CudaComm::leave_peers(bool wait_for_peers) {
         rank_, world_, timeout_seconds_, [&](uint64_t word) { tell_peers_finished(word); },
         [&](int r, uint64_t* word) { return copy_flag(word, base_ + finished_word_offset(r), cudaMemcpyDeviceToHost); }));
   }
+  for (void* part : symmetric_ipc_parts_) cudaIpcCloseMemHandle(part);
+  symmetric_ipc_parts_.clear();
   for (int r = 0; r < world_; ++r) {
     if (peer_by_ipc_[r]) cudaIpcCloseMemHandle(peers_[r]);
     peers_[r] = nullptr;
@@ -486,6 +574,10 @@ void CudaComm::free_memory() {
   if (plan_records_device_ != nullptr) cudaFree(plan_records_device_);
   if (plan_work_ != nullptr) cudaFree(plan_work_);
   if (base_ != nullptr && kept_on_close_.empty()) cudaFree(base_);
+  if (symmetric_table_device_ != nullptr) cudaFree(symmetric_table_device_);
+  symmetric_table_device_ = nullptr;
+  // Our arena parts: freed with their last block from now on, if every peer has unmapped them.
+  *parts_may_be_freed_ = kept_on_close_.empty() && closed_;
   if (stream_ != nullptr) StreamLender::instance().give_back(device_, stream_);  // idle: leave_peers waited for it
   done_ = ready_ = replayed_ = stream_ = nullptr;
   errors_host_ = errors_device_ = nullptr;

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -48,6 +49,23 @@ class CudaComm {
   // once before capturing it.
   void run_plan(const CompiledPlan& plan, int collective, uintptr_t input, uintptr_t output,
                 int64_t user_count, int dtype, int op, uintptr_t stream, bool join);
+
+  // Symmetric memory (ringcoll/symmetric_heap.h; docs/symmetric.md). Making an arena is
+  // collective, in two steps with the caller's exchange between them (transports/cuda.py):
+  // make_symmetric_arena cudaMallocs this rank's part and returns its handle (IPC handle,
+  // address, process token); open_symmetric_arena maps every peer's part (CUDA IPC, or the
+  // address itself for a peer of this process), adds the arena's row to the kernels' table
+  // (copied to the GPU on our stream, before any later kernel) and hands the part to the heap.
+  // A part is freed when the heap and every block are gone, and only if this communicator's
+  // close saw every peer leave (else it is kept until the process exits, like the buffer).
+  std::string make_symmetric_arena(size_t bytes);
+  void open_symmetric_arena(const std::vector<std::string>& handles);
+  std::shared_ptr<SymmetricBlock> take_symmetric(size_t bytes);  // null: no room
+  bool symmetric_has_room(size_t bytes) const { return heap_->has_room_for(bytes); }
+  int symmetric_arenas() const { return static_cast<int>(heap_->arenas()); }
+  bool is_symmetric(uintptr_t address, size_t bytes) const {
+    return heap_->locate(reinterpret_cast<const void*>(address), bytes).has_value();
+  }
 
   // Throw (and mark the communicator broken) if a kernel has given up: TimeoutError,
   // MismatchError or PeerError as its record says. Cheap: reads host-mapped memory, no
@@ -119,6 +137,16 @@ class CudaComm {
   void* replayed_ = nullptr;             // cudaEvent_t, recorded by CUDA-graph replays (stream_order.h)
   std::vector<char*> peers_;             // peers_[r]: rank r's allocation mapped here (own for r == rank)
   std::vector<bool> peer_by_ipc_;        // peers_[r] came from cudaIpcOpenMemHandle (else: same process)
+  // Symmetric memory: this rank's parts (in the heap), the table of every rank's parts as
+  // mapped here (and its copy on the GPU), the peers' parts opened by IPC (closed when we
+  // leave), the part being made, and whether our parts may be freed (close saw every peer go).
+  std::shared_ptr<SymmetricHeap> heap_ = std::make_shared<SymmetricHeap>();
+  SymmetricTable symmetric_table_;
+  const char** symmetric_table_device_ = nullptr;  // kSymmetricTableEntries
+  std::vector<void*> symmetric_ipc_parts_;
+  std::shared_ptr<void> making_;
+  size_t making_bytes_ = 0;
+  std::shared_ptr<bool> parts_may_be_freed_ = std::make_shared<bool>(false);
   bool left_peers_ = false;
   bool peers_open_ = false;
   std::string broken_reason_;

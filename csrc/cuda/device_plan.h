@@ -31,12 +31,15 @@
 // says why a plan needs the second), and every wait watches every peer's `aborted` flag: a
 // plan's ops may wait on any rank, so a failure anywhere stops every rank within a poll.
 //
-// Peers' inputs where they lie (Operand::kPeerInput: the direct plans). Only where every
-// peer's device pointers are valid here (device_plan_ops refuses the plan elsewhere): every
-// rank is a thread of one process. As on the CPU (host_comm.cpp's direct reads), rank k
+// Peers' inputs where they lie (Operand::kPeerInput: the direct plans). A peer's input is
+// reachable where it lies in symmetric memory (its arena and offset, read through this
+// rank's mapping of that arena: kernel_abi.h's SymmetricTable), or anywhere where every rank
+// is a thread of one process (its plain device pointer). As on the CPU (host_comm.cpp's
+// direct reads), rank k
 //   1. posts where its input lies for its n-th such call (InputPost; before the call
-//      check, since it writes only its own memory), and every block reads every peer's
-//      post of call n (the counts compared: no rank reads past a peer's input);
+//      check, since it writes only its own memory), and every block reads every rank's
+//      post of call n (the counts compared: no rank reads past a peer's input; an input out
+//      of some rank's reach is an error on every rank, kNotSymmetric, before any data moves);
 //   2. runs the plan, a kPeerInput operand being that peer's input at the chunk's place;
 //   3. once each block has done its last such read (in the last slice), it says so
 //      (inputs_read[b] = n), and before the kernel ends it waits until block b of every
@@ -83,24 +86,38 @@ class DevicePlanContext : public DeviceBlock {
     ++input_posts_;
     if (block_ != 0 || threadIdx.x != 0) return;
     InputPost* mine = input_post(p_.my_base);
-    word_store_relaxed(&mine->address, reinterpret_cast<uint64_t>(p_.input));
+    word_store_relaxed(&mine->address, p_.plan.input_offset);
     word_store_relaxed(&mine->user_count, p_.call.user_count);
+    word_store_relaxed(&mine->arena, p_.plan.input_arena);
     flag_store_release(&mine->number, input_posts_, p_.flag_scope);
   }
 
+  // Every rank's post is read, and the reach of each input some rank reads is judged, this
+  // rank's own included (from its parameters: another block may not have posted it yet), so
+  // an input out of reach is found by every rank, and every rank raises the same error.
   RINGCOLL_DEVICE bool find_peer_inputs() {
     set_position(p_.first_unit, -1);
     if (threadIdx.x == 0) {
       for (int r = 0; r < p_.world && shared_->failed == 0; ++r) {
-        if (r == p_.rank) continue;
-        const InputPost* theirs = input_post(base_of(r));
-        poll(&theirs->number, p_.flag_scope, input_posts_, r, Awaited::kInputPost);
-        if (shared_->failed != 0) break;
-        CallDescriptor seen = p_.call;  // without the call check, the counts are still compared
-        seen.user_count = word_load_relaxed(&theirs->user_count);
-        if (seen.user_count != p_.call.user_count)
-          give_up(AbortCause::kMismatch, AbortCause::kNone, r, Awaited::kInputPost, 0, 0, 0, &seen);
-        slots_->peer_inputs[r] = reinterpret_cast<const void*>(word_load_relaxed(&theirs->address));
+        int64_t arena = p_.plan.input_arena;
+        uint64_t address = p_.plan.input_offset;
+        if (r != p_.rank) {
+          const InputPost* theirs = input_post(base_of(r));
+          poll(&theirs->number, p_.flag_scope, input_posts_, r, Awaited::kInputPost);
+          if (shared_->failed != 0) break;
+          CallDescriptor seen = p_.call;  // without the call check, the counts are still compared
+          seen.user_count = word_load_relaxed(&theirs->user_count);
+          if (seen.user_count != p_.call.user_count) {
+            give_up(AbortCause::kMismatch, AbortCause::kNone, r, Awaited::kInputPost, 0, 0, 0, &seen);
+            break;
+          }
+          arena = word_load_relaxed(&theirs->arena);
+          address = word_load_relaxed(&theirs->address);
+        }
+        if (!has_bit(p_.plan.inputs_read, r)) continue;  // nobody reads it (a broadcast's non-roots)
+        const void* input = reachable_input(r, arena, address);
+        if (input == nullptr) break;  // gave up, saying why
+        slots_->peer_inputs[r] = input;
       }
     }
     return block_agrees();
@@ -187,6 +204,20 @@ class DevicePlanContext : public DeviceBlock {
   }
 
  private:
+  // Where rank r's input lies as this rank reads it, from r's post (InputPost): a plain
+  // address only where every peer is a thread of one process, else r's part of a symmetric
+  // arena as mapped here plus the offset. Null, having given up, where it cannot be reached.
+  RINGCOLL_DEVICE const void* reachable_input(int r, int64_t arena, uint64_t address) {
+    if (arena == kPlainAddress) {
+      if (p_.plan.plain_addresses_readable) return reinterpret_cast<const void*>(address);
+    } else if (arena >= 0 && arena < p_.plan.symmetric_arenas) {
+      return p_.plan.symmetric_bases[arena * kMaxWorld + r] + address;
+    }
+    give_up(AbortCause::kNotSymmetric, AbortCause::kNone, r, Awaited::kInputPost,
+            static_cast<uint64_t>(p_.plan.symmetric_arenas), static_cast<uint64_t>(arena), 0, nullptr);
+    return nullptr;
+  }
+
   // The number of rank k's m-th publication of slice j.
   RINGCOLL_DEVICE uint64_t number(int k, int64_t j, int m) const {
     return plan_base_ + static_cast<uint64_t>(j) * static_cast<uint64_t>(p_.plan.publications[k]) +

@@ -40,6 +40,7 @@
 #include "ringcoll/plan.h"
 #include "ringcoll/ring_loop.h"
 #include "ringcoll/strip.h"
+#include "ringcoll/symmetric_heap.h"
 
 namespace ringcoll::cuda {
 
@@ -67,9 +68,17 @@ constexpr size_t kConsumedFromOffset = kPlanPublishedOffset + kMaxBlocks * kFlag
 constexpr size_t kInputPostOffset = kConsumedFromOffset + kMaxBlocks * kFlagStride;
 constexpr size_t kInputsReadOffset = kInputPostOffset + kFlagStride;
 constexpr size_t kFlagAreaBytes = (kInputsReadOffset + kMaxBlocks * kFlagStride + 4095) / 4096 * 4096;  // 164 KiB
+// Where an input lies is said one of two ways. In symmetric memory (the owner's segment of
+// arena a, every peer having mapped it: CudaComm::open_symmetric_arena): `arena` = a and
+// `address` its offset there, which each reader adds to its own mapping of that segment
+// (SymmetricTable), the only form a peer in another process can use. Anywhere else:
+// `arena` = kPlainAddress and `address` the device pointer, usable only by peers that are
+// threads of the owner's process (the in-process mode).
+constexpr int64_t kPlainAddress = -1;
 struct InputPost {
-  uint64_t address;     // the owner's input, as a device pointer every peer of this process can use
+  uint64_t address;     // the device pointer (kPlainAddress), or the offset in the owner's segment of `arena`
   int64_t user_count;   // the owner's call's (compared, so no rank reads past a peer's input)
+  int64_t arena;        // the symmetric arena the input lies in, or kPlainAddress
   uint64_t number;      // the owner's n-th call of such a plan (stored last, with release)
 };
 static_assert(sizeof(InputPost) <= kFlagStride, "the input post must fit its line");
@@ -228,6 +237,7 @@ enum class AbortCause : int32_t {
   kPeerAborted = 3, // (records only) a neighbour gave up; `cause` says why that one did
   kClosed = 4,      // (flag only) the rank closed its communicator after its last call
   kPeerLeft = 5,    // (flag only) a neighbour it was waiting for had closed: passed on like a timeout
+  kNotSymmetric = 6,  // a plan reads peers' inputs, and a rank's input is where some peer cannot reach it
 };
 
 // What a neighbour's `aborted` value says, for messages.
@@ -236,6 +246,8 @@ inline const char* abort_cause_text(int32_t cause) {
     case AbortCause::kMismatch: return "abandoned the call: ranks made mismatched calls";
     case AbortCause::kClosed: return "closed its communicator";
     case AbortCause::kPeerLeft: return "abandoned the call: a rank closed its communicator while others waited for it";
+    case AbortCause::kNotSymmetric:
+      return "abandoned the call: a rank's input is not in symmetric memory, so a peer in another process cannot read it";
     default: return "abandoned the call: a wait in the ring timed out";
   }
 }
@@ -283,6 +295,13 @@ struct PlanParams {
   // last slice, each block says it has read them (device_plan.h).
   int32_t reads_peer_inputs;
   int32_t last_peer_input_op;
+  uint64_t inputs_read;                // bit r: some rank's ops read rank r's input (all-gather: all; broadcast: the root)
+  // Where this rank's input lies, for its post (InputPost), and how peers' posts are read.
+  int64_t input_arena;                 // kPlainAddress, or the symmetric arena this rank's input lies in
+  uint64_t input_offset;               // its offset in this rank's part of that arena
+  const char* const* symmetric_bases;  // the SymmetricTable's entries, in memory the kernels read
+  int32_t symmetric_arenas;            // how many arenas the table holds
+  int32_t plain_addresses_readable;    // every peer is a thread of this process: a plain post can be read
 };
 
 struct RingParams {
@@ -385,17 +404,12 @@ inline int64_t plan_slot_bytes(size_t ring_slot_bytes, int world, int chunks) {
 }
 
 // Rank `rank`'s ops of a compiled plan as its kernels read them. Throws std::invalid_argument
-// for a plan the kernels cannot run (too many chunks for their bookkeeping; one that reads
-// peers' inputs where they lie, unless `peer_inputs_mapped`: every peer's device pointers
-// are valid here, as where every rank is a thread of this process).
-inline std::vector<DevicePlanOp> device_plan_ops(const CompiledPlan& plan, int rank, const char* op,
-                                                 bool peer_inputs_mapped) {
+// for a plan the kernels cannot run (too many chunks for their bookkeeping). Whether a plan
+// that reads peers' inputs can reach them is not known here (a peer's input may lie in
+// symmetric memory or not): the kernels decide from the posts (device_plan.h).
+inline std::vector<DevicePlanOp> device_plan_ops(const CompiledPlan& plan, int rank, const char* op) {
   RINGCOLL_CHECK(plan.plan.chunks <= kMaxPlanChunks, std::invalid_argument, op, ": a plan of ", plan.plan.chunks,
                  " chunks; the CUDA kernels run plans of at most ", kMaxPlanChunks);
-  RINGCOLL_CHECK(!plan.reads_peer_inputs || peer_inputs_mapped, std::invalid_argument, op, ": this plan reads "
-                 "peers' inputs where they lie, which on CUDA needs the peers' tensors mapped: every rank a thread "
-                 "of this process (ringcoll.run_in_process), or symmetric memory (not built for CUDA yet); this "
-                 "communicator's peers are other processes: choose a plan that goes through the slots");
   std::vector<DevicePlanOp> out;
   const auto& ops = plan.plan.ops[static_cast<size_t>(rank)];
   for (size_t i = 0; i < ops.size(); ++i) {
@@ -481,16 +495,67 @@ inline size_t plan_work_bytes(size_t ring_slot_bytes, int world) { return static
 template <class CopyNew>
 PlanParams prepare_plan(PlanRecords& records, DevicePlanOp* area, void* work, const CompiledPlan& plan,
                         Collective coll, int rank, int world, size_t ring_slot_bytes, const char* op,
-                        bool peer_inputs_mapped, CopyNew&& copy_new) {
+                        CopyNew&& copy_new) {
   check_plan_fits(plan, coll, world, op);
-  const std::vector<DevicePlanOp> ops = device_plan_ops(plan, rank, op, peer_inputs_mapped);
+  const std::vector<DevicePlanOp> ops = device_plan_ops(plan, rank, op);
   bool added = false;
   const int64_t at = records.place(ops, &added, op);
   if (added && !ops.empty()) copy_new(area + at, records.newest());
   PlanParams q = plan_params(plan, area + at, static_cast<int>(ops.size()), ring_slot_bytes, world, work, op);
   q.reads_peer_inputs = plan.reads_peer_inputs ? 1 : 0;
   q.last_peer_input_op = plan.last_peer_input_op[static_cast<size_t>(rank)];
+  for (const auto& ops_of_rank : plan.plan.ops)
+    for (const PlanOp& o : ops_of_rank)
+      if (o.a == Operand::kPeerInput || o.b == Operand::kPeerInput) q.inputs_read |= uint64_t{1} << o.from;
   return q;
+}
+
+// --- symmetric memory ------------------------------------------------------------------
+// On CUDA (and in its emulator) arena a of symmetric memory (ringcoll/symmetric_heap.h) is
+// one device allocation per rank, every peer's mapped here: through CUDA IPC from another
+// process, as the plain pointer from this one. A kernel finds rank r's part of arena a, as
+// mapped here, at entry a * kMaxWorld + r of a table, which the host keeps (SymmetricTable)
+// and the kernels read from memory of theirs (device memory on a GPU: CudaComm copies each
+// new row there, on its stream, before any kernel that can read it).
+constexpr int kMaxSymmetricArenas = 128;
+constexpr size_t kSymmetricTableEntries = static_cast<size_t>(kMaxSymmetricArenas) * kMaxWorld;
+
+class SymmetricTable {
+ public:
+  SymmetricTable() : entries_(kSymmetricTableEntries, nullptr) {}
+  // Arena `arena` (the next: arenas()), `bases[r]` rank r's part of it as mapped here.
+  // Throws std::invalid_argument naming `op` when the table is full.
+  void add_row(size_t arena, const std::vector<const char*>& bases, const char* op) {
+    RINGCOLL_CHECK(arena == static_cast<size_t>(arenas_), std::logic_error, op, ": arena ", arena,
+                   " added out of turn (", arenas_, " so far)");
+    RINGCOLL_CHECK(arenas_ < kMaxSymmetricArenas, std::invalid_argument, op, ": a communicator holds at most ",
+                   kMaxSymmetricArenas, " arenas of symmetric memory (each ",
+                   kSymmetricArenaBytes >> 20, " MiB or one large tensor); free tensors, or allocate fewer, larger ones");
+    for (size_t r = 0; r < bases.size(); ++r) entries_[arena * kMaxWorld + r] = bases[r];
+    ++arenas_;
+  }
+  int arenas() const { return arenas_; }
+  const char* const* entries() const { return entries_.data(); }
+  const char* const* row(size_t arena) const { return entries_.data() + arena * kMaxWorld; }
+
+ private:
+  std::vector<const char*> entries_;  // never resized: a kernel's copy may be read at any time
+  int arenas_ = 0;
+};
+
+// The symmetric part of a plan call's parameters: where this rank's input lies (its arena
+// and offset, or kPlainAddress), the table the kernels read (`bases`: the table's entries in
+// their memory), and whether peers' plain addresses can be read (every peer is a thread of
+// this process).
+inline void place_input(PlanParams& q, const SymmetricHeap& heap, const SymmetricTable& table,
+                        const char* const* bases, const RingCall& call, int world, const void* input,
+                        bool plain_addresses_readable) {
+  const auto place = heap.locate(input, input_bytes(call, world));
+  q.input_arena = place ? static_cast<int64_t>(place->arena) : kPlainAddress;
+  q.input_offset = place ? place->offset : reinterpret_cast<uint64_t>(input);
+  q.symmetric_bases = bases;
+  q.symmetric_arenas = table.arenas();
+  q.plain_addresses_readable = plain_addresses_readable ? 1 : 0;
 }
 
 // The one launch of a plan call (none for a call with nothing to move or check): the fused
@@ -540,6 +605,16 @@ inline std::string error_message(const ErrorRecord& r, int world, double timeout
     case AbortCause::kTimedOut:
       msg << "rank " << r.rank << " timed out after " << timeout_seconds << " s waiting for " << side << "rank "
           << r.peer << " to " << what;
+      break;
+    case AbortCause::kNotSymmetric:
+      if (r.seen == static_cast<uint64_t>(kPlainAddress))
+        msg << "rank " << r.peer << "'s input is not in symmetric memory (ringcoll.empty), so its peers in other "
+            << "processes cannot read it where it lies; a plan that reads peers' inputs (algorithm \"direct\") "
+            << "needs the input of every rank it reads in symmetric memory of this communicator";
+      else
+        msg << "rank " << r.peer << "'s input lies in symmetric arena " << r.seen << ", which rank " << r.rank
+            << " has not mapped (it has " << r.expected << ")";
+      msg << "; no data was moved";
       break;
     case AbortCause::kMismatch:
       msg << "mismatched collective calls (call " << r.call << " on this communicator): rank " << r.rank

@@ -18,6 +18,7 @@
 #include "cuda_shim.h"  // before device code: it supplies threadIdx, __syncthreads, ...
 // clang-format on
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -26,6 +27,9 @@
 #include <sstream>
 #include <stdexcept>
 #include <thread>
+
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "../cuda/close_protocol.h"
 #include "../cuda/device_plan.h"
@@ -77,7 +81,8 @@ void launch(const RingParams& p, int blocks, int threads, bool vectorise) {
 const char* error_type(AbortCause cause) {
   switch (cause) {
     case AbortCause::kTimedOut: return "RingcollTimeoutError";
-    case AbortCause::kMismatch: return "RingcollMismatchError";
+    case AbortCause::kMismatch:
+    case AbortCause::kNotSymmetric: return "RingcollMismatchError";
     default: return "RingcollPeerError";
   }
 }
@@ -96,6 +101,56 @@ struct ModelStreams {
   bool synchronize_event(int event) { return device.synchronize_event(event, timeout); }
 };
 
+// An arena's part in host memory that can be mapped again (emulated CUDA IPC): a memfd, the
+// owner's mapping of it, and its handle, the descriptor a peer maps it by.
+class SharedPart {
+ public:
+  explicit SharedPart(size_t bytes) : bytes_(bytes) {
+    fd_ = memfd_create("ringcoll-emulated-arena", MFD_CLOEXEC);
+    RINGCOLL_CHECK(fd_ >= 0, std::runtime_error, "empty: memfd_create failed: ", std::strerror(errno));
+    if (ftruncate(fd_, static_cast<off_t>(bytes)) != 0) {
+      const int err = errno;
+      close(fd_);
+      throw std::runtime_error(std::string("empty: cannot size an emulated arena: ") + std::strerror(err));
+    }
+    base_ = map(fd_, bytes);
+  }
+  ~SharedPart() {
+    munmap(base_, bytes_);
+    close(fd_);
+  }
+  SharedPart(const SharedPart&) = delete;
+  SharedPart& operator=(const SharedPart&) = delete;
+  static char* map(int fd, size_t bytes) {
+    void* at = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    RINGCOLL_CHECK(at != MAP_FAILED, std::runtime_error, "empty: cannot map an emulated arena: ", std::strerror(errno));
+    return static_cast<char*>(at);
+  }
+  char* base() const { return base_; }
+  size_t bytes() const { return bytes_; }
+  int fd() const { return fd_; }
+
+ private:
+  int fd_ = -1;
+  char* base_ = nullptr;
+  size_t bytes_;
+};
+
+// A peer's part as this rank maps it: another address for the same memory.
+struct PeerMapping {
+  PeerMapping(int fd, size_t bytes) : base(SharedPart::map(fd, bytes)), bytes(bytes) {}
+  ~PeerMapping() { munmap(base, bytes); }
+  PeerMapping(const PeerMapping&) = delete;
+  PeerMapping& operator=(const PeerMapping&) = delete;
+  char* base;
+  size_t bytes;
+};
+
+struct ArenaHandle {  // what goes round the bootstrap, as CUDA's IPC handle does
+  int32_t fd, rank;
+  uint64_t bytes;
+};
+
 }  // namespace
 
 struct EmulatedRing::Rank {
@@ -110,13 +165,21 @@ struct EmulatedRing::Rank {
   std::atomic<bool> freed{false};  // closed and let its memory go: nobody may touch it since
   int stream = 0;                  // its communicator's stream on the device
   CallEvents<int> events{};
+  // Symmetric memory: this rank's parts (in the heap), its table of every rank's parts as
+  // mapped here, the peers' parts it mapped, and its part of an arena being made.
+  std::shared_ptr<SymmetricHeap> heap = std::make_shared<SymmetricHeap>();
+  cuda::SymmetricTable table;
+  std::vector<std::shared_ptr<PeerMapping>> peer_parts;
+  std::shared_ptr<SharedPart> making;
+  mutable std::mutex symmetric_mutex;  // the rank's Python thread allocates while its kernels run
 };
 
 EmulatedRing::EmulatedRing(int world, size_t buffer_bytes, double timeout_seconds, int variant, int threads_per_block,
-                           bool check_calls, int max_blocks, std::shared_ptr<Device> device)
+                           bool check_calls, int max_blocks, std::shared_ptr<Device> device, bool peers_in_process)
     : world_(world), slot_bytes_(slot_bytes_for(buffer_bytes, world, cuda::kSlotAlignment)),
       timeout_seconds_(timeout_seconds), variant_(variant), threads_(threads_per_block), max_blocks_(max_blocks),
-      check_calls_(check_calls), device_(device ? std::move(device) : std::make_shared<Device>(32)) {
+      check_calls_(check_calls), peers_in_process_(peers_in_process),
+      device_(device ? std::move(device) : std::make_shared<Device>(32)) {
   RINGCOLL_CHECK(world >= 1 && world <= cuda::kMaxWorld, std::invalid_argument, "EmulatedRing: world ", world,
                  " is outside 1..", cuda::kMaxWorld);
   check_buffer_bytes("EmulatedRing", buffer_bytes, world, cuda::kSlotAlignment);
@@ -276,10 +339,15 @@ CallResult EmulatedRing::enqueue(const EmulatedCall& c, int user_stream, bool jo
   if (c.plan != nullptr) {  // CudaComm::device_plan, the copy a plain one
     call.descriptor.algorithm = static_cast<int32_t>(c.plan->id);
     plan_part = cuda::prepare_plan(me.plan_records, me.plan_area.data(), me.plan_work.data(), *c.plan, coll, c.rank,
-                                   world_, slot_bytes_, collective_info(coll).name, /*peer_inputs_mapped=*/true,
+                                   world_, slot_bytes_, collective_info(coll).name,
                                    [](cuda::DevicePlanOp* to, const std::vector<cuda::DevicePlanOp>& kept) {
                                      std::copy(kept.begin(), kept.end(), to);
                                    });
+    if (c.plan->reads_peer_inputs) {  // the kernels read the host's table itself (CudaComm copies it to the GPU)
+      std::lock_guard<std::mutex> lock(me.symmetric_mutex);
+      cuda::place_input(plan_part, *me.heap, me.table, me.table.entries(), call, world_,
+                        reinterpret_cast<const void*>(c.input), peers_in_process_);
+    }
   } else if (collective_info(coll).rooted) {
     return {"ValueError", std::string(collective_info(coll).name) + ": runs by a plan only"};
   }
@@ -315,6 +383,64 @@ CallResult EmulatedRing::enqueue(const EmulatedCall& c, int user_stream, bool jo
     });
   });
   return {};
+}
+
+// --- symmetric memory: CudaComm's steps, with a memfd for cudaMalloc and mmap for IPC ----
+
+std::string EmulatedRing::make_symmetric_arena(int rank, size_t bytes) {
+  Rank& me = *ranks_.at(static_cast<size_t>(rank));
+  std::lock_guard<std::mutex> lock(me.symmetric_mutex);
+  me.making = std::make_shared<SharedPart>(bytes);
+  const ArenaHandle handle{me.making->fd(), rank, bytes};
+  return std::string(reinterpret_cast<const char*>(&handle), sizeof(handle));
+}
+
+void EmulatedRing::open_symmetric_arena(int rank, const std::vector<std::string>& handles) {
+  Rank& me = *ranks_.at(static_cast<size_t>(rank));
+  std::lock_guard<std::mutex> lock(me.symmetric_mutex);
+  RINGCOLL_CHECK(me.making != nullptr, std::logic_error, "empty: no arena of rank ", rank, " is being made");
+  RINGCOLL_CHECK(static_cast<int>(handles.size()) == world_, std::invalid_argument, "empty: expected ", world_,
+                 " arena handles, got ", handles.size());
+  std::vector<const char*> row(static_cast<size_t>(world_));
+  std::vector<std::shared_ptr<PeerMapping>> mapped;
+  for (int r = 0; r < world_; ++r) {
+    ArenaHandle h;
+    RINGCOLL_CHECK(handles[r].size() == sizeof(h), std::invalid_argument, "empty: rank ", r, "'s arena handle has ",
+                   handles[r].size(), " bytes");
+    std::memcpy(&h, handles[r].data(), sizeof(h));
+    RINGCOLL_CHECK(h.rank == r && h.bytes == me.making->bytes(), std::invalid_argument, "empty: handle ", r,
+                   " is rank ", h.rank, "'s arena of ", h.bytes, " bytes; expected rank ", r, "'s of ",
+                   me.making->bytes());
+    if (r == rank) {
+      row[r] = me.making->base();
+      continue;
+    }
+    mapped.push_back(std::make_shared<PeerMapping>(h.fd, h.bytes));
+    row[r] = mapped.back()->base;
+  }
+  me.table.add_row(me.heap->arenas(), row, "empty");
+  char* base = me.making->base();
+  const size_t bytes = me.making->bytes();
+  me.heap->add_arena(std::move(me.making), base, bytes);
+  for (auto& m : mapped) me.peer_parts.push_back(std::move(m));
+}
+
+std::shared_ptr<SymmetricBlock> EmulatedRing::take_symmetric(int rank, size_t bytes) {
+  Rank& me = *ranks_.at(static_cast<size_t>(rank));
+  const auto place = me.heap->take(bytes);
+  return place ? std::make_shared<SymmetricBlock>(me.heap, *place, bytes) : nullptr;
+}
+
+bool EmulatedRing::symmetric_has_room(int rank, size_t bytes) const {
+  return ranks_.at(static_cast<size_t>(rank))->heap->has_room_for(bytes);
+}
+
+int EmulatedRing::symmetric_arenas(int rank) const {
+  return static_cast<int>(ranks_.at(static_cast<size_t>(rank))->heap->arenas());
+}
+
+bool EmulatedRing::is_symmetric(int rank, uintptr_t address, size_t bytes) const {
+  return ranks_.at(static_cast<size_t>(rank))->heap->locate(reinterpret_cast<const void*>(address), bytes).has_value();
 }
 
 CallResult EmulatedRing::check_error(int rank) {

@@ -14,6 +14,7 @@
 
 #include "emulated_streams.h"
 #include "ringcoll/plan.h"
+#include "ringcoll/symmetric_heap.h"
 
 namespace ringcoll::emulation {
 
@@ -38,8 +39,11 @@ class EmulatedRing {
   // max_blocks: the emulated device's SM count, which bounds a fused launch (fused_blocks).
   // device: whose streams the ranks' work goes on (all ranks on one GPU, as in the
   // in-process CUDA mode); null: a device of its own with 32 hardware queues.
+  // peers_in_process: the in-process CUDA mode, where a peer's plain device pointer can be
+  // read; false models peers in other processes, which reach only symmetric memory.
   EmulatedRing(int world, size_t buffer_bytes, double timeout_seconds, int variant, int threads_per_block,
-               bool check_calls, int max_blocks = 8, std::shared_ptr<Device> device = nullptr);
+               bool check_calls, int max_blocks = 8, std::shared_ptr<Device> device = nullptr,
+               bool peers_in_process = true);
   ~EmulatedRing();
   // Run the given calls: each rank runs its own in order, each call queued on the rank's own
   // stream and awaited, concurrently with the other ranks and without waiting for them
@@ -55,6 +59,17 @@ class EmulatedRing {
   CallResult check_error(int rank);  // CudaComm::check_error: a kernel's recorded error, once
   CallResult synchronize(int rank);  // CudaComm::synchronize: the rank's stream, then check_error
   int own_stream(int rank) const;    // the rank's communicator stream on the device
+
+  // Symmetric memory as CudaComm makes it (cuda_comm.h says what each step does). An arena's
+  // part is "exported" as CUDA IPC exports it: the owner's part is a memfd mapping, its
+  // handle the descriptor, and each peer that opens it maps it again, at an address of its
+  // own, as another process would: every rank's table of arenas differs from its peers'.
+  std::string make_symmetric_arena(int rank, size_t bytes);
+  void open_symmetric_arena(int rank, const std::vector<std::string>& handles);
+  std::shared_ptr<SymmetricBlock> take_symmetric(int rank, size_t bytes);  // null: no room
+  bool symmetric_has_room(int rank, size_t bytes) const;
+  int symmetric_arenas(int rank) const;
+  bool is_symmetric(int rank, uintptr_t address, size_t bytes) const;
   Device& device() { return *device_; }
   double host_wait_seconds() const;  // how long a host wait lasts before the model calls itself stuck
   // The first breach of the close protocol seen ("" if none): a rank's kernel that ran after it closed.
@@ -74,6 +89,7 @@ class EmulatedRing {
   double timeout_seconds_;
   int variant_, threads_, max_blocks_;
   bool check_calls_;
+  bool peers_in_process_;
   std::shared_ptr<Device> device_;
   std::vector<std::unique_ptr<Rank>> ranks_;
   std::atomic<uint64_t> launches_{0}, blocks_launched_{0};

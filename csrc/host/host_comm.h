@@ -10,7 +10,7 @@
 // reads the data areas of the peers a plan names (the ring's: its left neighbour's; the
 // one-shot's for small messages: every peer's).
 // docs/flags.md says who writes and reads each flag.
-// Symmetric memory (symmetric_heap.h) lies in further segments, one per rank and arena.
+// Symmetric memory (ringcoll/symmetric_heap.h) lies in further segments, one per rank and arena.
 #pragma once
 
 #include <array>
@@ -31,7 +31,7 @@
 #include "ringcoll/reduce.h"
 #include "ringcoll/ring.h"
 #include "shm_segment.h"
-#include "symmetric_heap.h"
+#include "ringcoll/symmetric_heap.h"
 
 namespace ringcoll::host {
 
@@ -245,7 +245,7 @@ class HostComm {
   void barrier();
   void close();
 
-  // Symmetric memory (symmetric_heap.h; host_symmetric.cpp). Collective: every rank asks
+  // Symmetric memory (ringcoll/symmetric_heap.h; host_symmetric.cpp). Collective: every rank asks
   // for `bytes` of `dtype` shaped `dims`, in the same order (else MismatchError on every
   // rank); returns a block of this rank's segment of an arena, made with every rank first
   // if some rank has no room. Collectives whose arguments are such blocks read them in place.

@@ -1,4 +1,4 @@
-// host_symmetric.cpp: symmetric memory on the CPU (symmetric_heap.h): the collective
+// host_symmetric.cpp: symmetric memory on the CPU (ringcoll/symmetric_heap.h): the collective
 // allocation, and the collectives that read their peers' arguments where they lie.
 //
 // The zero-copy collectives. When every rank's input lies in symmetric memory (and, where
@@ -38,75 +38,6 @@
 #include "ringcoll/check.h"
 
 namespace ringcoll::host {
-
-// ---------------------------------------------------------------------------------------
-// The heap (symmetric_heap.h)
-
-std::optional<SymmetricPlace> SymmetricHeap::take(size_t bytes) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  for (size_t a = 0; a < arenas_.size(); ++a) {
-    auto& free = arenas_[a].free;
-    for (auto it = free.begin(); it != free.end(); ++it) {
-      if (it->second < bytes) continue;
-      const auto [offset, span] = *it;
-      free.erase(it);
-      if (span > bytes) free.emplace(offset + bytes, span - bytes);
-      return SymmetricPlace{a, offset};
-    }
-  }
-  return std::nullopt;
-}
-
-void SymmetricHeap::give_back(SymmetricPlace place, size_t bytes) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  auto& free = arenas_.at(place.arena).free;
-  auto [it, inserted] = free.emplace(place.offset, bytes);
-  if (auto next = std::next(it); next != free.end() && it->first + it->second == next->first) {
-    it->second += next->second;
-    free.erase(next);
-  }
-  if (it != free.begin()) {
-    if (auto prev = std::prev(it); prev->first + prev->second == it->first) {
-      prev->second += it->second;
-      free.erase(it);
-    }
-  }
-}
-
-bool SymmetricHeap::has_room_for(size_t bytes) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  for (const auto& arena : arenas_)
-    for (const auto& [offset, span] : arena.free)
-      if (span >= bytes) return true;
-  return false;
-}
-
-std::optional<SymmetricPlace> SymmetricHeap::locate(const void* address, size_t bytes) const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  const auto* p = static_cast<const char*>(address);
-  for (size_t a = 0; a < arenas_.size(); ++a) {
-    const char* base = arenas_[a].mine->base();
-    if (p >= base && p + bytes <= base + arenas_[a].mine->bytes())
-      return SymmetricPlace{a, static_cast<size_t>(p - base)};
-  }
-  return std::nullopt;
-}
-
-void SymmetricHeap::add_arena(std::shared_ptr<SegmentMapping> mine) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  const size_t bytes = mine->bytes();
-  arenas_.push_back(Arena{std::move(mine), {{0, bytes}}});
-}
-
-size_t SymmetricHeap::arenas() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return arenas_.size();
-}
-
-char* SymmetricHeap::base(size_t arena) const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return arenas_.at(arena).mine->base();
-}
 
 // ---------------------------------------------------------------------------------------
 // The collective allocation
@@ -179,7 +110,9 @@ void HostComm::add_symmetric_arena(size_t bytes) {
     flag_store_release(&header(rank_).arenas_mapped.value, index + 1);
     for (int peer = 0; peer < world_; ++peer)
       if (peer != rank_) wait_for(peer, &SegmentHeader::arenas_mapped, index + 1, "map every segment of the new arena");
-    heap_->add_arena(std::move(mine));
+    char* base = mine->base();
+    const size_t mapped = mine->bytes();
+    heap_->add_arena(std::move(mine), base, mapped);
   } catch (...) {
     for (int r = 0; r < world_; ++r)
       if (r != rank_ || created_own) unlink_segment(names[r]);
@@ -196,7 +129,7 @@ HostComm::SymmetricArgs HostComm::symmetric_args(const RingCall& call, const voi
   SymmetricArgs args;
   if (world_ == 1 || call.ring_count == 0 || heap_->arenas() == 0) return args;
   const size_t message = message_bytes(call);
-  const size_t in_bytes = call.collective == Collective::kAllGather ? message / world_ : message;
+  const size_t in_bytes = input_bytes(call, world_);
   const size_t out_bytes = call.collective == Collective::kReduceScatter ? message / world_ : message;
   args.posted = true;
   args.input = heap_->locate(input, in_bytes);

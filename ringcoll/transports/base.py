@@ -18,6 +18,9 @@ validated the arguments and turned them into a :class:`CollectiveCall`. The inte
     launch_on_stream(call, stream)   run `call` on a caller-given stream (CUDA only)
     tuned                       whether auto reads the recorded table (ringcoll/tuning.py), which
                                 was measured on the CPU transport: elsewhere auto is native
+    allocate_symmetric(nbytes, dtype, dims), is_symmetric(address), symmetric_arenas
+                                symmetric memory (docs/symmetric.md): collective allocation as
+                                a uint8 tensor, whether an address lies in it, arenas made
     bind(call)                  (optional) a zero-argument callable running `call`
                                 synchronously by the shortest path: Communicator.prepare_*
     plain_calls                 (optional) what checks and runs a synchronous tensor-form call
@@ -45,7 +48,9 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from ringcoll import _C
 from ringcoll._types import COLLECTIVE_CODES
+from ringcoll.errors import RingcollError, RingcollMismatchError
 
 
 class Settings(NamedTuple):
@@ -118,12 +123,55 @@ class Transport:
         return self._comm.broken_reason
 
     def allocate_symmetric(self, nbytes: int, dtype: int, dims: list):
-        """A block of symmetric memory (Communicator.empty); only the CPU transport has it so far."""
-        raise NotImplementedError(f"empty: symmetric memory on {type(self).__name__} is not built yet; "
-                                  "it exists for CPU tensors (issue: symmetric memory on CUDA)")
+        """`nbytes` of this rank's symmetric memory as a uint8 tensor of at least that many
+        bytes, which Communicator.empty views as the caller's shape and dtype. Collective."""
+        raise NotImplementedError(f"empty: {type(self).__name__} has no symmetric memory")
 
     def is_symmetric(self, address: int) -> bool:
         """Whether `address` lies in this rank's symmetric memory of this communicator."""
         return False
 
     symmetric_arenas = 0  # how many arenas of symmetric memory the ranks have made together
+
+
+def describe_allocation(dims: list, dtype: int, nbytes: int) -> str:
+    """An allocation as a mismatch names it (host_symmetric.cpp words the CPU's alike)."""
+    shape = "(" + ", ".join(str(d) for d in dims) + ("," if len(dims) == 1 else "") + ")"
+    name = next(n for n, code, _size, _floating in _C.dtype_table if code == dtype)
+    return f"empty({shape}, {name}, {nbytes} bytes)"
+
+
+def allocate_by_exchange(parts, bootstrap, rank: int, nbytes: int, dtype: int, dims: list):
+    """The collective allocation of the CUDA transport and its emulator (the CPU transport's
+    runs in C++ over its segments' flags: host_symmetric.cpp). `parts` is this rank's
+    CudaComm, or its view of the emulator, with the steps cuda_comm.h states.
+
+    Every rank's request, and whether it has room, go round the bootstrap once: a request
+    unlike any peer's raises RingcollMismatchError on every rank (each sees every request),
+    naming both. If some rank has no room, every rank makes its part of a new arena and the
+    handles go round once more, then a last round says whether every rank mapped every part
+    (an arena some rank lacks would be read through a row it does not have: every rank
+    raises instead, and this communicator makes no more symmetric memory). Returns the block."""
+    block_bytes = _C.symmetric_block_bytes(nbytes)
+    request = describe_allocation(dims, dtype, nbytes)
+    posts = bootstrap.all_gather_object((request, parts.symmetric_has_room(block_bytes)))
+    for peer, (theirs, _) in enumerate(posts):
+        if theirs != request:
+            raise RingcollMismatchError(f"empty: mismatched collective allocations: rank {rank} asked for "
+                                        f"{request} but rank {peer} for {theirs}; nothing was allocated")
+    if not all(room for _, room in posts):
+        handles = bootstrap.all_gather_object(parts.make_symmetric_arena(_C.symmetric_arena_bytes(block_bytes)))
+        failure = ""
+        try:
+            parts.open_symmetric_arena(handles)
+        except Exception as e:  # noqa: BLE001 - said to every rank below, then raised
+            failure = f"{type(e).__name__}: {e}"
+        failures = [(r, why) for r, why in enumerate(bootstrap.all_gather_object(failure)) if why]
+        if failures:
+            r, why = failures[0]
+            raise RingcollError(f"empty: rank {r} could not map every rank's part of a new arena of symmetric "
+                                f"memory ({why}); this communicator's symmetric memory is unusable from here")
+    block = parts.take_symmetric(block_bytes)
+    if block is None:
+        raise RingcollError(f"empty: no room for {block_bytes} bytes in a new arena (a bug)")
+    return block

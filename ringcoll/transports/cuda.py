@@ -63,7 +63,7 @@ from ringcoll import _C
 from ringcoll._types import ReduceOp, dtype_code
 from ringcoll.bootstrap import InProcessRank
 from ringcoll.errors import RingcollError
-from ringcoll.transports.base import CollectiveCall, Settings, Transport
+from ringcoll.transports.base import CollectiveCall, Settings, Transport, allocate_by_exchange
 
 KERNEL_VARIANTS = {"fused": 0, "naive": 1}
 
@@ -128,6 +128,17 @@ def _require_cuda_build() -> None:
                             "when it was built); rebuild with nvcc on PATH to use CUDA tensors")
     if not torch.cuda.is_available():
         raise RingcollError("Communicator: CUDA tensors were requested but torch sees no CUDA device")
+
+
+class DeviceBytes:
+    """A block of symmetric memory on a GPU as torch takes device memory it does not own: through
+    ``__cuda_array_interface__`` (bytes, no stream to wait for: nothing is queued on it). torch
+    keeps this object, and so the block, alive as long as the tensor."""
+
+    def __init__(self, block):
+        self.block = block
+        self.__cuda_array_interface__ = {"shape": (block.bytes,), "typestr": "|u1", "data": (block.address, False),
+                                         "strides": None, "version": 3, "stream": None}
 
 
 class StreamCompletion:
@@ -240,6 +251,22 @@ class CudaTransport(Transport):
         with self._lock:
             self._comm.check_error()
             call.run(self._comm, self._current_stream() if stream is None else int(stream), True)
+
+    # --- symmetric memory (docs/symmetric.md; the steps: cuda_comm.h) -----------------------
+
+    def allocate_symmetric(self, nbytes: int, dtype: int, dims: list) -> torch.Tensor:
+        """A block of cudaMalloc'ed memory every peer has mapped (allocate_by_exchange), as a
+        uint8 tensor on this device that holds the block."""
+        with self._lock:
+            block = allocate_by_exchange(self._comm, self._bootstrap, self.rank, nbytes, dtype, dims)
+        return torch.as_tensor(DeviceBytes(block), device=self.device)
+
+    def is_symmetric(self, address: int) -> bool:
+        return self._comm.is_symmetric(address, 1)
+
+    @property
+    def symmetric_arenas(self) -> int:
+        return self._comm.symmetric_arenas
 
     @property
     def run_mode(self) -> str:

@@ -29,11 +29,13 @@ import threading
 import warnings
 from typing import Callable, Optional, Sequence
 
+import torch
+
 from ringcoll import _C, errors
 from ringcoll._types import COLLECTIVE_CODES
 from ringcoll.bootstrap import InProcessRank
 from ringcoll.errors import RingcollError, RingcollTimeoutError
-from ringcoll.transports.base import CollectiveCall, Settings, Transport
+from ringcoll.transports.base import CollectiveCall, Settings, Transport, allocate_by_exchange
 from ringcoll.transports.cuda import (check_hardware_queues, hardware_queues, kernel_variant, one_word_barrier,
                                       shared_stream_error)
 
@@ -134,6 +136,17 @@ class EmulatedCompletion:
         self._finish()
 
 
+class RankParts:
+    """One rank's symmetric-memory steps on the emulator, named as CudaComm's (allocate_by_exchange)."""
+
+    def __init__(self, ring, rank: int):
+        self._ring, self._rank = ring, rank
+
+    def __getattr__(self, step: str):
+        method = getattr(self._ring, step)
+        return lambda *args: method(self._rank, *args)
+
+
 class EmulatedCudaTransport(Transport):
     """Rank ``settings.rank`` of one ``_C.emulation.Ring`` that rank 0 builds on the process's
     emulated device and the bootstrap hands round (threads of one process share it)."""
@@ -145,6 +158,10 @@ class EmulatedCudaTransport(Transport):
     # its communicator's stream, and a call from the shared stream refused. A test turns it
     # off to show the deadlock of the old order.
     own_stream_per_rank = True
+    # The in-process CUDA mode, whose peers read plain device pointers; a test sets it False to
+    # model peers in other processes, which reach only symmetric memory (EmulatedRing's
+    # peers_in_process).
+    peers_in_process = True
 
     @staticmethod
     def resolve_device(device):
@@ -157,13 +174,15 @@ class EmulatedCudaTransport(Transport):
             raise RingcollError("Communicator: the emulated CUDA transport needs the ranks as threads of one "
                                 "process (ringcoll.run_in_process)")
         self.rank = settings.rank
+        self._bootstrap = settings.bootstrap  # the other ranks' threads, for symmetric memory's exchanges
         check_hardware_queues(settings.world_size, device().hardware_queues)
         name, variant = kernel_variant()
         ring = None
         if settings.rank == 0:
             ring = _C.emulation.Ring(settings.world_size, settings.buffer_bytes, settings.timeout, variant,
                                      threads_per_block=THREADS_PER_BLOCK, check_calls=settings.check,
-                                     max_blocks=EMULATED_SMS, device=device())
+                                     max_blocks=EMULATED_SMS, device=device(),
+                                     peers_in_process=self.peers_in_process)
         self._ring = exchange(ring, RINGCOLL_CUDA_KERNEL=name)[0]
         self.device = self._ring.device
         self.host_wait_seconds = self._ring.host_wait_seconds
@@ -261,6 +280,19 @@ class EmulatedCudaTransport(Transport):
 
     def launch_on_stream(self, call: CollectiveCall, stream) -> None:
         raise ValueError(f"{call.collective}: the emulated CUDA transport takes no caller-given stream")
+
+    # --- symmetric memory: CudaTransport's, over the emulator's arenas (memfd parts) ---------
+
+    def allocate_symmetric(self, nbytes: int, dtype: int, dims: list):
+        block = allocate_by_exchange(RankParts(self._ring, self.rank), self._bootstrap, self.rank, nbytes, dtype, dims)
+        return torch.frombuffer(block, dtype=torch.uint8)  # host memory: the tensor holds the block
+
+    def is_symmetric(self, address: int) -> bool:
+        return self._ring.is_symmetric(self.rank, address, 1)
+
+    @property
+    def symmetric_arenas(self) -> int:
+        return self._ring.symmetric_arenas(self.rank)
 
     def close(self, wait_for_peers: bool = True) -> None:
         """The collective close of cuda_comm.cu, as the emulator runs it (its own work waited

@@ -356,12 +356,13 @@ class HostTransport(Transport):
         return {"streaming": c.stream_slots, "hop_ns": c.hop_ns, "probes": c.hop_probes,
                 "slow_probes": c.slow_hop_probes, "probing": c.probes_hops}
 
-    def allocate_symmetric(self, nbytes: int, dtype: int, dims: list):
-        """A block of this rank's symmetric memory (csrc/host/symmetric_heap.h): collective, so
-        in call order with the queued collectives."""
+    def allocate_symmetric(self, nbytes: int, dtype: int, dims: list) -> torch.Tensor:
+        """A block of this rank's symmetric memory (ringcoll/symmetric_heap.h) as bytes: collective,
+        so in call order with the queued collectives. The tensor holds the block
+        (torch.frombuffer keeps its buffer), the block the arena."""
         block = []
         self._calls.run_now(lambda: block.append(self._comm.allocate_symmetric(nbytes, dtype, dims)))
-        return block[0]
+        return torch.frombuffer(block[0], dtype=torch.uint8)
 
     def is_symmetric(self, address: int) -> bool:
         return self._comm.is_symmetric(address, 1)

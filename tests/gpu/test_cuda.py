@@ -395,15 +395,9 @@ def _algorithms(rank, world):
     dev = torch.device("cuda", 0)
     wrong, ran = [], 0
     with CudaCommunicator(device=dev, timeout=60) as comm:
-        # direct reads peers' tensors through their pointers: refused by name where the peers are other processes
-        # (_direct_in_process runs it), before anything moves
-        out = torch.full((2 * world,), -1.0, device=dev)
-        try:
-            comm.all_gather_into_tensor(out, torch.ones(2, device=dev), algorithm="direct")
-            wrong.append(f"direct ran across processes on rank {rank}")
-        except ValueError as e:
-            if "peers are other processes" not in str(e) or not bool((out == -1).all()):
-                wrong.append(f"direct refused unclearly on rank {rank}: {e}")
+        # direct reads peers' inputs where they lie: across processes only symmetric memory
+        # (test_direct_plans_read_symmetric_memory_across_processes), in-process any tensor
+        # (_direct_in_process)
         for algorithm in ["auto", "native", *(a for a in plans.BUILTIN if a != "direct")]:
             for name in plans.BUILTIN_COLLECTIVES.get(algorithm, ringcoll._types.DATA_COLLECTIVES):
                 for n in (3 * world, world << 19):
@@ -618,6 +612,58 @@ def _direct_in_process(group):
 @pytest.mark.parametrize("world", [2, 3])
 def test_in_process_direct_plans_read_peers_tensors_exactly(world):
     wrong = sum(_in_process(world, _direct_in_process), [])
+    assert not wrong, wrong[:5]
+
+
+def _symmetric_across_processes(rank, world):
+    """Symmetric memory on CUDA across processes (cuda_comm.h; docs/symmetric.md): tensors from
+    Communicator.empty (cudaMalloc'ed arena parts every peer opened through CUDA IPC) read in
+    place by the direct plans, exact, each input overwritten on the stream right behind its
+    call; then an ordinary input, which a peer in another process cannot reach: every rank
+    raises RingcollMismatchError naming the rank, the output untouched. The pattern the
+    emulator holds in CI (tests/multiprocess/test_cuda_plans.py), on the GPU."""
+    import ringcoll
+    from ringcoll import CudaCommunicator
+
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    wrong = []
+    sizes = (3, 1 << 18)
+    with CudaCommunicator(device=dev, timeout=60) as comm:
+        assert comm.transport.run_mode == "IPC"
+        pieces = [comm.empty(n) for n in sizes]
+        casts = [comm.empty(n) for n in sizes]
+        outs = [torch.empty(n * world, device=dev) for n in sizes]
+        wrong += [] if all(comm.is_symmetric(p) for p in pieces) else [f"not symmetric on rank {rank}"]
+        for piece, cast, out in zip(pieces, casts, outs):
+            n = piece.numel()
+            want = torch.arange(1, world + 1, dtype=torch.float32).repeat_interleave(n)
+            for _ in range(4):
+                piece.fill_(float(rank + 1))
+                comm.all_gather_into_tensor(out, piece, algorithm="direct")
+                piece.fill_(-1.0)  # queued right behind the call on this stream
+                if not torch.equal(out.cpu(), want):
+                    wrong.append(f"all_gather n={n} rank {rank}")
+            for root in range(world):
+                cast.fill_(float(100 * root + rank))
+                comm.broadcast(cast, root, algorithm="direct")
+                if not torch.equal(cast.cpu(), torch.full((n,), float(100 * root + root))):
+                    wrong.append(f"broadcast n={n} root {root} rank {rank}")
+        comm.synchronize()
+        out = torch.full((3 * world,), -1.0, device=dev)
+        try:
+            comm.all_gather_into_tensor(out, torch.ones(3, device=dev) if rank == 1 else pieces[0], algorithm="direct")
+            comm.synchronize()
+            wrong.append(f"an ordinary input was read across processes on rank {rank}")
+        except ringcoll.RingcollMismatchError as e:
+            if "rank 1's input is not in symmetric memory" not in str(e) or not bool((out == -1).all()):
+                wrong.append(f"an ordinary input refused unclearly on rank {rank}: {e}")
+    return wrong
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_direct_plans_read_symmetric_memory_across_processes(world):
+    wrong = sum(spawn(_symmetric_across_processes, world, timeout=300), [])
     assert not wrong, wrong[:5]
 
 

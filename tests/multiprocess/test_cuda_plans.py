@@ -12,7 +12,9 @@ check must not take it for a mismatch); ranks that disagree on the algorithm; a 
 never comes to a plan call; a plan too wide for the kernels' bookkeeping, refused by name;
 and for the direct plans, which read peers' inputs where they lie: an input written the
 moment its call returns, counts that differ without the call check, a peer that never
-posts its input.
+posts its input. Last, symmetric memory on the CUDA transport with the peers modelled as
+other processes (the emulator's peers_in_process=False): the direct plans reading it
+exactly, an ordinary input out of reach refused on every rank, the collective allocation.
 """
 
 from __future__ import annotations
@@ -34,6 +36,20 @@ class EmulatedCudaCommunicator(ringcoll.Communicator):
     @staticmethod
     def transport_class(device):
         return EmulatedCudaTransport
+
+
+class ProcessesTransport(EmulatedCudaTransport):
+    peers_in_process = False  # the ranks as peers in other processes: only symmetric memory is in reach
+
+
+class ModelledProcessesCommunicator(ringcoll.Communicator):
+    """The emulator modelling peers in other processes (EmulatedRing's peers_in_process):
+    a peer's plain pointer cannot be read, a symmetric arena's part is mapped again at an
+    address of each reader's own, as CUDA IPC maps it."""
+
+    @staticmethod
+    def transport_class(device):
+        return ProcessesTransport
 
 
 def _inputs(rank: int, count: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -206,20 +222,24 @@ def test_a_rank_that_never_comes_to_a_plan_call_is_a_timeout_naming_it(check):
     assert "rank 2" in messages[1] or "rank 0" in messages[1], messages[1]
 
 
-def test_a_direct_plans_input_may_be_written_the_moment_its_call_returns():
+@pytest.mark.parametrize("symmetric", [False, True], ids=["in-process", "symmetric-across-processes"])
+def test_a_direct_plans_input_may_be_written_the_moment_its_call_returns(symmetric):
     """The direct all-gather reads each peer's input where it lies: a rank's kernel may end
     (and its call return) only once every peer's blocks have read its input (device_plan.h,
     inputs_read). Each rank overwrites its input the instant its call returns, and rank 1
     starts each call later than rank 0 (rank 0 comes first and leaves first if nothing holds
-    it); with that wait removed, rank 1 gathered rank 0's overwrite."""
+    it); with that wait removed, rank 1 gathered rank 0's overwrite. The same for symmetric
+    memory read across (modelled) processes: docs/symmetric.md's rule for reuse, on CUDA."""
     count, calls = 1 << 18, 12
+    make = ModelledProcessesCommunicator if symmetric else EmulatedCudaCommunicator
 
     def body(group):
         rank, world = group.rank, group.world_size
         torn = []
-        with EmulatedCudaCommunicator(group=group, timeout=TIMEOUT) as comm:
+        with make(group=group, timeout=TIMEOUT) as comm:
+            piece = comm.empty(count) if symmetric else None
             for i in range(calls):
-                piece = torch.full((count,), float(100 * i + rank))
+                piece = piece.fill_(float(100 * i + rank)) if symmetric else torch.full((count,), float(100 * i + rank))
                 out = torch.empty(count * world)
                 if rank == 1:
                     time.sleep(0.002)
@@ -261,6 +281,92 @@ def test_a_rank_that_never_posts_its_input_is_a_timeout_naming_it():
     messages = _with_a_rank_away(2, 1, gather, check=False, error=ringcoll.RingcollTimeoutError)
     assert messages[1] == "absent"
     assert "timed out" in messages[0] and "rank 1 to post where its input lies" in messages[0], messages[0]
+
+
+# --- symmetric memory on the CUDA transport (docs/symmetric.md), peers as other processes ---
+
+
+def _direct_on_symmetric_memory(group, counts):
+    """The direct plans with every input in symmetric memory, as peers in other processes read
+    it (each through its own mapping of the owner's arena part): all-gather into an ordinary
+    and into a symmetric output, broadcast from every root with only the root's tensor
+    symmetric (only the root's is read), for bytes and 2- and 4-byte dtypes, across slices.
+    Returns what was wrong."""
+    rank, world = group.rank, group.world_size
+    wrong = []
+    with ModelledProcessesCommunicator(group=group, timeout=TIMEOUT, buffer_bytes=4096 * world) as comm:
+        for dtype in (torch.float32, torch.bfloat16, torch.uint8):
+            for count in counts:
+                piece = comm.empty(count, dtype=dtype)
+                piece.copy_(_inputs(rank, count, dtype, seed=count))
+                want = torch.cat([_inputs(r, count, dtype, seed=count) for r in range(world)])
+                for out in (torch.full((count * world,), 7, dtype=dtype), comm.zeros(count * world, dtype=dtype)):
+                    comm.all_gather_into_tensor(out, piece, algorithm="direct")
+                    if not torch.equal(out, want):
+                        wrong.append(f"all_gather {dtype} n={count} symmetric output={comm.is_symmetric(out)} "
+                                     f"rank {rank}: {int((out != want).sum())} wrong")
+                for root in range(world):
+                    symmetric = comm.empty(count, dtype=dtype)  # collective: every rank allocates
+                    t = symmetric if rank == root else torch.empty(count, dtype=dtype)
+                    t.copy_(_inputs(rank, count, dtype, seed=root))
+                    comm.broadcast(t, root, algorithm="direct")
+                    if not torch.equal(t, _inputs(root, count, dtype, seed=root)):
+                        wrong.append(f"broadcast {dtype} n={count} root {root} rank {rank}")
+        comm.barrier()
+    return wrong
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_direct_plans_read_symmetric_memory_across_processes_exactly(world):
+    counts = [1, 3 * 700 + 2]  # one element; several slices of a 4 KiB-per-rank buffer
+    wrong = sum(ringcoll.run_in_process(world, _direct_on_symmetric_memory, counts, timeout=300), [])
+    assert not wrong, "; ".join(wrong[:5])
+
+
+def test_an_ordinary_input_across_processes_is_refused_on_every_rank_before_anything_moves():
+    """A plan that reads peers' inputs, where one rank's input is an ordinary tensor and its
+    peers are other processes: every rank finds it out of reach from the posts (its own
+    rank included), raises RingcollMismatchError naming that rank, and no output changes.
+    In the in-process mode the same call reads the plain pointer (the matrices above)."""
+    def body(group):
+        rank, world = group.rank, group.world_size
+        with ModelledProcessesCommunicator(group=group, timeout=TIMEOUT) as comm:
+            symmetric = comm.empty(100).fill_(1.0)  # collective: every rank allocates, rank 2 then passes another
+            piece = torch.ones(100) if rank == 2 else symmetric
+            out = torch.full((100 * world,), -1.0)
+            with pytest.raises(ringcoll.RingcollMismatchError) as e:
+                comm.all_gather_into_tensor(out, piece, algorithm="direct")
+            return str(e.value), bool((out == -1).all())
+
+    with pytest.warns(RuntimeWarning, match="keeps its emulated buffer"):
+        results = ringcoll.run_in_process(3, body, timeout=120)
+    for message, untouched in results:
+        assert "rank 2's input is not in symmetric memory" in message and untouched, message
+
+
+def test_symmetric_allocation_on_the_cuda_transport_is_collective_and_pooled():
+    """Communicator.empty on the CUDA transport (here its emulator): a request unlike a peer's
+    raises on every rank naming both; small tensors share one arena, a freed block is handed
+    out again, and only a request no rank has room for makes another arena."""
+    def body(group):
+        rank = group.rank
+        with ModelledProcessesCommunicator(group=group, timeout=TIMEOUT) as comm:
+            with pytest.raises(ringcoll.RingcollMismatchError) as e:
+                comm.empty(10 + rank)
+            a, b = comm.empty(1000), comm.empty(3, 4, dtype=torch.bfloat16)
+            first = a.data_ptr()
+            del a
+            c = comm.empty(1000)  # a's block, free again
+            arenas = comm.transport.symmetric_arenas
+            big = comm.empty(40 << 20, dtype=torch.uint8)  # 40 MiB: then too little room left in the first
+            bigger = comm.empty(40 << 20, dtype=torch.uint8)
+            return (str(e.value), c.data_ptr() == first, arenas, comm.transport.symmetric_arenas,
+                    comm.is_symmetric(b) and comm.is_symmetric(big) and not comm.is_symmetric(torch.ones(3)),
+                    b.shape == (3, 4) and b.dtype == torch.bfloat16 and bigger.numel() == 40 << 20)
+
+    for message, reused, arenas, later, symmetric, shapes in ringcoll.run_in_process(2, body, timeout=120):
+        assert "empty((10,), float32, 40 bytes)" in message and "empty((11,), float32, 44 bytes)" in message, message
+        assert reused and arenas == 1 and later == 2 and symmetric and shapes
 
 
 def test_a_plan_too_wide_for_the_kernels_is_refused_by_name():

@@ -1,4 +1,4 @@
-"""Symmetric memory (ringcoll.empty; csrc/host/symmetric_heap.h, host_symmetric.cpp), against gloo.
+"""Symmetric memory (ringcoll.empty; csrc/include/ringcoll/symmetric_heap.h, host_symmetric.cpp), against gloo.
 
 run_symmetric_cases is the matrix: every collective x dtype x op x form on tensors in
 symmetric memory, bitwise against gloo (the exact inputs of test_collectives.py) and, for

@@ -577,7 +577,8 @@ def test_a_peer_that_closes_after_the_timeout_is_told_to_keep_its_buffer():
 
 def test_kernels_have_no_data_races(tmp_path):
     """The kernels under ThreadSanitizer (tests/pure/sanitize/emulator_races.cpp), healthy calls
-    (the ring's, and every built-in plan's on the plan kernels) and the paths that give up: on x86 a missing release or acquire still gives exact
+    (the ring's, every built-in plan's on the plan kernels, and the direct plans reading
+    symmetric memory across modelled processes) and the paths that give up: on x86 a missing release or acquire still gives exact
     results, TSan reports it. Removing the barrier before a flag's release, or making the
     release relaxed, fails this test."""
     from tsan_build import run_under_tsan
@@ -586,5 +587,6 @@ def test_kernels_have_no_data_races(tmp_path):
 
     [out] = run_under_tsan(tmp_path, "emulator_races.cpp")
     plan_cases = sum(len(collectives) for collectives in plans.BUILTIN_COLLECTIVES.values())  # per variant
-    assert out.count("wrong 0") == 13 + 2 * plan_cases, out
+    assert out.count("wrong 0") == 13 + 2 * plan_cases + 2 * 2, out
+    assert out.count("symmetric, peers in other processes") == 2 * 2, out
     assert out.count("ranks without an error: 0") == 2, out

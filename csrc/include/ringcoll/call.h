@@ -58,6 +58,13 @@ inline size_t message_bytes(const RingCall& call) {
   return static_cast<size_t>(call.ring_count) * static_cast<size_t>(call.elem_size);
 }
 
+// The caller's input in bytes: all-gather's is its own chunk of the message, every other's
+// the whole message.
+inline size_t input_bytes(const RingCall& call, int world) {
+  const size_t message = message_bytes(call);
+  return call.collective == Collective::kAllGather ? message / static_cast<size_t>(world) : message;
+}
+
 RINGCOLL_INLINE RingCall ring_call(Collective coll, int64_t user_count, DType dtype, ReduceOp op, int world,
                                    int root = 0) {
   const int size = dtype_size(dtype);

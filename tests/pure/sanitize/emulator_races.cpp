@@ -14,10 +14,13 @@
 // close protocol's `finished` words); then fused calls whose grids change; then the paths
 // that give up (a rank that never
 // calls, mismatched calls); and every built-in plan on the plan kernels, interleaved with
-// the ring's (run_plan_cases). Exit status: 0 when every result is exact and every failure
+// the ring's (run_plan_cases); and the direct plans reading symmetric memory across modelled
+// processes (run_symmetric_cases). Exit status: 0 when every result is exact and every failure
 // raised where it should (TSan itself exits non-zero on a report).
 #include <cstdint>
 #include <cstdio>
+#include <memory>
+#include <string>
 #include <vector>
 
 #include "../../csrc/emulation/emulated_ring.h"
@@ -179,6 +182,73 @@ int64_t run_plan_cases(int variant) {
   return wrong;
 }
 
+// The direct plans across modelled processes (EmulatedRing's peers_in_process = false): every
+// input in symmetric memory, made as CudaComm makes it (each rank's part, the handles round,
+// every peer's part mapped again at an address of its own), read through each rank's table
+// of arenas. All-gather and broadcast (root 1), twice each, then a ring all-reduce, both
+// variants; returns the number of wrong elements (and of calls that raised).
+int64_t run_symmetric_cases(int variant) {
+  using ringcoll::Algorithm;
+  using ringcoll::Collective;
+  const int world = 3, root = 1;
+  const int64_t count = 3 * 700 + 2;
+  EmulatedRing ring(world, 4096 * world, /*timeout=*/60.0, variant, /*threads_per_block=*/3, /*check_calls=*/true,
+                    /*max_blocks=*/8, nullptr, /*peers_in_process=*/false);
+  std::vector<std::string> handles;
+  for (int r = 0; r < world; ++r) handles.push_back(ring.make_symmetric_arena(r, size_t{1} << 20));
+  for (int r = 0; r < world; ++r) ring.open_symmetric_arena(r, handles);
+  const int colls[] = {kAllGather, static_cast<int>(Collective::kBroadcast)};
+  std::vector<ringcoll::CompiledPlan> plans;
+  for (int coll : colls)
+    plans.push_back(ringcoll::compile_plan(ringcoll::builtin_plan(Algorithm::kDirect, static_cast<Collective>(coll), world),
+                                           "direct", world, static_cast<uint32_t>(Algorithm::kDirect),
+                                           coll == kAllGather ? 0 : root));
+  // [coll][repeat][rank]: the input block (a broadcast's tensor, in place) and an ordinary output
+  std::vector<std::shared_ptr<ringcoll::SymmetricBlock>> blocks;
+  std::vector<std::vector<int32_t>> outputs, ring_bufs;
+  std::vector<EmulatedCall> calls;
+  for (int k = 0; k < 2; ++k) {
+    for (int rep = 0; rep < 2; ++rep) {
+      for (int r = 0; r < world; ++r) {
+        blocks.push_back(ring.take_symmetric(r, ringcoll::symmetric_block_bytes(count * sizeof(int32_t))));
+        auto* in = reinterpret_cast<int32_t*>(blocks.back()->data());
+        for (int64_t i = 0; i < count; ++i) in[i] = value_of(r, rep, i);
+        outputs.emplace_back(colls[k] == kAllGather ? count * world : 0, -1);
+        auto* out = colls[k] == kAllGather ? outputs.back().data() : in;
+        EmulatedCall call{r, colls[k], kInt32, kSum, reinterpret_cast<uintptr_t>(in), reinterpret_cast<uintptr_t>(out),
+                          count};
+        call.plan = &plans[k];
+        calls.push_back(call);
+      }
+    }
+    for (int r = 0; r < world; ++r) {
+      ring_bufs.emplace_back(count, r + 1);
+      calls.push_back({r, kAllReduce, kInt32, kSum, reinterpret_cast<uintptr_t>(ring_bufs.back().data()),
+                       reinterpret_cast<uintptr_t>(ring_bufs.back().data()), count});
+    }
+  }
+  for (int r = 0; r < world; ++r) calls.push_back({r, ringcoll::emulation::kClose, 0, 0, 0, 0, 0});
+  int64_t wrong = run_plan(ring, calls);
+  size_t at = 0;
+  for (int k = 0; k < 2; ++k) {
+    int64_t case_wrong = 0;
+    for (int rep = 0; rep < 2; ++rep)
+      for (int r = 0; r < world; ++r, ++at) {
+        const auto* got = colls[k] == kAllGather ? outputs[at].data() : reinterpret_cast<int32_t*>(blocks[at]->data());
+        const int64_t len = colls[k] == kAllGather ? count * world : count;
+        for (int64_t i = 0; i < len; ++i)
+          case_wrong += got[i] != (colls[k] == kAllGather ? value_of(static_cast<int>(i / count), rep, i % count)
+                                                          : value_of(root, rep, i));
+      }
+    std::printf("variant %d symmetric, peers in other processes: direct %-10s wrong %lld\n", variant,
+                ringcoll::collective_info(static_cast<Collective>(colls[k])).name, static_cast<long long>(case_wrong));
+    wrong += case_wrong;
+  }
+  for (const auto& buf : ring_bufs)
+    for (int32_t v : buf) wrong += v != world * (world + 1) / 2;
+  return wrong;
+}
+
 }  // namespace
 
 int main() {
@@ -209,6 +279,7 @@ int main() {
     wrong += w;
   }
   for (int variant = 0; variant < 2; ++variant) wrong += run_plan_cases(variant);
+  for (int variant = 0; variant < 2; ++variant) wrong += run_symmetric_cases(variant);
   int failures = 0;
   failures += run_failure_case("missing rank 2 of 3", 3, {4000, 4000, -1}, "RingcollTimeoutError");
   failures += run_failure_case("mismatched counts", 3, {4000, 4000, 3999}, "RingcollMismatchError");
