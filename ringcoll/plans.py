@@ -10,8 +10,9 @@ C chunks. An op computes, for each chunk of a range, ``value = a`` or ``value = 
     OUTPUT  the caller's output (reduce-scatter: only the rank's own chunk)
     WORK    the rank's private work space (C chunks)
     PEER_INPUT  rank ``frm``'s input, read where it lies, through no slot (all-gather: its own
-            chunk; broadcast: the root's. Only collectives whose input nothing overwrites:
-            a read in place could race the owner's writes otherwise)
+            chunk; broadcast: the root's; reduce-scatter: any chunk but ``frm``'s own, which
+            in place is its output. Only what nothing overwrites during the call: a read in
+            place could race the owner's writes otherwise)
 
 and writes it to one or two of OUTPUT, WORK and SLOT (the rank's buffer, published at once
 to ``readers``). A rank's receives from a peer read that peer's publications to it in the
@@ -490,10 +491,14 @@ def _structure(p: Plan) -> None:
             if (PEER in (o.a, o.b) or PEER_INPUT in (o.a, o.b)) and not (0 <= o.frm < p.world and o.frm != rank):
                 raise _fail(p, rank, i, f"receives from rank {o.frm}, which is not a peer")
             if PEER_INPUT in (o.a, o.b):
-                if p.collective not in ("all_gather", "broadcast"):
+                if p.collective not in ("all_gather", "broadcast", "reduce_scatter"):
                     raise _fail(p, rank, i, f"reads rank {o.frm}'s input where it lies, but a {p.collective}'s input "
                                             "may be its output (in place), which its owner overwrites while peers "
-                                            "read: only all-gather and broadcast may")
+                                            "read: only all-gather, broadcast and reduce-scatter may")
+                if p.collective == "reduce_scatter" and o.first <= o.frm < o.first + o.count:
+                    raise _fail(p, rank, i, f"reads chunk {o.frm} of rank {o.frm}'s input where it lies, which in "
+                                            "place is that rank's output, written while peers read: a reduce-scatter "
+                                            "may read only the chunks of a peer's input that are not its own")
                 if p.collective == "all_gather" and (o.first, o.count) != (o.frm, 1):
                     raise _fail(p, rank, i, f"reads chunks other than rank {o.frm}'s own from its input: an "
                                             "all-gather's input is one chunk")

@@ -618,8 +618,8 @@ def test_in_process_direct_plans_read_peers_tensors_exactly(world):
 def _symmetric_across_processes(rank, world):
     """Symmetric memory on CUDA across processes (cuda_comm.h; docs/symmetric.md): tensors from
     Communicator.empty (cudaMalloc'ed arena parts every peer opened through CUDA IPC) read in
-    place by the direct plans, exact, each input overwritten on the stream right behind its
-    call; then an ordinary input, which a peer in another process cannot reach: every rank
+    place by the direct plans (all-gather, each input overwritten on the stream right behind
+    its call; reduce-scatter out of place and in place; broadcast from every root), exact; then an ordinary input, which a peer in another process cannot reach: every rank
     raises RingcollMismatchError naming the rank, the output untouched. The pattern the
     emulator holds in CI (tests/multiprocess/test_cuda_plans.py), on the GPU."""
     import ringcoll
@@ -644,6 +644,14 @@ def _symmetric_across_processes(rank, world):
                 piece.fill_(-1.0)  # queued right behind the call on this stream
                 if not torch.equal(out.cpu(), want):
                     wrong.append(f"all_gather n={n} rank {rank}")
+            scatter = comm.empty(n * world)  # reduce-scatter, out of place and in place (peers skip my chunk)
+            scatter.fill_(float(rank + 1))
+            summed = torch.full((n,), float(world * (world + 1) // 2))
+            comm.reduce_scatter_tensor(out[:n], scatter, algorithm="direct")
+            mine = scatter[rank * n:(rank + 1) * n]
+            comm.reduce_scatter_tensor(mine, scatter, algorithm="direct")
+            if not (torch.equal(out[:n].cpu(), summed) and torch.equal(mine.cpu(), summed)):
+                wrong.append(f"reduce_scatter n={n} rank {rank}")
             for root in range(world):
                 cast.fill_(float(100 * root + rank))
                 comm.broadcast(cast, root, algorithm="direct")

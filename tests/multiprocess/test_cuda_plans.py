@@ -289,9 +289,9 @@ def test_a_rank_that_never_posts_its_input_is_a_timeout_naming_it():
 def _direct_on_symmetric_memory(group, counts):
     """The direct plans with every input in symmetric memory, as peers in other processes read
     it (each through its own mapping of the owner's arena part): all-gather into an ordinary
-    and into a symmetric output, broadcast from every root with only the root's tensor
-    symmetric (only the root's is read), for bytes and 2- and 4-byte dtypes, across slices.
-    Returns what was wrong."""
+    and into a symmetric output, reduce-scatter out of place and in place (the ring's bits),
+    broadcast from every root with only the root's tensor symmetric (only the root's is
+    read), for bytes and 2- and 4-byte dtypes, across slices. Returns what was wrong."""
     rank, world = group.rank, group.world_size
     wrong = []
     with ModelledProcessesCommunicator(group=group, timeout=TIMEOUT, buffer_bytes=4096 * world) as comm:
@@ -305,6 +305,17 @@ def _direct_on_symmetric_memory(group, counts):
                     if not torch.equal(out, want):
                         wrong.append(f"all_gather {dtype} n={count} symmetric output={comm.is_symmetric(out)} "
                                      f"rank {rank}: {int((out != want).sum())} wrong")
+                if dtype != torch.uint8:  # reduce-scatter, out of place and in place, against the ring's bits
+                    x = comm.empty(count * world, dtype=dtype)
+                    x.copy_(_inputs(rank, count * world, dtype, seed=count + 1))
+                    ring = torch.empty(count, dtype=dtype)
+                    comm.reduce_scatter_tensor(ring, x.clone(), algorithm="ring")
+                    out = torch.full((count,), 7, dtype=dtype)
+                    comm.reduce_scatter_tensor(out, x, algorithm="direct")
+                    mine = x[rank * count:(rank + 1) * count]
+                    comm.reduce_scatter_tensor(mine, x, algorithm="direct")  # in place: peers never read my chunk
+                    if not (torch.equal(out, ring) and torch.equal(mine, ring)):
+                        wrong.append(f"reduce_scatter {dtype} n={count} rank {rank}")
                 for root in range(world):
                     symmetric = comm.empty(count, dtype=dtype)  # collective: every rank allocates
                     t = symmetric if rank == root else torch.empty(count, dtype=dtype)

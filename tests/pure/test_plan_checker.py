@@ -60,7 +60,7 @@ def test_which_algorithm_has_which_collective():
     assert plans.BUILTIN_COLLECTIVES == {
         "ring": COLLECTIVES, "oneshot": COLLECTIVES, "rhd": ("all_reduce", "reduce_scatter", "all_gather"),
         "rd": ("all_reduce",), "tree": ("all_reduce", "broadcast", "reduce"), "star": ("broadcast",),
-        "direct": ("all_gather", "broadcast")}
+        "direct": ("reduce_scatter", "all_gather", "broadcast")}
 
 
 @pytest.mark.parametrize("name", ["rhd", "rd", "tree", "star"])
@@ -215,9 +215,14 @@ def _direct_gather(world, r):
 
 def test_reads_of_peers_inputs_where_they_lie_are_checked():
     """PEER_INPUT: right where the input is one nothing overwrites (all-gather: the owner's
-    chunk; broadcast: the root's), refused where the input may be the output (in place),
-    which its owner overwrites while peers read; each read stands for its owner's chunk."""
+    chunk; broadcast: the root's; reduce-scatter: chunks but the owner's own), refused where
+    the input may be the output (in place), which its owner overwrites while peers read; each
+    read stands for its owner's chunk."""
     plans.check(user_plan(_direct_gather, "all_gather", 3))
+    plans.check(plans.plan("direct", "reduce_scatter", 4))
+    assert "reads chunk 1 of rank 1's input where it lies, which in place is that rank's output" in refused(
+        lambda world, r: [op(plans.PEER_INPUT, 1 - r, TO_OUTPUT, b=INPUT, frm=1 - r, final=True)],
+        "reduce_scatter", world=2)
     assert "reads chunks other than rank 1's own from its input" in refused(
         lambda world, r: [o._replace(first=(o.frm + 1) % world) if o.a == plans.PEER_INPUT else o
                           for o in _direct_gather(world, r)], "all_gather")

@@ -41,7 +41,8 @@
   X(kRecursiveDoubling, "rd", 4, collective_bit(Collective::kAllReduce))    \
   X(kTree, "tree", 5, collective_bit(Collective::kAllReduce) | kRootedCollectives) \
   X(kStar, "star", 6, collective_bit(Collective::kBroadcast))                \
-  X(kDirect, "direct", 7, collective_bit(Collective::kAllGather) | collective_bit(Collective::kBroadcast))
+  X(kDirect, "direct", 7,                                                  \
+    collective_bit(Collective::kAllGather) | collective_bit(Collective::kBroadcast) | collective_bit(Collective::kReduceScatter))
 
 namespace ringcoll {
 

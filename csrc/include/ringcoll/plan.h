@@ -20,7 +20,8 @@
 //     kPeerInput  rank `from`'s input, read where it lies, not through any slot: every rank
 //              posts where its input is when the call starts, and none returns before every
 //              rank has finished reading (all-gather: chunk `from` only; broadcast: the
-//              root's; only collectives whose input nothing overwrites, so a read in place
+//              root's; reduce-scatter: any chunk but `from`'s own, which in place is its
+//              output; only what nothing overwrites during the call, so a read in place
 //              cannot race the owner's writes: the checker refuses the others)
 // and the value goes to any two of
 //     kToOutput, kToWork, kToSlot (this rank's slots, published at once to `readers`).
@@ -651,16 +652,32 @@ inline Plan tree_plan(Collective coll, int world) {
 // byte a rank receives, where the slots make two (the owner's into a slot, the reader's
 // out of it); the price is two handshakes (the posts at the start, "finished reading" at
 // the end) and a transport that can read a peer's memory (process_vm_readv on the CPU).
-// C = P chunks for an all-gather, 1 for a broadcast.
+// Reduce-scatter: rank k folds chunk k of every peer's input where it lies, in the ring's
+// order (rank k+1's first, its own last: the ring's bits), through its work space; no rank
+// reads a peer's own chunk, which in place is the peer's output. One read per byte of the
+// fold, where the slots add a write and a read per step.
+// C = P chunks for an all-gather and a reduce-scatter, 1 for a broadcast.
 inline Plan direct_plan(Collective coll, int world) {
   Plan plan;
-  plan.chunks = coll == Collective::kAllGather ? world : 1;
+  plan.chunks = coll == Collective::kBroadcast ? 1 : world;
   plan.ops.resize(world);
   if (world == 1) return plan;
   for (int k = 0; k < world; ++k) {
     auto& ops = plan.ops[k];
     if (coll == Collective::kBroadcast) {
       if (k != 0) ops.push_back(make_op(Operand::kPeerInput, 0, 1, kToOutput, Operand::kNone, 0, 0, true));
+      continue;
+    }
+    if (coll == Collective::kReduceScatter) {
+      const int first = (k + 1) % world;  // rs_contributor's order: rank k+1 first, k last
+      if (world == 2) {
+        ops.push_back(make_op(Operand::kPeerInput, k, 1, kToOutput, Operand::kInput, first, 0, true));
+        continue;
+      }
+      ops.push_back(make_op(Operand::kPeerInput, k, 1, kToWork, Operand::kNone, first));
+      for (int i = 2; i < world; ++i)
+        ops.push_back(make_op(Operand::kWork, k, 1, kToWork, Operand::kPeerInput, (k + i) % world));
+      ops.push_back(make_op(Operand::kWork, k, 1, kToOutput, Operand::kInput, -1, 0, true));
       continue;
     }
     for (int i = 1; i < world; ++i) {

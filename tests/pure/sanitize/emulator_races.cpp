@@ -185,7 +185,7 @@ int64_t run_plan_cases(int variant) {
 // The direct plans across modelled processes (EmulatedRing's peers_in_process = false): every
 // input in symmetric memory, made as CudaComm makes it (each rank's part, the handles round,
 // every peer's part mapped again at an address of its own), read through each rank's table
-// of arenas. All-gather and broadcast (root 1), twice each, then a ring all-reduce, both
+// of arenas. All-gather, broadcast (root 1) and reduce-scatter, twice each, each followed by a ring all-reduce, both
 // variants; returns the number of wrong elements (and of calls that raised).
 int64_t run_symmetric_cases(int variant) {
   using ringcoll::Algorithm;
@@ -197,24 +197,27 @@ int64_t run_symmetric_cases(int variant) {
   std::vector<std::string> handles;
   for (int r = 0; r < world; ++r) handles.push_back(ring.make_symmetric_arena(r, size_t{1} << 20));
   for (int r = 0; r < world; ++r) ring.open_symmetric_arena(r, handles);
-  const int colls[] = {kAllGather, static_cast<int>(Collective::kBroadcast)};
+  const int colls[] = {kAllGather, static_cast<int>(Collective::kBroadcast), kReduceScatter};
+  const int kinds = 3;
   std::vector<ringcoll::CompiledPlan> plans;
   for (int coll : colls)
     plans.push_back(ringcoll::compile_plan(ringcoll::builtin_plan(Algorithm::kDirect, static_cast<Collective>(coll), world),
                                            "direct", world, static_cast<uint32_t>(Algorithm::kDirect),
-                                           coll == kAllGather ? 0 : root));
+                                           coll == static_cast<int>(Collective::kBroadcast) ? root : 0));
   // [coll][repeat][rank]: the input block (a broadcast's tensor, in place) and an ordinary output
   std::vector<std::shared_ptr<ringcoll::SymmetricBlock>> blocks;
   std::vector<std::vector<int32_t>> outputs, ring_bufs;
   std::vector<EmulatedCall> calls;
-  for (int k = 0; k < 2; ++k) {
+  auto in_len = [&](int k) { return colls[k] == kReduceScatter ? count * world : count; };
+  auto out_len = [&](int k) { return colls[k] == kAllGather ? count * world : colls[k] == kReduceScatter ? count : 0; };
+  for (int k = 0; k < kinds; ++k) {
     for (int rep = 0; rep < 2; ++rep) {
       for (int r = 0; r < world; ++r) {
-        blocks.push_back(ring.take_symmetric(r, ringcoll::symmetric_block_bytes(count * sizeof(int32_t))));
+        blocks.push_back(ring.take_symmetric(r, ringcoll::symmetric_block_bytes(in_len(k) * sizeof(int32_t))));
         auto* in = reinterpret_cast<int32_t*>(blocks.back()->data());
-        for (int64_t i = 0; i < count; ++i) in[i] = value_of(r, rep, i);
-        outputs.emplace_back(colls[k] == kAllGather ? count * world : 0, -1);
-        auto* out = colls[k] == kAllGather ? outputs.back().data() : in;
+        for (int64_t i = 0; i < in_len(k); ++i) in[i] = value_of(r, rep, i);
+        outputs.emplace_back(out_len(k), -1);
+        auto* out = out_len(k) > 0 ? outputs.back().data() : in;  // a broadcast in place
         EmulatedCall call{r, colls[k], kInt32, kSum, reinterpret_cast<uintptr_t>(in), reinterpret_cast<uintptr_t>(out),
                           count};
         call.plan = &plans[k];
@@ -230,15 +233,19 @@ int64_t run_symmetric_cases(int variant) {
   for (int r = 0; r < world; ++r) calls.push_back({r, ringcoll::emulation::kClose, 0, 0, 0, 0, 0});
   int64_t wrong = run_plan(ring, calls);
   size_t at = 0;
-  for (int k = 0; k < 2; ++k) {
+  for (int k = 0; k < kinds; ++k) {
     int64_t case_wrong = 0;
     for (int rep = 0; rep < 2; ++rep)
       for (int r = 0; r < world; ++r, ++at) {
-        const auto* got = colls[k] == kAllGather ? outputs[at].data() : reinterpret_cast<int32_t*>(blocks[at]->data());
-        const int64_t len = colls[k] == kAllGather ? count * world : count;
-        for (int64_t i = 0; i < len; ++i)
-          case_wrong += got[i] != (colls[k] == kAllGather ? value_of(static_cast<int>(i / count), rep, i % count)
-                                                          : value_of(root, rep, i));
+        const auto* got = out_len(k) > 0 ? outputs[at].data() : reinterpret_cast<int32_t*>(blocks[at]->data());
+        for (int64_t i = 0; i < count * (colls[k] == kAllGather ? world : 1); ++i) {
+          int64_t expected = 0;
+          if (colls[k] == kAllGather) expected = value_of(static_cast<int>(i / count), rep, i % count);
+          else if (colls[k] == kReduceScatter)
+            for (int q = 0; q < world; ++q) expected += value_of(q, rep, r * count + i);
+          else expected = value_of(root, rep, i);
+          case_wrong += got[i] != expected;
+        }
       }
     std::printf("variant %d symmetric, peers in other processes: direct %-10s wrong %lld\n", variant,
                 ringcoll::collective_info(static_cast<Collective>(colls[k])).name, static_cast<long long>(case_wrong));
