@@ -576,37 +576,52 @@ def test_in_process_collectives_exact(world, variant):
     assert not wrong, f"{len(wrong)} wrong, e.g. " + "; ".join(wrong[:5])
 
 
+DIRECT_SIZES = (3, 1 << 18)
+
+
+def _check_direct_plans(comm, rank, world, make):
+    """The direct plans on tensors from `make(n)` (ordinary or symmetric), each made before the
+    first call (an allocation may wait for the whole device): all-gather, each input overwritten
+    on the stream right behind its call (a peer still reading it would see the overwrite: the
+    kernel must not end before every peer's blocks have read it, device_plan.h), reduce-scatter
+    out of place and in place (no peer reads a rank's own chunk), broadcast from every root;
+    exact. Returns what was wrong."""
+    dev = torch.device("cuda", 0)
+    tensors = [(make(n), make(n), make(n * world), torch.empty(n * world, device=dev)) for n in DIRECT_SIZES]
+    wrong = []
+    for piece, cast, scatter, out in tensors:
+        n = piece.numel()
+        want = torch.arange(1, world + 1, dtype=torch.float32).repeat_interleave(n)
+        for _ in range(4):
+            piece.fill_(float(rank + 1))
+            comm.all_gather_into_tensor(out, piece, algorithm="direct")
+            piece.fill_(-1.0)  # queued right behind the call on this stream
+            if not torch.equal(out.cpu(), want):
+                wrong.append(f"all_gather n={n} rank {rank}")
+        scatter.fill_(float(rank + 1))
+        summed = torch.full((n,), float(world * (world + 1) // 2))
+        comm.reduce_scatter_tensor(out[:n], scatter, algorithm="direct")
+        mine = scatter[rank * n:(rank + 1) * n]
+        comm.reduce_scatter_tensor(mine, scatter, algorithm="direct")
+        if not (torch.equal(out[:n].cpu(), summed) and torch.equal(mine.cpu(), summed)):
+            wrong.append(f"reduce_scatter n={n} rank {rank}")
+        for root in range(world):
+            cast.fill_(float(100 * root + rank))
+            comm.broadcast(cast, root, algorithm="direct")
+            if not torch.equal(cast.cpu(), torch.full((n,), float(100 * root + root))):
+                wrong.append(f"broadcast n={n} root {root} rank {rank}")
+    comm.synchronize()
+    return wrong
+
+
 def _direct_in_process(group):
-    """The direct plans (all-gather; broadcast from every root) read the peers' tensors through
-    their device pointers: exact, and each input overwritten on the stream the moment its
-    call is queued after (a peer still reading it would see the overwrite: the kernel must
-    not end before every peer's blocks have read it, device_plan.h). Every tensor is made
-    before the first call (an allocation may wait for the whole device)."""
+    """The direct plans read the peers' ordinary tensors through their device pointers (the
+    ranks are threads of one process): _check_direct_plans."""
     import ringcoll
 
-    rank, world = group.rank, group.world_size
     dev = torch.device("cuda", 0)
-    wrong = []
-    sizes = (3, 1 << 18)
-    pieces = [torch.full((n,), float(rank + 1), device=dev) for n in sizes]
-    outs = [torch.empty(n * world, device=dev) for n in sizes]
-    wants = [torch.arange(1, world + 1, dtype=torch.float32).repeat_interleave(n) for n in sizes]
-    cast = [[torch.full((n,), float(100 * root + rank), device=dev) for root in range(world)] for n in sizes]
     with ringcoll.Communicator(group=group, device=dev, timeout=60) as comm:
-        for piece, out, want in zip(pieces, outs, wants):
-            for _ in range(4):
-                piece.fill_(float(rank + 1))
-                comm.all_gather_into_tensor(out, piece, algorithm="direct")
-                piece.fill_(-1.0)  # queued right behind the call on this stream
-                if not torch.equal(out.cpu(), want):
-                    wrong.append(f"all_gather n={piece.numel()} rank {rank}")
-        for n, tensors in zip(sizes, cast):
-            for root, t in enumerate(tensors):
-                comm.broadcast(t, root, algorithm="direct")
-                if not torch.equal(t.cpu(), torch.full((n,), float(100 * root + root))):
-                    wrong.append(f"broadcast n={n} root {root} rank {rank}")
-        comm.synchronize()
-    return wrong
+        return _check_direct_plans(comm, group.rank, group.world_size, lambda n: torch.empty(n, device=dev))
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -618,49 +633,23 @@ def test_in_process_direct_plans_read_peers_tensors_exactly(world):
 def _symmetric_across_processes(rank, world):
     """Symmetric memory on CUDA across processes (cuda_comm.h; docs/symmetric.md): tensors from
     Communicator.empty (cudaMalloc'ed arena parts every peer opened through CUDA IPC) read in
-    place by the direct plans (all-gather, each input overwritten on the stream right behind
-    its call; reduce-scatter out of place and in place; broadcast from every root), exact; then an ordinary input, which a peer in another process cannot reach: every rank
-    raises RingcollMismatchError naming the rank, the output untouched. The pattern the
-    emulator holds in CI (tests/multiprocess/test_cuda_plans.py), on the GPU."""
+    place by the direct plans (_check_direct_plans); then an ordinary input, which a peer in
+    another process cannot reach: every rank raises RingcollMismatchError naming the rank, the
+    output untouched. The pattern the emulator holds in CI (tests/multiprocess/test_cuda_plans.py),
+    on the GPU."""
     import ringcoll
     from ringcoll import CudaCommunicator
 
     torch.cuda.set_device(0)
     dev = torch.device("cuda", 0)
-    wrong = []
-    sizes = (3, 1 << 18)
     with CudaCommunicator(device=dev, timeout=60) as comm:
         assert comm.transport.run_mode == "IPC"
-        pieces = [comm.empty(n) for n in sizes]
-        casts = [comm.empty(n) for n in sizes]
-        outs = [torch.empty(n * world, device=dev) for n in sizes]
-        wrong += [] if all(comm.is_symmetric(p) for p in pieces) else [f"not symmetric on rank {rank}"]
-        for piece, cast, out in zip(pieces, casts, outs):
-            n = piece.numel()
-            want = torch.arange(1, world + 1, dtype=torch.float32).repeat_interleave(n)
-            for _ in range(4):
-                piece.fill_(float(rank + 1))
-                comm.all_gather_into_tensor(out, piece, algorithm="direct")
-                piece.fill_(-1.0)  # queued right behind the call on this stream
-                if not torch.equal(out.cpu(), want):
-                    wrong.append(f"all_gather n={n} rank {rank}")
-            scatter = comm.empty(n * world)  # reduce-scatter, out of place and in place (peers skip my chunk)
-            scatter.fill_(float(rank + 1))
-            summed = torch.full((n,), float(world * (world + 1) // 2))
-            comm.reduce_scatter_tensor(out[:n], scatter, algorithm="direct")
-            mine = scatter[rank * n:(rank + 1) * n]
-            comm.reduce_scatter_tensor(mine, scatter, algorithm="direct")
-            if not (torch.equal(out[:n].cpu(), summed) and torch.equal(mine.cpu(), summed)):
-                wrong.append(f"reduce_scatter n={n} rank {rank}")
-            for root in range(world):
-                cast.fill_(float(100 * root + rank))
-                comm.broadcast(cast, root, algorithm="direct")
-                if not torch.equal(cast.cpu(), torch.full((n,), float(100 * root + root))):
-                    wrong.append(f"broadcast n={n} root {root} rank {rank}")
-        comm.synchronize()
+        made = []
+        wrong = _check_direct_plans(comm, rank, world, lambda n: made.append(comm.empty(n)) or made[-1])
+        wrong += [] if all(comm.is_symmetric(t) for t in made) else [f"not symmetric on rank {rank}"]
         out = torch.full((3 * world,), -1.0, device=dev)
         try:
-            comm.all_gather_into_tensor(out, torch.ones(3, device=dev) if rank == 1 else pieces[0], algorithm="direct")
+            comm.all_gather_into_tensor(out, torch.ones(3, device=dev) if rank == 1 else made[0], algorithm="direct")
             comm.synchronize()
             wrong.append(f"an ordinary input was read across processes on rank {rank}")
         except ringcoll.RingcollMismatchError as e:
