@@ -11,8 +11,9 @@ C chunks. An op computes, for each chunk of a range, ``value = a`` or ``value = 
     WORK    the rank's private work space (C chunks)
     PEER_INPUT  rank ``frm``'s input, read where it lies, through no slot (all-gather: its own
             chunk; broadcast: the root's; reduce-scatter: any chunk but ``frm``'s own, which
-            in place is its output. Only what nothing overwrites during the call: a read in
-            place could race the owner's writes otherwise)
+            in place is its output; all-reduce: a chunk ``frm`` overwrites with its output
+            only after hearing, through publications, that the read is done; never a
+            reduce's. In place a read could otherwise race the owner's writes)
 
 and writes it to one or two of OUTPUT, WORK and SLOT (the rank's buffer, published at once
 to ``readers``). A rank's receives from a peer read that peer's publications to it in the
@@ -357,6 +358,11 @@ def _execute(p: Plan, algebra, slices: int = SLICES) -> tuple:
     work = [[{} for _ in range(slices)] for _ in range(world)]
     output = [[{} for _ in range(slices)] for _ in range(world)]
     steps: list = []
+    # Happens-before, for reads of peers' inputs where they lie: clock[r][k] = how many ops of
+    # rank k rank r has heard of (its own ops, and through the publications it received, theirs);
+    # peer_reads[f, j, c] = the (reader, its op count) of every read of chunk c of rank f's input in slice j.
+    clock = [[0] * world for _ in range(world)]
+    peer_reads: dict = {}
 
     def publication(reader, k, j):
         """The publication of rank k in slice j that `reader`'s next receive from k reads, or None."""
@@ -387,6 +393,25 @@ def _execute(p: Plan, algebra, slices: int = SLICES) -> tuple:
             raise _fail(p, rank, i, f"reads {Operand(which).name.lower()} chunk {c} before anything wrote it")
         return store[c]
 
+    def in_place_reads(rank, j, i, o, c):
+        """In place the input is the output: a peer's read of chunk c of this rank's input
+        where it lies must happen before this rank writes its output chunk c over it, in every
+        order the ranks may run in; here that is, before the write, this rank has heard of the
+        read (through publications). All-reduce only: an all-gather's and a broadcast's owner
+        never writes the chunk read, and a reduce-scatter's reads skip the owner's own chunk."""
+        if p.collective != "all_reduce":
+            return
+        if PEER_INPUT in (o.a, o.b):
+            peer_reads.setdefault((o.frm, j, c), []).append((rank, clock[rank][rank]))
+            if c in output[o.frm][j]:
+                raise _fail(p, rank, i, f"reads chunk {c} of rank {o.frm}'s input where it lies, which rank {o.frm} "
+                                        "may already have overwritten with its output chunk (in place)")
+        if o.to & TO_OUTPUT:
+            for reader, when in peer_reads.get((rank, j, c), []):
+                if clock[rank][reader] < when:
+                    raise _fail(p, rank, i, f"writes output chunk {c}, which in place is the input chunk rank "
+                                            f"{reader} reads where it lies, before hearing that rank {reader} has read it")
+
     def run(rank, j):
         i = pc[rank][j]
         o = p.ops[rank][i]
@@ -399,8 +424,11 @@ def _execute(p: Plan, algebra, slices: int = SLICES) -> tuple:
             pub[4] &= ~(1 << rank)
             taken[rank, o.frm, j] = taken.get((rank, o.frm, j), 0) + 1
             got = pub[2]
+            clock[rank] = [max(mine, theirs) for mine, theirs in zip(clock[rank], pub[5])]
+        clock[rank][rank] += 1
         values = []
         for c in range(o.first, o.first + o.count):
+            in_place_reads(rank, j, i, o, c)
             # in place, the input is the output: all-reduce and reduce read every chunk of it,
             # reduce-scatter its own (all-gather and broadcast read an input nothing overwrites)
             reads_own_input = INPUT in (o.a, o.b) and (p.collective in ("all_reduce", "reduce") or c == rank)
@@ -418,7 +446,7 @@ def _execute(p: Plan, algebra, slices: int = SLICES) -> tuple:
             if o.to & TO_OUTPUT:
                 output[rank][j][c] = v
         if o.to & TO_SLOT:
-            pub = [o.first, o.count, values, o.readers, o.readers]
+            pub = [o.first, o.count, values, o.readers, o.readers, list(clock[rank])]
             pubs[rank][j].append(pub)
             for c in range(o.first, o.first + o.count):
                 filled[rank, j % 2, c] = pub
@@ -491,10 +519,9 @@ def _structure(p: Plan) -> None:
             if (PEER in (o.a, o.b) or PEER_INPUT in (o.a, o.b)) and not (0 <= o.frm < p.world and o.frm != rank):
                 raise _fail(p, rank, i, f"receives from rank {o.frm}, which is not a peer")
             if PEER_INPUT in (o.a, o.b):
-                if p.collective not in ("all_gather", "broadcast", "reduce_scatter"):
-                    raise _fail(p, rank, i, f"reads rank {o.frm}'s input where it lies, but a {p.collective}'s input "
-                                            "may be its output (in place), which its owner overwrites while peers "
-                                            "read: only all-gather, broadcast and reduce-scatter may")
+                if p.collective == "reduce":
+                    raise _fail(p, rank, i, f"reads rank {o.frm}'s input where it lies, but a reduce's input is the "
+                                            "root's output (in place), which the root overwrites while peers read")
                 if p.collective == "reduce_scatter" and o.first <= o.frm < o.first + o.count:
                     raise _fail(p, rank, i, f"reads chunk {o.frm} of rank {o.frm}'s input where it lies, which in "
                                             "place is that rank's output, written while peers read: a reduce-scatter "

@@ -584,8 +584,8 @@ def _check_direct_plans(comm, rank, world, make):
     first call (an allocation may wait for the whole device): all-gather, each input overwritten
     on the stream right behind its call (a peer still reading it would see the overwrite: the
     kernel must not end before every peer's blocks have read it, device_plan.h), reduce-scatter
-    out of place and in place (no peer reads a rank's own chunk), broadcast from every root;
-    exact. Returns what was wrong."""
+    out of place and in place (no peer reads a rank's own chunk), all-reduce out of place and
+    in place (the two-shot), broadcast from every root; exact. Returns what was wrong."""
     dev = torch.device("cuda", 0)
     tensors = [(make(n), make(n), make(n * world), torch.empty(n * world, device=dev)) for n in DIRECT_SIZES]
     wrong = []
@@ -605,6 +605,11 @@ def _check_direct_plans(comm, rank, world, make):
         comm.reduce_scatter_tensor(mine, scatter, algorithm="direct")
         if not (torch.equal(out[:n].cpu(), summed) and torch.equal(mine.cpu(), summed)):
             wrong.append(f"reduce_scatter n={n} rank {rank}")
+        scatter.fill_(float(rank + 1))  # all-reduce, the two-shot, out of place then in place
+        comm.all_reduce(scatter, output=out, algorithm="direct")
+        comm.all_reduce(scatter, algorithm="direct")
+        if not (torch.equal(out.cpu(), summed.repeat(world)) and torch.equal(scatter.cpu(), summed.repeat(world))):
+            wrong.append(f"all_reduce n={n * world} rank {rank}")
         for root in range(world):
             cast.fill_(float(100 * root + rank))
             comm.broadcast(cast, root, algorithm="direct")

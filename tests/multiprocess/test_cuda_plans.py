@@ -289,7 +289,8 @@ def test_a_rank_that_never_posts_its_input_is_a_timeout_naming_it():
 def _direct_on_symmetric_memory(group, counts):
     """The direct plans with every input in symmetric memory, as peers in other processes read
     it (each through its own mapping of the owner's arena part): all-gather into an ordinary
-    and into a symmetric output, reduce-scatter out of place and in place (the ring's bits),
+    and into a symmetric output, reduce-scatter and all-reduce out of place and in place (the
+    ring's bits),
     broadcast from every root with only the root's tensor symmetric (only the root's is
     read), for bytes and 2- and 4-byte dtypes, across slices. Returns what was wrong."""
     rank, world = group.rank, group.world_size
@@ -316,6 +317,15 @@ def _direct_on_symmetric_memory(group, counts):
                     comm.reduce_scatter_tensor(mine, x, algorithm="direct")  # in place: peers never read my chunk
                     if not (torch.equal(out, ring) and torch.equal(mine, ring)):
                         wrong.append(f"reduce_scatter {dtype} n={count} rank {rank}")
+                    # all-reduce, the two-shot: out of place, then in place on the symmetric tensor
+                    x.copy_(_inputs(rank, count * world, dtype, seed=count + 2))
+                    ring = x.clone()
+                    comm.all_reduce(ring, algorithm="ring")
+                    out = torch.full((count * world,), 7, dtype=dtype)
+                    comm.all_reduce(x, output=out, algorithm="direct")
+                    comm.all_reduce(x, algorithm="direct")
+                    if not (torch.equal(out, ring) and torch.equal(x, ring)):
+                        wrong.append(f"all_reduce {dtype} n={count * world} rank {rank}")
                 for root in range(world):
                     symmetric = comm.empty(count, dtype=dtype)  # collective: every rank allocates
                     t = symmetric if rank == root else torch.empty(count, dtype=dtype)

@@ -60,7 +60,7 @@ def test_which_algorithm_has_which_collective():
     assert plans.BUILTIN_COLLECTIVES == {
         "ring": COLLECTIVES, "oneshot": COLLECTIVES, "rhd": ("all_reduce", "reduce_scatter", "all_gather"),
         "rd": ("all_reduce",), "tree": ("all_reduce", "broadcast", "reduce"), "star": ("broadcast",),
-        "direct": ("reduce_scatter", "all_gather", "broadcast")}
+        "direct": ("all_reduce", "reduce_scatter", "all_gather", "broadcast")}
 
 
 @pytest.mark.parametrize("name", ["rhd", "rd", "tree", "star"])
@@ -226,8 +226,22 @@ def test_reads_of_peers_inputs_where_they_lie_are_checked():
     assert "reads chunks other than rank 1's own from its input" in refused(
         lambda world, r: [o._replace(first=(o.frm + 1) % world) if o.a == plans.PEER_INPUT else o
                           for o in _direct_gather(world, r)], "all_gather")
-    assert "a all_reduce's input may be its output (in place)" in refused(
-        lambda world, r: [op(plans.PEER_INPUT, 0, TO_OUTPUT, frm=(r + 1) % world, final=True)], "all_reduce")
+    # All-reduce: a read where it lies must happen before the owner writes that chunk (in place,
+    # its output) in every order: the direct plan's two-shot proves it through its publications;
+    # reading the whole peer input and writing the whole output races, whichever runs first
+    for world in range(2, 9):
+        plans.check(plans.plan("direct", "all_reduce", world))
+    assert "which rank 0 may already have overwritten with its output chunk (in place)" in refused(
+        lambda world, r: [op(plans.PEER_INPUT, (0, 2), TO_OUTPUT, b=INPUT, frm=1 - r, final=True)],
+        "all_reduce", world=2)
+
+    def writes_before_hearing(world, r):  # the two-shot, but rank 1 copies rank 0's chunk 1 first
+        ops = list(plans.plan("direct", "all_reduce", world).ops[r])
+        return [op(INPUT, 0, TO_OUTPUT)] + ops if r == 1 else ops
+    assert "writes output chunk 0, which in place is the input chunk rank 0 reads where it lies, before hearing" in \
+        refused(writes_before_hearing, "all_reduce", world=2)
+    assert "a reduce's input is the root's output (in place)" in refused(
+        lambda world, r: [op(plans.PEER_INPUT, 0, TO_OUTPUT, b=INPUT, frm=0, final=True)] if r else [], "reduce")
     assert "reads rank 2's input, but only the root (rank 0) has one" in refused(
         lambda world, r: [op(plans.PEER_INPUT, 0, TO_OUTPUT, frm=2 if r == 1 else 0, final=True)] if r else [],
         "broadcast")

@@ -42,7 +42,7 @@
   X(kTree, "tree", 5, collective_bit(Collective::kAllReduce) | kRootedCollectives) \
   X(kStar, "star", 6, collective_bit(Collective::kBroadcast))                \
   X(kDirect, "direct", 7,                                                  \
-    collective_bit(Collective::kAllGather) | collective_bit(Collective::kBroadcast) | collective_bit(Collective::kReduceScatter))
+    kUnrootedCollectives | collective_bit(Collective::kBroadcast))
 
 namespace ringcoll {
 

@@ -21,8 +21,9 @@
 //              posts where its input is when the call starts, and none returns before every
 //              rank has finished reading (all-gather: chunk `from` only; broadcast: the
 //              root's; reduce-scatter: any chunk but `from`'s own, which in place is its
-//              output; only what nothing overwrites during the call, so a read in place
-//              cannot race the owner's writes: the checker refuses the others)
+//              output; all-reduce: a chunk `from` overwrites with its output only after it
+//              has heard, through publications, that the read is done; never a reduce's: the
+//              checker proves a read in place cannot race the owner's writes)
 // and the value goes to any two of
 //     kToOutput, kToWork, kToSlot (this rank's slots, published at once to `readers`).
 //
@@ -656,7 +657,11 @@ inline Plan tree_plan(Collective coll, int world) {
 // order (rank k+1's first, its own last: the ring's bits), through its work space; no rank
 // reads a peer's own chunk, which in place is the peer's output. One read per byte of the
 // fold, where the slots add a write and a read per step.
-// C = P chunks for an all-gather and a reduce-scatter, 1 for a broadcast.
+// All-reduce (vLLM's and SymmetricMemory's "two-shot"): that fold, its result published to
+// every peer as it is written, then each peer's reduced chunk copied out of its slot. In
+// place a rank overwrites chunk j of its input only with rank j's publication, which rank j
+// makes once it has read chunk j of every input: the checker proves such orders.
+// C = P chunks, 1 for a broadcast.
 inline Plan direct_plan(Collective coll, int world) {
   Plan plan;
   plan.chunks = coll == Collective::kBroadcast ? 1 : world;
@@ -668,16 +673,24 @@ inline Plan direct_plan(Collective coll, int world) {
       if (k != 0) ops.push_back(make_op(Operand::kPeerInput, 0, 1, kToOutput, Operand::kNone, 0, 0, true));
       continue;
     }
-    if (coll == Collective::kReduceScatter) {
+    if (coll == Collective::kReduceScatter || coll == Collective::kAllReduce) {
+      // The fold of chunk k; an all-reduce publishes its result to every peer as it writes it
+      const bool all = coll == Collective::kAllReduce;
+      const uint8_t to = all ? kToOutput | kToSlot : kToOutput;
+      const uint64_t readers = all ? all_ranks(world) & ~bit(k) : 0;
       const int first = (k + 1) % world;  // rs_contributor's order: rank k+1 first, k last
       if (world == 2) {
-        ops.push_back(make_op(Operand::kPeerInput, k, 1, kToOutput, Operand::kInput, first, 0, true));
-        continue;
+        ops.push_back(make_op(Operand::kPeerInput, k, 1, to, Operand::kInput, first, readers, true));
+      } else {
+        ops.push_back(make_op(Operand::kPeerInput, k, 1, kToWork, Operand::kNone, first));
+        for (int i = 2; i < world; ++i)
+          ops.push_back(make_op(Operand::kWork, k, 1, kToWork, Operand::kPeerInput, (k + i) % world));
+        ops.push_back(make_op(Operand::kWork, k, 1, to, Operand::kInput, -1, readers, true));
       }
-      ops.push_back(make_op(Operand::kPeerInput, k, 1, kToWork, Operand::kNone, first));
-      for (int i = 2; i < world; ++i)
-        ops.push_back(make_op(Operand::kWork, k, 1, kToWork, Operand::kPeerInput, (k + i) % world));
-      ops.push_back(make_op(Operand::kWork, k, 1, kToOutput, Operand::kInput, -1, 0, true));
+      for (int i = 1; all && i < world; ++i) {  // then every peer's reduced chunk, from its slot
+        const int peer = (k + i) % world;
+        ops.push_back(make_op(Operand::kPeer, peer, 1, kToOutput, Operand::kNone, peer, 0, true));
+      }
       continue;
     }
     for (int i = 1; i < world; ++i) {

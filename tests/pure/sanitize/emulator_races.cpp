@@ -185,7 +185,8 @@ int64_t run_plan_cases(int variant) {
 // The direct plans across modelled processes (EmulatedRing's peers_in_process = false): every
 // input in symmetric memory, made as CudaComm makes it (each rank's part, the handles round,
 // every peer's part mapped again at an address of its own), read through each rank's table
-// of arenas. All-gather, broadcast (root 1) and reduce-scatter, twice each, each followed by a ring all-reduce, both
+// of arenas. All-gather, broadcast (root 1), reduce-scatter and all-reduce (in place), twice
+// each, each followed by a ring all-reduce, both
 // variants; returns the number of wrong elements (and of calls that raised).
 int64_t run_symmetric_cases(int variant) {
   using ringcoll::Algorithm;
@@ -197,8 +198,8 @@ int64_t run_symmetric_cases(int variant) {
   std::vector<std::string> handles;
   for (int r = 0; r < world; ++r) handles.push_back(ring.make_symmetric_arena(r, size_t{1} << 20));
   for (int r = 0; r < world; ++r) ring.open_symmetric_arena(r, handles);
-  const int colls[] = {kAllGather, static_cast<int>(Collective::kBroadcast), kReduceScatter};
-  const int kinds = 3;
+  const int colls[] = {kAllGather, static_cast<int>(Collective::kBroadcast), kReduceScatter, kAllReduce};
+  const int kinds = 4;
   std::vector<ringcoll::CompiledPlan> plans;
   for (int coll : colls)
     plans.push_back(ringcoll::compile_plan(ringcoll::builtin_plan(Algorithm::kDirect, static_cast<Collective>(coll), world),
@@ -209,6 +210,7 @@ int64_t run_symmetric_cases(int variant) {
   std::vector<std::vector<int32_t>> outputs, ring_bufs;
   std::vector<EmulatedCall> calls;
   auto in_len = [&](int k) { return colls[k] == kReduceScatter ? count * world : count; };
+  // all-gather and reduce-scatter into an ordinary output; broadcast and all-reduce in place
   auto out_len = [&](int k) { return colls[k] == kAllGather ? count * world : colls[k] == kReduceScatter ? count : 0; };
   for (int k = 0; k < kinds; ++k) {
     for (int rep = 0; rep < 2; ++rep) {
@@ -217,7 +219,7 @@ int64_t run_symmetric_cases(int variant) {
         auto* in = reinterpret_cast<int32_t*>(blocks.back()->data());
         for (int64_t i = 0; i < in_len(k); ++i) in[i] = value_of(r, rep, i);
         outputs.emplace_back(out_len(k), -1);
-        auto* out = out_len(k) > 0 ? outputs.back().data() : in;  // a broadcast in place
+        auto* out = out_len(k) > 0 ? outputs.back().data() : in;
         EmulatedCall call{r, colls[k], kInt32, kSum, reinterpret_cast<uintptr_t>(in), reinterpret_cast<uintptr_t>(out),
                           count};
         call.plan = &plans[k];
@@ -243,6 +245,8 @@ int64_t run_symmetric_cases(int variant) {
           if (colls[k] == kAllGather) expected = value_of(static_cast<int>(i / count), rep, i % count);
           else if (colls[k] == kReduceScatter)
             for (int q = 0; q < world; ++q) expected += value_of(q, rep, r * count + i);
+          else if (colls[k] == kAllReduce)
+            for (int q = 0; q < world; ++q) expected += value_of(q, rep, i);
           else expected = value_of(root, rep, i);
           case_wrong += got[i] != expected;
         }
