@@ -607,15 +607,17 @@ class Communicator(ArgumentChecks):
         auto chooses by the message's size. ValueError naming the call for an unknown name,
         PlanError for a plan the checker refuses.
 
-        On a communicator with symmetric memory (``empty``) auto is native for the ring's
-        three collectives: native reads symmetric arguments in place, which the recorded
-        table's copying paths cannot, and the choice must not hang on whether this rank's
-        tensor is symmetric (a peer's may not be, and ranks must choose alike), so it hangs
-        on the arenas, which every rank makes together."""
+        On a communicator with symmetric memory (``empty``) auto reads symmetric arguments in
+        place for the ring's three collectives: on the CPU native does, on CUDA the direct plan
+        with the ring's plan as its fallback (the kernels run the one every rank's posts allow:
+        device_plan.h). The choice must not hang on whether this rank's tensor is symmetric (a
+        peer's may not be, and ranks must choose alike), so it hangs on the arenas, which
+        every rank makes together."""
         algorithm = self.algorithm if algorithm is None else algorithm
         if algorithm == "auto":
             if collective not in ROOTED_COLLECTIVES and self._transport.symmetric_arenas:
-                return None
+                return self._symmetric_auto(name, collective, message_bytes) \
+                    if self._transport.symmetric_by_plan else None
             algorithm = tuning.choose(self._auto_bands[collective], message_bytes)
         native_rooted = False
         if collective in ROOTED_COLLECTIVES:
@@ -653,6 +655,17 @@ class Communicator(ArgumentChecks):
         if hold is not None and collective in self._plain_choices:
             self._plain_choices[collective][algorithm] = hold(compiled)
         return compiled
+
+    def _symmetric_auto(self, name: str, collective: str, message_bytes: int):
+        """auto over symmetric memory where the transport reads it by a plan (CUDA): the direct
+        plan, with the ring's plan to run where some rank's input is not symmetric memory."""
+        key = (collective, "auto over symmetric memory", 0)
+        found = self._known_plans.get(key)
+        if found is None:
+            direct = self._plan(name, collective, "direct", message_bytes)
+            ring = self._plan(name, collective, "ring", message_bytes)
+            found = self._known_plans[key] = _C.plan_with_fallback(direct, ring)
+        return found
 
     def _forget_plan(self, algorithm: str, collective: str) -> None:
         """``algorithm`` is registered again (plans.register_algorithm): drop what was kept of

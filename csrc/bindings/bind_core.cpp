@@ -158,7 +158,11 @@ void bind_core(py::module_& m) {
       .def_property_readonly("id", [](const CompiledPlan& p) { return p.id; })
       .def_property_readonly("publications", [](const CompiledPlan& p) { return p.publications; })
       .def_property_readonly("publication_read", [](const CompiledPlan& p) { return p.publication_read; })
-      .def_property_readonly("early_sends", [](const CompiledPlan& p) { return p.early_sends; });
+      .def_property_readonly("early_sends", [](const CompiledPlan& p) { return p.early_sends; })
+      .def_property_readonly("fallback_id", [](const CompiledPlan& p) { return p.fallback ? p.fallback->id : 0u; });
+  m.def("plan_with_fallback", &plan_with_fallback, py::arg("primary"), py::arg("fallback"),
+        "`primary` (reads peers' inputs where they lie) with `fallback` to run where some input is out of a "
+        "rank's reach (CUDA; plan.h)");
   m.def(
       "compile_plan",
       [](const std::string& name, int world, int chunks, const py::sequence& ranks, uint32_t id, int root,

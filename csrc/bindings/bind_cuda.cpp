@@ -158,6 +158,7 @@ void bind_cuda(py::module_& m) {
       .def("symmetric_has_room", &EmulatedRing::symmetric_has_room, py::arg("rank"), py::arg("bytes"))
       .def("symmetric_arenas", &EmulatedRing::symmetric_arenas, py::arg("rank"))
       .def("is_symmetric", &EmulatedRing::is_symmetric, py::arg("rank"), py::arg("address"), py::arg("bytes"))
+      .def("fallbacks", &EmulatedRing::fallbacks, py::arg("rank"))
       .def(
           "enqueue",
           [=](EmulatedRing& ring, const py::tuple& call, int user_stream, bool join) {

@@ -449,10 +449,12 @@ void CudaComm::launch(const char* op, Collective coll, uintptr_t input, uintptr_
   auto own = static_cast<cudaStream_t>(stream_);
   RingCall call = ring_call(coll, user_count, static_cast<DType>(dtype), static_cast<ReduceOp>(reduce_op), world_,
                             plan != nullptr ? plan->root : 0);
-  PlanParams plan_part{};
+  PlanParams plan_part{}, fallback_part{};
   if (plan != nullptr) {
     call.descriptor.algorithm = static_cast<int32_t>(plan->id);
     plan_part = device_plan(op, coll, *plan, stream);
+    fallback_part = prepare_fallback(plan_part, call, *plan,
+                                     [&](const CompiledPlan& fallback) { return device_plan(op, coll, fallback, stream); });
     // A peer in this process reaches a plain device pointer; one in another, only symmetric memory.
     if (plan->reads_peer_inputs)
       place_input(plan_part, *heap_, symmetric_table_, symmetric_table_device_, call, world_,
@@ -470,6 +472,7 @@ void CudaComm::launch(const char* op, Collective coll, uintptr_t input, uintptr_
                                 reinterpret_cast<const void*>(input), reinterpret_cast<void*>(output)};
       RingParams p = call_params(call, rank_, world_, slot_bytes_, timeout_seconds_, check_calls_, variant_, memory);
       p.plan = plan_part;
+      p.fallback = fallback_part;
       try {
         if (plan != nullptr)
           for_each_plan_launch(p, variant_, call.elem_size, max_blocks_,

@@ -45,6 +45,11 @@
 //      (inputs_read[b] = n), and before the kernel ends it waits until block b of every
 //      peer has said so: the kernel, and with it the call on this rank's stream, completes
 //      only when no peer still reads this rank's input.
+// A call may carry a fallback plan (RingParams::fallback: what auto runs on symmetric memory,
+// direct else the ring's plan): where some input is out of reach, every rank finds it so in
+// step 1 from the same posts, so every rank runs the fallback instead, over the same chunks,
+// slots and grid. It reads no input in place, but step 3 stays: its handshake is what keeps
+// a rank from posting its next call's input while a peer may still read this call's post.
 #pragma once
 
 #include "device_ring.h"
@@ -64,6 +69,7 @@ namespace ringcoll::cuda {
 // thread 0 reads or writes the slot words.
 struct PlanShared {
   BlockShared block;
+  int fall_back;                       // some input a plan reads in place is out of reach: run RingParams::fallback
   const void* peer_inputs[kMaxWorld];  // a direct plan's: every peer's input (kPeerInput), from its post
   uint64_t slot_last[kBanks * kMaxPlanChunks];
   uint64_t slot_readers[kBanks * kMaxPlanChunks];
@@ -77,6 +83,7 @@ class DevicePlanContext : public DeviceBlock {
         chunks_(p.plan.chunks), slice_elems_(slice_elems_for(p.plan.slot_bytes, sizeof(T))) {
     plan_base_ = p.state[kPlanBaseWord];
     input_posts_ = p.state[kInputPostsWord];
+    fallbacks_ = p.state[kFallbacksWord];
   }
 
   // A plan that reads peers' inputs (file comment). post_input: step 1, this rank's post of
@@ -116,7 +123,7 @@ class DevicePlanContext : public DeviceBlock {
         }
         if (!has_bit(p_.plan.inputs_read, r)) continue;  // nobody reads it (a broadcast's non-roots)
         const void* input = reachable_input(r, arena, address);
-        if (input == nullptr) break;  // gave up, saying why
+        if (input == nullptr) break;  // out of reach: falling back, or gave up saying why
         slots_->peer_inputs[r] = input;
       }
     }
@@ -132,6 +139,12 @@ class DevicePlanContext : public DeviceBlock {
           poll(inputs_read_flag(base_of(r), block_), p_.flag_scope, input_posts_, r, Awaited::kInputsRead);
     }
     return block_agrees();
+  }
+
+  // The fallback plan instead of this one (RingParams::fallback: the same chunks and slot size).
+  RINGCOLL_DEVICE void run_fallback() {
+    p_.plan = p_.fallback;
+    ++fallbacks_;
   }
 
   // Before the first slot is written: nothing the ring or the last plan published is unread
@@ -194,6 +207,7 @@ class DevicePlanContext : public DeviceBlock {
     plan_grid_ = blocks_;
     DeviceBlock::save_if_last_block([&](uint64_t* state) {
       state[kInputPostsWord] = input_posts_;
+      state[kFallbacksWord] = fallbacks_;
       state[kPlanBaseWord] = plan_base_ + static_cast<uint64_t>(slices) * static_cast<uint64_t>(p_.plan.most_publications);
       for (int r = 0; r < p_.world; ++r) state[kPlanUnreadWord + r] = 0;
       for (int s = 0; s < kBanks * chunks_; ++s)
@@ -212,6 +226,10 @@ class DevicePlanContext : public DeviceBlock {
       if (p_.plan.plain_addresses_readable) return reinterpret_cast<const void*>(address);
     } else if (arena >= 0 && arena < p_.plan.symmetric_arenas) {
       return p_.plan.symmetric_bases[arena * kMaxWorld + r] + address;
+    }
+    if (p_.fallback.chunks != 0) {  // every rank finds the same input out of reach: all run the fallback
+      slots_->fall_back = 1;
+      return nullptr;
     }
     give_up(AbortCause::kNotSymmetric, AbortCause::kNone, r, Awaited::kInputPost,
             static_cast<uint64_t>(p_.plan.symmetric_arenas), static_cast<uint64_t>(arena), 0, nullptr);
@@ -285,12 +303,16 @@ class DevicePlanContext : public DeviceBlock {
   int64_t slice_elems_;
   uint64_t plan_base_ = 0;
   uint64_t input_posts_ = 0;  // this rank's calls that posted their input, this one included once posted
+  uint64_t fallbacks_ = 0;    // of those, the calls that ran their fallback plan
 };
 
 // One block's part of a plan call (RingParams::plan says which plan).
 template <typename T, class Op>
 RINGCOLL_DEVICE void plan_block(const RingParams& p, PlanShared& shared, bool vectorise) {
-  if (threadIdx.x == 0) shared.block.failed = flag_load_relaxed(aborted_flag(p.my_base)) != 0;
+  if (threadIdx.x == 0) {
+    shared.block.failed = flag_load_relaxed(aborted_flag(p.my_base)) != 0;
+    shared.fall_back = 0;
+  }
   __syncthreads();
   const bool broken = shared.block.failed != 0;
   __syncthreads();
@@ -301,6 +323,7 @@ RINGCOLL_DEVICE void plan_block(const RingParams& p, PlanShared& shared, bool ve
   if (reads_inputs) ctx.post_input();  // writes only this rank's memory: before the check, as on the CPU
   bool ok = !p.check_call || ctx.check_call(/*both_sides=*/true);
   if (ok && reads_inputs) ok = ctx.find_peer_inputs();
+  if (ok && reads_inputs && shared.fall_back != 0) ctx.run_fallback();  // set before find_peer_inputs' barrier
   if (ok && slices > 0) ok = ctx.drain() && ctx.run(p.first_unit, p.last_unit);
   if (ok && reads_inputs) ok = ctx.finish_reading();
   if (ok) ctx.save_if_last_block(slices);

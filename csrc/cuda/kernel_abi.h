@@ -98,7 +98,8 @@ constexpr size_t kSlotAlignment = 128;  // a GPU cache line (and a multiple of 1
 // [kPlanBaseWord] the plans' numbering (the last plan publication number of every rank),
 // [kPlanGridWord] blocks of the last plan launch whose publications may still be unread (0:
 // none), [kPlanUnreadWord + r] per peer r: the latest of them r reads, [kInputPostsWord]
-// the calls whose plans read peers' inputs (each posted its input: InputPost),
+// the calls whose plans read peers' inputs (each posted its input: InputPost), [kFallbacksWord]
+// how many of those ran their fallback plan instead (for tests),
 // [kPlacementsWord] the offsets of the last launch that moved data (placement_signature),
 // [kDataCallWord] calls that moved data (its parity picks the placement word), [kGridWord]
 // blocks of the last ring launch that moved data, [kBlocksDoneWord] blocks of the running launch
@@ -109,12 +110,13 @@ constexpr int kPlanBaseWord = kBanks * kMaxWorld + 1;
 constexpr int kPlanGridWord = kPlanBaseWord + 1;
 constexpr int kPlanUnreadWord = kPlanGridWord + 1;
 constexpr int kInputPostsWord = kPlanUnreadWord + kMaxWorld;  // calls that posted their input (InputPost)
+constexpr int kFallbacksWord = kInputPostsWord + 1;  // of those, the calls that ran their fallback plan
 constexpr int kPlacementsWord = kStateWords - 5;
 constexpr int kDataCallWord = kStateWords - 4;
 constexpr int kGridWord = kStateWords - 3;
 constexpr int kBlocksDoneWord = kStateWords - 2;
 constexpr int kCallWord = kStateWords - 1;
-static_assert(kInputPostsWord < kPlacementsWord, "bookkeeping must fit its words");
+static_assert(kFallbacksWord < kPlacementsWord, "bookkeeping must fit its words");
 
 // Where a rank puts each chunk in its slots during a call, in one word: the offset modulo
 // 16 (bytes) of chunk c, for c < world, in bits 4c..4c+3 (kMaxWorld chunks of 4 bits fill
@@ -331,6 +333,10 @@ struct RingParams {
   bool check_call;
   CallDescriptor call;
   PlanParams plan;
+  // With a plan that reads peers' inputs where they lie: the plan run instead where one of
+  // those inputs is out of some rank's reach (CompiledPlan::fallback; the same chunks and slot
+  // size, so the same slices and grid); chunks == 0: none, out of reach is an error.
+  PlanParams fallback;
 };
 
 // Where a rank's kernels find memory (RingParams has the meaning of each).
@@ -556,6 +562,20 @@ inline void place_input(PlanParams& q, const SymmetricHeap& heap, const Symmetri
   q.symmetric_bases = bases;
   q.symmetric_arenas = table.arenas();
   q.plain_addresses_readable = plain_addresses_readable ? 1 : 0;
+}
+
+// The plan part of a call's fallback (CompiledPlan::fallback; chunks == 0: none), prepared by
+// `prepare(plan)` (prepare_plan, as CudaComm or the emulator places records) beside the
+// plan's own part `primary`; the fallback's id goes into the call's descriptor. Throws std::invalid_argument if the two cut the message into
+// slots of different sizes (they could not share the call's slices and grid).
+template <class Prepare>
+PlanParams prepare_fallback(const PlanParams& primary, RingCall& call, const CompiledPlan& plan, Prepare&& prepare) {
+  if (plan.fallback == nullptr) return PlanParams{};
+  const PlanParams fallback = prepare(*plan.fallback);
+  RINGCOLL_CHECK(fallback.chunks == primary.chunks && fallback.slot_bytes == primary.slot_bytes,
+                 std::invalid_argument, "a plan's fallback must cut the message as it does");
+  call.descriptor.fallback = static_cast<int32_t>(plan.fallback->id);
+  return fallback;
 }
 
 // The one launch of a plan call (none for a call with nothing to move or check): the fused

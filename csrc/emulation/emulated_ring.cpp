@@ -335,14 +335,18 @@ CallResult EmulatedRing::enqueue(const EmulatedCall& c, int user_stream, bool jo
     return {"ValueError", "unsupported dtype/op"};
   RingCall call = ring_call(coll, c.user_count, static_cast<DType>(c.dtype), static_cast<ReduceOp>(c.op), world_,
                             c.plan != nullptr ? c.plan->root : 0);
-  cuda::PlanParams plan_part{};
+  cuda::PlanParams plan_part{}, fallback_part{};
   if (c.plan != nullptr) {  // CudaComm::device_plan, the copy a plain one
     call.descriptor.algorithm = static_cast<int32_t>(c.plan->id);
-    plan_part = cuda::prepare_plan(me.plan_records, me.plan_area.data(), me.plan_work.data(), *c.plan, coll, c.rank,
-                                   world_, slot_bytes_, collective_info(coll).name,
-                                   [](cuda::DevicePlanOp* to, const std::vector<cuda::DevicePlanOp>& kept) {
-                                     std::copy(kept.begin(), kept.end(), to);
-                                   });
+    auto prepare = [&](const CompiledPlan& plan) {
+      return cuda::prepare_plan(me.plan_records, me.plan_area.data(), me.plan_work.data(), plan, coll, c.rank, world_,
+                                slot_bytes_, collective_info(coll).name,
+                                [](cuda::DevicePlanOp* to, const std::vector<cuda::DevicePlanOp>& kept) {
+                                  std::copy(kept.begin(), kept.end(), to);
+                                });
+    };
+    plan_part = prepare(*c.plan);
+    fallback_part = cuda::prepare_fallback(plan_part, call, *c.plan, prepare);
     if (c.plan->reads_peer_inputs) {  // the kernels read the host's table itself (CudaComm copies it to the GPU)
       std::lock_guard<std::mutex> lock(me.symmetric_mutex);
       cuda::place_input(plan_part, *me.heap, me.table, me.table.entries(), call, world_,
@@ -368,6 +372,7 @@ CallResult EmulatedRing::enqueue(const EmulatedCall& c, int user_stream, bool jo
                                       me.state.data(), me.errors.data(), input, output};
       RingParams p = cuda::call_params(call, c.rank, world_, slot_bytes_, timeout_seconds_, check_calls_, variant, memory);
       p.plan = plan_part;
+      p.fallback = fallback_part;
       auto queue = [&](const RingParams& q, int blocks, bool vectorise) {
         device.launch(me.stream, [this, &me, rank = c.rank, q, blocks, threads = threads_, vectorise] {
           // A kernel (or a graph's replay of one) still running when its rank closed: the
@@ -434,6 +439,8 @@ std::shared_ptr<SymmetricBlock> EmulatedRing::take_symmetric(int rank, size_t by
 bool EmulatedRing::symmetric_has_room(int rank, size_t bytes) const {
   return ranks_.at(static_cast<size_t>(rank))->heap->has_room_for(bytes);
 }
+
+uint64_t EmulatedRing::fallbacks(int rank) const { return ranks_.at(static_cast<size_t>(rank))->state[cuda::kFallbacksWord]; }
 
 int EmulatedRing::symmetric_arenas(int rank) const {
   return static_cast<int>(ranks_.at(static_cast<size_t>(rank))->heap->arenas());

@@ -70,6 +70,9 @@ class EmulatedRing {
   bool symmetric_has_room(int rank, size_t bytes) const;
   int symmetric_arenas(int rank) const;
   bool is_symmetric(int rank, uintptr_t address, size_t bytes) const;
+  // How many of the rank's calls ran their plan's fallback (RingParams::fallback): read in
+  // place, or not. Valid once its calls are synchronised.
+  uint64_t fallbacks(int rank) const;
   Device& device() { return *device_; }
   double host_wait_seconds() const;  // how long a host wait lasts before the model calls itself stuck
   // The first breach of the close protocol seen ("" if none): a rank's kernel that ran after it closed.

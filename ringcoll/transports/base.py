@@ -132,6 +132,10 @@ class Transport:
         return False
 
     symmetric_arenas = 0  # how many arenas of symmetric memory the ranks have made together
+    # Whether auto over symmetric memory runs a plan that reads it in place, with the ring's
+    # plan as fallback (CUDA: Communicator._symmetric_auto), rather than native (the CPU
+    # transport's own zero-copy path)
+    symmetric_by_plan = False
 
 
 def describe_allocation(dims: list, dtype: int, nbytes: int) -> str:

@@ -177,6 +177,7 @@ class CudaTransport(Transport):
 
     slot_alignment = _C.cuda_slot_alignment
     takes_arrays = True
+    symmetric_by_plan = True  # auto over symmetric memory: the direct plan, else the ring's (base.py)
 
     @staticmethod
     def resolve_device(device: torch.device) -> torch.device:

@@ -153,6 +153,7 @@ class EmulatedCudaTransport(Transport):
 
     slot_alignment = _C.cuda_slot_alignment
     takes_arrays = False
+    symmetric_by_plan = True  # auto over symmetric memory: the direct plan, else the ring's (base.py)
     plain_calls = None  # every call goes through the Python path, as on CUDA
     # Issue 22's defect 1 fixed: an in-process rank on the shared legacy stream is moved onto
     # its communicator's stream, and a call from the shared stream refused. A test turns it

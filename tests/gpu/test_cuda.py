@@ -638,9 +638,10 @@ def test_in_process_direct_plans_read_peers_tensors_exactly(world):
 def _symmetric_across_processes(rank, world):
     """Symmetric memory on CUDA across processes (cuda_comm.h; docs/symmetric.md): tensors from
     Communicator.empty (cudaMalloc'ed arena parts every peer opened through CUDA IPC) read in
-    place by the direct plans (_check_direct_plans); then an ordinary input, which a peer in
-    another process cannot reach: every rank raises RingcollMismatchError naming the rank, the
-    output untouched. The pattern the emulator holds in CI (tests/multiprocess/test_cuda_plans.py),
+    place by the direct plans (_check_direct_plans), and by auto (its fallback, the ring's plan,
+    where one rank's input is ordinary); then an ordinary input under algorithm="direct", which
+    a peer in another process cannot reach: every rank raises RingcollMismatchError naming the
+    rank, the output untouched. The pattern the emulator holds in CI (tests/multiprocess/test_cuda_plans.py),
     on the GPU."""
     import ringcoll
     from ringcoll import CudaCommunicator
@@ -652,6 +653,14 @@ def _symmetric_across_processes(rank, world):
         made = []
         wrong = _check_direct_plans(comm, rank, world, lambda n: made.append(comm.empty(n)) or made[-1])
         wrong += [] if all(comm.is_symmetric(t) for t in made) else [f"not symmetric on rank {rank}"]
+        # auto: in place where every input is symmetric, the ring's plan where rank 1's is not
+        ordinary = torch.empty(3 * world, device=dev)
+        summed = torch.full((3 * world,), float(world * (world + 1) // 2))
+        for x in (made[2], ordinary if rank == 1 else made[2]):
+            x.fill_(float(rank + 1))
+            comm.all_reduce(x)
+            if not torch.equal(x.cpu(), summed):
+                wrong.append(f"auto all_reduce over {'symmetric' if comm.is_symmetric(x) else 'ordinary'} rank {rank}")
         out = torch.full((3 * world,), -1.0, device=dev)
         try:
             comm.all_gather_into_tensor(out, torch.ones(3, device=dev) if rank == 1 else made[0], algorithm="direct")

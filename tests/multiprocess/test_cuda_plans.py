@@ -365,6 +365,58 @@ def test_an_ordinary_input_across_processes_is_refused_on_every_rank_before_anyt
         assert "rank 2's input is not in symmetric memory" in message and untouched, message
 
 
+def test_auto_reads_symmetric_memory_in_place_and_falls_back_where_an_input_is_not():
+    """On CUDA auto over symmetric memory is the direct plan with the ring's plan as its
+    fallback: where every rank's input is symmetric the kernels read in place; where one
+    rank's is not (across processes nobody can reach it), every rank finds so from the posts
+    and all run the ring's plan: the same bits either way, no error, no call lost. Calls of
+    both kinds alternate on one communicator, each compared with the ring's."""
+    def body(group):
+        rank, world = group.rank, group.world_size
+        wrong, ran = [], []
+        with ModelledProcessesCommunicator(group=group, timeout=TIMEOUT, buffer_bytes=4096 * world) as comm:
+            ring = comm.transport._ring
+            sym = comm.empty(2102 * world)
+            for i in range(6):
+                ordinary = i % 2 == 1 and rank == world - 1  # every other call, the last rank's input is not
+                x = torch.empty(2102 * world) if ordinary else sym
+                x.copy_(_inputs(rank, 2102 * world, torch.float32, seed=i))
+                want = x.clone()
+                comm.all_reduce(want, algorithm="ring")
+                before = ring.fallbacks(rank)
+                got = torch.empty_like(x)
+                comm.all_reduce(x, output=got)
+                out = torch.empty(2102 * world * world)
+                comm.all_gather_into_tensor(out, x)
+                gathered = torch.empty_like(out)
+                comm.all_gather_into_tensor(gathered, x, algorithm="ring")
+                ran.append(ring.fallbacks(rank) - before)
+                if not (torch.equal(got, want) and torch.equal(out, gathered)):
+                    wrong.append(f"call {i} rank {rank}")
+            comm.barrier()
+        return wrong, ran
+
+    for wrong, ran in ringcoll.run_in_process(3, body, timeout=300):
+        assert not wrong, wrong
+        assert ran == [0, 2, 0, 2, 0, 2], ran  # both calls fell back exactly where an input was ordinary
+
+
+def test_auto_over_symmetric_memory_and_a_named_plan_are_a_mismatch():
+    """The fallback travels in the descriptor: a rank running auto (direct, else the ring's
+    plan) and one naming direct alone would part ways where an input is out of reach, so
+    the call check stops them first, naming both."""
+    def body(group):
+        with ModelledProcessesCommunicator(group=group, timeout=TIMEOUT) as comm:
+            x = comm.zeros(64)
+            with pytest.raises(ringcoll.RingcollMismatchError) as e:
+                comm.all_reduce(x, algorithm="auto" if group.rank == 0 else "direct")
+            return str(e.value)
+
+    with pytest.warns(RuntimeWarning, match="keeps its emulated buffer"):
+        messages = ringcoll.run_in_process(2, body, timeout=120)
+    assert any("algorithm direct where every input it reads can be, else ring" in m for m in messages), messages
+
+
 def test_symmetric_allocation_on_the_cuda_transport_is_collective_and_pooled():
     """Communicator.empty on the CUDA transport (here its emulator): a request unlike a peer's
     raises on every rank naming both; small tensors share one arena, a freed block is handed

@@ -48,11 +48,13 @@ struct CallDescriptor {
   int64_t user_count;  // the count the caller passed (call.h)
   int32_t algorithm = 0;  // the plan (plan.h: a built-in's code, a user plan's id); 0: the default path
   int32_t root = 0;       // a rooted collective's root (collectives.h); 0 for the others
+  int32_t fallback = 0;   // CUDA: the plan run where `algorithm`'s in-place reads cannot be (CompiledPlan::fallback); 0: none
+  int32_t unused = 0;     // (explicit padding)
 };
 
 RINGCOLL_INLINE bool same_call(const CallDescriptor& a, const CallDescriptor& b) {
   return a.collective == b.collective && a.dtype == b.dtype && a.op == b.op && a.user_count == b.user_count &&
-         a.variant == b.variant && a.algorithm == b.algorithm && a.root == b.root;
+         a.variant == b.variant && a.algorithm == b.algorithm && a.root == b.root && a.fallback == b.fallback;
 }
 
 // The descriptor area of one rank: one sequence flag, then the fields.
@@ -77,6 +79,7 @@ RINGCOLL_INLINE void publish_descriptor(DescriptorSlot* slot, const CallDescript
   word_store_relaxed(&slot->call.user_count, call.user_count);
   word_store_relaxed(&slot->call.algorithm, call.algorithm);
   word_store_relaxed(&slot->call.root, call.root);
+  word_store_relaxed(&slot->call.fallback, call.fallback);
   flag_store_release(&slot->seq, descriptor_seq_written(call_number));
 }
 
@@ -96,6 +99,7 @@ RINGCOLL_INLINE PeerCall compare_descriptor(const DescriptorSlot* slot, const Ca
   theirs->user_count = word_load_relaxed(&slot->call.user_count);
   theirs->algorithm = word_load_relaxed(&slot->call.algorithm);
   theirs->root = word_load_relaxed(&slot->call.root);
+  theirs->fallback = word_load_relaxed(&slot->call.fallback);
   fence_acquire();  // the fields are read before seq is re-checked
   if (flag_load_relaxed(&slot->seq) != seq) return PeerCall::kMovedOn;  // overwritten meanwhile
   return same_call(mine, *theirs) ? PeerCall::kMatches : PeerCall::kDiffers;
@@ -121,6 +125,8 @@ inline std::string describe_call(const CallDescriptor& call) {
     if (call.variant != 0) text << ", kernel variant " << call.variant;
     if (algorithm_name(call.algorithm) != nullptr) text << ", algorithm " << algorithm_name(call.algorithm);
     else if (call.algorithm != 0) text << ", plan " << call.algorithm << " written in Python";
+    if (algorithm_name(call.fallback) != nullptr) text << " where every input it reads can be, else " << algorithm_name(call.fallback);
+    else if (call.fallback != 0) text << " where every input it reads can be, else plan " << call.fallback;
   }
   text << ")";
   return text.str();

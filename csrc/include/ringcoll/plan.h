@@ -50,6 +50,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -109,7 +110,27 @@ struct CompiledPlan {
                                                     // (-1: none), after which, in the last slice, it
                                                     // tells its peers it is done reading theirs
   bool uses_work = false;                           // some op reads or writes the work space
+  // CUDA only: the plan run instead where an input this one reads in place (kPeerInput) is
+  // out of some rank's reach, as every rank finds alike from the posts (device_plan.h); its
+  // id travels in the descriptor too. Null: out of reach is an error. (plan_with_fallback)
+  std::shared_ptr<const CompiledPlan> fallback;
 };
+
+// `primary` (a plan that reads peers' inputs where they lie) with `fallback` (one that goes
+// through the slots, cutting the message into as many chunks) to run where it cannot: what
+// auto runs on CUDA over symmetric memory. Throws std::invalid_argument naming what differs.
+inline CompiledPlan plan_with_fallback(const CompiledPlan& primary, const CompiledPlan& fallback) {
+  RINGCOLL_CHECK(primary.reads_peer_inputs && !fallback.reads_peer_inputs && fallback.fallback == nullptr,
+                 std::invalid_argument, "plan_with_fallback: the primary plan must read peers' inputs where they "
+                 "lie and the fallback must not");
+  RINGCOLL_CHECK(primary.plan.chunks == fallback.plan.chunks && primary.root == fallback.root &&
+                     primary.plan.ops.size() == fallback.plan.ops.size(),
+                 std::invalid_argument, "plan_with_fallback: the two plans must cut the message alike (", primary.plan.chunks,
+                 " and ", fallback.plan.chunks, " chunks) for the same ranks and root");
+  CompiledPlan both = primary;
+  both.fallback = std::make_shared<const CompiledPlan>(fallback);
+  return both;
+}
 
 // Whether a plan publishes anything, so fills slots (a plan of direct reads fills none).
 inline bool fills_slots(const CompiledPlan& plan) {
