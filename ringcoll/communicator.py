@@ -707,8 +707,9 @@ class Communicator(ArgumentChecks):
         other calls on this communicator (RingcollMismatchError on every rank otherwise). A
         tensor may be written again as soon as a collective that read it has returned on this
         rank (with ``async_op``, once its Work is done), as any tensor. It stays valid after
-        ``close()``. On CUDA the collectives read such tensors in place where a plan reads
-        peers' inputs (``algorithm="direct"``), also across processes (docs/symmetric.md)."""
+        ``close()``. On CUDA, also across processes, the plans that read peers' inputs read
+        such tensors in place: auto (the ring's plan on a call where some rank's tensor is not
+        symmetric) and ``algorithm="direct"`` (docs/symmetric.md, "On CUDA")."""
         shape = torch.Size(size[0] if len(size) == 1 and not isinstance(size[0], int) else size)
         dtype = torch.get_default_dtype() if dtype is None else dtype
         code = _C.dtype_code("empty", dtype)

@@ -220,7 +220,8 @@ class DevicePlanContext : public DeviceBlock {
  private:
   // Where rank r's input lies as this rank reads it, from r's post (InputPost): a plain
   // address only where every peer is a thread of one process, else r's part of a symmetric
-  // arena as mapped here plus the offset. Null, having given up, where it cannot be reached.
+  // arena as mapped here plus the offset. Null where it cannot be reached, having marked the
+  // block to run the call's fallback plan if it has one, else having given up.
   RINGCOLL_DEVICE const void* reachable_input(int r, int64_t arena, uint64_t address) {
     if (arena == kPlainAddress) {
       if (p_.plan.plain_addresses_readable) return reinterpret_cast<const void*>(address);

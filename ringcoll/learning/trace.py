@@ -222,7 +222,7 @@ def trace(collective: str, world: int, n: int, inputs: Optional[Sequence[Sequenc
     text (what ``ringcoll trace`` prints). ``inputs`` default to :func:`default_inputs`;
     for all_gather ``inputs[r]`` is rank r's chunk and ``n`` must be their total length.
     ``algorithm``: ``"ring"``, ``"oneshot"`` for the small-message path, ``"direct"`` for
-    the direct-read all-gather (all_gather only), or ``"symmetric"`` for tensors in symmetric
+    the direct-read all-gather (the direct reduce-scatter's and all-reduce's plans otherwise), or ``"symmetric"`` for tensors in symmetric
     memory, read in place; broadcast and reduce trace their plans."""
     if collective in ROOTED_COLLECTIVES:
         return _rooted_trace(collective, world, n, inputs, algorithm)
@@ -230,9 +230,6 @@ def trace(collective: str, world: int, n: int, inputs: Optional[Sequence[Sequenc
     choices = [*ALGORITHMS, *(a for a in plans.algorithms(collective) if a not in (*ALGORITHMS, "auto", "native"))]
     if algorithm not in choices:
         raise ValueError(f"trace: algorithm for {collective} must be one of {', '.join(choices)}, got {algorithm!r}")
-    if algorithm == "direct" and coll != Collective.ALL_GATHER:
-        raise ValueError(f"trace: the direct read is an all_gather path only (each rank reads its peers' inputs "
-                         f"as they are); {collective} combines them: use algorithm ring or oneshot")
     if world < 1:
         raise ValueError("trace: world must be >= 1")
     if n < 0:
@@ -254,7 +251,8 @@ def trace(collective: str, world: int, n: int, inputs: Optional[Sequence[Sequenc
     out.append(f"chunks: chunk c = [chunk_begin(c), chunk_begin(c+1)) with q = n // P = {q}, r = n % P = {r}:")
     out.append("  " + "  ".join(f"chunk {c} = [{chunk_begin(n, world, c)}, {chunk_end(n, world, c)})"
                                 for c in range(world)))
-    if algorithm not in ALGORITHMS:
+    if algorithm not in ALGORITHMS or (algorithm == "direct" and coll != Collective.ALL_GATHER):
+        # the direct reduce-scatter and all-reduce have no native path of their own: their plans
         return "\n".join(out + _plan_lines(plans.plan(algorithm, collective, world), n, inputs)) + "\n"
     if algorithm == "oneshot":
         return "\n".join(out + _one_shot_lines(collective, coll, world, n, inputs)) + "\n"

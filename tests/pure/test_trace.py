@@ -333,11 +333,16 @@ def test_simulate_direct_read_is_the_reference_and_staggers_the_readers():
 
 
 @pytest.mark.parametrize("name", ["all_reduce", "reduce_scatter"])
-def test_direct_read_is_refused_for_the_reducing_collectives(name, capsys):
-    with pytest.raises(ValueError, match=f"direct read is an all_gather path only.*{name}"):
-        trace(name, 3, 6, algorithm="direct")
-    assert main(["trace", name, "--algorithm", "direct"]) == 2
-    assert f"{name} combines them" in capsys.readouterr().err
+def test_the_reducing_collectives_trace_their_direct_plans(name, capsys):
+    """They have no direct path of their own: their direct plans (each rank folds its chunk of
+    every peer's input where it lies, the all-reduce then publishes it), run and checked."""
+    out = trace(name, 3, 6, algorithm="direct")
+    assert "plan 'direct'" in out and "rank 0, op 0: chunk 0: rank 1's input -> work  = [10 20]" in out, out
+    assert "rank 0, op 1: chunk 0: work OP rank 2's input -> work  = [110 220]" in out, out
+    assert "OK, every rank matches" in out, out
+    assert ("published to ranks 1, 2" in out) == (name == "all_reduce"), out
+    assert main(["trace", name, "--algorithm", "direct"]) == 0
+    assert "OK, every rank matches" in capsys.readouterr().out
 
 
 def test_direct_read_cli(capsys):

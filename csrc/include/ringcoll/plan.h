@@ -710,7 +710,7 @@ inline Plan direct_plan(Collective coll, int world) {
       }
       for (int i = 1; all && i < world; ++i) {  // then every peer's reduced chunk, from its slot
         const int peer = (k + i) % world;
-        ops.push_back(make_op(Operand::kPeer, peer, 1, kToOutput, Operand::kNone, peer, 0, true));
+        ops.push_back(make_op(Operand::kPeer, peer, 1, kToOutput, Operand::kNone, peer));
       }
       continue;
     }
