@@ -49,7 +49,8 @@ class ShardedOptimizer(_Checkpoints, _Gradients, torch.optim.Optimizer):
     ``symmetric``: put every bucket's flat parameters and one flat gradient per bucket in
     the communicator's symmetric memory (docs/symmetric.md), so the all-gather of the shards
     and the reduce-scatter of the gradients read the peers' buffers in place instead of
-    staging them; results are bitwise the same. CPU, one machine. It keeps one full-size
+    staging them; results are bitwise the same. One machine; CPU or CUDA (there auto reads them
+    in place by the direct plans: docs/symmetric.md, "On CUDA"). It keeps one full-size
     gradient per bucket for good, so stage 2's bound below no longer holds.
 
     ``param_groups`` and ``state`` are the wrapped optimizer's (shard parameters), so
@@ -113,9 +114,9 @@ class ShardedOptimizer(_Checkpoints, _Gradients, torch.optim.Optimizer):
         self._check_ranks_agree(optimizer_cls)
         self.symmetric = bool(symmetric)
         if self.symmetric:
-            if not hasattr(self._comm, "empty") or self.device.type != "cpu":
-                raise ValueError(f"{name}: symmetric=True needs CPU parameters and every rank of the group on one "
-                                 f"machine (its communicator here: {type(self._comm).__name__} on {self.device})")
+            if not hasattr(self._comm, "empty"):
+                raise ValueError(f"{name}: symmetric=True needs every rank of the group on one machine (its "
+                                 f"communicator here: {type(self._comm).__name__} on {self.device})")
             for b in self._buckets:
                 b.move_to_symmetric_memory(self._comm)
         self._adopt_parameters()
