@@ -776,6 +776,7 @@ def _killed_mid_collective(rank, world, victim, collective, algorithm):
     # each read from its owner directly (one long process_vm_readv per peer; 6 MiB in all at
     # P = 3, under the direct path's 8 MiB). Long enough to interrupt.
     symmetric = algorithm == "symmetric"  # auto, the tensor in symmetric memory (read in place)
+    # native: the transport's own paths (not auto, whose recorded table may send a size to a plan)
     comm = ringcoll.Communicator(timeout=60.0, buffer_bytes=64 * 1024, direct_bytes=1,
                                  algorithm="auto" if symmetric else algorithm)
     numel = 4 << 20 if collective == "all_reduce" else 1 << 19
@@ -784,7 +785,7 @@ def _killed_mid_collective(rank, world, victim, collective, algorithm):
     # a SIGKILL from a timer could land between two calls, before any data moved. In
     # symmetric memory the victim's own mapping of its tensor is cut (its peers' stay whole):
     # it dies folding its chunk, the last third, while its peers wait for it in the same call.
-    on_a_plan = algorithm != "auto"
+    on_a_plan = algorithm != "native"
     if symmetric:
         t = comm.empty(numel).fill_(1.0)
         cut_off = functools.partial(_cut_off_second_half, t)
@@ -824,8 +825,8 @@ def _killed_mid_collective(rank, world, victim, collective, algorithm):
 # chain of a reduce: the rank after the victim waits for it, the root for that rank; the
 # star of a broadcast: the root dies and every other rank waits on its slots).
 @pytest.mark.usefixtures("no_leftover_segments")
-@pytest.mark.parametrize("world,victim,collective,algorithm", [(2, 1, "all_reduce", "auto"),
-                                                               (3, 1, "all_gather", "auto"),
+@pytest.mark.parametrize("world,victim,collective,algorithm", [(2, 1, "all_reduce", "native"),
+                                                               (3, 1, "all_gather", "native"),
                                                                (3, 2, "all_reduce", "oneshot"),
                                                                (3, 2, "reduce", "ring"),
                                                                (3, 0, "broadcast", "star"),
@@ -834,7 +835,7 @@ def test_rank_killed_mid_collective(world, victim, collective, algorithm):
     outcomes = spawn_outcomes(_killed_mid_collective, world, victim, collective, algorithm, timeout=90)
     victim_outcome = outcomes[victim]
     assert not victim_outcome.ok
-    assert victim_outcome.exitcode == (-signal.SIGKILL if algorithm == "auto" else -signal.SIGSEGV)
+    assert victim_outcome.exitcode == (-signal.SIGKILL if algorithm == "native" else -signal.SIGSEGV)
     for o in outcomes:
         if o.rank == victim:
             continue
@@ -846,14 +847,14 @@ def test_rank_killed_mid_collective(world, victim, collective, algorithm):
         assert elapsed < 10.0, elapsed
         assert "has exited" in message or "aborted" in message or "could not read rank" in message, message
         assert (direct_calls > 0) == (collective == "all_gather"), direct_calls
-        # Every step is a plan's op on the CPU, native's ring and its direct read (auto's
+        # Every step is a plan's op on the CPU, native's ring and its direct read (native's
         # all-gather here) included; symmetric memory, read in place, is no plan. (A kill
         # between two calls leaves the survivors waiting for its next call's announcement.)
         in_a_plan = ", plan op " in message
         assert in_a_plan or "before any data moved" in message or algorithm == "symmetric", message
         assert not (in_a_plan and algorithm == "symmetric"), message
         natives_plan = " of direct)" if collective == "all_gather" else " of ring)"
-        assert natives_plan in message or not (in_a_plan and algorithm == "auto"), message
+        assert natives_plan in message or not (in_a_plan and algorithm == "native"), message
         assert (zero_copy_calls > 0) == (algorithm == "symmetric"), zero_copy_calls
         assert ("reading symmetric memory in place" in message) == (algorithm == "symmetric"), message
     # The autouse fixture checks /dev/shm is clean.
