@@ -899,12 +899,17 @@ def gpu_of(rank: int, world: int) -> int:
 
 
 def run_cuda_rank(rank: int, world: int, config: Config) -> list[dict]:
-    """One rank on a GPU: ringcoll's CUDA ring, the copy ceiling, and NCCL where it runs."""
+    """One rank on a GPU: ringcoll's CUDA ring (with --symmetric: over symmetric memory, auto's
+    direct plans, and the ring on ordinary tensors beside it as "plain"), the copy ceiling, and
+    NCCL where it runs."""
     import torch.distributed as dist
 
     torch.cuda.set_device(gpu_of(rank, world))
-    with Communicator(device="cuda", buffer_bytes=config.buffer_bytes) as comm:
-        backends = [TorchBackend(comm, prepared=config.prepared), CopyBackend()]
+    with Communicator(device="cuda", buffer_bytes=config.buffer_bytes) as comm, contextlib.ExitStack() as plain_comm:
+        backends = [TorchBackend(comm, prepared=config.prepared, symmetric=config.symmetric), CopyBackend()]
+        if config.symmetric:  # the same calls on ordinary tensors, on a communicator without symmetric memory
+            plain = plain_comm.enter_context(Communicator(device="cuda", buffer_bytes=config.buffer_bytes))
+            backends.insert(1, TorchBackend(plain, prepared=config.prepared, name="plain"))
         if config.nccl:
             backends.append(TorchBackend(None, group=dist.new_group(backend="nccl")))
         rows = bench_all(backends, rank, world, config)
@@ -1207,7 +1212,9 @@ def transport_label(config: Config, world: int) -> str:
                                       "plain: the same calls on ordinary tensors" if config.symmetric else "")
     gpus = len({gpu_of(r, world) for r in range(world)})
     return (f"CUDA IPC, run mode: {world} processes on {gpus} GPU(s) ({torch.cuda.get_device_name(0)}), "
-            f"{mps_state()}")
+            f"{mps_state()}" + ("; ringcoll's tensors in symmetric memory (ringcoll.empty: auto reads them in place "
+                                "by the direct plans), plain: the same calls on ordinary tensors (the ring kernels)"
+                                if config.symmetric else ""))
 
 
 def format_table(rows: list[dict], world: int, config: Config, fitted: dict, notes: dict,
@@ -1554,8 +1561,8 @@ def main(argv=None) -> int:
             link = parse_link(args.link)
         except ValueError as e:
             return refuse(f"--link: {e}")
-    if args.symmetric and (args.hosts > 1 or args.device == "cuda" or args.in_process):
-        return refuse("--symmetric: symmetric memory is CPU tensors of ranks in processes on one machine so far")
+    if args.symmetric and (args.hosts > 1 or args.in_process):
+        return refuse("--symmetric: symmetric memory is for ranks in processes on one machine so far")
     config = Config(min_bytes=parse_bytes(args.minbytes), max_bytes=parse_bytes(args.maxbytes),
                     factor=args.stepfactor, warmup=args.warmup_iters, iters=args.iters, trials=args.trials,
                     min_seconds=(args.min_ms if args.min_ms is not None else 200.0 if args.hosts > 1 else 20.0) / 1e3,
