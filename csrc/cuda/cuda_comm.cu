@@ -413,21 +413,18 @@ void CudaComm::open_symmetric_arena(const std::vector<std::string>& handles) {
     symmetric_ipc_parts_.push_back(mapped);
     row[r] = static_cast<const char*>(mapped);
   }
-  const size_t arena = heap_->arenas();
-  symmetric_table_.add_row(arena, row, "empty");
+  char* base = static_cast<char*>(making_.get());
+  const size_t arena = symmetric_table_.add_arena(*heap_, row, std::move(making_), base, making_bytes_, "empty");
+  making_bytes_ = 0;
   // The new row, on our stream: every later kernel of ours reads it; none running reads it
   // (their inputs were allocated before). From the table itself, which never moves.
   RINGCOLL_CUDA_CHECK(cudaMemcpyAsync(symmetric_table_device_ + arena * kMaxWorld, symmetric_table_.row(arena),
                                       sizeof(const char*) * static_cast<size_t>(world_), cudaMemcpyHostToDevice,
                                       static_cast<cudaStream_t>(stream_)));
-  char* base = static_cast<char*>(making_.get());
-  heap_->add_arena(std::move(making_), base, making_bytes_);
-  making_bytes_ = 0;
 }
 
 std::shared_ptr<SymmetricBlock> CudaComm::take_symmetric(size_t bytes) {
-  const auto place = heap_->take(bytes);
-  return place ? std::make_shared<SymmetricBlock>(heap_, *place, bytes) : nullptr;
+  return take_block(heap_, bytes);
 }
 
 void CudaComm::run_plan(const CompiledPlan& plan, int collective, uintptr_t input, uintptr_t output,

@@ -510,9 +510,7 @@ PlanParams prepare_plan(PlanRecords& records, DevicePlanOp* area, void* work, co
   PlanParams q = plan_params(plan, area + at, static_cast<int>(ops.size()), ring_slot_bytes, world, work, op);
   q.reads_peer_inputs = plan.reads_peer_inputs ? 1 : 0;
   q.last_peer_input_op = plan.last_peer_input_op[static_cast<size_t>(rank)];
-  for (const auto& ops_of_rank : plan.plan.ops)
-    for (const PlanOp& o : ops_of_rank)
-      if (o.a == Operand::kPeerInput || o.b == Operand::kPeerInput) q.inputs_read |= uint64_t{1} << o.from;
+  q.inputs_read = plan.inputs_read;
   return q;
 }
 
@@ -529,16 +527,22 @@ constexpr size_t kSymmetricTableEntries = static_cast<size_t>(kMaxSymmetricArena
 class SymmetricTable {
  public:
   SymmetricTable() : entries_(kSymmetricTableEntries, nullptr) {}
-  // Arena `arena` (the next: arenas()), `bases[r]` rank r's part of it as mapped here.
-  // Throws std::invalid_argument naming `op` when the table is full.
-  void add_row(size_t arena, const std::vector<const char*>& bases, const char* op) {
-    RINGCOLL_CHECK(arena == static_cast<size_t>(arenas_), std::logic_error, op, ": arena ", arena,
-                   " added out of turn (", arenas_, " so far)");
+  // A new arena, in the table and in this rank's `heap` together (so both number it alike):
+  // `bases[r]` rank r's part of it as mapped here, `mine` (the owner of `bytes` at `base`)
+  // this rank's. Returns its index. Throws std::invalid_argument naming `op` when the table
+  // is full.
+  size_t add_arena(SymmetricHeap& heap, const std::vector<const char*>& bases, std::shared_ptr<void> mine, char* base,
+                   size_t bytes, const char* op) {
+    const size_t arena = heap.arenas();
+    RINGCOLL_CHECK(arena == static_cast<size_t>(arenas_), std::logic_error, op, ": the heap has ", arena,
+                   " arenas and the table ", arenas_);
     RINGCOLL_CHECK(arenas_ < kMaxSymmetricArenas, std::invalid_argument, op, ": a communicator holds at most ",
                    kMaxSymmetricArenas, " arenas of symmetric memory (each ",
                    kSymmetricArenaBytes >> 20, " MiB or one large tensor); free tensors, or allocate fewer, larger ones");
     for (size_t r = 0; r < bases.size(); ++r) entries_[arena * kMaxWorld + r] = bases[r];
     ++arenas_;
+    heap.add_arena(std::move(mine), base, bytes);
+    return arena;
   }
   int arenas() const { return arenas_; }
   const char* const* entries() const { return entries_.data(); }

@@ -423,17 +423,14 @@ void EmulatedRing::open_symmetric_arena(int rank, const std::vector<std::string>
     mapped.push_back(std::make_shared<PeerMapping>(h.fd, h.bytes));
     row[r] = mapped.back()->base;
   }
-  me.table.add_row(me.heap->arenas(), row, "empty");
   char* base = me.making->base();
   const size_t bytes = me.making->bytes();
-  me.heap->add_arena(std::move(me.making), base, bytes);
+  me.table.add_arena(*me.heap, row, std::move(me.making), base, bytes, "empty");
   for (auto& m : mapped) me.peer_parts.push_back(std::move(m));
 }
 
 std::shared_ptr<SymmetricBlock> EmulatedRing::take_symmetric(int rank, size_t bytes) {
-  Rank& me = *ranks_.at(static_cast<size_t>(rank));
-  const auto place = me.heap->take(bytes);
-  return place ? std::make_shared<SymmetricBlock>(me.heap, *place, bytes) : nullptr;
+  return take_block(ranks_.at(static_cast<size_t>(rank))->heap, bytes);
 }
 
 bool EmulatedRing::symmetric_has_room(int rank, size_t bytes) const {

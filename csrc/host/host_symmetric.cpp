@@ -87,9 +87,8 @@ std::shared_ptr<SymmetricBlock> HostComm::allocate_symmetric(size_t bytes, DType
       make_arena = make_arena || theirs.need_arena != 0;
     }
     if (make_arena) add_symmetric_arena(symmetric_arena_bytes(block));
-    const auto place = heap_->take(block);
-    RINGCOLL_CHECK(place.has_value(), Error, "empty: no room for ", block, " bytes in a new arena (a bug)");
-    result = std::make_shared<SymmetricBlock>(heap_, *place, block);
+    result = take_block(heap_, block);
+    RINGCOLL_CHECK(result != nullptr, Error, "empty: no room for ", block, " bytes in a new arena (a bug)");
   });
   return result;
 }

@@ -106,6 +106,7 @@ struct CompiledPlan {
   bool reads_peer_inputs = false;                   // some op reads a peer's input (kPeerInput)
   std::vector<int> early_sends;                     // [rank]: its leading ops that run before the
                                                     // call check (0 unless plan.sends_early)
+  uint64_t inputs_read = 0;                         // bit r: some rank's ops read rank r's input (kPeerInput)
   std::vector<int> last_peer_input_op;              // [rank]: its last op that reads a peer's input
                                                     // (-1: none), after which, in the last slice, it
                                                     // tells its peers it is done reading theirs
@@ -210,13 +211,14 @@ inline CompiledPlan compile_plan(Plan plan, const std::string& name, int world, 
       const bool peer = names_a_peer(op.a) || names_a_peer(op.b);
       RINGCOLL_CHECK(!(names_a_peer(op.a) && names_a_peer(op.b)), std::invalid_argument, where(k, i),
                      "reads two peers' values (a publication or an input) in one op");
-      if (op.a == Operand::kPeerInput || op.b == Operand::kPeerInput) {
-        out.reads_peer_inputs = true;
-        out.last_peer_input_op[k] = static_cast<int>(i);
-      }
       out.uses_work = out.uses_work || op.a == Operand::kWork || op.b == Operand::kWork || (op.to & kToWork) != 0;
       RINGCOLL_CHECK(!peer || (op.from >= 0 && op.from < world && op.from != k), std::invalid_argument,
                      where(k, i), "reads from rank ", op.from, ", not a peer");
+      if (op.a == Operand::kPeerInput || op.b == Operand::kPeerInput) {
+        out.reads_peer_inputs = true;
+        out.last_peer_input_op[k] = static_cast<int>(i);
+        out.inputs_read |= bit(op.from);
+      }
       if (op.to & kToSlot) {
         const uint64_t everyone = all_ranks(world);
         RINGCOLL_CHECK(op.readers != 0 && (op.readers & ~everyone) == 0 && !has_bit(op.readers, k),

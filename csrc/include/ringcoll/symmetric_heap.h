@@ -160,4 +160,11 @@ class SymmetricBlock {
   size_t bytes_;
 };
 
+// A block of `bytes` (a multiple of kSymmetricAlignment) from `heap`, which the block holds;
+// null where no arena has room.
+inline std::shared_ptr<SymmetricBlock> take_block(const std::shared_ptr<SymmetricHeap>& heap, size_t bytes) {
+  const auto place = heap->take(bytes);
+  return place ? std::make_shared<SymmetricBlock>(heap, *place, bytes) : nullptr;
+}
+
 }  // namespace ringcoll
