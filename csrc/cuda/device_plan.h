@@ -94,7 +94,7 @@ class DevicePlanContext : public DeviceBlock {
     if (block_ != 0 || threadIdx.x != 0) return;
     InputPost* mine = input_post(p_.my_base);
     word_store_relaxed(&mine->address, p_.plan.input_offset);
-    word_store_relaxed(&mine->user_count, p_.call.user_count);
+    store_call_fields(&mine->call, p_.call);
     word_store_relaxed(&mine->arena, p_.plan.input_arena);
     flag_store_release(&mine->number, input_posts_, p_.flag_scope);
   }
@@ -112,9 +112,10 @@ class DevicePlanContext : public DeviceBlock {
           const InputPost* theirs = input_post(base_of(r));
           poll(&theirs->number, p_.flag_scope, input_posts_, r, Awaited::kInputPost);
           if (shared_->failed != 0) break;
-          CallDescriptor seen = p_.call;  // without the call check, the counts are still compared
-          seen.user_count = word_load_relaxed(&theirs->user_count);
-          if (seen.user_count != p_.call.user_count) {
+          // Without the call check (and with it, where it compares neighbours only: P >= 4)
+          // the calls are still compared here, before anything of theirs is read
+          const CallDescriptor seen = load_call_fields(&theirs->call);
+          if (!same_call(seen, p_.call)) {
             give_up(AbortCause::kMismatch, AbortCause::kNone, r, Awaited::kInputPost, 0, 0, 0, &seen);
             break;
           }

@@ -77,8 +77,9 @@ constexpr size_t kFlagAreaBytes = (kInputsReadOffset + kMaxBlocks * kFlagStride 
 constexpr int64_t kPlainAddress = -1;
 struct InputPost {
   uint64_t address;     // the device pointer (kPlainAddress), or the offset in the owner's segment of `arena`
-  int64_t user_count;   // the owner's call's (compared, so no rank reads past a peer's input)
   int64_t arena;        // the symmetric arena the input lies in, or kPlainAddress
+  CallDescriptor call;  // the owner's call, compared whole (its count, dtype, collective and root
+                        // size the input), so no rank reads past a peer's input, checked or not
   uint64_t number;      // the owner's n-th call of such a plan (stored last, with release)
 };
 static_assert(sizeof(InputPost) <= kFlagStride, "the input post must fit its line");

@@ -255,21 +255,26 @@ def test_a_direct_plans_input_may_be_written_the_moment_its_call_returns(symmetr
     assert not torn, "; ".join(torn[:5])
 
 
-def test_a_direct_plan_with_counts_that_differ_is_a_mismatch_even_unchecked():
-    """Without the call check nothing compares the calls, but a rank that reads a peer's
-    input where it lies compares the count the peer posted with its own: no rank reads past
-    a peer's input. Both counts are named."""
+@pytest.mark.parametrize("differs", ["count", "dtype"])
+def test_a_direct_plan_whose_calls_differ_is_a_mismatch_even_unchecked(differs):
+    """Without the call check nothing else compares the calls, but a rank that reads a peer's
+    input where it lies compares the call the peer posted with its own, whole: no rank reads
+    past a peer's input. A count that differs, or a dtype (the same count of bfloat16 is half
+    the bytes: compared by count alone, rank 0 read past rank 1's input and returned). Both
+    calls are named."""
     def body(group):
         with EmulatedCudaCommunicator(group=group, timeout=TIMEOUT, check=False) as comm:
-            n = 8 if group.rank == 0 else 10
-            out = torch.full((2 * n,), -1.0)
+            n = 8 if group.rank == 0 or differs == "dtype" else 10
+            dtype = torch.bfloat16 if group.rank == 1 and differs == "dtype" else torch.float32
+            out = torch.full((2 * n,), -1.0, dtype=dtype)
             with pytest.raises(ringcoll.RingcollMismatchError) as e:
-                comm.all_gather_into_tensor(out, torch.ones(n), algorithm="direct")
+                comm.all_gather_into_tensor(out, torch.ones(n, dtype=dtype), algorithm="direct")
             return str(e.value)
 
     with pytest.warns(RuntimeWarning, match="keeps its emulated buffer"):
         messages = ringcoll.run_in_process(2, body, timeout=120)
-    assert any("count=8," in m and "count=10," in m for m in messages), messages
+    named = ("count=8,", "count=10,") if differs == "count" else ("(float32,", "(bfloat16,")
+    assert any(all(call in m for call in named) for m in messages), messages
 
 
 def test_a_rank_that_never_posts_its_input_is_a_timeout_naming_it():

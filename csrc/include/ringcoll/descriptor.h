@@ -69,17 +69,37 @@ RINGCOLL_INLINE uint64_t descriptor_seq_written(uint64_t call_number) { return 2
 // releases the even seq; the reader acquires seq, reads the fields, fences, re-reads seq.
 // Fields are relaxed words: a reader may race a writer, and seq decides whether what it
 // read counts. One code path for host and device: only the primitives of flags.h differ.
+// A descriptor's fields as relaxed words, stored and loaded one by one (a reader may race
+// the writer: whatever orders them, a sequence lock here, a release flag in device_plan.h's
+// input post, says when what was read counts).
+RINGCOLL_INLINE void store_call_fields(CallDescriptor* to, const CallDescriptor& call) {
+  word_store_relaxed(&to->collective, call.collective);
+  word_store_relaxed(&to->dtype, call.dtype);
+  word_store_relaxed(&to->op, call.op);
+  word_store_relaxed(&to->variant, call.variant);
+  word_store_relaxed(&to->user_count, call.user_count);
+  word_store_relaxed(&to->algorithm, call.algorithm);
+  word_store_relaxed(&to->root, call.root);
+  word_store_relaxed(&to->fallback, call.fallback);
+}
+
+RINGCOLL_INLINE CallDescriptor load_call_fields(const CallDescriptor* from) {
+  CallDescriptor call;
+  call.collective = word_load_relaxed(&from->collective);
+  call.dtype = word_load_relaxed(&from->dtype);
+  call.op = word_load_relaxed(&from->op);
+  call.variant = word_load_relaxed(&from->variant);
+  call.user_count = word_load_relaxed(&from->user_count);
+  call.algorithm = word_load_relaxed(&from->algorithm);
+  call.root = word_load_relaxed(&from->root);
+  call.fallback = word_load_relaxed(&from->fallback);
+  return call;
+}
+
 RINGCOLL_INLINE void publish_descriptor(DescriptorSlot* slot, const CallDescriptor& call, uint64_t call_number) {
   flag_store_release(&slot->seq, 2 * call_number + 1);
   fence_release();  // the odd seq is visible before any new field
-  word_store_relaxed(&slot->call.collective, call.collective);
-  word_store_relaxed(&slot->call.dtype, call.dtype);
-  word_store_relaxed(&slot->call.op, call.op);
-  word_store_relaxed(&slot->call.variant, call.variant);
-  word_store_relaxed(&slot->call.user_count, call.user_count);
-  word_store_relaxed(&slot->call.algorithm, call.algorithm);
-  word_store_relaxed(&slot->call.root, call.root);
-  word_store_relaxed(&slot->call.fallback, call.fallback);
+  store_call_fields(&slot->call, call);
   flag_store_release(&slot->seq, descriptor_seq_written(call_number));
 }
 
@@ -92,14 +112,7 @@ RINGCOLL_INLINE PeerCall compare_descriptor(const DescriptorSlot* slot, const Ca
                                             uint64_t call_number, CallDescriptor* theirs) {
   const uint64_t seq = flag_load_acquire(&slot->seq);
   if (seq != descriptor_seq_written(call_number)) return PeerCall::kMovedOn;
-  theirs->collective = word_load_relaxed(&slot->call.collective);
-  theirs->dtype = word_load_relaxed(&slot->call.dtype);
-  theirs->op = word_load_relaxed(&slot->call.op);
-  theirs->variant = word_load_relaxed(&slot->call.variant);
-  theirs->user_count = word_load_relaxed(&slot->call.user_count);
-  theirs->algorithm = word_load_relaxed(&slot->call.algorithm);
-  theirs->root = word_load_relaxed(&slot->call.root);
-  theirs->fallback = word_load_relaxed(&slot->call.fallback);
+  *theirs = load_call_fields(&slot->call);
   fence_acquire();  // the fields are read before seq is re-checked
   if (flag_load_relaxed(&slot->seq) != seq) return PeerCall::kMovedOn;  // overwritten meanwhile
   return same_call(mine, *theirs) ? PeerCall::kMatches : PeerCall::kDiffers;
