@@ -156,7 +156,6 @@ void bind_cuda(py::module_& m) {
       .def("open_symmetric_arena", &EmulatedRing::open_symmetric_arena, py::arg("rank"), py::arg("handles"))
       .def("take_symmetric", &EmulatedRing::take_symmetric, py::arg("rank"), py::arg("bytes"))
       .def("symmetric_has_room", &EmulatedRing::symmetric_has_room, py::arg("rank"), py::arg("bytes"))
-      .def("symmetric_arenas", &EmulatedRing::symmetric_arenas, py::arg("rank"))
       .def("is_symmetric", &EmulatedRing::is_symmetric, py::arg("rank"), py::arg("address"), py::arg("bytes"))
       .def("fallbacks", &EmulatedRing::fallbacks, py::arg("rank"))
       .def(
@@ -227,7 +226,6 @@ void bind_cuda(py::module_& m) {
            py::call_guard<py::gil_scoped_release>())
       .def("take_symmetric", &CudaComm::take_symmetric, py::arg("bytes"))
       .def("symmetric_has_room", &CudaComm::symmetric_has_room, py::arg("bytes"))
-      .def_property_readonly("symmetric_arenas", &CudaComm::symmetric_arenas)
       .def("is_symmetric", &CudaComm::is_symmetric, py::arg("address"), py::arg("bytes"))
       .def("check_error", &CudaComm::check_error)
       .def("synchronize", &CudaComm::synchronize, py::call_guard<py::gil_scoped_release>())

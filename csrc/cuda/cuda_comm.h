@@ -62,7 +62,6 @@ class CudaComm {
   void open_symmetric_arena(const std::vector<std::string>& handles);
   std::shared_ptr<SymmetricBlock> take_symmetric(size_t bytes);  // null: no room
   bool symmetric_has_room(size_t bytes) const { return heap_->has_room_for(bytes); }
-  int symmetric_arenas() const { return static_cast<int>(heap_->arenas()); }
   bool is_symmetric(uintptr_t address, size_t bytes) const {
     return heap_->locate(reinterpret_cast<const void*>(address), bytes).has_value();
   }

@@ -439,10 +439,6 @@ bool EmulatedRing::symmetric_has_room(int rank, size_t bytes) const {
 
 uint64_t EmulatedRing::fallbacks(int rank) const { return ranks_.at(static_cast<size_t>(rank))->state[cuda::kFallbacksWord]; }
 
-int EmulatedRing::symmetric_arenas(int rank) const {
-  return static_cast<int>(ranks_.at(static_cast<size_t>(rank))->heap->arenas());
-}
-
 bool EmulatedRing::is_symmetric(int rank, uintptr_t address, size_t bytes) const {
   return ranks_.at(static_cast<size_t>(rank))->heap->locate(reinterpret_cast<const void*>(address), bytes).has_value();
 }

@@ -68,7 +68,6 @@ class EmulatedRing {
   void open_symmetric_arena(int rank, const std::vector<std::string>& handles);
   std::shared_ptr<SymmetricBlock> take_symmetric(int rank, size_t bytes);  // null: no room
   bool symmetric_has_room(int rank, size_t bytes) const;
-  int symmetric_arenas(int rank) const;
   bool is_symmetric(int rank, uintptr_t address, size_t bytes) const;
   // How many of the rank's calls ran their plan's fallback (RingParams::fallback): read in
   // place, or not. Valid once its calls are synchronised.

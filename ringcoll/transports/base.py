@@ -131,7 +131,7 @@ class Transport:
         """Whether `address` lies in this rank's symmetric memory of this communicator."""
         return False
 
-    symmetric_arenas = 0  # how many arenas of symmetric memory the ranks have made together
+    symmetric_arenas = 0  # how many arenas of symmetric memory every rank has mapped
     # Whether auto over symmetric memory runs a plan that reads it in place, with the ring's
     # plan as fallback (CUDA: Communicator._symmetric_auto), rather than native (the CPU
     # transport's own zero-copy path)
@@ -145,7 +145,29 @@ def describe_allocation(dims: list, dtype: int, nbytes: int) -> str:
     return f"empty({shape}, {name}, {nbytes} bytes)"
 
 
-def allocate_by_exchange(parts, bootstrap, rank: int, nbytes: int, dtype: int, dims: list):
+class SymmetricAgreement:
+    """What every rank of a transport holds alike about its symmetric memory, kept by
+    allocate_by_exchange: the arenas every rank has mapped (auto's choice hangs on it, so it
+    must not count an arena some rank lacks), and why, after a failed round, the
+    communicator makes no more (every rank saw the same failures, so all refuse alike)."""
+
+    def __init__(self):
+        self.arenas = 0
+        self.unusable = ""
+
+
+def _attempt(step) -> tuple:
+    """(step's result, "") or (None, why it raised): a failure said to every rank, not raised
+    here, where the peers would wait for this rank in the next round until the bootstrap's
+    timeout."""
+    try:
+        return step(), ""
+    except Exception as e:  # noqa: BLE001 - said to every rank, then raised by all
+        return None, f"{type(e).__name__}: {e}"
+
+
+def allocate_by_exchange(parts, bootstrap, rank: int, nbytes: int, dtype: int, dims: list,
+                         agreed: SymmetricAgreement):
     """The collective allocation of the CUDA transport and its emulator (the CPU transport's
     runs in C++ over its segments' flags: host_symmetric.cpp). `parts` is this rank's
     CudaComm, or its view of the emulator, with the steps cuda_comm.h states.
@@ -153,9 +175,13 @@ def allocate_by_exchange(parts, bootstrap, rank: int, nbytes: int, dtype: int, d
     Every rank's request, and whether it has room, go round the bootstrap once: a request
     unlike any peer's raises RingcollMismatchError on every rank (each sees every request),
     naming both. If some rank has no room, every rank makes its part of a new arena and the
-    handles go round once more, then a last round says whether every rank mapped every part
-    (an arena some rank lacks would be read through a row it does not have: every rank
-    raises instead, and this communicator makes no more symmetric memory). Returns the block."""
+    handles go round once more (a rank that could not make its part says why instead), then
+    a last round says whether every rank mapped every part. A failure in either round (out of
+    memory, a broken communicator, a handle that would not open) raises on every rank, and
+    this communicator makes no more symmetric memory: an arena some rank lacks would be read
+    through a row it does not have, and the next one numbered differently. Returns the block."""
+    if agreed.unusable:
+        raise RingcollError(f"empty: this communicator makes no more symmetric memory since {agreed.unusable}")
     block_bytes = _C.symmetric_block_bytes(nbytes)
     request = describe_allocation(dims, dtype, nbytes)
     posts = bootstrap.all_gather_object((request, parts.symmetric_has_room(block_bytes)))
@@ -164,17 +190,18 @@ def allocate_by_exchange(parts, bootstrap, rank: int, nbytes: int, dtype: int, d
             raise RingcollMismatchError(f"empty: mismatched collective allocations: rank {rank} asked for "
                                         f"{request} but rank {peer} for {theirs}; nothing was allocated")
     if not all(room for _, room in posts):
-        handles = bootstrap.all_gather_object(parts.make_symmetric_arena(_C.symmetric_arena_bytes(block_bytes)))
-        failure = ""
-        try:
-            parts.open_symmetric_arena(handles)
-        except Exception as e:  # noqa: BLE001 - said to every rank below, then raised
-            failure = f"{type(e).__name__}: {e}"
-        failures = [(r, why) for r, why in enumerate(bootstrap.all_gather_object(failure)) if why]
+        made = bootstrap.all_gather_object(_attempt(
+            lambda: parts.make_symmetric_arena(_C.symmetric_arena_bytes(block_bytes))))
+        failures = [(r, f"rank {r} could not make its part of a new arena ({why})")
+                    for r, (_, why) in enumerate(made) if why]
+        if not failures:
+            _, why = _attempt(lambda: parts.open_symmetric_arena([handle for handle, _ in made]))
+            failures = [(r, f"rank {r} could not map every rank's part of a new arena ({why})")
+                        for r, why in enumerate(bootstrap.all_gather_object(why)) if why]
         if failures:
-            r, why = failures[0]
-            raise RingcollError(f"empty: rank {r} could not map every rank's part of a new arena of symmetric "
-                                f"memory ({why}); this communicator's symmetric memory is unusable from here")
+            agreed.unusable = failures[0][1]
+            raise RingcollError(f"empty: {agreed.unusable}; this communicator makes no more symmetric memory")
+        agreed.arenas += 1
     block = parts.take_symmetric(block_bytes)
     if block is None:
         raise RingcollError(f"empty: no room for {block_bytes} bytes in a new arena (a bug)")

@@ -63,7 +63,7 @@ from ringcoll import _C
 from ringcoll._types import ReduceOp, dtype_code
 from ringcoll.bootstrap import InProcessRank
 from ringcoll.errors import RingcollError
-from ringcoll.transports.base import CollectiveCall, Settings, Transport, allocate_by_exchange
+from ringcoll.transports.base import CollectiveCall, Settings, SymmetricAgreement, Transport, allocate_by_exchange
 
 KERNEL_VARIANTS = {"fused": 0, "naive": 1}
 
@@ -212,6 +212,7 @@ class CudaTransport(Transport):
             raise
         self._barrier_word, self._barrier_call = one_word_barrier(device)
         self._lock = threading.Lock()  # launches from several host threads stay whole
+        self._symmetric = SymmetricAgreement()
         self._moved_thread = None
         if self._in_process and torch.cuda.current_stream(device).cuda_stream in SHARED_STREAM_HANDLES:
             self._stream.wait_stream(torch.cuda.current_stream(device))  # what it queued there so far comes first
@@ -259,7 +260,7 @@ class CudaTransport(Transport):
         """A block of cudaMalloc'ed memory every peer has mapped (allocate_by_exchange), as a
         uint8 tensor on this device that holds the block."""
         with self._lock:
-            block = allocate_by_exchange(self._comm, self._bootstrap, self.rank, nbytes, dtype, dims)
+            block = allocate_by_exchange(self._comm, self._bootstrap, self.rank, nbytes, dtype, dims, self._symmetric)
         return torch.as_tensor(DeviceBytes(block), device=self.device)
 
     def is_symmetric(self, address: int) -> bool:
@@ -267,7 +268,7 @@ class CudaTransport(Transport):
 
     @property
     def symmetric_arenas(self) -> int:
-        return self._comm.symmetric_arenas
+        return self._symmetric.arenas
 
     @property
     def run_mode(self) -> str:

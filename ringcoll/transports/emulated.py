@@ -35,7 +35,7 @@ from ringcoll import _C, errors
 from ringcoll._types import COLLECTIVE_CODES
 from ringcoll.bootstrap import InProcessRank
 from ringcoll.errors import RingcollError, RingcollTimeoutError
-from ringcoll.transports.base import CollectiveCall, Settings, Transport, allocate_by_exchange
+from ringcoll.transports.base import CollectiveCall, Settings, SymmetricAgreement, Transport, allocate_by_exchange
 from ringcoll.transports.cuda import (check_hardware_queues, hardware_queues, kernel_variant, one_word_barrier,
                                       shared_stream_error)
 
@@ -188,6 +188,8 @@ class EmulatedCudaTransport(Transport):
         self.device = self._ring.device
         self.host_wait_seconds = self._ring.host_wait_seconds
         self._own = self._ring.own_stream(self.rank)
+        self._parts = RankParts(self._ring, self.rank)  # symmetric memory's steps (a test may make one fail)
+        self._symmetric = SymmetricAgreement()
         self._moved_thread = None
         if self.own_stream_per_rank and current_stream() == LEGACY:
             queued = self.device.create_event()  # as CudaTransport does: what it queued so far comes first,
@@ -285,7 +287,7 @@ class EmulatedCudaTransport(Transport):
     # --- symmetric memory: CudaTransport's, over the emulator's arenas (memfd parts) ---------
 
     def allocate_symmetric(self, nbytes: int, dtype: int, dims: list):
-        block = allocate_by_exchange(RankParts(self._ring, self.rank), self._bootstrap, self.rank, nbytes, dtype, dims)
+        block = allocate_by_exchange(self._parts, self._bootstrap, self.rank, nbytes, dtype, dims, self._symmetric)
         return torch.frombuffer(block, dtype=torch.uint8)  # host memory: the tensor holds the block
 
     def is_symmetric(self, address: int) -> bool:
@@ -293,7 +295,7 @@ class EmulatedCudaTransport(Transport):
 
     @property
     def symmetric_arenas(self) -> int:
-        return self._ring.symmetric_arenas(self.rank)
+        return self._symmetric.arenas
 
     def close(self, wait_for_peers: bool = True) -> None:
         """The collective close of cuda_comm.cu, as the emulator runs it (its own work waited

@@ -447,6 +447,62 @@ def test_symmetric_allocation_on_the_cuda_transport_is_collective_and_pooled():
         assert reused and arenas == 1 and later == 2 and symmetric and shapes
 
 
+class FailingStepTransport(ProcessesTransport):
+    """A rank whose step of the collective allocation (`failing`: rank, step) raises, as a
+    cudaMalloc out of memory or a cudaIpcOpenMemHandle that fails would on a GPU."""
+    failing = (1, "make_symmetric_arena")
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        rank, step = self.failing
+        if self.rank == rank:
+            parts = self._parts
+
+            class Failing:
+                def __getattr__(self, name):
+                    if name != step:
+                        return getattr(parts, name)
+
+                    def fail(*_):
+                        raise RuntimeError(f"{step} failed here on purpose")
+                    return fail
+
+            self._parts = Failing()
+
+
+@pytest.mark.parametrize("step", ["make_symmetric_arena", "open_symmetric_arena"])
+def test_a_failed_arena_round_raises_on_every_rank_and_makes_no_more(step, monkeypatch):
+    """Rank 1 cannot make its part of a new arena (its peers waited for it in the next round
+    until the bootstrap's timeout), or cannot map the others' (they had added the arena, it
+    had not: every later auto call chose differently, and the next arena was numbered
+    differently, read through the wrong row). Now every rank raises naming rank 1 and why,
+    at once; no rank makes symmetric memory again; every rank counts no arena, so auto
+    agrees, and an ordinary all-reduce after it is exact."""
+    monkeypatch.setattr(FailingStepTransport, "failing", (1, step))
+
+    class Communicator(ringcoll.Communicator):
+        @staticmethod
+        def transport_class(device):
+            return FailingStepTransport
+
+    def body(group):
+        with Communicator(group=group, timeout=TIMEOUT) as comm:
+            errors = []
+            for _ in range(2):
+                start = time.monotonic()
+                with pytest.raises(ringcoll.RingcollError) as e:
+                    comm.empty(1000)
+                errors.append((str(e.value), time.monotonic() - start))
+            x = torch.full((12,), float(group.rank + 1))
+            comm.all_reduce(x)
+            return errors, comm.transport.symmetric_arenas, x.tolist()
+
+    for ((first, took), (again, _)), arenas, summed in ringcoll.run_in_process(3, body, timeout=60):
+        assert "rank 1 could not" in first and "on purpose" in first and took < TIMEOUT / 4, (first, took)
+        assert "makes no more symmetric memory since rank 1 could not" in again, again
+        assert arenas == 0 and summed == [6.0] * 12
+
+
 def test_a_plan_too_wide_for_the_kernels_is_refused_by_name():
     def wide(world, rank):  # P = 2: publish all 65 chunks, then add the peer's: x1 OP x0 on both ranks
         peer = 1 - rank

@@ -51,11 +51,16 @@ template <typename E, typename... Parts>
 #if defined(__CUDACC__) || defined(RINGCOLL_WITH_CUDA)
 #include <cuda_runtime_api.h>
 // RINGCOLL_CUDA_CHECK(call): throw ringcoll::Error naming the call, the CUDA error and file:line.
+// The thread's last error is cleared first: raised here, it must not come back at the next
+// launch's cudaGetLastError (a failed cudaMalloc or cudaIpcOpenMemHandle that the caller
+// survives would fail a later, good launch). A sticky error (a kernel's fault) stays.
 #define RINGCOLL_CUDA_CHECK(call)                                                         \
   do {                                                                                    \
     cudaError_t rc_err_ = (call);                                                         \
-    if (rc_err_ != cudaSuccess)                                                           \
+    if (rc_err_ != cudaSuccess) {                                                         \
+      (void)cudaGetLastError();                                                           \
       ::ringcoll::detail::raise<::ringcoll::Error>(__FILE__, __LINE__, #call, "CUDA error: ", \
                                                    cudaGetErrorString(rc_err_));          \
+    }                                                                                     \
   } while (0)
 #endif
