@@ -43,6 +43,7 @@ Work's torch Future is completed there) and ``synchronize()`` (block the host).
 
 from __future__ import annotations
 
+import collections
 import functools
 from typing import NamedTuple, Optional
 
@@ -143,6 +144,29 @@ def describe_allocation(dims: list, dtype: int, nbytes: int) -> str:
     shape = "(" + ", ".join(str(d) for d in dims) + ("," if len(dims) == 1 else "") + ")"
     name = next(n for n, code, _size, _floating in _C.dtype_table if code == dtype)
     return f"empty({shape}, {name}, {nbytes} bytes)"
+
+
+class InFlight:
+    """The tensors of a transport's async calls, held until each call's completion is done,
+    whatever becomes of its Work. The caching allocator's record_stream keeps its own
+    tensors from reuse while a kernel uses them, and does nothing for memory it did not
+    allocate: a symmetric tensor dropped with its Work before the kernel ran gave its block
+    back to the pool, and the next empty() handed it out while the kernel still read it."""
+
+    def __init__(self):
+        self._held: collections.deque = collections.deque()
+
+    def hold(self, completion, tensors) -> None:
+        self.release_finished()
+        self._held.append((completion, tuple(tensors)))
+
+    def release_finished(self) -> None:
+        """Let go of the calls done so far (in order: a transport's calls finish in order)."""
+        while self._held and self._held[0][0].done():
+            self._held.popleft()
+
+    def clear(self) -> None:
+        self._held.clear()
 
 
 class SymmetricAgreement:

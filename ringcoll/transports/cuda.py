@@ -63,7 +63,7 @@ from ringcoll import _C
 from ringcoll._types import ReduceOp, dtype_code
 from ringcoll.bootstrap import InProcessRank
 from ringcoll.errors import RingcollError
-from ringcoll.transports.base import CollectiveCall, Settings, SymmetricAgreement, Transport, allocate_by_exchange
+from ringcoll.transports.base import CollectiveCall, InFlight, Settings, SymmetricAgreement, Transport, allocate_by_exchange
 
 KERNEL_VARIANTS = {"fused": 0, "naive": 1}
 
@@ -213,6 +213,7 @@ class CudaTransport(Transport):
         self._barrier_word, self._barrier_call = one_word_barrier(device)
         self._lock = threading.Lock()  # launches from several host threads stay whole
         self._symmetric = SymmetricAgreement()
+        self._in_flight = InFlight()
         self._moved_thread = None
         if self._in_process and torch.cuda.current_stream(device).cuda_stream in SHARED_STREAM_HANDLES:
             self._stream.wait_stream(torch.cuda.current_stream(device))  # what it queued there so far comes first
@@ -242,10 +243,13 @@ class CudaTransport(Transport):
                     then()  # on our stream, after the kernel
             event = torch.cuda.Event()
             event.record(self._stream)
-            for t in list(outputs) + list(keep_alive):
+            tensors = list(outputs) + list(keep_alive)
+            for t in tensors:
                 if isinstance(t, torch.Tensor) and t.is_cuda:
                     t.record_stream(self._stream)  # the caching allocator must not reuse them early
-            return StreamCompletion(self, event)
+            completion = StreamCompletion(self, event)
+            self._in_flight.hold(completion, tensors)  # nor the symmetric pool, which record_stream misses
+            return completion
 
     def launch_on_stream(self, call: CollectiveCall, stream: Optional[int]) -> None:
         """`call` on a caller-given cudaStream_t (an int; default torch's current stream),
@@ -260,6 +264,7 @@ class CudaTransport(Transport):
         """A block of cudaMalloc'ed memory every peer has mapped (allocate_by_exchange), as a
         uint8 tensor on this device that holds the block."""
         with self._lock:
+            self._in_flight.release_finished()  # blocks whose calls are done go back to the pool first
             block = allocate_by_exchange(self._comm, self._bootstrap, self.rank, nbytes, dtype, dims, self._symmetric)
         return torch.as_tensor(DeviceBytes(block), device=self.device)
 
@@ -310,6 +315,8 @@ class CudaTransport(Transport):
             torch.cuda.set_stream(torch.cuda.default_stream(self.device))  # the stream goes back to the lender
         with self._lock:
             self._comm.leave_peers(wait_for_peers)
+            if wait_for_peers:
+                self._in_flight.clear()  # leave_peers waited for our own work
             if wait_for_peers and not self._comm.kept_on_close and self._comm.world > 1:
                 try:
                     # Bounded by the communicator's timeout: a peer that gave up on us skips it.

@@ -35,7 +35,7 @@ from ringcoll import _C, errors
 from ringcoll._types import COLLECTIVE_CODES
 from ringcoll.bootstrap import InProcessRank
 from ringcoll.errors import RingcollError, RingcollTimeoutError
-from ringcoll.transports.base import CollectiveCall, Settings, SymmetricAgreement, Transport, allocate_by_exchange
+from ringcoll.transports.base import CollectiveCall, InFlight, Settings, SymmetricAgreement, Transport, allocate_by_exchange
 from ringcoll.transports.cuda import (check_hardware_queues, hardware_queues, kernel_variant, one_word_barrier,
                                       shared_stream_error)
 
@@ -190,6 +190,7 @@ class EmulatedCudaTransport(Transport):
         self._own = self._ring.own_stream(self.rank)
         self._parts = RankParts(self._ring, self.rank)  # symmetric memory's steps (a test may make one fail)
         self._symmetric = SymmetricAgreement()
+        self._in_flight = InFlight()
         self._moved_thread = None
         if self.own_stream_per_rank and current_stream() == LEGACY:
             queued = self.device.create_event()  # as CudaTransport does: what it queued so far comes first,
@@ -267,7 +268,9 @@ class EmulatedCudaTransport(Transport):
         if async_op:
             event = self.device.create_event()
             self.device.record(event, self._own)
-            return EmulatedCompletion(self, op, event, then, (list(outputs), list(keep_alive)))
+            completion = EmulatedCompletion(self, op, event, then, (list(outputs), list(keep_alive)))
+            self._in_flight.hold(completion, list(outputs) + list(keep_alive))
+            return completion
         self.host_waits_for(op, user)  # host code stands for the current stream's later work
         if then is not None:
             then()
@@ -287,6 +290,7 @@ class EmulatedCudaTransport(Transport):
     # --- symmetric memory: CudaTransport's, over the emulator's arenas (memfd parts) ---------
 
     def allocate_symmetric(self, nbytes: int, dtype: int, dims: list):
+        self._in_flight.release_finished()  # blocks whose calls are done go back to the pool first
         block = allocate_by_exchange(self._parts, self._bootstrap, self.rank, nbytes, dtype, dims, self._symmetric)
         return torch.frombuffer(block, dtype=torch.uint8)  # host memory: the tensor holds the block
 
@@ -305,6 +309,7 @@ class EmulatedCudaTransport(Transport):
         if not wait_for_peers:  # a finalizer must not wait for the others: keep the memory
             return
         [(kind, kept)] = self._ring.run([(self.rank, _C.emulation.Ring.CLOSE, 0, 0, 0, 0, 0)])
+        self._in_flight.clear()  # its own work is done
         if kind:
             raise AssertionError(f"close: {kept}")  # the emulator caught a protocol error
         if kept:

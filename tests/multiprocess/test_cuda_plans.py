@@ -503,6 +503,35 @@ def test_a_failed_arena_round_raises_on_every_rank_and_makes_no_more(step, monke
         assert arenas == 0 and summed == [6.0] * 12
 
 
+def test_a_symmetric_input_dropped_with_its_async_work_is_not_handed_out_before_the_call_ran():
+    """record_stream keeps the caching allocator from reusing a tensor an async kernel still
+    uses, and does nothing for symmetric memory: an async call's input dropped with its Work
+    went back to the pool, and the next empty() handed the same block out while the kernel
+    (held back here by a gate on the stream it follows) had yet to read it, so the peers
+    gathered what was written into the new tensor. The transport now holds an async call's
+    tensors until the call is done."""
+    def body(group):
+        rank = group.rank
+        with ModelledProcessesCommunicator(group=group, timeout=TIMEOUT) as comm:
+            device, gate = comm.transport.device, threading.Event()
+            device.launch(comm.transport.user_stream("test"), lambda: gate.wait(TIMEOUT))
+            x = comm.empty(1000)
+            x.fill_(rank + 1.0)
+            address = x.data_ptr()
+            out = torch.empty(2000)
+            work = comm.all_gather_into_tensor(out, x, async_op=True, algorithm="direct")
+            del x, work
+            y = comm.empty(1000)  # collective: both ranks' calls are queued behind their gates
+            y.fill_(-7.0)
+            reused = y.data_ptr() == address
+            gate.set()
+            comm.synchronize()
+            return reused, out.tolist()
+
+    for reused, out in ringcoll.run_in_process(2, body, timeout=120):
+        assert not reused and out == [1.0] * 1000 + [2.0] * 1000, (reused, out[:3], out[1000:1003])
+
+
 def test_a_plan_too_wide_for_the_kernels_is_refused_by_name():
     def wide(world, rank):  # P = 2: publish all 65 chunks, then add the peer's: x1 OP x0 on both ranks
         peer = 1 - rank
