@@ -182,8 +182,13 @@ class HostComm;
 // What the plan engine keeps from call to call, so that a call allocates nothing once the
 // sizes have been seen: the work space (one slice of a message), and per slot (kBanks x
 // chunks of them) the publication that last filled it and its readers, reset at every call.
+// A peer's input that an op combines (or publishes) is read a piece of this many bytes at a
+// time into the bounce buffer, and combined while the piece is still in cache (L2 here).
+constexpr size_t kBounceBytes = size_t{256} << 10;
+
 struct PlanScratch {
   std::vector<char> work;
+  std::vector<char> bounce;  // kBounceBytes, for reads of peers' inputs (host_plan.cpp's combine)
   std::vector<uint64_t> slot_last, slot_readers;
 };
 

@@ -64,6 +64,16 @@ def _matrix_rank(rank, world):
         M.run_rooted_cases(chk, rank, world, [] if dtype in seen else broadcast_comms, reduce_comms, dtype, op_name,
                            [1, world + 1, 3 * M.SMALL_BUFFER // elem + 5], "plans-rooted")
         seen.add(dtype)
+    if world in (2, 3):
+        # The direct plans read a peer's input a bounce piece at a time (kBounceBytes in
+        # host_comm.h, 256 KiB): chunks of several pieces and a tail, from a buffer whose slots
+        # (the all-reduce's slices) hold several pieces too; at P = 2 the reduce-scatter's
+        # slice is the whole chunk
+        with ringcoll.Communicator(algorithm="direct", buffer_bytes=16 << 20, timeout=M.COMM_TIMEOUT) as direct:
+            for dtype in (torch.float32, torch.bfloat16):
+                chunk = (2400 << 10) // torch.empty(0, dtype=dtype).element_size() + 7
+                M.run_reduce_cases(chk, rank, world, [("direct, chunks of bounce pieces", direct)], dtype, "SUM",
+                                   [world * chunk], [chunk], ("out_of_place", "in_place"), "plans-bounce")
     _interleaved(chk, rank, world)
     for _, comm in comms + by_size:
         comm.close()
