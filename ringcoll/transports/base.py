@@ -216,14 +216,14 @@ def allocate_by_exchange(parts, bootstrap, rank: int, nbytes: int, dtype: int, d
     if not all(room for _, room in posts):
         made = bootstrap.all_gather_object(_attempt(
             lambda: parts.make_symmetric_arena(_C.symmetric_arena_bytes(block_bytes))))
-        failures = [(r, f"rank {r} could not make its part of a new arena ({why})")
-                    for r, (_, why) in enumerate(made) if why]
+        failures = [f"rank {r} could not make its part of a new arena ({why})" for r, (_, why) in enumerate(made)
+                    if why]
         if not failures:
             _, why = _attempt(lambda: parts.open_symmetric_arena([handle for handle, _ in made]))
-            failures = [(r, f"rank {r} could not map every rank's part of a new arena ({why})")
+            failures = [f"rank {r} could not map every rank's part of a new arena ({why})"
                         for r, why in enumerate(bootstrap.all_gather_object(why)) if why]
         if failures:
-            agreed.unusable = failures[0][1]
+            agreed.unusable = failures[0]
             raise RingcollError(f"empty: {agreed.unusable}; this communicator makes no more symmetric memory")
         agreed.arenas += 1
     block = parts.take_symmetric(block_bytes)
