@@ -33,8 +33,8 @@ Between two nodes a step is one swap with the peer of the same local index (each
 the other needs and combines what it receives, in node order so both compute the same
 bits), not gloo's collective: the bytes a ring of two moves, in one round trip. Where the
 link is slower than the node's ring, the message goes in pieces (``pipeline_bytes``;
-"auto", the default, measures whether pieces pay, once): one piece crosses the link while
-the node's ring runs the next. The pieces never change a bit (_all_reduce_flat says why),
+"auto", the default, measures whether pieces pay, once per class of message size): one
+piece crosses the link while the node's ring runs the next. The pieces never change a bit (_all_reduce_flat says why),
 and whole or in pieces, each node sends ``2(N-1)/N * n`` bytes over its link per
 all-reduce: ``n`` for two nodes, where one flat ring over both sends ``2(P-1)/P * n``
 (1.5n at P = 4).
@@ -70,11 +70,20 @@ from ringcoll.transports.host import CallQueue, ThreadCompletion, ranks_by_domai
 COMBINE = {ReduceOp.SUM: torch.add, ReduceOp.PRODUCT: torch.mul, ReduceOp.MIN: torch.minimum,
            ReduceOp.MAX: torch.maximum}
 
-#: the pipeline's piece, where the link is slow enough that pieces pay: one piece crosses
-#: the link while the next runs through the node's ring (pipeline_bytes= or
-#: RINGCOLL_PIPELINE_BYTES: "auto", the default, measures whether they pay; a size; 0 never)
-PIECE_BYTES = 1 << 20
-PROBE_BYTES, PROBE_ROUNDS = 8 << 20, 2  # "auto": all-reduces of 8 pieces, whole and in pieces, twice each
+#: The pipeline, where the link is slow enough that pieces pay: one piece crosses the link
+#: while the next runs through the node's ring (pipeline_bytes= or RINGCOLL_PIPELINE_BYTES:
+#: "auto", the default, measures whether they pay; a size; 0 never). "auto" cuts a message
+#: into PIECES pieces, each PIECE_BYTES to MAX_PIECE_BYTES, and decides each class of
+#: message size once, on the first message of the class, by timing an all-reduce of the
+#: class's probe size whole and in pieces: (largest message of the class, probe bytes).
+#: Classes, because how much pieces pay moves with the size: over a 10 Gbit/s link (2 x 2
+#: namespace ranks) an 8 MiB all-reduce took 7.9 ms whole and 19.7 in 1 MiB pieces, a 64 MiB
+#: one 140 ms whole and 83 in 8 MiB pieces (gloo 83: the link's queue overflows under two
+#: 32 MiB swaps); on this VM's unshaped veth whole won at both sizes (59 against 84 at 64 MiB).
+PIECES = 8
+PIECE_BYTES, MAX_PIECE_BYTES = 1 << 20, 8 << 20
+AUTO_CLASSES = ((8 << 20, 8 << 20), (None, 32 << 20))
+PROBE_ROUNDS = 2  # each probe twice whole and twice in pieces, after a round that warms the work space up
 
 
 def _size(nbytes: int) -> str:
@@ -123,18 +132,18 @@ def uneven_nodes_message(who: str, members: dict, names: Optional[dict] = None) 
             "on every machine (torchrun --nproc-per-node N on each), or use backend='gloo'")
 
 
-def _resolve_pipeline(setting) -> tuple[Optional[int], str]:
-    """pipeline_bytes= (else RINGCOLL_PIPELINE_BYTES, else "auto") -> (piece bytes, 0 for
-    whole messages or None until "auto" has measured; how it was chosen)."""
+def _resolve_pipeline(setting) -> Optional[int]:
+    """pipeline_bytes= (else RINGCOLL_PIPELINE_BYTES, else "auto") -> piece bytes, 0 for
+    whole messages, None for "auto" (which measures, class by class of message size)."""
     if setting is None:
         setting = os.environ.get("RINGCOLL_PIPELINE_BYTES", "auto")
     if isinstance(setting, str) and setting.strip().lower() == "auto":
-        return None, "auto: not measured yet (no message larger than one piece so far)"
+        return None
     piece_bytes = setting if isinstance(setting, int) else parse_bytes(setting)
     if piece_bytes < 0:
         raise ValueError(f"HierarchicalCommunicator: pipeline_bytes must be \"auto\", 0 (never) or a size, "
                          f"got {setting!r}")
-    return piece_bytes, f"set: {'pieces of ' + _size(piece_bytes) if piece_bytes else 'whole'}"
+    return piece_bytes
 
 
 class HierarchicalCommunicator(ArgumentChecks):
@@ -156,7 +165,8 @@ class HierarchicalCommunicator(ArgumentChecks):
         self.world_size = dist.get_world_size(self.group)
         self.timeout = resolve_timeout(timeout)
         self.check = _resolve_check(check)
-        self.pipeline_bytes, self.pipeline_choice = _resolve_pipeline(pipeline_bytes)
+        self.pipeline_bytes = _resolve_pipeline(pipeline_bytes)
+        self._auto_choices: dict = {}  # "auto": per class of AUTO_CLASSES, (in pieces?, what was measured)
         offers: list = [None] * self.world_size
         dist.all_gather_object(offers, (_node_of(self.rank, node_id), socket.gethostname(), self.check,
                                         self.pipeline_bytes), group=self.group)
@@ -394,37 +404,58 @@ class HierarchicalCommunicator(ArgumentChecks):
         per_piece = max(1, piece_bytes // unit_bytes) if piece_bytes else max(numel, 1)
         return [slice(start, min(start + per_piece, numel)) for start in range(0, numel, per_piece)] or [slice(0, 0)]
 
+    @staticmethod
+    def _auto_piece(message_bytes: int) -> int:
+        """The piece "auto" cuts a message into where pieces pay: PIECES of them, bounded."""
+        return min(max(message_bytes // PIECES, PIECE_BYTES), MAX_PIECE_BYTES)
+
     def _piece_bytes(self, message_bytes: int) -> int:
         """The piece for a message of `message_bytes` (0: whole). With pipeline_bytes="auto",
-        the first message larger than one piece decides, once, by measuring (_decide_pipeline):
-        every rank reaches that call at the same point, as it makes the same calls."""
-        if self.pipeline_bytes is None and message_bytes > PIECE_BYTES:
-            self._decide_pipeline()
-        return self.pipeline_bytes or 0
+        the first message of each class of AUTO_CLASSES decides the class, once, by measuring
+        (_decide_pipeline): every rank reaches that call at the same point, as it makes the
+        same calls."""
+        if self.pipeline_bytes is not None:
+            return self.pipeline_bytes
+        if message_bytes <= PIECE_BYTES:
+            return 0
+        kind = next(i for i, (largest, _) in enumerate(AUTO_CLASSES) if largest is None or message_bytes <= largest)
+        if kind not in self._auto_choices:
+            self._decide_pipeline(kind)
+        return self._auto_piece(message_bytes) if self._auto_choices[kind][0] else 0
 
-    def _decide_pipeline(self) -> None:
-        """Time all-reduces of PROBE_BYTES whole and in PIECE_BYTES pieces, in turn, and keep
-        the faster, as the slowest rank saw each (so every rank decides alike). Pieces pay
-        where the link is slower than the node's ring: the ring runs the next piece while
-        one crosses. Where it is not (on this project's 2-core VM, two namespace machines
-        share the cores, and moving bytes over the veth takes the same CPU as the ring),
-        each piece only adds a meeting of the ranks: 0.70x gloo at 64 MiB in 1 MiB pieces,
-        1.34x whole; over a 2 Gbit/s link, 1.48x in pieces, 0.76x whole."""
-        probe = torch.zeros(PROBE_BYTES // 4, dtype=torch.float32, device=self.device)
+    def _decide_pipeline(self, kind: int) -> None:
+        """Time all-reduces of class `kind`'s probe whole and in pieces, in turn, and keep the
+        faster, as the slowest rank saw each (so every rank decides alike). Pieces pay where
+        the link is slower than the node's ring: the ring runs the next piece while one
+        crosses. Where it is not (on this project's 2-core VM, two namespace machines share
+        the cores, and moving bytes over the veth takes the same CPU as the ring), each piece
+        only adds a meeting of the ranks."""
+        largest, probe_bytes = AUTO_CLASSES[kind]
+        piece_bytes = self._auto_piece(probe_bytes)
+        probe = torch.zeros(probe_bytes // 4, dtype=torch.float32, device=self.device)
         spent = torch.zeros(2, dtype=torch.float64, device=self.device)
         for round_ in range(PROBE_ROUNDS + 1):  # the first round warms the work space up, uncounted
-            for i, piece_bytes in enumerate((0, PIECE_BYTES)):
+            for i, piece in enumerate((0, piece_bytes)):
                 self._synchronize()
                 start = time.perf_counter()
-                self._all_reduce_flat(probe, ReduceOp.SUM, False, piece_bytes=piece_bytes)
+                self._all_reduce_flat(probe, ReduceOp.SUM, False, piece_bytes=piece)
                 self._synchronize()
                 spent[i] += (time.perf_counter() - start) if round_ else 0.0
         self._all_reduce_flat(spent, ReduceOp.MAX, False, piece_bytes=0)
         whole, pieces = (t / PROBE_ROUNDS * 1e3 for t in spent.tolist())
-        self.pipeline_bytes = PIECE_BYTES if pieces < whole else 0
-        self.pipeline_choice = (f"auto: {'pieces of ' + _size(PIECE_BYTES) if self.pipeline_bytes else 'whole'} "
-                                f"(a {_size(PROBE_BYTES)} all-reduce took {whole:.2f} ms whole, {pieces:.2f} ms "
-                                f"in pieces of {_size(PIECE_BYTES)})")
+        sizes = f"up to {_size(largest)}" if largest is not None else f"past {_size(AUTO_CLASSES[kind - 1][0])}"
+        self._auto_choices[kind] = (pieces < whole, f"{sizes}: {'in pieces' if pieces < whole else 'whole'} (a "
+                                    f"{_size(probe_bytes)} all-reduce took {whole:.2f} ms whole, {pieces:.2f} ms "
+                                    f"in pieces of {_size(piece_bytes)})")
+
+    @property
+    def pipeline_choice(self) -> str:
+        """How messages are cut: the setting, or what "auto" has measured so far."""
+        if self.pipeline_bytes is not None:
+            return f"set: {'pieces of ' + _size(self.pipeline_bytes) if self.pipeline_bytes else 'whole'}"
+        if not self._auto_choices:
+            return "auto: not measured yet (no message larger than one piece so far)"
+        return "auto: " + "; ".join(self._auto_choices[kind][1] for kind in sorted(self._auto_choices))
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":

@@ -169,13 +169,15 @@ def _pieces_change_no_bit(rank, world):
     results, choices = {}, {}
     for pipeline in (0, 256, "auto"):
         with HierarchicalCommunicator(node_id="a", pipeline_bytes=pipeline) as h:
-            # 1031: the last shard padded; 300000 floats: above one piece, so "auto" measures
-            for n in (1031, 300_000):
+            # 1031: the last shard padded; 300000 floats: above one piece, so "auto" measures;
+            # 2400000 (9.6 MB): past auto's first class of sizes, so it measures the second
+            for n in (1031, 300_000) + ((2_400_000,) if pipeline != 256 else ()):
                 x = torch.randn(n, generator=torch.Generator().manual_seed(10 * rank + n)) * 1e3
                 h.all_reduce(x)
                 results[pipeline, n] = x
             choices[pipeline] = h.pipeline_choice
     same = {(pipeline, n): torch.equal(x, results[0, n]) for (pipeline, n), x in results.items()}
+    assert len(same) == 8
     try:
         HierarchicalCommunicator(node_id="a", pipeline_bytes=[0, "1M", "auto"][rank])
         differing = "no error"
@@ -192,8 +194,10 @@ def test_pipelining_never_changes_a_bit():
     for rank, (same, choices, differing) in enumerate(outcomes):
         assert all(same.values()), (rank, same)
         assert choices[0] == "set: whole" and choices[256] == "set: pieces of 256 bytes", choices
-        assert choices["auto"].startswith(("auto: whole (a 8 MiB all-reduce took", "auto: pieces of 1 MiB (a 8 MiB")), \
-            choices
+        assert choices["auto"].startswith(("auto: up to 8 MiB: whole (a 8 MiB all-reduce took",
+                                           "auto: up to 8 MiB: in pieces (a 8 MiB")), choices
+        assert "in pieces of 1 MiB" in choices["auto"] and "; past 8 MiB: " in choices["auto"], choices
+        assert "a 32 MiB all-reduce took" in choices["auto"] and "in pieces of 4 MiB)" in choices["auto"], choices
         assert differing == ("HierarchicalCommunicator: pipeline_bytes= / RINGCOLL_PIPELINE_BYTES must be the same "
                              "on every rank, got rank 0: 0, rank 1: 1048576, rank 2: auto"), differing
     assert len({choices["auto"] for _, choices, _ in outcomes}) == 1  # every rank measured the same, chose the same
