@@ -395,12 +395,15 @@ class HierarchicalCommunicator(ArgumentChecks):
 
     # --- the pipeline: pieces, and the work space two pieces in flight use ----------------
 
-    def _pieces(self, numel: int, unit_bytes: int, piece_bytes: Optional[int] = None) -> list[slice]:
+    def _pieces(self, numel: int, unit_bytes: int, piece_bytes: Optional[int] = None,
+                link_share: float = 1.0) -> list[slice]:
         """[0, numel) cut into pipeline pieces, each about piece_bytes of the message (default:
         the communicator's choice, _piece_bytes) where each of the numel units stands for
-        `unit_bytes` of it; one piece when the message is no larger or pipelining is off."""
+        `unit_bytes` of it; one piece when the message is no larger or pipelining is off.
+        `link_share`: the bytes the collective sends over the link per message byte, as a
+        share of what an all-reduce sends (a reduce-scatter or all-gather: half)."""
         if piece_bytes is None:
-            piece_bytes = self._piece_bytes(numel * unit_bytes)
+            piece_bytes = self._piece_bytes(numel * unit_bytes, link_share)
         per_piece = max(1, piece_bytes // unit_bytes) if piece_bytes else max(numel, 1)
         return [slice(start, min(start + per_piece, numel)) for start in range(0, numel, per_piece)] or [slice(0, 0)]
 
@@ -409,16 +412,19 @@ class HierarchicalCommunicator(ArgumentChecks):
         """The piece "auto" cuts a message into where pieces pay: PIECES of them, bounded."""
         return min(max(message_bytes // PIECES, PIECE_BYTES), MAX_PIECE_BYTES)
 
-    def _piece_bytes(self, message_bytes: int) -> int:
+    def _piece_bytes(self, message_bytes: int, link_share: float = 1.0) -> int:
         """The piece for a message of `message_bytes` (0: whole). With pipeline_bytes="auto",
         the first message of each class of AUTO_CLASSES decides the class, once, by measuring
         (_decide_pipeline): every rank reaches that call at the same point, as it makes the
-        same calls."""
+        same calls. A class holds the all-reduces of its sizes and the collectives that send
+        as many bytes over the link (`link_share`: a 16 MiB all-gather sends what an 8 MiB
+        all-reduce does, and goes as that one goes)."""
         if self.pipeline_bytes is not None:
             return self.pipeline_bytes
         if message_bytes <= PIECE_BYTES:
             return 0
-        kind = next(i for i, (largest, _) in enumerate(AUTO_CLASSES) if largest is None or message_bytes <= largest)
+        like = message_bytes * link_share  # the all-reduce that sends as many bytes over the link
+        kind = next(i for i, (largest, _) in enumerate(AUTO_CLASSES) if largest is None or like <= largest)
         if kind not in self._auto_choices:
             self._decide_pipeline(kind)
         return self._auto_piece(message_bytes) if self._auto_choices[kind][0] else 0
@@ -580,7 +586,7 @@ class HierarchicalCommunicator(ArgumentChecks):
             if divide:
                 result[piece].div_(self.world_size)
 
-        self._pipelined(self._pieces(m, self.world_size * input.element_size()), first, second)
+        self._pipelined(self._pieces(m, self.world_size * input.element_size(), link_share=0.5), first, second)
 
     def _all_gather_flat(self, output: torch.Tensor, input: torch.Tensor) -> None:
         """Per piece of the input: all-gathered between the nodes (row i: node i's rank of
@@ -603,7 +609,7 @@ class HierarchicalCommunicator(ArgumentChecks):
                 if copied:
                     out[:, piece].index_copy_(0, self._node_ranks[node], rows.view(self.local_size, width))
 
-        self._pipelined(self._pieces(m, self.world_size * input.element_size()), first, second)
+        self._pipelined(self._pieces(m, self.world_size * input.element_size(), link_share=0.5), first, second)
 
     # --- the collectives: the Communicator's signatures -----------------------------------
 
