@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 from typing import Optional
 
 HOSTS = 2
@@ -54,6 +56,10 @@ def parse_link(text: str) -> tuple[float, float]:
     return parse_rate(rate), parse_delay(delay) if delay else 0.0
 
 
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 class TwoHosts:
     """Two network namespaces joined by a veth pair (context manager: removed on exit)."""
 
@@ -65,6 +71,11 @@ class TwoHosts:
         self.link = "unshaped (veth: memory speed)"
 
     def __enter__(self) -> "TwoHosts":
+        # SIGTERM (a CI timeout, `kill`) would end the process without running __exit__ and
+        # leave the namespaces behind: raised as SystemExit instead, so they are removed.
+        self._previous_sigterm = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
         try:
             for ns in self.namespaces:
                 _ip("netns", "add", ns)
@@ -83,6 +94,9 @@ class TwoHosts:
     def __exit__(self, *exc) -> None:
         for ns in self.namespaces:  # deleting a namespace deletes its end of the veth pair
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        if self._previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+            self._previous_sigterm = None
 
     def shape(self, rate_bits: float, delay_s: float = 0.0) -> None:
         """Each machine sends at most `rate_bits` per second (and, with a delay, each packet

@@ -51,6 +51,24 @@ def test_training_examples_across_two_machines_match_gloo():
         assert abs(checksum - reference[1]) <= 1e-7 * abs(reference[1]), (example, checksum, reference[1])
 
 
+def test_the_machines_are_removed_when_their_maker_is_terminated():
+    """SIGTERM (a CI timeout, `kill`) to a process holding the two machines: they are removed
+    (they were left behind, with their veth pair, before the handler)."""
+    code = ("import os, sys, time; from ringcoll.harness.hosts import TwoHosts\n"
+            "with TwoHosts(os.getpid()) as hosts:\n"
+            "    print(' '.join(hosts.namespaces), flush=True); time.sleep(60)\n")
+    child = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, text=True, stdout=subprocess.PIPE)
+    namespaces = child.stdout.readline().split()
+    assert len(namespaces) == 2 and all(ns in _namespaces() for ns in namespaces), namespaces
+    child.send_signal(signal.SIGTERM)
+    assert child.wait(timeout=30) == 128 + signal.SIGTERM
+    assert not any(ns in _namespaces() for ns in namespaces), _namespaces()
+
+
+def _namespaces() -> str:
+    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+
+
 # --- faults across the two machines (tests/multiprocess/two_host_job.py) -------------------
 
 JOB = os.path.join(ROOT, "tests", "multiprocess", "two_host_job.py")
