@@ -72,18 +72,21 @@ COMBINE = {ReduceOp.SUM: torch.add, ReduceOp.PRODUCT: torch.mul, ReduceOp.MIN: t
 
 #: The pipeline, where the link is slow enough that pieces pay: one piece crosses the link
 #: while the next runs through the node's ring (pipeline_bytes= or RINGCOLL_PIPELINE_BYTES:
-#: "auto", the default, measures whether they pay; a size; 0 never). "auto" cuts a message
-#: into PIECES pieces, each PIECE_BYTES to MAX_PIECE_BYTES, and decides each class of
-#: message size once, on the first message of the class, by timing an all-reduce of the
-#: class's probe size whole and in pieces: (largest message of the class, probe bytes).
-#: Classes, because how much pieces pay moves with the size: over a 10 Gbit/s link (2 x 2
-#: namespace ranks) an 8 MiB all-reduce took 7.9 ms whole and 19.7 in 1 MiB pieces, a 64 MiB
-#: one 140 ms whole and 83 in 8 MiB pieces (gloo 83: the link's queue overflows under two
-#: 32 MiB swaps); on this VM's unshaped veth whole won at both sizes (59 against 84 at 64 MiB).
-PIECES = 8
+#: "auto", the default, measures whether they pay; a size; 0 never). "auto" decides each
+#: class of message size once, on the first message of the class, by timing an all-reduce of
+#: the class's probe size cut each way the class compares, and keeping the fastest:
+#: (largest all-reduce of the class, probe bytes, the cuts compared). A cut is 0 (whole), a
+#: piece size, or EIGHTHS: the message in 8 pieces of PIECE_BYTES to MAX_PIECE_BYTES.
+#: Classes and cuts, because what pays moves with the size and the link (2 x 2 namespace
+#: ranks on this VM): over 10 Gbit/s an 8 MiB all-reduce took 7.9 ms whole and 19.7 in 1 MiB
+#: pieces, a 64 MiB one 140 ms whole, 122 in 1 MiB pieces and 83 in 8 MiB ones (gloo 83:
+#: two 32 MiB swaps at once overflow the link's queue); over 2 Gbit/s 1 MiB pieces were best
+#: at every size (64 MiB: 281 ms, 328 in 8 MiB pieces); on the unshaped veth whole won at
+#: both sizes (59 against 84 at 64 MiB).
 PIECE_BYTES, MAX_PIECE_BYTES = 1 << 20, 8 << 20
-AUTO_CLASSES = ((8 << 20, 8 << 20), (None, 32 << 20))
-PROBE_ROUNDS = 2  # each probe twice whole and twice in pieces, after a round that warms the work space up
+EIGHTHS = "eighths"
+AUTO_CLASSES = ((8 << 20, 8 << 20, (0, PIECE_BYTES)), (None, 32 << 20, (0, PIECE_BYTES, EIGHTHS)))
+PROBE_ROUNDS = 2  # each probe cut each way twice, after a round that warms the work space up
 
 
 def _size(nbytes: int) -> str:
@@ -408,9 +411,9 @@ class HierarchicalCommunicator(ArgumentChecks):
         return [slice(start, min(start + per_piece, numel)) for start in range(0, numel, per_piece)] or [slice(0, 0)]
 
     @staticmethod
-    def _auto_piece(message_bytes: int) -> int:
-        """The piece "auto" cuts a message into where pieces pay: PIECES of them, bounded."""
-        return min(max(message_bytes // PIECES, PIECE_BYTES), MAX_PIECE_BYTES)
+    def _cut(cut, message_bytes: int) -> int:
+        """The piece a message of `message_bytes` is cut into by `cut` (AUTO_CLASSES); 0: whole."""
+        return min(max(message_bytes // 8, PIECE_BYTES), MAX_PIECE_BYTES) if cut == EIGHTHS else cut
 
     def _piece_bytes(self, message_bytes: int, link_share: float = 1.0) -> int:
         """The piece for a message of `message_bytes` (0: whole). With pipeline_bytes="auto",
@@ -424,35 +427,41 @@ class HierarchicalCommunicator(ArgumentChecks):
         if message_bytes <= PIECE_BYTES:
             return 0
         like = message_bytes * link_share  # the all-reduce that sends as many bytes over the link
-        kind = next(i for i, (largest, _) in enumerate(AUTO_CLASSES) if largest is None or like <= largest)
+        kind = next(i for i, (largest, *_) in enumerate(AUTO_CLASSES) if largest is None or like <= largest)
         if kind not in self._auto_choices:
             self._decide_pipeline(kind)
-        return self._auto_piece(message_bytes) if self._auto_choices[kind][0] else 0
+        return self._cut(self._auto_choices[kind][0], message_bytes)
 
     def _decide_pipeline(self, kind: int) -> None:
-        """Time all-reduces of class `kind`'s probe whole and in pieces, in turn, and keep the
-        faster, as the slowest rank saw each (so every rank decides alike). Pieces pay where
-        the link is slower than the node's ring: the ring runs the next piece while one
-        crosses. Where it is not (on this project's 2-core VM, two namespace machines share
-        the cores, and moving bytes over the veth takes the same CPU as the ring), each piece
-        only adds a meeting of the ranks."""
-        largest, probe_bytes = AUTO_CLASSES[kind]
-        piece_bytes = self._auto_piece(probe_bytes)
+        """Time all-reduces of class `kind`'s probe cut each of the class's ways, in turn, and
+        keep the fastest, as the slowest rank saw each (so every rank decides alike). Pieces
+        pay where the link is slower than the node's ring: the ring runs the next piece while
+        one crosses. Where it is not (on this project's 2-core VM, two namespace machines
+        share the cores, and moving bytes over the veth takes the same CPU as the ring), each
+        piece only adds a meeting of the ranks."""
+        largest, probe_bytes, cuts = AUTO_CLASSES[kind]
         probe = torch.zeros(probe_bytes // 4, dtype=torch.float32, device=self.device)
-        spent = torch.zeros(2, dtype=torch.float64, device=self.device)
+        spent = torch.zeros(len(cuts), dtype=torch.float64, device=self.device)
         for round_ in range(PROBE_ROUNDS + 1):  # the first round warms the work space up, uncounted
-            for i, piece in enumerate((0, piece_bytes)):
+            for i, cut in enumerate(cuts):
                 self._synchronize()
                 start = time.perf_counter()
-                self._all_reduce_flat(probe, ReduceOp.SUM, False, piece_bytes=piece)
+                self._all_reduce_flat(probe, ReduceOp.SUM, False, piece_bytes=self._cut(cut, probe_bytes))
                 self._synchronize()
                 spent[i] += (time.perf_counter() - start) if round_ else 0.0
         self._all_reduce_flat(spent, ReduceOp.MAX, False, piece_bytes=0)
-        whole, pieces = (t / PROBE_ROUNDS * 1e3 for t in spent.tolist())
+        times = [t / PROBE_ROUNDS * 1e3 for t in spent.tolist()]
+        best = min(range(len(cuts)), key=times.__getitem__)
+
+        def way(cut) -> str:
+            piece = self._cut(cut, probe_bytes)
+            return f"in pieces of {_size(piece)}" if piece else "whole"
+
         sizes = f"up to {_size(largest)}" if largest is not None else f"past {_size(AUTO_CLASSES[kind - 1][0])}"
-        self._auto_choices[kind] = (pieces < whole, f"{sizes}: {'in pieces' if pieces < whole else 'whole'} (a "
-                                    f"{_size(probe_bytes)} all-reduce took {whole:.2f} ms whole, {pieces:.2f} ms "
-                                    f"in pieces of {_size(piece_bytes)})")
+        measured = ", ".join(f"{t:.2f} ms {way(cut)}" for cut, t in zip(cuts, times))
+        cut_text = "8 pieces" if cuts[best] == EIGHTHS else way(cuts[best])
+        self._auto_choices[kind] = (cuts[best], f"{sizes}: {cut_text} (a {_size(probe_bytes)} all-reduce took "
+                                                f"{measured})")
 
     @property
     def pipeline_choice(self) -> str:
