@@ -34,10 +34,10 @@ the other needs and combines what it receives, in node order so both compute the
 bits), not gloo's collective: the bytes a ring of two moves, in one round trip. Where the
 link is slower than the node's ring, the message goes in pieces (``pipeline_bytes``;
 "auto", the default, measures whether pieces pay, once per class of message size): one
-piece crosses the link while the node's ring runs the next. The pieces never change a bit (_all_reduce_flat says why),
-and whole or in pieces, each node sends ``2(N-1)/N * n`` bytes over its link per
-all-reduce: ``n`` for two nodes, where one flat ring over both sends ``2(P-1)/P * n``
-(1.5n at P = 4).
+piece crosses the link while the node's ring runs the next. The pieces never change a bit
+(_all_reduce_flat says why), and whole or in pieces, each node sends ``2(N-1)/N * n``
+bytes over its link per all-reduce: ``n`` for two nodes, where one flat ring over both
+sends ``2(P-1)/P * n`` (1.5n at P = 4).
 
 It has the Communicator's methods, checks and call order (the list and coalesced forms
 packed into one flat call by ringcoll/packing.py, ``async_op=True`` queued on one worker
@@ -169,7 +169,7 @@ class HierarchicalCommunicator(ArgumentChecks):
         self.timeout = resolve_timeout(timeout)
         self.check = _resolve_check(check)
         self.pipeline_bytes = _resolve_pipeline(pipeline_bytes)
-        self._auto_choices: dict = {}  # "auto": per class of AUTO_CLASSES, (in pieces?, what was measured)
+        self._auto_choices: dict = {}  # "auto": per class of AUTO_CLASSES, (the cut kept, what was measured)
         offers: list = [None] * self.world_size
         dist.all_gather_object(offers, (_node_of(self.rank, node_id), socket.gethostname(), self.check,
                                         self.pipeline_bytes), group=self.group)
