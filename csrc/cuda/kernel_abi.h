@@ -571,8 +571,9 @@ inline void place_input(PlanParams& q, const SymmetricHeap& heap, const Symmetri
 
 // The plan part of a call's fallback (CompiledPlan::fallback; chunks == 0: none), prepared by
 // `prepare(plan)` (prepare_plan, as CudaComm or the emulator places records) beside the
-// plan's own part `primary`; the fallback's id goes into the call's descriptor. Throws std::invalid_argument if the two cut the message into
-// slots of different sizes (they could not share the call's slices and grid).
+// plan's own part `primary`; the fallback's id goes into the call's descriptor. Throws
+// std::invalid_argument if the two cut the message into slots of different sizes (they could
+// not share the call's slices and grid).
 template <class Prepare>
 PlanParams prepare_fallback(const PlanParams& primary, RingCall& call, const CompiledPlan& plan, Prepare&& prepare) {
   if (plan.fallback == nullptr) return PlanParams{};

@@ -163,8 +163,9 @@ class PlanRun {
   // lies (kPeerInput) into `into`; all-gather's input is the rank's own chunk, so it starts
   // at the chunk's beginning.
   void read_peer_input(int from, int c, int64_t j, int64_t at, int64_t len, T* into) {
-    const int64_t begin = j * slice_elems_ + (coll_ == Collective::kAllGather ? 0 : chunk_begin(ring_count_, chunks_, c));
-    comm_.read_peer_input(from, static_cast<size_t>(begin + at) * sizeof(T), into, static_cast<size_t>(len) * sizeof(T));
+    const int64_t begin =
+        j * slice_elems_ + at + (coll_ == Collective::kAllGather ? 0 : chunk_begin(ring_count_, chunks_, c));
+    comm_.read_peer_input(from, static_cast<size_t>(begin) * sizeof(T), into, static_cast<size_t>(len) * sizeof(T));
   }
 
   void combine(const PlanOp& op, int bank, int64_t j, int c) {
@@ -187,8 +188,9 @@ class PlanRun {
       if (into == first && second != nullptr) copy_strip(static_cast<T*>(nullptr), second, into, len, stream_second);
       return;
     }
-    // Else the peer's input goes through the bounce buffer, a piece at a time: each piece
-    // is read, then combined while it is still in cache. (A direct plan's slice is a whole
+    // An op of this rank's own operands runs in one piece. One that reads a peer's input to
+    // combine or publish it goes through the bounce buffer a piece at a time: each piece is
+    // read, then combined while it is still in cache. (A direct plan's slice is a whole
     // chunk; read whole into a buffer made for the call, a 64 MiB reduce-scatter at P = 2
     // took 31 ms instead of 8: 32 MiB faulted in, zeroed and written to memory per call.)
     const int64_t piece = peer_input ? static_cast<int64_t>(kBounceBytes / sizeof(T)) : len;

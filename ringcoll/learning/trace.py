@@ -222,8 +222,9 @@ def trace(collective: str, world: int, n: int, inputs: Optional[Sequence[Sequenc
     text (what ``ringcoll trace`` prints). ``inputs`` default to :func:`default_inputs`;
     for all_gather ``inputs[r]`` is rank r's chunk and ``n`` must be their total length.
     ``algorithm``: ``"ring"``, ``"oneshot"`` for the small-message path, ``"direct"`` for
-    the direct-read all-gather (the direct reduce-scatter's and all-reduce's plans otherwise), or ``"symmetric"`` for tensors in symmetric
-    memory, read in place; broadcast and reduce trace their plans."""
+    the direct-read all-gather (the direct reduce-scatter's and all-reduce's plans otherwise),
+    or ``"symmetric"`` for tensors in symmetric memory, read in place; broadcast and reduce
+    trace their plans."""
     if collective in ROOTED_COLLECTIVES:
         return _rooted_trace(collective, world, n, inputs, algorithm)
     coll = _collective(collective)

@@ -63,7 +63,8 @@ from ringcoll import _C
 from ringcoll._types import ReduceOp, dtype_code
 from ringcoll.bootstrap import InProcessRank
 from ringcoll.errors import RingcollError
-from ringcoll.transports.base import CollectiveCall, InFlight, Settings, SymmetricAgreement, Transport, allocate_by_exchange
+from ringcoll.transports.base import (CollectiveCall, InFlight, Settings, SymmetricAgreement, Transport,
+                                      allocate_by_exchange)
 
 KERNEL_VARIANTS = {"fused": 0, "naive": 1}
 

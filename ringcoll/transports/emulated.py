@@ -35,7 +35,8 @@ from ringcoll import _C, errors
 from ringcoll._types import COLLECTIVE_CODES
 from ringcoll.bootstrap import InProcessRank
 from ringcoll.errors import RingcollError, RingcollTimeoutError
-from ringcoll.transports.base import CollectiveCall, InFlight, Settings, SymmetricAgreement, Transport, allocate_by_exchange
+from ringcoll.transports.base import (CollectiveCall, InFlight, Settings, SymmetricAgreement, Transport,
+                                      allocate_by_exchange)
 from ringcoll.transports.cuda import (check_hardware_queues, hardware_queues, kernel_variant, one_word_barrier,
                                       shared_stream_error)
 
@@ -90,9 +91,8 @@ class EmulatedCompletion:
     ``wait()`` makes the current stream wait for the call's event, then (host code standing
     for that stream's later work) waits for the stream on the host."""
 
-    def __init__(self, transport: "EmulatedCudaTransport", op: str, event: int, then, keep_alive):
-        self._transport, self._op, self._event = transport, op, event
-        self._then, self._keep_alive = then, keep_alive  # the tensors the queued kernel uses
+    def __init__(self, transport: "EmulatedCudaTransport", op: str, event: int, then):
+        self._transport, self._op, self._event, self._then = transport, op, event, then
         self._finished = False
 
     def _finish(self) -> None:
@@ -100,7 +100,6 @@ class EmulatedCompletion:
             return
         self._finished = True
         self._transport.device.destroy_event(self._event)
-        self._keep_alive = None
         self._transport.check_error(self._op)
         if self._then is not None:
             self._then()
@@ -268,8 +267,8 @@ class EmulatedCudaTransport(Transport):
         if async_op:
             event = self.device.create_event()
             self.device.record(event, self._own)
-            completion = EmulatedCompletion(self, op, event, then, (list(outputs), list(keep_alive)))
-            self._in_flight.hold(completion, list(outputs) + list(keep_alive))
+            completion = EmulatedCompletion(self, op, event, then)
+            self._in_flight.hold(completion, list(outputs) + list(keep_alive))  # the tensors the queued kernel uses
             return completion
         self.host_waits_for(op, user)  # host code stands for the current stream's later work
         if then is not None:
