@@ -207,6 +207,8 @@ void bind_host(py::module_& m) {
   m.attr("hop_probe_every") = ringcoll::host::kHopProbeEvery;
   m.attr("hop_off_core_ns") = ringcoll::host::kHopOffCoreNs;
   m.attr("default_slow_hop_ns") = ringcoll::host::kDefaultSlowHopNs;
+  m.attr("store_probe_every") = ringcoll::host::kStoreProbeEvery;
+  m.attr("same_hop_factor") = ringcoll::host::kSameHopFactor;
   // Read once per process from RINGCOLL_STREAMING_BYTES (host_strip.h): for tests.
   m.def("streaming_threshold_bytes", &ringcoll::host::streaming_threshold_bytes);
   // A copy as the CPU transport makes one (host_strip.h: streaming stores from the
@@ -356,6 +358,9 @@ void bind_host(py::module_& m) {
       .def_property_readonly("hop_ns", &HostComm::hop_ns)
       .def_property_readonly("hop_probes", &HostComm::hop_probes)
       .def_property_readonly("slow_hop_probes", &HostComm::slow_hop_probes)
+      .def_property_readonly("store_probes", &HostComm::store_probes)
+      .def_property_readonly("store_probe_hop_ns", &HostComm::store_probe_hop_ns)
+      .def_property_readonly("store_probe_streams", &HostComm::store_probe_streams)
       .def("barrier", &HostComm::barrier, py::call_guard<py::gil_scoped_release>())
       .def("close", &HostComm::close)
       .def_property_readonly("rank", &HostComm::rank)

@@ -125,7 +125,10 @@ HostComm::HostComm(int rank, int world, const std::vector<std::string>& names, s
                                 static_cast<uint32_t>(Algorithm::kDirect));
   slot_stores_ = slot_stores_from_env();
   stream_slots_ = slot_stores_ == SlotStores::kStream;
-  if (const char* env = std::getenv("RINGCOLL_SLOW_HOP_NS")) slow_hop_ns_ = std::strtoull(env, nullptr, 10);
+  if (const char* env = std::getenv("RINGCOLL_SLOW_HOP_NS")) {
+    slow_hop_ns_ = std::strtoull(env, nullptr, 10);
+    slow_hop_given_ = true;
+  }
   try {
     bootstrap(names);
   } catch (...) {
@@ -397,6 +400,7 @@ void HostComm::before_the_check(const RingCall& call, const CompiledPlan& plan, 
   const int64_t slice = plan_slice_elems(plan, buffer_bytes_, call.ring_count, static_cast<size_t>(call.elem_size));
   if (slice <= 0 || num_slices(call.ring_count, plan.plan.chunks, slice) != 1) return;
   call_start_.first_bank = static_cast<int>(one_slice_early_calls_++ % kBanks);
+  call_start_.one_slice_early = true;
   if (plan.early_sends[rank_] == 0) return;
   drain_plan_publications(call_start_.first_bank);
   run_host_plan_early_sends(*this, plan, call, input, step_base_, plan_scratch_, call_start_.first_bank);
@@ -467,11 +471,35 @@ void HostComm::run_plan_call(const char* op, const RingCall& call, const Compile
 // 256 KiB, which take tens of microseconds or more. Every rank counts the same large calls,
 // so all meet in the same probe; each decides for its own stores from the laps it saw.
 // Ranks that take turns on cores do not probe (probes_hops): their laps time the scheduler.
+//
+// A hop's length is a proxy, though: what is slow between an EPYC's dies (~250 ns) is
+// the usual hop between two cores of an Intel Xeon that share one last-level cache (165-200
+// ns), where ordinary stores win. So the first two hop probes and every kStoreProbeEvery-th
+// are followed by a store probe that times the stores themselves (probe_slot_stores),
+// and its verdict holds for every later hop within kSameHopFactor of the one it was made
+// at: the same cores, as far as the hop can tell. A hop unlike it (the cores moved) falls
+// back on the threshold until the next store probe. RINGCOLL_SLOW_HOP_NS, when set, is
+// taken as said: the threshold alone decides.
 
 void HostComm::choose_slot_stores(const RingCall& call) {
   const size_t message = message_bytes(call);
   if (!probes_hops() || message < kHopProbeMinBytes) return;
-  if (large_slot_calls_++ % kHopProbeEvery == 0) probe_neighbour_hops();
+  if (large_slot_calls_++ % kHopProbeEvery == 0) {
+    probe_neighbour_hops();
+    // the first two (in case the first was made with a peer off its core) and every kStoreProbeEvery-th
+    const bool turn = hop_probes_ <= 2 || (hop_probes_ - 1) % kStoreProbeEvery == 0;
+    store_probe_due_ = store_probe_due_ || (!slow_hop_given_ && turn);
+  }
+  // The block goes into the slots, where a call's early sends may lie already: such a call
+  // leaves the probe to the next large one (every rank sees the same calls, so all meet).
+  if (store_probe_due_ && !call_start_.one_slice_early) probe_slot_stores();
+}
+
+bool HostComm::streams_at_hop(uint64_t hop_ns) const {
+  const double probed = static_cast<double>(store_probe_hop_ns_), hop = static_cast<double>(hop_ns);
+  if (store_probe_hop_ns_ != 0 && hop <= probed * kSameHopFactor && hop * kSameHopFactor >= probed)
+    return store_probe_streams_;
+  return hop_ns >= slow_hop_ns_;
 }
 
 void HostComm::probe_neighbour_hops() {
@@ -507,8 +535,53 @@ void HostComm::probe_neighbour_hops() {
             static_cast<uint64_t>(world_);
   // Microseconds per hop on every lap is a peer off its core (another process had it, or
   // ranks outnumber cores), not a distance between caches: keep the choice already made.
-  if (hop_ns_ < kHopOffCoreNs) stream_slots_ = hop_ns_ >= slow_hop_ns_;
+  if (hop_ns_ < kHopOffCoreNs) stream_slots_ = streams_at_hop(hop_ns_);
   slow_hop_probes_ += stream_slots_ ? 1 : 0;
+}
+
+void HostComm::probe_slot_stores() {
+  using clock = std::chrono::steady_clock;
+  auto ns_since = [](clock::time_point began) {
+    return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(clock::now() - began).count());
+  };
+  store_probe_due_ = false;
+  const uint64_t base = store_probes_++ * (kStoreProbeRounds + 1);
+  const int left = left_neighbour(rank_, world_), right = right_neighbour(rank_, world_);
+  const size_t bytes = std::min(kStoreProbeBytes, buffer_bytes_);
+  store_probe_scratch_.resize(bytes, 1);
+  char* const mine = data(rank_);
+  uint64_t write_ns[2] = {UINT64_MAX, UINT64_MAX}, read_ns[2] = {UINT64_MAX, UINT64_MAX};
+  // Every rank has drained its slots and met its peers in the hop probe: they are free.
+  for (int round = 0; round < kStoreProbeRounds; ++round) {
+    const int streaming = round % 2;
+    const uint64_t phase = base + static_cast<uint64_t>(round) + 1;
+    if (round > 0) wait_for(right, &SegmentHeader::store_probe_read, phase - 1, "read the store probe's block");
+    auto began = clock::now();
+    copy_strip<char>(mine, nullptr, store_probe_scratch_.data(), static_cast<int64_t>(bytes), false, streaming);
+    if (streaming) stream_fence();
+    write_ns[streaming] = std::min(write_ns[streaming], ns_since(began));
+    flag_store_release(&header(rank_).store_probe.value, phase);
+    // The left neighbour's block, copied as a reader copies a slot out
+    wait_for(left, &SegmentHeader::store_probe, phase, "write the store probe's block");
+    began = clock::now();
+    std::memcpy(store_probe_scratch_.data(), data(left), bytes);
+    read_ns[streaming] = std::min(read_ns[streaming], ns_since(began));
+    flag_store_release(&header(rank_).store_probe_read.value, phase);
+  }
+  auto& times = header(rank_).store_probe_times;
+  std::copy(write_ns, write_ns + 2, times.write_ns);
+  std::copy(read_ns, read_ns + 2, times.read_ns);
+  const uint64_t done = base + kStoreProbeRounds + 1;
+  flag_store_release(&header(rank_).store_probe.value, done);
+  // Its times are there once it says `done`, which it says after its last read of my block,
+  // so my slots are free for the call again.
+  wait_for(right, &SegmentHeader::store_probe, done, "time the store probe");
+  const auto& theirs = header(right).store_probe_times;
+  const uint64_t cost_ordinary = write_ns[0] + theirs.read_ns[0], cost_streaming = write_ns[1] + theirs.read_ns[1];
+  if (hop_ns_ >= kHopOffCoreNs) return;  // a peer off its core: the times tell nothing either
+  store_probe_hop_ns_ = hop_ns_;
+  store_probe_streams_ = cost_streaming < cost_ordinary;
+  stream_slots_ = store_probe_streams_;
 }
 
 // ---------------------------------------------------------------------------------------

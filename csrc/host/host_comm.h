@@ -97,6 +97,14 @@ struct SegmentHeader {
   // The neighbour-hop probe's token (probe_neighbour_hops): lap k of probe n is
   // n * kHopLaps + k, stored by each rank once its left neighbour's reached it.
   Flag hop;
+  // The store probe (probe_slot_stores): in probe n, phase 5n + i + 1 of `store_probe` says
+  // the owner's block of round i is written (5n + 5: its times below are there), the same
+  // phase of `store_probe_read` that it has read its left neighbour's block of round i.
+  Flag store_probe;
+  Flag store_probe_read;
+  struct alignas(64) {
+    uint64_t write_ns[2], read_ns[2];  // [0] ordinary stores, [1] streaming: the fastest round
+  } store_probe_times;
 };
 static_assert(sizeof(SegmentHeader) <= kHeaderBytes, "header must fit its page");
 
@@ -109,7 +117,12 @@ static_assert(sizeof(SegmentHeader) <= kHeaderBytes, "header must fit its page")
 // last-level cache) and sometimes ~250 ns (on different dies of the EPYC: the hypervisor
 // moves them, for seconds at a time). A 1 MiB all-reduce at P = 2 then takes 64 us with
 // ordinary stores and 134 with streaming ones, or 760-890 us and 98-148
-// (bench/slot_stores.py; bench/results/2026-12-05-cpu-slot-stores.txt).
+// (bench/slot_stores.py; bench/results/2026-12-05-cpu-slot-stores.txt). A hop's length
+// alone does not say which: on an Intel Xeon VM (one 300 MiB last-level cache for both
+// cores) every hop took 165-200 ns and ordinary stores were as fast or faster at every size
+// (64 KiB 10 us against 19; 16 MiB 2.3 ms against 2.7). So kAuto also measures the stores
+// themselves (probe_slot_stores) and takes that verdict wherever the hop is like the one
+// it was made at; the hop's threshold decides elsewhere (2026-12-07-cpu-store-probe.txt).
 enum class SlotStores { kAuto, kCache, kStream };
 SlotStores slot_stores_from_env();  // RINGCOLL_SLOT_STORES: auto (default), cache or stream
 constexpr int kHopLaps = 8;                              // laps of the token per probe
@@ -120,6 +133,14 @@ constexpr uint64_t kDefaultSlowHopNs = 150;
 // A hop this long was a wait for the scheduler, not for a cache line (4x the slowest hop
 // between dies seen here): the probe tells nothing.
 constexpr uint64_t kHopOffCoreNs = 1000;
+// The store probe (probe_slot_stores): a block written with each kind of store and read by
+// the right neighbour, timed; after the first two hop probes and every kStoreProbeEvery-th.
+constexpr size_t kStoreProbeBytes = size_t{1} << 20;
+constexpr uint64_t kStoreProbeEvery = 16;
+constexpr int kStoreProbeRounds = 4;  // ordinary, streaming, ordinary, streaming
+// A hop this close to the one the store probe was made at (within this factor either way)
+// is between the same cores, as far as the probe can tell: its verdict holds.
+constexpr double kSameHopFactor = 1.5;
 
 // The one-shot all-reduce folds all P copies of the whole message on every rank, where the
 // ring combines 1/P of it per rank: P-1 combines of n elements against (P-1)/P n. A 16-bit
@@ -200,6 +221,8 @@ using UnreadPublications = std::array<std::vector<uint64_t>, kBanks>;
 struct PlanCallStart {
   int first_bank = 0;
   int early_ops_done = 0;
+  bool one_slice_early = false;  // a call of one slice by a plan that sends early (every rank alike):
+                                 // some rank's slots may hold its early sends already
 };
 
 // The plan engine (host_plan.cpp): one call by `plan`, from publication number `base`
@@ -326,6 +349,11 @@ class HostComm {
   uint64_t hop_ns() const { return hop_ns_; }
   uint64_t hop_probes() const { return hop_probes_; }
   uint64_t slow_hop_probes() const { return slow_hop_probes_; }
+  // The store probe's (probe_slot_stores): how many ran, the hop it was made at (0: none
+  // that counts) and its verdict, streaming stores or not, for hops like that one.
+  uint64_t store_probes() const { return store_probes_; }
+  uint64_t store_probe_hop_ns() const { return store_probe_hop_ns_; }
+  bool store_probe_streams() const { return store_probe_streams_; }
   bool broken() const { return !broken_reason_.empty(); }
   const std::string& broken_reason() const { return broken_reason_; }
   double timeout() const { return policy_.timeout_seconds; }
@@ -413,6 +441,13 @@ class HostComm {
   // A token goes kHopLaps times round the ring, each rank passing it on to its right
   // neighbour; the fastest lap / P is one hop, the time a flag takes from core to core.
   void probe_neighbour_hops();
+  // A block of kStoreProbeBytes written into this rank's slots with each kind of store, in
+  // turn, and read by its right neighbour; each kind's write time plus the neighbour's read
+  // time decides this rank's stores for hops like the one just measured.
+  void probe_slot_stores();
+  // Whether a hop of `hop_ns` calls for streaming stores: the store probe's verdict for a
+  // hop like its own, else the threshold (slow_hop_ns_).
+  bool streams_at_hop(uint64_t hop_ns) const;
   // Compare my published `call` with every peer's (descriptor.h); throws MismatchError.
   void check_call(const char* op, const CallDescriptor& call);
   // Throw MismatchError if `peer` has announced this call and it differs from `call`.
@@ -454,6 +489,11 @@ class HostComm {
   bool stream_slots_ = false;
   uint64_t large_slot_calls_ = 0;  // ring and plan calls of kHopProbeMinBytes or more (the same on every rank)
   uint64_t hop_probes_ = 0, slow_hop_probes_ = 0, hop_ns_ = 0;
+  bool slow_hop_given_ = false;  // RINGCOLL_SLOW_HOP_NS set: the threshold alone decides, no store probe
+  bool store_probe_due_ = false;  // the same on every rank: the next large call without early sends probes
+  uint64_t store_probes_ = 0, store_probe_hop_ns_ = 0;
+  bool store_probe_streams_ = false;
+  std::vector<char> store_probe_scratch_;  // the block's source when writing, its copy when reading
   const char* current_op_ = "";
   // This call's descriptor until its call check has passed (run_collective's early step and
   // check_call): a peer that found a mismatch aborts at once, and a wait of this rank that

@@ -887,9 +887,13 @@ def slot_stores_lines(direct: Optional[dict]) -> list[str]:
         return ["", "# slots written with ordinary stores (ranks take turns on the cores: no neighbour-hop probe)"]
     if stores["probes"] == 0:
         return ["", "# slots written with ordinary stores (no ring call large enough to probe the neighbour hop)"]
-    return ["", f"# slots: {stores['slow_probes']} of {stores['probes']} neighbour-hop probes on rank 0 found the "
-                f"hop slow (the cores on different dies: streaming stores), the others fast (a shared cache: "
-                f"ordinary stores); last hop {stores['hop_ns']} ns"]
+    lines = ["", f"# slots: {stores['slow_probes']} of {stores['probes']} neighbour-hop probes on rank 0 chose "
+                 f"streaming stores, the others ordinary ones; last hop {stores['hop_ns']} ns"]
+    if stores.get("store_probe_hop_ns"):
+        kind = "streaming" if stores["store_probe_streams"] else "ordinary"
+        lines.append(f"# the store probe ({stores['store_probes']} run): {kind} stores faster at hops near "
+                     f"{stores['store_probe_hop_ns']} ns (the hop's threshold decides elsewhere)")
+    return lines
 
 
 def gpu_of(rank: int, world: int) -> int:

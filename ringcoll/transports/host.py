@@ -350,11 +350,14 @@ class HostTransport(Transport):
     def slot_stores(self) -> dict:
         """How this rank writes the slots its neighbours read (RINGCOLL_SLOT_STORES; the
         neighbour-hop probe in csrc/host/host_comm.cpp): `streaming` (now), the latest `hop_ns`
-        measured (0: never probed), how many `probes` found the hop slow (`slow_probes`), and
-        whether this rank `probing` at all (not where ranks take turns on cores)."""
+        measured (0: never probed), how many `probes` found the hop slow (`slow_probes`),
+        whether this rank `probing` at all (not where ranks take turns on cores), and the store
+        probe's: how many ran (`store_probes`), the hop its verdict holds near
+        (`store_probe_hop_ns`, 0: none) and the verdict (`store_probe_streams`)."""
         c = self._comm
         return {"streaming": c.stream_slots, "hop_ns": c.hop_ns, "probes": c.hop_probes,
-                "slow_probes": c.slow_hop_probes, "probing": c.probes_hops}
+                "slow_probes": c.slow_hop_probes, "probing": c.probes_hops, "store_probes": c.store_probes,
+                "store_probe_hop_ns": c.store_probe_hop_ns, "store_probe_streams": c.store_probe_streams}
 
     def allocate_symmetric(self, nbytes: int, dtype: int, dims: list) -> torch.Tensor:
         """A block of this rank's symmetric memory (ringcoll/symmetric_heap.h) as bytes: collective,

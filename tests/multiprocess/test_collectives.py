@@ -958,7 +958,8 @@ def _slot_stores_rank(rank, world):
     """RINGCOLL_SLOT_STORES=auto (the default): a token passed round the ring measures the hop
     between neighbours on the first ring or plan call of at least hop_probe_min_bytes and on
     every hop_probe_every-th after; smaller calls and other paths neither probe nor count
-    (host_comm.cpp, "The slots' stores"). RINGCOLL_SLOW_HOP_NS=0 makes every hop slow, so
+    (host_comm.cpp, "The slots' stores"). With RINGCOLL_SLOW_HOP_NS set, its threshold alone
+    decides (the store probe: _store_probe_cases): 0 makes every hop slow, so
     a probe that measured one (hop < hop_off_core_ns) must switch to streaming stores; a huge
     one, none. Results exact throughout; a bad setting is a clear error."""
     from ringcoll import _C
@@ -994,6 +995,8 @@ def _slot_stores_rank(rank, world):
             stores(1, f"after {_C.hop_probe_every} large calls")
             comm.all_reduce(torch.ones(big, dtype=torch.int32))
             stores(2, f"after {_C.hop_probe_every + 1} large calls")
+    del os.environ["RINGCOLL_SLOW_HOP_NS"]
+    _store_probe_cases(chk, rank, world, big)
     os.environ["RINGCOLL_SLOT_STORES"] = "fast"
     try:
         ringcoll.Communicator(timeout=COMM_TIMEOUT).close()
@@ -1003,6 +1006,47 @@ def _slot_stores_rank(rank, world):
         if "RINGCOLL_SLOT_STORES must be auto, cache or stream, not 'fast'" not in str(e):
             chk.fail("RINGCOLL_SLOT_STORES=fast", f"unclear error: {e}")
     return chk.finish()
+
+
+def _store_probe_cases(chk, rank, world, big):
+    """Without RINGCOLL_SLOW_HOP_NS the first two hop probes (and every store_probe_every-th)
+    are followed by a store probe: a block written into the slots with each kind of store and
+    read by the neighbour, timed; its verdict decides for hops within same_hop_factor of its
+    own, the threshold elsewhere. Its block goes where a one-shot call's early sends already
+    lie, so such a call leaves it to the next large call: a probe that ran there would
+    overwrite them (a wrong result). Results exact throughout."""
+    from ringcoll import _C
+
+    def expect(comm, probes, label, fresh=False):
+        """`probes` store probes so far; `fresh`: one ran in the last call, so its verdict is
+        the hop's own (unless a peer was off its core: then none is taken)."""
+        s = comm.transport.slot_stores
+        chk.checked += 1
+        probes *= s["probing"]
+        hop, at = s["hop_ns"], s["store_probe_hop_ns"]
+        near = at and at / _C.same_hop_factor <= hop <= at * _C.same_hop_factor
+        streaming = s["store_probe_streams"] if near else hop >= _C.default_slow_hop_ns
+        measured = probes and hop < _C.hop_off_core_ns
+        if s["store_probes"] != probes or (measured and (s["streaming"] != streaming or (fresh and at != hop))):
+            chk.fail(f"store probe: {label}", f"{s}, expected {probes} store probes")
+
+    def large_all_reduce(comm, i, algorithm, check=True):
+        x = make_input("int", torch.int32, big, _seed("store-probe", i, rank))
+        ref = gloo_all_reduce([x], "SUM", world)[0] if check else None
+        comm.all_reduce(x, algorithm=algorithm)
+        if check:
+            chk.equal(f"store probe: large {algorithm} all_reduce {i}", x, ref)
+
+    with ringcoll.Communicator(timeout=COMM_TIMEOUT, direct_bytes=0) as comm:
+        large_all_reduce(comm, 0, "oneshot")  # one slice, sent early: the hop probe, no store probe
+        expect(comm, 0, "after a one-shot call (its early sends in the slots)")
+        large_all_reduce(comm, 1, "ring")
+        expect(comm, 1, "after the next large call", fresh=True)
+        for i in range(2, 2 * _C.hop_probe_every + 1):  # hop probes 2 (a store probe) and 3 (none)
+            large_all_reduce(comm, i, "ring", check=i in (_C.hop_probe_every, 2 * _C.hop_probe_every))
+            if i == _C.hop_probe_every:
+                expect(comm, 2, f"after {i + 1} large calls", fresh=True)
+        expect(comm, 2, f"after {2 * _C.hop_probe_every + 1} large calls")
 
 
 def test_slot_stores_follow_the_neighbour_hop_probe():
