@@ -567,7 +567,7 @@ class Communicator(ArgumentChecks):
 
     def _set_auto_bands(self) -> None:
         """Once the transport exists: per collective, auto's bands from the table, leaving out
-        the plans this transport cannot run (those that read peers' inputs where they lie,
+        the plans this transport cannot run (those that read peers' memory where it lies,
         without direct reads: every rank agreed on those at bootstrap, so on the bands too; and
         those of more chunks than this buffer has slots for); and, for the plain calls, each
         band's plan, built and held, so that the binding runs auto's choice itself."""
@@ -575,7 +575,7 @@ class Communicator(ArgumentChecks):
 
         def cannot(collective):
             return [name for name in tuning.candidates(collective) if name in plans.BUILTIN
-                    and ((not readable and plans.reads_peer_inputs(name, collective, self.world_size))
+                    and ((not readable and plans.reads_in_place(name, collective, self.world_size))
                          or plans.compiled(name, collective, self.world_size)[0].chunks * self._plan_chunk_bytes
                          > self.buffer_bytes)]
 

@@ -16,8 +16,12 @@ C chunks. An op computes, for each chunk of a range, ``value = a`` or ``value = 
             reduce's. In place a read could otherwise race the owner's writes)
 
 and writes it to one or two of OUTPUT, WORK and SLOT (the rank's buffer, published at once
-to ``readers``). A rank's receives from a peer read that peer's publications to it in the
-order it makes them. The ring, for one, is "publish my input's chunk k-1 to my right
+to ``readers``). An op that writes OUTPUT alone may instead publish what it writes where it
+lies (``TO_OUTPUT | SHARE_OUTPUT``): its readers' receives read it out of this rank's output,
+no slot is filled, and the rank never writes those chunks again in the call (where a reader
+cannot reach that output, a CUDA peer in another process, it goes through a slot instead,
+so the checker proves the plan both ways). A rank's receives
+from a peer read that peer's publications to it in the order it makes them. The ring, for one, is "publish my input's chunk k-1 to my right
 neighbour; then receive a chunk from my left neighbour, add my copy, publish it on" (see
 ``plan("ring", "all_reduce", 4)``).
 
@@ -47,8 +51,8 @@ from typing import Callable, Iterable, NamedTuple, Optional, Sequence
 from ringcoll import _C
 from ringcoll._types import COLLECTIVE_CODES, DATA_COLLECTIVES, ROOTED_COLLECTIVES
 
-__all__ = ["Operand", "PEER", "INPUT", "OUTPUT", "WORK", "PEER_INPUT", "reads_peer_inputs", "TO_OUTPUT", "TO_WORK", "TO_SLOT", "PlanOp", "Plan",
-           "PlanError", "op", "plan", "check", "simulate", "rounds", "register_algorithm", "load_plans",
+__all__ = ["Operand", "PEER", "INPUT", "OUTPUT", "WORK", "PEER_INPUT", "reads_in_place", "TO_OUTPUT", "TO_WORK",
+           "TO_SLOT", "SHARE_OUTPUT", "PlanOp", "Plan", "PlanError", "op", "plan", "check", "simulate", "rounds", "register_algorithm", "load_plans",
            "algorithms", "builtin_algorithms"]
 
 
@@ -65,6 +69,8 @@ class Operand(enum.IntEnum):
 
 PEER, INPUT, OUTPUT, WORK, PEER_INPUT = Operand.PEER, Operand.INPUT, Operand.OUTPUT, Operand.WORK, Operand.PEER_INPUT
 TO_OUTPUT, TO_WORK, TO_SLOT = 1, 2, 4  # where an op's value goes (plan.h's kTo*)
+SHARE_OUTPUT = 8  # with TO_OUTPUT: published to ``readers`` where it lies, in the output (plan.h's kShareOutput)
+_PUBLISHES = TO_SLOT | SHARE_OUTPUT
 _PLACES = {TO_OUTPUT: "output", TO_WORK: "work", TO_SLOT: "slot"}
 
 
@@ -76,9 +82,9 @@ class PlanOp(NamedTuple):
     frm: int = -1  # with an operand PEER: the rank whose publication is read
     first: int = 0  # the chunks [first, first + count)
     count: int = 1
-    to: int = 0  # TO_OUTPUT | TO_WORK | TO_SLOT
+    to: int = 0  # TO_OUTPUT | TO_WORK | TO_SLOT (| SHARE_OUTPUT)
     final: bool = False  # the value is the chunks' result (AVG divides here)
-    readers: int = 0  # with TO_SLOT: a bit per reading rank
+    readers: int = 0  # with TO_SLOT or SHARE_OUTPUT: a bit per reading rank
 
     def __str__(self) -> str:
         def operand(o):
@@ -88,15 +94,20 @@ class PlanOp(NamedTuple):
         chunks = f"chunk {self.first}" if self.count == 1 else f"chunks {self.first}..{self.first + self.count - 1}"
         value = operand(self.a) + ("" if self.b == Operand.NONE else f" OP {operand(self.b)}")
         places = [name for bit, name in _PLACES.items() if self.to & bit]
+        readers = ("s " if bin(self.readers).count("1") > 1 else " ") + ", ".join(
+            str(r) for r in range(64) if self.readers >> r & 1)
         if self.to & TO_SLOT:
-            places[-1] = "published to rank" + ("s " if bin(self.readers).count("1") > 1 else " ") + ", ".join(
-                str(r) for r in range(64) if self.readers >> r & 1)
+            places[-1] = "published to rank" + readers
+        if self.to & SHARE_OUTPUT:  # with the output alone (the checker refuses it elsewhere)
+            shares = "output, shared there with rank" if self.to & TO_OUTPUT else "an output it does not write, shared with rank"
+            places = [p for p in places if p != "output"] + [shares + readers]
         return f"{chunks}: {value} -> {' and '.join(places)}" + (" (final)" if self.final else "")
 
 
 def op(a, chunks, to, b=Operand.NONE, frm: int = -1, readers: Iterable[int] = (), final: bool = False) -> PlanOp:
     """An op, spelled for people: ``chunks`` an int or a (first, count) pair; ``to`` one or
-    two of TO_OUTPUT, TO_WORK, TO_SLOT (or'ed); ``readers`` the ranks that read a publication.
+    two of TO_OUTPUT, TO_WORK, TO_SLOT (or'ed; SHARE_OUTPUT with TO_OUTPUT publishes the
+    output where it lies); ``readers`` the ranks that read a publication.
 
         op(INPUT, c, TO_SLOT, readers=[right])                  # publish my chunk c
         op(PEER, c, TO_SLOT, b=INPUT, frm=left, readers=[right])  # add mine, pass it on
@@ -235,10 +246,11 @@ def plan(name: str, collective: str, world: int) -> Plan:
     return Plan(name, collective, chunks, tuple(ops), sends_early)
 
 
-def reads_peer_inputs(name: str, collective: str, world: int) -> bool:
-    """Whether ``name``'s plan for ``collective`` reads a peer's input where it lies
-    (PEER_INPUT): it needs a transport that can (direct reads on the CPU)."""
-    return any(PEER_INPUT in (o.a, o.b) for ops in plan(name, collective, world).ops for o in ops)
+def reads_in_place(name: str, collective: str, world: int) -> bool:
+    """Whether ``name``'s plan for ``collective`` reads a peer's memory where it lies (its input,
+    PEER_INPUT, or what it shares in its output, SHARE_OUTPUT): it needs a transport that can
+    (direct reads on the CPU)."""
+    return any(PEER_INPUT in (o.a, o.b) or o.to & SHARE_OUTPUT for ops in plan(name, collective, world).ops for o in ops)
 
 
 def compiled(name: str, collective: str, world: int, root: int = 0) -> tuple:
@@ -355,6 +367,7 @@ def _execute(p: Plan, algebra, slices: int = SLICES) -> tuple:
     pubs = [[[] for _ in range(slices)] for _ in range(world)]  # [sender][slice]: [first, count, values, readers, left]
     taken: dict = {}  # (reader, sender, slice) -> how many of the sender's publications to it it took
     filled: dict = {}  # (rank, bank, chunk) -> the publication that filled that slot last
+    shared: dict = {}  # (rank, slice, chunk) -> the readers of the publication that shares that output chunk
     work = [[{} for _ in range(slices)] for _ in range(world)]
     output = [[{} for _ in range(slices)] for _ in range(world)]
     steps: list = []
@@ -444,12 +457,19 @@ def _execute(p: Plan, algebra, slices: int = SLICES) -> tuple:
             if o.to & TO_WORK:
                 work[rank][j][c] = v
             if o.to & TO_OUTPUT:
+                if (rank, j, c) in shared:  # its readers read it where it lies, whenever they come to it
+                    readers = ", ".join(str(r) for r in range(world) if shared[rank, j, c] >> r & 1)
+                    raise _fail(p, rank, i, f"writes output chunk {c} again after sharing it with rank(s) {readers}, "
+                                            "which read it where it lies, perhaps after this write")
                 output[rank][j][c] = v
-        if o.to & TO_SLOT:
+        if o.to & _PUBLISHES:
             pub = [o.first, o.count, values, o.readers, o.readers, list(clock[rank])]
             pubs[rank][j].append(pub)
             for c in range(o.first, o.first + o.count):
-                filled[rank, j % 2, c] = pub
+                if o.to & TO_SLOT:
+                    filled[rank, j % 2, c] = pub
+                else:
+                    shared[rank, j, c] = o.readers
         if j == 0:
             steps.append(Step(rank, i, o, values))
         pc[rank][j] += 1
@@ -501,6 +521,13 @@ def check(p: Plan) -> None:
     _structure(p)
     outputs, _ = _execute(p, _Symbols(world))
     _postcondition(p, outputs)
+    if any(o.to & SHARE_OUTPUT for ops in p.ops for o in ops):  # where an output is out of reach (CUDA)
+        through_slots = tuple(tuple(o._replace(to=TO_OUTPUT | TO_SLOT) if o.to & SHARE_OUTPUT else o for o in ops)
+                              for ops in p.ops)
+        slotted = Plan(p.name + " (its shared outputs through slots)", p.collective, p.chunks, through_slots,
+                       p.sends_early)
+        outputs, _ = _execute(slotted, _Symbols(world))
+        _postcondition(slotted, outputs)
 
 
 def _structure(p: Plan) -> None:
@@ -512,8 +539,11 @@ def _structure(p: Plan) -> None:
                 raise _fail(p, rank, i, f"chunks outside 0..{p.chunks - 1}")
             if o.a == Operand.NONE:
                 raise _fail(p, rank, i, "has no first operand")
-            if not 1 <= bin(o.to & 7).count("1") <= 2 or o.to & ~7:
+            if not 1 <= bin(o.to & 7).count("1") <= 2 or o.to & ~15:
                 raise _fail(p, rank, i, "must write to one or two of output, work and slot")
+            if o.to & SHARE_OUTPUT and o.to != TO_OUTPUT | SHARE_OUTPUT:
+                raise _fail(p, rank, i, "shares its output chunks where they lie, so must write the output "
+                                        "(TO_OUTPUT) and nothing else")
             if o.a in (PEER, PEER_INPUT) and o.b in (PEER, PEER_INPUT):
                 raise _fail(p, rank, i, "reads two peers' values (a publication or an input) in one op")
             if (PEER in (o.a, o.b) or PEER_INPUT in (o.a, o.b)) and not (0 <= o.frm < p.world and o.frm != rank):
@@ -531,9 +561,9 @@ def _structure(p: Plan) -> None:
                                             "all-gather's input is one chunk")
                 if p.collective == "broadcast" and o.frm != 0:
                     raise _fail(p, rank, i, f"reads rank {o.frm}'s input, but only the root (rank 0) has one")
-            if o.to & TO_SLOT and (o.readers == 0 or o.readers >> p.world or o.readers >> rank & 1):
+            if o.to & _PUBLISHES and (o.readers == 0 or o.readers >> p.world or o.readers >> rank & 1):
                 raise _fail(p, rank, i, "publishes to no peer, or to itself or a rank past the last")
-            if not o.to & TO_SLOT and o.readers:
+            if not o.to & _PUBLISHES and o.readers:
                 raise _fail(p, rank, i, "names readers but publishes nothing")
             own = (o.first, o.count) == (rank, 1)
             if p.collective == "all_gather" and INPUT in (o.a, o.b) and not own:
@@ -618,7 +648,7 @@ def rounds(p: Plan, inputs: Optional[Sequence[Sequence]] = None) -> list:
             n = taken[o.frm, st.rank] = taken.get((o.frm, st.rank), 0) + 1
             t = max(t, published[o.frm, st.rank][n - 1] + 1)
         finished[st.rank] = t
-        if o.to & TO_SLOT:
+        if o.to & _PUBLISHES:
             for r in range(p.world):
                 if o.readers >> r & 1:
                     published.setdefault((st.rank, r), []).append(t)

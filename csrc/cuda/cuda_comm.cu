@@ -453,9 +453,9 @@ void CudaComm::launch(const char* op, Collective coll, uintptr_t input, uintptr_
     fallback_part = prepare_fallback(plan_part, call, *plan,
                                      [&](const CompiledPlan& fallback) { return device_plan(op, coll, fallback, stream); });
     // A peer in this process reaches a plain device pointer; one in another, only symmetric memory.
-    if (plan->reads_peer_inputs)
-      place_input(plan_part, *heap_, symmetric_table_, symmetric_table_device_, call, world_,
-                  reinterpret_cast<const void*>(input), ipc_peers() == 0);
+    if (plan->reads_in_place)
+      place_arguments(plan_part, *heap_, symmetric_table_, symmetric_table_device_, call, world_,
+                      reinterpret_cast<const void*>(input), reinterpret_cast<const void*>(output), ipc_peers() == 0);
   } else {
     RINGCOLL_CHECK(!collective_info(coll).rooted, std::invalid_argument, op, ": runs by a plan only");
   }

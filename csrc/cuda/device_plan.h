@@ -31,20 +31,25 @@
 // says why a plan needs the second), and every wait watches every peer's `aborted` flag: a
 // plan's ops may wait on any rank, so a failure anywhere stops every rank within a poll.
 //
-// Peers' inputs where they lie (Operand::kPeerInput: the direct plans). A peer's input is
-// reachable where it lies in symmetric memory (its arena and offset, read through this
+// Peers' memory where it lies (the direct plans): an input (Operand::kPeerInput), or an output
+// whose chunks a publication shares there (kShareOutput: the receive reads the sender's
+// output instead of its slot). A peer's input or output is reachable where it lies in symmetric memory (its arena and offset, read through this
 // rank's mapping of that arena: kernel_abi.h's SymmetricTable), or anywhere where every rank
 // is a thread of one process (its plain device pointer). As on the CPU (host_comm.cpp's
 // direct reads), rank k
-//   1. posts where its input lies for its n-th such call (InputPost; before the call
-//      check, since it writes only its own memory), and every block reads every rank's
-//      post of call n (the counts compared: no rank reads past a peer's input; an input out
-//      of some rank's reach is an error on every rank, kNotSymmetric, before any data moves);
-//   2. runs the plan, a kPeerInput operand being that peer's input at the chunk's place;
+//   1. posts where its input and output lie for its n-th such call (InputPost; before the
+//      call check, since it writes only its own memory), and every block reads every rank's
+//      post of call n (the calls compared: no rank reads past a peer's tensors; one out of
+//      some rank's reach is an error on every rank, kNotSymmetric, before any data moves);
+//   2. runs the plan, a kPeerInput operand being that peer's input at the chunk's place, a
+//      receive of a shared publication that peer's output there (where some output a
+//      shared publication lies in is out of some reader's reach, every rank finds so from
+//      the same posts, and every rank then publishes and reads those through slots, as
+//      kToSlot: an ordinary output of a peer in another process);
 //   3. once each block has done its last such read (in the last slice), it says so
 //      (inputs_read[b] = n), and before the kernel ends it waits until block b of every
 //      peer has said so: the kernel, and with it the call on this rank's stream, completes
-//      only when no peer still reads this rank's input.
+//      only when no peer still reads this rank's input or output.
 // A call may carry a fallback plan (RingParams::fallback: what auto runs on symmetric memory,
 // direct else the ring's plan): where some input is out of reach, every rank finds it so in
 // step 1 from the same posts, so every rank runs the fallback instead, over the same chunks,
@@ -70,7 +75,9 @@ namespace ringcoll::cuda {
 struct PlanShared {
   BlockShared block;
   int fall_back;                       // some input a plan reads in place is out of reach: run RingParams::fallback
+  int shared_in_slots;                 // some output a publication is shared in is out of reach: through slots
   const void* peer_inputs[kMaxWorld];  // a direct plan's: every peer's input (kPeerInput), from its post
+  const void* peer_outputs[kMaxWorld];  // ... and every peer's output that some rank receives a shared publication from
   uint64_t slot_last[kBanks * kMaxPlanChunks];
   uint64_t slot_readers[kBanks * kMaxPlanChunks];
 };
@@ -86,7 +93,7 @@ class DevicePlanContext : public DeviceBlock {
     fallbacks_ = p.state[kFallbacksWord];
   }
 
-  // A plan that reads peers' inputs (file comment). post_input: step 1, this rank's post of
+  // A plan that reads peers' memory (file comment). post_input: step 1, this rank's post of
   // its next such call (by block 0; every block counts it); find_peer_inputs: the peers'
   // posts of it; finish_reading: step 3's wait. Those two return false if a wait gave up.
   RINGCOLL_DEVICE void post_input() {
@@ -96,18 +103,20 @@ class DevicePlanContext : public DeviceBlock {
     word_store_relaxed(&mine->address, p_.plan.input_offset);
     store_call_fields(&mine->call, p_.call);
     word_store_relaxed(&mine->arena, p_.plan.input_arena);
+    word_store_relaxed(&mine->output_address, p_.plan.output_offset);
+    word_store_relaxed(&mine->output_arena, p_.plan.output_arena);
     flag_store_release(&mine->number, input_posts_, p_.flag_scope);
   }
 
-  // Every rank's post is read, and the reach of each input some rank reads is judged, this
-  // rank's own included (from its parameters: another block may not have posted it yet), so
-  // an input out of reach is found by every rank, and every rank raises the same error.
+  // Every rank's post is read, and the reach of each input and output some rank reads is
+  // judged, this rank's own included (from its parameters: another block may not have posted
+  // it yet), so one out of reach is found by every rank, and every rank raises the same error.
   RINGCOLL_DEVICE bool find_peer_inputs() {
     set_position(p_.first_unit, -1);
     if (threadIdx.x == 0) {
       for (int r = 0; r < p_.world && shared_->failed == 0; ++r) {
-        int64_t arena = p_.plan.input_arena;
-        uint64_t address = p_.plan.input_offset;
+        int64_t arena = p_.plan.input_arena, output_arena = p_.plan.output_arena;
+        uint64_t address = p_.plan.input_offset, output_address = p_.plan.output_offset;
         if (r != p_.rank) {
           const InputPost* theirs = input_post(base_of(r));
           poll(&theirs->number, p_.flag_scope, input_posts_, r, Awaited::kInputPost);
@@ -121,11 +130,18 @@ class DevicePlanContext : public DeviceBlock {
           }
           arena = word_load_relaxed(&theirs->arena);
           address = word_load_relaxed(&theirs->address);
+          output_arena = word_load_relaxed(&theirs->output_arena);
+          output_address = word_load_relaxed(&theirs->output_address);
         }
-        if (!has_bit(p_.plan.inputs_read, r)) continue;  // nobody reads it (a broadcast's non-roots)
-        const void* input = reachable_input(r, arena, address);
-        if (input == nullptr) break;  // out of reach: falling back, or gave up saying why
-        slots_->peer_inputs[r] = input;
+        if (has_bit(p_.plan.inputs_read, r)) {  // else nobody reads it (a broadcast's non-roots)
+          const void* input = reachable_input(r, arena, address);
+          if (input == nullptr) break;  // out of reach: falling back, or gave up saying why
+          slots_->peer_inputs[r] = input;
+        }
+        if (has_bit(p_.plan.outputs_read, r)) {
+          slots_->peer_outputs[r] = address_of(r, output_arena, output_address);
+          if (slots_->peer_outputs[r] == nullptr) slots_->shared_in_slots = 1;
+        }
       }
     }
     return block_agrees();
@@ -133,7 +149,7 @@ class DevicePlanContext : public DeviceBlock {
 
   RINGCOLL_DEVICE bool finish_reading() {
     if (threadIdx.x == 0) {
-      if (p_.plan.last_peer_input_op < 0)  // read nobody's (a broadcast's root): nothing to wait for first
+      if (p_.plan.last_in_place_read_op < 0)  // read nobody's (a broadcast's root): nothing to wait for first
         flag_store_release(inputs_read_flag(p_.my_base, block_), input_posts_, p_.flag_scope);
       for (int r = 0; r < p_.world && shared_->failed == 0; ++r)
         if (r != p_.rank)
@@ -175,21 +191,24 @@ class DevicePlanContext : public DeviceBlock {
         set_position(j, i);
         const bool receives = op.a == static_cast<uint8_t>(Operand::kPeer) || op.b == static_cast<uint8_t>(Operand::kPeer);
         const uint64_t reads = receives ? number(op.from, j, op.reads) : 0;
-        const uint64_t writes = (op.to & kToSlot) ? number(p_.rank, j, ++published) : 0;
+        // A publication shares the output (kShareOutput) unless some such output is out of reach
+        const bool in_slot = (op.to & kToSlot) || ((op.to & kShareOutput) && slots_->shared_in_slots);
+        const bool shared = op.shared && !slots_->shared_in_slots;
+        const uint64_t writes = (op.to & (kToSlot | kShareOutput)) ? number(p_.rank, j, ++published) : 0;
         if (threadIdx.x == 0) {
           if (receives) poll(plan_published_flag(base_of(op.from), block_), p_.flag_scope, reads, op.from,
                              Awaited::kPublish);
-          if (writes) wait_slots_free(bank, op);
+          if (in_slot) wait_slots_free(bank, op);
         }
         if (!block_agrees()) return false;
-        for (int c = op.first; c < op.first + op.count; ++c) combine(op, bank, j, c);
+        for (int c = op.first; c < op.first + op.count; ++c) combine(op, shared, in_slot, bank, j, c);
         __syncthreads();  // every thread's part is written: before the flags, and before the next op reads it
         if (threadIdx.x == 0) {
           if (receives) flag_store_release(consumed_from_flag(p_.my_base, block_, op.from), reads, p_.flag_scope);
-          if (j + 1 == last && i == p_.plan.last_peer_input_op)  // done with the peers' inputs (step 3)
+          if (j + 1 == last && i == p_.plan.last_in_place_read_op)  // done with the peers' memory (step 3)
             flag_store_release(inputs_read_flag(p_.my_base, block_), input_posts_, p_.flag_scope);
           if (writes) {
-            for (int c = op.first; c < op.first + op.count; ++c) {
+            for (int c = op.first; c < op.first + op.count && in_slot; ++c) {
               slots_->slot_last[slot_index(bank, c, chunks_)] = writes;
               slots_->slot_readers[slot_index(bank, c, chunks_)] = op.readers;
             }
@@ -219,16 +238,20 @@ class DevicePlanContext : public DeviceBlock {
   }
 
  private:
-  // Where rank r's input lies as this rank reads it, from r's post (InputPost): a plain
-  // address only where every peer is a thread of one process, else r's part of a symmetric
-  // arena as mapped here plus the offset. Null where it cannot be reached, having marked the
-  // block to run the call's fallback plan if it has one, else having given up.
+  // Where memory of rank r's posted at (arena, address) lies as this rank reads it (InputPost):
+  // a plain address only where every peer is a thread of one process, else r's part of a
+  // symmetric arena as mapped here plus the offset; null where this rank cannot reach it.
+  RINGCOLL_DEVICE const void* address_of(int r, int64_t arena, uint64_t address) const {
+    if (arena == kPlainAddress) return p_.plan.plain_addresses_readable ? reinterpret_cast<const void*>(address) : nullptr;
+    if (arena >= 0 && arena < p_.plan.symmetric_arenas) return p_.plan.symmetric_bases[arena * kMaxWorld + r] + address;
+    return nullptr;
+  }
+
+  // Rank r's input where it lies as this rank reads it (address_of). Null where it cannot be
+  // reached, having marked the block to run the call's fallback plan if it has one, else
+  // having given up.
   RINGCOLL_DEVICE const void* reachable_input(int r, int64_t arena, uint64_t address) {
-    if (arena == kPlainAddress) {
-      if (p_.plan.plain_addresses_readable) return reinterpret_cast<const void*>(address);
-    } else if (arena >= 0 && arena < p_.plan.symmetric_arenas) {
-      return p_.plan.symmetric_bases[arena * kMaxWorld + r] + address;
-    }
+    if (const void* input = address_of(r, arena, address)) return input;
     if (p_.fallback.chunks != 0) {  // every rank finds the same input out of reach: all run the fallback
       slots_->fall_back = 1;
       return nullptr;
@@ -265,9 +288,11 @@ class DevicePlanContext : public DeviceBlock {
     const bool own = p_.collective == static_cast<int>(only_own);
     return static_cast<T*>(const_cast<void*>(user)) + j * slice_elems_ + (own ? 0 : chunk_begin(p_.ring_count, chunks_, c));
   }
-  RINGCOLL_DEVICE T* operand(uint8_t which, int from, int bank, int c, int64_t j) const {
+  // `shared`: a receive's publication lies in the sender's output (DevicePlanOp::shared).
+  RINGCOLL_DEVICE T* operand(uint8_t which, int from, int bank, int c, int64_t j, bool shared = false) const {
     switch (static_cast<Operand>(which)) {
-      case Operand::kPeer: return slot(base_of(from), bank, c);
+      case Operand::kPeer:
+        return shared ? user_at(slots_->peer_outputs[from], Collective::kReduceScatter, c, j) : slot(base_of(from), bank, c);
       case Operand::kInput: return user_at(p_.input, Collective::kAllGather, c, j);
       case Operand::kOutput: return user_at(p_.output, Collective::kReduceScatter, c, j);
       case Operand::kWork: return static_cast<T*>(p_.plan.work) + static_cast<int64_t>(c) * slice_elems_;
@@ -279,16 +304,18 @@ class DevicePlanContext : public DeviceBlock {
 
   // Chunk c of slice j: this block's tiles, value = a [OP b] to the op's places (the slot
   // first, as on the CPU). A copy skips a place that is its source (in place).
-  RINGCOLL_DEVICE RINGCOLL_PLAN_NOINLINE void combine(const DevicePlanOp& op, int bank, int64_t j, int c) {
+  // `shared`: the op's receive reads the sender's output; `in_slot`: its value goes to a slot.
+  RINGCOLL_DEVICE RINGCOLL_PLAN_NOINLINE void combine(const DevicePlanOp& op, bool shared, bool in_slot, int bank,
+                                                      int64_t j, int c) {
     const int64_t len = slice_length(chunk_length(p_.ring_count, chunks_, c), slice_elems_, j);
     if (len == 0) return;
-    T* places[2] = {nullptr, nullptr};
+    T* places[2] = {nullptr, nullptr};  // a sharing op writes the output alone (plan.h), so a slot makes two
     int n = 0;
-    if (op.to & kToSlot) places[n++] = slot(p_.my_base, bank, c);
+    if (in_slot) places[n++] = slot(p_.my_base, bank, c);
     if (op.to & kToWork) places[n++] = operand(static_cast<uint8_t>(Operand::kWork), -1, bank, c, j);
     if (op.to & kToOutput) places[n++] = operand(static_cast<uint8_t>(Operand::kOutput), -1, bank, c, j);
-    const T* a = operand(op.a, op.from, bank, c, j);
-    const T* b = op.b == static_cast<uint8_t>(Operand::kNone) ? nullptr : operand(op.b, op.from, bank, c, j);
+    const T* a = operand(op.a, op.from, bank, c, j, shared);
+    const T* b = op.b == static_cast<uint8_t>(Operand::kNone) ? nullptr : operand(op.b, op.from, bank, c, j, shared);
     if (b == nullptr && places[0] == a) places[0] = places[1], places[1] = nullptr;
     for (int64_t t = block_; t < tile_count(len, sizeof(T)); t += blocks_) {
       const int64_t lo = tile_begin(t, sizeof(T)), hi = tile_end(len, t, sizeof(T));
@@ -314,6 +341,7 @@ RINGCOLL_DEVICE void plan_block(const RingParams& p, PlanShared& shared, bool ve
   if (threadIdx.x == 0) {
     shared.block.failed = flag_load_relaxed(aborted_flag(p.my_base)) != 0;
     shared.fall_back = 0;
+    shared.shared_in_slots = 0;
   }
   __syncthreads();
   const bool broken = shared.block.failed != 0;
@@ -321,13 +349,13 @@ RINGCOLL_DEVICE void plan_block(const RingParams& p, PlanShared& shared, bool ve
   if (broken) return;  // this rank gave up earlier: launches queued behind that do nothing
   DevicePlanContext<T, Op> ctx(p, &shared, vectorise);
   const int64_t slices = p.last_unit - p.first_unit;
-  const bool reads_inputs = p.plan.reads_peer_inputs != 0 && slices > 0;
-  if (reads_inputs) ctx.post_input();  // writes only this rank's memory: before the check, as on the CPU
+  const bool reads_in_place = p.plan.reads_in_place != 0 && slices > 0;
+  if (reads_in_place) ctx.post_input();  // writes only this rank's memory: before the check, as on the CPU
   bool ok = !p.check_call || ctx.check_call(/*both_sides=*/true);
-  if (ok && reads_inputs) ok = ctx.find_peer_inputs();
-  if (ok && reads_inputs && shared.fall_back != 0) ctx.run_fallback();  // set before find_peer_inputs' barrier
+  if (ok && reads_in_place) ok = ctx.find_peer_inputs();
+  if (ok && reads_in_place && shared.fall_back != 0) ctx.run_fallback();  // set before find_peer_inputs' barrier
   if (ok && slices > 0) ok = ctx.drain() && ctx.run(p.first_unit, p.last_unit);
-  if (ok && reads_inputs) ok = ctx.finish_reading();
+  if (ok && reads_in_place) ok = ctx.finish_reading();
   if (ok) ctx.save_if_last_block(slices);
 }
 

@@ -11,8 +11,8 @@
 //                       placement of the data in the slots, one word per call parity;
 //                       then the plans' words: per block b, plan_published and
 //                       consumed_from[r] for r < kMaxWorld; the input post (where this
-//                       rank's input lies for a plan that reads peers' inputs); per block
-//                       b, inputs_read
+//                       rank's input and output lie for a plan that reads peers' memory
+//                       where it lies); per block b, inputs_read
 //                       (128-byte lines; docs/flags.md says who writes and reads each word) ]
 //   [ data area: kBanks x P slots of slot_bytes each (call.h); a plan of C chunks cuts
 //                the same bytes into kBanks x C slots (plan_slot_bytes)              ]
@@ -62,9 +62,10 @@ constexpr size_t kPlacementOffset = kFinishedOffset + kFlagStride;
 // latest plan publication this rank has read (flow control per connection).
 constexpr size_t kPlanPublishedOffset = kPlacementOffset + kFlagStride;
 constexpr size_t kConsumedFromOffset = kPlanPublishedOffset + kMaxBlocks * kFlagStride;
-// A plan that reads peers' inputs where they lie (Operand::kPeerInput; device_plan.h): the
-// owner posts where its input lies for its n-th such call (InputPost, `number` = n stored
-// last), and its block b says in inputs_read[b] = n that it has read every peer's input.
+// A plan that reads peers' memory where it lies (Operand::kPeerInput, kShareOutput;
+// device_plan.h): the owner posts where its input and output lie for its n-th such call
+// (InputPost, `number` = n stored last), and its block b says in inputs_read[b] = n that it
+// has read all it reads of every peer's input and output.
 constexpr size_t kInputPostOffset = kConsumedFromOffset + kMaxBlocks * kFlagStride;
 constexpr size_t kInputsReadOffset = kInputPostOffset + kFlagStride;
 constexpr size_t kFlagAreaBytes = (kInputsReadOffset + kMaxBlocks * kFlagStride + 4095) / 4096 * 4096;  // 164 KiB
@@ -78,6 +79,8 @@ constexpr int64_t kPlainAddress = -1;
 struct InputPost {
   uint64_t address;     // the device pointer (kPlainAddress), or the offset in the owner's segment of `arena`
   int64_t arena;        // the symmetric arena the input lies in, or kPlainAddress
+  uint64_t output_address;  // the same two for its output (what it shares there: kShareOutput)
+  int64_t output_arena;
   CallDescriptor call;  // the owner's call, compared whole (its count, dtype, collective and root
                         // size the input), so no rank reads past a peer's input, checked or not
   uint64_t number;      // the owner's n-th call of such a plan (stored last, with release)
@@ -240,7 +243,7 @@ enum class AbortCause : int32_t {
   kPeerAborted = 3, // (records only) a neighbour gave up; `cause` says why that one did
   kClosed = 4,      // (flag only) the rank closed its communicator after its last call
   kPeerLeft = 5,    // (flag only) a neighbour it was waiting for had closed: passed on like a timeout
-  kNotSymmetric = 6,  // a plan reads peers' inputs, and a rank's input is where some peer cannot reach it
+  kNotSymmetric = 6,  // a plan reads peers' memory, and a rank's input or output is where some peer cannot reach it
 };
 
 // What a neighbour's `aborted` value says, for messages.
@@ -250,7 +253,8 @@ inline const char* abort_cause_text(int32_t cause) {
     case AbortCause::kClosed: return "closed its communicator";
     case AbortCause::kPeerLeft: return "abandoned the call: a rank closed its communicator while others waited for it";
     case AbortCause::kNotSymmetric:
-      return "abandoned the call: a rank's input is not in symmetric memory, so a peer in another process cannot read it";
+      return "abandoned the call: a rank's input or output is not in symmetric memory, so a peer in another process "
+             "cannot read it";
     default: return "abandoned the call: a wait in the ring timed out";
   }
 }
@@ -264,6 +268,7 @@ struct ErrorRecord {
   int32_t waiting_for;  // which flag: 0 publish, 1 consume, 2 descriptor, 3 input post, 4 inputs read
   int32_t aborted_rank;  // kPeerAborted: the neighbour that gave up (the awaited one, or the other)
   int32_t step;      // -1 before the first ring step
+  int32_t output;    // kNotSymmetric: 1 if the tensor out of reach is the rank's output, 0 its input
   int64_t slice;
   uint64_t call;     // the communicator's call number (0: unknown, the check is off)
   uint64_t expected, seen;
@@ -277,7 +282,8 @@ struct DevicePlanOp {
   uint64_t readers;  // with kToSlot: the ranks that read the publication (bit r: rank r)
   int32_t reads;     // a receive: which of the sender's publications of a slice it reads (1, 2, ..); 0: none
   int16_t from, first, count;
-  uint8_t a, b, to, final;  // plan.h's Operand codes, kTo* bits, PlanOp::final
+  uint8_t a, b, to, final;  // plan.h's Operand codes, kTo* bits (| kShareOutput), PlanOp::final
+  uint8_t shared;           // a receive whose publication lies in the sender's output (CompiledPlan::reads_shared)
 };
 
 // A plan's slot bookkeeping is per block, in shared memory (device_plan.h): this many chunks
@@ -293,15 +299,18 @@ struct PlanParams {
   int32_t publications[kMaxWorld];  // per rank: its publications per slice (CompiledPlan::publications)
   int32_t most_publications;        // the largest of them: a call advances the numbering by slices x this
   void* work;               // private scratch of C chunks x slot_bytes
-  // A plan that reads peers' inputs where they lie (CompiledPlan::reads_peer_inputs): every
-  // rank posts its input; this rank's last op that reads one (-1: none), after which, in the
-  // last slice, each block says it has read them (device_plan.h).
-  int32_t reads_peer_inputs;
-  int32_t last_peer_input_op;
+  // A plan that reads peers' memory where it lies (CompiledPlan::reads_in_place): every rank
+  // posts where its input and output lie; this rank's last op that reads a peer's (-1:
+  // none), after which, in the last slice, each block says it has read them (device_plan.h).
+  int32_t reads_in_place;
+  int32_t last_in_place_read_op;
   uint64_t inputs_read;                // bit r: some rank's ops read rank r's input (all-gather: all; broadcast: the root)
-  // Where this rank's input lies, for its post (InputPost), and how peers' posts are read.
+  uint64_t outputs_read;               // bit r: some rank receives what rank r shares in its output
+  // Where this rank's input and output lie, for its post (InputPost), and how peers' posts are read.
   int64_t input_arena;                 // kPlainAddress, or the symmetric arena this rank's input lies in
   uint64_t input_offset;               // its offset in this rank's part of that arena
+  int64_t output_arena;                // the same two for its output
+  uint64_t output_offset;
   const char* const* symmetric_bases;  // the SymmetricTable's entries, in memory the kernels read
   int32_t symmetric_arenas;            // how many arenas the table holds
   int32_t plain_addresses_readable;    // every peer is a thread of this process: a plain post can be read
@@ -427,6 +436,7 @@ inline std::vector<DevicePlanOp> device_plan_ops(const CompiledPlan& plan, int r
     d.reads = plan.publication_read[static_cast<size_t>(rank)][i];
     d.from = o.from, d.first = o.first, d.count = o.count;
     d.a = static_cast<uint8_t>(o.a), d.b = static_cast<uint8_t>(o.b), d.to = o.to, d.final = o.final ? 1 : 0;
+    d.shared = static_cast<uint8_t>(plan.reads_shared[static_cast<size_t>(rank)][i]);
     out.push_back(d);
   }
   return out;
@@ -509,9 +519,10 @@ PlanParams prepare_plan(PlanRecords& records, DevicePlanOp* area, void* work, co
   const int64_t at = records.place(ops, &added, op);
   if (added && !ops.empty()) copy_new(area + at, records.newest());
   PlanParams q = plan_params(plan, area + at, static_cast<int>(ops.size()), ring_slot_bytes, world, work, op);
-  q.reads_peer_inputs = plan.reads_peer_inputs ? 1 : 0;
-  q.last_peer_input_op = plan.last_peer_input_op[static_cast<size_t>(rank)];
+  q.reads_in_place = plan.reads_in_place ? 1 : 0;
+  q.last_in_place_read_op = plan.last_in_place_read_op[static_cast<size_t>(rank)];
   q.inputs_read = plan.inputs_read;
+  q.outputs_read = plan.outputs_read;
   return q;
 }
 
@@ -554,16 +565,19 @@ class SymmetricTable {
   int arenas_ = 0;
 };
 
-// The symmetric part of a plan call's parameters: where this rank's input lies (its arena
-// and offset, or kPlainAddress), the table the kernels read (`bases`: the table's entries in
-// their memory), and whether peers' plain addresses can be read (every peer is a thread of
-// this process).
-inline void place_input(PlanParams& q, const SymmetricHeap& heap, const SymmetricTable& table,
-                        const char* const* bases, const RingCall& call, int world, const void* input,
-                        bool plain_addresses_readable) {
+// The symmetric part of a plan call's parameters: where this rank's input and output lie
+// (each its arena and offset, or kPlainAddress), the table the kernels read (`bases`: the
+// table's entries in their memory), and whether peers' plain addresses can be read (every
+// peer is a thread of this process).
+inline void place_arguments(PlanParams& q, const SymmetricHeap& heap, const SymmetricTable& table,
+                            const char* const* bases, const RingCall& call, int world, const void* input,
+                            const void* output, bool plain_addresses_readable) {
   const auto place = heap.locate(input, input_bytes(call, world));
   q.input_arena = place ? static_cast<int64_t>(place->arena) : kPlainAddress;
   q.input_offset = place ? place->offset : reinterpret_cast<uint64_t>(input);
+  const auto out_place = heap.locate(output, output_bytes(call, world));
+  q.output_arena = out_place ? static_cast<int64_t>(out_place->arena) : kPlainAddress;
+  q.output_offset = out_place ? out_place->offset : reinterpret_cast<uint64_t>(output);
   q.symmetric_bases = bases;
   q.symmetric_arenas = table.arenas();
   q.plain_addresses_readable = plain_addresses_readable ? 1 : 0;
@@ -634,12 +648,13 @@ inline std::string error_message(const ErrorRecord& r, int world, double timeout
       break;
     case AbortCause::kNotSymmetric:
       if (r.seen == static_cast<uint64_t>(kPlainAddress))
-        msg << "rank " << r.peer << "'s input is not in symmetric memory (ringcoll.empty), so its peers in other "
-            << "processes cannot read it where it lies; a plan that reads peers' inputs (algorithm \"direct\") "
-            << "needs the input of every rank it reads in symmetric memory of this communicator";
+        msg << "rank " << r.peer << "'s " << (r.output ? "output" : "input") << " is not in symmetric memory "
+            << "(ringcoll.empty), so its peers in other processes cannot read it where it lies; a plan that reads "
+            << "peers' memory (algorithm \"direct\") needs every input and output it reads in symmetric memory "
+            << "of this communicator";
       else
-        msg << "rank " << r.peer << "'s input lies in symmetric arena " << r.seen << ", which rank " << r.rank
-            << " has not mapped (it has " << r.expected << ")";
+        msg << "rank " << r.peer << "'s " << (r.output ? "output" : "input") << " lies in symmetric arena " << r.seen
+            << ", which rank " << r.rank << " has not mapped (it has " << r.expected << ")";
       msg << "; no data was moved";
       break;
     case AbortCause::kMismatch:

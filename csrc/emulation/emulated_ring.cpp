@@ -347,10 +347,11 @@ CallResult EmulatedRing::enqueue(const EmulatedCall& c, int user_stream, bool jo
     };
     plan_part = prepare(*c.plan);
     fallback_part = cuda::prepare_fallback(plan_part, call, *c.plan, prepare);
-    if (c.plan->reads_peer_inputs) {  // the kernels read the host's table itself (CudaComm copies it to the GPU)
+    if (c.plan->reads_in_place) {  // the kernels read the host's table itself (CudaComm copies it to the GPU)
       std::lock_guard<std::mutex> lock(me.symmetric_mutex);
-      cuda::place_input(plan_part, *me.heap, me.table, me.table.entries(), call, world_,
-                        reinterpret_cast<const void*>(c.input), peers_in_process_);
+      cuda::place_arguments(plan_part, *me.heap, me.table, me.table.entries(), call, world_,
+                            reinterpret_cast<const void*>(c.input), reinterpret_cast<const void*>(c.output),
+                            peers_in_process_);
     }
   } else if (collective_info(coll).rooted) {
     return {"ValueError", std::string(collective_info(coll).name) + ": runs by a plan only"};

@@ -359,7 +359,7 @@ void HostComm::run_ring_call(const char* op, const RingCall& call, const void* i
   const SymmetricArgs symmetric = one_shot ? SymmetricArgs{} : symmetric_args(call, input, output);
   run_collective(op, call.descriptor, [&] {
     one_shot_calls_ += one_shot;  // counted where its sends go, before the check
-    before_the_check(call, plan, input);
+    before_the_check(call, plan, input, output);
     if (symmetric.posted) post_symmetric(call, symmetric);
   }, [&] {
     auto copy = [](void* dst, const void* src, size_t bytes) { std::memcpy(dst, src, bytes); };
@@ -386,15 +386,14 @@ void HostComm::drain_plan_publications(int bank) {
 }
 
 // Before the call check of a call by `plan` (it writes nothing but this rank's own header
-// and slots): where this rank's input lies, if the plan reads peers' inputs, and the plan's
-// early sends, where the call is one slice. Such calls fill the two banks in turn (the same
-// on every rank: each counts them alike), so that a rank's sends wait only for its readers
-// of the call before last, not of the last one: a rank may run a call ahead of a peer that
-// still reads the last (the slack one-shot calls need).
-void HostComm::before_the_check(const RingCall& call, const CompiledPlan& plan, const void* input) {
-  // all-gather's input is my chunk, the others' the whole message
-  if (plan.reads_peer_inputs)
-    post_direct_input(input, message_bytes(call) / (call.collective == Collective::kAllGather ? world_ : 1));
+// and slots): where this rank's input and output lie, if the plan reads peers' memory where
+// it lies, and the plan's early sends, where the call is one slice. Such calls fill the two
+// banks in turn (the same on every rank: each counts them alike), so that a rank's sends
+// wait only for its readers of the call before last, not of the last one: a rank may run a
+// call ahead of a peer that still reads the last (the slack one-shot calls need).
+void HostComm::before_the_check(const RingCall& call, const CompiledPlan& plan, const void* input,
+                                const void* output) {
+  if (plan.reads_in_place) post_direct_places(call, input, output);
   call_start_ = {};
   if (world_ == 1 || !plan.plan.sends_early) return;
   const int64_t slice = plan_slice_elems(plan, buffer_bytes_, call.ring_count, static_cast<size_t>(call.elem_size));
@@ -417,7 +416,7 @@ void HostComm::run_plan_steps(const RingCall& call, const CompiledPlan& plan, co
     choose_slot_stores(call);
   }
   step_base_ += run_host_plan(*this, plan, call, input, output, step_base_, plan_unread_, plan_scratch_, call_start_);
-  if (plan.reads_peer_inputs) finish_direct_reads();
+  if (plan.reads_in_place) finish_direct_reads();
   fail_if_a_peer_gave_up();
 }
 
@@ -447,10 +446,10 @@ void HostComm::run_plan(Collective coll, const CompiledPlan& plan, const void* i
 void HostComm::run_plan_call(const char* op, const RingCall& call, const CompiledPlan& plan, const void* input,
                              void* output) {
   check_plan_fits(plan, call.collective, world_, op);
-  RINGCOLL_CHECK(!plan.reads_peer_inputs || direct_reads_, std::invalid_argument, op, ": this plan reads peers' "
-                 "inputs where they lie (process_vm_readv), which this communicator cannot: ", direct_unavailable_,
+  RINGCOLL_CHECK(!plan.reads_in_place || direct_reads_, std::invalid_argument, op, ": this plan reads peers' "
+                 "memory where it lies (process_vm_readv), which this communicator cannot: ", direct_unavailable_,
                  " (RINGCOLL_DIRECT_BYTES=0 turns direct reads off; else the probe at bootstrap failed)");
-  run_collective(op, call.descriptor, [&] { before_the_check(call, plan, input); }, [&] {
+  run_collective(op, call.descriptor, [&] { before_the_check(call, plan, input, output); }, [&] {
     auto copy = [](void* dst, const void* src, size_t bytes) { std::memcpy(dst, src, bytes); };
     run_call(call, world_, input, output, copy, [&] { run_plan_steps(call, plan, input, output); });
   });
@@ -620,7 +619,7 @@ bool HostComm::uses_one_shot(const RingCall& call) const {
 //   1. posts where its input lies (address, bytes, call number) in its header;
 //   2. for j = k+1, k+2, .. (mod P): waits for rank j's post of this call and reads rank
 //      j's input straight into chunk j of its output: one copy, in the kernel;
-//   3. says it has read every peer (`direct_read` = the call number: say_peer_inputs_read,
+//   3. says it has read every peer (`direct_read` = the call number: say_peer_reads_done,
 //      after its last read), copies its own chunk into chunk k of its output (nothing in
 //      place) while peers may still read its input, and waits until every peer has said so
 //      (finish_direct_reads): only then may the caller reuse its input.
@@ -650,35 +649,41 @@ bool HostComm::uses_direct_read(const RingCall& call) const {
                                             slot_bytes_));
 }
 
-void HostComm::post_direct_input(const void* input, size_t bytes) {
+void HostComm::post_direct_places(const RingCall& call, const void* input, const void* output) {
   auto& post = header(rank_).direct_post;
   post.address = reinterpret_cast<uintptr_t>(input);
-  post.bytes = bytes;
+  post.bytes = input_bytes(call, world_);
+  post.output_address = reinterpret_cast<uintptr_t>(output);
+  post.output_bytes = output_bytes(call, world_);
   flag_store_release(&post.call, calls_);
 }
 
-void HostComm::say_peer_inputs_read() { flag_store_release(&header(rank_).direct_read.value, calls_); }
+void HostComm::say_peer_reads_done() { flag_store_release(&header(rank_).direct_read.value, calls_); }
 
 void HostComm::finish_direct_reads() {
-  say_peer_inputs_read();
+  say_peer_reads_done();
   for (int peer = 0; peer < world_; ++peer)
     if (peer != rank_) wait_for(peer, &SegmentHeader::direct_read, calls_, "finish reading this rank's input");
 }
 
-void HostComm::read_peer_input(int peer, size_t offset, void* into, size_t bytes) {
+void HostComm::read_peer(int peer, PeerPlace place, size_t offset, void* into, size_t bytes) {
   const SegmentHeader& h = header(peer);
-  wait_for(peer, &h.direct_post.call, calls_, "post its input");
-  // Every rank posts its whole input, the same size on every rank in a matching call: a
-  // different size is a mismatch the call check (if off) did not see, named by both ranks.
-  const size_t mine = header(rank_).direct_post.bytes;
-  if (h.direct_post.bytes != mine)
+  wait_for(peer, &h.direct_post.call, calls_, "post where its input and output lie");
+  // Every rank posts its whole input and output, the same sizes on every rank in a matching
+  // call: a difference is a mismatch the call check (if off) did not see, named by both ranks.
+  const auto& mine = header(rank_).direct_post;
+  if (h.direct_post.bytes != mine.bytes || h.direct_post.output_bytes != mine.output_bytes)
     fail<MismatchError>(current_op_, "rank " + std::to_string(peer) + " posted " + std::to_string(h.direct_post.bytes) +
-                                         " bytes of input but rank " + std::to_string(rank_) + " posted " +
-                                         std::to_string(mine) + " (call " + std::to_string(calls_) + ")");
-  const std::string failed = read_peer_memory(h.pid, h.direct_post.address + offset, into, bytes);
+                                         " bytes of input and " + std::to_string(h.direct_post.output_bytes) +
+                                         " of output but rank " + std::to_string(rank_) + " posted " +
+                                         std::to_string(mine.bytes) + " and " + std::to_string(mine.output_bytes) +
+                                         " (call " + std::to_string(calls_) + ")");
+  const bool input = place == PeerPlace::kInput;
+  const uint64_t address = input ? h.direct_post.address : h.direct_post.output_address;
+  const std::string failed = read_peer_memory(h.pid, address + offset, into, bytes);
   if (!failed.empty())
     fail<PeerError>(current_op_, "rank " + std::to_string(rank_) + " could not read rank " + std::to_string(peer) +
-                                     "'s input" + where_in_call() + ": " + failed);
+                                     (input ? "'s input" : "'s output") + where_in_call() + ": " + failed);
 }
 
 void HostComm::all_reduce(const void* input, void* output, int64_t user_count, DType dtype, ReduceOp op) {

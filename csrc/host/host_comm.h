@@ -70,11 +70,12 @@ struct SegmentHeader {
   // Whether the owner has fewer cores than there are ranks (host_wait_policy's test),
   // written before `probed`: every rank ORs them, so all order the paths alike.
   uint64_t cores_short;
-  // The direct-read all-gather: the owner's input for call `call` lies at `address`
-  // (`bytes` long); `call` is stored last, with release. `direct_read` = c: the owner has
-  // read every peer's input of call c, so each peer may let go of its own.
+  // A plan call that reads peers' memory where it lies (the direct plans): the owner's input
+  // for call `call` lies at `address` (`bytes` long), its output at `output_address`
+  // (`output_bytes`); `call` is stored last, with release. `direct_read` = c: the owner has
+  // read all it reads of its peers' inputs and outputs in call c, so each may let go of its own.
   struct alignas(64) {
-    uint64_t address, bytes, call;
+    uint64_t address, bytes, output_address, output_bytes, call;
   } direct_post;
   Flag direct_read;
   // The plan engine (host_plan.cpp): consumed_from[k] = v, the owner has read rank k's
@@ -375,18 +376,19 @@ class HostComm {
   void set_plan_position(int64_t slice, int64_t slices, int op, int ops, uint32_t algorithm) {
     position_ = {slice, slices, op, ops, Path::kPlan, algorithm};
   }
-  // The plan engine's read of a peer's input where it lies (Operand::kPeerInput): `bytes`
-  // from `offset` of what rank `peer` posted for this call, into `into`. Waits for the post;
-  // MismatchError where the peer posted another size than this rank, PeerError where the
-  // read fails.
-  void read_peer_input(int peer, size_t offset, void* into, size_t bytes);
+  // The plan engine's read of a peer's input (Operand::kPeerInput) or output (a publication
+  // shared there: kShareOutput) where it lies: `bytes` from `offset` of what rank `peer`
+  // posted for this call, into `into`. Waits for the post; MismatchError where the peer
+  // posted other sizes than this rank, PeerError where the read fails.
+  enum class PeerPlace { kInput, kOutput };
+  void read_peer(int peer, PeerPlace place, size_t offset, void* into, size_t bytes);
   // Wait until every reader has read what this rank published into `bank` (-1: both): the
   // slots' layout depends on the algorithm, so no slot is refilled across calls while a
   // peer still reads it (before a plan call; before its early sends, their bank only).
   void drain_plan_publications(int bank = -1);
-  // This rank has read all it reads of its peers' inputs in this call (finish_direct_reads'
+  // This rank has read all it reads of its peers' memory in this call (finish_direct_reads'
   // first half, said early so that peers may return while this rank still writes).
-  void say_peer_inputs_read();
+  void say_peer_reads_done();
 
  private:
   // Where a message's arguments lie in symmetric memory, as every rank posts them (host_symmetric.cpp).
@@ -424,16 +426,17 @@ class HostComm {
   void run_plan_steps(const RingCall& call, const CompiledPlan& plan, const void* input, void* output);
   // Before the call check (run_collective's early step): post my input for peers' reads,
   // choose the call's first bank, and send the plan's early sends (call_start_ says).
-  void before_the_check(const RingCall& call, const CompiledPlan& plan, const void* input);
+  void before_the_check(const RingCall& call, const CompiledPlan& plan, const void* input, const void* output);
   // After a call's last wait: PeerError if a peer gave up on this call meanwhile.
   void fail_if_a_peer_gave_up();
   // Bootstrap: see whether this rank may read every peer; then agree with all on direct_reads_.
   void probe_direct_reads();
-  // Before a call that reads peers' inputs where they lie: post my input's address and size
+  // Before a call that reads peers' memory where it lies: post where my input and output lie
   // (before the call check, like the one-shot publication: it writes only my own header).
-  void post_direct_input(const void* input, size_t bytes);
-  // The end of a call that read peers' inputs where they lie: tell every peer this rank has
-  // finished reading, and wait until every peer has (only then may the caller reuse its input).
+  void post_direct_places(const RingCall& call, const void* input, const void* output);
+  // The end of a call that read peers' memory where it lies: tell every peer this rank has
+  // finished reading, and wait until every peer has (only then may the caller reuse its
+  // input, or touch its output).
   void finish_direct_reads();
   // Before a ring or plan call: how this rank writes its slots (SlotStores); probes the hop
   // on the large calls whose turn it is (counted alike on every rank: they meet there).

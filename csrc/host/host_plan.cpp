@@ -57,7 +57,7 @@ class PlanRun {
     const size_t chunk = message / static_cast<size_t>(chunks_);
     stream_output_ = streams_output(input, coll == Collective::kAllGather ? chunk : message, output,
                                     coll == Collective::kReduceScatter ? chunk : message);
-    if (plan.reads_peer_inputs) {
+    if (plan.reads_in_place) {
       if (scratch.bounce.size() < kBounceBytes) scratch.bounce.resize(kBounceBytes);
       bounce_ = reinterpret_cast<T*>(scratch.bounce.data());
     }
@@ -82,21 +82,25 @@ class PlanRun {
       const PlanOp& op = ops[i];
       comm_.set_plan_position(j, slices_, static_cast<int>(i), static_cast<int>(ops.size()), plan_.id);
       const bool receives = op.a == Operand::kPeer || op.b == Operand::kPeer;
+      const bool shared = plan_.reads_shared[me_][i] != 0;  // the publication lies in the sender's output
       const uint64_t reads = receives ? number(op.from, j, plan_.publication_read[me_][i]) : 0;
       if (receives) comm_.wait_for(op.from, &comm_.header(op.from).published.value, reads, "publish data");
-      const uint64_t writes = (op.to & kToSlot) ? number(me_, j, ++published) : 0;
-      if (writes) wait_slots_free(bank, op.first, op.count);
-      for (int c = op.first; c < op.first + op.count; ++c) combine(op, bank, j, c);
+      const bool in_slot = (op.to & kToSlot) != 0;
+      const uint64_t writes = (op.to & (kToSlot | kShareOutput)) ? number(me_, j, ++published) : 0;
+      if (in_slot) wait_slots_free(bank, op.first, op.count);
+      for (int c = op.first; c < op.first + op.count; ++c) combine(op, shared, bank, j, c);
       if (receives) flag_store_release(&comm_.header(me_).consumed_from[op.from], reads);
-      // Done reading the peers' inputs: say so now, so that they may return while this rank
+      // Done reading the peers' memory: say so now, so that they may return while this rank
       // still writes (a direct all-gather's own chunk, copied last).
-      if (j + 1 == slices_ && static_cast<int>(i) == plan_.last_peer_input_op[me_]) comm_.say_peer_inputs_read();
+      if (j + 1 == slices_ && static_cast<int>(i) == plan_.last_in_place_read_op[me_]) comm_.say_peer_reads_done();
       if (writes) {
-        for (int c = op.first; c < op.first + op.count; ++c) {
+        for (int c = op.first; c < op.first + op.count && in_slot; ++c) {
           slot_last_[slot_index(bank, c, chunks_)] = writes;
           slot_readers_[slot_index(bank, c, chunks_)] = op.readers;
         }
-        if (comm_.stream_slots()) stream_fence();  // streaming stores are weakly ordered: the slot before the flag
+        // Streaming stores are weakly ordered: what is published (in a slot, or shared in
+        // the output) before the flag
+        if (in_slot ? comm_.stream_slots() : stream_output_) stream_fence();
         flag_store_release(&comm_.header(me_).published.value, writes);
       }
     }
@@ -145,11 +149,12 @@ class PlanRun {
   }
   T* work_at(int c) const { return work_ + static_cast<int64_t>(c) * slice_elems_; }
 
-  // Element `at` of an operand's chunk c in slice j; a peer's input is the bounce buffer,
-  // which holds just that piece (read_peer_input's, just before).
-  const T* operand(Operand which, int from, int bank, int c, int64_t j, int64_t at) const {
+  // Element `at` of an operand's chunk c in slice j; a peer's memory read where it lies (its
+  // input, or a publication `shared` in its output) is the bounce buffer, which holds just
+  // that piece (read_in_place's, just before).
+  const T* operand(Operand which, bool shared, int from, int bank, int c, int64_t j, int64_t at) const {
     switch (which) {
-      case Operand::kPeer: return slot(from, bank, c) + at;
+      case Operand::kPeer: return shared ? bounce_ : slot(from, bank, c) + at;
       case Operand::kInput: return input_at(c, j) + at;
       case Operand::kOutput: return output_at(c, j) + at;
       case Operand::kWork: return work_at(c) + at;
@@ -159,16 +164,18 @@ class PlanRun {
     return nullptr;
   }
 
-  // Elements [at, at + len) of chunk c of slice j of rank `from`'s input, read where it
-  // lies (kPeerInput) into `into`; all-gather's input is the rank's own chunk, so it starts
-  // at the chunk's beginning.
-  void read_peer_input(int from, int c, int64_t j, int64_t at, int64_t len, T* into) {
-    const int64_t begin =
-        j * slice_elems_ + at + (coll_ == Collective::kAllGather ? 0 : chunk_begin(ring_count_, chunks_, c));
-    comm_.read_peer_input(from, static_cast<size_t>(begin) * sizeof(T), into, static_cast<size_t>(len) * sizeof(T));
+  // Elements [at, at + len) of chunk c of slice j of rank `from`'s input (kPeerInput) or,
+  // `shared`, its output, read where they lie into `into`; all-gather's input and
+  // reduce-scatter's output are the rank's own chunk, so they start at the chunk's beginning.
+  void read_in_place(bool shared, int from, int c, int64_t j, int64_t at, int64_t len, T* into) {
+    const Collective own_chunk_only = shared ? Collective::kReduceScatter : Collective::kAllGather;
+    const int64_t begin = j * slice_elems_ + at + (coll_ == own_chunk_only ? 0 : chunk_begin(ring_count_, chunks_, c));
+    comm_.read_peer(from, shared ? HostComm::PeerPlace::kOutput : HostComm::PeerPlace::kInput,
+                    static_cast<size_t>(begin) * sizeof(T), into, static_cast<size_t>(len) * sizeof(T));
   }
 
-  void combine(const PlanOp& op, int bank, int64_t j, int c) {
+  // `shared`: the publication the op receives lies in the sender's output (kShareOutput).
+  void combine(const PlanOp& op, bool shared, int bank, int64_t j, int c) {
     const int64_t len = length(c, j);
     if (len == 0) return;
     // copy_strip and reduce_strip write two places, as the ring's steps do: the slot (its
@@ -181,31 +188,31 @@ class PlanRun {
     T* second = out_place != nullptr ? out_place : slot_place != nullptr ? work_place : nullptr;
     const bool stream_first = slot_place != nullptr && comm_.stream_slots();
     const bool stream_second = out_place != nullptr && stream_output_;
-    const bool peer_input = op.a == Operand::kPeerInput || op.b == Operand::kPeerInput;
-    if (peer_input && op.b == Operand::kNone && slot_place == nullptr) {  // a copy: straight into a place of mine
+    const bool in_place = op.a == Operand::kPeerInput || op.b == Operand::kPeerInput || shared;
+    if (in_place && op.b == Operand::kNone && slot_place == nullptr) {  // a copy: straight into a place of mine
       T* into = first != nullptr ? first : second;
-      read_peer_input(op.from, c, j, 0, len, into);
+      read_in_place(shared, op.from, c, j, 0, len, into);
       if (into == first && second != nullptr) copy_strip(static_cast<T*>(nullptr), second, into, len, stream_second);
       return;
     }
-    // An op of this rank's own operands runs in one piece. One that reads a peer's input to
+    // An op of this rank's own operands runs in one piece. One that reads a peer's memory to
     // combine or publish it goes through the bounce buffer a piece at a time: each piece is
     // read, then combined while it is still in cache. (A direct plan's slice is a whole
     // chunk; read whole into a buffer made for the call, a 64 MiB reduce-scatter at P = 2
     // took 31 ms instead of 8: 32 MiB faulted in, zeroed and written to memory per call.)
-    const int64_t piece = peer_input ? static_cast<int64_t>(kBounceBytes / sizeof(T)) : len;
+    const int64_t piece = in_place ? static_cast<int64_t>(kBounceBytes / sizeof(T)) : len;
     for (int64_t at = 0; at < len; at += piece) {
       const int64_t n = std::min(piece, len - at);
-      if (peer_input) read_peer_input(op.from, c, j, at, n, bounce_);
-      combine_piece(op, bank, c, j, at, n, first, second, stream_first, stream_second);
+      if (in_place) read_in_place(shared, op.from, c, j, at, n, bounce_);
+      combine_piece(op, shared, bank, c, j, at, n, first, second, stream_first, stream_second);
     }
   }
 
   // Elements [at, at + n) of combine's op: a value from operands a (and b) written to
   // `first` and `second` (each may be null), past `at` in each.
-  void combine_piece(const PlanOp& op, int bank, int c, int64_t j, int64_t at, int64_t n, T* first, T* second,
-                     bool stream_first, bool stream_second) {
-    const T* a = operand(op.a, op.from, bank, c, j, at);
+  void combine_piece(const PlanOp& op, bool shared, int bank, int c, int64_t j, int64_t at, int64_t n, T* first,
+                     T* second, bool stream_first, bool stream_second) {
+    const T* a = operand(op.a, shared, op.from, bank, c, j, at);
     first = first != nullptr ? first + at : nullptr;
     second = second != nullptr ? second + at : nullptr;
     if (op.b == Operand::kNone) {
@@ -214,7 +221,7 @@ class PlanRun {
       if (first != nullptr || second != nullptr) copy_strip(first, second, a, n, stream_second, stream_first);
       return;
     }
-    const T* b = operand(op.b, op.from, bank, c, j, at);
+    const T* b = operand(op.b, shared, op.from, bank, c, j, at);
     if (op.final) reduce_strip<T, Op, true>(first, second, a, b, n, comm_.world(), stream_second, stream_first);
     else reduce_strip<T, Op, false>(first, second, a, b, n, comm_.world(), stream_second, stream_first);
   }
@@ -233,7 +240,7 @@ class PlanRun {
   T* work_ = nullptr;
   std::vector<uint64_t>& slot_last_;     // per slot: the publication that last filled it (this call)
   std::vector<uint64_t>& slot_readers_;  // ... and its readers
-  T* bounce_ = nullptr;                 // a piece of a peer's input read where it lies, for an op that
+  T* bounce_ = nullptr;                 // a piece of a peer's memory read where it lies, for an op that
                                         // combines or publishes it (PlanScratch::bounce, kept from call to call)
   bool stream_output_ = false;          // the output is written around the cache (streams_output)
 };

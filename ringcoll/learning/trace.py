@@ -347,6 +347,9 @@ def _plan_lines(p: plans.Plan, n: int, inputs) -> List[str]:
     lines = [f"plan {p.name!r}: {p.chunks} chunk{'s' * (p.chunks > 1)} per message, ops per rank "
              f"{', '.join(str(len(ops)) for ops in p.ops)}; an op computes a or a OP b per chunk and writes it to "
              "output, work (the rank's own) or its slot (published to the ranks named)"]
+    if any(o.to & plans.SHARE_OUTPUT for ops in p.ops for o in ops):
+        lines.append("  (an output 'shared there' is published where it lies: its readers copy it out of that rank's "
+                     "output, not out of a slot)")
     if p.chunks != p.world and coll is not None:
         lines.append(f"  (this plan cuts the message into {p.chunks} chunk{'s' * (p.chunks > 1)}, not the P above)")
     timeline = plans.rounds(p, inputs)

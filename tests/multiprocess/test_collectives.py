@@ -769,7 +769,7 @@ def run_skewed_unchecked_cases(chk, rank, world, calls=150):
             count = plan.choice([1, 5, 200, 1023, 1024 // world, 1500, 5000])
             # the default path twice as often as each plan; runs of one plan keep its layout
             runnable = [name for name in plans.BUILTIN if coll in plans.BUILTIN_COLLECTIVES[name]
-                        and (comm.transport.direct_reads or not plans.reads_peer_inputs(name, coll, world))]
+                        and (comm.transport.direct_reads or not plans.reads_in_place(name, coll, world))]
             algorithm = plan.choice([None, None, *runnable]) if i % 4 == 0 else algorithm
             if algorithm not in runnable:
                 algorithm = None

@@ -28,6 +28,7 @@ SELECTION = [(torch.float32, "SUM"), (torch.float64, "AVG"), (torch.int32, "MAX"
 # docs/algorithms.md's example; running it registers "bidir" (only in the ranks: the pytest process's registry
 # stays as other tests expect it)
 EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "bidirectional_ring.py")
+SHARE_EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "reduce_and_share.py")  # SHARE_OUTPUT
 
 
 def _copy_of(builtin):
@@ -38,10 +39,12 @@ def _copy_of(builtin):
 def _matrix_rank(rank, world):
     chk = M.Checker(rank)
     plans.load_plans(EXAMPLE)
+    plans.load_plans(SHARE_EXAMPLE)
     comms = [(name, ringcoll.Communicator(algorithm=name, buffer_bytes=M.SMALL_BUFFER, timeout=M.COMM_TIMEOUT))
-             for name in [*BUILTIN, "bidir"]]
+             for name in [*BUILTIN, "bidir", "share"]]
     reduce_comms = [(n, c) for n, c in comms if n in plans.algorithms("all_reduce")]  # not star
-    scatter_gather_comms = [(n, c) for n, c in comms if n in plans.algorithms("reduce_scatter")]  # not rd, tree, bidir
+    scatter_gather_comms = [(n, c) for n, c in comms if n in plans.algorithms("reduce_scatter")]  # not rd, tree, bidir,
+    # share
     gather_comms = [(n, c) for n, c in comms if n in plans.algorithms("all_gather")]  # and direct
     cases = FULL if world in (3, 4) else SELECTION
     for dtype, op_name in cases:
@@ -86,7 +89,7 @@ def _interleaved(chk, rank, world):
 
     with ringcoll.Communicator(buffer_bytes=M.SMALL_BUFFER, timeout=M.COMM_TIMEOUT) as comm:
         for i, algorithm in enumerate(["ring", "auto", "oneshot", "bidir", "rhd", "tree", "rd", "oneshot", "auto",
-                                       "rhd", "bidir", "tree", "ring", "rd"] * 2):
+                                       "rhd", "bidir", "tree", "ring", "rd", "direct", "share"] * 2):
             n = [3, 5000, 17, 1024, 1][i % 5] * world
             x = M.make_input("int", torch.int32, n, M._seed("interleaved", i, rank))
             ref = x.clone()

@@ -250,6 +250,49 @@ def test_reads_of_peers_inputs_where_they_lie_are_checked():
         lambda world, r: [o for o in _direct_gather(world, r) if not (r == 0 and o.frm == 1)], "all_gather")
 
 
+def test_shared_outputs_are_checked():
+    """SHARE_OUTPUT: an op that writes the output alone publishes it where it lies (its readers
+    copy it out of that output). Right in the direct all-reduce and in the example that
+    reduces on one rank and shares; refused with other places, and where the rank writes a
+    shared chunk again (a reader may come to it after the write). The plan is proved through
+    slots too (a CUDA peer that cannot reach the output reads it from one), and the C++
+    compiler refuses what the checker does."""
+    from pathlib import Path
+
+    plans.load_plans(str(Path(__file__).resolve().parents[2] / "examples" / "reduce_and_share.py"))
+    try:
+        for world in range(2, 7):
+            for name in ("share", "direct"):
+                p = plans.plan(name, "all_reduce", world)
+                plans.check(p)
+                ins = inputs_for("all_reduce", world, 2 * world + 1)
+                assert plans.simulate(p, ins)[0] == reference("all_reduce", ins)
+            assert all(o.to == TO_OUTPUT | plans.SHARE_OUTPUT for o in p.ops[0] if o.to & plans.SHARE_OUTPUT)
+            assert "output, shared there with rank" in str(p.ops[0][-world])  # direct: the fold, then P-1 copies
+    finally:
+        plans._registry.pop(("share", "all_reduce"), None)  # other tests list the algorithms
+
+    def share(world, r, to=TO_OUTPUT | plans.SHARE_OUTPUT):  # each rank's sum of both inputs, shared
+        return [op(INPUT, 1 - r, TO_SLOT, readers=[1 - r]), op(PEER, r, to, b=INPUT, frm=1 - r, readers=[1 - r],
+                                                            final=True),
+                op(PEER, 1 - r, TO_OUTPUT, frm=1 - r)]
+    plans.check(user_plan(share, world=2))
+    shares = "shares its output chunks where they lie"
+    for to, words, cpp_words in [(plans.SHARE_OUTPUT, "must write to one or two of output, work and slot",
+                                  "one or two of output, work, slot"),
+                                 (TO_OUTPUT | TO_SLOT | plans.SHARE_OUTPUT, shares, shares),
+                                 (TO_OUTPUT | TO_WORK | plans.SHARE_OUTPUT, shares, shares)]:
+        fn = lambda world, r, to=to: share(world, r, to)  # noqa: E731
+        assert words in refused(fn, world=2)
+        with pytest.raises(ValueError, match=cpp_words):
+            _C.compile_plan("shared", 2, 2, [fn(2, r) for r in range(2)], 1000, 0, False)
+
+    def writes_again(world, r):
+        return share(world, r) + [op(OUTPUT, r, TO_OUTPUT)]
+    assert "writes output chunk 0 again after sharing it with rank(s) 1, which read it where it lies" in \
+        refused(writes_again, world=2)
+
+
 def test_deadlocks_are_refused():
     def both_receive_first(world, r):  # each waits for the other's publication
         return [op(PEER, 0, TO_OUTPUT, b=INPUT, frm=1 - r, final=True), op(INPUT, 0, TO_SLOT, readers=[1 - r])]

@@ -340,7 +340,7 @@ def test_the_reducing_collectives_trace_their_direct_plans(name, capsys):
     assert "plan 'direct'" in out and "rank 0, op 0: chunk 0: rank 1's input -> work  = [10 20]" in out, out
     assert "rank 0, op 1: chunk 0: work OP rank 2's input -> work  = [110 220]" in out, out
     assert "OK, every rank matches" in out, out
-    assert ("published to ranks 1, 2" in out) == (name == "all_reduce"), out
+    assert ("output, shared there with ranks 1, 2" in out) == (name == "all_reduce"), out
     assert main(["trace", name, "--algorithm", "direct"]) == 0
     assert "OK, every rank matches" in capsys.readouterr().out
 

@@ -65,6 +65,11 @@ inline size_t input_bytes(const RingCall& call, int world) {
   return call.collective == Collective::kAllGather ? message / static_cast<size_t>(world) : message;
 }
 
+inline size_t output_bytes(const RingCall& call, int world) {
+  const size_t message = message_bytes(call);
+  return call.collective == Collective::kReduceScatter ? message / static_cast<size_t>(world) : message;
+}
+
 RINGCOLL_INLINE RingCall ring_call(Collective coll, int64_t user_count, DType dtype, ReduceOp op, int world,
                                    int root = 0) {
   const int size = dtype_size(dtype);

@@ -26,6 +26,14 @@
 //              checker proves a read in place cannot race the owner's writes)
 // and the value goes to any two of
 //     kToOutput, kToWork, kToSlot (this rank's slots, published at once to `readers`).
+// An op that writes its output alone may publish the chunks it writes where they lie
+// (to = kToOutput | kShareOutput): its readers' receives read them out of this rank's output,
+// as kPeerInput reads an input, and no slot is filled; the rank never writes those chunks
+// again in the call (the checker proves it), and no rank returns before every rank has
+// finished reading (the handshake kPeerInput uses). Where a reader cannot reach that output
+// (CUDA: a peer in another process, an output not in symmetric memory) the publication goes
+// through a slot instead, as kToSlot, on every rank alike (device_plan.h); the checker proves
+// the plan both ways.
 //
 // The ring, for instance, is per rank: one op "publish my input's chunk k-1 to my right
 // neighbour" (a = kInput, to = kToSlot), then for each step one op "receive chunk c from my
@@ -49,6 +57,7 @@
 // filled it must have read it (the engine waits for that).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <stdexcept>
@@ -66,6 +75,7 @@ constexpr int kMaxPlanWorld = 64;
 
 enum class Operand : uint8_t { kNone = 0, kPeer = 1, kInput = 2, kOutput = 3, kWork = 4, kPeerInput = 5 };
 constexpr uint8_t kToOutput = 1, kToWork = 2, kToSlot = 4;
+constexpr uint8_t kShareOutput = 8;  // with kToOutput: published to `readers` where it lies, not in a slot
 
 struct PlanOp {
   Operand a = Operand::kNone;
@@ -73,9 +83,9 @@ struct PlanOp {
   int16_t from = -1;           // with an operand kPeer: the rank whose publication is read
   int16_t first = 0;           // the chunks [first, first + count)
   int16_t count = 0;
-  uint8_t to = 0;              // kToOutput | kToWork | kToSlot, at most two of them
+  uint8_t to = 0;              // kToOutput | kToWork | kToSlot, at most two of them (| kShareOutput)
   bool final = false;          // the value is the chunks' result (AVG divides here)
-  uint64_t readers = 0;        // with kToSlot: the ranks that read the publication (bit r: rank r)
+  uint64_t readers = 0;        // with kToSlot or kShareOutput: the ranks that read the publication (bit r)
 };
 
 // Every rank's ops, and the chunk count; what a generator makes and compile_plan checks.
@@ -103,15 +113,19 @@ struct CompiledPlan {
   std::vector<int> publications;                    // [rank]: publications per slice
   std::vector<std::vector<int>> last_read;          // [rank][op]: 1 if it is this rank's last read of
                                                     // its sender's publication
-  bool reads_peer_inputs = false;                   // some op reads a peer's input (kPeerInput)
+  std::vector<std::vector<int>> reads_shared;       // [rank][op]: 1 if the publication it receives lies
+                                                    // in the sender's output (kShareOutput)
+  bool reads_in_place = false;                      // some op reads a peer's memory where it lies: an
+                                                    // input (kPeerInput) or a shared output
   std::vector<int> early_sends;                     // [rank]: its leading ops that run before the
                                                     // call check (0 unless plan.sends_early)
   uint64_t inputs_read = 0;                         // bit r: some rank's ops read rank r's input (kPeerInput)
-  std::vector<int> last_peer_input_op;              // [rank]: its last op that reads a peer's input
-                                                    // (-1: none), after which, in the last slice, it
-                                                    // tells its peers it is done reading theirs
+  uint64_t outputs_read = 0;                        // bit r: some rank receives what rank r shares in its output
+  std::vector<int> last_in_place_read_op;           // [rank]: its last op that reads a peer's memory where
+                                                    // it lies (-1: none), after which, in the last slice,
+                                                    // it tells its peers it is done reading theirs
   bool uses_work = false;                           // some op reads or writes the work space
-  // CUDA only: the plan run instead where an input this one reads in place (kPeerInput) is
+  // CUDA only: the plan run instead where an input or output this one reads in place is
   // out of some rank's reach, as every rank finds alike from the posts (device_plan.h); its
   // id travels in the descriptor too. Null: out of reach is an error. (plan_with_fallback)
   std::shared_ptr<const CompiledPlan> fallback;
@@ -121,9 +135,9 @@ struct CompiledPlan {
 // through the slots, cutting the message into as many chunks) to run where it cannot: what
 // auto runs on CUDA over symmetric memory. Throws std::invalid_argument naming what differs.
 inline CompiledPlan plan_with_fallback(const CompiledPlan& primary, const CompiledPlan& fallback) {
-  RINGCOLL_CHECK(primary.reads_peer_inputs && !fallback.reads_peer_inputs && fallback.fallback == nullptr,
-                 std::invalid_argument, "plan_with_fallback: the primary plan must read peers' inputs where they "
-                 "lie and the fallback must not");
+  RINGCOLL_CHECK(primary.reads_in_place && !fallback.reads_in_place && fallback.fallback == nullptr,
+                 std::invalid_argument, "plan_with_fallback: the primary plan must read peers' memory where it "
+                 "lies and the fallback must not");
   RINGCOLL_CHECK(primary.plan.chunks == fallback.plan.chunks && primary.root == fallback.root &&
                      primary.plan.ops.size() == fallback.plan.ops.size(),
                  std::invalid_argument, "plan_with_fallback: the two plans must cut the message alike (", primary.plan.chunks,
@@ -133,10 +147,12 @@ inline CompiledPlan plan_with_fallback(const CompiledPlan& primary, const Compil
   return both;
 }
 
-// Whether a plan publishes anything, so fills slots (a plan of direct reads fills none).
+// Whether a plan fills slots (a plan of direct reads fills none, nor one whose every
+// publication is a shared output).
 inline bool fills_slots(const CompiledPlan& plan) {
-  for (int n : plan.publications)
-    if (n > 0) return true;
+  for (const auto& ops : plan.plan.ops)
+    for (const PlanOp& op : ops)
+      if (op.to & kToSlot) return true;
   return false;
 }
 
@@ -189,10 +205,10 @@ inline CompiledPlan compile_plan(Plan plan, const std::string& name, int world, 
   out.id = id;
   if (root != 0) plan = rooted_plan(plan, root);
   out.publications.assign(world, 0);
-  out.last_peer_input_op.assign(world, -1);
+  out.last_in_place_read_op.assign(world, -1);
   out.early_sends.assign(world, 0);
   // sent[k][j]: the (publication number, first, count) of k's publications that j reads, in order
-  struct Sent { int number, first, count; };
+  struct Sent { int number, first, count; bool shared; };
   std::vector<std::vector<std::vector<Sent>>> sent(world, std::vector<std::vector<Sent>>(world));
   for (int k = 0; k < world; ++k) {
     for (size_t i = 0; i < plan.ops[k].size(); ++i) {
@@ -202,9 +218,11 @@ inline CompiledPlan compile_plan(Plan plan, const std::string& name, int world, 
                      plan.chunks);
       RINGCOLL_CHECK(op.a != Operand::kNone, std::invalid_argument, where(k, i), "has no first operand");
       const int targets = (op.to & kToOutput ? 1 : 0) + (op.to & kToWork ? 1 : 0) + (op.to & kToSlot ? 1 : 0);
-      RINGCOLL_CHECK(targets >= 1 && targets <= 2 && (op.to & ~(kToOutput | kToWork | kToSlot)) == 0,
+      RINGCOLL_CHECK(targets >= 1 && targets <= 2 && (op.to & ~(kToOutput | kToWork | kToSlot | kShareOutput)) == 0,
                      std::invalid_argument, where(k, i), "writes to ", targets, " places: one or two of output, "
                      "work, slot");
+      RINGCOLL_CHECK(!(op.to & kShareOutput) || op.to == (kToOutput | kShareOutput), std::invalid_argument,
+                     where(k, i), "shares its output chunks where they lie, so must write the output and nothing else");
       RINGCOLL_CHECK(static_cast<int>(op.a) <= static_cast<int>(Operand::kPeerInput) &&
                          static_cast<int>(op.b) <= static_cast<int>(Operand::kPeerInput),
                      std::invalid_argument, where(k, i), "has an operand of no known kind");
@@ -215,18 +233,19 @@ inline CompiledPlan compile_plan(Plan plan, const std::string& name, int world, 
       RINGCOLL_CHECK(!peer || (op.from >= 0 && op.from < world && op.from != k), std::invalid_argument,
                      where(k, i), "reads from rank ", op.from, ", not a peer");
       if (op.a == Operand::kPeerInput || op.b == Operand::kPeerInput) {
-        out.reads_peer_inputs = true;
-        out.last_peer_input_op[k] = static_cast<int>(i);
+        out.reads_in_place = true;
+        out.last_in_place_read_op[k] = static_cast<int>(i);
         out.inputs_read |= bit(op.from);
       }
-      if (op.to & kToSlot) {
+      if (op.to & (kToSlot | kShareOutput)) {
         const uint64_t everyone = all_ranks(world);
         RINGCOLL_CHECK(op.readers != 0 && (op.readers & ~everyone) == 0 && !has_bit(op.readers, k),
                        std::invalid_argument, where(k, i), "publishes to no peer, or to itself or a rank beyond ",
                        world - 1);
         const int number = ++out.publications[k];
         for (int j = 0; j < world; ++j)
-          if (has_bit(op.readers, j)) sent[k][j].push_back(Sent{number, op.first, op.count});
+          if (has_bit(op.readers, j))
+            sent[k][j].push_back(Sent{number, op.first, op.count, (op.to & kShareOutput) != 0});
       } else {
         RINGCOLL_CHECK(op.readers == 0, std::invalid_argument, where(k, i), "names readers but publishes nothing");
       }
@@ -240,10 +259,12 @@ inline CompiledPlan compile_plan(Plan plan, const std::string& name, int world, 
     }
   out.publication_read.resize(world);
   out.last_read.resize(world);
+  out.reads_shared.resize(world);
   for (int j = 0; j < world; ++j) {
     std::vector<size_t> next(world, 0);  // per sender: its next publication to j
     out.publication_read[j].assign(plan.ops[j].size(), 0);
     out.last_read[j].assign(plan.ops[j].size(), 0);
+    out.reads_shared[j].assign(plan.ops[j].size(), 0);
     for (size_t i = 0; i < plan.ops[j].size(); ++i) {
       const PlanOp& op = plan.ops[j][i];
       if (op.a != Operand::kPeer && op.b != Operand::kPeer) continue;
@@ -255,6 +276,12 @@ inline CompiledPlan compile_plan(Plan plan, const std::string& name, int world, 
                      "receives chunks [", op.first, ", ", op.first + op.count, ") from rank ", k,
                      ", whose publication it reads holds [", s.first, ", ", s.first + s.count, ")");
       out.publication_read[j][i] = s.number;
+      if (s.shared) {  // read where it lies, in rank k's output
+        out.reads_shared[j][i] = 1;
+        out.reads_in_place = true;
+        out.outputs_read |= bit(k);
+        out.last_in_place_read_op[j] = std::max(out.last_in_place_read_op[j], static_cast<int>(i));
+      }
       out.last_read[j][i] = 1;  // one receive per publication: each read is the last
     }
     for (int k = 0; k < world; ++k)
@@ -680,10 +707,12 @@ inline Plan tree_plan(Collective coll, int world) {
 // order (rank k+1's first, its own last: the ring's bits), through its work space; no rank
 // reads a peer's own chunk, which in place is the peer's output. One read per byte of the
 // fold, where the slots add a write and a read per step.
-// All-reduce (vLLM's and SymmetricMemory's "two-shot"): that fold, its result published to
-// every peer as it is written, then each peer's reduced chunk copied out of its slot. In
-// place a rank overwrites chunk j of its input only with rank j's publication, which rank j
-// makes once it has read chunk j of every input: the checker proves such orders.
+// All-reduce (vLLM's and SymmetricMemory's "two-shot"): that fold, its result written to the
+// output and shared there with every peer (kShareOutput), then each peer's reduced chunk
+// copied out of that peer's output: one copy per byte received, where a slot makes two (a
+// 16 MiB all-reduce in place at P = 2: 2.2 -> 1.8 ms, docs/algorithms.md). In place a rank
+// overwrites chunk j of its input only with rank j's publication, which rank j makes once it
+// has read chunk j of every input: the checker proves such orders.
 // C = P chunks, 1 for a broadcast.
 inline Plan direct_plan(Collective coll, int world) {
   Plan plan;
@@ -697,9 +726,9 @@ inline Plan direct_plan(Collective coll, int world) {
       continue;
     }
     if (coll == Collective::kReduceScatter || coll == Collective::kAllReduce) {
-      // The fold of chunk k; an all-reduce publishes its result to every peer as it writes it
+      // The fold of chunk k; an all-reduce shares its result, in its output, with every peer
       const bool all = coll == Collective::kAllReduce;
-      const uint8_t to = all ? kToOutput | kToSlot : kToOutput;
+      const uint8_t to = all ? kToOutput | kShareOutput : kToOutput;
       const uint64_t readers = all ? all_ranks(world) & ~bit(k) : 0;
       const int first = (k + 1) % world;  // rs_contributor's order: rank k+1 first, k last
       if (world == 2) {
@@ -710,7 +739,7 @@ inline Plan direct_plan(Collective coll, int world) {
           ops.push_back(make_op(Operand::kWork, k, 1, kToWork, Operand::kPeerInput, (k + i) % world));
         ops.push_back(make_op(Operand::kWork, k, 1, to, Operand::kInput, -1, readers, true));
       }
-      for (int i = 1; all && i < world; ++i) {  // then every peer's reduced chunk, from its slot
+      for (int i = 1; all && i < world; ++i) {  // then every peer's reduced chunk, from its output
         const int peer = (k + i) % world;
         ops.push_back(make_op(Operand::kPeer, peer, 1, kToOutput, Operand::kNone, peer));
       }
