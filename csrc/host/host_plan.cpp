@@ -98,9 +98,9 @@ class PlanRun {
           slot_last_[slot_index(bank, c, chunks_)] = writes;
           slot_readers_[slot_index(bank, c, chunks_)] = op.readers;
         }
-        // Streaming stores are weakly ordered: what is published (in a slot, or shared in
-        // the output) before the flag
-        if (in_slot ? comm_.stream_slots() : stream_output_) stream_fence();
+        // Streaming stores are weakly ordered: the slot before the flag (an output is shared
+        // only as written with ordinary stores)
+        if (in_slot && comm_.stream_slots()) stream_fence();
         flag_store_release(&comm_.header(me_).published.value, writes);
       }
     }
@@ -187,7 +187,8 @@ class PlanRun {
     T* first = slot_place != nullptr ? slot_place : work_place;
     T* second = out_place != nullptr ? out_place : slot_place != nullptr ? work_place : nullptr;
     const bool stream_first = slot_place != nullptr && comm_.stream_slots();
-    const bool stream_second = out_place != nullptr && stream_output_;
+    // An output shared with readers is written into the cache, as a slot is: they read it next
+    const bool stream_second = out_place != nullptr && stream_output_ && !(op.to & kShareOutput);
     const bool in_place = op.a == Operand::kPeerInput || op.b == Operand::kPeerInput || shared;
     if (in_place && op.b == Operand::kNone && slot_place == nullptr) {  // a copy: straight into a place of mine
       T* into = first != nullptr ? first : second;
