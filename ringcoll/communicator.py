@@ -579,18 +579,21 @@ class Communicator(ArgumentChecks):
                          or plans.compiled(name, collective, self.world_size)[0].chunks * self._plan_chunk_bytes
                          > self.buffer_bytes)]
 
-        self._auto_bands = {c: table.bands(c, self.world_size, cannot(c)) if table is not None
-                            else [(0, tuning.NATIVE)] for c in DATA_COLLECTIVES}
+        # Per form: an in-place call chooses by the table's in-place times, where it has them
+        self._auto_bands, self._auto_bands_in_place = (
+            {c: table.bands(c, self.world_size, cannot(c), in_place) if table is not None
+             else [(0, tuning.NATIVE)] for c in DATA_COLLECTIVES} for in_place in (False, True))
         plain = self._transport.plain_calls
         for collective in self._plain_choices if plain is not None else ():
-            bands = self._auto_bands[collective]
-            ends = [start for start, _ in bands[1:]] + [2**64 - 1]
-            spans = []
-            for (start, name), end in zip(bands, ends):
-                if name != tuning.NATIVE:
-                    self._plan(collective, collective, name, start)  # built and held: _plain_choices has its index
-                    spans.append((start, end, self._plain_choices[collective][name]))
-            plain.set_auto_plan_spans(COLLECTIVE_CODES[collective], spans)
+            for in_place, by_collective in ((False, self._auto_bands), (True, self._auto_bands_in_place)):
+                bands = by_collective[collective]
+                ends = [start for start, _ in bands[1:]] + [2**64 - 1]
+                spans = []
+                for (start, name), end in zip(bands, ends):
+                    if name != tuning.NATIVE:
+                        self._plan(collective, collective, name, start)  # built and held: _plain_choices has its index
+                        spans.append((start, end, self._plain_choices[collective][name]))
+                plain.set_auto_plan_spans(COLLECTIVE_CODES[collective], spans, in_place)
 
     def _message_bytes(self, collective: str, count: int, dtype: int) -> int:
         """The message of a call of `count` elements as its descriptor counts them (all-reduce,
@@ -599,13 +602,13 @@ class Communicator(ArgumentChecks):
         return count * DTYPE_SIZES[dtype] * (self.world_size if collective in ("reduce_scatter", "all_gather") else 1)
 
     def _plan(self, name: str, collective: str, algorithm: Optional[str], message_bytes: int,
-              root: int = 0):
+              root: int = 0, in_place: bool = False):
         """The plan a call runs: None for native (the transport's own path), else the
         compiled plan (_C.CompiledPlan: its id travels in the call's descriptor) of a built-in
         or registered algorithm (ringcoll/plans.py), built and checked on first use (for a
         rooted collective, relabelled for `root`);
-        auto chooses by the message's size. ValueError naming the call for an unknown name,
-        PlanError for a plan the checker refuses.
+        auto chooses by the message's size and form (``in_place``: the table's in-place times).
+        ValueError naming the call for an unknown name, PlanError for a plan the checker refuses.
 
         On a communicator with symmetric memory (``empty``) auto reads symmetric arguments in
         place for the ring's three collectives: on the CPU native does, on CUDA the direct plan
@@ -618,7 +621,8 @@ class Communicator(ArgumentChecks):
             if collective not in ROOTED_COLLECTIVES and self._transport.symmetric_arenas:
                 return self._symmetric_auto(name, collective, message_bytes) \
                     if self._transport.symmetric_by_plan else None
-            algorithm = tuning.choose(self._auto_bands[collective], message_bytes)
+            bands = self._auto_bands_in_place if in_place else self._auto_bands
+            algorithm = tuning.choose(bands[collective], message_bytes)
         native_rooted = False
         if collective in ROOTED_COLLECTIVES:
             if algorithm == tuning.NATIVE:
@@ -766,7 +770,8 @@ class Communicator(ArgumentChecks):
             output, dst = tensor, src
         else:
             dtype, src, count, dst, _ = self._check_pair(name, output, tensor, EQUAL)
-        plan = self._plan(name, "all_reduce", algorithm, self._message_bytes("all_reduce", count, dtype))
+        plan = self._plan(name, "all_reduce", algorithm, self._message_bytes("all_reduce", count, dtype),
+                          in_place=src == dst)
         return new_call(("all_reduce", src, dst, count, dtype, op_code(name, op, dtype), plan)), [output], (tensor,)
 
     def all_reduce_coalesced(self, tensors: list, op=ReduceOp.SUM, async_op: bool = False, *,
@@ -780,7 +785,7 @@ class Communicator(ArgumentChecks):
         code = op_code(name, op, dtype)
         flat = packing.concat(tensors)
         call = _call("all_reduce", flat, flat, flat.numel(), dtype, code,
-                     self._plan(name, "all_reduce", algorithm, flat.nbytes))
+                     self._plan(name, "all_reduce", algorithm, flat.nbytes, in_place=True))
         return self._submit(name, call, list(tensors), (flat,), async_op,
                             then=lambda: packing.split_into(flat, tensors))
 
@@ -803,8 +808,10 @@ class Communicator(ArgumentChecks):
         output, input = self._view(output), self._view(input)
         self._ensure_open(name)
         dtype, src, _, dst, count = self._check_pair(name, output, input, SCATTER)
+        in_place = dst == src + self.rank * count * DTYPE_SIZES[dtype]  # my chunk of the input
         call = ("reduce_scatter", src, dst, count, dtype, op_code(name, op, dtype),
-                self._plan(name, "reduce_scatter", algorithm, self._message_bytes("reduce_scatter", count, dtype)))
+                self._plan(name, "reduce_scatter", algorithm, self._message_bytes("reduce_scatter", count, dtype),
+                           in_place=in_place))
         return new_call(call), [output], (input,)
 
     def all_gather_into_tensor(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
@@ -826,7 +833,9 @@ class Communicator(ArgumentChecks):
         output, input = self._view(output), self._view(input)
         self._ensure_open(name)
         dtype, src, count, dst, _ = self._check_pair(name, output, input, GATHER)
-        plan = self._plan(name, "all_gather", algorithm, self._message_bytes("all_gather", count, dtype))
+        in_place = src == dst + self.rank * count * DTYPE_SIZES[dtype]  # the input is my chunk of the output
+        plan = self._plan(name, "all_gather", algorithm, self._message_bytes("all_gather", count, dtype),
+                          in_place=in_place)
         return new_call(("all_gather", src, dst, count, dtype, None, plan)), [output], (input,)
 
     def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False, *, algorithm: Optional[str] = None):

@@ -4,8 +4,12 @@ The candidates are ``"native"``, the CPU transport's own path (the ring's plan, 
 one-shot and direct plans where its thresholds say), and every built-in plan that
 has the collective (``ringcoll.algorithms(collective)``). For each world size and
 collective the table holds every candidate's measured time at a ladder of message sizes
-n_0 < n_1 < ... (the benchmark's out-of-place times). Between two neighbouring sizes a
-candidate costs the line through its two points,
+n_0 < n_1 < ... (the benchmark's out-of-place times), and, under ``"<collective> in
+place"``, its in-place times: an in-place call chooses by those where the table has them
+(DDP's and ZeRO's calls are in place, and the two forms' fastest differ: at P = 2 and
+1 MiB the direct all-reduce took 123 us out of place and 161 in place, where native took
+153 and 126; bench/results/2026-12-07-cpu-shared-output.txt). Between two neighbouring
+sizes a candidate costs the line through its two points,
 
     t(n) = alpha + n / beta        (alpha: what a call costs before it moves a byte;
                                     beta: the bytes per second it then moves)
@@ -64,6 +68,7 @@ from typing import Optional, Sequence
 from ringcoll._types import DATA_COLLECTIVES
 
 NATIVE = "native"
+IN_PLACE = " in place"  # a table key "<collective> in place": that collective's in-place times
 PLAN_MARGIN = 0.05  # a plan is chosen only where it is priced this much below native
 # A band narrower than this fraction of the size it starts at goes to the band before it: the
 # table's sizes double, so two lines that cross twice within a fraction of one step (P = 2
@@ -109,11 +114,14 @@ class Table:
         canonical = json.dumps(self.times_us, sort_keys=True)
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
-    def bands(self, collective: str, world: int, exclude: Sequence[str] = ()) -> list:
+    def bands(self, collective: str, world: int, exclude: Sequence[str] = (), in_place: bool = False) -> list:
         """``[(from_bytes, algorithm), ...]``, the first from 0: which candidate ``auto`` runs
         from each size on (native where the table has nothing for this world and collective),
-        leaving out the algorithms in ``exclude`` (those this communicator cannot run)."""
-        times = self.times_us.get(world, {}).get(collective, {})
+        leaving out the algorithms in ``exclude`` (those this communicator cannot run);
+        ``in_place``: for in-place calls, by the in-place times where the table has them."""
+        by_collective = self.times_us.get(world, {})
+        times = by_collective.get(collective + IN_PLACE if in_place and collective + IN_PLACE in by_collective
+                                  else collective, {})
         return Bands(lower_envelope({name: t for name, t in times.items() if name not in exclude}))
 
 
@@ -226,9 +234,11 @@ def _read(path: str) -> Table:
         raise ValueError(f"{TUNING_ENV}: cannot read a tuning table from {path!r} ({type(e).__name__}: {e}); "
                          "ringcoll-bench --record-tuning writes one") from None
     for world, by_collective in times.items():
-        for collective, by_name in by_collective.items():
+        for key, by_name in by_collective.items():
+            collective = key.removesuffix(IN_PLACE)
             if collective not in DATA_COLLECTIVES:
-                raise ValueError(f"{TUNING_ENV}: the table {path!r} names {collective!r}, not a collective")
+                raise ValueError(f"{TUNING_ENV}: the table {path!r} names {key!r}, not a collective (or one "
+                                 f"with '{IN_PLACE.strip()}' after it)")
             weighed = candidates(collective)
             strangers = sorted(set(by_name) - set(weighed))
             if strangers:

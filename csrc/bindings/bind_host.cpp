@@ -115,13 +115,14 @@ Choice choice_of(const HostComm& c, py::handle algorithm, const char* op) {
 
 // The plan a plain call runs (null: the transport's own path): the one it names, or auto's
 // for the message (all-reduce's tensor, reduce-scatter's input, all-gather's output: `count`
-// elements of `dtype`, times `per_rank`). Auto is native on a communicator with symmetric
-// memory (Communicator._plan says why).
+// elements of `dtype`, times `per_rank`) and its form. Auto is native on a communicator with
+// symmetric memory (Communicator._plan says why).
 const CompiledPlan* plan_to_run(const HostComm& c, const Choice& choice, ringcoll::Collective coll, int64_t count,
-                                int dtype, int per_rank) {
+                                int dtype, int per_rank, bool in_place) {
   if (!choice.auto_choice) return choice.plan;
   if (c.symmetric_arenas() != 0) return nullptr;
-  return c.auto_plan(coll, static_cast<size_t>(count) * dtype_info(static_cast<DType>(dtype)).size_bytes * per_rank);
+  return c.auto_plan(coll, static_cast<size_t>(count) * dtype_info(static_cast<DType>(dtype)).size_bytes * per_rank,
+                     in_place);
 }
 
 // The plain tensor calls: checked and run in one binding call, by the chosen plan where there
@@ -141,7 +142,7 @@ void all_reduce_tensor(HostComm& c, py::handle tensor, py::handle output, py::ha
   }
   const auto code = static_cast<ReduceOp>(op_code(name, op, dtype));
   const CompiledPlan* plan = plan_to_run(c, choice_of(c, algorithm, name), ringcoll::Collective::kAllReduce, count,
-                                         dtype, 1);
+                                         dtype, 1, src == dst);
   py::gil_scoped_release release;
   if (plan != nullptr)
     c.run_plan(ringcoll::Collective::kAllReduce, *plan, as_ptr(src), as_mut_ptr(dst), count, static_cast<DType>(dtype),
@@ -155,8 +156,10 @@ void reduce_scatter_tensor(HostComm& c, py::handle output, py::handle input, py:
   ensure_open(c, name);
   const auto p = check_pair(name, output, input, PairSizes::kScatter, cpu_device(), c.rank(), c.world());
   const auto code = static_cast<ReduceOp>(op_code(name, op, p.dtype));
+  const size_t chunk_bytes = static_cast<size_t>(p.output_count) * dtype_info(static_cast<DType>(p.dtype)).size_bytes;
+  const bool in_place = p.output == p.input + static_cast<size_t>(c.rank()) * chunk_bytes;  // my chunk of the input
   const CompiledPlan* plan = plan_to_run(c, choice_of(c, algorithm, name), ringcoll::Collective::kReduceScatter,
-                                         p.output_count, p.dtype, c.world());
+                                         p.output_count, p.dtype, c.world(), in_place);
   py::gil_scoped_release release;
   if (plan != nullptr)
     c.run_plan(ringcoll::Collective::kReduceScatter, *plan, as_ptr(p.input), as_mut_ptr(p.output), p.output_count,
@@ -169,8 +172,10 @@ void all_gather_into_tensor(HostComm& c, py::handle output, py::handle input, py
   constexpr const char* name = "all_gather_into_tensor";
   ensure_open(c, name);
   const auto p = check_pair(name, output, input, PairSizes::kGather, cpu_device(), c.rank(), c.world());
+  const size_t chunk_bytes = static_cast<size_t>(p.input_count) * dtype_info(static_cast<DType>(p.dtype)).size_bytes;
+  const bool in_place = p.input == p.output + static_cast<size_t>(c.rank()) * chunk_bytes;  // my chunk of the output
   const CompiledPlan* plan = plan_to_run(c, choice_of(c, algorithm, name), ringcoll::Collective::kAllGather,
-                                         p.input_count, p.dtype, c.world());
+                                         p.input_count, p.dtype, c.world(), in_place);
   py::gil_scoped_release release;
   if (plan != nullptr)
     c.run_plan(ringcoll::Collective::kAllGather, *plan, as_ptr(p.input), as_mut_ptr(p.output), p.input_count,
@@ -333,12 +338,12 @@ void bind_host(py::module_& m) {
           py::arg("tensor"), py::arg("op"), py::arg("plan"))
       .def(
           "set_auto_plan_spans",
-          [](HostComm& c, int collective, const std::vector<std::tuple<size_t, size_t, long>>& spans) {
+          [](HostComm& c, int collective, const std::vector<std::tuple<size_t, size_t, long>>& spans, bool in_place) {
             std::vector<HostComm::AutoPlanSpan> kept;
             for (const auto& [from, to, held] : spans) kept.push_back({from, to, held});
-            c.set_auto_plan_spans(static_cast<ringcoll::Collective>(collective), std::move(kept));
+            c.set_auto_plan_spans(static_cast<ringcoll::Collective>(collective), std::move(kept), in_place);
           },
-          py::arg("collective"), py::arg("spans"))
+          py::arg("collective"), py::arg("spans"), py::arg("in_place") = false)
       .def(
           "allocate_symmetric",
           [](HostComm& c, size_t bytes, int dtype, const std::vector<int64_t>& dims) {

@@ -33,9 +33,10 @@
 //
 // Peers' memory where it lies (the direct plans): an input (Operand::kPeerInput), or an output
 // whose chunks a publication shares there (kShareOutput: the receive reads the sender's
-// output instead of its slot). A peer's input or output is reachable where it lies in symmetric memory (its arena and offset, read through this
-// rank's mapping of that arena: kernel_abi.h's SymmetricTable), or anywhere where every rank
-// is a thread of one process (its plain device pointer). As on the CPU (host_comm.cpp's
+// output instead of its slot). A peer's input or output is reachable where it lies in
+// symmetric memory (its arena and offset, read through this rank's mapping of that arena:
+// kernel_abi.h's SymmetricTable), or anywhere where every rank is a thread of one process
+// (its plain device pointer). As on the CPU (host_comm.cpp's
 // direct reads), rank k
 //   1. posts where its input and output lie for its n-th such call (InputPost; before the
 //      call check, since it writes only its own memory), and every block reads every rank's
@@ -242,8 +243,10 @@ class DevicePlanContext : public DeviceBlock {
   // a plain address only where every peer is a thread of one process, else r's part of a
   // symmetric arena as mapped here plus the offset; null where this rank cannot reach it.
   RINGCOLL_DEVICE const void* address_of(int r, int64_t arena, uint64_t address) const {
-    if (arena == kPlainAddress) return p_.plan.plain_addresses_readable ? reinterpret_cast<const void*>(address) : nullptr;
-    if (arena >= 0 && arena < p_.plan.symmetric_arenas) return p_.plan.symmetric_bases[arena * kMaxWorld + r] + address;
+    if (arena == kPlainAddress)
+      return p_.plan.plain_addresses_readable ? reinterpret_cast<const void*>(address) : nullptr;
+    if (arena >= 0 && arena < p_.plan.symmetric_arenas)
+      return p_.plan.symmetric_bases[arena * kMaxWorld + r] + address;
     return nullptr;
   }
 
@@ -292,7 +295,8 @@ class DevicePlanContext : public DeviceBlock {
   RINGCOLL_DEVICE T* operand(uint8_t which, int from, int bank, int c, int64_t j, bool shared = false) const {
     switch (static_cast<Operand>(which)) {
       case Operand::kPeer:
-        return shared ? user_at(slots_->peer_outputs[from], Collective::kReduceScatter, c, j) : slot(base_of(from), bank, c);
+        return shared ? user_at(slots_->peer_outputs[from], Collective::kReduceScatter, c, j)
+                      : slot(base_of(from), bank, c);
       case Operand::kInput: return user_at(p_.input, Collective::kAllGather, c, j);
       case Operand::kOutput: return user_at(p_.output, Collective::kReduceScatter, c, j);
       case Operand::kWork: return static_cast<T*>(p_.plan.work) + static_cast<int64_t>(c) * slice_elems_;

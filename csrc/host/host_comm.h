@@ -283,21 +283,21 @@ class HostComm {
   bool is_symmetric(const void* address, size_t bytes) const { return heap_->locate(address, bytes).has_value(); }
   uint64_t zero_copy_calls() const { return zero_copy_calls_; }  // calls that read peers' blocks (for tests)
 
-  // Where "auto" runs a plan for `coll` (ringcoll/tuning.py decides, in Python, once per
-  // communicator): message sizes [from, to) in bytes, each with the held plan (hold_plan's
-  // index) for it. A plain tensor call (bind_host.cpp) looks its size up here, so auto costs
-  // what the algorithm it picks costs when named.
+  // Where "auto" runs a plan for `coll`, in place or not (ringcoll/tuning.py decides, in
+  // Python, once per communicator): message sizes [from, to) in bytes, each with the held
+  // plan (hold_plan's index) for it. A plain tensor call (bind_host.cpp) looks its size up
+  // here, so auto costs what the algorithm it picks costs when named.
   struct AutoPlanSpan {
     size_t from, to;
     long held;
   };
-  void set_auto_plan_spans(Collective coll, std::vector<AutoPlanSpan> spans) {
+  void set_auto_plan_spans(Collective coll, std::vector<AutoPlanSpan> spans, bool in_place) {
     for (const AutoPlanSpan& s : spans) (void)held_plan(s.held, "set_auto_plan_spans");  // held, or refused now
-    auto_plan_spans_.at(static_cast<int>(coll)) = std::move(spans);
+    auto_plan_spans_[in_place ? 1 : 0].at(static_cast<int>(coll)) = std::move(spans);
   }
   // The plan auto runs for a message of `bytes`; null: the transport's own path.
-  const CompiledPlan* auto_plan(Collective coll, size_t bytes) const {
-    for (const AutoPlanSpan& s : auto_plan_spans_[static_cast<int>(coll)])
+  const CompiledPlan* auto_plan(Collective coll, size_t bytes, bool in_place) const {
+    for (const AutoPlanSpan& s : auto_plan_spans_[in_place ? 1 : 0][static_cast<int>(coll)])
       if (s.from <= bytes && bytes < s.to) return &held_plans_[static_cast<size_t>(s.held)];
     return nullptr;
   }
@@ -462,7 +462,7 @@ class HostComm {
   size_t buffer_bytes_, slot_bytes_, small_bytes_, direct_bytes_, direct_max_bytes_;
   WaitPolicy policy_;
   bool check_calls_;
-  std::array<std::vector<AutoPlanSpan>, kNumCollectives> auto_plan_spans_;  // none: auto is native
+  std::array<std::array<std::vector<AutoPlanSpan>, kNumCollectives>, 2> auto_plan_spans_;  // [in place]; none: native
   std::deque<CompiledPlan> held_plans_;  // hold_plan's
   // By collective code, native's plans (run_ring_call): the ring's, and the one-shot's for small messages
   std::vector<CompiledPlan> native_ring_, native_one_shot_;

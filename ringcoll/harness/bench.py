@@ -594,6 +594,7 @@ class Config:
     link_interface: Optional[str] = None  # this machine's end of the link, whose counter is read
     pipeline: str = ""  # --hosts: how the hierarchical communicator cut messages (its pipeline_choice)
     algorithms: tuple = ("auto",)  # --algorithm: the first in the main table, all side by side (CPU)
+    every_form: bool = False  # --record-tuning: every algorithm in both forms (auto's table has both)
     plans_file: Optional[str] = None  # --plans: a Python file that registers plans, run by every rank
     symmetric: bool = False  # --symmetric: ringcoll's tensors in symmetric memory, "plain" its ordinary calls beside
 
@@ -837,10 +838,11 @@ def run_rank(rank: int, world: int, config: Config, with_mpi: bool = False) -> l
 
 def ringcoll_backends(comm, config: Config) -> list:
     """ringcoll on `comm`: the first --algorithm in both forms (the main table's "ringcoll"),
-    then each other one out of place (the algorithms' table, backend "algorithm:NAME")."""
+    then each other one out of place (the algorithms' table, backend "algorithm:NAME"), in
+    both forms too where auto's table is recorded (it holds each form's times)."""
     first, *others = config.algorithms
     return [TorchBackend(comm, prepared=config.prepared, algorithm=first, symmetric=config.symmetric)] + [
-        TorchBackend(comm, forms=("out",), prepared=config.prepared, algorithm=name,
+        TorchBackend(comm, forms=None if config.every_form else ("out",), prepared=config.prepared, algorithm=name,
                      name=algorithm_backend(config, name))
         for name in others]
 
@@ -1330,11 +1332,12 @@ def format_table(rows: list[dict], world: int, config: Config, fitted: dict, not
     return "\n".join(lines)
 
 
-def tuning_times(rows: list[dict], config: Config, name: str, algorithms: Sequence[str]) -> dict:
-    """{algorithm: {bytes: us}} of collective `name`, for each of `algorithms`, out of place
-    (broadcast and reduce: in place, their one form): the algorithms' table and
-    --record-tuning (ringcoll/tuning.py) read the same numbers."""
-    key = f"{headline_form(name)}_time_us"
+def tuning_times(rows: list[dict], config: Config, name: str, algorithms: Sequence[str],
+                 form: Optional[str] = None) -> dict:
+    """{algorithm: {bytes: us}} of collective `name`, for each of `algorithms`, in `form`
+    ("out" or "in"; default out of place, broadcast and reduce in place, their one form): the
+    algorithms' table and --record-tuning (ringcoll/tuning.py) read the same numbers."""
+    key = f"{form or headline_form(name)}_time_us"
     return {a: {r["bytes"]: r[key] for r in rows
                 if r["collective"] == name and r["backend"] == algorithm_backend(config, a) and r.get(key)}
             for a in algorithms}
@@ -1343,8 +1346,12 @@ def tuning_times(rows: list[dict], config: Config, name: str, algorithms: Sequen
 def record_tuning(path: str, rows: list[dict], world: int, config: Config, argv: Sequence[str]) -> str:
     """--record-tuning: write native's and the built-in plans' times into auto's table for
     `world` (auto's candidates: a registered plan need not exist where the table is read)."""
-    times = {name: tuning_times(rows, config, name, [a for a in config.algorithms if a in tuning.candidates(name)])
-             for name in config.collectives}
+    times = {}
+    for name in config.collectives:
+        weighed = [a for a in config.algorithms if a in tuning.candidates(name)]
+        times[name] = tuning_times(rows, config, name, weighed)
+        if name not in ROOTED_COLLECTIVES:  # auto chooses an in-place call by its own times
+            times[name + tuning.IN_PLACE] = tuning_times(rows, config, name, weighed, "in")
     how = f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}: ringcoll-bench {' '.join(argv)}"
     table = tuning.record(path, world, times, how)
     return f"# auto's table for P = {world} written to {path} (digest {table.digest})"
@@ -1580,6 +1587,7 @@ def main(argv=None) -> int:
                     small_bytes=parse_bytes(args.small_bytes) if args.small_bytes is not None else None,
                     direct_bytes=parse_bytes(args.direct_bytes) if args.direct_bytes else None,
                     in_process=args.in_process, prepared=args.prepared, symmetric=args.symmetric,
+                    every_form=bool(args.record_tuning),
                     # absolute: the mpirun ranks run from a temporary directory
                     rows_file=os.path.abspath(args.rows_file) if args.rows_file else None)
 

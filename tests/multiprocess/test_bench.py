@@ -1,6 +1,7 @@
 """The benchmark: checks before it times, reports wrong results with a failing exit code,
 and prints nccl-tests' columns. Speed itself is never asserted here."""
 
+import itertools
 import json
 import os
 import re
@@ -366,15 +367,16 @@ def test_algorithms_side_by_side_checked_with_the_model(capsys, tmp_path):
     assert "# measured fastest: " in table
     scatter = printed[printed.index("# reduce_scatter, 2 ranks: the algorithms side by side"):]
     assert scatter.splitlines()[1].split()[:7] == ["size", "|", "rhd", "auto", "native", "ring", "oneshot"], scatter
-    # The table: the out-of-place times the run measured, of what auto weighs (not bidir, registered only here).
+    # The table: the times the run measured, of what auto weighs (not bidir, registered only here), out of place
+    # and, under "<collective> in place", in place: recording times every algorithm in both forms.
     table = tuning.load(str(tmp_path / "tuning.json"))
     assert f"auto's table for P = 2 written to {tmp_path / 'tuning.json'} (digest {table.digest})" in printed
     measured = json.loads((tmp_path / "rows.json").read_text())["rows"]
-    for collective in ("all_reduce", "reduce_scatter"):
+    for collective, form in itertools.product(("all_reduce", "reduce_scatter"), ("out", "in")):
         names = ["rhd", "native", "ring", "rd", "tree", "oneshot"] if collective == "all_reduce" else \
             ["rhd", "native", "ring", "oneshot"]
-        assert table.times_us[2][collective] == {
-            name: {r["bytes"]: pytest.approx(r["out_time_us"], abs=0.01) for r in measured
+        assert table.times_us[2][collective + ("" if form == "out" else tuning.IN_PLACE)] == {
+            name: {r["bytes"]: pytest.approx(r[f"{form}_time_us"], abs=0.01) for r in measured
                    if r["collective"] == collective and r["backend"] == ("ringcoll" if name == "rhd" else
                                                                          f"algorithm:{name}")}
             for name in names}

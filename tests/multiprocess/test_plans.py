@@ -474,6 +474,59 @@ def test_auto_runs_its_choice_in_the_binding_between_two_plan_bands(tmp_path):
         assert detours == [], detours  # auto's plan calls never went back to Python
 
 
+def _auto_by_form(rank, world, table):
+    """The table prices rd (all-reduce) and rhd (reduce-scatter) lowest out of place and native
+    lowest in place: each call runs its form's choice, in the binding (a plain call) and in
+    Python (async). Rank 1 names what rank 0's auto should run; the last pair disagrees on
+    purpose (the check can fail)."""
+    import os
+
+    os.environ["RINGCOLL_TUNING"] = table
+    n = 1000
+    calls = {  # name -> (call with algorithm a, what auto should run out of place / in place)
+        "all_reduce in place": (lambda c, a: c.all_reduce(torch.ones(n), algorithm=a), "native"),
+        "all_reduce out of place": (lambda c, a: c.all_reduce(torch.ones(n), output=torch.empty(n), algorithm=a), "rd"),
+        "all_reduce in place, async": (lambda c, a: c.all_reduce(torch.ones(n), async_op=True, algorithm=a).wait(),
+                                       "native"),
+        "all_reduce out of place, async": (
+            lambda c, a: c.all_reduce(torch.ones(n), output=torch.empty(n), async_op=True, algorithm=a).wait(), "rd"),
+        "reduce_scatter in place": (
+            lambda c, a: (lambda x: c.reduce_scatter_tensor(x.view(world, -1)[rank], x, algorithm=a))(torch.ones(n)),
+            "native"),
+        "reduce_scatter out of place": (
+            lambda c, a: c.reduce_scatter_tensor(torch.empty(n // world), torch.ones(n), algorithm=a), "rhd"),
+        "all_reduce in place, named rd": (lambda c, a: c.all_reduce(torch.ones(n), algorithm=a), "rd"),
+    }
+    # Auto on both ranks, in place on rank 0 only: the two choose differently, and the error says why
+    calls["all_reduce, forms differ"] = (
+        lambda c, a: c.all_reduce(torch.ones(n), output=None if rank == 0 else torch.empty(n)), "auto")
+    messages = {}
+    for label, (call, named) in calls.items():
+        with ringcoll.Communicator(timeout=10) as comm:  # a mismatch breaks one
+            try:
+                call(comm, "auto" if rank == 0 else named)
+                messages[label] = "no error"
+            except ringcoll.RingcollMismatchError as e:
+                messages[label] = str(e)
+    return messages
+
+
+def test_auto_chooses_an_in_place_call_by_the_in_place_times(tmp_path):
+    from ringcoll import tuning
+
+    size = IN_BAND * 4
+    faster, slower = {size: 5.0}, {size: 10.0}
+    table = tuning.record(str(tmp_path / "forms.json"), 2, {
+        "all_reduce": {"native": slower, "rd": faster}, "all_reduce in place": {"native": faster, "rd": slower},
+        "reduce_scatter": {"native": slower, "rhd": faster},
+        "reduce_scatter in place": {"native": faster, "rhd": slower}}, "test").source
+    for messages in spawn(_auto_by_form, 2, table, timeout=120):
+        wrong, forms = messages.pop("all_reduce in place, named rd"), messages.pop("all_reduce, forms differ")
+        assert all(m == "no error" for m in messages.values()), messages
+        assert "mismatched collective calls" in wrong and "algorithm rd" in wrong, wrong
+        assert "auto chooses by the call's form too" in forms and "algorithm rd" in forms, forms
+
+
 def _auto_and_direct_reads(rank, world, table):
     """A table in which the direct plan is the cheapest all-gather in a band: auto runs it
     where the ranks can read each other, and native where they cannot (direct reads off),

@@ -117,11 +117,29 @@ def test_a_table_without_native_or_unreadable_is_refused(tmp_path):
             tuning.load(str(stranger))
 
 
+def test_an_in_place_call_chooses_by_the_in_place_times_where_the_table_has_them(tmp_path):
+    """"<collective> in place" holds a collective's in-place times (DDP's form): bands(in_place=True)
+    reads them, and the out-of-place ones where the table has none; a key that is neither a
+    collective nor one in place is refused by name."""
+    times = {"all_reduce": {"native": {1024: 3.0}, "rd": {1024: 1.0}},
+             "all_reduce in place": {"native": {1024: 1.0}, "rd": {1024: 3.0}},
+             "reduce_scatter": {"native": {1024: 3.0}, "rhd": {1024: 1.0}}}
+    table = tuning.record(str(tmp_path / "t.json"), 2, times, "both forms")
+    assert table.bands("all_reduce", 2) == [(0, "rd")] and table.bands("all_reduce", 2, in_place=True) == [(0, "native")]
+    assert table.bands("reduce_scatter", 2, in_place=True) == table.bands("reduce_scatter", 2) == [(0, "rhd")]
+    sideways = tmp_path / "sideways.json"
+    sideways.write_text(json.dumps({"times_us": {"2": {"all_reduce sideways": {"native": {"1": 1}}}}}))
+    with pytest.raises(ValueError, match="names 'all_reduce sideways', not a collective"):
+        tuning.load(str(sideways))
+
+
 def test_the_shipped_table_offers_what_each_collective_has():
     table = tuning.load(str(tuning.DEFAULT_TABLE))
     assert set(table.times_us) == {2, 4} and set(table.recorded) == {2, 4} and table.machine  # where it holds
     for world, by_collective in table.times_us.items():
-        assert set(by_collective) == set(RING_COLLECTIVES) | {"broadcast"}  # reduce: native (no table yet)
-        for collective, by_name in by_collective.items():
+        in_place = {c + tuning.IN_PLACE for c in RING_COLLECTIVES}  # auto's choice for in-place calls
+        assert set(by_collective) == set(RING_COLLECTIVES) | {"broadcast"} | in_place  # reduce: native (no table yet)
+        for key, by_name in by_collective.items():
+            collective = key.removesuffix(tuning.IN_PLACE)
             assert "native" in by_name and set(by_name) <= set(plans.algorithms(collective)) - {"auto"}
             assert {name for _, name in table.bands(collective, world)} <= set(by_name)

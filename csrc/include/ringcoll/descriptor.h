@@ -57,6 +57,13 @@ RINGCOLL_INLINE bool same_call(const CallDescriptor& a, const CallDescriptor& b)
          a.variant == b.variant && a.algorithm == b.algorithm && a.root == b.root && a.fallback == b.fallback;
 }
 
+// Whether two calls differ in their algorithm alone (the plan and its fallback).
+RINGCOLL_INLINE bool differ_in_algorithm_only(const CallDescriptor& a, const CallDescriptor& b) {
+  CallDescriptor same_plan = b;
+  same_plan.algorithm = a.algorithm, same_plan.fallback = a.fallback;
+  return same_call(a, same_plan) && !same_call(a, b);
+}
+
 // The descriptor area of one rank: one sequence flag, then the fields.
 struct alignas(64) DescriptorSlot {
   uint64_t seq;
