@@ -148,7 +148,7 @@ HostComm::HostComm(int rank, int world, const std::vector<std::string>& names, s
 }
 
 void HostComm::bootstrap(const std::vector<std::string>& names) {
-  const size_t total = kHeaderBytes + buffer_bytes_;
+  const size_t total = kHeaderBytes + buffer_bytes_ + kStoreProbeBytes;  // the store probe's block last
   names_ = names;
   segments_.resize(world_);
   segments_[rank_] = SegmentMapping::create(names[rank_], total, rank_);
@@ -403,7 +403,6 @@ void HostComm::before_the_check(const RingCall& call, const CompiledPlan& plan, 
   const int64_t slice = plan_slice_elems(plan, buffer_bytes_, call.ring_count, static_cast<size_t>(call.elem_size));
   if (slice <= 0 || num_slices(call.ring_count, plan.plan.chunks, slice) != 1) return;
   call_start_.first_bank = static_cast<int>(one_slice_early_calls_++ % kBanks);
-  call_start_.one_slice_early = true;
   if (plan.early_sends[rank_] == 0) return;
   drain_plan_publications(call_start_.first_bank);
   run_host_plan_early_sends(*this, plan, call, input, step_base_, plan_scratch_, call_start_.first_bank);
@@ -477,35 +476,30 @@ void HostComm::run_plan_call(const char* op, const RingCall& call, const Compile
 //
 // A hop's length is a proxy, though: what is slow between an EPYC's dies (~250 ns) is
 // the usual hop between two cores of an Intel Xeon that share one last-level cache (165-200
-// ns), where ordinary stores win. So the first two hop probes and every kStoreProbeEvery-th
-// are followed by a store probe that times the stores themselves (probe_slot_stores),
-// and its verdict holds for every later hop within kSameHopFactor of the one it was made
-// at: the same cores, as far as the hop can tell. A hop unlike it (the cores moved) falls
-// back on the threshold until the next store probe. RINGCOLL_SLOW_HOP_NS, when set, is
-// taken as said: the threshold alone decides.
+// ns), where ordinary stores win. So a store probe that times the stores themselves
+// (probe_slot_stores) follows the first two hop probes, every kStoreProbeEvery-th, and any
+// whose hop (rank 0's) is unlike the one the last store probe was made at (the cores
+// moved); its verdict holds for every later hop within kSameHopFactor of the one it was
+// made at: the same cores, as far as the hop can tell. A hop unlike it falls back on the
+// threshold until the next store probe. RINGCOLL_SLOW_HOP_NS, when set, is taken as said:
+// the threshold alone decides.
 
 void HostComm::choose_slot_stores(const RingCall& call) {
   const size_t message = message_bytes(call);
   if (!probes_hops() || message < kHopProbeMinBytes) return;
-  if (large_slot_calls_++ % kHopProbeEvery == 0) {
-    probe_neighbour_hops();
-    // the first two (in case the first was made with a peer off its core) and every kStoreProbeEvery-th
-    const bool turn = hop_probes_ <= 2 || (hop_probes_ - 1) % kStoreProbeEvery == 0;
-    store_probe_due_ = store_probe_due_ || (!slow_hop_given_ && turn);
-  }
-  // The block goes into the slots, where a call's early sends may lie already: such a call
-  // leaves the probe to the next large one (every rank sees the same calls, so all meet).
-  if (store_probe_due_ && !call_start_.one_slice_early) probe_slot_stores();
+  if (large_slot_calls_++ % kHopProbeEvery == 0 && probe_neighbour_hops()) probe_slot_stores();
+}
+
+bool HostComm::near_store_probe_hop(uint64_t hop_ns) const {
+  const double probed = static_cast<double>(store_probe_hop_ns_), hop = static_cast<double>(hop_ns);
+  return store_probe_hop_ns_ != 0 && hop <= probed * kSameHopFactor && hop * kSameHopFactor >= probed;
 }
 
 bool HostComm::streams_at_hop(uint64_t hop_ns) const {
-  const double probed = static_cast<double>(store_probe_hop_ns_), hop = static_cast<double>(hop_ns);
-  if (store_probe_hop_ns_ != 0 && hop <= probed * kSameHopFactor && hop * kSameHopFactor >= probed)
-    return store_probe_streams_;
-  return hop_ns >= slow_hop_ns_;
+  return near_store_probe_hop(hop_ns) ? store_probe_streams_ : hop_ns >= slow_hop_ns_;
 }
 
-void HostComm::probe_neighbour_hops() {
+bool HostComm::probe_neighbour_hops() {
   using clock = std::chrono::steady_clock;
   const uint64_t base = hop_probes_++ * kHopLaps;
   const int left = left_neighbour(rank_, world_);
@@ -540,6 +534,17 @@ void HostComm::probe_neighbour_hops() {
   // ranks outnumber cores), not a distance between caches: keep the choice already made.
   if (hop_ns_ < kHopOffCoreNs) stream_slots_ = streams_at_hop(hop_ns_);
   slow_hop_probes_ += stream_slots_ ? 1 : 0;
+  // Whether a store probe follows: rank 0 decides for all (they must meet there), on the
+  // turns counted alike, or where its hop is unlike the one its last store probe was made at
+  // (the cores moved), and says so after the laps: hop_verdict = 2n, + 1 for a probe.
+  const uint64_t n = hop_probes_;
+  if (rank_ == 0) {
+    const bool turn = n <= 2 || (n - 1) % kStoreProbeEvery == 0;
+    const bool moved = hop_ns_ < kHopOffCoreNs && !near_store_probe_hop(hop_ns_);
+    flag_store_release(&header(0).hop_verdict.value, 2 * n + (!slow_hop_given_ && (turn || moved) ? 1 : 0));
+  }
+  wait_for(0, &SegmentHeader::hop_verdict, 2 * n, "say whether the stores are probed");
+  return (flag_load_acquire(&header(0).hop_verdict.value) & 1) != 0;
 }
 
 void HostComm::probe_slot_stores() {
@@ -547,14 +552,14 @@ void HostComm::probe_slot_stores() {
   auto ns_since = [](clock::time_point began) {
     return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(clock::now() - began).count());
   };
-  store_probe_due_ = false;
   const uint64_t base = store_probes_++ * (kStoreProbeRounds + 1);
   const int left = left_neighbour(rank_, world_), right = right_neighbour(rank_, world_);
-  const size_t bytes = std::min(kStoreProbeBytes, buffer_bytes_);
+  const size_t bytes = kStoreProbeBytes;
   store_probe_scratch_.resize(bytes, 1);
-  char* const mine = data(rank_);
+  char* const mine = store_probe_block(rank_);
   uint64_t write_ns[2] = {UINT64_MAX, UINT64_MAX}, read_ns[2] = {UINT64_MAX, UINT64_MAX};
-  // Every rank has drained its slots and met its peers in the hop probe: they are free.
+  // The block lies past the slots (whatever they hold: a call's early sends), in the segment
+  // the neighbour reads; its pages are taken only once a probe writes them.
   for (int round = 0; round < kStoreProbeRounds; ++round) {
     const int streaming = round % 2;
     const uint64_t phase = base + static_cast<uint64_t>(round) + 1;
@@ -567,7 +572,7 @@ void HostComm::probe_slot_stores() {
     // The left neighbour's block, copied as a reader copies a slot out
     wait_for(left, &SegmentHeader::store_probe, phase, "write the store probe's block");
     began = clock::now();
-    std::memcpy(store_probe_scratch_.data(), data(left), bytes);
+    std::memcpy(store_probe_scratch_.data(), store_probe_block(left), bytes);
     read_ns[streaming] = std::min(read_ns[streaming], ns_since(began));
     flag_store_release(&header(rank_).store_probe_read.value, phase);
   }
@@ -576,8 +581,7 @@ void HostComm::probe_slot_stores() {
   std::copy(read_ns, read_ns + 2, times.read_ns);
   const uint64_t done = base + kStoreProbeRounds + 1;
   flag_store_release(&header(rank_).store_probe.value, done);
-  // Its times are there once it says `done`, which it says after its last read of my block,
-  // so my slots are free for the call again.
+  // Its times are there once it says `done`, which it says after its last read of my block.
   wait_for(right, &SegmentHeader::store_probe, done, "time the store probe");
   const auto& theirs = header(right).store_probe_times;
   const uint64_t cost_ordinary = write_ns[0] + theirs.read_ns[0], cost_streaming = write_ns[1] + theirs.read_ns[1];

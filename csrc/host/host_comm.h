@@ -98,6 +98,8 @@ struct SegmentHeader {
   // The neighbour-hop probe's token (probe_neighbour_hops): lap k of probe n is
   // n * kHopLaps + k, stored by each rank once its left neighbour's reached it.
   Flag hop;
+  // Rank 0's, after the laps of hop probe n: 2n, + 1 if a store probe follows (every rank meets there).
+  Flag hop_verdict;
   // The store probe (probe_slot_stores): in probe n, phase 5n + i + 1 of `store_probe` says
   // the owner's block of round i is written (5n + 5: its times below are there), the same
   // phase of `store_probe_read` that it has read its left neighbour's block of round i.
@@ -135,7 +137,8 @@ constexpr uint64_t kDefaultSlowHopNs = 150;
 // between dies seen here): the probe tells nothing.
 constexpr uint64_t kHopOffCoreNs = 1000;
 // The store probe (probe_slot_stores): a block written with each kind of store and read by
-// the right neighbour, timed; after the first two hop probes and every kStoreProbeEvery-th.
+// the right neighbour, timed; after the first two hop probes, every kStoreProbeEvery-th, and
+// one whose hop is unlike the last store probe's (probe_neighbour_hops).
 constexpr size_t kStoreProbeBytes = size_t{1} << 20;
 constexpr uint64_t kStoreProbeEvery = 16;
 constexpr int kStoreProbeRounds = 4;  // ordinary, streaming, ordinary, streaming
@@ -222,8 +225,6 @@ using UnreadPublications = std::array<std::vector<uint64_t>, kBanks>;
 struct PlanCallStart {
   int first_bank = 0;
   int early_ops_done = 0;
-  bool one_slice_early = false;  // a call of one slice by a plan that sends early (every rank alike):
-                                 // some rank's slots may hold its early sends already
 };
 
 // The plan engine (host_plan.cpp): one call by `plan`, from publication number `base`
@@ -364,6 +365,8 @@ class HostComm {
   // --- used by the plan engine (host_plan.cpp); not part of the Python surface ---
   SegmentHeader& header(int r) const { return *reinterpret_cast<SegmentHeader*>(segments_[r].base()); }
   char* data(int r) const { return segments_[r].base() + kHeaderBytes; }
+  // The store probe's block (kStoreProbeBytes), past rank r's slots: no call's data lies there.
+  char* store_probe_block(int r) const { return data(r) + buffer_bytes_; }
   // Wait until header(peer).<flag> >= target; throws (and breaks the communicator) on
   // timeout or when a peer is known to be gone. `event` names what the peer should do
   // ("publish", ...); the message also gives the position (set_plan_position, ...). A wait
@@ -443,14 +446,16 @@ class HostComm {
   void choose_slot_stores(const RingCall& call);
   // A token goes kHopLaps times round the ring, each rank passing it on to its right
   // neighbour; the fastest lap / P is one hop, the time a flag takes from core to core.
-  void probe_neighbour_hops();
-  // A block of kStoreProbeBytes written into this rank's slots with each kind of store, in
+  // Returns whether a store probe follows (rank 0's word for every rank).
+  bool probe_neighbour_hops();
+  // A block of kStoreProbeBytes written past this rank's slots with each kind of store, in
   // turn, and read by its right neighbour; each kind's write time plus the neighbour's read
   // time decides this rank's stores for hops like the one just measured.
   void probe_slot_stores();
   // Whether a hop of `hop_ns` calls for streaming stores: the store probe's verdict for a
-  // hop like its own, else the threshold (slow_hop_ns_).
+  // hop like its own (near_store_probe_hop), else the threshold (slow_hop_ns_).
   bool streams_at_hop(uint64_t hop_ns) const;
+  bool near_store_probe_hop(uint64_t hop_ns) const;
   // Compare my published `call` with every peer's (descriptor.h); throws MismatchError.
   void check_call(const char* op, const CallDescriptor& call);
   // Throw MismatchError if `peer` has announced this call and it differs from `call`.
@@ -493,7 +498,6 @@ class HostComm {
   uint64_t large_slot_calls_ = 0;  // ring and plan calls of kHopProbeMinBytes or more (the same on every rank)
   uint64_t hop_probes_ = 0, slow_hop_probes_ = 0, hop_ns_ = 0;
   bool slow_hop_given_ = false;  // RINGCOLL_SLOW_HOP_NS set: the threshold alone decides, no store probe
-  bool store_probe_due_ = false;  // the same on every rank: the next large call without early sends probes
   uint64_t store_probes_ = 0, store_probe_hop_ns_ = 0;
   bool store_probe_streams_ = false;
   std::vector<char> store_probe_scratch_;  // the block's source when writing, its copy when reading

@@ -9,8 +9,9 @@
 // many publications rank k makes per slice (compile_plan counts them for every rank, so
 // every rank can number any peer's). A reader waits until the sender's `published`
 // reaches that number, reads, and stores it in its own `consumed_from[sender]`: flow
-// control per connection, not one counter for the left neighbour. At the end of the call every rank moves its `published` to
-// base + slices * max_k pubs(k), the same on every rank, so the numbering stays equal.
+// control per connection, not one counter for the left neighbour. At the end of the call
+// every rank moves its `published` to base + slices * max_k pubs(k), the same on every
+// rank, so the numbering stays equal.
 //
 // Slots. A publication of chunks [f, f + n) in the slice's bank fills slots f .. f+n-1 of
 // the sender's buffer, each 1/(kBanks C) of it (slot_bytes_for with C chunks). Before a
@@ -21,6 +22,12 @@
 // algorithms.md). A bank is the same half of the buffer whatever the plan, though, so a
 // call of one slice whose sends go early (the one-shot's, before the call check) waits only
 // for the bank it fills, and such calls take the two banks in turn (PlanCallStart).
+//
+// Peers' memory where it lies. A kPeerInput operand, and a receive of a publication shared
+// in its sender's output (kShareOutput: numbered like any other, but no slot), read the
+// peer's input or output with process_vm_readv, where it posted them before the call check
+// (HostComm::read_peer), a bounce-buffer piece at a time where the value is combined; the
+// call ends with the "done reading" handshake (finish_direct_reads).
 #include <algorithm>
 #include <cstring>
 

@@ -1009,12 +1009,12 @@ def _slot_stores_rank(rank, world):
 
 
 def _store_probe_cases(chk, rank, world, big):
-    """Without RINGCOLL_SLOW_HOP_NS the first two hop probes (and every store_probe_every-th)
-    are followed by a store probe: a block written into the slots with each kind of store and
-    read by the neighbour, timed; its verdict decides for hops within same_hop_factor of its
-    own, the threshold elsewhere. Its block goes where a one-shot call's early sends already
-    lie, so such a call leaves it to the next large call: a probe that ran there would
-    overwrite them (a wrong result). Results exact throughout."""
+    """Without RINGCOLL_SLOW_HOP_NS the first two hop probes, every store_probe_every-th, and
+    one whose hop on rank 0 is unlike the last store probe's are followed by a store probe: a
+    block written with each kind of store and read by the neighbour, timed; its verdict
+    decides for hops within same_hop_factor of its own, the threshold elsewhere. Its block lies past the slots, so the first probe, in a
+    one-shot call whose early sends are already in the slots, leaves them whole (when the block
+    lay in the slots, that call's result was wrong). Results exact throughout."""
     from ringcoll import _C
 
     def expect(comm, probes, label, fresh=False):
@@ -1038,15 +1038,28 @@ def _store_probe_cases(chk, rank, world, big):
             chk.equal(f"store probe: large {algorithm} all_reduce {i}", x, ref)
 
     with ringcoll.Communicator(timeout=COMM_TIMEOUT, direct_bytes=0) as comm:
-        large_all_reduce(comm, 0, "oneshot")  # one slice, sent early: the hop probe, no store probe
-        expect(comm, 0, "after a one-shot call (its early sends in the slots)")
+        large_all_reduce(comm, 0, "oneshot")  # one slice, sent early: the probes with the sends in the slots
+        expect(comm, 1, "after a one-shot call (its early sends in the slots)", fresh=True)
         large_all_reduce(comm, 1, "ring")
-        expect(comm, 1, "after the next large call", fresh=True)
-        for i in range(2, 2 * _C.hop_probe_every + 1):  # hop probes 2 (a store probe) and 3 (none)
+        expect(comm, 1, "after the next large call")
+        for i in range(2, 2 * _C.hop_probe_every + 1):  # hop probes 2 (a store probe) and 3 (one if the cores moved)
+            before = comm.transport.slot_stores["store_probe_hop_ns"]
             large_all_reduce(comm, i, "ring", check=i in (_C.hop_probe_every, 2 * _C.hop_probe_every))
             if i == _C.hop_probe_every:
                 expect(comm, 2, f"after {i + 1} large calls", fresh=True)
-        expect(comm, 2, f"after {2 * _C.hop_probe_every + 1} large calls")
+        # Rank 0 decides for every rank whether hop probe 3 is followed by one: where its hop is
+        # unlike the one the last store probe was made at (a peer off its core tells nothing)
+        hop = comm.transport.slot_stores["hop_ns"]
+        moved = hop < _C.hop_off_core_ns and not (before and before / _C.same_hop_factor <= hop
+                                                   <= before * _C.same_hop_factor)
+        probes = comm.transport.slot_stores["store_probes"]
+        every = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(every, torch.tensor([probes]))
+        chk.checked += 1
+        if len({int(n) for n in every}) != 1 or (rank == 0 and probes != (2 + moved) * (os.cpu_count() >= world)):
+            chk.fail("store probe: hop probe 3", f"store probes per rank {[int(n) for n in every]}; rank 0's hop "
+                                                 f"{hop} ns against {before} ns at the last store probe")
+        expect(comm, probes, f"after {2 * _C.hop_probe_every + 1} large calls", fresh=probes == 3)
 
 
 def test_slot_stores_follow_the_neighbour_hop_probe():
