@@ -44,7 +44,8 @@ def rank_main(rank, world, args):
         expected = expected_result(coll, rank, world, count, dtype, "sum")
         for stores, comm in comms.items():
             inp, out, result = _buffers(coll, count, world, rank, dtype, "sum", in_place=False, device="cpu")
-            calls[stores, nbytes] = lambda c=comm, i=inp, o=out: c.all_reduce(i, output=o)
+            # native: the transport's own path, through the slots (auto may run a plan that fills none)
+            calls[stores, nbytes] = lambda c=comm, i=inp, o=out: c.all_reduce(i, output=o, algorithm="native")
             calls[stores, nbytes]()
             if not torch.equal(result, expected):
                 raise AssertionError(f"{stores} all_reduce of {nbytes} bytes: wrong result on rank {rank}")

@@ -70,7 +70,7 @@ def test_ranks_that_may_not_read_each_other_use_the_slots():
     for direct, why, calls, results, refused in spawn(_probe_denied, world, timeout=120):
         assert direct is False and calls == 0, (direct, calls)
         assert all(results), results
-        assert refused.startswith("all_gather: this plan reads peers' inputs where they lie (process_vm_readv), "
+        assert refused.startswith("all_gather: this plan reads peers' memory where it lies (process_vm_readv), "
                                   "which this communicator cannot: "), refused
         # Each rank quotes the first failed probe it saw: its own or a peer's.
         assert "cannot read rank" in why and "Operation not permitted" in why, why
@@ -121,7 +121,8 @@ def test_without_the_check_a_count_mismatch_is_caught_by_the_posted_bytes(algori
     for rank, message in enumerate(messages):
         mine, theirs = (260, 256) if rank == 0 else (256, 260)  # 65 and 64 floats
         assert message.startswith("RingcollMismatchError: all_gather: "), message
-        assert f"rank {1 - rank} posted {theirs} bytes of input but rank {rank} posted {mine}" in message, message
+        assert (f"rank {1 - rank} posted {theirs} bytes of input and {2 * theirs} of output but rank {rank} posted "
+                f"{mine} and {2 * mine}") in message, message
 
 
 def _settings(rank, world, direct_bytes, direct_max=None):
