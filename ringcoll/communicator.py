@@ -328,7 +328,7 @@ class ArgumentChecks:
         """Both tensors valid, of one dtype, sized as `sizes` (EQUAL, GATHER, SCATTER) says, and
         either disjoint or the smaller one exactly this rank's chunk of the larger (for equal
         sizes: the same tensor); returns (dtype code, input address, input count, output
-        address, output count)."""
+        address, output count, whether the pair is in place)."""
         return _C.check_pair(op, output, input, sizes, self.device, self.rank, self.world_size)
 
     def _check_list(self, op: str, what: str, tensors, reference: torch.Tensor) -> int:
@@ -580,8 +580,9 @@ class Communicator(ArgumentChecks):
                          > self.buffer_bytes)]
 
         # Per form: an in-place call chooses by the table's in-place times, where it has them
+        excluded = {c: cannot(c) for c in DATA_COLLECTIVES} if table is not None else {}
         self._auto_bands, self._auto_bands_in_place = (
-            {c: table.bands(c, self.world_size, cannot(c), in_place) if table is not None
+            {c: table.bands(c, self.world_size, excluded[c], in_place) if table is not None
              else [(0, tuning.NATIVE)] for c in DATA_COLLECTIVES} for in_place in (False, True))
         plain = self._transport.plain_calls
         for collective in self._plain_choices if plain is not None else ():
@@ -769,7 +770,7 @@ class Communicator(ArgumentChecks):
             dtype, src, count = self._check_tensor(name, "tensor", tensor)
             output, dst = tensor, src
         else:
-            dtype, src, count, dst, _ = self._check_pair(name, output, tensor, EQUAL)
+            dtype, src, count, dst, _, _ = self._check_pair(name, output, tensor, EQUAL)
         plan = self._plan(name, "all_reduce", algorithm, self._message_bytes("all_reduce", count, dtype),
                           in_place=src == dst)
         return new_call(("all_reduce", src, dst, count, dtype, op_code(name, op, dtype), plan)), [output], (tensor,)
@@ -807,8 +808,7 @@ class Communicator(ArgumentChecks):
     def _reduce_scatter_call(self, name: str, output, input, op, algorithm=None):
         output, input = self._view(output), self._view(input)
         self._ensure_open(name)
-        dtype, src, _, dst, count = self._check_pair(name, output, input, SCATTER)
-        in_place = dst == src + self.rank * count * DTYPE_SIZES[dtype]  # my chunk of the input
+        dtype, src, _, dst, count, in_place = self._check_pair(name, output, input, SCATTER)
         call = ("reduce_scatter", src, dst, count, dtype, op_code(name, op, dtype),
                 self._plan(name, "reduce_scatter", algorithm, self._message_bytes("reduce_scatter", count, dtype),
                            in_place=in_place))
@@ -832,8 +832,7 @@ class Communicator(ArgumentChecks):
     def _all_gather_call(self, name: str, output, input, algorithm=None):
         output, input = self._view(output), self._view(input)
         self._ensure_open(name)
-        dtype, src, count, dst, _ = self._check_pair(name, output, input, GATHER)
-        in_place = src == dst + self.rank * count * DTYPE_SIZES[dtype]  # the input is my chunk of the output
+        dtype, src, count, dst, _, in_place = self._check_pair(name, output, input, GATHER)
         plan = self._plan(name, "all_gather", algorithm, self._message_bytes("all_gather", count, dtype),
                           in_place=in_place)
         return new_call(("all_gather", src, dst, count, dtype, None, plan)), [output], (input,)

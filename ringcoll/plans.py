@@ -20,10 +20,10 @@ to ``readers``). An op that writes OUTPUT alone may instead publish what it writ
 lies (``TO_OUTPUT | SHARE_OUTPUT``): its readers' receives read it out of this rank's output,
 no slot is filled, and the rank never writes those chunks again in the call (where a reader
 cannot reach that output, a CUDA peer in another process, it goes through a slot instead,
-so the checker proves the plan both ways). A rank's receives
-from a peer read that peer's publications to it in the order it makes them. The ring, for one, is "publish my input's chunk k-1 to my right
-neighbour; then receive a chunk from my left neighbour, add my copy, publish it on" (see
-``plan("ring", "all_reduce", 4)``).
+so the checker proves the plan both ways). A rank's receives from a peer read that peer's
+publications to it in the order it makes them. The ring, for one, is "publish my input's
+chunk k-1 to my right neighbour; then receive a chunk from my left neighbour, add my copy,
+publish it on" (see ``plan("ring", "all_reduce", 4)``).
 
 A plan written in Python runs on the CPU transport with no rebuild::
 
@@ -52,8 +52,8 @@ from ringcoll import _C
 from ringcoll._types import COLLECTIVE_CODES, DATA_COLLECTIVES, ROOTED_COLLECTIVES
 
 __all__ = ["Operand", "PEER", "INPUT", "OUTPUT", "WORK", "PEER_INPUT", "reads_in_place", "TO_OUTPUT", "TO_WORK",
-           "TO_SLOT", "SHARE_OUTPUT", "PlanOp", "Plan", "PlanError", "op", "plan", "check", "simulate", "rounds", "register_algorithm", "load_plans",
-           "algorithms", "builtin_algorithms"]
+           "TO_SLOT", "SHARE_OUTPUT", "PlanOp", "Plan", "PlanError", "op", "plan", "check", "simulate", "rounds",
+           "register_algorithm", "load_plans", "algorithms", "builtin_algorithms"]
 
 
 class Operand(enum.IntEnum):
@@ -99,7 +99,8 @@ class PlanOp(NamedTuple):
         if self.to & TO_SLOT:
             places[-1] = "published to rank" + readers
         if self.to & SHARE_OUTPUT:  # with the output alone (the checker refuses it elsewhere)
-            shares = "output, shared there with rank" if self.to & TO_OUTPUT else "an output it does not write, shared with rank"
+            shares = ("output, shared there with rank" if self.to & TO_OUTPUT
+                      else "an output it does not write, shared with rank")
             places = [p for p in places if p != "output"] + [shares + readers]
         return f"{chunks}: {value} -> {' and '.join(places)}" + (" (final)" if self.final else "")
 

@@ -133,16 +133,17 @@ void all_reduce_tensor(HostComm& c, py::handle tensor, py::handle output, py::ha
   int dtype;
   uintptr_t src, dst;
   int64_t count;
-  if (output.is_none()) {  // in place
+  bool in_place = true;
+  if (output.is_none()) {
     const auto t = check_tensor(name, "tensor", tensor, cpu_device());
     dtype = t.dtype, src = dst = t.address, count = t.count;
   } else {
     const auto p = check_pair(name, output, tensor, PairSizes::kEqual, cpu_device(), c.rank(), c.world());
-    dtype = p.dtype, src = p.input, dst = p.output, count = p.input_count;
+    dtype = p.dtype, src = p.input, dst = p.output, count = p.input_count, in_place = p.in_place;
   }
   const auto code = static_cast<ReduceOp>(op_code(name, op, dtype));
   const CompiledPlan* plan = plan_to_run(c, choice_of(c, algorithm, name), ringcoll::Collective::kAllReduce, count,
-                                         dtype, 1, src == dst);
+                                         dtype, 1, in_place);
   py::gil_scoped_release release;
   if (plan != nullptr)
     c.run_plan(ringcoll::Collective::kAllReduce, *plan, as_ptr(src), as_mut_ptr(dst), count, static_cast<DType>(dtype),
@@ -156,10 +157,8 @@ void reduce_scatter_tensor(HostComm& c, py::handle output, py::handle input, py:
   ensure_open(c, name);
   const auto p = check_pair(name, output, input, PairSizes::kScatter, cpu_device(), c.rank(), c.world());
   const auto code = static_cast<ReduceOp>(op_code(name, op, p.dtype));
-  const size_t chunk_bytes = static_cast<size_t>(p.output_count) * dtype_info(static_cast<DType>(p.dtype)).size_bytes;
-  const bool in_place = p.output == p.input + static_cast<size_t>(c.rank()) * chunk_bytes;  // my chunk of the input
   const CompiledPlan* plan = plan_to_run(c, choice_of(c, algorithm, name), ringcoll::Collective::kReduceScatter,
-                                         p.output_count, p.dtype, c.world(), in_place);
+                                         p.output_count, p.dtype, c.world(), p.in_place);
   py::gil_scoped_release release;
   if (plan != nullptr)
     c.run_plan(ringcoll::Collective::kReduceScatter, *plan, as_ptr(p.input), as_mut_ptr(p.output), p.output_count,
@@ -172,10 +171,8 @@ void all_gather_into_tensor(HostComm& c, py::handle output, py::handle input, py
   constexpr const char* name = "all_gather_into_tensor";
   ensure_open(c, name);
   const auto p = check_pair(name, output, input, PairSizes::kGather, cpu_device(), c.rank(), c.world());
-  const size_t chunk_bytes = static_cast<size_t>(p.input_count) * dtype_info(static_cast<DType>(p.dtype)).size_bytes;
-  const bool in_place = p.input == p.output + static_cast<size_t>(c.rank()) * chunk_bytes;  // my chunk of the output
   const CompiledPlan* plan = plan_to_run(c, choice_of(c, algorithm, name), ringcoll::Collective::kAllGather,
-                                         p.input_count, p.dtype, c.world(), in_place);
+                                         p.input_count, p.dtype, c.world(), p.in_place);
   py::gil_scoped_release release;
   if (plan != nullptr)
     c.run_plan(ringcoll::Collective::kAllGather, *plan, as_ptr(p.input), as_mut_ptr(p.output), p.input_count,

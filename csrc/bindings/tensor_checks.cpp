@@ -219,12 +219,12 @@ PairFacts check_pair(const char* op, py::handle output, py::handle input, PairSi
   // equal sizes: the same tensor); otherwise they must not share a byte.
   const uint64_t item = static_cast<uint64_t>(item_size(in.dtype));
   const uint64_t chunk_offset = sizes == PairSizes::kEqual ? 0 : static_cast<uint64_t>(rank * part.count) * item;
-  if (part.address != whole.address + chunk_offset &&
-      overlaps(whole.address, static_cast<uint64_t>(whole.count) * item, part.address,
-               static_cast<uint64_t>(part.count) * item))
+  const bool in_place = part.address == whole.address + chunk_offset;
+  if (!in_place && overlaps(whole.address, static_cast<uint64_t>(whole.count) * item, part.address,
+                            static_cast<uint64_t>(part.count) * item))
     fail<py::value_error>(op, ": output and input overlap; in place, the smaller one must be exactly this rank's "
                           "chunk (rank ", rank, ") of the larger one");
-  return {in.dtype, in.address, out.address, in.count, out.count};
+  return {in.dtype, in.address, out.address, in.count, out.count, in_place};
 }
 
 void bind_tensor_checks(py::module_& m) {
@@ -273,10 +273,10 @@ void bind_tensor_checks(py::module_& m) {
         if (sizes < 0 || sizes > 2)
           throw py::value_error("check_pair: sizes must be EQUAL_SIZES, GATHER_SIZES or SCATTER_SIZES");
         const PairFacts f = check_pair(op.c_str(), output, input, static_cast<PairSizes>(sizes), device, rank, world);
-        return py::make_tuple(f.dtype, f.input, f.input_count, f.output, f.output_count);
+        return py::make_tuple(f.dtype, f.input, f.input_count, f.output, f.output_count, f.in_place);
       },
       py::arg("op"), py::arg("output"), py::arg("input"), py::arg("sizes"), py::arg("device"), py::arg("rank"),
-      py::arg("world"), "(dtype code, input address, input count, output address, output count)");
+      py::arg("world"), "(dtype code, input address, input count, output address, output count, in place)");
   m.def(
       "read_tensor_facts",
       [](py::handle t) -> py::object {

@@ -38,6 +38,7 @@ struct PairFacts {
   int dtype;
   uintptr_t input, output;
   int64_t input_count, output_count;
+  bool in_place;  // the smaller tensor is this rank's chunk of the larger (equal sizes: the same tensor)
 };
 
 // `device`: the communicator's torch.device (the registered CPU device: `t.is_cpu`).

@@ -243,7 +243,8 @@ enum class AbortCause : int32_t {
   kPeerAborted = 3, // (records only) a neighbour gave up; `cause` says why that one did
   kClosed = 4,      // (flag only) the rank closed its communicator after its last call
   kPeerLeft = 5,    // (flag only) a neighbour it was waiting for had closed: passed on like a timeout
-  kNotSymmetric = 6,  // a plan reads peers' memory, and a rank's input or output is where some peer cannot reach it
+  kNotSymmetric = 6,  // a plan reads peers' inputs, and a rank's input is where some peer cannot reach it
+                      // (an output out of reach is no error: its shared chunks go through slots)
 };
 
 // What a neighbour's `aborted` value says, for messages.
@@ -253,8 +254,7 @@ inline const char* abort_cause_text(int32_t cause) {
     case AbortCause::kClosed: return "closed its communicator";
     case AbortCause::kPeerLeft: return "abandoned the call: a rank closed its communicator while others waited for it";
     case AbortCause::kNotSymmetric:
-      return "abandoned the call: a rank's input or output is not in symmetric memory, so a peer in another process "
-             "cannot read it";
+      return "abandoned the call: a rank's input is not in symmetric memory, so a peer in another process cannot read it";
     default: return "abandoned the call: a wait in the ring timed out";
   }
 }
@@ -268,7 +268,6 @@ struct ErrorRecord {
   int32_t waiting_for;  // which flag: 0 publish, 1 consume, 2 descriptor, 3 input post, 4 inputs read
   int32_t aborted_rank;  // kPeerAborted: the neighbour that gave up (the awaited one, or the other)
   int32_t step;      // -1 before the first ring step
-  int32_t output;    // kNotSymmetric: 1 if the tensor out of reach is the rank's output, 0 its input
   int64_t slice;
   uint64_t call;     // the communicator's call number (0: unknown, the check is off)
   uint64_t expected, seen;
@@ -639,7 +638,7 @@ inline std::string error_message(const ErrorRecord& r, int world, double timeout
   const bool plan = r.mine.algorithm != 0;  // a plan's kernel: its peers are any ranks, its steps ops
   const char* side = plan ? "" : r.peer == left_neighbour(r.rank, world) ? "left neighbour " : "right neighbour ";
   static const char* const kWhat[] = {"publish data", "consume data", "announce its call", "post where its input lies",
-                                      "finish reading this rank's input"};
+                                      "finish reading this rank's input or shared output"};
   const char* what = kWhat[r.waiting_for >= 0 && r.waiting_for < 5 ? r.waiting_for : 0];
   switch (static_cast<AbortCause>(r.kind)) {
     case AbortCause::kTimedOut:
@@ -648,13 +647,12 @@ inline std::string error_message(const ErrorRecord& r, int world, double timeout
       break;
     case AbortCause::kNotSymmetric:
       if (r.seen == static_cast<uint64_t>(kPlainAddress))
-        msg << "rank " << r.peer << "'s " << (r.output ? "output" : "input") << " is not in symmetric memory "
-            << "(ringcoll.empty), so its peers in other processes cannot read it where it lies; a plan that reads "
-            << "peers' memory (algorithm \"direct\") needs every input and output it reads in symmetric memory "
-            << "of this communicator";
+        msg << "rank " << r.peer << "'s input is not in symmetric memory (ringcoll.empty), so its peers in other "
+            << "processes cannot read it where it lies; a plan that reads peers' inputs (algorithm \"direct\") "
+            << "needs the input of every rank it reads in symmetric memory of this communicator";
       else
-        msg << "rank " << r.peer << "'s " << (r.output ? "output" : "input") << " lies in symmetric arena " << r.seen
-            << ", which rank " << r.rank << " has not mapped (it has " << r.expected << ")";
+        msg << "rank " << r.peer << "'s input lies in symmetric arena " << r.seen << ", which rank " << r.rank
+            << " has not mapped (it has " << r.expected << ")";
       msg << "; no data was moved";
       break;
     case AbortCause::kMismatch:

@@ -672,7 +672,8 @@ void HostComm::say_peer_reads_done() { flag_store_release(&header(rank_).direct_
 void HostComm::finish_direct_reads() {
   say_peer_reads_done();
   for (int peer = 0; peer < world_; ++peer)
-    if (peer != rank_) wait_for(peer, &SegmentHeader::direct_read, calls_, "finish reading this rank's input");
+    if (peer != rank_)
+      wait_for(peer, &SegmentHeader::direct_read, calls_, "finish reading this rank's input or shared output");
 }
 
 void HostComm::read_peer(int peer, PeerPlace place, size_t offset, void* into, size_t bytes) {

@@ -666,19 +666,19 @@ class HierarchicalCommunicator(ArgumentChecks):
             dtype, _, count = self._check_tensor(name, "tensor", tensor)
             output = tensor
         else:
-            dtype, _, count, _, _ = self._check_pair(name, output, tensor, EQUAL)
+            dtype, _, count, _, _, _ = self._check_pair(name, output, tensor, EQUAL)
         level_op, divide, code = self._level_op(name, op, dtype)
         return (lambda: self._all_reduce_flat(tensor.view(-1), level_op, divide, output.view(-1))), [output], \
             (tensor, output), (dtype, code, count)
 
     def _reduce_scatter_run(self, name: str, output, input, op):
-        dtype, _, _, _, count = self._check_pair(name, output, input, SCATTER)
+        dtype, _, _, _, count, _ = self._check_pair(name, output, input, SCATTER)
         level_op, divide, code = self._level_op(name, op, dtype)
         return (lambda: self._reduce_scatter_flat(output, input, level_op, divide)), [output], (input, output), \
             (dtype, code, count)
 
     def _all_gather_run(self, name: str, output, input):
-        dtype, _, count, _, _ = self._check_pair(name, output, input, GATHER)
+        dtype, _, count, _, _, _ = self._check_pair(name, output, input, GATHER)
         return (lambda: self._all_gather_flat(output, input)), [output], (input, output), (dtype, -1, count)
 
     # --- prepared calls (as Communicator.prepare_*) ---------------------------------------

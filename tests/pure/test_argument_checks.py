@@ -20,10 +20,10 @@ def test_reduce_scatter_and_all_gather_sizes_are_exact_at_any_world_size(world):
     checks = Checks(world)
     for m in (1, 2, 7, 13):  # 49 * (1/49) != 1 in floating point: a float ratio refused these
         whole, part = torch.zeros(world * m), torch.zeros(m)
-        dtype, src, src_count, dst, dst_count = checks._check_pair("rs", part, whole, SCATTER)
-        assert (src, src_count, dst, dst_count) == (whole.data_ptr(), world * m, part.data_ptr(), m)
-        dtype, src, src_count, dst, dst_count = checks._check_pair("ag", whole, part, GATHER)
-        assert (src, src_count, dst, dst_count) == (part.data_ptr(), m, whole.data_ptr(), world * m)
+        dtype, src, src_count, dst, dst_count, in_place = checks._check_pair("rs", part, whole, SCATTER)
+        assert (src, src_count, dst, dst_count, in_place) == (whole.data_ptr(), world * m, part.data_ptr(), m, False)
+        dtype, src, src_count, dst, dst_count, in_place = checks._check_pair("ag", whole, part, GATHER)
+        assert (src, src_count, dst, dst_count, in_place) == (part.data_ptr(), m, whole.data_ptr(), world * m, False)
         with pytest.raises(ValueError, match=rf"rs: output has {m + 1} elements, expected input size "
                                              rf"\({world * m}\) / world_size \({world}\)"):
             checks._check_pair("rs", torch.zeros(m + 1), whole, SCATTER)
@@ -40,7 +40,8 @@ def test_the_messages_say_the_expected_size():
 
 def test_in_place_is_exactly_this_ranks_chunk():
     buf = torch.zeros(8)
-    assert Checks(4, rank=2)._check_pair("rs", buf[4:6], buf, SCATTER)[0] == 0
+    assert Checks(4, rank=2)._check_pair("rs", buf[4:6], buf, SCATTER)[::5] == (0, True)  # dtype, in place
+    assert Checks(4, rank=2)._check_pair("ag", buf, buf[4:6], GATHER)[5]
     with pytest.raises(ValueError, match="rs: output and input overlap"):
         Checks(4, rank=1)._check_pair("rs", buf[4:6], buf, SCATTER)
 
