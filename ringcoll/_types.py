@@ -106,3 +106,14 @@ dtype_code = _C.dtype_code
 #: ReduceOp) for a tensor of that dtype; ValueError naming the op for an unknown op, or AVG
 #: on an integer dtype.
 op_code = _C.op_code
+
+
+def torch_tensor_forms():
+    """torch.distributed's tensor-form gather and scatter, under this torch's names:
+    ``(all_gather_single, reduce_scatter_single)``. torch 2.13 renamed them (the old
+    ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` now warn on every call); older
+    torch has only the old names. Whatever ringcoll calls on gloo goes through these."""
+    import torch.distributed as dist
+
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor,
+            getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)

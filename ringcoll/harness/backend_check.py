@@ -18,9 +18,9 @@ import warnings
 import torch
 import torch.distributed as dist
 
-# torch 2.13 renamed the tensor forms (the old names warn); older torch has only the old ones.
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+from ringcoll._types import torch_tensor_forms
+
+all_gather_single, reduce_scatter_single = torch_tensor_forms()
 
 OPS = ("SUM", "PRODUCT", "MIN", "MAX")
 CASES = [(torch.float32, op) for op in OPS] + [(torch.int32, op) for op in OPS] + [(torch.bfloat16, "SUM")]

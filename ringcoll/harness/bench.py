@@ -49,7 +49,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ringcoll import _C, plans, tuning
+from ringcoll import _C, _types, plans, tuning
 from ringcoll.learning import model
 from ringcoll._types import DATA_COLLECTIVES, DTYPES, REDUCING_COLLECTIVES, RING_COLLECTIVES, ROOTED_COLLECTIVES
 from ringcoll.communicator import Communicator, parse_bytes
@@ -281,11 +281,12 @@ class TorchBackend(DistBackend):
                 return partial(self.comm.broadcast, inp, ROOT, algorithm=self.algorithm)
             return partial(self.comm.reduce, inp, ROOT, op=reduce_op, algorithm=self.algorithm)
         if self.comm is None:  # torch.distributed
+            all_gather_single, reduce_scatter_single = _types.torch_tensor_forms()
             if coll == "all_reduce":  # it has only the in-place form
                 return partial(self.dist.all_reduce, inp, op=reduce_op, group=self.group)
             if coll == "reduce_scatter":
-                return partial(self.dist.reduce_scatter_tensor, out, inp, op=reduce_op, group=self.group)
-            return partial(self.dist.all_gather_into_tensor, out, inp, group=self.group)
+                return partial(reduce_scatter_single, out, inp, op=reduce_op, group=self.group)
+            return partial(all_gather_single, out, inp, group=self.group)
         comm, algorithm = self.comm, self.algorithm
         if self.prepared:  # checked once here; each timed call runs the prepared collective
             if coll == "all_reduce":

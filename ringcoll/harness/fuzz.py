@@ -363,8 +363,7 @@ class _Worker:
             return t
         if coll == "reduce_scatter_tensor":
             out = torch.empty(c, dtype=x.dtype)
-            fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-            fn(out, x.clone(), op=dop, group=group)
+            _types.torch_tensor_forms()[1](out, x.clone(), op=dop, group=group)
             return out
         if coll == "reduce_scatter":
             out = torch.empty(c, dtype=x.dtype)
@@ -372,8 +371,7 @@ class _Worker:
             return out
         if coll == "all_gather_into_tensor":
             out = torch.empty(world * c, dtype=x.dtype)
-            fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-            fn(out, x.clone(), group=group)
+            _types.torch_tensor_forms()[0](out, x.clone(), group=group)
             return out
         outs = [torch.empty(c, dtype=x.dtype) for _ in range(world)]
         dist.all_gather(outs, x.clone(), group=group)

@@ -59,12 +59,14 @@ import torch
 import torch.distributed as dist
 
 from ringcoll import packing
-from ringcoll._types import DTYPE_NAMES, ReduceOp, op_code, reduce_op
+from ringcoll._types import DTYPE_NAMES, ReduceOp, op_code, reduce_op, torch_tensor_forms
 from ringcoll.communicator import (EQUAL, GATHER, SCATTER, ArgumentChecks, Communicator, PreparedTensors, Work,
                                    _resolve_check, call_details, check_root, parse_bytes, resolve_timeout,
                                    submit_profiled)
 from ringcoll.errors import RingcollError, RingcollMismatchError, RingcollPeerError, RingcollTimeoutError
 from ringcoll.transports.host import CallQueue, ThreadCompletion, ranks_by_domain, shared_memory_domain
+
+all_gather_single, reduce_scatter_single = torch_tensor_forms()  # gloo's calls between machines
 
 #: how two shards combine between the nodes (AVG runs as SUM, divided once at the end)
 COMBINE = {ReduceOp.SUM: torch.add, ReduceOp.PRODUCT: torch.mul, ReduceOp.MIN: torch.minimum,
@@ -384,8 +386,8 @@ class HierarchicalCommunicator(ArgumentChecks):
             wait = self._swap(rows[1 - self.node_index], theirs)
             return lambda: (wait(), self._combine_in_node_order(rows[self.node_index], theirs, level_op, out)) \
                 and None
-        work = dist.reduce_scatter_tensor(out, by_node, op=self._inter_op(level_op), group=self.inter_group,
-                                          async_op=True)
+        work = reduce_scatter_single(out, by_node, op=self._inter_op(level_op), group=self.inter_group,
+                                     async_op=True)
         return work.wait
 
     def _start_all_gather(self, by_node: torch.Tensor, mine: torch.Tensor) -> Callable[[], None]:
@@ -394,7 +396,7 @@ class HierarchicalCommunicator(ArgumentChecks):
             rows = by_node.view(2, -1)
             rows[self.node_index].copy_(mine)
             return self._swap(mine, rows[1 - self.node_index])
-        return dist.all_gather_into_tensor(by_node, mine, group=self.inter_group, async_op=True).wait
+        return all_gather_single(by_node, mine, group=self.inter_group, async_op=True).wait
 
     # --- the pipeline: pieces, and the work space two pieces in flight use ----------------
 

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import ringcoll
+from ringcoll._types import torch_tensor_forms
 from ringcoll.training import backend
 from ringcoll.harness.launcher import spawn
 
@@ -31,8 +32,7 @@ OPS = ["SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND"]
 CONFIGS = [(2, "ringcoll"), (3, "cpu:ringcoll")]
 DEVICE_MAP = "cpu:ringcoll,cuda:ringcoll"  # accepted; one RingcollProcessGroup serves both
 
-_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_all_gather_into_tensor, _reduce_scatter_tensor = torch_tensor_forms()
 
 
 def _ringcoll_counts() -> dict:
@@ -276,9 +276,9 @@ def _work_semantics(rank, ws, gloo) -> dict:
     # _get_op_type(): the same as gloo's Work for the same call.
     pairs = {}
     for name, call in (("all_reduce", lambda g: dist.all_reduce(torch.ones(4), group=g, async_op=True)),
-                       ("reduce_scatter_tensor", lambda g: dist.reduce_scatter_tensor(
+                       ("reduce_scatter_tensor", lambda g: _reduce_scatter_tensor(
                            torch.empty(2), torch.ones(2 * ws), group=g, async_op=True)),
-                       ("all_gather_into_tensor", lambda g: dist.all_gather_into_tensor(
+                       ("all_gather_into_tensor", lambda g: _all_gather_into_tensor(
                            torch.empty(2 * ws), torch.ones(2), group=g, async_op=True))):
         ours, theirs = call(None), call(gloo)
         ours.wait()

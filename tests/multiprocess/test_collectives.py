@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 
 import ringcoll
+from ringcoll._types import torch_tensor_forms
 from ringcoll.harness.launcher import spawn
 from ringcoll.learning.schedule import Collective, direct_read_fits, one_shot_fits
 
@@ -82,8 +83,7 @@ CLEAN_ENV = {"RINGCOLL_TIMEOUT": None, "RINGCOLL_BUFFER_BYTES": None, "RINGCOLL_
 # odd worlds' matrices: the even ones keep ordinary stores, so both kinds meet every case.
 STREAMED_SLOTS_ENV = {**CLEAN_ENV, "RINGCOLL_SLOT_STORES": "stream"}
 
-_gloo_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_gloo_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_gloo_all_gather, _gloo_reduce_scatter = torch_tensor_forms()
 
 
 # --- helpers (run inside the ranks) ---------------------------------------------------------

@@ -5,7 +5,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ringcoll._types import torch_tensor_forms
 from ringcoll.harness.launcher import spawn
+
+all_gather_single, reduce_scatter_single = torch_tensor_forms()
 
 
 def _inputs(rank, numel, dtype, op):
@@ -32,15 +35,15 @@ def _gloo_all_reduce(x, op, world):
 def _gloo_reduce_scatter(full, m, op, world):
     ref = torch.empty(m, dtype=full.dtype)
     if op == "AVG":
-        dist.reduce_scatter_tensor(ref, full.clone())
+        reduce_scatter_single(ref, full.clone())
         return ref / world
-    dist.reduce_scatter_tensor(ref, full.clone(), op=getattr(dist.ReduceOp, op))
+    reduce_scatter_single(ref, full.clone(), op=getattr(dist.ReduceOp, op))
     return ref
 
 
 def _gloo_all_gather(x, world):
     ref = torch.empty(x.numel() * world, dtype=x.dtype)
-    dist.all_gather_into_tensor(ref, x)
+    all_gather_single(ref, x)
     return ref
 
 

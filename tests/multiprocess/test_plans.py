@@ -12,11 +12,13 @@ import torch
 
 import ringcoll
 from ringcoll import plans
-from ringcoll._types import DATA_COLLECTIVES
+from ringcoll._types import DATA_COLLECTIVES, torch_tensor_forms
 from ringcoll.harness.launcher import spawn
 from ringcoll.plans import INPUT, TO_OUTPUT, op
 
 import test_collectives as M
+
+all_gather_single, reduce_scatter_single = torch_tensor_forms()
 
 BUILTIN = list(plans.BUILTIN)
 FULL = [(dtype, op_name) for dtype in M.DTYPES for op_name in M.OPS if op_name != "AVG" or dtype in M.FLOATING]
@@ -199,10 +201,10 @@ def _smallest_buffer_rank(rank, world):
                     dist.all_reduce(ref := x.clone())
                     call = lambda: comm.all_reduce(x, output=out, algorithm=algorithm)  # noqa: E731
                 elif coll == "reduce_scatter":
-                    dist.reduce_scatter_tensor(ref, x.clone())
+                    reduce_scatter_single(ref, x.clone())
                     call = lambda: comm.reduce_scatter_tensor(out, x, algorithm=algorithm)  # noqa: E731
                 elif coll == "all_gather":
-                    dist.all_gather_into_tensor(ref, x)
+                    all_gather_single(ref, x)
                     call = lambda: comm.all_gather_into_tensor(out, x, algorithm=algorithm)  # noqa: E731
                 else:  # in place, root 1 % P
                     out.copy_(x)
