@@ -81,14 +81,24 @@ COMBINE = {ReduceOp.SUM: torch.add, ReduceOp.PRODUCT: torch.mul, ReduceOp.MIN: t
 #: piece size, or EIGHTHS: the message in 8 pieces of PIECE_BYTES to MAX_PIECE_BYTES.
 #: Classes and cuts, because what pays moves with the size and the link (2 x 2 namespace
 #: ranks on this VM): over 10 Gbit/s an 8 MiB all-reduce took 7.9 ms whole and 19.7 in 1 MiB
-#: pieces, a 64 MiB one 140 ms whole, 122 in 1 MiB pieces and 83 in 8 MiB ones (gloo 83:
-#: two 32 MiB swaps at once overflow the link's queue); over 2 Gbit/s 1 MiB pieces were best
-#: at every size (64 MiB: 281 ms, 328 in 8 MiB pieces); on the unshaped veth whole won at
-#: both sizes (59 against 84 at 64 MiB).
+#: pieces, a 64 MiB one 106 ms whole, 58 in 4 MiB pieces and 60 in 8 MiB ones (gloo 84;
+#: whole, each 32 MiB swap crosses at 0.65-0.9 GB/s where the link carries 1.2: gloo's large
+#: messages, not the link, which drops nothing and moves 1.2 GB/s for plain TCP); over
+#: 2 Gbit/s 1 MiB pieces were best at every size (64 MiB: 281 ms, 328 in 8 MiB pieces); on
+#: the unshaped veth whole and pieces were level at 64 MiB (56 and 57 ms).
 PIECE_BYTES, MAX_PIECE_BYTES = 1 << 20, 8 << 20
 EIGHTHS = "eighths"
 AUTO_CLASSES = ((8 << 20, 8 << 20, (0, PIECE_BYTES)), (None, 32 << 20, (0, PIECE_BYTES, EIGHTHS)))
 PROBE_ROUNDS = 2  # each probe cut each way twice, after a round that warms the work space up
+
+#: Calls whose first stage is the node's ring writing work space only (a reduce-scatter in the
+#: node): on the CPU it runs while the call check's exchange between hosts is still crossing
+#: the link, and the check is settled before anything else crosses (_settle_check). Those
+#: whose first stage writes the user's tensor (reduce, broadcast) or crosses the link
+#: (all-gather) settle it first. Over 10 Gbit/s (2 x 2 namespace ranks) the check's round
+#: trip was 1 of a 1 MiB all-reduce's 2.3 ms.
+CHECK_OVERLAPS = ("all_reduce", "all_reduce_coalesced", "reduce_scatter_tensor", "reduce_scatter",
+                  "reduce_scatter_tensor_coalesced")
 
 
 def _size(nbytes: int) -> str:
@@ -224,6 +234,7 @@ class HierarchicalCommunicator(ArgumentChecks):
         self._work_space: dict = {}  # _scratch
         self._calls = CallQueue()
         self._broken_reason = ""
+        self._pending_check: Optional[Callable[[], None]] = None  # _check_call's second half
 
     def close(self) -> None:
         """Finish queued work, then release the intra-node ring and the work space. Idempotent."""
@@ -284,8 +295,9 @@ class HierarchicalCommunicator(ArgumentChecks):
         host names. Any error breaks the communicator, as it breaks the ring."""
         try:
             if self.check:
-                self._check_call(name, user_call)
+                self._check_call(name, user_call, name.removeprefix("prepare_") in CHECK_OVERLAPS)
             run()
+            self._settle_check()
         except RingcollMismatchError as e:
             self._broken_reason = str(e)
             raise
@@ -305,6 +317,8 @@ class HierarchicalCommunicator(ArgumentChecks):
             what = f"heard nothing within the {self.timeout:g} s timeout" if timed_out else "lost the link"
             raise error(f"{name}: rank {self.rank} on host {self.node_names[self.node_index]} {what} from the other "
                         f"hosts ({peers}): {type(e).__name__}: {e}") from e
+        finally:
+            self._pending_check = None  # an error before the check settled: the call is over anyway
 
     def _global_rank(self, rank: int) -> int:
         """The default group's number of this group's `rank` (what point-to-point calls take)."""
@@ -314,17 +328,34 @@ class HierarchicalCommunicator(ArgumentChecks):
     def _ranks_text(ranks) -> str:
         return ", ".join(map(str, ranks))
 
-    def _check_call(self, name: str, user_call: tuple) -> None:
-        """Raise RingcollMismatchError on every rank, before any data moves, unless every rank
-        of every node made this call: each node gathers its ranks' calls on its ring, then the
-        nodes exchange theirs as the all-gather between them does (two fixed-size calls, so
-        they cannot mismatch themselves). A check per node only would let two nodes that agree
-        inside differ from each other and fail inside gloo."""
+    def _check_call(self, name: str, user_call: tuple, may_overlap: bool) -> None:
+        """Raise RingcollMismatchError on every rank, before any data moves between the hosts
+        or into the user's tensors, unless every rank of every node made this call: each node
+        gathers its ranks' calls on its ring, then the nodes exchange theirs as the all-gather
+        between them does (two fixed-size calls, so they cannot mismatch themselves). A check
+        per node only would let two nodes that agree inside differ from each other and fail
+        inside gloo. Where `may_overlap` (CHECK_OVERLAPS, on the CPU) and the node's ranks
+        agree, the comparison waits for the exchange later (_settle_check), so the node's
+        first stage runs meanwhile: the same call on every rank of the node, into work space."""
         mine = torch.tensor(user_call, dtype=torch.int64, device=self.device)
         node_calls = mine.new_empty(self.local_size * mine.numel())
         self.intra.all_gather_into_tensor(node_calls, mine)
         every_call = node_calls.new_empty(self.num_nodes * node_calls.numel())
-        self._start_all_gather(every_call, node_calls)()
+        exchanged = self._start_all_gather(every_call, node_calls)
+        self._pending_check = lambda: (exchanged(), self._compare_calls(name, every_call)) and None
+        node_agrees = len(set(map(tuple, node_calls.view(self.local_size, -1).tolist()))) == 1
+        if not (may_overlap and node_agrees and self.device.type == "cpu"):
+            self._settle_check()
+
+    def _settle_check(self) -> None:
+        """Finish the call check left pending by _check_call (a no-op when none is): before
+        anything crosses the link or lands in the user's tensors."""
+        settle, self._pending_check = self._pending_check, None
+        if settle is not None:
+            settle()
+
+    def _compare_calls(self, name: str, every_call: torch.Tensor) -> None:
+        """The mismatch error of _check_call, from every rank's call (rows by node, local index)."""
         calls = every_call.view(self.num_nodes, self.local_size, -1).tolist()
         by_call: dict = {}
         for node in range(self.num_nodes):
@@ -351,6 +382,7 @@ class HierarchicalCommunicator(ArgumentChecks):
         (two separate calls could each wait for the other side's); gloo as two calls, as
         its batch took twice as long (1.9 ms against 0.8 ms for 512 KiB each way, 2 x 2
         namespace ranks)."""
+        self._settle_check()
         peer = self._global_rank(self.inter_ranks[1 - self.node_index])
         if self.inter_backend == "nccl":
             works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, peer, self.inter_group),
@@ -373,6 +405,7 @@ class HierarchicalCommunicator(ArgumentChecks):
             theirs = self._scratch(bank, "theirs", shard.numel(), shard.dtype)
             wait = self._swap(shard, theirs)
             return lambda: (wait(), self._combine_in_node_order(shard, theirs, level_op, shard)) and None
+        self._settle_check()
         work = dist.all_reduce(shard, op=self._inter_op(level_op), group=self.inter_group, async_op=True)
         return work.wait
 
@@ -386,6 +419,7 @@ class HierarchicalCommunicator(ArgumentChecks):
             wait = self._swap(rows[1 - self.node_index], theirs)
             return lambda: (wait(), self._combine_in_node_order(rows[self.node_index], theirs, level_op, out)) \
                 and None
+        self._settle_check()
         work = reduce_scatter_single(out, by_node, op=self._inter_op(level_op), group=self.inter_group,
                                      async_op=True)
         return work.wait
@@ -396,6 +430,7 @@ class HierarchicalCommunicator(ArgumentChecks):
             rows = by_node.view(2, -1)
             rows[self.node_index].copy_(mine)
             return self._swap(mine, rows[1 - self.node_index])
+        self._settle_check()
         return all_gather_single(by_node, mine, group=self.inter_group, async_op=True).wait
 
     # --- the pipeline: pieces, and the work space two pieces in flight use ----------------
@@ -513,37 +548,66 @@ class HierarchicalCommunicator(ArgumentChecks):
                          into: Optional[torch.Tensor] = None, piece_bytes: Optional[int] = None) -> None:
         """The result goes to `into` (flat and as large), by default `flat` itself.
 
-        The message, padded to L equal shards of s elements, is cut as the node's ring cuts
-        it: local index l owns shard l. Piece k holds the k-th part of every shard; it is
-        reduce-scattered in the node (local index l gets its shard's part, reduced over the
-        node), all-reduced between the nodes, and all-gathered in the node. An element is
-        in its shard's part of whichever piece, and the ring reduces the part of shard c in
-        chunk c's order, so however the message is cut every element is reduced in the same
-        order: pipelining never changes a bit."""
+        Each piece is reduce-scattered in the node (each local index gets its share of the
+        piece, reduced over the node), all-reduced between the nodes, and all-gathered in the
+        node. How the message is cut into pieces must not change a bit, and the node's ring
+        reduces each chunk in an order of its own (the ring's, starting after the chunk's
+        owner): so an element must go to the same local index however the message is cut.
+
+        By shard (any node): the message, padded to L equal shards of s elements, is cut as
+        the node's ring cuts it, local index l owning shard l; piece k holds the k-th part of
+        every shard, copied into work space as L rows (and the result back out), unless the
+        message goes whole.
+
+        By range (nodes of at most two ranks, SUM or PRODUCT): a node sum of two operands is
+        one addition, and a + b is b + a to the bit (IEEE addition and multiplication
+        commute), so which of the two ranks reduces an element cannot matter: piece k is the
+        message's own k-th range, the node's ring reads it and writes the result where it
+        lies, and only a last piece that L does not divide goes through work space. (MIN and
+        MAX commute too, but for which of -0 and +0 they return, so they go by shard.) At
+        64 MiB over 10 Gbit/s (2 x 2 namespace ranks) the shard copies took 23 of 90 ms."""
         into = flat if into is None else into
         n, local = flat.numel(), self.local_size
+        by_range = local <= 2 and level_op in (ReduceOp.SUM, ReduceOp.PRODUCT)
         shard = -(-n // local)
         parts = self._pieces(shard, local * flat.element_size(), piece_bytes)
+        if by_range:  # the same cut, counted in the message's elements
+            parts = [slice(part.start * local, min(part.stop * local, n)) for part in parts]
         whole = len(parts) == 1 and shard * local == n  # the message itself is the ring's input and output
 
+        def padded(part: slice) -> int:  # the node ring's input for this piece: L equal chunks
+            return -(-(part.stop - part.start) // local) * local
+
         def first(part: slice, bank: int):
-            width = part.stop - part.start
-            source = flat
-            if not whole:
-                source = self._scratch(bank, "piece", local * width, flat.dtype)
-                self._shard_parts(flat, shard, part, source.view(local, width), into_rows=True)
+            if by_range:
+                width, source = padded(part) // local, flat[part]
+                if padded(part) != part.stop - part.start:
+                    source = self._scratch(bank, "piece", padded(part), flat.dtype)
+                    source[:part.stop - part.start].copy_(flat[part])
+                    source[part.stop - part.start:].zero_()  # reduced among itself, dropped
+            else:
+                width, source = part.stop - part.start, flat
+                if not whole:
+                    source = self._scratch(bank, "piece", local * width, flat.dtype)
+                    self._shard_parts(flat, shard, part, source.view(local, width), into_rows=True)
             mine = self._scratch(bank, "shard", width, flat.dtype)
             self.intra.reduce_scatter_tensor(mine, source, op=level_op)
             return self._start_all_reduce(mine, level_op, bank)
 
         def second(part: slice, bank: int):
-            width = part.stop - part.start
+            in_place = whole or (by_range and padded(part) == part.stop - part.start)
+            width = padded(part) // local if by_range else part.stop - part.start
             mine = self._scratch(bank, "shard", width, flat.dtype)
-            gathered = into if whole else self._scratch(bank, "piece", local * width, flat.dtype)
+            gathered = (into if whole else into[part]) if in_place \
+                else self._scratch(bank, "piece", local * width, flat.dtype)
             self.intra.all_gather_into_tensor(gathered, mine)
             if divide:
                 gathered.div_(self.world_size)
-            if not whole:
+            if in_place:
+                return
+            if by_range:
+                into[part].copy_(gathered[:part.stop - part.start])
+            else:
                 self._shard_parts(into, shard, part, gathered.view(local, width), into_rows=False)
 
         self._pipelined(parts, first, second)

@@ -189,21 +189,57 @@ def _pieces_change_no_bit(rank, world):
     return same, choices, differing
 
 
-def test_pipelining_never_changes_a_bit():
-    """Piece k of an all-reduce holds the k-th part of every shard, so an element is reduced
-    in its shard's order however the message is cut (the ring's order differs from chunk to
-    chunk: pieces cut from the message as a whole, as before, differed in the last bits)."""
-    outcomes = spawn(_pieces_change_no_bit, 3, timeout=240)
-    for rank, (same, choices, differing) in enumerate(outcomes):
-        assert all(same.values()), (rank, same)
-        assert choices[0] == "set: whole" and choices[256] == "set: pieces of 256 bytes", choices
-        assert choices["auto"].startswith(("auto: up to 8 MiB: whole (a 8 MiB all-reduce took",
-                                           "auto: up to 8 MiB: in pieces of 1 MiB (a 8 MiB")), choices
-        assert "ms in pieces of 1 MiB); past 8 MiB: " in choices["auto"], choices
-        assert "a 32 MiB all-reduce took" in choices["auto"] and "ms in pieces of 4 MiB)" in choices["auto"], choices
-        assert differing == ("HierarchicalCommunicator: pipeline_bytes= / RINGCOLL_PIPELINE_BYTES must be the same "
-                             "on every rank, got rank 0: 0, rank 1: 1048576, rank 2: auto"), differing
-    assert len({choices["auto"] for _, choices, _ in outcomes}) == 1  # every rank measured the same, chose the same
+def _bits(x):
+    return x.view(torch.int32) if x.dtype == torch.float32 else x.view(torch.int16)
+
+
+def _pieces_by_range(rank, world):
+    """Nodes of two ranks (and of one), where pieces are the message's own ranges: every op
+    and cut against the whole message, bit for bit (-0 against +0 for MIN and MAX: which
+    of the two they return depends on the order, so those go by shard); and whether a piece
+    the node divides went through work space."""
+    import ringcoll
+    from ringcoll.training.hierarchical import HierarchicalCommunicator
+
+    node = "a" if world == 2 else str(rank // 2)
+    failures, results = [], {}
+    for pipeline in (0, 256, 4096):
+        with HierarchicalCommunicator(node_id=node, pipeline_bytes=pipeline) as h:
+            for dtype, op in ((torch.float32, "SUM"), (torch.float32, "AVG"), (torch.bfloat16, "SUM"),
+                              (torch.float32, "PRODUCT"), (torch.float32, "MIN"), (torch.float32, "MAX")):
+                for n in (1031, 4096):
+                    g = torch.Generator().manual_seed(10 * rank + n)
+                    if op in ("MIN", "MAX"):  # +0 and -0 everywhere, each rank its own pattern
+                        x = torch.where(torch.rand(n, generator=g) < 0.5, 0.0, -0.0)
+                    elif op == "PRODUCT":
+                        x = 1 + torch.rand(n, generator=g) / 8
+                    else:
+                        x = torch.randn(n, generator=g) * 1e3
+                    x = x.to(dtype)
+                    for form in ("in place", "out of place"):
+                        ours, out = x.clone(), torch.empty_like(x)
+                        h.all_reduce(ours, op=getattr(ringcoll.ReduceOp, op),
+                                     output=out if form == "out of place" else None)
+                        results[pipeline, dtype, op, n, form] = _bits(out if form == "out of place" else ours)
+    for (pipeline, *case), bits in results.items():
+        if pipeline and not torch.equal(bits, results[(0, *case)]):
+            failures.append(f"pieces of {pipeline} bytes changed {case}")
+    with HierarchicalCommunicator(node_id=node, pipeline_bytes=4096) as h:
+        h.all_reduce(torch.randn(4096))
+        roles = sorted({role for _, role, _ in h._work_space})
+    return failures, roles
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_pieces_of_two_rank_nodes_are_the_messages_ranges(world):
+    """world 2: one node of two ranks; world 4: two nodes of two (each piece crosses the
+    link as a swap). A 16 KiB message in 4 KiB pieces is reduced where it lies: the work
+    space holds each piece's share ("shard") and, between the nodes, the peer's ("theirs"),
+    never a copy of the message ("piece")."""
+    for failures, roles in spawn(_pieces_by_range, world, timeout=240):
+        assert failures == [], failures[:10]
+        assert "piece" not in roles and "shard" in roles, roles
+        assert ("theirs" in roles) == (world == 4), roles
 
 
 def _node_from_env(rank, world):

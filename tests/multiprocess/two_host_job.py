@@ -44,12 +44,15 @@ def _result(rank: int, phase: str, **what) -> None:
         f.write(json.dumps({"phase": phase, **what}) + "\n")
 
 
-def _expect_error(rank: int, phase: str, fn) -> None:
+def _expect_error(rank: int, phase: str, fn, untouched=lambda: None) -> None:
+    """Run fn, which must raise; record what it raised and untouched() (did the call leave
+    its tensor as it was?)."""
     start = time.monotonic()
     try:
         fn()
     except Exception as exc:  # noqa: BLE001 -- what reaches the user is what is checked
-        _result(rank, phase, kind=type(exc).__name__, message=str(exc), elapsed=time.monotonic() - start)
+        _result(rank, phase, kind=type(exc).__name__, message=str(exc), elapsed=time.monotonic() - start,
+                untouched=untouched())
         return
     _result(rank, phase, kind="no error", message="", elapsed=time.monotonic() - start)
 
@@ -61,9 +64,13 @@ def _faults(rank: int, world: int) -> int:
     from ringcoll.training.hierarchical import HierarchicalCommunicator
 
     host = rank // LOCAL
-    _expect_error(rank, "mismatch_by_host", lambda: dist.all_reduce(torch.ones(1001 if host == 0 else 1000)))
+    # Each machine's ranks agree among themselves here, so each runs its ring's first stage
+    # while the check crosses the link (CHECK_OVERLAPS): still nothing lands in the tensor.
+    x = torch.ones(1001 if host == 0 else 1000)
+    _expect_error(rank, "mismatch_by_host", lambda: dist.all_reduce(x), lambda: bool((x == 1).all()))
     lone = HierarchicalCommunicator(group=dist.new_group(backend="gloo"))  # the default group's ring is broken now
-    _expect_error(rank, "mismatch_one_rank", lambda: lone.all_reduce(torch.ones(1001 if rank == world - 1 else 1000)))
+    y = torch.ones(1001 if rank == world - 1 else 1000)
+    _expect_error(rank, "mismatch_one_rank", lambda: lone.all_reduce(y), lambda: bool((y == 1).all()))
     lone.close()
 
     group = dist.new_group(backend="ringcoll")
