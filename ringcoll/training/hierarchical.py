@@ -559,9 +559,9 @@ class HierarchicalCommunicator(ArgumentChecks):
         every shard, copied into work space as L rows (and the result back out), unless the
         message goes whole.
 
-        By range (nodes of at most two ranks, SUM or PRODUCT): a node sum of two operands is
-        one addition, and a + b is b + a to the bit (IEEE addition and multiplication
-        commute), so which of the two ranks reduces an element cannot matter: piece k is the
+        By range (nodes of at most two ranks, SUM or PRODUCT): the node reduces each element
+        with one operation on two operands, and a + b is b + a to the bit (IEEE addition and
+        multiplication commute), so which of the two ranks does it cannot matter: piece k is the
         message's own k-th range, the node's ring reads it and writes the result where it
         lies, and only a last piece that L does not divide goes through work space. (MIN and
         MAX commute too, but for which of -0 and +0 they return, so they go by shard.) At
@@ -595,15 +595,15 @@ class HierarchicalCommunicator(ArgumentChecks):
             return self._start_all_reduce(mine, level_op, bank)
 
         def second(part: slice, bank: int):
-            in_place = whole or (by_range and padded(part) == part.stop - part.start)
+            lies_in_output = whole or (by_range and padded(part) == part.stop - part.start)
             width = padded(part) // local if by_range else part.stop - part.start
             mine = self._scratch(bank, "shard", width, flat.dtype)
-            gathered = (into if whole else into[part]) if in_place \
+            gathered = (into if whole else into[part]) if lies_in_output \
                 else self._scratch(bank, "piece", local * width, flat.dtype)
             self.intra.all_gather_into_tensor(gathered, mine)
             if divide:
                 gathered.div_(self.world_size)
-            if in_place:
+            if lies_in_output:
                 return
             if by_range:
                 into[part].copy_(gathered[:part.stop - part.start])
