@@ -189,6 +189,23 @@ def _pieces_change_no_bit(rank, world):
     return same, choices, differing
 
 
+def test_pipelining_never_changes_a_bit():
+    """Piece k of an all-reduce holds the k-th part of every shard, so an element is reduced
+    in its shard's order however the message is cut (the ring's order differs from chunk to
+    chunk: pieces cut from the message as a whole, as before, differed in the last bits)."""
+    outcomes = spawn(_pieces_change_no_bit, 3, timeout=240)
+    for rank, (same, choices, differing) in enumerate(outcomes):
+        assert all(same.values()), (rank, same)
+        assert choices[0] == "set: whole" and choices[256] == "set: pieces of 256 bytes", choices
+        assert choices["auto"].startswith(("auto: up to 8 MiB: whole (a 8 MiB all-reduce took",
+                                           "auto: up to 8 MiB: in pieces of 1 MiB (a 8 MiB")), choices
+        assert "ms in pieces of 1 MiB); past 8 MiB: " in choices["auto"], choices
+        assert "a 32 MiB all-reduce took" in choices["auto"] and "ms in pieces of 4 MiB)" in choices["auto"], choices
+        assert differing == ("HierarchicalCommunicator: pipeline_bytes= / RINGCOLL_PIPELINE_BYTES must be the same "
+                             "on every rank, got rank 0: 0, rank 1: 1048576, rank 2: auto"), differing
+    assert len({choices["auto"] for _, choices, _ in outcomes}) == 1  # every rank measured the same, chose the same
+
+
 def _bits(x):
     return x.view(torch.int32) if x.dtype == torch.float32 else x.view(torch.int16)
 
