@@ -78,7 +78,9 @@ COMBINE = {ReduceOp.SUM: torch.add, ReduceOp.PRODUCT: torch.mul, ReduceOp.MIN: t
 #: class of message size once, on the first message of the class, by timing an all-reduce of
 #: the class's probe size cut each way the class compares, and keeping the fastest:
 #: (largest all-reduce of the class, probe bytes, the cuts compared). A cut is 0 (whole), a
-#: piece size, or EIGHTHS: the message in 8 pieces of PIECE_BYTES to MAX_PIECE_BYTES.
+#: piece size, or EIGHTHS: the message in 8 pieces, of MIN_EIGHTH_BYTES to MAX_PIECE_BYTES
+#: (so fewer below 32 MiB: 16 MiB in 4 pieces of 4 MiB took 14 ms, in 8 of 2 MiB 16, over
+#: 10 Gbit/s and unshaped alike).
 #: Classes and cuts, because what pays moves with the size and the link (2 x 2 namespace
 #: ranks on this VM): over 10 Gbit/s an 8 MiB all-reduce took 7.9 ms whole and 19.7 in 1 MiB
 #: pieces, a 64 MiB one 106 ms whole, 58 in 4 MiB pieces and 60 in 8 MiB ones (gloo 84;
@@ -86,7 +88,7 @@ COMBINE = {ReduceOp.SUM: torch.add, ReduceOp.PRODUCT: torch.mul, ReduceOp.MIN: t
 #: messages, not the link, which drops nothing and moves 1.2 GB/s for plain TCP); over
 #: 2 Gbit/s 1 MiB pieces were best at every size (64 MiB: 281 ms, 328 in 8 MiB pieces); on
 #: the unshaped veth whole and pieces were level at 64 MiB (56 and 57 ms).
-PIECE_BYTES, MAX_PIECE_BYTES = 1 << 20, 8 << 20
+PIECE_BYTES, MIN_EIGHTH_BYTES, MAX_PIECE_BYTES = 1 << 20, 4 << 20, 8 << 20
 EIGHTHS = "eighths"
 AUTO_CLASSES = ((8 << 20, 8 << 20, (0, PIECE_BYTES)), (None, 32 << 20, (0, PIECE_BYTES, EIGHTHS)))
 PROBE_ROUNDS = 2  # each probe cut each way twice, after a round that warms the work space up
@@ -450,7 +452,7 @@ class HierarchicalCommunicator(ArgumentChecks):
     @staticmethod
     def _cut(cut, message_bytes: int) -> int:
         """The piece a message of `message_bytes` is cut into by `cut` (AUTO_CLASSES); 0: whole."""
-        return min(max(message_bytes // 8, PIECE_BYTES), MAX_PIECE_BYTES) if cut == EIGHTHS else cut
+        return min(max(message_bytes // 8, MIN_EIGHTH_BYTES), MAX_PIECE_BYTES) if cut == EIGHTHS else cut
 
     def _piece_bytes(self, message_bytes: int, link_share: float = 1.0) -> int:
         """The piece for a message of `message_bytes` (0: whole). With pipeline_bytes="auto",
@@ -496,7 +498,7 @@ class HierarchicalCommunicator(ArgumentChecks):
 
         sizes = f"up to {_size(largest)}" if largest is not None else f"past {_size(AUTO_CLASSES[kind - 1][0])}"
         measured = ", ".join(f"{t:.2f} ms {way(cut)}" for cut, t in zip(cuts, times))
-        cut_text = "8 pieces" if cuts[best] == EIGHTHS else way(cuts[best])
+        cut_text = "eighths, pieces of 4-8 MiB" if cuts[best] == EIGHTHS else way(cuts[best])
         self._auto_choices[kind] = (cuts[best], f"{sizes}: {cut_text} (a {_size(probe_bytes)} all-reduce took "
                                                 f"{measured})")
 
