@@ -368,8 +368,8 @@ class HierarchicalCommunicator(ArgumentChecks):
         what = "; ".join(f"{'rank' if len(ranks) == 1 else 'ranks'} {self._ranks_text(sorted(ranks))} called "
                          f"{describe_call(call)}" for call, ranks in by_call.items())
         raise RingcollMismatchError(f"{name}: the ranks made different calls at the same point across "
-                                    f"{self.num_nodes} hosts ({', '.join(self.node_names)}): {what}; nothing was "
-                                    "moved")
+                                    f"{self.num_nodes} hosts ({', '.join(self.node_names)}): {what}; nothing "
+                                    "crossed between the hosts or was written to a tensor")
 
     # --- between the nodes: one step per piece, started now, finished later ------------------
     #
