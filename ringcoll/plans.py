@@ -407,20 +407,39 @@ def _execute(p: Plan, algebra, slices: int = SLICES) -> tuple:
             raise _fail(p, rank, i, f"reads {Operand(which).name.lower()} chunk {c} before anything wrote it")
         return store[c]
 
-    def in_place_reads(rank, j, i, o, c):
+    def aliases(rank, c):
+        """In place, is this rank's output chunk c the memory of its input chunk c? Every
+        chunk for all-reduce, reduce and broadcast (the tensor is both); for reduce-scatter
+        and all-gather only the rank's own."""
+        return p.collective in ("all_reduce", "reduce", "broadcast") or c == rank
+
+    def changes_input(rank, c, v):
+        """In place, would writing v to this rank's output chunk c change its input? Any
+        write counts where the output is a reduction; an all-gather's or broadcast's copy of
+        the input onto itself changes nothing (their built-in plans make it), anything else
+        does."""
+        if not aliases(rank, c):
+            return False
+        return p.collective not in ("all_gather", "broadcast") or v != algebra.leaf(rank, c)
+
+    def overwritten(rank, j, c):
+        return c in output[rank][j] and changes_input(rank, c, output[rank][j][c])
+
+    def peer_input_read(rank, j, i, o, c):
         """In place the input is the output: a peer's read of chunk c of this rank's input
-        where it lies must happen before this rank writes its output chunk c over it, in every
-        order the ranks may run in; here that is, before the write, this rank has heard of the
-        read (through publications). All-reduce only: an all-gather's and a broadcast's owner
-        never writes the chunk read, and a reduce-scatter's reads skip the owner's own chunk."""
-        if p.collective != "all_reduce":
-            return
-        if PEER_INPUT in (o.a, o.b):
+        where it lies must happen before this rank changes its output chunk c over it, in every
+        order the ranks may run in (write_over_reads checks the other side)."""
+        if PEER_INPUT in (o.a, o.b) and aliases(o.frm, c):
             peer_reads.setdefault((o.frm, j, c), []).append((rank, clock[rank][rank]))
-            if c in output[o.frm][j]:
+            if overwritten(o.frm, j, c):
                 raise _fail(p, rank, i, f"reads chunk {c} of rank {o.frm}'s input where it lies, which rank {o.frm} "
                                         "may already have overwritten with its output chunk (in place)")
-        if o.to & TO_OUTPUT:
+
+    def write_over_reads(rank, j, i, c, v):
+        """Writing v to output chunk c: where that changes the input in place, only after this
+        rank has heard (through publications) that every peer reading that input chunk where
+        it lies has read it."""
+        if changes_input(rank, c, v):
             for reader, when in peer_reads.get((rank, j, c), []):
                 if clock[rank][reader] < when:
                     raise _fail(p, rank, i, f"writes output chunk {c}, which in place is the input chunk rank "
@@ -442,11 +461,8 @@ def _execute(p: Plan, algebra, slices: int = SLICES) -> tuple:
         clock[rank][rank] += 1
         values = []
         for c in range(o.first, o.first + o.count):
-            in_place_reads(rank, j, i, o, c)
-            # in place, the input is the output: all-reduce and reduce read every chunk of it,
-            # reduce-scatter its own (all-gather and broadcast read an input nothing overwrites)
-            reads_own_input = INPUT in (o.a, o.b) and (p.collective in ("all_reduce", "reduce") or c == rank)
-            if reads_own_input and p.collective not in ("all_gather", "broadcast") and c in output[rank][j]:
+            peer_input_read(rank, j, i, o, c)
+            if INPUT in (o.a, o.b) and overwritten(rank, j, c):  # in place, the input is the output
                 raise _fail(p, rank, i, f"reads input chunk {c} after writing output chunk {c}: wrong when the "
                                         "output is the input (in place)")
             a = operand(rank, j, i, o.a, c, got)
@@ -458,6 +474,7 @@ def _execute(p: Plan, algebra, slices: int = SLICES) -> tuple:
             if o.to & TO_WORK:
                 work[rank][j][c] = v
             if o.to & TO_OUTPUT:
+                write_over_reads(rank, j, i, c, v)
                 if (rank, j, c) in shared:  # its readers read it where it lies, whenever they come to it
                     readers = ", ".join(str(r) for r in range(world) if shared[rank, j, c] >> r & 1)
                     raise _fail(p, rank, i, f"writes output chunk {c} again after sharing it with rank(s) {readers}, "

@@ -105,9 +105,11 @@ class PlanRun {
           slot_last_[slot_index(bank, c, chunks_)] = writes;
           slot_readers_[slot_index(bank, c, chunks_)] = op.readers;
         }
-        // Streaming stores are weakly ordered: the slot before the flag (an output is shared
-        // only as written with ordinary stores)
-        if (in_slot && comm_.stream_slots()) stream_fence();
+        // Streaming stores are weakly ordered: what they wrote before the flag. A slot may be
+        // written with them; a shared output chunk is written with ordinary stores by the op
+        // that shares it, but an earlier op of the call may have streamed into that chunk (a
+        // relay: received into the output, then shared onward by a copy onto itself).
+        if ((in_slot && comm_.stream_slots()) || ((op.to & kShareOutput) && stream_output_)) stream_fence();
         flag_store_release(&comm_.header(me_).published.value, writes);
       }
     }

@@ -364,6 +364,29 @@ def test_an_unsafe_read_in_place_is_refused():
     assert "reads input chunk 0 after writing output chunk 0: wrong when the output is the input" in refused(fn)
 
 
+def test_an_all_gather_that_changes_its_own_chunk_is_refused_in_place():
+    """In place an all-gather's input is its own output chunk: copying the input onto itself
+    is harmless (the built-in plans do it), writing anything else there is not, for the rank's
+    own later reads and for peers reading that input where it lies. Both plans below end with
+    the right output out of place, and gave wrong bits in place before the checker saw it."""
+    def doubles_then_sends(world, r):  # its own chunk = input + input, then publishes "the input"
+        return [op(INPUT, r, TO_OUTPUT, b=INPUT), op(INPUT, r, TO_OUTPUT | TO_SLOT, readers=others(world, r))] + \
+            [op(PEER, q, TO_OUTPUT, frm=q) for q in others(world, r)]
+    for world in (2, 3):
+        assert "reads input chunk" in refused(doubles_then_sends, "all_gather", world=world)
+
+    def scribbles_while_read(world, r):  # saved to work space, scribbled over, restored: peers read it meanwhile
+        return [op(INPUT, r, TO_WORK), op(INPUT, r, TO_OUTPUT, b=INPUT)] + \
+            [op(plans.PEER_INPUT, q, TO_OUTPUT, frm=q) for q in others(world, r)] + [op(WORK, r, TO_OUTPUT)]
+    message = refused(scribbles_while_read, "all_gather", world=2)
+    assert "where it lies" in message and "in place" in message, message  # the write or the read, whichever comes second
+    plans.check(user_plan(_direct_gather, "all_gather", 3))  # the own chunk copied onto itself: fine
+
+
+def others(world, r):
+    return [q for q in range(world) if q != r]
+
+
 def test_collective_shapes_are_enforced():
     def gather_reads_other_input(world, r):
         return [op(INPUT, (r + 1) % world, TO_OUTPUT)]
