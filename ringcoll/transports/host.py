@@ -251,10 +251,15 @@ class HostTransport(Transport):
         # must agree, like the buffer size (a rank on the ring and one on the one-shot path
         # would wait for each other's publications until the timeout).
         # So must the direct-read threshold; whether peers may be read is agreed in the probe.
+        # And what decides whether a rank probes its neighbour hop (the slots' stores, and
+        # whether its waits spin): a rank that probes waits for a token its neighbour, not
+        # probing, never passes on, and both time out naming the wrong cause.
         offers = exchange((_C.random_segment_name(), shared_memory_domain()),
                           **{"RINGCOLL_SMALL_BYTES / small_bytes=": settings.small_bytes,
                              "RINGCOLL_DIRECT_BYTES / direct_bytes=": settings.direct_bytes,
-                             "RINGCOLL_DIRECT_MAX_BYTES": settings.direct_max_bytes})
+                             "RINGCOLL_DIRECT_MAX_BYTES": settings.direct_max_bytes,
+                             "RINGCOLL_SLOT_STORES": os.environ.get("RINGCOLL_SLOT_STORES", "auto"),
+                             "shares_cores=": bool(settings.shares_cores)})
         _require_one_domain([domain for _, domain in offers])
         names = [name for name, _ in offers]
         self._comm = _C.HostComm(settings.rank, settings.world_size, names, settings.buffer_bytes,

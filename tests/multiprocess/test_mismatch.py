@@ -287,6 +287,33 @@ def test_small_message_threshold_must_agree_across_ranks():
         assert negative.startswith("Communicator: small_bytes must be >= 0"), negative
 
 
+def _hop_probe_settings(rank, world):
+    """Each rank with its own RINGCOLL_SLOT_STORES, then with its own shares_cores=."""
+    import os
+
+    import ringcoll
+
+    messages = []
+    for env, shares in ((["auto", "cache"][rank], False), ("auto", [False, True][rank])):
+        os.environ["RINGCOLL_SLOT_STORES"] = env
+        try:
+            ringcoll.Communicator(timeout=10, shares_cores=shares).close()
+            messages.append("no error")
+        except ValueError as e:
+            messages.append(str(e))
+    return messages
+
+
+def test_what_decides_the_hop_probe_must_agree_across_ranks():
+    """A rank that probes its neighbour hop waits for a token a non-probing neighbour never
+    passes on: two ranks, one with RINGCOLL_SLOT_STORES=cache (or shares_cores=True), timed
+    out on their first 256 KiB call, each blaming the other's silence. Both settings are
+    compared at construction now."""
+    for slot_stores, shares_cores in spawn(_hop_probe_settings, 2, timeout=60):
+        assert slot_stores == "Communicator: RINGCOLL_SLOT_STORES differs between ranks: rank 0: auto, rank 1: cache"
+        assert shares_cores == "Communicator: shares_cores= differs between ranks: rank 0: False, rank 1: True"
+
+
 def _unchecked(rank, world):
     import ringcoll
 
