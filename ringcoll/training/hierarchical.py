@@ -34,8 +34,8 @@ the other needs and combines what it receives, in node order so both compute the
 bits), not gloo's collective: the bytes a ring of two moves, in one round trip. Where the
 link is slower than the node's ring, the message goes in pieces (``pipeline_bytes``;
 "auto", the default, measures whether pieces pay, once per class of message size): one
-piece crosses the link while the node's ring runs the next. The pieces never change a bit
-(_all_reduce_flat says why), and whole or in pieces, each node sends ``2(N-1)/N * n``
+piece crosses the link while the node's ring runs the next. The pieces never change a value
+(nor a bit, but a NaN's: _all_reduce_flat says why), and whole or in pieces, each node sends ``2(N-1)/N * n``
 bytes over its link per all-reduce: ``n`` for two nodes, where one flat ring over both
 sends ``2(P-1)/P * n`` (1.5n at P = 4).
 
@@ -320,7 +320,9 @@ class HierarchicalCommunicator(ArgumentChecks):
             raise error(f"{name}: rank {self.rank} on host {self.node_names[self.node_index]} {what} from the other "
                         f"hosts ({peers}): {type(e).__name__}: {e}") from e
         finally:
-            self._pending_check = None  # an error before the check settled: the call is over anyway
+            if self._pending_check is not None:  # the call ended (an interrupt) with its exchange still posted
+                self._pending_check = None
+                self._broken_reason = self._broken_reason or f"{name}: ended before its call check was settled"
 
     def _global_rank(self, rank: int) -> int:
         """The default group's number of this group's `rank` (what point-to-point calls take)."""
@@ -345,8 +347,8 @@ class HierarchicalCommunicator(ArgumentChecks):
         every_call = node_calls.new_empty(self.num_nodes * node_calls.numel())
         exchanged = self._start_all_gather(every_call, node_calls)
         self._pending_check = lambda: (exchanged(), self._compare_calls(name, every_call)) and None
-        node_agrees = len(set(map(tuple, node_calls.view(self.local_size, -1).tolist()))) == 1
-        if not (may_overlap and node_agrees and self.device.type == "cpu"):
+        if not (may_overlap and self.device.type == "cpu"
+                and len(set(map(tuple, node_calls.view(self.local_size, -1).tolist()))) == 1):  # the node agrees
             self._settle_check()
 
     def _settle_check(self) -> None:
@@ -562,12 +564,16 @@ class HierarchicalCommunicator(ArgumentChecks):
         message goes whole.
 
         By range (nodes of at most two ranks, SUM or PRODUCT): the node reduces each element
-        with one operation on two operands, and a + b is b + a to the bit (IEEE addition and
-        multiplication commute), so which of the two ranks does it cannot matter: piece k is the
-        message's own k-th range, the node's ring reads it and writes the result where it
-        lies, and only a last piece that L does not divide goes through work space. (MIN and
-        MAX commute too, but for which of -0 and +0 they return, so they go by shard.) At
-        64 MiB over 10 Gbit/s (2 x 2 namespace ranks) the shard copies took 23 of 90 ms."""
+        with one operation on two operands, and a + b is b + a (IEEE addition and
+        multiplication commute, correctly rounded), so which of the two ranks does it cannot
+        change a value: piece k is the message's own k-th range, the node's ring reads it and
+        writes the result where it lies, and only a last piece that L does not divide goes
+        through work space. One exception: where both ranks hold a NaN, of different sign or
+        payload, which of the two comes out depends on the order (x86 returns the first
+        operand's), so a cut may change that NaN's bits, never its being NaN. (MIN and MAX
+        commute too, but for which of -0 and +0 they return: a number's bits, so they go by
+        shard.) At 64 MiB over 10 Gbit/s (2 x 2 namespace ranks) the shard copies took 23 of
+        90 ms."""
         into = flat if into is None else into
         n, local = flat.numel(), self.local_size
         by_range = local <= 2 and level_op in (ReduceOp.SUM, ReduceOp.PRODUCT)
