@@ -255,6 +255,39 @@ def test_a_direct_plans_input_may_be_written_the_moment_its_call_returns(symmetr
     assert not torn, "; ".join(torn[:5])
 
 
+@pytest.mark.parametrize("symmetric", [False, True], ids=["in-process", "symmetric-across-processes"])
+def test_a_shared_output_may_be_written_the_moment_its_call_returns(symmetric):
+    """The direct all-reduce shares each rank's fold where it lies (SHARE_OUTPUT): its peers
+    copy their chunks out of its output, so a rank's call may return only once every peer has
+    read its output too (plan.h: a shared receive counts in last_in_place_read_op). Three
+    ranks, out of place, each overwriting input and output the instant its call returns,
+    ranks 1 and 2 starting each call later; without that count the peers gathered the
+    overwrite (a review's harness: 911 elements wrong at P = 3)."""
+    count, calls, world = 3 << 16, 10, 3
+    make = ModelledProcessesCommunicator if symmetric else EmulatedCudaCommunicator
+
+    def body(group):
+        rank = group.rank
+        torn = []
+        with make(group=group, timeout=TIMEOUT) as comm:
+            x, out = (comm.empty(count), comm.empty(count)) if symmetric else (torch.empty(count), torch.empty(count))
+            for i in range(calls):
+                x.fill_(float(100 * i + rank))
+                time.sleep(0.002 * rank)
+                comm.all_reduce(x, output=out, algorithm="direct")
+                result = out.clone()
+                out.fill_(-1.0)  # at once: a peer still copying its chunk out of here would take this
+                x.fill_(-1.0)
+                want = float(100 * i * world + sum(range(world)))
+                if not bool((result == want).all()):
+                    torn.append(f"call {i}: {int((result != want).sum())} elements wrong")
+            comm.barrier()
+        return torn
+
+    torn = sum(ringcoll.run_in_process(world, body, timeout=300), [])
+    assert not torn, "; ".join(torn[:5])
+
+
 @pytest.mark.parametrize("differs", ["count", "dtype"])
 def test_a_direct_plan_whose_calls_differ_is_a_mismatch_even_unchecked(differs):
     """Without the call check nothing else compares the calls, but a rank that reads a peer's

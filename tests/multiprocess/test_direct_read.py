@@ -5,7 +5,9 @@ the exact results, which test_collectives.py's run_direct_read_cases checks agai
   learns it at bootstrap, all-gathers go through the slots, and the reason names the ranks;
 - a mismatched call moves nothing, as on the other paths (the post is only an address);
 - with the call check off, a count mismatch is still caught (the posted byte count);
-- direct_bytes and RINGCOLL_DIRECT_MAX_BYTES must agree across ranks; direct_bytes >= 0.
+- direct_bytes and RINGCOLL_DIRECT_MAX_BYTES must agree across ranks; direct_bytes >= 0;
+- what a peer reads where it lies (an all-gather's input, an all-reduce's shared output)
+  may be overwritten the moment the owner's call returns.
 A rank killed mid direct read is test_faults.py's test_rank_killed_mid_collective.
 """
 
@@ -147,3 +149,42 @@ def test_direct_bytes_must_agree_and_be_non_negative():
         assert "RINGCOLL_DIRECT_MAX_BYTES differs between ranks: rank 0: 1048576, rank 1: 2097152" in message
     outcome, = spawn_outcomes(_settings, 1, [-1], timeout=60)
     assert outcome.value == "Communicator: direct_bytes must be >= 0 (0: never read peers directly), got -1"
+
+
+def _overwrite_at_once(rank, world):
+    """Direct plans, every rank overwriting what its peers read where it lies the instant its
+    call returns, the later ranks starting each call later (so the first leaves first if
+    nothing holds it): the all-gather's input, the all-reduce's input and shared output."""
+    import time
+
+    import ringcoll
+
+    count, torn = 3 << 16, []
+    with ringcoll.Communicator(algorithm="direct", timeout=20) as comm:
+        for i in range(8):
+            x, out = torch.full((count,), float(100 * i + rank)), torch.empty(count)
+            gathered = torch.empty(count * world)
+            time.sleep(0.002 * rank)
+            comm.all_gather_into_tensor(gathered, x)
+            x.fill_(-1.0)
+            want = (100.0 * i + torch.arange(world, dtype=torch.float32)).repeat_interleave(count)
+            if not torch.equal(gathered, want):
+                torn.append(f"all_gather call {i}: {int((gathered != want).sum())} wrong")
+            x.fill_(float(100 * i + rank))
+            time.sleep(0.002 * rank)
+            comm.all_reduce(x, output=out)
+            result = out.clone()
+            out.fill_(-1.0)  # a peer still copying its chunk out of here would take this
+            x.fill_(-1.0)
+            want = float(100 * i * world + sum(range(world)))
+            if not bool((result == want).all()):
+                torn.append(f"all_reduce call {i}: {int((result != want).sum())} wrong")
+        comm.barrier()
+    return torn
+
+
+def test_what_peers_read_where_it_lies_may_be_overwritten_when_the_call_returns():
+    """A rank's call returns only once every peer has said it is done reading its input and
+    its shared output (plan.h: last_in_place_read_op counts the shared receives too)."""
+    torn = sum(spawn(_overwrite_at_once, 3, timeout=120), [])
+    assert not torn, "; ".join(torn[:6])
