@@ -51,6 +51,7 @@ import datetime
 import functools
 import hashlib
 import os
+import time
 import zlib
 
 import pytest
@@ -253,6 +254,21 @@ class Checker:
 
 
 # --- batched gloo references ---------------------------------------------------------------
+
+def all_reduce_overwritten_on_return(comm, x, out, call, rank, world, **kwargs):
+    """Call `call` of an out-of-place all-reduce of x into out, whose peers may read both
+    where they lie (a direct plan's input, its shared output), each rank starting later than
+    the last (so the first leaves first if nothing holds it) and overwriting both the instant
+    its call returns: a peer still reading either takes -1. Returns how many elements of the
+    result are wrong (test_cuda_plans.py, test_direct_read.py)."""
+    x.fill_(float(100 * call + rank))
+    time.sleep(0.002 * rank)
+    comm.all_reduce(x, output=out, **kwargs)
+    result = out.clone()
+    out.fill_(-1.0)
+    x.fill_(-1.0)
+    return int((result != float(100 * call * world + sum(range(world)))).sum())
+
 
 def gloo_all_reduce(xs, op_name, world, group=None):
     """gloo's all_reduce of every x, in one call over their concatenation."""

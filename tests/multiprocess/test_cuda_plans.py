@@ -29,6 +29,8 @@ import ringcoll
 from ringcoll import plans
 from ringcoll.transports.emulated import EmulatedCudaTransport
 
+from test_collectives import all_reduce_overwritten_on_return
+
 TIMEOUT = 60
 
 
@@ -272,15 +274,9 @@ def test_a_shared_output_may_be_written_the_moment_its_call_returns(symmetric):
         with make(group=group, timeout=TIMEOUT) as comm:
             x, out = (comm.empty(count), comm.empty(count)) if symmetric else (torch.empty(count), torch.empty(count))
             for i in range(calls):
-                x.fill_(float(100 * i + rank))
-                time.sleep(0.002 * rank)
-                comm.all_reduce(x, output=out, algorithm="direct")
-                result = out.clone()
-                out.fill_(-1.0)  # at once: a peer still copying its chunk out of here would take this
-                x.fill_(-1.0)
-                want = float(100 * i * world + sum(range(world)))
-                if not bool((result == want).all()):
-                    torn.append(f"call {i}: {int((result != want).sum())} elements wrong")
+                wrong = all_reduce_overwritten_on_return(comm, x, out, i, rank, world, algorithm="direct")
+                if wrong:
+                    torn.append(f"call {i}: {wrong} elements wrong")
             comm.barrier()
         return torn
 

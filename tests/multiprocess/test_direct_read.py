@@ -18,6 +18,8 @@ import torch
 
 from ringcoll.harness.launcher import spawn, spawn_outcomes
 
+from test_collectives import all_reduce_overwritten_on_return
+
 CAP_SYS_PTRACE = 19
 PR_SET_DUMPABLE = 4
 
@@ -170,15 +172,9 @@ def _overwrite_at_once(rank, world):
             want = (100.0 * i + torch.arange(world, dtype=torch.float32)).repeat_interleave(count)
             if not torch.equal(gathered, want):
                 torn.append(f"all_gather call {i}: {int((gathered != want).sum())} wrong")
-            x.fill_(float(100 * i + rank))
-            time.sleep(0.002 * rank)
-            comm.all_reduce(x, output=out)
-            result = out.clone()
-            out.fill_(-1.0)  # a peer still copying its chunk out of here would take this
-            x.fill_(-1.0)
-            want = float(100 * i * world + sum(range(world)))
-            if not bool((result == want).all()):
-                torn.append(f"all_reduce call {i}: {int((result != want).sum())} wrong")
+            wrong = all_reduce_overwritten_on_return(comm, x, out, i, rank, world)
+            if wrong:
+                torn.append(f"all_reduce call {i}: {wrong} wrong")
         comm.barrier()
     return torn
 
