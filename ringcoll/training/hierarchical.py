@@ -1,14 +1,15 @@
 """Hierarchical collectives: ringcoll's ring inside a node, torch.distributed between nodes.
 
 Ranks are grouped by node (an explicit ``node_id``, else ``RINGCOLL_NODE_ID``, else
-``rank // LOCAL_WORLD_SIZE``, else the ranks that can share memory: one kernel and one
+the global rank ``// LOCAL_WORLD_SIZE``, else the ranks that can share memory: one kernel and one
 /dev/shm). With N nodes of L ranks each, and ``local`` a rank's index
 inside its node:
 
     all-reduce      1. reduce-scatter inside the node (ringcoll): local rank l now holds
                        shard l of the message, reduced over its node;
-                    2. all-reduce of that shard across nodes (torch.distributed, one group
-                       per local index: gloo between CPU nodes, NCCL between GPU nodes);
+                    2. all-reduce of that shard across nodes (torch.distributed's point-to-point
+                       calls, one group per local index: gloo between CPU nodes, NCCL
+                       between GPU nodes);
                     3. all-gather inside the node (ringcoll).
                     Each rank puts 2(L-1)/L * n bytes on the fast intra-node ring and only
                     2(N-1)/N * n/L on the slow inter-node link: the node's L links share
@@ -31,7 +32,9 @@ once rounds once). Every node must have the same number of ranks.
 
 Between two nodes a step is one swap with the peer of the same local index (each sends what
 the other needs and combines what it receives, in node order so both compute the same
-bits), not gloo's collective: the bytes a ring of two moves, in one round trip. Where the
+bits), not gloo's collective: the bytes a ring of two moves, in one round trip. With more
+nodes, direct exchanges too (the section "between the nodes" below), so an element is
+always combined in node order. Where the
 link is slower than the node's ring, the message goes in pieces (``pipeline_bytes``;
 "auto", the default, measures whether pieces pay, once per class of message size): one
 piece crosses the link while the node's ring runs the next. The pieces never change a value
@@ -113,10 +116,21 @@ USER_CALLS = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "
               "broadcast", "reduce")
 
 
+class _LinkError(Exception):
+    """A torch.distributed call between the nodes failed with `error` (HierarchicalCommunicator._on_link)."""
+
+    def __init__(self, error: RuntimeError):
+        super().__init__(str(error))
+        self.error = error
+
+
 def describe_call(user_call) -> str:
     """(collective index, dtype code, op code or -1, count, root or -1) in words: 'all_reduce
-    of 1001 float32 (SUM)', 'broadcast of 8 int32 from rank 2'."""
+    of 1001 float32 (SUM)', 'broadcast of 8 int32 from rank 2'. Codes this version does not
+    know (a peer of another version) are shown as numbers."""
     collective, dtype, op, count, root = user_call
+    if not (0 <= collective < len(USER_CALLS) and (dtype < 0 or dtype in DTYPE_NAMES) and op in {-1, *map(int, ReduceOp)}):
+        return f"a call this version does not know (codes {tuple(user_call)})"
     if dtype < 0:
         return USER_CALLS[collective]
     reduction = f" ({ReduceOp(op).name})" if op >= 0 else ""
@@ -124,14 +138,17 @@ def describe_call(user_call) -> str:
     return f"{USER_CALLS[collective]} of {count} {DTYPE_NAMES[dtype]}{reduction}{rooted}"
 
 
-def _node_of(rank: int, node_id) -> object:
+def _node_of(node_id, global_rank: int) -> object:
+    """This rank's node: node_id, else RINGCOLL_NODE_ID, else its global rank's block of
+    torchrun's LOCAL_WORLD_SIZE (the default group's rank: a subgroup numbers its ranks
+    anew), else the ranks that share memory."""
     if node_id is not None:
         return node_id
     if "RINGCOLL_NODE_ID" in os.environ:
         return os.environ["RINGCOLL_NODE_ID"]
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
     if local_world > 0:
-        return rank // local_world
+        return global_rank // local_world
     return shared_memory_domain()
 
 
@@ -185,7 +202,7 @@ class HierarchicalCommunicator(ArgumentChecks):
         self.pipeline_bytes = _resolve_pipeline(pipeline_bytes)
         self._auto_choices: dict = {}  # "auto": per class of AUTO_CLASSES, (the cut kept, what was measured)
         offers: list = [None] * self.world_size
-        dist.all_gather_object(offers, (_node_of(self.rank, node_id), socket.gethostname(), self.check,
+        dist.all_gather_object(offers, (_node_of(node_id, dist.get_rank()), socket.gethostname(), self.check,
                                         self.pipeline_bytes), group=self.group)
         # Settings every rank must share: the check's calls, and the pieces (the node's ring
         # checks nothing itself, so ranks cutting a message differently would not be caught).
@@ -295,6 +312,8 @@ class HierarchicalCommunicator(ArgumentChecks):
         """run() once every rank's call is known to be this one (check_call); an error of
         either level is raised in the user's terms: the user's collective, group ranks, and
         host names. Any error breaks the communicator, as it breaks the ring."""
+        if self._broken_reason:  # broken while this call waited in the queue: nothing may cross
+            raise RingcollError(f"{name}: communicator is broken by an earlier error ({self._broken_reason})")
         try:
             if self.check:
                 self._check_call(name, user_call, name.removeprefix("prepare_") in CHECK_OVERLAPS)
@@ -310,7 +329,8 @@ class HierarchicalCommunicator(ArgumentChecks):
             raise type(e)(f"{name}: rank {self.rank} on host {self.node_names[self.node_index]}, on its host's ring, "
                           f"whose ranks (numbered 0..{self.local_size - 1} below) are ranks "
                           f"{self._ranks_text(self.rank_at[self.node_index])} (pids as that host sees them): {e}") from e
-        except RuntimeError as e:  # torch.distributed between the nodes (gloo, NCCL)
+        except _LinkError as link_error:  # torch.distributed between the nodes (gloo, NCCL)
+            e = link_error.error
             self._broken_reason = f"{name}: {e}"
             peers = ", ".join(f"rank {r} on {self.node_names[i]}" for i, r in enumerate(self.inter_ranks)
                               if r != self.rank)
@@ -319,6 +339,9 @@ class HierarchicalCommunicator(ArgumentChecks):
             what = f"heard nothing within the {self.timeout:g} s timeout" if timed_out else "lost the link"
             raise error(f"{name}: rank {self.rank} on host {self.node_names[self.node_index]} {what} from the other "
                         f"hosts ({peers}): {type(e).__name__}: {e}") from e
+        except BaseException as e:  # this rank's own failure (a bad view, out of memory): as it is
+            self._broken_reason = self._broken_reason or f"{name}: {type(e).__name__}: {e}"
+            raise
         finally:
             if self._pending_check is not None:  # the call ended (an interrupt) with its exchange still posted
                 self._pending_check = None
@@ -376,66 +399,100 @@ class HierarchicalCommunicator(ArgumentChecks):
     # --- between the nodes: one step per piece, started now, finished later ------------------
     #
     # Each step is started asynchronously and finished (waited, combined) later, so the
-    # caller can run the node's ring on the next piece while this one crosses the link: with
-    # two nodes one swap (the module docstring), with more gloo's collective over the local
-    # index's group.
+    # caller can run the node's ring on the next piece while this one crosses the link. Every
+    # step is a direct exchange with the other nodes' ranks of this local index, each
+    # addressed by its node index: with two nodes one swap (the module docstring); with more,
+    # the all-reduce is a direct reduce-scatter then all-gather (each rank sends every other
+    # node the part that node owns, then its reduced part to every node: 2(N-1)/N of the
+    # shard, as a ring would). Not gloo's collectives: their order of reduction follows an
+    # element's place in the buffer, so cutting a message into pieces changed bits (3 nodes,
+    # 4 KiB pieces: 63613 of 300000 floats), and they number their rows in rank order, not
+    # node order. Here an element is combined in node order, wherever it lies.
 
-    def _swap(self, send: torch.Tensor, receive: torch.Tensor) -> Callable[[], None]:
-        """Start sending `send` to the other node's rank of this local index and receiving
-        `receive` from it; the returned call waits for both. NCCL takes the two as one batch
-        (two separate calls could each wait for the other side's); gloo as two calls, as
-        its batch took twice as long (1.9 ms against 0.8 ms for 512 KiB each way, 2 x 2
-        namespace ranks)."""
+    def _on_link(self, call: Callable, *args, **kwargs):
+        """call(*args, **kwargs), a torch.distributed call between the nodes: its RuntimeError
+        (gloo's, NCCL's) becomes _LinkError, so an error is blamed on the link only when the
+        link's calls raised it (_run_checked)."""
+        try:
+            return call(*args, **kwargs)
+        except RuntimeError as e:
+            raise _LinkError(e) from e
+
+    def _exchange(self, sends: dict, receives: dict) -> Callable[[], None]:
+        """Start sending sends[i] to node i's rank of this local index and receiving
+        receives[i] from it, for each node i in the two dicts (never this node; an empty
+        tensor is left out on both sides); the returned call waits for all of them. NCCL
+        takes them as one batch (separate calls could each wait for the other side's); gloo
+        as separate calls, as its batch took twice as long (1.9 ms against 0.8 ms for 512 KiB
+        each way, 2 x 2 namespace ranks)."""
         self._settle_check()
-        peer = self._global_rank(self.inter_ranks[1 - self.node_index])
+        ops = [(op, tensor, self._global_rank(self.inter_ranks[node]))
+               for op, by_node in ((dist.isend, sends), (dist.irecv, receives))
+               for node, tensor in by_node.items() if tensor.numel()]
         if self.inter_backend == "nccl":
-            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, peer, self.inter_group),
-                                            dist.P2POp(dist.irecv, receive, peer, self.inter_group)])
+            works = self._on_link(dist.batch_isend_irecv,
+                                  [dist.P2POp(op, tensor, peer, self.inter_group) for op, tensor, peer in ops])
         else:
-            works = [dist.isend(send, dst=peer, group=self.inter_group),
-                     dist.irecv(receive, src=peer, group=self.inter_group)]
-        return lambda: [work.wait() for work in works] and None
+            works = [self._on_link(op, tensor, peer, group=self.inter_group) for op, tensor, peer in ops]
+        return lambda: self._on_link(lambda: [work.wait() for work in works]) and None
 
-    def _combine_in_node_order(self, mine: torch.Tensor, theirs: torch.Tensor, level_op: ReduceOp,
-                               out: torch.Tensor) -> None:
-        """out = node 0's op node 1's, whichever of the two this rank is on."""
-        first, second = (mine, theirs) if self.node_index == 0 else (theirs, mine)
-        COMBINE[level_op](first, second, out=out)
+    def _other_nodes(self) -> list[int]:
+        return [node for node in range(self.num_nodes) if node != self.node_index]
+
+    @staticmethod
+    def _combine_in_node_order(rows: list, level_op: ReduceOp, out: torch.Tensor) -> None:
+        """out = rows[0] op rows[1] op ... (node 0's first), the same bits on every node. `out`
+        may be one of the rows but the first two only where it is rows[0] or the rows are two:
+        an element is read before it is written, in place. One row (one node): copied."""
+        if len(rows) == 1:
+            out.copy_(rows[0])
+            return
+        COMBINE[level_op](rows[0], rows[1], out=out)
+        for row in rows[2:]:
+            COMBINE[level_op](out, row, out=out)
 
     def _start_all_reduce(self, shard: torch.Tensor, level_op: ReduceOp, bank: int) -> Callable[[], None]:
         """Start `shard` = level_op over the nodes' shards of this local index; the returned
         call finishes it."""
-        if self.num_nodes == 2:
+        others = self._other_nodes()
+        if self.num_nodes == 1:
+            return lambda: None
+        if self.num_nodes == 2:  # one swap: each node combines both shards whole
             theirs = self._scratch(bank, "theirs", shard.numel(), shard.dtype)
-            wait = self._swap(shard, theirs)
-            return lambda: (wait(), self._combine_in_node_order(shard, theirs, level_op, shard)) and None
-        self._settle_check()
-        work = dist.all_reduce(shard, op=self._inter_op(level_op), group=self.inter_group, async_op=True)
-        return work.wait
+            wait = self._exchange({others[0]: shard}, {others[0]: theirs})
+            rows = [shard, theirs] if self.node_index == 0 else [theirs, shard]
+            return lambda: (wait(), self._combine_in_node_order(rows, level_op, shard)) and None
+        # N parts of the shard, part i owned by node i: reduced there, then sent to every node.
+        width = -(-shard.numel() // self.num_nodes)
+        parts = [shard[i * width:(i + 1) * width] for i in range(self.num_nodes)]
+        mine = parts[self.node_index]
+        rows = list(self._scratch(bank, "theirs", self.num_nodes * width, shard.dtype).view(self.num_nodes, width))
+        rows = [row[:mine.numel()] for row in rows]
+        wait = self._exchange({node: parts[node] for node in others}, {node: rows[node] for node in others})
+
+        def finish() -> None:
+            wait()
+            rows[self.node_index].copy_(mine)  # so no operand is overwritten before it is read
+            self._combine_in_node_order(rows, level_op, mine)
+            self._exchange({node: mine for node in others}, {node: parts[node] for node in others})()
+
+        return finish
 
     def _start_reduce_scatter(self, out: torch.Tensor, by_node: torch.Tensor, level_op: ReduceOp,
                               bank: int) -> Callable[[], None]:
-        """Start `out` = level_op over the nodes of their rows of `by_node` (H rows: row i
+        """Start `out` = level_op over the nodes of their rows of `by_node` (N rows: row i
         for node i) at this node's index."""
-        if self.num_nodes == 2:
-            rows = by_node.view(2, -1)
-            theirs = self._scratch(bank, "theirs", out.numel(), out.dtype)
-            wait = self._swap(rows[1 - self.node_index], theirs)
-            return lambda: (wait(), self._combine_in_node_order(rows[self.node_index], theirs, level_op, out)) \
-                and None
-        self._settle_check()
-        work = reduce_scatter_single(out, by_node, op=self._inter_op(level_op), group=self.inter_group,
-                                     async_op=True)
-        return work.wait
+        rows, others = by_node.view(self.num_nodes, -1), self._other_nodes()
+        theirs = self._scratch(bank, "theirs", self.num_nodes * out.numel(), out.dtype).view(self.num_nodes, -1)
+        wait = self._exchange({node: rows[node] for node in others}, {node: theirs[node] for node in others})
+        operands = [rows[node] if node == self.node_index else theirs[node] for node in range(self.num_nodes)]
+        return lambda: (wait(), self._combine_in_node_order(operands, level_op, out)) and None
 
     def _start_all_gather(self, by_node: torch.Tensor, mine: torch.Tensor) -> Callable[[], None]:
         """Start row i of `by_node` = node i's `mine` (this rank's local index)."""
-        if self.num_nodes == 2:
-            rows = by_node.view(2, -1)
-            rows[self.node_index].copy_(mine)
-            return self._swap(mine, rows[1 - self.node_index])
-        self._settle_check()
-        return all_gather_single(by_node, mine, group=self.inter_group, async_op=True).wait
+        rows, others = by_node.view(self.num_nodes, -1), self._other_nodes()
+        rows[self.node_index].copy_(mine)
+        return self._exchange({node: mine for node in others}, {node: rows[node] for node in others})
 
     # --- the pipeline: pieces, and the work space two pieces in flight use ----------------
 
@@ -719,7 +776,10 @@ class HierarchicalCommunicator(ArgumentChecks):
 
     # Each method's checks, and what it plans: (run, outputs) for _submit, the tensors it
     # reads and writes (a prepared call's layout), and the call check_call compares
-    # (dtype code, op code or -1, the count the Communicator's call names).
+    # (dtype code, op code or -1, the count the Communicator's call names). The run takes
+    # flat views made now, as the ring takes addresses and counts at submit: a tensor
+    # resized while its call waits in the queue cannot change what crosses the link (a
+    # count other than the one checked would make gloo abort the peer's process).
 
     @staticmethod
     def _auto_only(name: str, algorithm: Optional[str]) -> None:
@@ -742,18 +802,21 @@ class HierarchicalCommunicator(ArgumentChecks):
         else:
             dtype, _, count, _, _, _ = self._check_pair(name, output, tensor, EQUAL)
         level_op, divide, code = self._level_op(name, op, dtype)
-        return (lambda: self._all_reduce_flat(tensor.view(-1), level_op, divide, output.view(-1))), [output], \
-            (tensor, output), (dtype, code, count)
+        flat, into = tensor.view(-1), output.view(-1)
+        return (lambda: self._all_reduce_flat(flat, level_op, divide, into)), [output], (tensor, output), \
+            (dtype, code, count)
 
     def _reduce_scatter_run(self, name: str, output, input, op):
         dtype, _, _, _, count, _ = self._check_pair(name, output, input, SCATTER)
         level_op, divide, code = self._level_op(name, op, dtype)
-        return (lambda: self._reduce_scatter_flat(output, input, level_op, divide)), [output], (input, output), \
+        flat_out, flat_in = output.view(-1), input.view(-1)
+        return (lambda: self._reduce_scatter_flat(flat_out, flat_in, level_op, divide)), [output], (input, output), \
             (dtype, code, count)
 
     def _all_gather_run(self, name: str, output, input):
         dtype, _, count, _, _, _ = self._check_pair(name, output, input, GATHER)
-        return (lambda: self._all_gather_flat(output, input)), [output], (input, output), (dtype, -1, count)
+        flat_out, flat_in = output.view(-1), input.view(-1)
+        return (lambda: self._all_gather_flat(flat_out, flat_in)), [output], (input, output), (dtype, -1, count)
 
     # --- prepared calls (as Communicator.prepare_*) ---------------------------------------
 
@@ -783,10 +846,10 @@ class HierarchicalCommunicator(ArgumentChecks):
         """``tensor_list[r] = tensor on rank r``."""
         self._auto_only("all_gather", algorithm)
         dtype = self._check_list("all_gather", "tensor_list", tensor_list, tensor)
-        flat = tensor.new_empty(self.world_size * tensor.numel())
+        flat, source = tensor.new_empty(self.world_size * tensor.numel()), tensor.view(-1)
 
         def run() -> None:
-            self._all_gather_flat(flat, tensor)
+            self._all_gather_flat(flat, source)
             packing.split_into(flat, tensor_list)
 
         return self._submit("all_gather", run, list(tensor_list), async_op, (dtype, -1, tensor.numel()))
@@ -854,11 +917,12 @@ class HierarchicalCommunicator(ArgumentChecks):
         self._auto_only(name, algorithm)
         src_local = self._local_index_of(name, "src", src)
         dtype, _, count = self._check_tensor(name, "tensor", tensor)
+        flat = tensor.view(-1)  # taken now, as the *_run methods take theirs (they say why)
 
         def run() -> None:
             if self.local_rank == src_local:
-                dist.broadcast(tensor, src=self._global_rank(src), group=self.inter_group)
-            self.intra.broadcast(tensor, src_local)
+                self._on_link(dist.broadcast, flat, src=self._global_rank(src), group=self.inter_group)
+            self.intra.broadcast(flat, src_local)
 
         return self._submit(name, run, [tensor], async_op, (dtype, -1, count, src))
 
@@ -871,15 +935,17 @@ class HierarchicalCommunicator(ArgumentChecks):
         dst_local = self._local_index_of(name, "dst", dst)
         dtype, _, count = self._check_tensor(name, "tensor", tensor)
         level_op, divide, code = self._level_op(name, op, dtype)
+        flat = tensor.view(-1)  # taken now, as the *_run methods take theirs (they say why)
 
         def run() -> None:
             # The node's sum lands on its rank of dst's local index: dst itself, or a copy elsewhere.
-            partial = tensor if self.rank == dst or self.local_rank != dst_local else tensor.clone()
+            partial = flat if self.rank == dst or self.local_rank != dst_local else flat.clone()
             self.intra.reduce(partial, dst_local, op=level_op)
             if self.local_rank == dst_local:
-                dist.reduce(partial, dst=self._global_rank(dst), op=self._inter_op(level_op), group=self.inter_group)
+                self._on_link(dist.reduce, partial, dst=self._global_rank(dst), op=self._inter_op(level_op),
+                              group=self.inter_group)
             if self.rank == dst and divide:
-                tensor.div_(self.world_size)
+                flat.div_(self.world_size)
 
         return self._submit(name, run, [tensor], async_op, (dtype, code, count, dst))
 
@@ -893,7 +959,7 @@ class HierarchicalCommunicator(ArgumentChecks):
         node per local index, over the inter-node group): so every rank has."""
         def run() -> None:
             self.intra.barrier()
-            dist.barrier(group=self.inter_group)
+            self._on_link(dist.barrier, group=self.inter_group)
 
         return self._submit("barrier", run, [], async_op)
 

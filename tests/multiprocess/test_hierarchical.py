@@ -151,7 +151,10 @@ def _out_of_place_and_prepared(h, rank, world, dtype, op):
 @pytest.mark.parametrize("layout,cases", [
     (("a", "a", "b", "b"), FULL),  # 2 nodes x 2 ranks, node-major rank order (as torchrun numbers them)
     (("a", "b", "a", "b"), SHORT),  # the same nodes with interleaved ranks: the regrouping matters
-    (("a", "b", "c"), SHORT),  # 3 nodes x 1: between the nodes gloo's collectives, not the swap of two
+    # 3 nodes x 2, numbered so that one local index's ranks are not in node order (2, 5, 4):
+    # between three nodes each rank addresses the others by node, where gloo's rows (rank
+    # order) put node 2's data in node 1's row
+    (("a", "b", "a", "c", "c", "b"), SHORT),
 ])
 def test_nodes_match_gloo(layout, cases):
     results = spawn(_hierarchical_vs_gloo, len(layout), layout, cases, timeout=240)
@@ -181,6 +184,22 @@ def _pieces_change_no_bit(rank, world):
             choices[pipeline] = h.pipeline_choice
     same = {(pipeline, n): torch.equal(x, results[0, n]) for (pipeline, n), x in results.items()}
     assert len(same) == 8
+    # Three nodes of one rank: between them, each element combined in node order wherever
+    # the cut puts it (gloo's ring all-reduce, used before, changed 63613 of 300000 floats
+    # in 4 KiB pieces)
+    across = {}
+    for pipeline in (0, 256, 65536):
+        with HierarchicalCommunicator(node_id=str(rank), pipeline_bytes=pipeline) as h:
+            for n in (1031, 300_000) if pipeline != 256 else (1031,):
+                g = torch.Generator().manual_seed(10 * rank + n)
+                x, full = torch.randn(n, generator=g) * 1e3, torch.randn(3 * n, generator=g) * 1e3
+                scattered = torch.empty(n)
+                h.all_reduce(x)
+                h.reduce_scatter_tensor(scattered, full)
+                across[pipeline, n] = (x, scattered)
+    for (pipeline, n), (x, scattered) in across.items():
+        same[f"3 nodes, pieces of {pipeline} bytes", n] = (torch.equal(x, across[0, n][0])
+                                                            and torch.equal(scattered, across[0, n][1]))
     try:
         HierarchicalCommunicator(node_id="a", pipeline_bytes=[0, "1M", "auto"][rank])
         differing = "no error"
@@ -272,10 +291,14 @@ def test_pieces_of_two_rank_nodes_are_the_messages_ranges(world):
 def _node_from_env(rank, world):
     from ringcoll.training.hierarchical import HierarchicalCommunicator
 
+    # Subgroups of one rank per node: LOCAL_WORLD_SIZE numbers the global ranks, not the group's
+    across = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
+    with HierarchicalCommunicator(group=across) as h:
+        nodes_of_subgroup = (h.num_nodes, h.local_size)
     with HierarchicalCommunicator() as h:  # LOCAL_WORLD_SIZE=2 from the environment
         t = torch.full((10,), float(rank))
         h.all_reduce(t)
-        return h.num_nodes, h.local_size, t[0].item(), h.intra.transport._comm.wait_policy
+        return h.num_nodes, h.local_size, t[0].item(), h.intra.transport._comm.wait_policy, nodes_of_subgroup
 
 
 def test_node_boundary_from_local_world_size():
@@ -285,9 +308,75 @@ def test_node_boundary_from_local_world_size():
 
     results = spawn(_node_from_env, 4, env={"LOCAL_WORLD_SIZE": "2"})
     assert [r[:3] for r in results] == [(2, 2, 6.0)] * 4
+    assert [r[4] for r in results] == [(2, 1)] * 4, results
     shared = 2 * 2 > os.cpu_count()
-    for *_, policy in results:
+    for *_, policy, _ in results:
         assert (policy["spin_ns"], policy["yield_ns"]) == ((0, 50000) if shared else (50000, 2000000)), policy
+
+
+def _resized_while_queued(rank, world):
+    """Rank 0 resizes a tensor whose async all-reduce waits in the queue behind a larger
+    call: what crosses the link is what was checked (the count at the call), so the peer
+    gets the sum of the 1000 elements, and rank 0's result lands where its call's view lies."""
+    from ringcoll.training.hierarchical import HierarchicalCommunicator
+
+    with HierarchicalCommunicator(node_id=rank, timeout=20) as h:
+        first = h.all_reduce(torch.ones(1 << 18), async_op=True)  # keeps the queue busy
+        t = torch.full((1000,), float(rank + 1))
+        view = t.view(-1)
+        queued = h.all_reduce(t, async_op=True)
+        if rank == 0:
+            t.resize_(4000)
+        first.wait()
+        queued.wait()
+        return view[:3].tolist(), view.numel()
+
+
+def test_a_tensor_resized_while_its_call_is_queued_changes_nothing_that_crosses():
+    """Before, the run read the tensor's size when it ran: 4000 elements crossed where the
+    peer expected 1000, and gloo aborted the peer's process (SIGABRT)."""
+    assert spawn(_resized_while_queued, 2, timeout=120) == [([3.0] * 3, 1000)] * 2
+
+
+def _own_failure_mid_call(rank, world):
+    """Rank 0 fails on its own, before its all-reduce sends anything (an injected error where
+    it takes work space): it raises that error, not a lost link; its call queued behind
+    refuses to run (the communicator is broken), so nothing of it crosses; the peer, whose
+    all-reduce waits for rank 0's shard, times out instead of taking the queued call's check
+    for that shard."""
+    import ringcoll
+    from ringcoll.training.hierarchical import HierarchicalCommunicator
+
+    import threading
+
+    outcomes, both_queued = [], threading.Event()
+    with HierarchicalCommunicator(node_id=rank, timeout=4, pipeline_bytes=0) as h:
+        if rank == 0:
+            def no_memory(*args):
+                both_queued.wait(10)
+                raise RuntimeError("injected: out of memory")
+            h._scratch = no_memory
+        x = torch.ones(1000)
+        works = [h.all_reduce(x, async_op=True), h.all_reduce(torch.ones(10), async_op=True)]
+        both_queued.set()
+        for work in works:
+            try:
+                work.wait()
+                outcomes.append("ok")
+            except Exception as e:  # noqa: BLE001 - the type and message are the result
+                outcomes.append(f"{type(e).__name__}: {e}")
+    return outcomes, x[:2].tolist()
+
+
+def test_a_ranks_own_failure_is_its_own_and_breaks_its_queue():
+    (mine, _), (peer, peer_x) = spawn(_own_failure_mid_call, 2, timeout=60)
+    assert mine[0] == "RuntimeError: injected: out of memory", mine
+    assert mine[1].startswith("RingcollError: all_reduce: communicator is broken by an earlier error "
+                              "(all_reduce: RuntimeError: injected: out of memory)"), mine
+    assert peer[0].startswith("RingcollTimeoutError: all_reduce: rank 1 on host ") and \
+        "heard nothing within the 4 s timeout" in peer[0], peer
+    assert peer[1].startswith("RingcollError: all_reduce: communicator is broken"), peer
+    assert peer_x == [1.0, 1.0], peer_x  # nothing landed in the peer's tensor
 
 
 def _uneven(rank, world):

@@ -106,7 +106,7 @@ def test_hierarchical_node_defaults_to_the_shared_memory_domain(monkeypatch):
 
     monkeypatch.delenv("RINGCOLL_NODE_ID", raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert _node_of(3, None) == shared_memory_domain()
+    assert _node_of(None, 3) == shared_memory_domain()
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert _node_of(3, None) == 1
-    assert _node_of(3, "given") == "given"
+    assert _node_of(None, 3) == 1
+    assert _node_of("given", 3) == "given"
