@@ -148,6 +148,15 @@ def submit_profiled(name: str, tensors: Sequence, details: Callable[[], dict], s
     return completion
 
 
+def wait_seconds(timeout) -> Optional[float]:
+    """A wait's limit in seconds, or None for none: torch's Work.wait takes a timedelta (c10d
+    passes one), ringcoll's also takes seconds; zero or less (c10d's kNoTimeout) is no limit."""
+    if timeout is None:
+        return None
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+    return seconds if seconds > 0 else None
+
+
 class Work:
     """Handle of an async collective, like the object ``torch.distributed`` returns.
 
@@ -164,8 +173,9 @@ class Work:
         self._keep_alive = keep_alive  # inputs and scratch the extension reads by address
         self._future: Optional[torch.futures.Future] = None
 
-    def wait(self, timeout: Optional[float] = None) -> bool:
-        self._completion.wait(timeout)
+    def wait(self, timeout=None) -> bool:
+        """`timeout`: seconds or a timedelta, as torch's Work.wait takes (wait_seconds)."""
+        self._completion.wait(wait_seconds(timeout))
         return True
 
     def synchronize(self) -> None:

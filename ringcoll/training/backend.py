@@ -107,7 +107,7 @@ import torch.distributed as dist
 
 from ringcoll._types import DTYPE_CODES, ReduceOp, op_code
 from ringcoll.api import SERVED_DEVICE_TYPES
-from ringcoll.communicator import Communicator
+from ringcoll.communicator import Communicator, wait_seconds
 from ringcoll.errors import RingcollError
 from ringcoll.training.hierarchical import HierarchicalCommunicator, uneven_nodes_message
 from ringcoll.transports.host import ranks_by_domain, shared_memory_domain
@@ -121,14 +121,6 @@ _c10d = torch._C._distributed_c10d
 
 
 # --- Work --------------------------------------------------------------------------------
-
-
-def _seconds(timeout) -> Optional[float]:
-    """c10d passes a timedelta; zero or negative (kNoTimeout) means no limit."""
-    if timeout is None:
-        return None
-    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
-    return seconds if seconds > 0 else None
 
 
 class _C10dWork(dist._Work):
@@ -146,7 +138,7 @@ class _C10dWork(dist._Work):
 
     def wait(self, timeout=None) -> bool:
         if self._work is not None:
-            self._work.wait(_seconds(timeout))  # re-raises the collective's error
+            self._work.wait(wait_seconds(timeout))  # re-raises the collective's error
         return True
 
     def is_completed(self) -> bool:

@@ -256,14 +256,15 @@ def _work_semantics(rank, ws, gloo) -> dict:
     # Rank 1 calls only once rank 0's wait has timed out (the store says so): no sleep.
     store = dist.distributed_c10d._get_default_store()
     timeouts = []
-    for form in ("c10d", "ringcoll"):
+    # ringcoll's Work takes seconds or, as torch's, a timedelta ("ringcoll timedelta")
+    for form in ("c10d", "ringcoll", "ringcoll timedelta"):
         if rank == 1:
             store.wait([f"timed-out-{form}"])
         x = torch.ones(16)
         work = dist.all_reduce(x, async_op=True) if form == "c10d" else ringcoll.all_reduce(x, async_op=True)
         if rank == 0:
             try:
-                work.wait(datetime.timedelta(seconds=0.05) if form == "c10d" else 0.05)
+                work.wait(0.05 if form == "ringcoll" else datetime.timedelta(seconds=0.05))
                 timeouts.append((form, "no error"))
             except Exception as exc:  # noqa: BLE001 -- the type is what is checked
                 timeouts.append((form, type(exc).__name__, isinstance(exc, RuntimeError),
@@ -486,9 +487,10 @@ def test_wait_timeout_is_a_runtime_error_naming_the_op(runs):
     for rank, out in enumerate(outs):
         timeouts = out["work"]["timeouts"]
         done = [entry for entry in timeouts if entry[1] == "then done"]
-        assert done == [("c10d", "then done", float(ws)), ("ringcoll", "then done", float(ws))], timeouts
+        assert done == [(form, "then done", float(ws)) for form in ("c10d", "ringcoll", "ringcoll timedelta")], \
+            timeouts
         if rank == 0:
-            for form in ("c10d", "ringcoll"):
+            for form in ("c10d", "ringcoll", "ringcoll timedelta"):
                 [(_, kind, is_runtime, is_timeout, message)] = [e for e in timeouts if e[0] == form and len(e) == 5]
                 assert kind == "RingcollTimeoutError" and is_runtime and is_timeout, (form, kind)
                 assert message.startswith("all_reduce: Work.wait(timeout=0.05 s) timed out"), message
