@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 #include <sys/random.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -41,6 +42,16 @@ void* map_and_close(int fd, size_t bytes, int owner_rank) {
                  " bytes) failed: ", std::strerror(saved));
   return base;
 }
+
+// What /dev/shm has room for, for the message of a segment that did not fit.
+std::string shm_space() {
+  struct statvfs fs {};
+  if (statvfs("/dev/shm", &fs) != 0) return "";
+  const auto mib = [&](fsblkcnt_t blocks) { return std::to_string(blocks * fs.f_frsize >> 20); };
+  return " (/dev/shm has " + mib(fs.f_bavail) + " of " + mib(fs.f_blocks) +
+         " MiB free; a container's is 64 MiB unless raised, e.g. docker run --shm-size=1g; "
+         "RINGCOLL_BUFFER_BYTES sets the transport's own segment)";
+}
 }  // namespace
 
 SegmentMapping SegmentMapping::create(const std::string& name, size_t bytes, int owner_rank) {
@@ -48,12 +59,19 @@ SegmentMapping SegmentMapping::create(const std::string& name, size_t bytes, int
   RINGCOLL_CHECK(fd >= 0, Error, "creating rank ", owner_rank, "'s shared-memory segment failed: ",
                  std::strerror(errno));
   // fchmod: the umask may have narrowed the mode, never widened it, but say 0600 exactly.
-  if (fchmod(fd, S_IRUSR | S_IWUSR) != 0 || ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
-    const int saved = errno;
+  // posix_fallocate, not ftruncate: it gives the segment its pages now, so a /dev/shm too
+  // small for it is an error here; a segment only sized had no pages behind it, and the
+  // first write to one the tmpfs could not supply killed the process with SIGBUS.
+  int failure = fchmod(fd, S_IRUSR | S_IWUSR) != 0 ? errno : 0;
+  if (failure == 0) {
+    do failure = posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+    while (failure == EINTR);
+  }
+  if (failure != 0) {
     close(fd);
     shm_unlink(name.c_str());
     RINGCOLL_CHECK(false, Error, "sizing rank ", owner_rank, "'s shared-memory segment to ", bytes,
-                   " bytes failed: ", std::strerror(saved));
+                   " bytes failed: ", std::strerror(failure), failure == ENOSPC ? shm_space() : "");
   }
   SegmentMapping m;
   try {

@@ -110,3 +110,44 @@ def test_hierarchical_node_defaults_to_the_shared_memory_domain(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert _node_of(None, 3) == 1
     assert _node_of("given", 3) == "given"
+
+
+def _on_a_small_dev_shm(rank, world, shm_dir):
+    """Both ranks on one /dev/shm of 4 MiB (a tmpfs, as a container's is): the transport's
+    own segment of 64 MiB, then a symmetric tensor of 16 MiB after a transport that fits."""
+    import ringcoll
+
+    _enter_second_host(shm_dir)  # every rank: the small tmpfs is this "host's" /dev/shm
+    outcomes = []
+    for attempt in ("buffer", "symmetric"):
+        try:
+            if attempt == "buffer":
+                ringcoll.Communicator(buffer_bytes=64 << 20).close()
+            else:
+                with ringcoll.Communicator(buffer_bytes=64 << 10) as comm:
+                    comm.empty((4 << 20,), dtype=torch.float32).fill_(1.0)
+            outcomes.append(("no error", ""))
+        except ringcoll.RingcollError as e:
+            outcomes.append((type(e).__name__, str(e)))
+    return outcomes
+
+
+def test_a_dev_shm_too_small_is_a_clear_error_not_sigbus(tmp_path):
+    """Segments were only sized (ftruncate): pages the tmpfs could not supply killed both
+    ranks with SIGBUS at the first write, with no Python error. Now they are allocated when
+    made (posix_fallocate): RingcollError saying how much room /dev/shm has, nothing left."""
+    import subprocess
+
+    shm_dir = tmp_path / "small-shm"
+    shm_dir.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "ringcoll-small-shm", str(shm_dir)], check=True)
+    try:
+        results = spawn(_on_a_small_dev_shm, 2, str(shm_dir), timeout=120, env=ENV)
+        left = list(shm_dir.iterdir())
+    finally:
+        subprocess.run(["umount", str(shm_dir)], check=True)
+    for outcomes in results:
+        assert [kind for kind, _ in outcomes] == ["RingcollError"] * 2, outcomes
+        for _, message in outcomes:
+            assert "No space left on device (/dev/shm has" in message and "of 4 MiB free" in message, message
+    assert not left, left  # nothing left behind
