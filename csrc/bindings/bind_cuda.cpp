@@ -137,7 +137,7 @@ void bind_cuda(py::module_& m) {
            py::call_guard<py::gil_scoped_release>())
       .def("synchronize_event", &Device::synchronize_event, py::arg("event"), py::arg("timeout"),
            py::call_guard<py::gil_scoped_release>())
-      .def("query_event", &Device::query_event, py::arg("event"))
+      .def("query_event", &Device::query_event, py::arg("event"), py::arg("calling_stream") = -1)
       .def("synchronize_device", &Device::synchronize_device, py::arg("timeout"),
            py::call_guard<py::gil_scoped_release>())
       .def("begin_capture", &Device::begin_capture, py::arg("stream"))

@@ -128,10 +128,12 @@ void Device::record(int event, int stream, bool external) {
     } else {
       e.captured_in = s.capture;  // only a point inside the graph
       e.clock = s.clock;
+      e.last_record_captured = true;
     }
     return;
   }
   e.captured_in = nullptr;
+  e.last_record_captured = false;
   e.op = enqueue_locked(stream, {}, {});
 }
 
@@ -145,6 +147,7 @@ void Device::wait(int stream, int event) {
     for (const auto& [other, nodes] : e.clock) s.clock[other] = std::max(s.clock[other], nodes);
     return;
   }
+  refuse_captured_locked(event, "a stream's wait on");
   RINGCOLL_CHECK(!s.capture, std::logic_error, "emulated Device: stream ", stream,
                  " is capturing and waits on an event recorded outside the capture "
                  "(cudaErrorStreamCaptureIsolation)");
@@ -175,17 +178,38 @@ bool Device::synchronize_stream(int stream, double timeout) {
   return wait_until(timeout, [&] { return done_locked(last); });
 }
 
+// An event whose last record was inside a capture is only a point in that graph: what a host
+// or another stream would wait for does not exist (cudaErrorCapturedEvent).
+void Device::refuse_captured_locked(int event, const char* what) {
+  RINGCOLL_CHECK(!event_locked(event).last_record_captured, std::logic_error, "emulated Device: ", what, " event ",
+                 event, ", last recorded in a capturing stream (cudaErrorCapturedEvent)");
+}
+
 bool Device::synchronize_event(int event, double timeout) {
   uint64_t op;
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    refuse_captured_locked(event, "a host sync on");
     op = event_locked(event).op;
   }
   return wait_until(timeout, [&] { return done_locked(op); });
 }
 
-bool Device::query_event(int event) {
+bool Device::query_event(int event, int calling_stream) {
   std::lock_guard<std::mutex> lock(mutex_);
+  // Told the calling thread's stream: CUDA's rule for that thread (a thread that captures
+  // may not query). Not told: the strictest reading of global mode, where any capture
+  // under way forbids it on every thread.
+  bool forbidden = false;
+  if (calling_stream >= 0) {
+    forbidden = static_cast<bool>(stream_locked(calling_stream).capture);
+  } else {
+    for (const Stream& s : streams_) forbidden = forbidden || static_cast<bool>(s.capture);
+  }
+  RINGCOLL_CHECK(!forbidden, std::logic_error, "emulated Device: a query of event ", event,
+                 " while a stream is capturing (cudaErrorStreamCaptureUnsupported: a capture in global mode "
+                 "forbids it on the capturing thread, and any capture on every other thread in that mode)");
+  refuse_captured_locked(event, "a query of");
   return done_locked(event_locked(event).op);
 }
 

@@ -25,6 +25,11 @@
 //                   waits on an event recorded in the capture joins it (a fork); replay queues
 //                   the recorded work again. An event recorded in a capture changes nothing a
 //                   host can see on replay, unless recorded as external (cudaEventRecordExternal).
+//                   An event last recorded in a capture (not external) is a point in the
+//                   graph only: after the capture a host query, sync or stream wait on it
+//                   fails (cudaErrorCapturedEvent); and a thread whose stream is capturing
+//                   may not query events at all (cudaErrorStreamCaptureUnsupported: torch's
+//                   graphs capture in global mode, where such calls are forbidden).
 //                   Ending the capture requires every fork joined back: the origin stream
 //                   must have waited (directly or through other streams) on an event recorded
 //                   after the last node of every stream that joined, external records
@@ -80,7 +85,9 @@ class Device {
   // Host waits: true once done, false after `timeout` seconds.
   bool synchronize_stream(int stream, double timeout);  // cudaStreamSynchronize
   bool synchronize_event(int event, double timeout);    // cudaEventSynchronize (never recorded: at once)
-  bool query_event(int event);                          // cudaEventQuery
+  // cudaEventQuery from a thread whose current stream is `calling_stream` (-1: not told, so
+  // forbidden while any stream captures).
+  bool query_event(int event, int calling_stream = -1);
   bool synchronize_device(double timeout);              // cudaDeviceSynchronize; what cudaFree/cudaMalloc imply
 
   void begin_capture(int stream);  // cudaStreamBeginCapture
@@ -111,6 +118,7 @@ class Device {
     uint64_t op = 0;  // the record operation it stands for (0: never recorded, or done long ago)
     std::shared_ptr<Graph> captured_in;  // recorded inside this capture (for joins)
     CaptureClock clock;                  // recorded in a capture: the recording stream's clock then
+    bool last_record_captured = false;   // its last record was inside a capture (cudaErrorCapturedEvent)
     bool live = true;
   };
 
@@ -120,6 +128,7 @@ class Device {
   bool wait_until(double timeout, const std::function<bool()>& done);
   Stream& stream_locked(int stream);
   Event& event_locked(int event);
+  void refuse_captured_locked(int event, const char* what);
   void dispatch_loop();
 
   std::mutex mutex_;

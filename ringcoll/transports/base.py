@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import collections
 import functools
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -151,10 +151,16 @@ class InFlight:
     whatever becomes of its Work. The caching allocator's record_stream keeps its own
     tensors from reuse while a kernel uses them, and does nothing for memory it did not
     allocate: a symmetric tensor dropped with its Work before the kernel ran gave its block
-    back to the pool, and the next empty() handed it out while the kernel still read it."""
+    back to the pool, and the next empty() handed it out while the kernel still read it.
 
-    def __init__(self):
+    A call captured in a CUDA graph is not held (its work runs at each replay, and a graph's
+    tensors must outlive it, as torch documents), and while this thread's stream captures
+    nothing is asked whether it is done: `capturing()` says so, and a capture in global
+    mode (torch.cuda.graph's default) forbids event queries on the capturing thread."""
+
+    def __init__(self, capturing: Callable[[], bool]):
         self._held: collections.deque = collections.deque()
+        self._capturing = capturing
 
     def hold(self, completion, tensors) -> None:
         self.release_finished()
@@ -162,6 +168,8 @@ class InFlight:
 
     def release_finished(self) -> None:
         """Let go of the calls done so far (in order: a transport's calls finish in order)."""
+        if self._capturing():
+            return
         while self._held and self._held[0][0].done():
             self._held.popleft()
 

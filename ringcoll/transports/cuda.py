@@ -142,20 +142,39 @@ class DeviceBytes:
                                          "strides": None, "version": 3, "stream": None}
 
 
+#: empty() while the current stream captures a CUDA graph
+CAPTURED_ALLOCATION = ("empty: a collective allocation while the current stream captures a CUDA graph (cudaMalloc and "
+                       "the exchange with the peers cannot be captured): allocate first")
+
+
+def captured_call_error(op: str, what: str) -> RingcollError:
+    """What a host wait on an async call captured in a CUDA graph raises: its event is only a
+    point in the graph (a host query of it fails with cudaErrorCapturedEvent)."""
+    return RingcollError(f"{op}: {what} a call captured in a CUDA graph: its work runs when the graph is "
+                         "replayed, so wait() for it inside the capture, and synchronize the stream the graph "
+                         "is launched on")
+
+
 class StreamCompletion:
     """An async CUDA collective, as ringcoll.Work sees it: ``wait()`` makes the current stream
-    wait for it (no host blocking), then reports any kernel error already recorded."""
+    wait for it (no host blocking), then reports any kernel error already recorded.
+    `captured`: made while the caller's stream captured a CUDA graph; its event was recorded
+    in the capture, so the host never queries it (done() says True: nothing is queued for
+    the host; each replay runs the call), and only a wait() inside the capture may use it."""
 
-    def __init__(self, transport: "CudaTransport", event: torch.cuda.Event):
+    def __init__(self, transport: "CudaTransport", event: torch.cuda.Event, op: str, captured: bool):
         self._transport = transport
         self._event = event
+        self._op, self._captured = op, captured
 
     def wait(self, timeout: Optional[float]) -> None:
+        if self._captured and not torch.cuda.is_current_stream_capturing():
+            raise captured_call_error(self._op, "wait() after the capture ended for")
         torch.cuda.current_stream(self._transport.device).wait_event(self._event)
         self._transport.check_error()
 
     def done(self) -> bool:
-        return self._event.query()
+        return self._captured or self._event.query()
 
     def error(self) -> Optional[BaseException]:
         try:
@@ -169,6 +188,8 @@ class StreamCompletion:
         fn()
 
     def synchronize(self) -> None:
+        if self._captured:
+            raise captured_call_error(self._op, "synchronize() of")
         self._event.synchronize()
         self._transport.check_error()
 
@@ -214,7 +235,7 @@ class CudaTransport(Transport):
         self._barrier_word, self._barrier_call = one_word_barrier(device)
         self._lock = threading.Lock()  # launches from several host threads stay whole
         self._symmetric = SymmetricAgreement()
-        self._in_flight = InFlight()
+        self._in_flight = InFlight(torch.cuda.is_current_stream_capturing)
         self._moved_thread = None
         if self._in_process and torch.cuda.current_stream(device).cuda_stream in SHARED_STREAM_HANDLES:
             self._stream.wait_stream(torch.cuda.current_stream(device))  # what it queued there so far comes first
@@ -248,8 +269,10 @@ class CudaTransport(Transport):
             for t in tensors:
                 if isinstance(t, torch.Tensor) and t.is_cuda:
                     t.record_stream(self._stream)  # the caching allocator must not reuse them early
-            completion = StreamCompletion(self, event)
-            self._in_flight.hold(completion, tensors)  # nor the symmetric pool, which record_stream misses
+            captured = torch.cuda.is_current_stream_capturing()
+            completion = StreamCompletion(self, event, name or call.collective, captured)
+            if not captured:  # a graph's tensors outlive it (torch's rule), and its replays run the call
+                self._in_flight.hold(completion, tensors)  # nor the symmetric pool, which record_stream misses
             return completion
 
     def launch_on_stream(self, call: CollectiveCall, stream: Optional[int]) -> None:
@@ -264,6 +287,8 @@ class CudaTransport(Transport):
     def allocate_symmetric(self, nbytes: int, dtype: int, dims: list) -> torch.Tensor:
         """A block of cudaMalloc'ed memory every peer has mapped (allocate_by_exchange), as a
         uint8 tensor on this device that holds the block."""
+        if torch.cuda.is_current_stream_capturing():
+            raise RingcollError(CAPTURED_ALLOCATION)
         with self._lock:
             self._in_flight.release_finished()  # blocks whose calls are done go back to the pool first
             block = allocate_by_exchange(self._comm, self._bootstrap, self.rank, nbytes, dtype, dims, self._symmetric)

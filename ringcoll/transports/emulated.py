@@ -37,8 +37,8 @@ from ringcoll.bootstrap import InProcessRank
 from ringcoll.errors import RingcollError, RingcollTimeoutError
 from ringcoll.transports.base import (CollectiveCall, InFlight, Settings, SymmetricAgreement, Transport,
                                       allocate_by_exchange)
-from ringcoll.transports.cuda import (check_hardware_queues, hardware_queues, kernel_variant, one_word_barrier,
-                                      shared_stream_error)
+from ringcoll.transports.cuda import (CAPTURED_ALLOCATION, captured_call_error, check_hardware_queues,
+                                      hardware_queues, kernel_variant, one_word_barrier, shared_stream_error)
 
 LEGACY = _C.emulation.Device.LEGACY  # the legacy default stream: every thread's, unless told otherwise
 _device = None
@@ -89,11 +89,12 @@ THREADS_PER_BLOCK = 4  # each a std::thread; the kernels' loops stride by it as 
 class EmulatedCompletion:
     """An async emulated call, as ringcoll.Work sees it (StreamCompletion's counterpart):
     ``wait()`` makes the current stream wait for the call's event, then (host code standing
-    for that stream's later work) waits for the stream on the host."""
+    for that stream's later work) waits for the stream on the host. `captured`: as
+    StreamCompletion's."""
 
-    def __init__(self, transport: "EmulatedCudaTransport", op: str, event: int, then):
+    def __init__(self, transport: "EmulatedCudaTransport", op: str, event: int, then, captured: bool):
         self._transport, self._op, self._event, self._then = transport, op, event, then
-        self._finished = False
+        self._finished, self._captured = False, captured
 
     def _finish(self) -> None:
         if self._finished:
@@ -105,6 +106,8 @@ class EmulatedCompletion:
             self._then()
 
     def wait(self, timeout: Optional[float]) -> None:
+        if self._captured and not self._transport.device.is_capturing(current_stream()):
+            raise captured_call_error(self._op, "wait() after the capture ended for")
         if self._finished:
             return self._transport.check_error(self._op)
         user = self._transport.user_stream(self._op)
@@ -113,7 +116,7 @@ class EmulatedCompletion:
         self._finish()
 
     def done(self) -> bool:
-        return self._finished or self._transport.device.query_event(self._event)
+        return self._finished or self._captured or self._transport.device.query_event(self._event, current_stream())
 
     def error(self) -> Optional[BaseException]:
         if not self.done():
@@ -129,6 +132,8 @@ class EmulatedCompletion:
         fn()
 
     def synchronize(self) -> None:
+        if self._captured:
+            raise captured_call_error(self._op, "synchronize() of")
         if not self._finished and not self._transport.device.synchronize_event(self._event,
                                                                              self._transport.host_wait_seconds):
             self._transport.stuck(self._op)
@@ -189,7 +194,7 @@ class EmulatedCudaTransport(Transport):
         self._own = self._ring.own_stream(self.rank)
         self._parts = RankParts(self._ring, self.rank)  # symmetric memory's steps (a test may make one fail)
         self._symmetric = SymmetricAgreement()
-        self._in_flight = InFlight()
+        self._in_flight = InFlight(lambda: self.device.is_capturing(current_stream()))
         self._moved_thread = None
         if self.own_stream_per_rank and current_stream() == LEGACY:
             queued = self.device.create_event()  # as CudaTransport does: what it queued so far comes first,
@@ -267,8 +272,10 @@ class EmulatedCudaTransport(Transport):
         if async_op:
             event = self.device.create_event()
             self.device.record(event, self._own)
-            completion = EmulatedCompletion(self, op, event, then)
-            self._in_flight.hold(completion, list(outputs) + list(keep_alive))  # the tensors the queued kernel uses
+            captured = self.device.is_capturing(user)
+            completion = EmulatedCompletion(self, op, event, then, captured)
+            if not captured:  # a graph's tensors outlive it (torch's rule), and its replays run the call
+                self._in_flight.hold(completion, list(outputs) + list(keep_alive))  # the queued kernel's tensors
             return completion
         self.host_waits_for(op, user)  # host code stands for the current stream's later work
         if then is not None:
@@ -289,6 +296,8 @@ class EmulatedCudaTransport(Transport):
     # --- symmetric memory: CudaTransport's, over the emulator's arenas (memfd parts) ---------
 
     def allocate_symmetric(self, nbytes: int, dtype: int, dims: list):
+        if self.device.is_capturing(current_stream()):
+            raise RingcollError(CAPTURED_ALLOCATION)
         self._in_flight.release_finished()  # blocks whose calls are done go back to the pool first
         block = allocate_by_exchange(self._parts, self._bootstrap, self.rank, nbytes, dtype, dims, self._symmetric)
         return torch.frombuffer(block, dtype=torch.uint8)  # host memory: the tensor holds the block

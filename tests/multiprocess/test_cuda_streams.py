@@ -173,6 +173,59 @@ def test_graph_replays_are_waited_for_at_close():
     assert ringcoll.run_in_process(3, body, timeout=60) == [(True, "")] * 3
 
 
+def test_an_async_call_captured_in_a_graph_leaves_nothing_the_host_must_query():
+    """Work.wait() inside the capture, as docs/cuda.md allows. Before, the captured call's
+    event was held with the eager calls' (InFlight) and queried: while capturing (an eager
+    call still held; a capture in global mode forbids the query), and after it (an event
+    last recorded in a capture: cudaErrorCapturedEvent), so every later async call and
+    empty() raised. The emulator now refuses both, as CUDA does."""
+    replays = 2
+
+    def body(group):
+        cls = communicator(EmulatedCudaTransport)
+        dev = emulated.device()
+        user = dev.create_stream()
+        with emulated.stream(user):
+            comm = cls(group=group, timeout=TIMEOUT, buffer_bytes=1 << 14)
+            x, warm = torch.ones(1 << 10), torch.ones(1 << 10)
+            held = comm.all_reduce(warm, async_op=True)  # eager, not yet waited for: still held
+            dev.begin_capture(user)
+            captured = comm.all_reduce(x, async_op=True)
+            captured.wait()  # inside the capture: the caller's stream joins the call
+            capture_errors = []
+            for what, step in (("synchronize", captured.synchronize), ("empty", lambda: comm.empty(4))):
+                try:
+                    step()
+                except ringcoll.RingcollError as e:
+                    capture_errors.append((what, str(e)))
+            graph = dev.end_capture(user)
+            later = comm.all_reduce(torch.ones(8), async_op=True)  # after the capture: nothing stale to query
+            block = comm.empty(16)
+            later.wait()
+            held.wait()
+            for _ in range(replays):
+                dev.replay(graph, user)
+            assert dev.synchronize_stream(user, TIMEOUT)
+            try:
+                captured.wait()
+                after = "no error"
+            except ringcoll.RingcollError as e:
+                after = str(e)
+            done = captured.is_completed()
+            comm.close()
+        return bool(torch.all(x == group.world_size ** replays)), block.numel(), done, capture_errors, after
+
+    for exact, numel, done, capture_errors, after in ringcoll.run_in_process(2, body, timeout=60):
+        assert exact and numel == 16 and done
+        assert [what for what, _ in capture_errors] == ["synchronize", "empty"], capture_errors
+        assert capture_errors[0][1].startswith("all_reduce: synchronize() of a call captured in a CUDA graph"), \
+            capture_errors
+        assert capture_errors[1][1].startswith("empty: a collective allocation while the current stream captures"), \
+            capture_errors
+        assert after.startswith("all_reduce: wait() after the capture ended for a call captured in a CUDA graph"), \
+            after
+
+
 def test_the_benchmark_meets_after_allocating(monkeypatch):
     """Allocation can synchronise the whole GPU (cudaMalloc growing torch's cache): modelled
     as a device-wide sync after every allocation of the benchmark's buffers. A rank that

@@ -5,6 +5,8 @@ tests/multiprocess/test_in_process.py."""
 
 import threading
 
+import pytest
+
 from ringcoll import _C
 
 D = _C.emulation.Device
@@ -99,10 +101,30 @@ def test_a_replay_records_only_external_events_for_the_host():
     gate = threading.Event()
     dev.launch(s, kernel(log, "before", gate))
     dev.replay(graph, s)
-    assert dev.synchronize_event(internal, 0.0)  # never recorded outside the capture: a host waits for nothing
+    for host_use in (lambda: dev.synchronize_event(internal, 0.0), lambda: dev.query_event(internal),
+                     lambda: dev.wait(dev.create_stream(), internal)):
+        # last recorded in the capture: only a point in the graph, nothing a host can wait for
+        with pytest.raises(RuntimeError, match=r"last recorded in a capturing stream \(cudaErrorCapturedEvent\)"):
+            host_use()
     assert not dev.synchronize_event(external, 0.05)  # the replay's record, behind "before" and "k"
     gate.set()
     assert dev.synchronize_event(external, WAIT) and log == ["before", "k"]
+
+
+def test_a_capturing_thread_may_not_query_events():
+    """torch's graphs capture in global mode: the capturing thread may not query an event (a
+    finished one included) until the capture ends."""
+    dev = D(8)
+    s, other, e = dev.create_stream(), dev.create_stream(), dev.create_event()
+    dev.record(e, other)
+    assert dev.synchronize_event(e, WAIT)
+    dev.begin_capture(s)
+    for calling in (s, -1):  # the capturing thread's stream, or not told (any capture forbids it)
+        with pytest.raises(RuntimeError, match=r"while a stream is capturing \(cudaErrorStreamCaptureUnsupported"):
+            dev.query_event(e, calling)
+    assert dev.query_event(e, other)  # a thread whose stream does not capture may (thread-local mode)
+    dev.end_capture(s)
+    assert dev.query_event(e, s)
 
 
 def test_a_stream_waiting_on_a_captured_event_joins_the_capture():
