@@ -220,8 +220,18 @@ void bind_cuda(py::module_& m) {
            py::arg("join") = true, py::call_guard<py::gil_scoped_release>())
       .def("all_gather", &CudaComm::all_gather, py::arg("input"), py::arg("output"), py::arg("input_count"),
            py::arg("dtype"), py::arg("stream"), py::arg("join") = true, py::call_guard<py::gil_scoped_release>())
-      .def("make_symmetric_arena", [](CudaComm& c, size_t bytes) { return py::bytes(c.make_symmetric_arena(bytes)); },
-           py::arg("bytes"))
+      .def(
+          "make_symmetric_arena",
+          [](CudaComm& c, size_t bytes) {
+            std::string handle;
+            {  // cudaMalloc may wait for the whole device, an in-process peer's ring among it,
+               // and that peer's thread may need the GIL to go on
+              py::gil_scoped_release released;
+              handle = c.make_symmetric_arena(bytes);
+            }
+            return py::bytes(handle);
+          },
+          py::arg("bytes"))
       .def("open_symmetric_arena", &CudaComm::open_symmetric_arena, py::arg("handles"),
            py::call_guard<py::gil_scoped_release>())
       .def("take_symmetric", &CudaComm::take_symmetric, py::arg("bytes"))
