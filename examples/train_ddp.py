@@ -5,8 +5,8 @@
     torchrun --nproc_per_node 2 examples/train_ddp.py --device cuda   # on the GPU: the CUDA ring
 
 Without --hook, the default process group is ringcoll's (``init_process_group("ringcoll")``):
-DDP's gradient all-reduces run on ringcoll's shared-memory ring, and what ringcoll does not
-implement (DDP's initial parameter broadcast) on the backend's internal gloo group. With
+DDP's gradient all-reduces run on ringcoll's shared-memory ring, and its initial parameter
+broadcast on ringcoll's plan engine (docs/training.md's table says what runs where). With
 --hook, the process group is gloo and only the gradient buckets go through ringcoll, via
 DDP's communication-hook API. Either way the script is an ordinary DDP script: the one
 ringcoll-specific line is ``import ringcoll``.

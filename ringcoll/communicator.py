@@ -67,7 +67,11 @@ def resolve_timeout(timeout) -> float:
         timeout = os.environ.get("RINGCOLL_TIMEOUT", DEFAULT_TIMEOUT_SECONDS)
     if isinstance(timeout, datetime.timedelta):
         timeout = timeout.total_seconds()
-    seconds = float(timeout)
+    try:
+        seconds = float(timeout)
+    except (TypeError, ValueError):
+        raise ValueError(f"Communicator: timeout= / RINGCOLL_TIMEOUT must be a number of seconds, got "
+                         f"{timeout!r}") from None
     if not seconds > 0:
         raise ValueError(f"Communicator: timeout must be a positive number of seconds, got {timeout!r}")
     if not seconds <= MAX_TIMEOUT_SECONDS:  # also catches inf and nan
@@ -78,7 +82,11 @@ def resolve_timeout(timeout) -> float:
 
 def _resolve_check(check) -> bool:
     if check is None:
-        return os.environ.get("RINGCOLL_CHECK", "1").strip().lower() not in ("0", "false", "off", "no")
+        setting = os.environ.get("RINGCOLL_CHECK", "1").strip().lower()
+        if setting not in ("0", "false", "off", "no", "1", "true", "on", "yes"):
+            raise ValueError(f"Communicator: RINGCOLL_CHECK must be 1/true/on/yes or 0/false/off/no, got "
+                             f"{os.environ['RINGCOLL_CHECK']!r}")
+        return setting in ("1", "true", "on", "yes")
     return bool(check)
 
 

@@ -187,6 +187,9 @@ def register_algorithm(name: str, plan_fn: Callable[[int, int], Sequence[PlanOp]
     if not isinstance(name, str) or not name or name in ("auto", "native") or name in BUILTIN:
         raise ValueError(f"register_algorithm: {name!r} is not a name a plan may take (not 'auto', 'native' nor a "
                          f"built-in one: {', '.join(BUILTIN)})")
+    if not callable(plan_fn):
+        raise TypeError(f"register_algorithm: plan_fn must be a function (world_size, rank) -> that rank's ops, "
+                        f"got {type(plan_fn).__name__}")
     if not isinstance(sends_early, bool):
         raise TypeError(f"register_algorithm: sends_early must be True or False, got {sends_early!r}")
     with _lock:
@@ -233,7 +236,7 @@ def plan(name: str, collective: str, world: int) -> Plan:
         return Plan(name, collective, chunks, tuple(tuple(PlanOp(*o) for o in mine) for mine in ops), sends_early)
     entry = _registry.get((name, collective))
     if entry is None:
-        raise ValueError(f"unknown algorithm {name!r} for {collective}; choose from {', '.join(algorithms())}"
+        raise ValueError(f"unknown algorithm {name!r} for {collective}; choose from {', '.join(algorithms(collective))}"
                          + (f" (registered for other collectives: {name!r})"
                             if any(n == name for n, _ in _registry) else ""))
     plan_fn, sends_early = entry
@@ -241,7 +244,12 @@ def plan(name: str, collective: str, world: int) -> Plan:
         return Plan(name, collective, 1, ((),), sends_early)
     ops = []
     for rank in range(world):
-        mine = tuple(o if isinstance(o, PlanOp) else PlanOp(*o) for o in plan_fn(world, rank))
+        try:
+            mine = tuple(o if isinstance(o, PlanOp) else PlanOp(*o) for o in plan_fn(world, rank))
+        except Exception as e:  # the user's function, or what it returned: named, with the call
+            raise PlanError(f"{collective} plan {name!r}: plan_fn({world}, {rank}) must return that rank's ops, a "
+                            f"list of ringcoll.plans.op(...) (or PlanOp field tuples); it gave "
+                            f"{type(e).__name__}: {e}") from e
         ops.append(mine)
     chunks = 1 + max((o.first + o.count - 1 for mine in ops for o in mine), default=0)
     return Plan(name, collective, chunks, tuple(ops), sends_early)

@@ -1488,8 +1488,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="all-gathers from this size read peers directly (one copy) where the kernel allows; 0: "
                         "always through the slots (default: RINGCOLL_DIRECT_BYTES or 16K)")
     p.add_argument("--algorithm", default="auto", metavar="NAME[,NAME...]",
-                   help="the algorithms to time (ringcoll.algorithms(): auto, native, ring, oneshot, rhd, rd, "
-                        "tree): the first in the main table, all of them side by side in a table of their own, each "
+                   help=f"the algorithms to time (ringcoll.algorithms(): {', '.join(plans.algorithms())}; "
+                        "those of a collective only are timed for it): the first in the main table, all of them side by side in a table of their own, each "
                         "plan beside the model's prediction (CPU; default auto, the Communicator's own choice)")
     p.add_argument("--record-tuning", metavar="FILE.json", default=None,
                    help="write native's and the plans' times into auto's table FILE for this world size (each "

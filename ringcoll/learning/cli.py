@@ -3,8 +3,9 @@
     ringcoll trace COLLECTIVE --world P --n N [--png FILE] [--algorithm ring|oneshot|direct|symmetric]
         a ring collective step by step (ringcoll.learning.trace), from the real schedule;
         --algorithm oneshot shows the small-message path instead, --algorithm direct the
-        CPU transport's direct-read all-gather (all_gather only), --algorithm symmetric a
-        call over symmetric memory, read in place
+        peers' inputs read where they lie (the CPU transport's direct-read all-gather, the
+        direct reduce-scatter and all-reduce plans), --algorithm symmetric a call over
+        symmetric memory, read in place
     ringcoll memory --params N [--world P] [--batch B --seq S --hidden H --layers L --heads A]
                     [--checkpointing-only] [--no-attention-scores] [--measure]
         per-GPU memory of Adam training, ZeRO stages 0-3 (ringcoll.learning.memory)
@@ -77,7 +78,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--png", metavar="FILE", help="also draw the steps (one panel per step) into FILE")
     t.add_argument("--algorithm", default="ring",
                    help="ring (default); oneshot: the CPU transport's small-message path; direct: its "
-                        "direct-read all-gather for large messages (all_gather only); symmetric: tensors in "
+                        "direct-read path: peers' inputs read where they lie (all_gather, reduce_scatter, all_reduce); "
+                        "symmetric: tensors in "
                         "symmetric memory (ringcoll.empty), read in place; any other algorithm "
                         "(rhd, rd, tree: ringcoll.algorithms()) round by round from its plan")
     t.add_argument("--plans", metavar="FILE.py", default=None,

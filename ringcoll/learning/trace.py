@@ -35,10 +35,11 @@ shows the small-message path instead, from :func:`ringcoll.learning.schedule.sim
 ``oneshot`` plan's records): the one step in which every rank publishes what its peers need
 and combines all P contributions itself.
 
-:func:`trace` with ``algorithm="direct"`` (all_gather only) shows the CPU transport's
+:func:`trace` with ``algorithm="direct"`` on an all-gather shows the CPU transport's
 large-message path, from :func:`ringcoll.learning.schedule.simulate_direct_read`: every rank
 posts its input, reads each peer's input straight into its output in the order k+1, k+2, ..
-(mod P), copies its own chunk, and waits until every peer has finished reading.
+(mod P), copies its own chunk, and waits until every peer has finished reading. On a
+reduce-scatter or all-reduce it shows the direct plan, as any plan below.
 
 ``algorithm="symmetric"`` shows a call over tensors in symmetric memory (``ringcoll.empty``),
 from :func:`ringcoll.learning.schedule.simulate_zero_copy`: every rank posts where its tensor
@@ -225,14 +226,14 @@ def trace(collective: str, world: int, n: int, inputs: Optional[Sequence[Sequenc
     the direct-read all-gather (the direct reduce-scatter's and all-reduce's plans otherwise),
     or ``"symmetric"`` for tensors in symmetric memory, read in place; broadcast and reduce
     trace their plans."""
+    if not 1 <= world <= plans.MAX_WORLD:  # the schedules traced are plan records, made for at most this many
+        raise ValueError(f"trace: world must be 1 to {plans.MAX_WORLD} (ringcoll's most ranks), got {world}")
     if collective in ROOTED_COLLECTIVES:
         return _rooted_trace(collective, world, n, inputs, algorithm)
     coll = _collective(collective)
     choices = [*ALGORITHMS, *(a for a in plans.algorithms(collective) if a not in (*ALGORITHMS, "auto", "native"))]
     if algorithm not in choices:
         raise ValueError(f"trace: algorithm for {collective} must be one of {', '.join(choices)}, got {algorithm!r}")
-    if world < 1:
-        raise ValueError("trace: world must be >= 1")
     if n < 0:
         raise ValueError("trace: n must be >= 0")
     given = inputs is not None

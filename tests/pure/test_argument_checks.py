@@ -177,3 +177,19 @@ def test_the_checks_accept_and_refuse_alike_with_and_without_the_table():
     finally:
         _types._configure_tensor_checks()
     assert (_C.read_tensor_facts(torch.ones(3)) is not None) == HAS_EXCHANGE_TABLE
+
+
+def test_settings_from_the_environment_are_refused_by_name(monkeypatch):
+    """A value the setting does not take is an error naming it, not a float's complaint
+    ("could not convert string to float") nor, for RINGCOLL_CHECK, silently on."""
+    from ringcoll.communicator import _resolve_check, resolve_timeout
+
+    monkeypatch.setenv("RINGCOLL_TIMEOUT", "abc")
+    with pytest.raises(ValueError, match="timeout= / RINGCOLL_TIMEOUT must be a number of seconds, got 'abc'"):
+        resolve_timeout(None)
+    for value, on in (("0", False), ("off", False), (" Yes ", True), ("1", True)):
+        monkeypatch.setenv("RINGCOLL_CHECK", value)
+        assert _resolve_check(None) is on
+    monkeypatch.setenv("RINGCOLL_CHECK", "2")
+    with pytest.raises(ValueError, match="RINGCOLL_CHECK must be 1/true/on/yes or 0/false/off/no, got '2'"):
+        _resolve_check(None)

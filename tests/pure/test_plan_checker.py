@@ -464,8 +464,19 @@ def test_names_and_refusals():
                                          "broadcast, reduce, got 'barrier'"):
         plans.register_algorithm("x", ring, "barrier")
     with pytest.raises(ValueError, match="unknown algorithm 'nope' for all_reduce; choose from auto, native, ring, "
-                                         "oneshot"):
+                                         "oneshot") as refused:
         plans.plan("nope", "all_reduce", 2)
+    assert "star" not in str(refused.value)  # a broadcast's and reduce's only: not offered for all_reduce
+    with pytest.raises(TypeError, match="register_algorithm: plan_fn must be a function .* got int"):
+        plans.register_algorithm("x", 42)
+    # What the user's function gives, wrong: named with the plan and the call, on every rank
+    for wrong, says in ((lambda world, rank: None, "TypeError: 'NoneType' object is not iterable"),
+                        (lambda world, rank: [1, 2], "TypeError"),
+                        (lambda world, rank: 1 / 0, "ZeroDivisionError: division by zero")):
+        plans.register_algorithm("wrong", wrong)
+        with pytest.raises(plans.PlanError, match=r"all_reduce plan 'wrong': plan_fn\(2, 0\) must return that rank's "
+                                                  r"ops, .* it gave " + says):
+            plans.plan("wrong", "all_reduce", 2)
 
 
 def test_a_user_plan_is_checked_and_compiled_once_and_gets_its_own_id():

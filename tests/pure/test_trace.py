@@ -100,6 +100,9 @@ def test_given_inputs_and_bad_arguments():
         trace("all_to_all", 4, 8)
     with pytest.raises(ValueError, match="n = 4"):
         trace("all_reduce", 2, 4, inputs=[[1], [2]])
+    for world in (0, 65):  # past the most ranks a plan runs on, the ring's plan is no ring (it said "deadlock")
+        with pytest.raises(ValueError, match=f"trace: world must be 1 to 64 .*got {world}"):
+            trace("all_reduce", world, 8)
 
 
 @pytest.mark.parametrize("name,world,n,panels", [("all_reduce", 4, 8, 6), ("reduce_scatter", 4, 8, 3),
