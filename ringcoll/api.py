@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import os
 import threading
+import warnings
 from typing import Any, Callable, List
 
 import torch
@@ -55,8 +56,30 @@ def get_communicator(group=None, device="cpu") -> Communicator:
 SERVED_DEVICE_TYPES = ("cpu", "cuda")
 
 
+class _NotAMember:
+    """What a collective runs on where this process is not in its group: torch.distributed
+    warns and does nothing (returns None), so a script may call it on every rank; so does
+    ringcoll. (torch hands a non-member GroupMember.NON_GROUP_MEMBER for the group.)"""
+
+    def __init__(self, op: str):
+        self._op = op
+
+    def __getattr__(self, method: str):
+        return self._skip
+
+    def _skip(self, *args, **kwargs) -> None:
+        warnings.warn(f"Running {self._op} on global rank {dist.get_rank()} which does not belong to the given group.",
+                      stacklevel=3)
+
+
+def _not_a_member(group) -> bool:
+    return isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER
+
+
 def _for_tensor(op: str, tensor, group) -> Communicator:
     """The communicator for `tensor`'s device; a device no transport serves is bad input."""
+    if group is not None and _not_a_member(group):
+        return _NotAMember(op)
     if not isinstance(tensor, torch.Tensor):
         view = cuda_tensor_view(tensor)  # CuPy and other CUDA array producers go to their GPU's ring
         if view is not None:
@@ -157,7 +180,8 @@ def reduce(tensor, dst=None, op=ReduceOp.SUM, group=None, async_op=False, group_
 
 def barrier(group=None, async_op=False, device_ids=None):
     """Like dist.barrier; runs on the group's CPU communicator (device_ids is ignored)."""
-    return get_communicator(group, "cpu").barrier(async_op=async_op)
+    comm = _NotAMember("barrier") if _not_a_member(group) else get_communicator(group, "cpu")
+    return comm.barrier(async_op=async_op)
 
 
 # torch 2.13 renamed the tensor forms; both spellings are accepted there and here.

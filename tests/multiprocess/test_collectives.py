@@ -600,6 +600,22 @@ def run_module_level_cases(chk, rank, world):
                              sub)
         chk.failures += sub_chk.finish(sub)  # also: results identical across the subgroup
         chk.checked += sub_chk.checked
+    else:  # as torch.distributed: a collective on a group this rank is not in warns and does nothing
+        import warnings
+
+        t, out = torch.full((4,), float(rank)), torch.zeros(4 * len(members))
+        for name, call in (("all_reduce", lambda: ringcoll.all_reduce(t, group=sub)),
+                           ("all_gather_into_tensor", lambda: ringcoll.all_gather_into_tensor(out, t, group=sub)),
+                           ("broadcast", lambda: ringcoll.broadcast(t, group_src=0, group=sub)),
+                           ("barrier", lambda: ringcoll.barrier(group=sub))):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                result = call()
+            said = [str(w.message) for w in caught]
+            if result is not None or said != [f"Running {name} on global rank {rank} which does not belong to the "
+                                              "given group."] or t.tolist() != [float(rank)] * 4 or out.any():
+                chk.fail("non-member", f"{name}: returned {result!r}, warned {said}, left {t.tolist()}")
+        chk.checked += 4
     ringcoll.destroy_communicators()
 
 
