@@ -26,6 +26,17 @@ from ringcoll._types import ROOTED_COLLECTIVES
 from ringcoll.learning import memory, trace
 
 
+def _positive(kind: type):
+    """An argparse type: a number of `kind` above 0 (a count of parameters, ranks, tokens)."""
+    def parse(text: str):
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in its message
+    return parse
+
+
 def _run_trace(args: argparse.Namespace) -> int:
     if args.plans:
         from ringcoll import plans
@@ -90,15 +101,15 @@ def _parser() -> argparse.ArgumentParser:
     m = sub.add_parser("memory", help="per-GPU memory of Adam training, ZeRO stages 0-3",
                        description="Weights, gradients, Adam state and activations per GPU, in decimal GB "
                                    "(1e9 bytes), for ZeRO stages 0-3 over --world ranks.")
-    m.add_argument("--params", "-N", type=float, required=True, help="parameters, e.g. 7e9")
-    m.add_argument("--world", "-P", type=int, default=8, help="data-parallel ranks (default 8)")
+    m.add_argument("--params", "-N", type=_positive(float), required=True, help="parameters, e.g. 7e9")
+    m.add_argument("--world", "-P", type=_positive(int), default=8, help="data-parallel ranks (default 8)")
     m.add_argument("--precision", choices=["both", *memory.PRECISIONS], default="both",
                    help="which convention(s) to print (default: mixed and mixed+master)")
-    m.add_argument("--batch", type=int, default=1, help="micro-batch per GPU, for activations (default 1)")
-    m.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
-    m.add_argument("--hidden", type=int, help="hidden size h (activations are shown when h, L, a are given)")
-    m.add_argument("--layers", type=int, help="transformer layers L")
-    m.add_argument("--heads", type=int, help="attention heads a")
+    m.add_argument("--batch", type=_positive(int), default=1, help="micro-batch per GPU, for activations (default 1)")
+    m.add_argument("--seq", type=_positive(int), default=2048, help="sequence length (default 2048)")
+    m.add_argument("--hidden", type=_positive(int), help="hidden size h (activations are shown when h, L, a are given)")
+    m.add_argument("--layers", type=_positive(int), help="transformer layers L")
+    m.add_argument("--heads", type=_positive(int), help="attention heads a")
     m.add_argument("--no-attention-scores", action="store_true",
                    help="drop the 5*a*s/h term (kernels such as FlashAttention never store the s x s scores)")
     m.add_argument("--measure", action="store_true",

@@ -281,6 +281,14 @@ def _extras(rank, world):
         ringcoll.training.zero.ShardedOptimizer(Net(unused=rank == 1).parameters(), torch.optim.SGD, lr=0.1)
     except ValueError as exc:
         errors.append(str(exc))
+    frozen = Net()
+    for p in frozen.parameters():
+        p.requires_grad_(False)
+    for model, cls in ((Net(), torch.optim.LBFGS), (frozen, torch.optim.SGD)):  # refused on each rank alone
+        try:
+            ringcoll.training.zero.ShardedOptimizer(model.parameters(), cls, lr=0.1)
+        except ValueError as exc:
+            errors.append(str(exc))
     out["errors"] = errors
 
     # symmetric=True (last: its arenas make auto native on the default communicator from here
@@ -445,12 +453,15 @@ def test_clip_grad_norm(stage):
 def test_refuses_bad_arguments_and_disagreeing_ranks():
     for rank, out in enumerate(r["extras"] for r in _results(2)):
         errors = out["errors"]
-        assert len(errors) == 4, errors
+        assert len(errors) == 6, errors
         assert errors[0].startswith("ShardedOptimizer: stage must be 1 or 2")
         assert errors[1].startswith("ShardedOptimizer: bucket_bytes must be positive")
         assert errors[2].startswith("ShardedOptimizer: ranks disagree on stage: ")
         assert errors[3].startswith("ShardedOptimizer: ranks disagree on parameters: ")
         assert f"rank {rank} has" in errors[3] and f"rank {1 - rank} has" in errors[3]
+        assert errors[4].startswith("ShardedOptimizer: LBFGS re-evaluates the loss"), errors[4]  # it was accepted
+        assert errors[5].startswith("ShardedOptimizer: none of the "), errors[5]  # was "an empty parameter list"
+        assert errors[5].endswith("parameters requires grad (all frozen): nothing to optimise"), errors[5]
 
 
 def test_example_under_torchrun():

@@ -120,6 +120,11 @@ def test_cli_memory_prints_the_worked_examples(capsys):
     assert "84.00    35.00" in out and "112.00" in out
     assert main(["memory", "--params", "70e9", "--world", "1", "--precision", "mixed"]) == 0
     assert "840.00" in capsys.readouterr().out
+    for bad in (["--params", "-5"], ["--params", "0"], ["--params", "7e9", "--world", "0"],
+                ["--params", "7e9", "--hidden", "-1", "--layers", "2", "--heads", "2"]):
+        with pytest.raises(SystemExit):  # it printed a table of -0.00 for --params -5
+            main(["memory", *bad])
+        assert "must be above 0" in capsys.readouterr().err
 
 
 def test_cli_memory_activations_and_measure(capsys):

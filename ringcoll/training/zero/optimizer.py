@@ -76,6 +76,10 @@ class ShardedOptimizer(_Checkpoints, _Gradients, torch.optim.Optimizer):
             raise ValueError(f"{name}: stage must be 1 or 2, got {stage!r} (stage 3 shards the weights: not here)")
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
             raise TypeError(f"{name}: optimizer_cls must be a torch.optim.Optimizer subclass, got {optimizer_cls!r}")
+        if issubclass(optimizer_cls, torch.optim.LBFGS):  # the one in torch.optim that is not elementwise
+            raise ValueError(f"{name}: {optimizer_cls.__name__} re-evaluates the loss and keeps a history over all "
+                             "parameters, which flat shards cannot give it; use an elementwise optimizer (SGD, Adam, "
+                             "AdamW, ...: docs/training.md, ZeRO's limits)")
         if int(bucket_bytes) <= 0:
             raise ValueError(f"{name}: bucket_bytes must be positive, got {bucket_bytes!r}")
         if not dist.is_initialized():
@@ -88,10 +92,11 @@ class ShardedOptimizer(_Checkpoints, _Gradients, torch.optim.Optimizer):
             raise ValueError(f"{name}: this process is not a member of the given group")
         self.bucket_bytes = int(bucket_bytes)
 
-        groups = self._normalise_groups(params)
+        groups, given = self._normalise_groups(params)
         all_params = [p for g in groups for p in g["params"]]
         if not all_params:
-            raise ValueError(f"{name}: got an empty parameter list")
+            raise ValueError(f"{name}: got an empty parameter list" if not given else
+                             f"{name}: none of the {given} parameters requires grad (all frozen): nothing to optimise")
         devices = {p.device for p in all_params}
         if len(devices) != 1:
             raise ValueError(f"{name}: all parameters must be on one device, got {sorted(map(str, devices))}")
@@ -143,7 +148,8 @@ class ShardedOptimizer(_Checkpoints, _Gradients, torch.optim.Optimizer):
     # --- construction ---------------------------------------------------------------------
 
     @staticmethod
-    def _normalise_groups(params) -> List[dict]:
+    def _normalise_groups(params) -> tuple[List[dict], int]:
+        """The param groups with their frozen parameters left out, and how many were given."""
         if isinstance(params, torch.Tensor):
             raise TypeError("ShardedOptimizer: params must be an iterable of Tensors or dicts, got a Tensor")
         params = list(params)
@@ -165,7 +171,7 @@ class ShardedOptimizer(_Checkpoints, _Gradients, torch.optim.Optimizer):
                     kept.append(p)
             g["params"] = kept
             groups.append(g)
-        return groups
+        return groups, len(seen)
 
     def _check_ranks_agree(self, optimizer_cls) -> None:
         """Every rank must build the same buckets (same model, grouping, bucket_bytes) and
