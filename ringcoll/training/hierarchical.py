@@ -287,7 +287,9 @@ class HierarchicalCommunicator(ArgumentChecks):
                 call: tuple = ()) -> Optional[Work]:
         """Run the validated call now, or queued in call order (a Work, as the ring's). On
         CUDA both levels enqueue on the current stream without blocking the host (the ring
-        and NCCL alike), so the call runs now even when async: its Work is already done.
+        and NCCL alike), so the call runs now even when async: its Work is already done, and
+        its wait() orders nothing (NCCL's makes the current stream wait): work on another
+        stream that reads the result must wait for the call's stream (wait_stream).
         `call` is (dtype code, op code or -1, count[, root]): what check_call compares."""
         if self.group is None:
             raise RingcollError(f"{name}: communicator is closed")
