@@ -14,7 +14,8 @@
 // rank, so the numbering stays equal.
 //
 // Slots. A publication of chunks [f, f + n) in the slice's bank fills slots f .. f+n-1 of
-// the sender's buffer, each 1/(kBanks C) of it (slot_bytes_for with C chunks). Before a
+// that bank of the sender's buffer, each 1/(kBanks C) of it (slot_bytes_for with C chunks);
+// bank b starts at b * bank_bytes_for, whatever C (call.h says why). Before a
 // rank overwrites a slot, every reader of the publication that last filled it must have
 // consumed it. Between calls: before every plan call every rank waits until all it
 // published has been read (drain_plan_publications): the slots' layout depends on the
@@ -48,6 +49,7 @@ class PlanRun {
       : comm_(comm), plan_(plan), coll_(coll), me_(comm.rank()), chunks_(plan.plan.chunks),
         ring_count_(ring_count), input_(static_cast<const T*>(input)), output_(static_cast<T*>(output)),
         slot_bytes_(slot_bytes_for(comm.buffer_bytes(), chunks_, kSlotAlignment)),
+        bank_bytes_(bank_bytes_for(comm.buffer_bytes(), kSlotAlignment)),
         slice_elems_(plan_slice_elems(plan, comm.buffer_bytes(), ring_count, sizeof(T))),
         slices_(slice_elems_ > 0 ? num_slices(ring_count, chunks_, slice_elems_) : 0), base_(base),
         first_bank_(at.first_bank), slot_last_(scratch.slot_last), slot_readers_(scratch.slot_readers) {
@@ -146,7 +148,8 @@ class PlanRun {
   }
 
   T* slot(int rank, int bank, int c) const {
-    return reinterpret_cast<T*>(comm_.data(rank) + static_cast<size_t>(slot_index(bank, c, chunks_)) * slot_bytes_);
+    return reinterpret_cast<T*>(comm_.data(rank) + static_cast<size_t>(bank) * bank_bytes_ +
+                                static_cast<size_t>(c) * slot_bytes_);
   }
   // All-gather's input is this rank's chunk only; reduce-scatter's output likewise
   // (the checker refuses plans that address any other chunk of them).
@@ -244,6 +247,7 @@ class PlanRun {
   const T* input_;
   T* output_;
   size_t slot_bytes_;
+  size_t bank_bytes_;  // bank b's slots start at b * bank_bytes_, for every plan
   int64_t slice_elems_, slices_;
   uint64_t base_;
   int first_bank_;  // slice j fills bank (j + first_bank_) mod kBanks

@@ -170,6 +170,22 @@ def _early_sends_back_to_back(rank, world):
                 chk.equal(f"call {i} reduce to {root} ({algorithm}, n={n})", x, total if rank == root else xs[rank])
         if world > 1 and comm.transport.one_shot_calls - before < 100:
             chk.fail("early sends", f"only {comm.transport.one_shot_calls - before} calls took native's one-shot")
+    # Early-send calls of different chunk counts, each filling its slots to the bank's end: a
+    # oneshot broadcast (one chunk: the whole half) and native's one-shot all-reduce (P
+    # chunks). Bank 1 was laid out as P slots from P * slot(P) bytes, below the broadcast's
+    # half for P = 3 (the slots round down), so a rank a call ahead wrote the all-reduce's
+    # early sends into the last 64-128 bytes a peer still read of the broadcast (a review
+    # found ~100 of 300 wrong at P = 3); a bank now starts at the same place for every plan.
+    buffer = 1 << 17
+    with ringcoll.Communicator(buffer_bytes=buffer, direct_bytes=0, timeout=M.COMM_TIMEOUT) as comm:
+        whole_half = buffer // 2 // ringcoll._C.host_slot_alignment * ringcoll._C.host_slot_alignment
+        for i in range(200):
+            t = torch.full((whole_half,), i % 251 + 1 if rank == 0 else 0, dtype=torch.uint8)
+            comm.broadcast(t, 0, algorithm="oneshot")
+            chk.equal(f"full-slot broadcast {i}", t, torch.full_like(t, i % 251 + 1))
+            a = torch.full((world * 16,), 7 + rank, dtype=torch.int32)
+            comm.all_reduce(a)
+            chk.equal(f"all_reduce {i} after it", a, torch.full_like(a, sum(7 + r for r in range(world))))
     return chk.finish()
 
 

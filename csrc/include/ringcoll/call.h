@@ -33,6 +33,15 @@ RINGCOLL_INLINE size_t slot_bytes_for(size_t buffer_bytes, int world, size_t slo
   return per_slot / slot_alignment * slot_alignment;
 }
 
+// Bytes of one bank, the same whatever the number of slots in it: bank b starts at
+// b * bank_bytes_for(...) for every plan, and its C slots (slot_bytes_for(..., C, ...) each)
+// fit in it. A bank laid out as C slots from bank * C * slot_bytes began a little lower
+// for some C than for others (the slots round down), so calls of different chunk counts
+// that each wait only for their own bank overlapped (host_plan.cpp).
+RINGCOLL_INLINE size_t bank_bytes_for(size_t buffer_bytes, size_t slot_alignment) {
+  return buffer_bytes / static_cast<size_t>(kBanks) / slot_alignment * slot_alignment;
+}
+
 // The smallest buffer_bytes a transport accepts: one aligned slot per bank and rank.
 RINGCOLL_INLINE size_t min_buffer_bytes(int world, size_t slot_alignment) {
   return static_cast<size_t>(kBanks) * slot_alignment * static_cast<size_t>(world);
