@@ -172,7 +172,8 @@ class Work:
     collective finished (``wait(timeout)`` past its timeout raises RingcollTimeoutError, a
     RuntimeError and a TimeoutError, as torch's own timeouts are RuntimeErrors); on CUDA it
     makes the current stream wait for it, as NCCL's does (``synchronize()`` blocks the
-    host). The transport's Completion (transports/base.py) says how.
+    host). The transport's Completion (transports/base.py) says how. The queued call holds
+    its tensors until it has run, kept or not (as gloo's Work does).
     """
 
     def __init__(self, completion, result: list, keep_alive: Sequence = ()):

@@ -152,6 +152,7 @@ class CallQueue:
         self._worker_ident: Optional[int] = None
         self._last_async: Optional[ThreadCompletion] = None
         self._lock = threading.Lock()  # one collective at a time
+        self._queue_lock = threading.Lock()  # the worker made once, _last_async set and cleared whole
 
     def on_worker(self) -> bool:
         """Whether this thread is the worker (running a call or one of its callbacks)."""
@@ -168,9 +169,6 @@ class CallQueue:
         if not async_op:
             self.run_now(run)
             return None
-        if self._worker is None:
-            self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ringcoll",
-                                                                 initializer=self._become_worker)
 
         # The worker thread does not inherit the caller's thread-local autograd state: carry
         # it, so the copies after the ring behave as they would on the calling thread (an
@@ -182,8 +180,12 @@ class CallQueue:
             with self._lock, torch.inference_mode(inference), torch.set_grad_enabled(grad_enabled):
                 completion.finish(_error_of(run))
 
-        self._worker.submit(locked_run)
-        self._last_async = completion
+        with self._queue_lock:  # two threads queueing at once still make one worker, one order
+            if self._worker is None:
+                self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ringcoll",
+                                                                     initializer=self._become_worker)
+            self._worker.submit(locked_run)
+            self._last_async = completion
         return completion
 
     def _become_worker(self) -> None:
@@ -215,8 +217,9 @@ class CallQueue:
         pending = self._last_async
         if pending is not None and not self.on_worker():
             pending.wait_finished()  # bounded: each queued call is bounded by the ring's timeout
-            if self._last_async is pending:  # nothing queued since: the worker is idle
-                self._last_async = None
+            with self._queue_lock:
+                if self._last_async is pending:  # nothing queued since: the worker is idle
+                    self._last_async = None
 
     def close(self, last: Callable[[], None]) -> None:
         """Finish the queued calls, then run `last` (the release) alone."""
@@ -277,7 +280,12 @@ class HostTransport(Transport):
                 self._calls.run_now(self._run, call, then)
             self._plain_calls_when_idle()
             return None
-        completion = self._calls.submit(lambda: self._run(call, then), async_op, name or call.collective)
+        # The queued run holds the call's tensors itself: `call` has their addresses only, and
+        # a Work dropped before the worker got to it took the last references with it (the
+        # run then read and wrote freed memory: SIGSEGV), where gloo's Work keeps them alive.
+        held = (outputs, keep_alive)
+        completion = self._calls.submit(lambda: (held, self._run(call, then)) and None, async_op,
+                                        name or call.collective)
         self._plain_calls_when_idle()  # not until the queue is drained: later calls must wait for it
         return completion
 

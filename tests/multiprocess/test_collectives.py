@@ -527,6 +527,29 @@ def run_async_cases(chk, rank, world, small, big):
     chk.equal("async reduce_scatter(list)", rsl_out, gloo_reduce_scatter([rsl_in], [6], "PRODUCT", world)[0])
     chk.equal("sync all_reduce behind async work", sync_t, gloo_all_reduce([sync_in], "SUM", world)[0])
 
+    # A Work dropped at once: the queued call holds its tensors itself, as gloo's Work does
+    # (it held their addresses only: the temporaries were freed before the worker ran it, which
+    # then read and wrote freed memory, SIGSEGV), and lets go of them once it has run.
+    import gc
+    import threading
+    import weakref
+
+    go = threading.Event()
+    blocker = small.transport._calls.submit(lambda: go.wait(COMM_TIMEOUT), True, "blocker")  # holds the worker
+    out = torch.empty(1 << 16)
+    alive = weakref.ref(out)
+    small.all_reduce(torch.ones(1 << 16), output=out, async_op=True)  # its Work dropped, queued behind
+    del out
+    gc.collect()
+    if alive() is None:
+        chk.fail("dropped Work", "the call's output was freed while the call waited in the queue")
+    go.set()
+    blocker.wait(None)
+    small.all_reduce(torch.ones(4))  # after the dropped call has run
+    gc.collect()
+    if alive() is not None:
+        chk.fail("dropped Work", "the call's output is still held after the call ran")
+
 
 def _module_level_round(chk, rank, world, group, tag):
     """Each module-level drop-in once on `group` (None = default group) against gloo there."""
