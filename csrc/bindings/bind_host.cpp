@@ -364,7 +364,7 @@ void bind_host(py::module_& m) {
       .def_property_readonly("store_probe_hop_ns", &HostComm::store_probe_hop_ns)
       .def_property_readonly("store_probe_streams", &HostComm::store_probe_streams)
       .def("barrier", &HostComm::barrier, py::call_guard<py::gil_scoped_release>())
-      .def("close", &HostComm::close)
+      .def("close", &HostComm::close, py::call_guard<py::gil_scoped_release>())  // it may wait for a running call
       .def_property_readonly("rank", &HostComm::rank)
       .def_property_readonly("world", &HostComm::world)
       .def_property_readonly("slot_bytes", &HostComm::slot_bytes)

@@ -417,6 +417,8 @@ class HostComm {
   void ensure_usable(const char* op) const;
   // Mark this communicator broken (and tell the peers), then throw E with the message.
   template <typename E> [[noreturn]] void fail(const char* op, const std::string& message);
+  // fail()'s first half: broken, with the reason in my header and `aborted` set for the peers.
+  void break_and_tell_peers(const char* op, const std::string& message);
   // Whether every peer could still make progress: no peer aborted, no peer process gone.
   bool peers_look_alive(std::string* why) const;
   // One collective: the call check (when on), with `early()` between publishing my
@@ -530,6 +532,11 @@ class HostComm {
 
 template <typename E>
 inline void HostComm::fail(const char* op, const std::string& message) {
+  break_and_tell_peers(op, message);
+  throw E(broken_reason_);
+}
+
+inline void HostComm::break_and_tell_peers(const char* op, const std::string& message) {
   broken_reason_ = std::string(op) + ": " + message;
   // Let every peer's waits see it at their next health check instead of their timeout.
   if (!segments_.empty() && segments_[rank_].mapped()) {
@@ -537,7 +544,6 @@ inline void HostComm::fail(const char* op, const std::string& message) {
     std::strncpy(me.abort_reason, broken_reason_.c_str(), sizeof(me.abort_reason) - 1);
     flag_store_release(&me.aborted.value, 1);
   }
-  throw E(broken_reason_);
 }
 
 template <typename Early, typename Body>
@@ -553,16 +559,24 @@ inline void HostComm::run_collective(const char* op, const CallDescriptor& call,
   // run before the peers' descriptors are compared: it overlaps the wait for them, and a
   // small call then waits for its peers once instead of twice. Peers read that buffer only
   // after their own check passed, so a mismatch still moves no data into any output.
-  {
-    struct Checked {  // once the check has passed (or anything before it threw)
-      const CallDescriptor*& unchecked;
-      ~Checked() { unchecked = nullptr; }
-    } checked{unchecked_call_ = check ? &call : nullptr};
-    early();
-    position_ = {};
-    if (check) check_call(op, call);
+  try {
+    {
+      struct Checked {  // once the check has passed (or anything before it threw)
+        const CallDescriptor*& unchecked;
+        ~Checked() { unchecked = nullptr; }
+      } checked{unchecked_call_ = check ? &call : nullptr};
+      early();
+      position_ = {};
+      if (check) check_call(op, call);
+    }
+    body();
+  } catch (const std::exception& e) {
+    // An error that did not come through fail() (a segment /dev/shm has no room for, a
+    // failed allocation, a broken invariant) leaves the peers in this call waiting for us:
+    // break and tell them too, or they wait out their timeout for a rank that has given up.
+    if (broken_reason_.empty()) break_and_tell_peers(op, e.what());
+    throw;
   }
-  body();
   flag_store_release(&header(rank_).completed.value, calls_);
 }
 

@@ -151,3 +151,34 @@ def test_a_dev_shm_too_small_is_a_clear_error_not_sigbus(tmp_path):
         for _, message in outcomes:
             assert "No space left on device (/dev/shm has" in message and "of 4 MiB free" in message, message
     assert not left, left  # nothing left behind
+
+
+def _one_rank_cannot_make_its_arena(rank, world):
+    """Rank 1 may not make a file over 32 MiB (RLIMIT_FSIZE, as a quota would), so its part of
+    a symmetric arena (64 MiB) fails to be made; rank 0's is made, and it waits for rank 1's."""
+    import resource
+    import signal
+
+    import ringcoll
+
+    if rank == 1:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the limit then fails the call (EFBIG) instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (32 << 20, resource.RLIM_INFINITY))
+    started = time.monotonic()
+    try:
+        with ringcoll.Communicator(buffer_bytes=64 << 10) as comm:
+            comm.empty((1 << 20,), dtype=torch.float32)
+        return "no error", "", time.monotonic() - started
+    except ringcoll.RingcollError as e:
+        return type(e).__name__, str(e), time.monotonic() - started
+
+
+def test_a_rank_that_cannot_make_its_arena_stops_its_peer_at_once():
+    """The rank whose segment cannot be made raises; its peer is told at once (the failing
+    rank breaks and sets `aborted`), not after its 60 s timeout: the error had not gone
+    through fail(), so the peer waited for a segment that never came (a review found it)."""
+    (kind0, message0, seconds0), (kind1, message1, seconds1) = spawn(_one_rank_cannot_make_its_arena, 2,
+                                                                      timeout=120, env=ENV)
+    assert kind1 == "RingcollError" and "File too large" in message1, (kind1, message1)
+    assert kind0 == "RingcollPeerError" and "rank 1" in message0, (kind0, message0)
+    assert seconds0 < 15 and seconds1 < 15, (seconds0, seconds1)  # not the 60 s timeout
