@@ -110,6 +110,9 @@ def _run_case(rank, world, stage, name, clip=None):
             dist.all_reduce(p.grad)
             p.grad /= world
         out["grads_after_backward"].append(_bytes(p.grad for p in model.parameters()))
+        if step == STEPS - 1:  # what the reduced gradients take, held until step() consumes them
+            opt.reduce_gradients()
+            out["shard_grad_bytes_reduced"] = _bytes(b.master.grad for b in opt.buckets)
         if clip is not None:
             ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
             norm = opt.clip_grad_norm_(clip)
@@ -226,6 +229,30 @@ def _extras(rank, world):
     # no gradient counts as zero: Adam without weight decay leaves it where it was
     out["bf16_unused_unchanged"] = torch.equal(model.unused.detach(), unused_before)
 
+    # Stage 2 consumes its gradients at step(): model.zero_grad() then trains as opt.zero_grad()
+    # does (the shard gradients piled up across steps: 0.07 off after 5 steps); and a bucket no
+    # gradient reached (the unused parameter, a group of its own) gets zeros, as in stage 1, so
+    # AdamW's decay moves it as the plain optimizer moves it on a zero gradient (it was skipped).
+    clears = {}
+    for clear in ("opt", "model"):
+        torch.manual_seed(0)
+        net = Net(unused=True)
+        used = [p for name, p in net.named_parameters() if name != "unused"]
+        opt2 = ringcoll.training.zero.ShardedOptimizer([{"params": used}, {"params": [net.unused]}],
+                                                       torch.optim.AdamW, stage=2, bucket_bytes=BUCKET_BYTES,
+                                                       lr=1e-2, weight_decay=0.1)
+        alone = net.unused.detach().clone().requires_grad_()
+        plain = torch.optim.AdamW([alone], lr=1e-2, weight_decay=0.1)
+        for step in range(3):
+            _loss(net, rank, step, 0).backward()
+            opt2.step()
+            (opt2 if clear == "opt" else net).zero_grad()
+            alone.grad = torch.zeros_like(alone)
+            plain.step()
+        clears[clear] = (_digest(net), torch.equal(net.unused.detach(), alone.detach()))
+        opt2.remove_hooks()
+    out["stage2_clears"] = clears
+
     # ringcoll.learning.memory's ledger for an all-fp32 model with Adam, term by term
     for stage in (1, 2):
         torch.manual_seed(0)
@@ -233,7 +260,10 @@ def _extras(rank, world):
         opt = ringcoll.training.zero.ShardedOptimizer(mlp.parameters(), torch.optim.Adam, stage=stage,
                                              bucket_bytes=4096, lr=1e-3)
         mlp(torch.randn(4, 32)).square().mean().backward()
-        opt.step()
+        opt.step()  # Adam's state exists from here
+        mlp(torch.randn(4, 32)).square().mean().backward()
+        if stage == 2:  # the shard gradients, held until step() consumes them
+            opt.reduce_gradients()
         out[f"ledger{stage}"] = (opt.memory_report(), len(opt.buckets))
 
     # stage 2 keeps at most max_buckets_in_flight + 1 (filling) full-size buckets alive
@@ -388,8 +418,8 @@ def test_gradient_memory(world, stage):
             assert out["grads_after_backward"] == [out["param_bytes"]] * STEPS
             assert out["param_grad_bytes"] == out["param_bytes"]
             assert out["shard_grad_bytes"] == 0
-        else:  # no full-size gradient survives backward or step: 1/P is all there is
-            assert out["shard_grad_bytes"] == shard_grads
+        else:  # no full-size gradient survives backward or step: 1/P is all there is, until step()
+            assert out["shard_grad_bytes_reduced"] == shard_grads and out["shard_grad_bytes"] == 0
             assert out["grads_after_backward"] == [0] * STEPS
             assert out["param_grad_bytes"] == 0
             assert out["report"]["flat_grad_buckets"] == 0
@@ -414,6 +444,9 @@ def test_bfloat16_master_weights_and_unused_parameter():
         assert out["bf16_master_dtypes"] == ["torch.float32", "torch.float64"]
         assert out["bf16_losses"][-1] < out["bf16_losses"][0]
         assert out["bf16_unused_unchanged"]
+        clears = out["stage2_clears"]
+        assert clears["model"][0] == clears["opt"][0], "model.zero_grad() trained otherwise than opt.zero_grad()"
+        assert clears["opt"][1] and clears["model"][1], "a bucket no gradient reached did not decay as a zero gradient"
         assert all(abs(v - 0.5) < 0.05 for v in out["bf16_bias_after_sync"])  # one Adam step from 0.5 (lr 1e-2)
 
 

@@ -137,6 +137,9 @@ class _Gradients:
                     self._launch(b)
             while self._pending:
                 self._finish(self._pending[0])
+            for b in self._buckets:  # a bucket no gradient reached on any rank: zeros too, as in stage 1
+                if b.master.grad is None:  # (left None, the optimizer skipped it: no decay, no momentum)
+                    b.master.grad = torch.zeros_like(b.master)
         self._grads_reduced = True
 
     def _reduce_full_grads(self) -> None:

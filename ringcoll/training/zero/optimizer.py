@@ -306,9 +306,12 @@ class ShardedOptimizer(_Checkpoints, _Gradients, torch.optim.Optimizer):
         self.wait_for_params()  # a shard is the input of its bucket's all-gather: not written before it ends
         self.reduce_gradients()
         self.optimizer.step()
-        if self.stage == 1:  # rebuilt from p.grad at every step: keep only the full gradients
-            for b in self._buckets:
-                b.master.grad = None
+        # The shard gradients are consumed: stage 1 rebuilds them from p.grad at every step;
+        # stage 2 accumulates the reduce-scatters into them, so kept they would add into the
+        # next step's whenever the user cleared the model's gradients (model.zero_grad())
+        # rather than ours: training drifted from the reference without a word.
+        for b in self._buckets:
+            b.master.grad = None
         self._gather_params()
         self._grads_reduced = False
         for hook in list(self._optimizer_step_post_hooks.values()):
