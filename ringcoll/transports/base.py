@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import collections
 import functools
-from typing import Callable, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -154,13 +154,12 @@ class InFlight:
     back to the pool, and the next empty() handed it out while the kernel still read it.
 
     A call captured in a CUDA graph is not held (its work runs at each replay, and a graph's
-    tensors must outlive it, as torch documents), and while this thread's stream captures
-    nothing is asked whether it is done: `capturing()` says so, and a capture in global
+    tensors must outlive it, as torch documents), and the transports call hold() and
+    release_finished() only while the caller's stream does not capture: a capture in global
     mode (torch.cuda.graph's default) forbids event queries on the capturing thread."""
 
-    def __init__(self, capturing: Callable[[], bool]):
+    def __init__(self):
         self._held: collections.deque = collections.deque()
-        self._capturing = capturing
 
     def hold(self, completion, tensors) -> None:
         self.release_finished()
@@ -168,8 +167,6 @@ class InFlight:
 
     def release_finished(self) -> None:
         """Let go of the calls done so far (in order: a transport's calls finish in order)."""
-        if self._capturing():
-            return
         while self._held and self._held[0][0].done():
             self._held.popleft()
 

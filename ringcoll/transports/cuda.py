@@ -235,7 +235,7 @@ class CudaTransport(Transport):
         self._barrier_word, self._barrier_call = one_word_barrier(device)
         self._lock = threading.Lock()  # launches from several host threads stay whole
         self._symmetric = SymmetricAgreement()
-        self._in_flight = InFlight(torch.cuda.is_current_stream_capturing)
+        self._in_flight = InFlight()
         self._moved_thread = None
         if self._in_process and torch.cuda.current_stream(device).cuda_stream in SHARED_STREAM_HANDLES:
             self._stream.wait_stream(torch.cuda.current_stream(device))  # what it queued there so far comes first

@@ -194,7 +194,7 @@ class EmulatedCudaTransport(Transport):
         self._own = self._ring.own_stream(self.rank)
         self._parts = RankParts(self._ring, self.rank)  # symmetric memory's steps (a test may make one fail)
         self._symmetric = SymmetricAgreement()
-        self._in_flight = InFlight(lambda: self.device.is_capturing(current_stream()))
+        self._in_flight = InFlight()
         self._moved_thread = None
         if self.own_stream_per_rank and current_stream() == LEGACY:
             queued = self.device.create_event()  # as CudaTransport does: what it queued so far comes first,
