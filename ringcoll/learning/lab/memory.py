@@ -47,13 +47,15 @@ def _bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def _train(model, opt, rank: int, world: int, steps: int, dtype) -> None:
+def _train(model, opt, rank: int, world: int, steps: int, dtype, before_last_step=None) -> None:
     stream = common.batches(0, rank, world, 16)
-    for _ in range(steps):
+    for step in range(steps):
         x, y = next(stream)
         torch.nn.functional.cross_entropy(model(x.to(dtype)).float(), y).backward()
+        if step == steps - 1 and before_last_step is not None:
+            before_last_step()
         opt.step()
-        if _ < steps - 1:
+        if step < steps - 1:
             opt.zero_grad()
 
 
@@ -78,16 +80,23 @@ def _measure(cfg: Config, rank: int, world: int, system: str, precision: str) ->
         stage = int(system[-1])
         opt = ShardedOptimizer(model.parameters(), torch.optim.Adam, stage=stage,
                                bucket_bytes=int(cfg.bucket_mb * 2**20), lr=1e-3)
-        _train(model, opt, rank, world, cfg.steps, dtype)
+        held: Dict = {}
+
+        def gradients_held() -> None:  # at their fullest: before step(), which consumes stage 2's shards
+            if stage == 2:
+                opt.reduce_gradients()
+            held.update(opt.memory_report())
+
+        _train(model, opt, rank, world, cfg.steps, dtype, before_last_step=gradients_held)
         rep = opt.memory_report()
         counters = 4 * len(opt.buckets)  # Adam's float32 step, one per bucket
         padding = sum(b.padded - b.numel for b in opt.buckets)
         got = {"weights": rep["weights"],
                # stage 1: the full p.grad; stage 2: the shards plus the full-size buckets alive at once
-               "gradients": rep["param_grads"] + rep["shard_grads"] + rep["peak_flat_grad_buckets"],
+               "gradients": held["param_grads"] + held["shard_grads"] + rep["peak_flat_grad_buckets"],
                "optimizer_state": rep["master_weights"] + rep["optimizer_state"] - counters,
                "step_counters": counters, "padding_elements": padding, "buckets": len(opt.buckets),
-               "gradient_shards": rep["shard_grads"], "gradient_buckets_in_flight": rep["peak_flat_grad_buckets"],
+               "gradient_shards": held["shard_grads"], "gradient_buckets_in_flight": rep["peak_flat_grad_buckets"],
                "bucket_bytes": int(cfg.bucket_mb * 2**20), "max_buckets_in_flight": opt.max_buckets_in_flight}
     from ringcoll.learning.memory import ledger
 
