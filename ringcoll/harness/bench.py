@@ -1489,8 +1489,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "always through the slots (default: RINGCOLL_DIRECT_BYTES or 16K)")
     p.add_argument("--algorithm", default="auto", metavar="NAME[,NAME...]",
                    help=f"the algorithms to time (ringcoll.algorithms(): {', '.join(plans.algorithms())}; "
-                        "those of a collective only are timed for it): the first in the main table, all of them side by side in a table of their own, each "
-                        "plan beside the model's prediction (CPU; default auto, the Communicator's own choice)")
+                        "those of a collective only are timed for it): the first in the main table, all of them "
+                        "side by side in a table of their own, each plan beside the model's prediction (CPU; default auto, the Communicator's own choice)")
     p.add_argument("--record-tuning", metavar="FILE.json", default=None,
                    help="write native's and the plans' times into auto's table FILE for this world size (each "
                         "replaces the time of the same collective, algorithm and size; the rest stays): "

@@ -129,7 +129,8 @@ def describe_call(user_call) -> str:
     of 1001 float32 (SUM)', 'broadcast of 8 int32 from rank 2'. Codes this version does not
     know (a peer of another version) are shown as numbers."""
     collective, dtype, op, count, root = user_call
-    if not (0 <= collective < len(USER_CALLS) and (dtype < 0 or dtype in DTYPE_NAMES) and op in {-1, *map(int, ReduceOp)}):
+    known = 0 <= collective < len(USER_CALLS) and (dtype < 0 or dtype in DTYPE_NAMES) and op in {-1, *map(int, ReduceOp)}
+    if not known:
         return f"a call this version does not know (codes {tuple(user_call)})"
     if dtype < 0:
         return USER_CALLS[collective]
