@@ -356,8 +356,15 @@ class HostComm {
   uint64_t store_probes() const { return store_probes_; }
   uint64_t store_probe_hop_ns() const { return store_probe_hop_ns_; }
   bool store_probe_streams() const { return store_probe_streams_; }
-  bool broken() const { return !broken_reason_.empty(); }
-  const std::string& broken_reason() const { return broken_reason_; }
+  // Read from any thread (Python's `broken`), while a call on another may be setting it.
+  bool broken() const {
+    std::lock_guard<std::mutex> lock(reason_mutex_);
+    return !broken_reason_.empty();
+  }
+  std::string broken_reason() const {
+    std::lock_guard<std::mutex> lock(reason_mutex_);
+    return broken_reason_;
+  }
   double timeout() const { return policy_.timeout_seconds; }
   const WaitPolicy& wait_policy() const { return policy_; }
   void set_timeout(double seconds) { policy_.timeout_seconds = seconds; }
@@ -520,7 +527,8 @@ class HostComm {
   void set_single_step(Path path) { position_ = {0, 1, 0, 1, path, 0}; }
   // " (call 5, slice 3/8, plan op 2/3 of ring)" and the like: where an error struck.
   std::string where_in_call() const;
-  std::string broken_reason_;
+  std::string broken_reason_;  // set by the thread running a call (it holds one_call_at_a_time_)
+  mutable std::mutex reason_mutex_;  // ... and read by others through broken() / broken_reason()
   bool closed_ = false;
   // One call at a time on the ring, whichever thread makes it: Python orders a rank's calls
   // (transports/host.py), but a plain call runs without taking its lock (bind_host.cpp).
@@ -537,7 +545,10 @@ inline void HostComm::fail(const char* op, const std::string& message) {
 }
 
 inline void HostComm::break_and_tell_peers(const char* op, const std::string& message) {
-  broken_reason_ = std::string(op) + ": " + message;
+  {
+    std::lock_guard<std::mutex> lock(reason_mutex_);
+    broken_reason_ = std::string(op) + ": " + message;
+  }
   // Let every peer's waits see it at their next health check instead of their timeout.
   if (!segments_.empty() && segments_[rank_].mapped()) {
     SegmentHeader& me = header(rank_);
