@@ -275,6 +275,8 @@ def format_ledgers(params: float, world: int, shape: Optional[TransformerShape] 
             with_ckpt = [ledger(params, world, s, prec, shape, True, attention_scores) for s in range(4)]
             out.append(f"  {'+ activations (all stored)':<32}" + "".join(_gb(r.total) for r in rows))
             out.append(f"  {'+ activations, checkpointed':<32}" + "".join(_gb(r.total) for r in with_ckpt))
+            recompute = checkpointing_recompute_bytes(shape, attention_scores)  # one layer again, in backward
+            out.append(f"  {'  at the recompute peak':<32}" + "".join(_gb(r.total + recompute) for r in with_ckpt))
     if shape is not None:
         out += [""] + _activation_lines(shape, attention_scores)
     return "\n".join(out) + "\n"

@@ -42,7 +42,12 @@ Every algorithm, priced from its plan (ringcoll/plans.py). An algorithm is a pla
 publishes which chunks to whom, who combines what. Two numbers read off the plan price it
 (``plan_cost``): the rounds, the longest chain of messages each of which waits for the one
 before (the latency term), and the most bytes any one rank receives, per byte of the
-message (the bandwidth term):
+message (the bandwidth term). That bandwidth term is the busiest rank's, as when the
+message runs in slices that overlap (the engine's two banks: one slice's later rounds run
+while the next slice's first ones do), which is how ringcoll runs a plan on a large
+message. Unpipelined, a store-and-forward algorithm pays its rounds' bytes one after
+another instead: a binomial tree's all-reduce 2 log2(P) * n, not log2(P) * n (the
+textbook 2 log2(P) (alpha + n / beta)); for the ring, rhd and rd the two readings agree:
 
     T = rounds * alpha + received * n / beta                  (``algorithm_time``)
 
