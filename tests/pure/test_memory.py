@@ -4,7 +4,7 @@ import pytest
 
 from ringcoll.learning import memory
 from ringcoll.learning.cli import main
-from ringcoll.learning.memory import GB, TransformerShape, activation_bytes, ledger
+from ringcoll.learning.memory import GB, TransformerShape, activation_bytes, checkpointing_recompute_bytes, ledger
 
 SHAPE_7B = TransformerShape(batch=1, seq=2048, hidden=4096, layers=32, heads=32)
 
@@ -133,6 +133,11 @@ def test_cli_memory_activations_and_measure(capsys):
     out = capsys.readouterr().out
     assert f"{activation_bytes(SHAPE_7B) / GB:.2f} GB" in out
     assert f"{activation_bytes(SHAPE_7B, True) / GB:.2f} GB" in out
+    # the checkpointed total, and at its recompute peak: one layer's full activations more (it left them out)
+    checkpointed = ledger(7e9, 8, 0, shape=SHAPE_7B, checkpointing=True).total
+    peak = checkpointed + checkpointing_recompute_bytes(SHAPE_7B)
+    assert f"+ activations, checkpointed         {checkpointed / GB:.2f}" in out
+    assert f"  at the recompute peak             {peak / GB:.2f}" in out and f"{peak / GB:.2f}" == "85.49"
     assert "predicted" in out and "measured" in out and "1.0000" in out
     with pytest.raises(SystemExit):
         main(["memory", "--params", "7e9", "--hidden", "4096"])
