@@ -432,6 +432,8 @@ class HierarchicalCommunicator(ArgumentChecks):
         ops = [(op, tensor, self._global_rank(self.inter_ranks[node]))
                for op, by_node in ((dist.isend, sends), (dist.irecv, receives))
                for node, tensor in by_node.items() if tensor.numel()]
+        if not ops:  # one node, or only empty parts: nothing to move (NCCL refuses an empty batch)
+            return lambda: None
         if self.inter_backend == "nccl":
             works = self._on_link(dist.batch_isend_irecv,
                                   [dist.P2POp(op, tensor, peer, self.inter_group) for op, tensor, peer in ops])
