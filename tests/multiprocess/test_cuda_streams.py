@@ -9,6 +9,7 @@ made the shared stream deadlock certain)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -145,6 +146,17 @@ def test_run_in_process_gives_every_rank_a_hardware_queue(monkeypatch):
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "32"
 
 
+@contextlib.contextmanager
+def _on_a_stream_of_its_own(group):
+    """This rank's thread on an emulated stream of its own (a capture cannot begin on the
+    legacy one) and an emulated communicator on it: (device, that stream, communicator).
+    The caller closes the communicator."""
+    dev = emulated.device()
+    user = dev.create_stream()
+    with emulated.stream(user):
+        yield dev, user, communicator(EmulatedCudaTransport)(group=group, timeout=TIMEOUT, buffer_bytes=1 << 14)
+
+
 def test_graph_replays_are_waited_for_at_close():
     """A captured all-reduce replayed on the caller's stream, then close() at once: closing
     must wait for the replays (the external `replayed` event), not only for its own stream;
@@ -152,11 +164,7 @@ def test_graph_replays_are_waited_for_at_close():
     replays = 4
 
     def body(group):
-        cls = communicator(EmulatedCudaTransport)
-        dev = emulated.device()
-        user = dev.create_stream()
-        with emulated.stream(user):
-            comm = cls(group=group, timeout=TIMEOUT, buffer_bytes=1 << 14)
+        with _on_a_stream_of_its_own(group) as (dev, user, comm):
             x = torch.ones(1 << 16)  # many slices: a replay lasts longer than the close protocol
             comm.all_reduce(x)  # warm-up outside the capture, as with torch.cuda.graphs
             dev.begin_capture(user)
@@ -182,11 +190,7 @@ def test_an_async_call_captured_in_a_graph_leaves_nothing_the_host_must_query():
     replays = 2
 
     def body(group):
-        cls = communicator(EmulatedCudaTransport)
-        dev = emulated.device()
-        user = dev.create_stream()
-        with emulated.stream(user):
-            comm = cls(group=group, timeout=TIMEOUT, buffer_bytes=1 << 14)
+        with _on_a_stream_of_its_own(group) as (dev, user, comm):
             x, warm = torch.ones(1 << 10), torch.ones(1 << 10)
             held = comm.all_reduce(warm, async_op=True)  # eager, not yet waited for: still held
             dev.begin_capture(user)
