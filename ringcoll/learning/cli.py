@@ -7,7 +7,7 @@
         direct reduce-scatter and all-reduce plans), --algorithm symmetric a call over
         symmetric memory, read in place
     ringcoll memory --params N [--world P] [--batch B --seq S --hidden H --layers L --heads A]
-                    [--checkpointing-only] [--no-attention-scores] [--measure]
+                    [--no-attention-scores] [--measure [--device D]]
         per-GPU memory of Adam training, ZeRO stages 0-3 (ringcoll.learning.memory)
 
     ringcoll lab NAME [--quick] [--out DIR] ...
@@ -24,17 +24,7 @@ from typing import List, Optional
 
 from ringcoll._types import ROOTED_COLLECTIVES
 from ringcoll.learning import memory, trace
-
-
-def _positive(kind: type):
-    """An argparse type: a number of `kind` above 0 (a count of parameters, ranks, tokens)."""
-    def parse(text: str):
-        value = kind(text)
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
-        return value
-    parse.__name__ = kind.__name__  # argparse names the type in its message
-    return parse
+from ringcoll.learning.options import number
 
 
 def _run_trace(args: argparse.Namespace) -> int:
@@ -59,14 +49,22 @@ def _shape(args: argparse.Namespace) -> Optional[memory.TransformerShape]:
     if all(v is None for v in given):
         return None
     if any(v is None for v in given):
-        raise SystemExit("ringcoll memory: activations need --hidden, --layers and --heads together")
+        raise ValueError("memory: activations need --hidden, --layers and --heads together")
     return memory.TransformerShape(batch=args.batch, seq=args.seq, hidden=args.hidden,
                                    layers=args.layers, heads=args.heads)
 
 
 def _run_memory(args: argparse.Namespace) -> int:
     precisions = ("mixed", "mixed+master") if args.precision == "both" else (args.precision,)
-    print(memory.format_ledgers(args.params, args.world, _shape(args), not args.no_attention_scores,
+    shape = _shape(args)
+    if args.no_attention_scores and shape is None:
+        raise ValueError("memory: --no-attention-scores changes the activations, which need --hidden, --layers "
+                         "and --heads")
+    if args.device is not None and not args.measure:
+        raise ValueError("memory: --device is where --measure runs; give --measure too")
+    if args.measure:  # before the table, so a bad device is an error, not a traceback after it
+        memory.check_measure_device(args.device)
+    print(memory.format_ledgers(args.params, args.world, shape, not args.no_attention_scores,
                                 precisions), end="")
     if args.measure:
         print()
@@ -101,15 +99,15 @@ def _parser() -> argparse.ArgumentParser:
     m = sub.add_parser("memory", help="per-GPU memory of Adam training, ZeRO stages 0-3",
                        description="Weights, gradients, Adam state and activations per GPU, in decimal GB "
                                    "(1e9 bytes), for ZeRO stages 0-3 over --world ranks.")
-    m.add_argument("--params", "-N", type=_positive(float), required=True, help="parameters, e.g. 7e9")
-    m.add_argument("--world", "-P", type=_positive(int), default=8, help="data-parallel ranks (default 8)")
+    m.add_argument("--params", "-N", type=number(float, least=1), required=True, help="parameters, e.g. 7e9")
+    m.add_argument("--world", "-P", type=number(int), default=8, help="data-parallel ranks (default 8)")
     m.add_argument("--precision", choices=["both", *memory.PRECISIONS], default="both",
                    help="which convention(s) to print (default: mixed and mixed+master)")
-    m.add_argument("--batch", type=_positive(int), default=1, help="micro-batch per GPU, for activations (default 1)")
-    m.add_argument("--seq", type=_positive(int), default=2048, help="sequence length (default 2048)")
-    m.add_argument("--hidden", type=_positive(int), help="hidden size h (activations are shown when h, L, a are given)")
-    m.add_argument("--layers", type=_positive(int), help="transformer layers L")
-    m.add_argument("--heads", type=_positive(int), help="attention heads a")
+    m.add_argument("--batch", type=number(int), default=1, help="micro-batch per GPU, for activations (default 1)")
+    m.add_argument("--seq", type=number(int), default=2048, help="sequence length (default 2048)")
+    m.add_argument("--hidden", type=number(int), help="hidden size h (activations are shown when h, L, a are given)")
+    m.add_argument("--layers", type=number(int), help="transformer layers L")
+    m.add_argument("--heads", type=number(int), help="attention heads a")
     m.add_argument("--no-attention-scores", action="store_true",
                    help="drop the 5*a*s/h term (kernels such as FlashAttention never store the s x s scores)")
     m.add_argument("--measure", action="store_true",
@@ -130,6 +128,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ValueError as err:  # bad values argparse cannot see (e.g. --world 1 with --png)
         print(f"ringcoll: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # a file it cannot write (--png into a missing directory)
+        print(f"ringcoll: {err.strerror}: {err.filename}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -314,6 +314,22 @@ def _small_model(width: int, depth: int):
     return torch.nn.Sequential(*blocks)
 
 
+def check_measure_device(device: Optional[str]) -> None:
+    """ValueError unless `measure` can run on `device` (None: its default)."""
+    if device is None:
+        return
+    import torch
+
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"memory: --device must be cpu or cuda[:index], got {device!r}")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"memory: --device {device}: this torch sees no CUDA device")
+
+
 def measure(width: int = 256, depth: int = 3, batch: int = 32, device: Optional[str] = None) -> dict:
     """Build a small fp32 MLP, run one forward/backward and one Adam step, and count what
     it holds: parameter bytes, ``.grad`` bytes and ``optimizer.state`` bytes (Adam's
@@ -324,6 +340,7 @@ def measure(width: int = 256, depth: int = 3, batch: int = 32, device: Optional[
     """
     import torch
 
+    check_measure_device(device)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.startswith("cuda")
     if cuda:

@@ -413,15 +413,22 @@ def main(argv=None) -> None:
     """python -m ringcoll.learning.model: the scaling table for a step of compute and a gradient."""
     import argparse
 
+    from ringcoll.learning.options import number
+
+    def worlds_list(text: str) -> list:
+        return [number(int)(w) for w in text.split(",")]
+
     p = argparse.ArgumentParser(prog="python -m ringcoll.learning.model", description=main.__doc__)
-    p.add_argument("--compute-ms", type=float, required=True, help="one rank's forward+backward time")
-    p.add_argument("--grad-mb", type=float, required=True, help="gradient bytes all-reduced per step (MB)")
-    p.add_argument("--alpha-us", type=float, required=True, help="latency per ring step (ringcoll-bench --fit)")
-    p.add_argument("--beta-gbs", type=float, required=True, help="bandwidth per link, GB/s (ringcoll-bench --fit)")
-    p.add_argument("--worlds", default="1,2,4,8,16,32,64")
+    p.add_argument("--compute-ms", type=number(float), required=True, help="one rank's forward+backward time")
+    p.add_argument("--grad-mb", type=number(float, least=0, above=None), required=True,
+                   help="gradient bytes all-reduced per step (MB)")
+    p.add_argument("--alpha-us", type=number(float, least=0, above=None), required=True,
+                   help="latency per ring step (ringcoll-bench --fit)")
+    p.add_argument("--beta-gbs", type=number(float), required=True, help="bandwidth per link, GB/s (ringcoll-bench --fit)")
+    p.add_argument("--worlds", type=worlds_list, default="1,2,4,8,16,32,64", help="ranks, e.g. 1,2,4")
     args = p.parse_args(argv)
     fit_ = Fit(alpha=args.alpha_us * 1e-6, beta=args.beta_gbs * 1e9)
-    worlds = [int(w) for w in args.worlds.split(",")]
+    worlds = args.worlds
     print(f"{'P':>5} {'all-reduce ms':>14} {'speedup':>8} {'eff':>6} | {'overlapped':>10} {'eff':>6}")
     for row in scaling_table(args.compute_ms * 1e-3, args.grad_mb * 1e6, worlds, fit_):
         print(f"{row['world']:>5} {row['comm_s'] * 1e3:14.3f} {row['speedup']:8.2f} {row['efficiency']:6.1%} | "

@@ -36,7 +36,7 @@ Reduce-scatter (P-1 steps, s = 0 .. P-2)
 Before step 0 rank k publishes its raw copy of chunk k-1. At step s rank k
 
 * sends chunk ``k-s-1`` (at step 0 the raw copy, later the partial it reduced at s-1),
-* receives chunk ``k-s-2`` from rank k-1, already reduced over ranks k-s-2 .. k-1,
+* receives chunk ``k-s-2`` from rank k-1, already reduced over ranks k-s-1 .. k-1 (s+1 of them),
 * combines it with its own copy: ``partial = received op own``.
 
 The received partial grows by one contribution per hop. At the last step (s = P-2) the
@@ -87,7 +87,7 @@ computes the ring's bits::
     reduce-scatter  the same, on chunk k only
     all-gather      chunk r of out = x_r
 
-One step per rank instead of 2(P-1) (P-1) ring steps, but each rank reads P-1 whole
+One step per rank instead of 2(P-1) ring steps (P-1 for reduce-scatter and all-gather), but each rank reads P-1 whole
 copies: (P-1) * n for all-reduce instead of 2(P-1)/P * n. :func:`simulate_one_shot` runs
 the plan on lists.
 
@@ -121,7 +121,7 @@ from __future__ import annotations
 import enum
 import operator
 from dataclasses import dataclass
-from typing import Any, Callable, List, NamedTuple, Optional, Sequence
+from typing import Any, Callable, List, NamedTuple, Sequence
 
 from ringcoll._types import COLLECTIVE_CODES, RING_COLLECTIVES
 

@@ -85,6 +85,7 @@ from ringcoll._types import ROOTED_COLLECTIVES
 from ringcoll.learning.model import all_gather_copied_bytes, plan_cost, symmetric_traffic
 
 __all__ = ["COLLECTIVES", "ALGORITHMS", "default_inputs", "describe_inputs", "reference", "trace", "draw"]
+MAX_ELEMENTS = 4096  # the largest n a trace prints
 ALGORITHMS = ("ring", "oneshot", "direct", "symmetric")
 # in the trace's first line
 _ALGORITHM_NAMES = {"oneshot": "one-shot", "direct": "direct read", "symmetric": "symmetric memory, read in place"}
@@ -228,14 +229,15 @@ def trace(collective: str, world: int, n: int, inputs: Optional[Sequence[Sequenc
     trace their plans."""
     if not 1 <= world <= plans.MAX_WORLD:  # the schedules traced are plan records, made for at most this many
         raise ValueError(f"trace: world must be 1 to {plans.MAX_WORLD} (ringcoll's most ranks), got {world}")
+    if not 0 <= n <= MAX_ELEMENTS:  # every element is printed, at every step (n = 3e6 wrote 1.5 GB)
+        raise ValueError(f"trace: n must be 0 to {MAX_ELEMENTS} (a trace prints every element at every step; "
+                         f"ringcoll-bench times large messages), got {n}")
     if collective in ROOTED_COLLECTIVES:
         return _rooted_trace(collective, world, n, inputs, algorithm)
     coll = _collective(collective)
     choices = [*ALGORITHMS, *(a for a in plans.algorithms(collective) if a not in (*ALGORITHMS, "auto", "native"))]
     if algorithm not in choices:
         raise ValueError(f"trace: algorithm for {collective} must be one of {', '.join(choices)}, got {algorithm!r}")
-    if n < 0:
-        raise ValueError("trace: n must be >= 0")
     given = inputs is not None
     inputs = [list(x) for x in (inputs if given else default_inputs(collective, world, n))]
     if len(inputs) != world:
@@ -295,6 +297,8 @@ def _one_shot_lines(collective: str, coll: Collective, world: int, n: int, input
                                                                              " chunk c in the")]
     if not gather:
         lines.append("  order the ring reduces it (rank c+1 first, rank c last), so every rank gets the ring's bits")
+        lines.append("  (each line below lists the P contributions in rank order, its own among them: the cost line "
+                     "counts the P-1 peers')")
     if world == 1:
         lines += ["P = 1: no peers, no step (the transports take no one-shot path either); the input is the result"]
         ranks = simulate_one_shot(coll, inputs)
@@ -327,8 +331,6 @@ def _rooted_trace(collective: str, world: int, n: int, inputs, algorithm: str) -
     choices = [a for a in plans.algorithms(collective) if a not in ("auto", "native")]
     if algorithm not in choices:
         raise ValueError(f"trace: algorithm for {collective} must be one of {', '.join(choices)}, got {algorithm!r}")
-    if world < 1 or n < 0:
-        raise ValueError("trace: world must be >= 1 and n >= 0")
     given = inputs is not None
     inputs = [list(x) for x in (inputs if given else default_inputs(collective, world, n))]
     if len(inputs) != world or any(len(x) != n for x in inputs):

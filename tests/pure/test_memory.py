@@ -1,6 +1,7 @@
 """ringcoll memory: the worked examples exactly, ZeRO's arithmetic, activations, --measure."""
 
 import pytest
+import torch
 
 from ringcoll.learning import memory
 from ringcoll.learning.cli import main
@@ -120,11 +121,14 @@ def test_cli_memory_prints_the_worked_examples(capsys):
     assert "84.00    35.00" in out and "112.00" in out
     assert main(["memory", "--params", "70e9", "--world", "1", "--precision", "mixed"]) == 0
     assert "840.00" in capsys.readouterr().out
-    for bad in (["--params", "-5"], ["--params", "0"], ["--params", "7e9", "--world", "0"],
-                ["--params", "7e9", "--hidden", "-1", "--layers", "2", "--heads", "2"]):
-        with pytest.raises(SystemExit):  # it printed a table of -0.00 for --params -5
+    for bad, why in ((["--params", "-5"], "at least 1"), (["--params", "0"], "at least 1"),
+                     (["--params", "0.4"], "at least 1"),  # it printed N = 0 and a table of zeros
+                     (["--params", "inf"], "finite"), (["--params", "1e400"], "finite"),  # OverflowError
+                     (["--params", "7e9", "--world", "0"], "above 0"),
+                     (["--params", "7e9", "--hidden", "-1", "--layers", "2", "--heads", "2"], "above 0")):
+        with pytest.raises(SystemExit) as exit_:  # it printed a table of -0.00 for --params -5
             main(["memory", *bad])
-        assert "must be above 0" in capsys.readouterr().err
+        assert exit_.value.code == 2 and why in capsys.readouterr().err, bad
 
 
 def test_cli_memory_activations_and_measure(capsys):
@@ -139,5 +143,17 @@ def test_cli_memory_activations_and_measure(capsys):
     assert f"+ activations, checkpointed         {checkpointed / GB:.2f}" in out
     assert f"  at the recompute peak             {peak / GB:.2f}" in out and f"{peak / GB:.2f}" == "85.49"
     assert "predicted" in out and "measured" in out and "1.0000" in out
-    with pytest.raises(SystemExit):
-        main(["memory", "--params", "7e9", "--hidden", "4096"])
+
+
+@pytest.mark.parametrize("args, why", [
+    (["--hidden", "4096"], "need --hidden, --layers and --heads together"),  # exited 1, the others 2
+    (["--no-attention-scores"], "--no-attention-scores changes the activations"),  # ignored
+    (["--measure", "--device", "bogus"], "--device must be cpu or cuda"),  # a traceback after the table
+    (["--measure", "--device", "cuda"] if not torch.cuda.is_available() else ["--measure", "--device", "tpu"],
+     "--device"),  # AttributeError from torch._C on a CPU-only torch
+    (["--device", "cpu"], "give --measure too"),  # ignored
+])
+def test_cli_memory_refuses_what_it_cannot_honour_before_printing(capsys, args, why):
+    assert main(["memory", "--params", "7e9", *args]) == 2
+    captured = capsys.readouterr()
+    assert why in captured.err and captured.out == ""

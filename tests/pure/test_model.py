@@ -74,6 +74,18 @@ def test_scaling_cli_prints_a_row_per_world(capsys):
     assert float(lines[2].split()[1]) == pytest.approx(fit.predict("all_reduce", 8, 100e6) * 1e3, abs=1e-3)
 
 
+@pytest.mark.parametrize("bad", [["--beta-gbs", "0"], ["--compute-ms", "0"], ["--worlds", "0"], ["--worlds", "1,x"],
+                                 ["--alpha-us", "-1"], ["--grad-mb", "nan"]])
+def test_scaling_cli_refuses_what_it_cannot_price(capsys, bad):
+    """A message from argparse (status 2), where 0 divided by zero in the table and 1,x
+    raised a bare ValueError."""
+    args = {"--compute-ms": "50", "--grad-mb": "100", "--alpha-us": "5", "--beta-gbs": "10"}
+    args[bad[0]] = bad[1]
+    with pytest.raises(SystemExit) as exit_:
+        model.main([item for pair in args.items() for item in pair])
+    assert exit_.value.code == 2 and bad[0] in capsys.readouterr().err
+
+
 def test_one_shot_time_is_one_step_and_p_minus_1_reads():
     alpha, beta, n = 5e-6, 10e9, 1 << 16
     for p in range(2, 9):

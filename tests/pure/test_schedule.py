@@ -232,6 +232,9 @@ def test_contributions_accumulate_to_all_ranks(world):
         for k in range(world):
             chunk, who = outbox[S.left_neighbour(k, world)]
             assert chunk == S.step_recv_chunk(coll, k, t, world)
+            # what ring.h, schedule.py and ring.md state: received at step t, reduced over
+            # ranks k-t-1 .. k-1 (t+1 of them)
+            assert sorted(who) == sorted(S.ring_mod(k - 1 - i, world) for i in range(t + 1))
             who = who + (k,)
             assert len(set(who)) == len(who)  # never reduced twice into the same partial
             if S.step_writes_output(coll, t, world):

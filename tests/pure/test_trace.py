@@ -6,7 +6,7 @@ import pytest
 
 from ringcoll.learning import schedule
 from ringcoll.learning.cli import main
-from ringcoll.learning.trace import COLLECTIVES, default_inputs, draw, reference, trace
+from ringcoll.learning.trace import COLLECTIVES, MAX_ELEMENTS, default_inputs, draw, reference, trace
 
 STEP = re.compile(r"^step (\d+) ")
 TRANSFER = re.compile(r"^  rank (\d+): sends chunk (\d+) to rank (\d+), receives chunk (\d+) from rank (\d+): (.*)$")
@@ -130,8 +130,15 @@ def test_cli_trace(tmp_path, capsys):
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert main(["trace", "all_reduce", "--world", "1", "--png", str(tmp_path / "p1.png")]) == 2
     assert "needs world >= 2" in capsys.readouterr().err
+    # a file it cannot write: a message and status 1 (a FileNotFoundError traceback)
+    assert main(["trace", "all_reduce", "-P", "2", "-n", "4", "--png", str(tmp_path / "missing" / "t.png")]) == 1
+    assert "No such file or directory" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["trace", "all_to_all"])
+    # every element is printed at every step: n = 3e6 wrote 1.5 GB before it was bounded
+    for collective in ("all_reduce", "broadcast"):
+        assert main(["trace", collective, "-P", "2", "-n", str(MAX_ELEMENTS + 1)]) == 2
+        assert f"n must be 0 to {MAX_ELEMENTS}" in capsys.readouterr().err
 
 
 # --- the one-shot path (small messages) ----------------------------------------------------

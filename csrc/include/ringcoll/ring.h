@@ -11,7 +11,7 @@
 //
 // Reduce-scatter, P-1 steps. Before step 0 rank k publishes its own copy of chunk k-1.
 // At step s rank k receives chunk k-s-2 from its left neighbour, already reduced over
-// ranks k-s-2 .. k-1, and adds its own copy of that chunk; at the last step (s = P-2)
+// ranks k-s-1 .. k-1 (s+1 of them), and adds its own copy of that chunk; at the last step (s = P-2)
 // that chunk is k itself and now holds the contributions of all P ranks:
 //
 //        step 0            step 1                        after P-1 steps

@@ -7,6 +7,8 @@ import dataclasses
 import sys
 from typing import List, Optional
 
+from ringcoll.learning.options import number
+
 from . import memory, overlap, straggler
 
 EXPERIMENTS = {"straggler": straggler, "overlap": overlap, "memory": memory}
@@ -27,12 +29,14 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="lab-results", help="folder for NAME.json and NAME.png (default lab-results)")
     p.add_argument("--world", "-P", type=_worlds,
                    help="ranks (straggler: workers, one number; overlap, memory: one or a list, e.g. 2,4)")
-    p.add_argument("--seeds", type=int, help="straggler: seeds to average over")
-    p.add_argument("--slow", type=float, help="straggler: how much slower the slow rank is (0.1 = 10%%)")
-    p.add_argument("--epochs", type=float, help="straggler: passes over the training set per run")
-    p.add_argument("--staleness", type=int, help="straggler: S, the most steps a worker may run ahead (bounded)")
-    p.add_argument("--local-every", type=int, help="straggler: H, steps between model averages (local SGD)")
-    p.add_argument("--steps", type=int, help="overlap: timed steps per configuration")
+    p.add_argument("--seeds", type=number(int), help="straggler: seeds to average over")
+    p.add_argument("--slow", type=number(float, least=0, above=None),
+                   help="straggler: how much slower the slow rank is (0.1 = 10%%)")
+    p.add_argument("--epochs", type=number(float), help="straggler: passes over the training set per run")
+    p.add_argument("--staleness", type=number(int, least=0, above=None),
+                   help="straggler: S, the most steps a worker may run ahead (bounded)")
+    p.add_argument("--local-every", type=number(int), help="straggler: H, steps between model averages (local SGD)")
+    p.add_argument("--steps", type=number(int), help="overlap: timed steps per configuration; memory: Adam steps before the count")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

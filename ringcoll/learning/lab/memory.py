@@ -9,7 +9,8 @@ model states, beside ``ringcoll.learning.memory.ledger`` for the same N, P and s
     zero2   stage 2: gradients / P as well
 
 in fp32 (the ledger's 4N / 4N / 8N) and, for ZeRO, in bf16 with fp32 master shards (the
-seed's 2N / 2N / 12N: bf16 weights and gradients, fp32 master + Adam m and v). Gradients
+ZeRO paper's 2N / 2N / 12N, the ledger's ``mixed+master``: bf16 weights and gradients, fp32
+master + Adam m and v; the seed counts 2N / 2N / 8N, without the master). Gradients
 are counted after the step: stage 1 keeps the full ``p.grad`` (the shard's ``.grad`` lives
 only inside ``step()``); stage 2 keeps the shards, and the count adds the full-size buckets
 that were alive at once during backward (``peak_flat_grad_buckets``).
