@@ -213,6 +213,17 @@ def test_plan_costs_are_the_docstrings_table(p):
             model.ring_time(coll, p, 1e6, 2e-6, 3e9))
 
 
+@pytest.mark.parametrize("p", [3, 5, 6, 7])
+def test_rhd_all_reduce_off_a_power_of_two_is_the_textbook_fold(p):
+    """P = C + extra, C the largest power of two below P: the extra ranks hand their input
+    over and get the result back (two more rounds, n each way), and the C participants run
+    Rabenseifner's on equal halves, 2(C-1)/C n. Cutting the message per rank instead (two
+    chunks for a rank standing in) made the halves unequal: 2.67 n at P = 6, not 2.5 n."""
+    c = 1 << (p.bit_length() - 1)
+    cost = model.plan_cost(plans.plan("rhd", "all_reduce", p))
+    assert (cost.rounds, cost.received) == (2 * (c.bit_length() - 1) + 2, pytest.approx(2 * (c - 1) / c + 1))
+
+
 @pytest.mark.parametrize("p", [2, 3, 4, 6, 8])
 def test_crossovers_are_the_lower_envelope(p):
     alpha, beta = 4e-6, 6e9

@@ -510,31 +510,39 @@ struct Participants {
 //   doubling  step s = 0, 1, ..: partner v ^ d (d = 1, 2, ..); send the range I hold (final
 //             values), receive the partner's into the output: the range doubles.
 // Ranks that do not take part (P not a power of two) hand their input to the even rank of
-// their pair first and get the result back at the end.
+// their pair first and get the result back at the end. The all-reduce cuts the message in
+// one chunk per participant (C = 2^floor(log2 P)), so every halving step sends half of what
+// it holds and a rank standing in sends and receives 2 (C-1)/C n + n, the textbook fold (one
+// chunk per rank sent up to a third more at P = 6); the reduce-scatter and all-gather keep
+// one chunk per rank, their outputs' layout, a participant standing in answering for two.
 inline Plan halving_doubling_plan(Collective coll, int world) {
   Plan plan;
-  plan.chunks = world;
   plan.ops.resize(world);
-  if (world == 1) return plan;
   const Participants parts(world);
+  const bool by_participant = coll == Collective::kAllReduce;
+  plan.chunks = by_participant ? parts.count : world;
+  if (world == 1) return plan;
+  const int all = plan.chunks;
+  auto span_first = [&](int lo) { return by_participant ? lo : parts.span_first(lo); };
+  auto span_count = [&](int lo, int n) { return by_participant ? n : parts.span_count(lo, n); };
   const bool reduces = coll != Collective::kAllGather;
   for (int k = 0; k < world; ++k) {
     auto& ops = plan.ops[k];
     if (!parts.takes_part(k)) {  // rank 2i+1 of a pair: hand over, get back
       const int host = k - 1;
-      if (reduces) ops.push_back(make_op(Operand::kInput, 0, world, kToSlot, Operand::kNone, -1, bit(host)));
+      if (reduces) ops.push_back(make_op(Operand::kInput, 0, all, kToSlot, Operand::kNone, -1, bit(host)));
       else ops.push_back(make_op(Operand::kInput, k, 1, kToSlot | kToOutput, Operand::kNone, -1, bit(host), true));
       if (coll == Collective::kReduceScatter)
         ops.push_back(make_op(Operand::kPeer, k, 1, kToOutput, Operand::kNone, host));
       else
-        ops.push_back(make_op(Operand::kPeer, 0, world, kToOutput, Operand::kNone, host));
+        ops.push_back(make_op(Operand::kPeer, 0, all, kToOutput, Operand::kNone, host));
       continue;
     }
     const int v = parts.index(k);
     Operand mine = Operand::kInput;  // where my partials are: the input until the first add
     if (parts.stands_in(k)) {        // take my pair's contribution in first
       if (reduces) {
-        ops.push_back(make_op(Operand::kPeer, 0, world, kToWork, Operand::kInput, k + 1));
+        ops.push_back(make_op(Operand::kPeer, 0, all, kToWork, Operand::kInput, k + 1));
         mine = Operand::kWork;
       } else {
         ops.push_back(make_op(Operand::kInput, k, 1, kToOutput, Operand::kNone, -1, 0, true));
@@ -547,13 +555,13 @@ inline Plan halving_doubling_plan(Collective coll, int world) {
         const int partner = v ^ d;
         const int keep_lo = (v & d) ? lo + d : lo, send_lo = (v & d) ? lo : lo + d;
         const bool last = d == 1;
-        ops.push_back(make_op(mine, parts.span_first(send_lo), parts.span_count(send_lo, d), kToSlot, Operand::kNone,
+        ops.push_back(make_op(mine, span_first(send_lo), span_count(send_lo, d), kToSlot, Operand::kNone,
                               -1, bit(parts.rank_of(partner))));
         // The last add completes my chunks: to the output for all-reduce and for my own chunk,
         // to work where it goes on to a pair's rank
         const bool own_out = last && (coll == Collective::kAllReduce || !parts.stands_in(k));
         const uint8_t to = own_out ? kToOutput : kToWork;
-        ops.push_back(make_op(Operand::kPeer, parts.span_first(keep_lo), parts.span_count(keep_lo, d), to, mine,
+        ops.push_back(make_op(Operand::kPeer, span_first(keep_lo), span_count(keep_lo, d), to, mine,
                               parts.rank_of(partner), 0, last));
         mine = Operand::kWork;
         lo = keep_lo;
@@ -575,16 +583,16 @@ inline Plan halving_doubling_plan(Collective coll, int world) {
       const int partner = v ^ d;
       const int theirs = lo ^ d;  // the partner's range starts there (ranges are aligned to d)
       const bool first_send = !reduces && d == 1 && !parts.stands_in(k);
-      ops.push_back(make_op(first_send ? Operand::kInput : Operand::kOutput, parts.span_first(lo),
-                            parts.span_count(lo, n), kToSlot | (first_send ? kToOutput : 0), Operand::kNone, -1,
+      ops.push_back(make_op(first_send ? Operand::kInput : Operand::kOutput, span_first(lo),
+                            span_count(lo, n), kToSlot | (first_send ? kToOutput : 0), Operand::kNone, -1,
                             bit(parts.rank_of(partner)), first_send));
-      ops.push_back(make_op(Operand::kPeer, parts.span_first(theirs), parts.span_count(theirs, n), kToOutput,
+      ops.push_back(make_op(Operand::kPeer, span_first(theirs), span_count(theirs, n), kToOutput,
                             Operand::kNone, parts.rank_of(partner)));
       lo = lo < theirs ? lo : theirs;
       n *= 2;
     }
     if (parts.stands_in(k))  // the whole result to my pair
-      ops.push_back(make_op(Operand::kOutput, 0, world, kToSlot, Operand::kNone, -1, bit(k + 1)));
+      ops.push_back(make_op(Operand::kOutput, 0, all, kToSlot, Operand::kNone, -1, bit(k + 1)));
   }
   return plan;
 }
