@@ -19,25 +19,31 @@ gives the one-GPU benchmark (docs/cuda.md says which figure comes from which mod
 CPU it runs the shared-memory transport unchanged, and the CUDA kernels through the
 emulator (transports/emulated.py): that is how CI tests it.
 
-Every wait here is bounded: by the process group's timeout, or by the thread group's, and a
-thread that fails breaks its group for the others at once (they raise instead of waiting).
+Every wait here is bounded by the communicator's timeout (the process group's own, 30
+minutes by default, only where no communicator gives one), in steps Ctrl-C can interrupt;
+a thread that fails breaks its in-process group for the others at once (they raise
+instead of waiting).
 """
 
 from __future__ import annotations
 
+import pickle
 import threading
-from datetime import timedelta
+import time
 from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 
 from ringcoll.errors import RingcollError, RingcollPeerError, RingcollTimeoutError
 
 
 class ProcessGroupBootstrap:
-    """A torch.distributed process group (default: WORLD) as a ring's bootstrap."""
+    """A torch.distributed process group (default: WORLD) as a ring's bootstrap. `timeout`:
+    the seconds each exchange may wait for the other ranks (the communicator's; None: the
+    group's own)."""
 
-    def __init__(self, group=None):
+    def __init__(self, group=None, timeout: Optional[float] = None):
         if not dist.is_initialized():
             raise RingcollError("Communicator: torch.distributed is not initialised; "
                                 "call dist.init_process_group first (or use ringcoll.run_in_process)")
@@ -46,19 +52,54 @@ class ProcessGroupBootstrap:
         self.world_size = dist.get_world_size(self.group)
         if self.rank < 0:
             raise ValueError("Communicator: this process is not a member of the given group")
+        self.timeout = timeout
 
-    def all_gather_object(self, mine: Any) -> list:
-        everyone: list = [None] * self.world_size
-        dist.all_gather_object(everyone, mine, group=self.group)
-        return everyone
+    def all_gather_object(self, mine: Any, what: str = "Communicator") -> list:
+        """Every rank's `mine`, in rank order: torch's all_gather_object in its two steps (the
+        pickles' sizes, then the pickles, padded to the longest), each waited for as
+        _wait does. torch's own waited for the group's timeout, in C++: a rank that never
+        constructed its communicator held the others 30 minutes, deaf to Ctrl-C."""
+        device = _object_device(self.group)
+        pickled = torch.frombuffer(bytearray(pickle.dumps(mine)), dtype=torch.uint8).to(device)
+        sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(self.world_size)]
+        mine_size = torch.tensor([pickled.numel()], dtype=torch.int64, device=device)
+        self._wait(dist.all_gather(sizes, mine_size, group=self.group, async_op=True), what)
+        sizes = [int(size.item()) for size in sizes]
+        padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
+        padded[:pickled.numel()] = pickled
+        rows = [torch.empty_like(padded) for _ in range(self.world_size)]
+        self._wait(dist.all_gather(rows, padded, group=self.group, async_op=True), what)
+        return [pickle.loads(row[:size].cpu().numpy().tobytes()) for row, size in zip(rows, sizes)]
 
     def barrier(self, timeout: Optional[float] = None) -> None:
-        """Every rank of the group is here; within `timeout` seconds if given (raises
-        otherwise), else the group's own timeout."""
+        """Every rank of the group is here; within `timeout` seconds if given, else the
+        bootstrap's (RingcollTimeoutError past it)."""
+        self._wait(dist.barrier(group=self.group, async_op=True), "barrier", timeout)
+
+    def _wait(self, work, what: str, timeout: Optional[float] = None) -> None:
+        """Wait for `work`, a collective of the group, at most `timeout` (default: the
+        bootstrap's; None: the group's own): polled with naps, so Ctrl-C interrupts it."""
+        timeout = self.timeout if timeout is None else timeout
         if timeout is None:
-            dist.barrier(group=self.group)
-        else:
-            dist.barrier(group=self.group, async_op=True).wait(timeout=timedelta(seconds=timeout))
+            work.wait()
+            return
+        deadline, nap = time.monotonic() + timeout, 1e-4
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                raise RingcollTimeoutError(
+                    f"{what}: rank {self.rank} waited {timeout:g} s (the communicator's timeout) for the other "
+                    f"{self.world_size - 1} ranks of its group to join it: some rank has not come (not started, "
+                    "exited, or making another call); the group still holds this exchange, so use a new one")
+            time.sleep(nap)
+            nap = min(2 * nap, 0.01)
+        work.wait()  # raises what the group raised (a peer that closed its connection)
+
+
+def _object_device(group) -> torch.device:
+    """Where the group's collectives take their tensors: the CPU, except for a group whose
+    only backend is NCCL (its current CUDA device), as torch's object collectives choose."""
+    backend = dist.get_backend(group)
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
 class InProcessGroup:
@@ -108,12 +149,12 @@ class InProcessRank:
         self.rank = rank
         self.world_size = group.world_size
 
-    def all_gather_object(self, mine: Any) -> list:
+    def all_gather_object(self, mine: Any, what: str = "Communicator") -> list:
         group = self._group
         group._offers[self.rank] = mine
-        group._wait(self.rank, "Communicator")  # every offer is in
+        group._wait(self.rank, what)  # every offer is in
         everyone = list(group._offers)
-        group._wait(self.rank, "Communicator")  # every rank has read: the next round may overwrite
+        group._wait(self.rank, what)  # every rank has read: the next round may overwrite
         return everyone
 
     def barrier(self, timeout: Optional[float] = None) -> None:
@@ -123,7 +164,8 @@ class InProcessRank:
         return f"InProcessRank(rank={self.rank}, world_size={self.world_size})"
 
 
-def bootstrap_for(group):
-    """The bootstrap behind a Communicator's ``group=``: an in-process rank as it is, else a
-    torch.distributed process group (None: WORLD)."""
-    return group if isinstance(group, InProcessRank) else ProcessGroupBootstrap(group)
+def bootstrap_for(group, timeout: Optional[float] = None):
+    """The bootstrap behind a Communicator's ``group=``: an in-process rank as it is (its
+    group's timeout), else a torch.distributed process group (None: WORLD) whose exchanges
+    wait at most `timeout` seconds."""
+    return group if isinstance(group, InProcessRank) else ProcessGroupBootstrap(group, timeout)

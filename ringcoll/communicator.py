@@ -477,10 +477,10 @@ class Communicator(ArgumentChecks):
 
     def _configure(self, group, device: torch.device, timeout, buffer_bytes, check, slot_alignment: int) -> None:
         """Settings every transport shares, validated before any rank allocates anything."""
-        self._bootstrap = bootstrap_for(group)
+        self.timeout = resolve_timeout(timeout)
+        self._bootstrap = bootstrap_for(group, self.timeout)
         self.group = getattr(self._bootstrap, "group", group)  # a process group, or the in-process rank
         self.device = CPU if device.type == "cpu" else device
-        self.timeout = resolve_timeout(timeout)
         self.check = _resolve_check(check)
         self.rank = self._bootstrap.rank
         self.world_size = self._bootstrap.world_size

@@ -213,20 +213,20 @@ def allocate_by_exchange(parts, bootstrap, rank: int, nbytes: int, dtype: int, d
         raise RingcollError(f"empty: this communicator makes no more symmetric memory since {agreed.unusable}")
     block_bytes = _C.symmetric_block_bytes(nbytes)
     request = describe_allocation(dims, dtype, nbytes)
-    posts = bootstrap.all_gather_object((request, parts.symmetric_has_room(block_bytes)))
+    posts = bootstrap.all_gather_object((request, parts.symmetric_has_room(block_bytes)), "empty")
     for peer, (theirs, _) in enumerate(posts):
         if theirs != request:
             raise RingcollMismatchError(f"empty: mismatched collective allocations: rank {rank} asked for "
                                         f"{request} but rank {peer} for {theirs}; nothing was allocated")
     if not all(room for _, room in posts):
         made = bootstrap.all_gather_object(_attempt(
-            lambda: parts.make_symmetric_arena(_C.symmetric_arena_bytes(block_bytes))))
+            lambda: parts.make_symmetric_arena(_C.symmetric_arena_bytes(block_bytes))), "empty")
         failures = [f"rank {r} could not make its part of a new arena ({why})" for r, (_, why) in enumerate(made)
                     if why]
         if not failures:
             _, why = _attempt(lambda: parts.open_symmetric_arena([handle for handle, _ in made]))
             failures = [f"rank {r} could not map every rank's part of a new arena ({why})"
-                        for r, why in enumerate(bootstrap.all_gather_object(why)) if why]
+                        for r, why in enumerate(bootstrap.all_gather_object(why, "empty")) if why]
         if failures:
             agreed.unusable = failures[0]
             raise RingcollError(f"empty: {agreed.unusable}; this communicator makes no more symmetric memory")

@@ -695,6 +695,59 @@ def _barrier_alone(rank, world, timeout):
     return "no error", time.monotonic() - start
 
 
+def _constructs_late(rank, world, timeout):
+    """The last rank constructs its communicator only after the others gave up on it."""
+    import ringcoll
+
+    if rank == world - 1:
+        time.sleep(timeout + 2.0)
+    start = time.monotonic()
+    try:
+        ringcoll.Communicator(timeout=timeout)
+        outcome = ("no error", "")
+    except ringcoll.RingcollError as e:
+        outcome = (type(e).__name__, str(e))
+    elapsed = time.monotonic() - start
+    if rank != world - 1:
+        time.sleep(timeout + 3.0)  # alive (the group up) while the latecomer's exchange waits
+    return (*outcome, elapsed)
+
+
+@pytest.mark.usefixtures("no_leftover_segments")
+def test_a_rank_that_never_constructs_its_communicator_is_the_communicators_timeout():
+    """The constructor's exchange waited for the process group's timeout (torch's
+    all_gather_object, 30 minutes by default; here the launcher's 60 s), whatever the
+    communicator's: every rank raises within the communicator's, the latecomer too (its
+    peers are gone from the exchange)."""
+    for rank, (kind, message, elapsed) in enumerate(spawn(_constructs_late, 3, SHORT_TIMEOUT, timeout=60)):
+        assert kind == "RingcollTimeoutError", (rank, kind, message)
+        assert SHORT_TIMEOUT <= elapsed < SHORT_TIMEOUT + 1.5, (rank, elapsed)
+        assert message.startswith(f"Communicator: rank {rank} waited {SHORT_TIMEOUT:g} s"), message
+        assert "for the other 2 ranks of its group to join it" in message, message
+
+
+def _interrupted_in_the_bootstrap(rank, world):
+    import ringcoll
+
+    if rank == 1:
+        time.sleep(3.0)  # never constructs; alive while rank 0 waits
+        return None
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    start = time.monotonic()
+    try:
+        ringcoll.Communicator(timeout=60)
+    except KeyboardInterrupt:
+        return "KeyboardInterrupt", time.monotonic() - start
+    return "no interrupt", time.monotonic() - start
+
+
+def test_ctrl_c_interrupts_the_constructors_wait_for_its_peers():
+    """Ctrl-C in a constructor waiting for a peer: torch's wait, in C++, let it through only
+    at the process group's timeout."""
+    (kind, elapsed), _ = spawn(_interrupted_in_the_bootstrap, 2, timeout=60)
+    assert kind == "KeyboardInterrupt" and elapsed < 1.5, (kind, elapsed)
+
+
 def test_a_bootstrap_barrier_given_a_timeout_gives_up_then():
     """A CUDA close's rendezvous is bounded by the communicator's timeout, not the process
     group's (transports/cuda.py): the process-group bootstrap's barrier takes one."""
