@@ -252,7 +252,7 @@ class HierarchicalCommunicator(ArgumentChecks):
         # Each node's ranks, as an index into rank-ordered rows (_node_rows).
         self._node_ranks = [torch.tensor(ranks, device=self.device) for ranks in self.rank_at]
         self._work_space: dict = {}  # _scratch
-        self._calls = CallQueue()
+        self._calls = CallQueue(self.timeout)
         self._broken_reason = ""
         self._pending_check: Optional[Callable[[], None]] = None  # _check_call's second half
 

@@ -12,11 +12,13 @@ from a Future callback on the worker runs in line there).
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import functools
 import os
 import socket
 import threading
+import time
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -77,6 +79,7 @@ class ThreadCompletion:
         self._name = name
         self._queue = queue  # the queue whose worker runs it (None: finished when made)
         self._lock = threading.Lock()
+        self._started = False  # the worker has taken it (it can no longer be given up)
         self._ran = False  # the collective itself has run; its callbacks may still be running
         self._error: Optional[BaseException] = None
         self._callbacks: list = []
@@ -99,6 +102,21 @@ class ThreadCompletion:
                 fn()
         finally:
             self._finished.set()  # whatever a callback did, no waiter is left hanging
+
+    def start(self) -> bool:
+        """The worker takes the call: False if it was given up while queued (give_up)."""
+        with self._lock:
+            self._started = not self._ran
+            return self._started
+
+    def give_up(self, error: BaseException) -> bool:
+        """Finish a call the worker has not taken with `error` (its callbacks run here);
+        False if the worker had taken it."""
+        with self._lock:
+            if self._started or self._ran:
+                return False
+        self.finish(error)
+        return True
 
     def wait(self, timeout: Optional[float]) -> None:
         on_worker = self._queue is not None and self._queue.on_worker()
@@ -147,12 +165,17 @@ class CallQueue:
     call on the ring on every rank whatever the timing (nested calls go depth first, before
     anything queued later), as a callback chain under NCCL runs within its parent's call."""
 
-    def __init__(self):
+    def __init__(self, timeout: Optional[float] = None):
         self._worker: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._worker_ident: Optional[int] = None
         self._last_async: Optional[ThreadCompletion] = None
         self._lock = threading.Lock()  # one collective at a time
         self._queue_lock = threading.Lock()  # the worker made once, _last_async set and cleared whole
+        self._timeout = timeout  # how long a call's callbacks may hold the worker (the communicator's)
+        self._queued: collections.deque = collections.deque()  # submitted, not yet taken by the worker
+        self._in_callbacks: Optional[tuple] = None  # (the call whose callbacks run, since when)
+        self._given_up: Optional[str] = None  # why the queue gave its calls up (_watch)
+        self._closing = threading.Event()
 
     def on_worker(self) -> bool:
         """Whether this thread is the worker (running a call or one of its callbacks)."""
@@ -161,6 +184,7 @@ class CallQueue:
     def submit(self, run: Callable[[], None], async_op: bool, name: str = "collective") -> Optional[ThreadCompletion]:
         """Run `run` now (sync) or queue it (async) behind earlier async work; on the worker
         itself (in a callback) run it now either way (the class doc)."""
+        self._refuse_if_given_up(name)
         if self.on_worker():  # the worker holds the lock already
             if not async_op:
                 run()
@@ -177,16 +201,52 @@ class CallQueue:
         completion = ThreadCompletion(name, self)
 
         def locked_run() -> None:
+            with self._queue_lock:
+                self._queued.popleft()  # this one: the worker takes them in order
+            if not completion.start():  # given up while queued (_watch)
+                return
             with self._lock, torch.inference_mode(inference), torch.set_grad_enabled(grad_enabled):
-                completion.finish(_error_of(run))
+                error = _error_of(run)
+                self._in_callbacks = (completion, time.monotonic())
+                try:
+                    completion.finish(error)
+                finally:
+                    self._in_callbacks = None
 
         with self._queue_lock:  # two threads queueing at once still make one worker, one order
             if self._worker is None:
                 self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ringcoll",
                                                                      initializer=self._become_worker)
+                if self._timeout is not None:
+                    threading.Thread(target=self._watch, name="ringcoll-watch", daemon=True).start()
+            self._queued.append(completion)
             self._worker.submit(locked_run)
             self._last_async = completion
         return completion
+
+    def _watch(self) -> None:
+        """A callback may wait for a later call (a Future it was handed before): that call is
+        queued behind the callback on this one worker, so it would wait forever. Past the
+        timeout, every call still queued is given up with an error (the Future waited for then
+        fails, and the callback returns), and the queue refuses new calls: on this rank those
+        calls never ran, so the communicator cannot go on with its peers."""
+        period = min(max(self._timeout / 10, 0.05), 5.0)
+        while not self._closing.wait(period):
+            busy = self._in_callbacks
+            if busy is None or time.monotonic() - busy[1] < self._timeout or not self._queued:
+                continue
+            with self._queue_lock:
+                queued = list(self._queued)
+                self._given_up = (f"the callbacks of {busy[0]._name}'s Future held the ringcoll worker for more than "
+                                  f"the {self._timeout:g} s timeout while {len(queued)} later call(s) waited behind "
+                                  "them; a callback that waits for a later call's Future waits for itself (wait for "
+                                  "it outside the callback). Those calls never ran here: make a new communicator")
+            for completion in queued:
+                completion.give_up(RingcollError(f"{completion._name}: given up: {self._given_up}"))
+
+    def _refuse_if_given_up(self, name: str) -> None:
+        if self._given_up is not None:
+            raise RingcollError(f"{name}: this communicator's queue gave up its calls: {self._given_up}")
 
     def _become_worker(self) -> None:
         self._worker_ident = threading.get_ident()
@@ -194,6 +254,8 @@ class CallQueue:
     def run_now(self, fn: Callable, *args) -> None:
         """fn(*args) on this thread, after the queued calls: a synchronous call (no closure
         and no Future, which cost a small call as much as its ring step)."""
+        if self._given_up is not None:
+            self._refuse_if_given_up(getattr(fn, "__name__", "collective"))
         if self.on_worker():  # in a callback: in line (the class doc); the worker holds the lock
             fn(*args)
             return
@@ -225,6 +287,7 @@ class CallQueue:
         """Finish the queued calls, then run `last` (the release) alone."""
         if self._worker is not None:
             self._worker.shutdown(wait=True)
+        self._closing.set()
         with self._lock:
             last()
 
@@ -268,7 +331,7 @@ class HostTransport(Transport):
         self._comm = _C.HostComm(settings.rank, settings.world_size, names, settings.buffer_bytes,
                                  settings.timeout, settings.check, settings.small_bytes, settings.direct_bytes,
                                  settings.direct_max_bytes, settings.shares_cores)
-        self._calls = CallQueue()
+        self._calls = CallQueue(settings.timeout)
         self.plain_calls = self._comm
 
     def submit(self, call: CollectiveCall, outputs: list, keep_alive: Sequence, async_op: bool,

@@ -6,6 +6,7 @@ tests/multiprocess/test_backend.py (test_wait_returns_only_once_the_future_is_do
 """
 
 import threading
+import time
 
 import pytest
 import torch
@@ -64,6 +65,38 @@ def test_waiting_in_a_callback_for_a_call_queued_behind_it_is_refused():
     second.wait(10)
     assert len(seen) == 1 and seen[0].startswith("all_gather: waited for on the ringcoll worker thread"), seen
     assert log == ["first", "second"]
+    queue.close(lambda: None)
+
+
+def test_a_callback_waiting_for_a_later_calls_future_fails_at_the_timeout_instead_of_hanging():
+    """The Future of a call queued behind the callback's own, taken before and waited for in
+    the callback (torch's Future.wait, which ringcoll cannot refuse as it refuses
+    Work.wait): it waited forever, and so did close(). Past the queue's timeout the calls
+    still queued are given up with an error, the Future fails, the callback returns; later
+    calls are refused, as on a broken communicator."""
+    queue, log = CallQueue(timeout=0.5), []
+    gate, first = _gated(queue, log, "first")
+    second = Work(queue.submit(lambda: log.append("second"), async_op=True, name="all_gather"), [torch.ones(1)])
+    later = second.get_future()
+    seen = []
+
+    def callback(_):
+        try:
+            later.wait()
+        except RuntimeError as e:
+            seen.append(str(e))
+
+    chained = first.get_future().then(callback)
+    started = time.monotonic()
+    gate.set()
+    chained.wait()
+    assert 0.5 <= time.monotonic() - started < 3.0
+    assert len(seen) == 1 and "all_gather: given up: the callbacks of first's Future held the ringcoll worker" in seen[0]
+    assert log == ["first"]  # the call given up never ran
+    with pytest.raises(RingcollError, match="all_gather: given up"):
+        second.wait(1)
+    with pytest.raises(RingcollError, match="reduce: this communicator's queue gave up its calls"):
+        queue.submit(lambda: None, async_op=True, name="reduce")
     queue.close(lambda: None)
 
 
