@@ -241,6 +241,21 @@ def _tensors_in(args):
             yield from _tensors_in(a)
 
 
+def _overlaps_off_chunk(whole: torch.Tensor, part: torch.Tensor, rank: int) -> bool:
+    """Whether `part` shares memory with `whole` without being chunk `rank` of it, the one
+    in-place form ringcoll takes. That check is rank-dependent: one rank raised ValueError
+    while its peers, whose view happened to be their own chunk, waited on the ring until the
+    timeout. gloo computes such calls, so the backend does too, from a copy of the input."""
+    if part.numel() == 0 or whole.numel() == 0 or part.untyped_storage().data_ptr() != whole.untyped_storage().data_ptr():
+        return False
+    begin, end = part.data_ptr(), part.data_ptr() + part.numel() * part.element_size()
+    whole_begin = whole.data_ptr()
+    if end <= whole_begin or whole_begin + whole.numel() * whole.element_size() <= begin:
+        return False
+    return not (part.dtype == whole.dtype and part.is_contiguous() and whole.is_contiguous()
+                and begin == whole_begin + rank * part.numel() * part.element_size())
+
+
 def _as_list(tensors) -> list:
     return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
 
@@ -395,6 +410,8 @@ class RingcollProcessGroup(dist.ProcessGroup):
         op = _ringcoll_op(opts.reduceOp, input.dtype)
         if (op is not None and output.numel() * self._size == input.numel()
                 and (comm := self._ring_for([output, input])) is not None):
+            if _overlaps_off_chunk(input, output, self._rank):
+                input = input.clone()
             return self._run("reduce_scatter_tensor",
                              lambda a: comm.reduce_scatter_tensor(output, input, op=op, async_op=a), [output], opts)
         return self._fallback("reduce_scatter_tensor", [input])._reduce_scatter_base(output, input, opts)
@@ -408,6 +425,8 @@ class RingcollProcessGroup(dist.ProcessGroup):
     def _all_gather_tensor(self, output, input, opts):
         opts = opts if opts is not None else _c10d.AllgatherOptions()
         if output.numel() == input.numel() * self._size and (comm := self._ring_for([output, input])) is not None:
+            if _overlaps_off_chunk(output, input, self._rank):
+                input = input.clone()
             return self._run("all_gather_into_tensor",
                              lambda a: comm.all_gather_into_tensor(output, input, async_op=a), [output], opts)
         return self._fallback("all_gather_into_tensor", [input])._allgather_base(output, input, opts)

@@ -187,6 +187,18 @@ def _others(rank, ws) -> dict:
                                            if v != before.get(k, 0)}}
 
 
+def _overlapping_views(rank, ws) -> dict:
+    """Input and output sharing memory, the smaller at chunk 0 of the larger on every rank:
+    in place on rank 0 only. ringcoll's rank-dependent check raised on the others while rank
+    0 waited on the ring; gloo computes it, reading the input before writing the output."""
+    n = 4
+    gathered = torch.arange(float(n * ws)) + 100 * rank
+    dist.all_gather_into_tensor(gathered, gathered[:n])
+    reduced = torch.arange(float(n * ws)) + 100 * rank
+    dist.reduce_scatter_tensor(reduced[:n], reduced)
+    return {"all_gather": gathered, "reduce_scatter": reduced[:n].clone()}
+
+
 def _async_and_futures(rank, ws) -> dict:
     t = torch.full((1000,), float(rank))
     work = dist.all_reduce(t, async_op=True)
@@ -347,6 +359,9 @@ def _rank_fn(rank: int, ws: int, backend_string: str) -> dict:
     gloo = dist.new_group(backend="gloo")
     out["implemented"] = _implemented(rank, ws)
     out["others"] = _others(rank, ws)
+    before = dict(backend.call_counts)
+    out["overlapping"] = _overlapping_views(rank, ws)
+    out["overlapping_on_ringcoll"] = _delta(before)
     out["matrix"] = _all_reduce_matrix(rank, gloo)
     out["async"] = _async_and_futures(rank, ws)
     out["subgroup"] = _subgroup(rank, ws)
@@ -441,6 +456,18 @@ def test_other_collectives_go_to_gloo(runs):
             assert torch.equal(got["gather"], torch.arange(float(ws)))
         if rank == ws - 1:
             assert got["send_recv"].item() == 42.0
+
+
+def test_input_and_output_overlapping_off_this_ranks_chunk_compute_as_on_gloo(runs):
+    ws, outs = runs
+    n = 4
+    for rank, out in enumerate(outs):
+        got = out["overlapping"]
+        assert torch.equal(got["all_gather"], torch.cat([torch.arange(float(n)) + 100 * r for r in range(ws)]))
+        assert torch.equal(got["reduce_scatter"], sum(torch.arange(float(n * ws))[rank * n:(rank + 1) * n] + 100 * r
+                                                      for r in range(ws)))
+        assert out["overlapping_on_ringcoll"] == {"ringcoll:all_gather_into_tensor": 1,
+                                                  "ringcoll:reduce_scatter_tensor": 1}, out["overlapping_on_ringcoll"]
 
 
 def test_all_reduce_every_op_and_dtype_equals_gloo(runs):
