@@ -107,7 +107,7 @@ import torch.distributed as dist
 
 from ringcoll._types import DTYPE_CODES, ReduceOp, op_code
 from ringcoll.api import SERVED_DEVICE_TYPES
-from ringcoll.communicator import Communicator, wait_seconds
+from ringcoll.communicator import MAX_TIMEOUT_SECONDS, Communicator, wait_seconds
 from ringcoll.errors import RingcollError
 from ringcoll.training.hierarchical import HierarchicalCommunicator, uneven_nodes_message
 from ringcoll.transports.host import ranks_by_domain, shared_memory_domain
@@ -129,16 +129,17 @@ class _C10dWork(dist._Work):
     ``_get_op_type()`` names the collective as gloo's Work does (for torch.profiler and
     tools that read it)."""
 
-    def __init__(self, work, outputs: list, op_type):
+    def __init__(self, work, outputs: list, op_type, timeout: Optional[datetime.timedelta] = None):
         super().__init__()
         self._work = work
         self._outputs = outputs
         self._op_type = op_type
+        self._timeout = timeout  # the call's own (its options'), bounding a wait given none
         self._future: Optional[torch.futures.Future] = None
 
     def wait(self, timeout=None) -> bool:
-        if self._work is not None:
-            self._work.wait(wait_seconds(timeout))  # re-raises the collective's error
+        if self._work is not None:  # re-raises the collective's error
+            self._work.wait(wait_seconds(timeout if timeout is not None else self._timeout))
         return True
 
     def is_completed(self) -> bool:
@@ -356,7 +357,10 @@ class RingcollProcessGroup(dist.ProcessGroup):
             if device not in self._comms:
                 if self._closed:
                     raise RuntimeError("ringcoll backend: the process group has been shut down")
-                timeout = None if os.environ.get("RINGCOLL_TIMEOUT") else self._timeout
+                # The group's timeout, at most ringcoll's bound (~31 years): gloo takes any, and
+                # init_process_group(timeout=50 years) made the first collective raise ValueError.
+                timeout = None if os.environ.get("RINGCOLL_TIMEOUT") else min(self._timeout.total_seconds(),
+                                                                               MAX_TIMEOUT_SECONDS)
                 self._bootstrap_thread = threading.get_ident()  # its handle exchange goes to gloo
                 try:
                     if self.spans_hosts:
@@ -380,10 +384,19 @@ class RingcollProcessGroup(dist.ProcessGroup):
         return None if device is None else self.communicator(device)
 
     def _run(self, name: str, start: Callable[[bool], object], outputs: list, opts) -> dist._Work:
-        """start(async_op) runs the collective on the ring; sync unless opts.asyncOp."""
+        """start(async_op) runs the collective on the ring; sync unless opts.asyncOp. A
+        timeout in the options (``pg.allreduce(t, timeout=...)``, ``dist.barrier(timeout=...)``;
+        c10d's unset one is negative) bounds the wait for this call, as gloo's does: a sync
+        call then runs async and is waited for so long (RingcollTimeoutError, a RuntimeError,
+        past it; the call itself stays bounded by the communicator's timeout)."""
         call_counts[f"ringcoll:{name}"] += 1
-        if getattr(opts, "asyncOp", True):
-            return _C10dWork(start(True), outputs, OP_TYPES[name])
+        timeout = getattr(opts, "timeout", None)
+        timeout = timeout if timeout is not None and timeout >= datetime.timedelta(0) else None
+        if getattr(opts, "asyncOp", True) or timeout is not None:
+            work = _C10dWork(start(True), outputs, OP_TYPES[name], timeout)
+            if not getattr(opts, "asyncOp", True):
+                work.wait()
+            return work
         start(False)
         return _C10dWork(None, outputs, OP_TYPES[name])
 
@@ -509,6 +522,7 @@ class RingcollProcessGroup(dist.ProcessGroup):
         plan engine (Communicator.broadcast); CUDA tensors and several tensors go to the
         fall-back."""
         tensors, opts = _as_list(tensors), _rooted_options(_c10d.BroadcastOptions, args, kwargs)
+        self._check_root("broadcast", opts.rootRank)
         if len(tensors) == 1 and opts.rootTensor == 0 and tensors[0].is_cpu and (comm := self._ring_for(tensors)):
             t, root = tensors[0], opts.rootRank
             return self._run("broadcast", lambda a: comm.broadcast(t, root, async_op=a), tensors, opts)
@@ -517,12 +531,20 @@ class RingcollProcessGroup(dist.ProcessGroup):
     def reduce(self, tensors, *args, **kwargs):
         """One CPU tensor, in place on ``opts.rootRank`` only, as broadcast."""
         tensors, opts = _as_list(tensors), _rooted_options(_c10d.ReduceOptions, args, kwargs)
+        self._check_root("reduce", opts.rootRank)
         op = _ringcoll_op(opts.reduceOp, tensors[0].dtype) if tensors else None
         if (len(tensors) == 1 and op is not None and opts.rootTensor == 0 and tensors[0].is_cpu
                 and (comm := self._ring_for(tensors))):
             t, root = tensors[0], opts.rootRank
             return self._run("reduce", lambda a: comm.reduce(t, root, op=op, async_op=a), tensors, opts)
         return self._fallback("reduce", tensors).reduce(tensors, opts)
+
+    def _check_root(self, name: str, root: int) -> None:
+        """A RuntimeError for a root outside the group, as gloo raises (the Communicator's
+        check raises ValueError, which `except RuntimeError` around a torch call misses)."""
+        if not 0 <= root < self._size:
+            raise RuntimeError(f"ringcoll backend: {name}: invalid root rank {root} (this group's ranks are "
+                               f"0..{self._size - 1})")
 
     def barrier(self, opts=None, timeout=None):
         opts = _options(_c10d.BarrierOptions, opts, timeout=timeout)

@@ -285,6 +285,17 @@ def _work_semantics(rank, ws, gloo) -> dict:
         work.wait()
         timeouts.append((form, "then done", x[0].item()))
     res["timeouts"] = timeouts
+    # A timeout in the call's options, as gloo honours it (ringcoll's ignored it: the call
+    # waited for the late rank): the sync call raises past it, the collective goes on, and
+    # the next call waits for it.
+    if rank != 0:
+        store.wait(["timed-out-options"])
+    res["call_timeout"] = _outcome(lambda: dist.barrier(timeout=datetime.timedelta(seconds=0.05)))
+    if rank == 0:
+        store.set("timed-out-options", "1")
+    x = torch.ones(16)
+    dist.all_reduce(x)
+    res["after_call_timeout"] = x[0].item()
 
     # _get_op_type(): the same as gloo's Work for the same call.
     pairs = {}
@@ -338,6 +349,10 @@ def _subgroup(rank, ws) -> dict:
 def _errors(rank, ws) -> dict:
     """A ringcoll runtime error reaches the caller: sync from dist.all_reduce, async from wait()."""
     res = {}
+    # A root outside the group: gloo's RuntimeError (ringcoll's check raised ValueError,
+    # which `except RuntimeError` missed); nothing breaks
+    res["bad_roots"] = [_outcome(lambda: dist.broadcast(torch.ones(2), src=ws)),
+                        _outcome(lambda: dist.reduce(torch.ones(2), dst=ws))]
     try:  # sizes differ across ranks: mismatch detection raises on every rank, nothing moves
         dist.all_reduce(torch.ones(4 + rank))
         res["sync"] = "no error"
@@ -521,6 +536,12 @@ def test_wait_timeout_is_a_runtime_error_naming_the_op(runs):
                 [(_, kind, is_runtime, is_timeout, message)] = [e for e in timeouts if e[0] == form and len(e) == 5]
                 assert kind == "RingcollTimeoutError" and is_runtime and is_timeout, (form, kind)
                 assert message.startswith("all_reduce: Work.wait(timeout=0.05 s) timed out"), message
+        kind, message = out["work"]["call_timeout"]
+        assert out["work"]["after_call_timeout"] == float(ws)
+        if rank == 0:
+            assert kind == "RingcollTimeoutError" and message.startswith("barrier: Work.wait(timeout=0.05 s) timed out")
+        else:
+            assert kind == "no error", message
 
 
 def test_work_reports_its_op_type_as_gloo_does(runs):
@@ -571,6 +592,8 @@ def test_errors_reach_the_caller(runs):
     _, outs = runs
     for out in outs:
         assert out["errors"]["sync"] == "RingcollMismatchError"
+        for (kind, message), name in zip(out["errors"]["bad_roots"], ("broadcast", "reduce")):
+            assert kind == "RuntimeError" and f"{name}: invalid root rank" in message, (kind, message)
         assert out["errors"]["async"] in ("RingcollError", "RingcollMismatchError")
 
 
@@ -585,6 +608,14 @@ def _device_map_fn(rank: int, ws: int) -> dict:
     dist.all_reduce(t)
     return {"type": type(dist.group.WORLD).__name__, "sum": t.item(),
             "ringcoll_calls": _delta(before).get("ringcoll:all_reduce", 0)}
+
+
+def test_a_group_timeout_past_ringcolls_bound_is_taken_as_the_bound():
+    """init_process_group(timeout=50 years): gloo takes it; ringcoll's first collective raised
+    ValueError (its bound is 1e9 s)."""
+    fifty_years = 50 * 365 * 86400.0
+    outs = spawn(_device_map_fn, 2, timeout=SPAWN_TIMEOUT, backend="ringcoll", env=ENV, init_timeout=fifty_years)
+    assert [(out["sum"], out["ringcoll_calls"]) for out in outs] == [(1.0, 1), (1.0, 1)]
 
 
 def test_device_map_form():
