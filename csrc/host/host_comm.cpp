@@ -3,11 +3,13 @@
 // messages, the direct-read all-gather, the ring) and symmetric memory read in place.
 #include "host_comm.h"
 
+#include <pthread.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
@@ -90,7 +92,22 @@ bool process_alive(int64_t pid) {
   return state != 'Z' && state != 'X';
 }
 
+std::atomic<uint64_t> forks{0};
+// Registered when the extension loads: counts in each child, before any of its code runs.
+const bool counting_forks = [] {
+  pthread_atfork(nullptr, nullptr, [] { forks.fetch_add(1, std::memory_order_relaxed); });
+  return true;
+}();
+
 }  // namespace
+
+uint64_t forks_so_far() { return forks.load(std::memory_order_relaxed); }
+
+void HostComm::refuse_in_forked_child(const char* op) const {
+  RINGCOLL_CHECK(made_at_fork_ == forks_so_far(), Error, op, ": this communicator was made before fork() (rank ",
+                 rank_, ", pid ", made_by_pid_, "); a forked child has neither its threads nor its place "
+                 "among the peers, which know the parent: make a new communicator in the child");
+}
 
 // ---------------------------------------------------------------------------------------
 // Bootstrap
@@ -154,7 +171,8 @@ void HostComm::bootstrap(const std::vector<std::string>& names) {
   segments_[rank_] = SegmentMapping::create(names[rank_], total, rank_);
   SegmentHeader& me = header(rank_);
   me.magic = kSegmentMagic;
-  me.pid = getpid();
+  me.pid = made_by_pid_ = getpid();
+  made_at_fork_ = forks_so_far();
   me.pid_namespace = own_pid_namespace();
   me.rank = rank_;
   me.world = world_;
@@ -721,7 +739,10 @@ void HostComm::barrier() {
 }
 
 void HostComm::close() {
-  std::lock_guard<std::mutex> lock(one_call_at_a_time_);
+  // In a forked child the mutex may be held by a thread of the parent that the child does
+  // not have: nothing else runs on this copy there, so unmap without it.
+  std::unique_lock<std::mutex> lock(one_call_at_a_time_, std::defer_lock);
+  if (made_at_fork_ == forks_so_far()) lock.lock();
   segments_.clear();  // unmaps; the names were unlinked at bootstrap
   peer_arenas_.clear();  // the peers' symmetric memory; this rank's own stays while its tensors do
   closed_ = true;

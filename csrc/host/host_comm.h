@@ -533,7 +533,17 @@ class HostComm {
   // One call at a time on the ring, whichever thread makes it: Python orders a rank's calls
   // (transports/host.py), but a plain call runs without taking its lock (bind_host.cpp).
   std::mutex one_call_at_a_time_;
+  // The process's fork count when this communicator was made (forks_so_far): a child of
+  // fork() has a copy of it, but not the threads that may hold its mutex, nor a place among
+  // the peers, which know the parent. Checked before the mutex is taken.
+  uint64_t made_at_fork_ = 0;
+  int64_t made_by_pid_ = 0;
+  void refuse_in_forked_child(const char* op) const;
 };
+
+// How many times this process's ancestors forked it (0 in the process that loaded the
+// extension; each fork() child counts one more): a zero-cost test for "made before fork".
+uint64_t forks_so_far();
 
 // The two templates of HostComm, here so that every file of the transport can use them
 // (host_comm.cpp, host_plan.cpp, host_symmetric.cpp).
@@ -559,6 +569,7 @@ inline void HostComm::break_and_tell_peers(const char* op, const std::string& me
 
 template <typename Early, typename Body>
 inline void HostComm::run_collective(const char* op, const CallDescriptor& call, Early&& early, Body&& body) {
+  refuse_in_forked_child(op);
   std::lock_guard<std::mutex> lock(one_call_at_a_time_);
   ensure_usable(op);
   current_op_ = op;

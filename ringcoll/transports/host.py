@@ -19,6 +19,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -176,6 +177,16 @@ class CallQueue:
         self._in_callbacks: Optional[tuple] = None  # (the call whose callbacks run, since when)
         self._given_up: Optional[str] = None  # why the queue gave its calls up (_watch)
         self._closing = threading.Event()
+        _queues.add(self)
+
+    def _after_fork_in_child(self) -> None:
+        """In a child of fork(): the worker and the watch are the parent's threads, which the
+        child does not have, and either may have held a lock at the fork. Fresh locks and no
+        worker, so close() returns (the extension refuses calls there: HostComm)."""
+        self._worker = self._worker_ident = self._last_async = None
+        self._lock, self._queue_lock = threading.Lock(), threading.Lock()
+        self._queued.clear()
+        self._in_callbacks = None
 
     def on_worker(self) -> bool:
         """Whether this thread is the worker (running a call or one of its callbacks)."""
@@ -290,6 +301,17 @@ class CallQueue:
         self._closing.set()
         with self._lock:
             last()
+
+
+_queues: "weakref.WeakSet[CallQueue]" = weakref.WeakSet()  # every live queue, for fork's child
+
+
+def _reset_queues_in_child() -> None:
+    for queue in list(_queues):
+        queue._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_reset_queues_in_child)
 
 
 def _error_of(run: Callable[[], None]) -> Optional[BaseException]:

@@ -680,6 +680,65 @@ def _absent_peer(rank, world, timeout, check, algorithm):
     return "no error", "", time.monotonic() - start, "", 0.0, False
 
 
+def _forks_with_a_call_in_flight(rank, world):
+    """Rank 0 forks while its worker is inside an all_reduce (holding the queue's lock and
+    the ring's); the child tries a call, then closes the cached communicators, as its exit
+    would. Rank 1 joins the all_reduce once the fork is done."""
+    import json
+
+    import torch.distributed as dist
+
+    import ringcoll
+
+    store = dist.distributed_c10d._get_default_store()
+    x = torch.ones(1 << 16)
+    ringcoll.get_communicator()  # made by both (collectively), cached for ringcoll.all_reduce
+    if rank == 1:
+        store.wait(["forked"])
+        ringcoll.all_reduce(x)
+        return x[0].item()
+    work = ringcoll.all_reduce(x, async_op=True)
+    queue = ringcoll.get_communicator().transport._calls
+    while not queue._lock.locked():  # the worker is in the call (rank 1 has not come)
+        time.sleep(0.001)
+    readable, writable = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, then leave without the parent's exit handlers
+        try:
+            ringcoll.all_reduce(torch.ones(4))
+            call = "no error"
+        except ringcoll.RingcollError as e:
+            call = str(e)
+        start = time.monotonic()
+        ringcoll.destroy_communicators()
+        os.write(writable, json.dumps([call, time.monotonic() - start]).encode())
+        os._exit(0)
+    os.close(writable)
+    store.set("forked", "1")
+    work.wait()
+    deadline = time.monotonic() + 10
+    while not os.waitpid(pid, os.WNOHANG)[0]:
+        if time.monotonic() > deadline:  # the child hung in close: end it, and say so
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return x[0].item(), "the child hung"
+        time.sleep(0.01)
+    with os.fdopen(readable) as report:
+        return x[0].item(), json.loads(report.read())
+
+
+def test_a_forked_child_refuses_the_parents_communicator_and_its_exit_does_not_hang():
+    """fork() with an async call in flight: the child's close (and so its exit) waited for
+    a lock held by the parent's worker, which the child does not have, forever; a call there
+    would have joined the parent's ring as a second rank 0."""
+    (value, report), value_1 = spawn(_forks_with_a_call_in_flight, 2, timeout=60)
+    assert value == value_1 == 2.0
+    assert report != "the child hung", report
+    call, close_seconds = report
+    assert call.startswith("all_reduce: this communicator was made before fork() (rank 0, pid "), call
+    assert "make a new communicator in the child" in call and close_seconds < 1.0
+
+
 def _barrier_alone(rank, world, timeout):
     """Rank 0 enters the bootstrap's barrier with a timeout; rank 1 never does."""
     from ringcoll.bootstrap import ProcessGroupBootstrap
