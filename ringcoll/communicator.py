@@ -503,8 +503,12 @@ class Communicator(ArgumentChecks):
     def _close(self, wait_for_peers: bool) -> None:
         if self._closed:
             return
-        self._closed = True
-        self._transport.close(wait_for_peers)
+        self._closed = True  # no call from another thread joins the queue while it drains
+        try:
+            self._transport.close(wait_for_peers)
+        except BaseException:  # not closed (a close from a Future's callback): it may be closed again
+            self._closed = False
+            raise
         # Let go of the process group: held on, it outlives dist.destroy_process_group(), and
         # gloo's worker threads with it, until the interpreter's exit, where one that frees a
         # finished call's tensors needs the GIL and aborts the process (a torch race).

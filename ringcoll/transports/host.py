@@ -296,6 +296,10 @@ class CallQueue:
 
     def close(self, last: Callable[[], None]) -> None:
         """Finish the queued calls, then run `last` (the release) alone."""
+        if self.on_worker():  # it would wait for the calls queued behind this very callback
+            raise RingcollError("close: called on the ringcoll worker thread (in a callback of a call's Future), "
+                                "where the calls queued behind the callback cannot finish; close the communicator "
+                                "outside the callback")
         if self._worker is not None:
             self._worker.shutdown(wait=True)
         self._closing.set()

@@ -140,3 +140,53 @@ def test_wait_timeout_names_the_op_and_is_a_runtime_error():
     gate.set()
     assert work.wait(10) and log == ["reduce_scatter_tensor"]
     queue.close(lambda: None)
+
+
+def test_close_in_a_callback_is_refused_and_leaves_the_queue_usable():
+    """close() from a Future's callback joined the worker from itself (RuntimeError: cannot
+    join current thread) after the communicator had marked itself closed, so its memory
+    stayed mapped and no later close() released it."""
+    queue, log, released = CallQueue(), [], []
+    gate, first = _gated(queue, log, "first")
+    seen = []
+
+    def callback(_):
+        try:
+            queue.close(lambda: released.append(True))
+        except RingcollError as e:
+            seen.append(str(e))
+
+    chained = first.get_future().then(callback)
+    gate.set()
+    chained.wait()
+    assert len(seen) == 1 and seen[0].startswith("close: called on the ringcoll worker thread"), seen
+    assert released == []
+    Work(queue.submit(lambda: log.append("second"), async_op=True, name="second"), []).wait(10)
+    queue.close(lambda: released.append(True))
+    assert log == ["first", "second"] and released == [True]
+
+
+def _close_in_a_callback(group):
+    import ringcoll
+
+    comm = ringcoll.Communicator(group=group)
+    seen = []
+
+    def callback(_):
+        try:
+            comm.close()
+        except RingcollError as e:
+            seen.append(str(e))
+
+    comm.all_reduce(torch.ones(4), async_op=True).get_future().then(callback).wait()
+    still_open = not comm._closed
+    comm.close()
+    return seen, still_open, comm._closed
+
+
+def test_a_communicator_closed_from_a_callback_stays_open_and_closes_later():
+    import ringcoll
+
+    [(seen, still_open, closed)] = ringcoll.run_in_process(1, _close_in_a_callback)
+    assert len(seen) == 1 and "close: called on the ringcoll worker thread" in seen[0]
+    assert still_open and closed
