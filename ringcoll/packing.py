@@ -14,7 +14,10 @@ into one, run once (one ring, not one per tensor: as NCCL's grouped calls), and 
                                   inputs i of P x m_i  -> (P, M = sum m_i), row r holding every
                                   input's chunk r -> reduce-scatter -> split into outputs[i]
 
-Packing copies the inputs when the call is made, so outputs may alias inputs.
+Packing copies the inputs when the call is made, so outputs may alias inputs. Unpacking
+writes the outputs as the tensor forms (and gloo) do, as memory, not as autograd in-place
+ops: under inference mode, so a leaf that requires grad or an inference tensor takes it
+(autograd refused the second output after the first was written).
 """
 
 from __future__ import annotations
@@ -30,9 +33,10 @@ def concat(tensors) -> torch.Tensor:
 def split_into(flat: torch.Tensor, tensors) -> None:
     """The inverse of concat: each tensor gets its elements of `flat` back, in order."""
     offset = 0
-    for t in tensors:
-        t.copy_(flat[offset:offset + t.numel()].view_as(t))
-        offset += t.numel()
+    with torch.inference_mode():
+        for t in tensors:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
 
 
 def gathered_rows_into(gathered: torch.Tensor, outputs, world_size: int) -> None:
@@ -40,10 +44,11 @@ def gathered_rows_into(gathered: torch.Tensor, outputs, world_size: int) -> None
     (P, S) where each rank's row is the concat of its inputs; outputs[i] is (P, n_i)."""
     rows = gathered.view(world_size, -1)
     offset = 0
-    for out in outputs:
-        width = out.numel() // world_size
-        out.view(world_size, width).copy_(rows[:, offset:offset + width])
-        offset += width
+    with torch.inference_mode():
+        for out in outputs:
+            width = out.numel() // world_size
+            out.view(world_size, width).copy_(rows[:, offset:offset + width])
+            offset += width
 
 
 def chunks_by_rank(inputs, world_size: int) -> torch.Tensor:

@@ -193,3 +193,33 @@ def test_settings_from_the_environment_are_refused_by_name(monkeypatch):
     monkeypatch.setenv("RINGCOLL_CHECK", "2")
     with pytest.raises(ValueError, match="RINGCOLL_CHECK must be 1/true/on/yes or 0/false/off/no, got '2'"):
         _resolve_check(None)
+
+
+def _list_forms_into_autograd_tensors(group):
+    import ringcoll
+
+    comm = ringcoll.Communicator(group=group)
+    rank, world = comm.rank, comm.world_size
+    with torch.inference_mode():
+        made_in_inference, also_in_inference = torch.zeros(3), torch.ones(2)
+    outputs = [torch.zeros(3), torch.zeros(3, requires_grad=True)][:world]
+    if world > 2:
+        outputs.append(made_in_inference)
+    comm.all_gather(outputs, torch.full((3,), float(rank)))
+    gathered = [t.detach().clone() for t in outputs]
+    coalesced = [torch.zeros(2, requires_grad=True), also_in_inference]
+    comm.all_reduce_coalesced(coalesced)  # coalesced in place: the inputs are the outputs
+    comm.close()
+    return gathered, [t.detach().clone() for t in coalesced]
+
+
+def test_the_list_forms_write_outputs_as_memory_as_the_tensor_forms_do():
+    """An output that is a leaf requiring grad, or made in inference mode: autograd refused
+    the list forms' copy into it after the outputs before it were written (a RuntimeError
+    on a half-written list); the tensor forms, and gloo, write it as memory."""
+    import ringcoll
+
+    world = 3
+    for gathered, coalesced in ringcoll.run_in_process(world, _list_forms_into_autograd_tensors):
+        assert [t.tolist() for t in gathered] == [[float(r)] * 3 for r in range(world)]
+        assert [t.tolist() for t in coalesced] == [[0.0, 0.0], [float(world)] * 2]
