@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import numbers
 import threading
 import weakref
 from dataclasses import dataclass
@@ -87,6 +88,9 @@ class PlanOp(NamedTuple):
     readers: int = 0  # with TO_SLOT or SHARE_OUTPUT: a bit per reading rank
 
     def __str__(self) -> str:
+        if _field_problem(self) is not None:  # as given (the checker says what is wrong with it)
+            return repr(self)
+
         def operand(o):
             return (f"rank {self.frm}'s publication" if o == PEER else f"rank {self.frm}'s input" if o == PEER_INPUT
                     else Operand(o).name.lower())
@@ -103,6 +107,19 @@ class PlanOp(NamedTuple):
                       else "an output it does not write, shared with rank")
             places = [p for p in places if p != "output"] + [shares + readers]
         return f"{chunks}: {value} -> {' and '.join(places)}" + (" (final)" if self.final else "")
+
+
+def _field_problem(o: PlanOp) -> Optional[str]:
+    """What is wrong with an op's fields on their own (an operand that names nothing, a
+    field that is not a whole number), or None."""
+    for field in PlanOp._fields:
+        if not isinstance(getattr(o, field), numbers.Integral):
+            return f"its field {field} is {getattr(o, field)!r}, not a whole number"
+    operands = {int(v) for v in Operand}
+    if o.a not in operands or o.b not in operands:
+        return (f"an operand (a={o.a}, b={o.b}) is none of ringcoll.plans.Operand's "
+                f"{', '.join(f'{v.name} = {int(v)}' for v in Operand)}")
+    return None
 
 
 def op(a, chunks, to, b=Operand.NONE, frm: int = -1, readers: Iterable[int] = (), final: bool = False) -> PlanOp:
@@ -250,8 +267,14 @@ def plan(name: str, collective: str, world: int) -> Plan:
             raise PlanError(f"{collective} plan {name!r}: plan_fn({world}, {rank}) must return that rank's ops, a "
                             f"list of ringcoll.plans.op(...) (or PlanOp field tuples); it gave "
                             f"{type(e).__name__}: {e}") from e
+        for i, o in enumerate(mine):
+            if (problem := _field_problem(o)) is not None:
+                raise PlanError(f"{collective} plan {name!r} on {world} ranks: rank {rank}, op {i} ({o!r}): {problem}")
         ops.append(mine)
-    chunks = 1 + max((o.first + o.count - 1 for mine in ops for o in mine), default=0)
+    # Reduce-scatter and all-gather have one chunk per rank, their outputs' layout: an op
+    # past it is then named by the checker (_structure), not counted as one chunk more.
+    chunks = world if collective in ("reduce_scatter", "all_gather") else \
+        1 + max((o.first + o.count - 1 for mine in ops for o in mine), default=0)
     return Plan(name, collective, chunks, tuple(ops), sends_early)
 
 

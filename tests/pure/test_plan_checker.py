@@ -202,6 +202,11 @@ def test_the_ring_itself_passes():
     (changed(0, 2, final=False), "output chunk 0 is never marked final"),
     (changed(0, 1, final=True), "marks final a value of 2 contributions, not all 3"),
     (changed(0, 2, b=Operand.NONE), "lacks rank 0's contribution"),
+    # fields that name nothing: a bare ValueError ("7 is not a valid Operand") or TypeError,
+    # raised while printing the op, and an unknown operand was read as the output
+    (changed(1, 1, a=7), "rank 1, op 1 (PlanOp(a=7, "),
+    (changed(1, 1, b=6), "an operand (a=1, b=6) is none of ringcoll.plans.Operand's"),
+    (changed(1, 1, frm=None), "its field frm is None, not a whole number"),
 ])
 def test_each_rule_refuses_a_plan_that_breaks_it(fn, words):
     assert words in refused(fn)
@@ -405,6 +410,13 @@ def test_collective_shapes_are_enforced():
         return ops
     words = refused(gather_wrong_chunk, "all_gather")
     assert "never writes output chunk 0" in words
+
+    def gather_past_the_last_chunk(world, r):  # counted as a chunk more, and the op went unnamed
+        ops = [op(INPUT, r, TO_OUTPUT | TO_SLOT, readers=[p for p in range(world) if p != r])]
+        ops += [op(PEER, p, TO_OUTPUT, frm=p) for p in range(world) if p != r]
+        return ops + [op(INPUT, world, TO_OUTPUT)] if r == 2 else ops
+    assert "rank 2, op 3 (chunk 3: input -> output): chunks outside 0..2" in refused(gather_past_the_last_chunk,
+                                                                                      "all_gather")
 
 
 def test_rooted_collectives_keep_to_the_root():
