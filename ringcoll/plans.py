@@ -434,9 +434,11 @@ def _execute(p: Plan, algebra, slices: int = SLICES) -> tuple:
         if which == PEER_INPUT:  # read where it lies: posted at the start, nothing to wait for
             return algebra.leaf(p.ops[rank][i].frm, c)
         store = work[rank][j] if which == WORK else output[rank][j]
-        if c not in store:
-            raise _fail(p, rank, i, f"reads {Operand(which).name.lower()} chunk {c} before anything wrote it")
-        return store[c]
+        if c in store:
+            return store[c]
+        if which == OUTPUT and rank == 0 and p.collective in ("reduce", "broadcast"):
+            return algebra.leaf(rank, c)  # the root's one tensor (in place): its input until written
+        raise _fail(p, rank, i, f"reads {Operand(which).name.lower()} chunk {c} before anything wrote it")
 
     def aliases(rank, c):
         """In place, is this rank's output chunk c the memory of its input chunk c? Every

@@ -448,6 +448,17 @@ def test_rooted_collectives_keep_to_the_root():
         return [op(INPUT, 0, TO_SLOT, readers=[0])]
     plans.check(user_plan(reduce, "reduce"))
 
+    def via_output(world, r):  # the root's one tensor is its input until written: OUTPUT reads it (was refused)
+        if r == 0:
+            return [op(PEER, 0, TO_WORK, frm=2, b=OUTPUT), op(WORK, 0, TO_OUTPUT, b=PEER, frm=1, final=True)]
+        return [op(INPUT, 0, TO_SLOT, readers=[0])]
+    plans.check(user_plan(via_output, "reduce"))
+
+    def others_read_output(world, r):  # a broadcast's other ranks' tensors hold nothing yet
+        return [op(OUTPUT, 0, TO_WORK)] + broadcast(world, r) if r == 1 else broadcast(world, r)
+    assert "rank 1, op 0 (chunk 0: output -> work): reads output chunk 0 before anything wrote it" in \
+        refused(others_read_output, "broadcast")
+
     def others_write_output(world, r):
         return reduce(world, r) + ([op(INPUT, 0, TO_OUTPUT)] if r == 1 else [])
     assert "only the root (rank 0) gets the result" in refused(others_write_output, "reduce")
