@@ -194,7 +194,34 @@ bool rooted_tensor(HostComm& c, const char* name, ringcoll::Collective coll, py:
 }
 }  // namespace
 
+// Ctrl-C during a wait. A call runs without the GIL, so Python's handler for SIGINT only
+// ran once the call returned, at the timeout. Every wait's health check (about every 50 ms
+// of sleeping) runs the handlers here; one that raises (KeyboardInterrupt) abandons the
+// call as any error does (the communicator breaks, the peers are told), and the translator
+// below raises that very exception in Python. Only the main thread runs handlers: elsewhere
+// PyErr_CheckSignals returns 0 at once.
+struct Interrupted : ringcoll::Error {
+  using Error::Error;
+};
+thread_local PyObject* interruption[3] = {nullptr, nullptr, nullptr};  // type, value, traceback
+
+void run_python_signal_handlers() {
+  py::gil_scoped_acquire gil;
+  if (PyErr_CheckSignals() == 0) return;
+  PyErr_Fetch(&interruption[0], &interruption[1], &interruption[2]);
+  throw Interrupted("interrupted by a signal (its Python handler raised, e.g. KeyboardInterrupt on Ctrl-C)");
+}
+
 void bind_host(py::module_& m) {
+  ringcoll::host::set_interrupt_check(&run_python_signal_handlers);
+  py::register_exception_translator([](std::exception_ptr raised) {
+    try {
+      if (raised) std::rethrow_exception(raised);
+    } catch (const Interrupted&) {
+      PyErr_Restore(interruption[0], interruption[1], interruption[2]);  // takes the references
+      interruption[0] = interruption[1] = interruption[2] = nullptr;
+    }
+  });
   m.def("random_segment_name", &ringcoll::host::random_segment_name);
   m.def(
       "slot_bytes_for",

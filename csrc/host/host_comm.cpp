@@ -92,6 +92,8 @@ bool process_alive(int64_t pid) {
   return state != 'Z' && state != 'X';
 }
 
+void (*interrupt_check)() = nullptr;
+
 std::atomic<uint64_t> forks{0};
 // Registered when the extension loads: counts in each child, before any of its code runs.
 const bool counting_forks = [] {
@@ -102,6 +104,8 @@ const bool counting_forks = [] {
 }  // namespace
 
 uint64_t forks_so_far() { return forks.load(std::memory_order_relaxed); }
+
+void set_interrupt_check(void (*check)()) { interrupt_check = check; }
 
 void HostComm::refuse_in_forked_child(const char* op) const {
   RINGCOLL_CHECK(made_at_fork_ == forks_so_far(), Error, op, ": this communicator was made before fork() (rank ",
@@ -269,6 +273,7 @@ void HostComm::probe_direct_reads() {
 // Waiting and failing
 
 bool HostComm::peers_look_alive(std::string* why) const {
+  if (interrupt_check != nullptr) interrupt_check();  // may throw (the binding's: Ctrl-C)
   const uint64_t my_namespace = header(rank_).pid_namespace;
   const uint64_t gave_up = flag_load_acquire(&header(rank_).peer_gave_up.value);
   if (gave_up != 0) {

@@ -541,6 +541,12 @@ class HostComm {
   void refuse_in_forked_child(const char* op) const;
 };
 
+// Called by every wait's health check (peers_look_alive: about every 50 ms of sleeping); it
+// may throw to abandon the call, which then breaks the communicator and tells the peers.
+// The Python module sets one that runs Python's signal handlers (a Ctrl-C waited for the
+// timeout: the call holds no GIL). Set once, before any communicator exists.
+void set_interrupt_check(void (*check)());
+
 // How many times this process's ancestors forked it (0 in the process that loaded the
 // extension; each fork() child counts one more): a zero-cost test for "made before fork".
 uint64_t forks_so_far();

@@ -680,6 +680,45 @@ def _absent_peer(rank, world, timeout, check, algorithm):
     return "no error", "", time.monotonic() - start, "", 0.0, False
 
 
+def _interrupted_in_a_collective(rank, world):
+    """Ctrl-C (SIGINT) on rank 0 while its all_reduce waits for rank 1, which calls only
+    after rank 0 has come back."""
+    import torch.distributed as dist
+
+    import ringcoll
+
+    comm = ringcoll.Communicator(timeout=30)
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 1:
+        store.wait(["interrupted"])
+        try:
+            comm.all_reduce(torch.ones(1000))
+            return "no error"
+        except ringcoll.RingcollError as e:
+            return type(e).__name__, str(e)
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    start = time.monotonic()
+    try:
+        comm.all_reduce(torch.ones(1000))
+        outcome = "no interrupt"
+    except KeyboardInterrupt:
+        outcome = "KeyboardInterrupt"
+    elapsed = time.monotonic() - start
+    store.set("interrupted", "1")
+    broken = comm.broken
+    comm.close()
+    return outcome, elapsed, broken
+
+
+def test_ctrl_c_interrupts_a_collective_and_the_peers_are_told():
+    """A collective runs without the GIL, so Python's SIGINT handler ran only when the call
+    came back: at the timeout (300 s by default). Now the waits run it about every 50 ms."""
+    (outcome, elapsed, broken), (kind, message) = spawn(_interrupted_in_a_collective, 2, timeout=60)
+    assert outcome == "KeyboardInterrupt" and 0.5 <= elapsed < 1.5 and broken, (outcome, elapsed, broken)
+    assert kind == "RingcollPeerError" and "rank 0 has aborted: all_reduce: interrupted by a signal" in message, \
+        message
+
+
 def _forks_with_a_call_in_flight(rank, world):
     """Rank 0 forks while its worker is inside an all_reduce (holding the queue's lock and
     the ring's); the child tries a call, then closes the cached communicators, as its exit
