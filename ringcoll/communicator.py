@@ -68,6 +68,8 @@ def resolve_timeout(timeout) -> float:
     if isinstance(timeout, datetime.timedelta):
         timeout = timeout.total_seconds()
     try:
+        if isinstance(timeout, bool):  # float(True) is 1.0: timeout=True meant 1 s
+            raise TypeError
         seconds = float(timeout)
     except (TypeError, ValueError):
         raise ValueError(f"Communicator: timeout= / RINGCOLL_TIMEOUT must be a number of seconds, got "

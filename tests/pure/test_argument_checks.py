@@ -187,6 +187,8 @@ def test_settings_from_the_environment_are_refused_by_name(monkeypatch):
     monkeypatch.setenv("RINGCOLL_TIMEOUT", "abc")
     with pytest.raises(ValueError, match="timeout= / RINGCOLL_TIMEOUT must be a number of seconds, got 'abc'"):
         resolve_timeout(None)
+    with pytest.raises(ValueError, match="must be a number of seconds, got True"):  # float(True): 1 s
+        resolve_timeout(True)
     for value, on in (("0", False), ("off", False), (" Yes ", True), ("1", True)):
         monkeypatch.setenv("RINGCOLL_CHECK", value)
         assert _resolve_check(None) is on
