@@ -164,7 +164,10 @@ class CallQueue:
     callback (torch's PowerSGD hook issues one and waits for it) runs at once, in line on
     the worker: had it been queued, the worker would wait for itself. It is thus the next
     call on the ring on every rank whatever the timing (nested calls go depth first, before
-    anything queued later), as a callback chain under NCCL runs within its parent's call."""
+    anything queued later), as a callback chain under NCCL runs within its parent's call.
+    A callback that waits for a later call's Future waits for itself: past `timeout` the
+    queue gives the later calls up with an error (_watch). In a child of fork() the queue
+    forgets the parent's threads and locks (_after_fork_in_child)."""
 
     def __init__(self, timeout: Optional[float] = None):
         self._worker: Optional[concurrent.futures.ThreadPoolExecutor] = None
