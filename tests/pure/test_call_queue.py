@@ -27,6 +27,16 @@ def _gated(queue: CallQueue, log: list, name: str):
     return gate, Work(queue.submit(run, async_op=True, name=name), [torch.zeros(1)])
 
 
+def _noting_errors(seen: list, action, errors=RingcollError):
+    """A Future callback that runs action() and notes the message of the error it raises."""
+    def callback(_):
+        try:
+            action()
+        except errors as e:
+            seen.append(str(e))
+    return callback
+
+
 def test_a_collective_issued_in_a_callback_runs_next_in_line():
     """A callback on the worker issues a call and waits for it (torch's PowerSGD hook): it runs
     at once, before a call queued earlier by the caller, so every rank runs the same order."""
@@ -53,14 +63,7 @@ def test_waiting_in_a_callback_for_a_call_queued_behind_it_is_refused():
     gate, first = _gated(queue, log, "first")
     second = Work(queue.submit(lambda: log.append("second"), async_op=True, name="all_gather"), [])
     seen = []
-
-    def callback(_):
-        try:
-            second.wait()
-        except RingcollError as e:
-            seen.append(str(e))
-
-    first.get_future().then(callback)
+    first.get_future().then(_noting_errors(seen, second.wait))
     gate.set()
     second.wait(10)
     assert len(seen) == 1 and seen[0].startswith("all_gather: waited for on the ringcoll worker thread"), seen
@@ -79,14 +82,7 @@ def test_a_callback_waiting_for_a_later_calls_future_fails_at_the_timeout_instea
     second = Work(queue.submit(lambda: log.append("second"), async_op=True, name="all_gather"), [torch.ones(1)])
     later = second.get_future()
     seen = []
-
-    def callback(_):
-        try:
-            later.wait()
-        except RuntimeError as e:
-            seen.append(str(e))
-
-    chained = first.get_future().then(callback)
+    chained = first.get_future().then(_noting_errors(seen, later.wait, RuntimeError))
     started = time.monotonic()
     gate.set()
     chained.wait()
@@ -149,14 +145,7 @@ def test_close_in_a_callback_is_refused_and_leaves_the_queue_usable():
     queue, log, released = CallQueue(), [], []
     gate, first = _gated(queue, log, "first")
     seen = []
-
-    def callback(_):
-        try:
-            queue.close(lambda: released.append(True))
-        except RingcollError as e:
-            seen.append(str(e))
-
-    chained = first.get_future().then(callback)
+    chained = first.get_future().then(_noting_errors(seen, lambda: queue.close(lambda: released.append(True))))
     gate.set()
     chained.wait()
     assert len(seen) == 1 and seen[0].startswith("close: called on the ringcoll worker thread"), seen
@@ -171,14 +160,7 @@ def _close_in_a_callback(group):
 
     comm = ringcoll.Communicator(group=group)
     seen = []
-
-    def callback(_):
-        try:
-            comm.close()
-        except RingcollError as e:
-            seen.append(str(e))
-
-    comm.all_reduce(torch.ones(4), async_op=True).get_future().then(callback).wait()
+    comm.all_reduce(torch.ones(4), async_op=True).get_future().then(_noting_errors(seen, comm.close)).wait()
     still_open = not comm._closed
     comm.close()
     return seen, still_open, comm._closed
