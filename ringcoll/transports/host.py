@@ -200,10 +200,13 @@ class CallQueue:
         itself (in a callback) run it now either way (the class doc)."""
         self._refuse_if_given_up(name)
         if self.on_worker():  # the worker holds the lock already
-            if not async_op:
-                run()
-                return None
-            return ThreadCompletion.finished(name, _error_of(run))
+            try:
+                if not async_op:
+                    run()
+                    return None
+                return ThreadCompletion.finished(name, _error_of(run))
+            finally:
+                self._progressed()
         if not async_op:
             self.run_now(run)
             return None
@@ -238,12 +241,20 @@ class CallQueue:
             self._last_async = completion
         return completion
 
+    def _progressed(self) -> None:
+        """A call made in a callback has run: the callbacks are moving (_watch)."""
+        busy = self._in_callbacks
+        if busy is not None:
+            self._in_callbacks = (busy[0], time.monotonic())
+
     def _watch(self) -> None:
         """A callback may wait for a later call (a Future it was handed before): that call is
-        queued behind the callback on this one worker, so it would wait forever. Past the
-        timeout, every call still queued is given up with an error (the Future waited for then
-        fails, and the callback returns), and the queue refuses new calls: on this rank those
-        calls never ran, so the communicator cannot go on with its peers."""
+        queued behind the callback on this one worker, so it would wait forever. When the
+        callbacks have run no call for longer than the timeout (the bound of any wait on the
+        ring: peers waiting for this rank's next call give up then too), every call still
+        queued is given up with an error (the Future waited for then fails, and the callback
+        returns), and the queue refuses new calls: on this rank those calls never ran, so the
+        communicator cannot go on with its peers."""
         period = min(max(self._timeout / 10, 0.05), 5.0)
         while not self._closing.wait(period):
             busy = self._in_callbacks
@@ -251,9 +262,9 @@ class CallQueue:
                 continue
             with self._queue_lock:
                 queued = list(self._queued)
-                self._given_up = (f"the callbacks of {busy[0]._name}'s Future held the ringcoll worker for more than "
-                                  f"the {self._timeout:g} s timeout while {len(queued)} later call(s) waited behind "
-                                  "them; a callback that waits for a later call's Future waits for itself (wait for "
+                self._given_up = (f"the callbacks of {busy[0]._name}'s Future held the ringcoll worker, making no call, "
+                                  f"for more than the {self._timeout:g} s timeout while {len(queued)} later call(s) "
+                                  "waited behind them; a callback that waits for a later call's Future waits for itself (wait for "
                                   "it outside the callback). Those calls never ran here: make a new communicator")
             for completion in queued:
                 completion.give_up(RingcollError(f"{completion._name}: given up: {self._given_up}"))
@@ -269,9 +280,12 @@ class CallQueue:
         """fn(*args) on this thread, after the queued calls: a synchronous call (no closure
         and no Future, which cost a small call as much as its ring step)."""
         if self._given_up is not None:
-            self._refuse_if_given_up(getattr(fn, "__name__", "collective"))
+            self._refuse_if_given_up("collective")
         if self.on_worker():  # in a callback: in line (the class doc); the worker holds the lock
-            fn(*args)
+            try:
+                fn(*args)
+            finally:
+                self._progressed()
             return
         if self._last_async is not None:
             self.synchronize()  # keep call order; a queued call's error is its own

@@ -87,7 +87,7 @@ def test_a_callback_waiting_for_a_later_calls_future_fails_at_the_timeout_instea
     gate.set()
     chained.wait()
     assert 0.5 <= time.monotonic() - started < 3.0
-    assert len(seen) == 1 and "all_gather: given up: the callbacks of first's Future held the ringcoll worker" in seen[0]
+    assert len(seen) == 1 and "all_gather: given up: the callbacks of first's Future held the ringcoll worker, making no call" in seen[0]
     assert log == ["first"]  # the call given up never ran
     with pytest.raises(RingcollError, match="all_gather: given up"):
         second.wait(1)
@@ -172,3 +172,24 @@ def test_a_communicator_closed_from_a_callback_stays_open_and_closes_later():
     [(seen, still_open, closed)] = ringcoll.run_in_process(1, _close_in_a_callback)
     assert len(seen) == 1 and "close: called on the ringcoll worker thread" in seen[0]
     assert still_open and closed
+
+
+def test_a_callback_that_keeps_making_calls_is_not_given_up():
+    """The watch counts time since the callbacks last ran a call (PowerSGD's make several,
+    in line), not since they began: a long chain of nested calls, each well within the
+    timeout, while a later call waits behind it, runs to its end."""
+    queue, log = CallQueue(timeout=0.3), []
+    gate, first = _gated(queue, log, "first")
+    second = Work(queue.submit(lambda: log.append("second"), async_op=True, name="second"), [])
+
+    def callback(_):
+        for i in range(8):  # 0.8 s in all, 0.1 s between calls
+            time.sleep(0.1)
+            Work(queue.submit(lambda i=i: log.append(f"nested {i}"), async_op=True, name="nested"), []).wait()
+
+    chained = first.get_future().then(callback)
+    gate.set()
+    chained.wait()
+    second.wait(10)
+    assert log == ["first", *(f"nested {i}" for i in range(8)), "second"]
+    queue.close(lambda: None)
