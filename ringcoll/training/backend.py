@@ -386,12 +386,13 @@ class RingcollProcessGroup(dist.ProcessGroup):
     def _run(self, name: str, start: Callable[[bool], object], outputs: list, opts) -> dist._Work:
         """start(async_op) runs the collective on the ring; sync unless opts.asyncOp. A
         timeout in the options (``pg.allreduce(t, timeout=...)``, ``dist.barrier(timeout=...)``;
-        c10d's unset one is negative) bounds the wait for this call, as gloo's does: a sync
+        c10d's unset one is negative, and 0 is its "no timeout") bounds the wait for this
+        call, as gloo's does: a sync
         call then runs async and is waited for so long (RingcollTimeoutError, a RuntimeError,
         past it; the call itself stays bounded by the communicator's timeout)."""
         call_counts[f"ringcoll:{name}"] += 1
         timeout = getattr(opts, "timeout", None)
-        timeout = timeout if timeout is not None and timeout >= datetime.timedelta(0) else None
+        timeout = timeout if timeout is not None and timeout > datetime.timedelta(0) else None
         if getattr(opts, "asyncOp", True) or timeout is not None:
             work = _C10dWork(start(True), outputs, OP_TYPES[name], timeout)
             if not getattr(opts, "asyncOp", True):
