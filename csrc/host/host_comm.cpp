@@ -4,8 +4,6 @@
 #include "host_comm.h"
 
 #include <pthread.h>
-#include <signal.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -14,7 +12,6 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -73,23 +70,6 @@ namespace {
 template <size_t N>
 std::string header_text(const char (&field)[N]) {
   return std::string(field, strnlen(field, N));
-}
-
-uint64_t own_pid_namespace() {
-  struct stat st {};
-  return stat("/proc/self/ns/pid", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
-}
-
-// False once `pid` has exited, including as a zombie its parent has not reaped yet.
-bool process_alive(int64_t pid) {
-  if (kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) return false;
-  std::ifstream stat_file("/proc/" + std::to_string(pid) + "/stat");
-  std::string line;
-  if (!std::getline(stat_file, line)) return true;  // cannot tell: assume alive
-  const size_t close_paren = line.rfind(')');
-  if (close_paren == std::string::npos || close_paren + 2 >= line.size()) return true;
-  const char state = line[close_paren + 2];
-  return state != 'Z' && state != 'X';
 }
 
 void (*interrupt_check)() = nullptr;
@@ -221,7 +201,12 @@ void HostComm::map_peer_segments(const std::vector<std::string>& names, size_t b
     for (size_t i = 1; i < missing.size(); ++i) waiting << (i + 1 == missing.size() ? " and " : ", ") << missing[i];
     waiting << " to create " << (missing.size() > 1 ? "their " : "its ") << what;
     std::string why;
-    if (!peers_look_alive(&why))
+    for (int peer : missing) {  // its name says who makes it (and a dead maker's is removed)
+      const int64_t maker = segment_maker(names[peer]);
+      if (maker != 0 && !process_alive(maker) && why.empty())
+        why = "rank " + std::to_string(peer) + " (pid " + std::to_string(maker) + ") has exited";
+    }
+    if (!why.empty() || !peers_look_alive(&why))
       fail<PeerError>(current_op_, "rank " + std::to_string(rank_) + " gave up " + waiting.str() + ": " + why);
     if (Clock::now() >= deadline) {
       std::ostringstream msg;  // a double as the other timeout messages print it

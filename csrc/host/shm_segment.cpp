@@ -1,6 +1,8 @@
 #include "shm_segment.h"
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/random.h>
 #include <sys/stat.h>
@@ -8,7 +10,9 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
 
 #include "ringcoll/check.h"
 
@@ -28,7 +32,66 @@ std::string random_segment_name() {
     name += kHex[b >> 4];
     name += kHex[b & 15];
   }
-  return name;
+  return name + "-" + std::to_string(getpid()) + "-" + std::to_string(own_pid_namespace());
+}
+
+uint64_t own_pid_namespace() {
+  struct stat st {};
+  return stat("/proc/self/ns/pid", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
+}
+
+bool process_alive(int64_t pid) {
+  if (kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) return false;
+  std::ifstream stat_file("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(stat_file, line)) return true;  // cannot tell: assume alive
+  const size_t close_paren = line.rfind(')');
+  if (close_paren == std::string::npos || close_paren + 2 >= line.size()) return true;
+  const char state = line[close_paren + 2];
+  return state != 'Z' && state != 'X';
+}
+
+namespace {
+// The maker's pid of a name random_segment_name drew in pid namespace `ns` (after an
+// arena's "-arena<i>" too; with or without the leading '/'), or 0 for any other name.
+int64_t maker_in(const std::string& full_name, uint64_t ns) {
+  const std::string name = full_name.empty() || full_name[0] != '/' ? full_name : full_name.substr(1);
+  const std::string prefix = "ringcoll-";
+  if (name.compare(0, prefix.size(), prefix) != 0 || name.size() < prefix.size() + 32 + 4) return 0;
+  const char* p = name.c_str() + prefix.size() + 32;
+  if (*p != '-') return 0;
+  char* end = nullptr;
+  const long long pid = std::strtoll(p + 1, &end, 10);
+  if (end == p + 1 || *end != '-' || pid <= 0) return 0;
+  const char* ns_begin = end + 1;
+  const unsigned long long made_in = std::strtoull(ns_begin, &end, 10);
+  if (end == ns_begin || made_in != ns || (*end != '\0' && std::strncmp(end, "-arena", 6) != 0)) return 0;
+  return pid;
+}
+}  // namespace
+
+int64_t segment_maker(const std::string& name) {
+  const uint64_t ns = own_pid_namespace();
+  return ns == 0 ? 0 : maker_in(name, ns);
+}
+
+int remove_segments_of_exited_makers() {
+  const uint64_t ns = own_pid_namespace();
+  DIR* dir = ns == 0 ? nullptr : opendir("/dev/shm");
+  if (dir == nullptr) return 0;
+  int removed = 0;
+  while (const dirent* entry = readdir(dir)) {
+    const std::string name = entry->d_name;
+    const int64_t maker = maker_in(name, ns);
+    struct stat st {};
+    if (maker == 0 || process_alive(maker)) continue;
+    if (fstatat(dirfd(dir), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(st.st_mode) ||
+        st.st_uid != geteuid())
+      continue;  // only this user's own segments
+    removed += shm_unlink(("/" + name).c_str()) == 0;
+  }
+  closedir(dir);
+  return removed;
 }
 
 namespace {
@@ -55,6 +118,7 @@ std::string shm_space() {
 }  // namespace
 
 SegmentMapping SegmentMapping::create(const std::string& name, size_t bytes, int owner_rank) {
+  remove_segments_of_exited_makers();  // a job killed whole while making its segments (the header)
   const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, S_IRUSR | S_IWUSR);
   RINGCOLL_CHECK(fd >= 0, Error, "creating rank ", owner_rank, "'s shared-memory segment failed: ",
                  std::strerror(errno));

@@ -33,7 +33,7 @@ import pytest
 from ringcoll import _C
 from ringcoll.errors import RingcollTimeoutError
 
-NAME_RE = re.compile(r"^/ringcoll-[0-9a-f]{32}$")
+NAME_RE = re.compile(r"^/ringcoll-[0-9a-f]{32}-[0-9]+-[0-9]+$")  # then the maker's pid and pid namespace
 ANY_NAME_RE = re.compile(r"ringcoll-[0-9a-f]{32}")
 NOBODY = 65534
 REPO = Path(__file__).resolve().parents[2]
@@ -50,7 +50,9 @@ def test_names_do_not_repeat_and_every_position_varies():
     names = [_C.random_segment_name() for _ in range(draws)]
     assert all(NAME_RE.match(n) for n in names)
     assert len(set(names)) == draws
-    digits = [n[len("/ringcoll-"):] for n in names]
+    digits = [n[len("/ringcoll-"):len("/ringcoll-") + 32] for n in names]
+    # then the maker: for removing what a job killed whole left (shm_segment.h)
+    assert {n[len("/ringcoll-") + 32:] for n in names} == {f"-{os.getpid()}-{os.stat('/proc/self/ns/pid').st_ino}"}
     # Each of the 32 positions takes all 16 values (a pid, rank, counter or timestamp would
     # pin some positions), and each of the 128 bits is set about half the time.
     for pos in range(32):
@@ -62,9 +64,11 @@ def test_names_do_not_repeat_and_every_position_varies():
         assert abs(ones / draws - 0.5) < 0.03, (bit, ones)  # 8 sigma at n = 20,000
 
 
-def test_names_carry_no_pid():
+def test_the_random_part_of_a_name_carries_no_pid():
+    """The pid follows the 128 random bits (the maker, for removing what a dead job left);
+    the random part is random all the same."""
     pid_hex, pid_dec = f"{os.getpid():x}", str(os.getpid())
-    names = [_C.random_segment_name() for _ in range(2000)]
+    names = [_C.random_segment_name()[:len("/ringcoll-") + 32] for _ in range(2000)]
     digits = len(names[0]) - len("/ringcoll-")  # 32 random hex digits
     # A name that embedded the pid would contain it every time; by chance a random name
     # contains a k-digit string at ~(33 - k) / 16^k of the time, which is not small when
