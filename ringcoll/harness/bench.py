@@ -80,11 +80,15 @@ ROOT = 0  # broadcast's source and reduce's destination
 OPS = ("sum", "prod", "min", "max", "avg")
 
 
-# rank_input's values repeat every PERIOD elements (its pattern is modulo 5, the products'
-# modulo 2), and so does every expected result: both compute one period and tile it, so a
-# 64 MiB message at P = 8 costs a copy, not P passes of arithmetic over every element
-# (seconds per rank and size, which the in-process mode's P threads pay at once).
-PERIOD = 10
+# rank_input's values repeat every PERIOD elements, and so does every expected result: both
+# compute one period and tile it, so a 64 MiB message at P = 8 costs a copy, not P passes of
+# arithmetic over every element (seconds per rank and size, which the in-process mode's P
+# threads pay at once). A prime, so that no chunk a collective cuts (counts are powers of
+# two, or multiples of P) is a whole number of periods: with a period of 10 and values
+# that followed (7i + 3r) mod 5, chunks looked alike (P = 3: a reduce-scatter handing rank r
+# chunk r+1 passed), as did ranks r and r+5, and products at even P were 2 everywhere (an
+# all-reduce rotated by one element passed with --op prod).
+PERIOD = 4099
 
 
 def _tiled(period: torch.Tensor, numel: int) -> torch.Tensor:
@@ -94,37 +98,60 @@ def _tiled(period: torch.Tensor, numel: int) -> torch.Tensor:
     return period.repeat(-(-numel // period.numel()))[:numel]
 
 
-def rank_input(rank: int, numel: int, dtype: torch.dtype, op: str, offset: int = 0) -> torch.Tensor:
-    """Rank `rank`'s input: small integers, so every summation order gives the same bits
-    (values 1..5), and for products 1 or 2 (a product of P of them is exact in bfloat16)."""
-    idx = torch.arange(offset, offset + min(numel, PERIOD), dtype=torch.int64)
-    if op == "prod":
-        return _tiled(((idx + rank) % 2 + 1).to(dtype), numel)
-    return _tiled(((idx * 7 + rank * 3) % 5 + 1).to(dtype), numel)
+def _scrambled(idx: torch.Tensor, rank: int, salt: int) -> torch.Tensor:
+    """A pseudo-random whole number in [0, 1000003) for each element of `idx` (positions in
+    one PERIOD), different for every rank and salt: no short period in position or rank."""
+    h = (idx * 7919 + (rank + 1) * 104729 + salt * 1299709) % 1000003
+    return (h * h + idx) % 1000003
+
+
+def rank_input(rank: int, numel: int, dtype: torch.dtype, op: str, offset: int = 0, salt: int = 0) -> torch.Tensor:
+    """Rank `rank`'s input for a collective of `op` ("sum" for those that reduce nothing):
+    small whole numbers, scrambled by position, rank and `salt`, so every summation order
+    gives the same bits: 1..5 for sums (exact in bfloat16 up to P = 51), 1..100 for min and
+    max, and 1 or 2 for products (a product of 2s is exact in bfloat16; integers wrap)."""
+    idx = torch.arange(offset, offset + min(numel, PERIOD), dtype=torch.int64) % PERIOD
+    scrambled = _scrambled(idx, rank, salt)
+    values = {"prod": (scrambled % 3 == 0).to(torch.int64) + 1, "min": scrambled % 100 + 1,
+              "max": scrambled % 100 + 1}.get(op, scrambled % 5 + 1)
+    return _tiled(values.to(dtype), numel)
+
+
+def unwritten(dtype: torch.dtype, op: str) -> int:
+    """What outputs start as, so that an element a collective did not write shows: a value
+    no result takes (results are positive; a product of 2s wraps to a power of two or 0 in
+    integers, never 3; 0 is a sum only where 5 P wraps past an integer type's range)."""
+    return -1 if dtype.is_floating_point else 3 if op == "prod" else 0
+
+
+def input_op(coll: CollectiveDef, op: str) -> str:
+    """The op whose inputs a collective gets: its own where it reduces, else the sums'."""
+    return op if coll.reduces else "sum"
 
 
 def expected_result(coll: CollectiveDef, rank: int, world: int, count: int, dtype: torch.dtype,
-                    op: str) -> Optional[torch.Tensor]:
+                    op: str, salt: int = 0) -> Optional[torch.Tensor]:
     """The right answer, computed on this rank from everyone's (regenerable) inputs: over one
     PERIOD of elements, which the result repeats as the inputs do."""
     in_numel, out_numel = coll.shapes(count, world)
+    op = input_op(coll, op)
     if coll.name == "broadcast":
-        return rank_input(ROOT, in_numel, dtype, op)
+        return rank_input(ROOT, in_numel, dtype, op, salt=salt)
     if coll.name == "reduce" and rank != ROOT:  # torch defines the root's result only (gloo
         return None                              # leaves partial sums elsewhere): nothing to check
     if not coll.reduces:
-        return torch.cat([rank_input(r, in_numel, dtype, op) for r in range(world)])
+        return torch.cat([rank_input(r, in_numel, dtype, op, salt=salt) for r in range(world)])
     offset = rank * out_numel if coll.name == "reduce_scatter" else 0
     n = min(out_numel, PERIOD)
-    acc = rank_input(0, n, dtype, op, offset).double()
+    acc = rank_input(0, n, dtype, op, offset, salt).double()
     for r in range(1, world):
-        x = rank_input(r, n, dtype, op, offset).double()
+        x = rank_input(r, n, dtype, op, offset, salt).double()
         acc = {"sum": acc + x, "avg": acc + x, "prod": acc * x, "min": torch.minimum(acc, x),
                "max": torch.maximum(acc, x)}[op]
     if dtype.is_floating_point:
         acc = acc.to(dtype)
         return _tiled(acc / world if op == "avg" else acc, out_numel)
-    # Integer results (at most 5 x P, or 2^P) wrap modulo 2^bits, as in torch and ringcoll.
+    # Integer results (at most 5 x P, 100, or 2^P) wrap modulo 2^bits, as in torch and ringcoll.
     return _tiled(acc.to(torch.int64).to(dtype), out_numel)
 
 
@@ -260,7 +287,9 @@ class TorchBackend(DistBackend):
         inp, out = moved(inp), moved(out)
         if coll.name == "all_gather" and in_place:
             return inp, out, out
-        result = inp if in_place and coll.name == "all_reduce" else out
+        # in place, the input is the result (the rooted ones' too: they checked an output
+        # they never write, and failed every correct broadcast and reduce)
+        result = inp if in_place and coll.name in ("all_reduce", *ROOTED_COLLECTIVES) else out
         return inp, out, inp.view(world, -1)[rank] if in_place and coll.name == "reduce_scatter" else result
 
     def _op(self, op: str):
@@ -671,13 +700,15 @@ def timed_loop(call: Callable[[], None], backend: Backend, iters: int, config: C
     return backend.reduce_over_ranks(mine, "max"), backend.reduce_over_ranks(mine, "min")
 
 
-def _buffers(coll: CollectiveDef, count: int, world: int, rank: int, dtype, op: str, in_place: bool, device: str):
+def _buffers(coll: CollectiveDef, count: int, world: int, rank: int, dtype, op: str, in_place: bool, device: str,
+             salt: int = 0):
     in_numel, out_numel = coll.shapes(count, world)
-    out = torch.zeros(out_numel, dtype=dtype, device=device)
+    out = torch.full((out_numel,), unwritten(dtype, op), dtype=dtype, device=device)
+    op = input_op(coll, op)
     if coll.name == "all_gather" and in_place:
-        out.view(world, -1)[rank].copy_(rank_input(rank, in_numel, dtype, op))
+        out.view(world, -1)[rank].copy_(rank_input(rank, in_numel, dtype, op, salt=salt))
         return None, out, out
-    inp = rank_input(rank, in_numel, dtype, op).to(device)
+    inp = rank_input(rank, in_numel, dtype, op, salt=salt).to(device)
     result = inp if (in_place and coll.name in ("all_reduce", *ROOTED_COLLECTIVES)) else out
     if in_place and coll.name == "reduce_scatter":
         result = inp.view(world, -1)[rank]
@@ -711,20 +742,43 @@ def bench_size(backends: list, coll: CollectiveDef, count: int, rank: int, world
             backend.synchronize()
             wrong = int((result.cpu() != expected).sum()) if backend.checked and expected is not None else 0
             row[f"{form}_wrong"] = int(backend.reduce_over_ranks(float(wrong), "max"))
-            timed.append((row, form, backend, call, calibrate(call, backend, config, rank)))
+            timed.append((row, form, backend, call, calibrate(call, backend, config, rank), (inp, out, result)))
     trials = {id(entry): [] for entry in timed}
     for _ in range(config.trials):
         for entry in timed:
-            row, form, backend, call, iters = entry
+            row, form, backend, call, iters, _ = entry
             trials[id(entry)].append(timed_loop(call, backend, iters, config, rank))
+    check_again(timed, coll, count, rank, world, config)
     for entry in timed:
-        row, form, backend, call, _ = entry
+        row, form, backend, call, _, _ = entry
         slowest, fastest = zip(*trials[id(entry)])
         row[f"{form}_time_us"] = statistics.median(slowest) * 1e6
         row[f"{form}_fastest_us"] = statistics.median(fastest) * 1e6
         if config.link_interface:
             row[f"{form}_link_bytes"] = link_bytes_per_call(call, backend, config, row["bytes"])
     return rows
+
+
+def check_again(timed: list, coll: CollectiveDef, count: int, rank: int, world: int, config: Config) -> None:
+    """After the timed calls, each checked form's own buffers (the ones its call was bound
+    to, so a prepared or symmetric call too) get other inputs (salt 1) and unwritten outputs,
+    and one more call is checked: a call that worked only the first time on its buffers (a
+    stale result, a plan kept from the first call) passed when only the first was checked.
+    The wrong count is the larger of the two checks."""
+    dtype = DTYPES[config.dtype]
+    expected = expected_result(coll, rank, world, count, dtype, config.op, salt=1)
+    for row, form, backend, call, _, (inp, out, result) in timed:
+        if not backend.checked or not isinstance(out, torch.Tensor):  # alike on every rank: each calls, or none
+            continue
+        fresh_inp, fresh_out, _ = _buffers(coll, count, world, rank, dtype, config.op, form == "in", "cpu", salt=1)
+        if inp is not None:
+            inp.copy_(fresh_inp)
+        out.copy_(fresh_out)
+        backend.barrier()
+        call()
+        backend.synchronize()
+        wrong = float((result.cpu() != expected).sum()) if expected is not None else 0.0  # a reduce's non-roots
+        row[f"{form}_wrong"] = max(row[f"{form}_wrong"], int(backend.reduce_over_ranks(wrong, "max")))
 
 
 # --- the link between machines (--hosts) ------------------------------------------------------
@@ -1297,8 +1351,8 @@ def format_table(rows: list[dict], world: int, config: Config, fitted: dict, not
             if config.symmetric and floors:
                 floor = floors.get(r["bytes"])
                 line += f" |{_f(floor, 9, 1)} {_f(floor and r.get('in_time_us', 0) / floor, 7)}"
-            if config.straggler_rank is not None:
-                line += f" |{r['out_fastest_us']:9.1f}"
+            if config.straggler_rank is not None:  # the headline form's (broadcast and reduce: in place only)
+                line += f" |{_f(r.get(f'{headline_form(name)}_fastest_us'), 9, 1)}"
             if counted:
                 line += " |" + "".join(f" {_f(link_fraction(r if ref == 'ringcoll' else by_ref[ref].get(r['bytes'])), 8, 3)}"
                                        for ref in counted)[1:]
@@ -1313,11 +1367,13 @@ def format_table(rows: list[dict], world: int, config: Config, fitted: dict, not
     if costs:
         lines += ["", "# call check (RINGCOLL_CHECK, mismatch detection): all_reduce out-of-place, measured in turn"]
         for c in costs:
+            wrong = c.get("on_wrong", 0) + c.get("off_wrong", 0)
             lines.append(f"#   {c['bytes']:>11} bytes: {c['on_time_us']:9.1f} us checked, {c['off_time_us']:9.1f} us "
-                         f"unchecked ({c['on_time_us'] / c['off_time_us'] - 1:+.1%})")
+                         f"unchecked ({c['on_time_us'] / c['off_time_us'] - 1:+.1%})"
+                         + (f"; {wrong} WRONG values" if wrong else ""))
     absent = [f"# {name} reference: {note}" for name, note in notes.items() if note]
     lines += [""] + absent if absent else []
-    wrong = total_wrong(rows)
+    wrong = total_wrong([*rows, *costs])  # the run's exit status counts the call check's calls too
     buses = [bus for r in rows
              if r["backend"] == "ringcoll" and (bus := busbw(r, headline_form(r["collective"]))) is not None]
     if config.symmetric and direct is not None:
@@ -1337,10 +1393,13 @@ def tuning_times(rows: list[dict], config: Config, name: str, algorithms: Sequen
                  form: Optional[str] = None) -> dict:
     """{algorithm: {bytes: us}} of collective `name`, for each of `algorithms`, in `form`
     ("out" or "in"; default out of place, broadcast and reduce in place, their one form): the
-    algorithms' table and --record-tuning (ringcoll/tuning.py) read the same numbers."""
-    key = f"{form or headline_form(name)}_time_us"
-    return {a: {r["bytes"]: r[key] for r in rows
-                if r["collective"] == name and r["backend"] == algorithm_backend(config, a) and r.get(key)}
+    algorithms' table and --record-tuning (ringcoll/tuning.py) read the same numbers. A time
+    whose result was wrong is left out: it could be named fastest, fitted, or recorded for
+    auto to choose."""
+    form = form or headline_form(name)
+    return {a: {r["bytes"]: r[f"{form}_time_us"] for r in rows
+                if r["collective"] == name and r["backend"] == algorithm_backend(config, a)
+                and r.get(f"{form}_time_us") and not r.get(f"{form}_wrong")}
             for a in algorithms}
 
 
@@ -1414,6 +1473,11 @@ def algorithms_table(rows: list[dict], world: int, config: Config, name: str) ->
                      f"pair fitted to every plan's times; its fastest: {where} bytes")
     runs = [(size, best) for i, (size, best) in enumerate(fastest) if best and (i == 0 or fastest[i - 1][1] != best)]
     lines.append("# measured fastest: " + ", ".join(f"{best} from {size}" for size, best in runs) + " bytes")
+    key = f"{headline_form(name)}_wrong"
+    wrong = [f"{a} at {r['bytes']} bytes ({r[key]} wrong)" for a in names for r in rows
+             if r["collective"] == name and r["backend"] == algorithm_backend(config, a) and r.get(key)]
+    if wrong:
+        lines.append("# WRONG results, left out above ('-'): " + ", ".join(wrong))
     return lines
 
 
@@ -1575,6 +1639,30 @@ def main(argv=None) -> int:
             return refuse(f"--link: {e}")
     if args.symmetric and (args.hosts > 1 or args.in_process):
         return refuse("--symmetric: symmetric memory is for ranks in processes on one machine so far")
+    sizes = {}
+    for option, text in (("-b/--minbytes", args.minbytes), ("-e/--maxbytes", args.maxbytes),
+                         ("--buffer-bytes", args.buffer_bytes), ("--small-bytes", args.small_bytes),
+                         ("--direct-bytes", args.direct_bytes)):
+        try:
+            sizes[option] = parse_bytes(text) if text is not None else None
+        except ValueError as e:
+            return refuse(f"{option}: {e}")
+    # Values the run cannot use: each ended in a traceback or an endless size loop (-f 1)
+    for bad, message in ((args.nproc < 1, f"--nproc must be at least 1, not {args.nproc}"),
+                         (args.stepfactor < 2, f"-f/--stepfactor must be at least 2 (the sizes multiply by it), "
+                                               f"not {args.stepfactor}"),
+                         (sizes["-b/--minbytes"] > sizes["-e/--maxbytes"],
+                          f"-b {args.minbytes} is above -e {args.maxbytes}: no size to measure"),
+                         (args.trials < 1, f"--trials must be at least 1, not {args.trials}"),
+                         (args.iters < 1 or args.warmup_iters < 0, "--iters must be at least 1 and --warmup-iters "
+                                                                    "at least 0"),
+                         (sizes["--buffer-bytes"] == 0, "--buffer-bytes must be above 0 (leave it out for the "
+                                                        "default)"),
+                         (args.delay_us < 0, f"--delay-us must be at least 0, not {args.delay_us:g}"),
+                         (args.delay_us > 0 and args.straggler_rank is None,
+                          "--delay-us delays the --straggler-rank: give one")):
+        if bad:
+            return refuse(message)
     config = Config(min_bytes=parse_bytes(args.minbytes), max_bytes=parse_bytes(args.maxbytes),
                     factor=args.stepfactor, warmup=args.warmup_iters, iters=args.iters, trials=args.trials,
                     min_seconds=(args.min_ms if args.min_ms is not None else 200.0 if args.hosts > 1 else 20.0) / 1e3,
@@ -1627,9 +1715,18 @@ def main(argv=None) -> int:
     pipeline = next((r["choice"] for r in rows if r.get("kind") == "pipeline"), "")
     config = dataclasses.replace(config, pipeline=pipeline)
     rows = [r for r in rows if "kind" not in r]
+    ours = [r for r in rows if r["backend"] == "ringcoll" or r["backend"].startswith("algorithm:")]
+    if not any(key.endswith("_time_us") for r in ours for key in r):  # it passed, having checked nothing
+        reasons = sorted({r["unsupported"] for r in ours if r.get("unsupported")})
+        print("ringcoll-bench: no ringcoll call was measured" + (f": {'; '.join(reasons)}" if reasons else ""),
+              file=sys.stderr)
+        return 1
     fitted = fits(rows, args.nproc) if args.fit else {}
     print(format_table(rows, args.nproc, config, fitted, notes, costs, direct))
-    if args.record_tuning:
+    if args.record_tuning and total_wrong(rows + costs):  # auto would choose a plan that computed wrong
+        print(f"ringcoll-bench: --record-tuning: not written, {total_wrong(rows + costs)} wrong values in this run",
+              file=sys.stderr)
+    elif args.record_tuning:
         print(record_tuning(args.record_tuning, rows, args.nproc, config, sys.argv[1:] if argv is None else argv))
     if cut is not None:
         print(f"# --max-seconds {args.max_seconds:g} spent: {cut['collective']} from {cut['count']} elements on "

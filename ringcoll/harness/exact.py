@@ -15,7 +15,7 @@ import torch
 
 from ringcoll._types import RING_COLLECTIVES, ReduceOp
 from ringcoll.bootstrap import InProcessRank
-from ringcoll.harness.bench import COLLECTIVES, DTYPES, OPS, expected_result, rank_input
+from ringcoll.harness.bench import COLLECTIVES, DTYPES, OPS, expected_result, input_op, rank_input, unwritten
 
 _REDUCE_OPS = {"sum": ReduceOp.SUM, "prod": ReduceOp.PRODUCT, "min": ReduceOp.MIN, "max": ReduceOp.MAX,
                "avg": ReduceOp.AVG}
@@ -23,11 +23,12 @@ _REDUCE_OPS = {"sum": ReduceOp.SUM, "prod": ReduceOp.PRODUCT, "min": ReduceOp.MI
 
 def run_case(comm, coll: str, count: int, dtype: torch.dtype, op: str, in_place: bool) -> torch.Tensor:
     """One call of `coll` on a message of `count` elements; this rank's result, on the CPU.
-    Outputs start as 7s, so an element the collective did not write shows."""
+    Outputs start as a value no result takes (bench.unwritten), so an element the collective
+    did not write shows (they started as 7s, which a sum at P = 2 can be)."""
     rank, world, device = comm.rank, comm.world_size, comm.device
     in_numel, out_numel = COLLECTIVES[coll].shapes(count, world)
-    inp = rank_input(rank, in_numel, dtype, op).to(device)
-    fresh_output = torch.full((out_numel,), 7, dtype=dtype, device=device)
+    inp = rank_input(rank, in_numel, dtype, input_op(COLLECTIVES[coll], op)).to(device)
+    fresh_output = torch.full((out_numel,), unwritten(dtype, op), dtype=dtype, device=device)
     _allocated(comm)
     if coll == "all_reduce":
         out = inp if in_place else fresh_output

@@ -44,15 +44,19 @@ def test_tiled_inputs_and_results_are_the_formula_at_every_element():
     # rank_input and expected_result compute one period and tile it (a 64 MiB message at
     # P = 8 took seconds per rank): every element must still be what the formula gives it,
     # at any length, offset and world, in every dtype and op.
-    for numel in (0, 1, 9, 10, 11, 37, 1003):
-        for offset in (0, 3, 1234):
+    def formula(rank, idx, op, salt=0):
+        scrambled = bench._scrambled(idx % bench.PERIOD, rank, salt)
+        return {"prod": (scrambled % 3 == 0).long() + 1, "min": scrambled % 100 + 1,
+                "max": scrambled % 100 + 1}.get(op, scrambled % 5 + 1)
+
+    for numel in (0, 1, 9, 10, 11, 37, 1003, bench.PERIOD + 5):
+        for offset in (0, 3, 1234, bench.PERIOD - 1):
             idx = torch.arange(offset, offset + numel, dtype=torch.int64)
             for rank in (0, 1, 6):
                 for dtype in bench.DTYPES.values():
-                    assert torch.equal(bench.rank_input(rank, numel, dtype, "sum", offset),
-                                       ((idx * 7 + rank * 3) % 5 + 1).to(dtype))
-                    assert torch.equal(bench.rank_input(rank, numel, dtype, "prod", offset),
-                                       ((idx + rank) % 2 + 1).to(dtype))
+                    for op in bench.OPS:
+                        assert torch.equal(bench.rank_input(rank, numel, dtype, op, offset),
+                                           formula(rank, idx, op).to(dtype)), (numel, offset, rank, dtype, op)
     for world in (2, 3, 8):
         count = world * 137
         for name, coll in bench.COLLECTIVES.items():
@@ -62,8 +66,7 @@ def test_tiled_inputs_and_results_are_the_formula_at_every_element():
                         continue
                     in_numel, out_numel = coll.shapes(count, world)
                     idx = torch.arange(in_numel, dtype=torch.int64)
-                    inputs = torch.stack([((idx + r) % 2 + 1) if op == "prod" else ((idx * 7 + r * 3) % 5 + 1)
-                                          for r in range(world)]).to(dtype).double()
+                    inputs = torch.stack([formula(r, idx, op) for r in range(world)]).to(dtype).double()
                     if name == "all_gather":
                         full = inputs.reshape(-1).to(dtype)
                     elif name == "broadcast":
@@ -77,6 +80,64 @@ def test_tiled_inputs_and_results_are_the_formula_at_every_element():
                         want = full.view(world, -1)[rank] if name == "reduce_scatter" else full
                         got = bench.expected_result(coll, rank, world, count, dtype, op)
                         assert torch.equal(got, want), (world, name, dtype, op, rank)
+
+
+@pytest.mark.parametrize("world", range(2, 9))
+def test_the_check_data_tells_positions_chunks_and_ranks_apart(world):
+    """Bugs the old data (period 10, (7i + 3r) mod 5, products (i + r) mod 2) let through with
+    '0 OK': an all-reduce rotated by one element (--op prod at even P; sum, avg, min and max
+    at P = 5), a reduce-scatter handing rank r chunk r+1 (P = 3 at 255 and 4095 elements per
+    chunk), an all-gather with rank 0's chunk in rank 5's place. With the scrambled data each
+    shows at most places, in every dtype."""
+    for dtype in (torch.float32, torch.bfloat16, torch.int8, torch.uint8):
+        for op in bench.OPS:
+            if op == "avg" and not dtype.is_floating_point:
+                continue
+            for chunk in (255, 1024, 4095):
+                count = chunk * world
+                result = bench.expected_result(bench.COLLECTIVES["all_reduce"], 0, world, count, dtype, op)
+                assert (result != result.roll(1)).float().mean() > 0.2, (dtype, op, chunk)
+                chunks = [bench.expected_result(bench.COLLECTIVES["reduce_scatter"], r, world, count, dtype, op)
+                          for r in range(world)]
+                assert all((chunks[r] != chunks[(r + 1) % world]).float().mean() > 0.2 for r in range(world))
+        gathered = bench.expected_result(bench.COLLECTIVES["all_gather"], 0, world, 1024 * world, dtype, "sum")
+        rows = gathered.view(world, -1)
+        assert all((rows[a] != rows[b]).float().mean() > 0.5 for a in range(world) for b in range(a))
+        for op in bench.OPS:  # the outputs' starting value is no result: an unwritten element shows
+            if op != "avg" or dtype.is_floating_point:
+                result = bench.expected_result(bench.COLLECTIVES["all_reduce"], 0, world, 4096 * world, dtype, op)
+                assert not (result == bench.unwritten(dtype, op)).any(), (dtype, op)
+
+
+class _WorksOnce(bench.Backend):
+    """An all-reduce right on its first call with a pair of buffers, stale after (a result
+    kept from the first call): what checking the first call alone let through."""
+
+    name = "works once"
+
+    def forms(self, coll):
+        return ("out",)
+
+    def bind(self, coll, inp, out, op, in_place, rank, world):
+        calls = []
+
+        def call():
+            if not calls:
+                out.copy_(bench.expected_result(bench.COLLECTIVES[coll], rank, world, out.numel(), out.dtype, op))
+            calls.append(1)
+        return call
+
+    def barrier(self):
+        pass
+
+    def reduce_over_ranks(self, value, kind):
+        return value
+
+
+def test_the_buffers_are_checked_again_after_the_timed_calls_with_other_inputs():
+    config = bench.Config(warmup=1, iters=1, trials=1, min_seconds=1e-4, progress=False)
+    [row] = bench.bench_size([_WorksOnce()], bench.COLLECTIVES["all_reduce"], 4096, 0, 2, config)
+    assert row["out_wrong"] > 4096 // 2, row  # right on the first call, stale on the check after timing
 
 
 def test_message_counts_are_multiples_of_world():
@@ -145,7 +206,7 @@ def test_backends_are_timed_in_turn_trial_by_trial():
                 TurnRecordingBackend("C", turns, unsupported="falls back to gloo")]
     config = bench.Config(warmup=0, iters=1, trials=3, min_seconds=0, progress=False)
     a, b, c = bench.bench_size(backends, bench.COLLECTIVES["all_gather"], 16, 0, 1, config)
-    assert turns == ["A", "B"] + ["A", "B"] * 3  # calibrated, then A B A B A B
+    assert turns == ["A", "B"] + ["A", "B"] * 3 + ["A", "B"]  # calibrated, A B A B A B, checked again
     assert a["out_wrong"] == b["out_wrong"] == 0 and "out_time_us" in a and "out_time_us" in b
     assert c["unsupported"] == "falls back to gloo" and "out_time_us" not in c and "out_wrong" not in c
 
@@ -561,6 +622,12 @@ def test_symmetric_memory_is_timed_checked_beside_the_plain_calls(capsys, tmp_pa
         assert all(r["out_wrong"] == 0 and r["in_wrong"] == 0 for r in rows if r["backend"] == backend)
     read_in_place = int(re.search(r"symmetric memory: (\d+) of rank 0's ringcoll calls", printed).group(1))
     assert read_in_place > 0, printed  # the 256 KiB calls, and the all-gathers from 16 KiB
+    # broadcast and reduce in place: their result is their one tensor (an output they never
+    # write was checked, and every correct result failed)
+    assert bench.main(["-b", "16K", "-e", "16K", "-w", "1", "-n", "2", "--trials", "1", "--min-ms", "1",
+                       "--collectives", "broadcast,reduce", "--no-gloo", "--no-mpi", "--no-deepspeed", "--no-ccl",
+                       "--no-progress", "--no-check-cost", "--symmetric"]) == 0, capsys.readouterr().out
+    assert "Out of bounds values : 0 OK" in capsys.readouterr().out
     assert bench.main(["--symmetric", "--in-process", "--no-progress"]) == 2
 
 
@@ -575,6 +642,16 @@ def test_refuses_bad_arguments(capsys):
     assert "--link: link rate 'fast': give it as tc does, e.g. 10gbit" in capsys.readouterr().err
     assert bench.main(["--hosts", "2", "--nproc", "3"]) == 2
     assert "--nproc 3 does not split in 2" in capsys.readouterr().err
+    # each was a traceback, or (-f 1) a size loop that never ended, or a run that checked nothing and passed
+    for args, why in ((["-b", "foo"], "-b/--minbytes: cannot read 'foo'"), (["--nproc", "0"], "--nproc must be"),
+                      (["--trials", "0"], "--trials must be"), (["-f", "1"], "-f/--stepfactor must be at least 2"),
+                      (["-b", "64K", "-e", "1K"], "-b 64K is above -e 1K"), (["--buffer-bytes", "0"], "--buffer-bytes"),
+                      (["--delay-us", "5"], "--delay-us delays the --straggler-rank")):
+        assert bench.main([*args, "--no-mpi"]) == 2, args
+        assert why in capsys.readouterr().err, args
+    assert bench.main(["--algorithm", "rd", "--collectives", "reduce_scatter", "-b", "1K", "-e", "1K", "--no-gloo",
+                       "--no-mpi", "--no-deepspeed", "--no-ccl", "--no-progress", "--no-check-cost"]) == 1
+    assert "no ringcoll call was measured: rd: no reduce_scatter" in capsys.readouterr().err
 
 
 def test_two_machines_count_the_link_bytes(tmp_path, capsys):
