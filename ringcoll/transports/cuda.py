@@ -234,6 +234,7 @@ class CudaTransport(Transport):
             raise
         self._barrier_word, self._barrier_call = one_word_barrier(device)
         self._lock = threading.Lock()  # launches from several host threads stay whole
+        self._first_error: Optional[RingcollError] = None  # what _reporting raises from then on
         self._symmetric = SymmetricAgreement()
         self._in_flight = InFlight()
         self._moved_thread = None
@@ -254,7 +255,7 @@ class CudaTransport(Transport):
         for it. Async: it follows the current stream's work, nothing waits; the Completion's
         wait() makes the then-current stream wait."""
         with self._lock:
-            self._comm.check_error()
+            self.check_error()
             call.run(self._comm, self._current_stream(name or call.collective), not async_op)
             if not async_op:
                 if then is not None:
@@ -279,7 +280,7 @@ class CudaTransport(Transport):
         """`call` on a caller-given cudaStream_t (an int; default torch's current stream),
         which then waits for it."""
         with self._lock:
-            self._comm.check_error()
+            self.check_error()
             call.run(self._comm, self._current_stream() if stream is None else int(stream), True)
 
     # --- symmetric memory (docs/symmetric.md; the steps: cuda_comm.h) -----------------------
@@ -320,16 +321,30 @@ class CudaTransport(Transport):
         self._refuse_in_capture("barrier")
         with self._lock:
             self._barrier_call.run(self._comm, self._current_stream("barrier"), True)
-            self._comm.synchronize()
+            self._reporting(self._comm.synchronize)
         return None
 
+    def _reporting(self, call: Callable[[], None]) -> None:
+        """call() (CudaComm's check_error or synchronize), raising the first kernel error this
+        communicator recorded every time from then on: CudaComm reports an error once, so a
+        second wait, exception() or synchronize() returned as if the call had succeeded, its
+        outputs garbage (the emulated transport keeps its error, which hid it in CI)."""
+        if self._first_error is None:
+            try:
+                call()
+            except RingcollError as e:
+                self._first_error = e
+                raise
+            return
+        raise self._first_error
+
     def check_error(self) -> None:
-        self._comm.check_error()
+        self._reporting(self._comm.check_error)
 
     def synchronize(self) -> None:
         self._refuse_in_capture("synchronize")
         with self._lock:
-            self._comm.synchronize()
+            self._reporting(self._comm.synchronize)
 
     def close(self, wait_for_peers: bool = True) -> None:
         """Collective (cuda_comm.cu says why): every rank finishes and unmaps its peers, then
