@@ -301,8 +301,15 @@ void Device::dispatch_loop() {
           dispatched = true;
           if (!work) continue;
           running_.insert(id);
-          workers_[id] = std::thread([this, id, work = std::move(work)] {
-            work();
+          workers_[id] = std::thread([this, id, work = std::move(work)]() mutable {
+            {
+              // Run and destroy it before reporting finished: the dispatcher joins a finished
+              // worker holding mutex_, and a Python function's reference takes the GIL as it
+              // goes, which a Python thread blocked on mutex_ holds (Device.launch(stream, fn)
+              // deadlocked so, 3 of 3 with 4 threads).
+              Work run = std::move(work);
+              run();
+            }
             {
               std::lock_guard<std::mutex> done(mutex_);
               running_.erase(id);

@@ -200,3 +200,74 @@ def test_a_fork_joined_through_another_stream_counts_and_a_fork_never_joined_doe
     dev.wait(a, e0)
     dev.launch(a, lambda: None)  # never waited for
     assert "unjoined work" in unjoined(lambda: dev.end_capture(user))
+
+
+class _ReportsOnce:
+    """CudaComm's check_error and synchronize as cuda_comm.cu has them: a kernel error is
+    raised once, then the broken communicator's checks return quietly."""
+
+    def __init__(self):
+        self.reported = False
+
+    def check_error(self):
+        if not self.reported:
+            self.reported = True
+            from ringcoll.errors import RingcollMismatchError
+            raise RingcollMismatchError("all_reduce: mismatched collective calls")
+
+    synchronize = check_error
+
+
+class _DoneEvent:
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+
+def test_the_cuda_transport_raises_a_kernel_error_at_every_check_not_once():
+    """CudaComm reports an error once: the second Work.exception() was None, is_success()
+    True, and Work.synchronize() and comm.synchronize() returned, the outputs garbage (the
+    emulated transport keeps its error, so CI never saw it). The CUDA transport keeps the
+    first error and raises it at every check after."""
+    from ringcoll.errors import RingcollMismatchError
+    from ringcoll.transports.cuda import CudaTransport, StreamCompletion
+
+    transport = object.__new__(CudaTransport)  # its checks only: no GPU needed
+    transport._comm, transport._lock, transport._first_error = _ReportsOnce(), threading.Lock(), None
+    transport._refuse_in_capture = lambda op: None
+    work = StreamCompletion(transport, _DoneEvent(), "all_reduce", captured=False)
+    assert isinstance(work.error(), RingcollMismatchError)
+    assert isinstance(work.error(), RingcollMismatchError)  # was None
+    with pytest.raises(RingcollMismatchError):
+        work.synchronize()
+    with pytest.raises(RingcollMismatchError):
+        transport.synchronize()
+    with pytest.raises(RingcollMismatchError):
+        transport.check_error()
+
+
+_HAMMER = """
+import threading
+from ringcoll import _C
+dev = _C.emulation.Device(32)
+def hammer(s):
+    for _ in range(300):
+        dev.launch(s, lambda: None)
+        e = dev.create_event(); dev.record(e, s); dev.destroy_event(e)
+    assert dev.synchronize_stream(s, 10)
+threads = [threading.Thread(target=hammer, args=(dev.create_stream(),)) for _ in range(4)]
+[t.start() for t in threads]; [t.join() for t in threads]
+"""
+
+
+def test_python_kernels_launched_from_several_threads_do_not_deadlock_the_model():
+    """A kernel given as a Python function: its worker dropped the function (taking the GIL)
+    only as the thread ended, after reporting it finished; the dispatcher joins finished
+    workers holding the device's mutex, which a Python thread (holding the GIL) waited for:
+    3 of 3 runs hung, 4 threads of 300 launches. In a process of its own, bounded."""
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-c", _HAMMER], check=True, timeout=120)
