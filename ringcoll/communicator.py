@@ -985,13 +985,18 @@ class Communicator(ArgumentChecks):
 
     def barrier(self, async_op: bool = False):
         """Return once every rank of the group has entered the barrier (on CUDA: always
-        synchronous, like NCCL's)."""
+        synchronous, like NCCL's, and with ``async_op`` a Work already done: it returned
+        None, where the CPU's is a Work, so ``barrier(async_op=True).wait()`` failed there)."""
         self._ensure_open("barrier")
 
         def submit():
             return self._transport.barrier(async_op)
 
         completion = submit_profiled("barrier", (), dict, submit)
+        if completion is None and async_op:
+            from ringcoll.transports.host import ThreadCompletion
+
+            completion = ThreadCompletion.finished("barrier")
         return None if completion is None else Work(completion, [], ())
 
     # --- CuPy and other __cuda_array_interface__ arrays, on a given stream (CUDA only) ------

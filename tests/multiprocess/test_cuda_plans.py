@@ -587,3 +587,18 @@ def test_a_plan_too_wide_for_the_kernels_is_refused_by_name():
             plans._registry.pop(("wide", "all_reduce"), None)
             for key in [k for k in plans._compiled if k[0] == "wide"]:
                 del plans._compiled[key]
+
+
+def _barrier_async(group):
+    comm = EmulatedCudaCommunicator(group=group, timeout=TIMEOUT)
+    work = comm.barrier(async_op=True)
+    work.wait()
+    done = work.is_completed()
+    comm.close()
+    return type(work).__name__, done
+
+
+def test_an_async_barrier_is_a_work_on_cuda_as_on_the_cpu():
+    """The CUDA barrier is synchronous (as NCCL's): with async_op it returned None, where the
+    CPU's returns a Work, so barrier(async_op=True).wait() raised AttributeError there."""
+    assert ringcoll.run_in_process(2, _barrier_async, timeout=TIMEOUT) == [("Work", True)] * 2
