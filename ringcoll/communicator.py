@@ -23,6 +23,7 @@ untouched. With ``async_op=True`` a :class:`Work` is returned.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 from typing import Callable, Optional, Sequence
 
@@ -743,7 +744,13 @@ class Communicator(ArgumentChecks):
         shape = torch.Size(size[0] if len(size) == 1 and not isinstance(size[0], int) else size)
         dtype = torch.get_default_dtype() if dtype is None else dtype
         code = _C.dtype_code("empty", dtype)
-        nbytes = shape.numel() * dtype.itemsize
+        # Checked before the collective allocation: a negative size made it allocate and then
+        # fail in view(), and a product past 64 bits wrapped to a small one
+        if any(d < 0 for d in shape):
+            raise ValueError(f"empty: size {tuple(shape)} has a negative dimension")
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes >= 1 << 63:
+            raise ValueError(f"empty: size {tuple(shape)} of {dtype} is {nbytes} bytes, more than any memory")
         self._ensure_open("empty")
         data = self._transport.allocate_symmetric(nbytes, code, list(shape))  # holds the block, which holds the arena
         return data[:nbytes].view(dtype).view(shape)

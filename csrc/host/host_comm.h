@@ -40,7 +40,7 @@ constexpr size_t kHeaderBytes = 4096;
 constexpr size_t kSlotAlignment = 64;  // a cache line: slots never share one
 
 constexpr uint64_t kProbeReadAll = 1, kProbeFailed = 2;  // SegmentHeader::probed
-constexpr int kAllocationDims = 8;  // the dims an allocation's check compares one by one
+constexpr int kAllocationDims = 8;  // an allocation's posted dims (past 7, the rest folded into the last)
 
 // One flag per cache line, so a writer never invalidates its neighbour's flag.
 struct alignas(64) Flag {

@@ -46,7 +46,8 @@ namespace {
 std::string describe_allocation(const uint64_t* dims, uint64_t ndim, uint64_t dtype, uint64_t bytes) {
   std::ostringstream text;
   text << "empty((";
-  for (uint64_t d = 0; d < std::min<uint64_t>(ndim, kAllocationDims); ++d) text << (d ? ", " : "") << dims[d];
+  const uint64_t shown = ndim > kAllocationDims ? kAllocationDims - 1 : ndim;  // past it: the folded rest
+  for (uint64_t d = 0; d < shown; ++d) text << (d ? ", " : "") << dims[d];
   if (ndim > kAllocationDims) text << ", ...";
   if (ndim == 1) text << ",";
   text << "), " << dtype_info(static_cast<DType>(dtype)).name << ", " << bytes << " bytes)";
@@ -70,6 +71,12 @@ std::shared_ptr<SymmetricBlock> HostComm::allocate_symmetric(size_t bytes, DType
     mine.ndim = dims.size();
     for (size_t d = 0; d < std::min<size_t>(dims.size(), kAllocationDims); ++d)
       mine.dims[d] = static_cast<uint64_t>(dims[d]);
+    if (dims.size() > kAllocationDims) {  // the last slot holds the rest folded (FNV-1a): all compared
+      uint64_t folded = 1469598103934665603ull;
+      for (size_t d = kAllocationDims - 1; d < dims.size(); ++d)
+        folded = (folded ^ static_cast<uint64_t>(dims[d])) * 1099511628211ull;
+      mine.dims[kAllocationDims - 1] = folded;
+    }
     flag_store_release(&mine.number, n);
     bool make_arena = mine.need_arena != 0;
     for (int peer = 0; peer < world_; ++peer) {

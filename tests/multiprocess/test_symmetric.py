@@ -239,6 +239,8 @@ def _mismatched_allocations(rank):
         "shapes of the same bytes": lambda c: c.empty((2, 8) if rank == 0 else (8, 2)),
         "dtypes of the same bytes": lambda c: c.empty(4, dtype=torch.float32 if rank == 0 else torch.int32),
         "an allocation against a collective": lambda c: c.empty(10) if rank == 0 else c.all_reduce(torch.ones(10)),
+        # shapes that differ past the 8 dims posted one by one (the rest was not compared)
+        "shapes past 8 dims": lambda c: c.empty((1,) * 8 + ((2, 3) if rank == 0 else (3, 2))),
     }
     seen = {}
     for label, call in cases.items():
@@ -258,6 +260,10 @@ def _rules_rank(rank, world):
             chk.fail(f"mismatched allocation: {label}", f"{kind}: {message}")
         elif "empty(" not in message or f"rank {rank} " not in message:
             chk.fail(f"mismatched allocation: {label}", f"the message names neither call: {message}")
+    for size in ((-2, -2), (1 << 32, 1 << 32)):  # allocated collectively, then failed (or wrapped to 0 bytes)
+        kind, message = _raises(lambda: ringcoll.get_communicator().empty(size), ValueError)
+        if kind != "ValueError" or not message.startswith(f"empty: size {size}"):
+            chk.fail(f"empty{size}", f"{kind}: {message}")
     kind, message = _mismatched_allocations(rank)["sizes, check=False"]
     if "empty((10,), float32, 40 bytes)" not in message or "empty((11,), float32, 44 bytes)" not in message:
         chk.fail("mismatched allocation", f"the message does not name both shapes: {message}")
