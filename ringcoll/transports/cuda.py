@@ -220,6 +220,10 @@ class CudaTransport(Transport):
         # The communicator's stream outlives it (cuda_comm.cu, StreamLender), so a tensor
         # recorded on it (record_stream, in submit) may be freed after close().
         self._stream = torch.cuda.ExternalStream(self._comm.stream_handle, device=device)
+        # Before the exchange, where no peer can have started a ring yet: an allocation may
+        # wait for all the device's work (docs/cuda.md), and after the barrier below a faster
+        # peer's first ring, waiting for this rank, would be part of it.
+        self._barrier_word, self._barrier_call = one_word_barrier(device)
         try:
             handles = exchange(self._comm.handle_bytes(), **{"RINGCOLL_CUDA_KERNEL": variant_name})
         except BaseException:
@@ -232,7 +236,6 @@ class CudaTransport(Transport):
         except BaseException:
             self._comm.close(wait_for_peers=False)  # peers may be mapping us: keep the buffer
             raise
-        self._barrier_word, self._barrier_call = one_word_barrier(device)
         self._lock = threading.Lock()  # launches from several host threads stay whole
         self._first_error: Optional[RingcollError] = None  # what _reporting raises from then on
         self._symmetric = SymmetricAgreement()

@@ -182,6 +182,9 @@ class EmulatedCudaTransport(Transport):
         self._bootstrap = settings.bootstrap  # the other ranks' threads, for symmetric memory's exchanges
         check_hardware_queues(settings.world_size, device().hardware_queues)
         name, variant = kernel_variant()
+        # Made before the exchange, as CudaTransport makes it (there an allocation may wait for
+        # the whole device, after the exchange a faster peer's first ring among it)
+        self._barrier_word, self._barrier_call = one_word_barrier("cpu")  # CUDA's barrier, on the CPU
         ring = None
         if settings.rank == 0:
             ring = _C.emulation.Ring(settings.world_size, settings.buffer_bytes, settings.timeout, variant,
@@ -204,7 +207,6 @@ class EmulatedCudaTransport(Transport):
             set_stream(self._own)  # then this rank's work goes on a stream of its own
             self._moved_thread = threading.get_ident()
         self._error: Optional[RingcollError] = None
-        self._barrier_word, self._barrier_call = one_word_barrier("cpu")  # CUDA's barrier, on the CPU
 
     @property
     def broken(self) -> bool:
