@@ -774,7 +774,8 @@ def check_again(timed: list, coll: CollectiveDef, count: int, rank: int, world: 
         if inp is not None:
             inp.copy_(fresh_inp)
         out.copy_(fresh_out)
-        backend.barrier()
+        backend.meet_after_allocating()  # threads of one GPU process: before any peer's barrier kernel
+        backend.barrier()  # every rank's inputs are new before any peer reads them
         call()
         backend.synchronize()
         wrong = float((result.cpu() != expected).sum()) if expected is not None else 0.0  # a reduce's non-roots
