@@ -3,8 +3,8 @@
     python -m ringcoll.harness.fuzz --examples 10000 [--seed S] [--case-timeout 60]
 
 Each example is one collective call, drawn by hypothesis (:func:`cases`): world size 1-5,
-the collective (all_reduce, reduce_scatter_tensor, all_gather_into_tensor, and the list
-forms all_gather / reduce_scatter), dtype, op, element count (0 up to a few times the
+the collective (all_reduce, reduce_scatter_tensor, all_gather_into_tensor, the list forms
+all_gather / reduce_scatter, and broadcast / reduce from a drawn root), dtype, op, element count (0 up to a few times the
 registered buffer, with the slice boundaries drawn on purpose), in place or not, async or
 not, the group (the "default" group of the first w ranks, or a subgroup of any w of the 5),
 the API (a ``Communicator`` with a drawn small ``buffer_bytes``, or the module-level
@@ -70,8 +70,10 @@ from ringcoll.communicator import Communicator, Work
 from ringcoll.harness.launcher import _close, _free_port, _set_pdeathsig, _terminate
 
 POOL_SIZE = 5
-COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_gather", "reduce_scatter")
-REDUCING = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter")
+COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_gather", "reduce_scatter",
+               "broadcast", "reduce")
+REDUCING = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter", "reduce")
+ROOTED = ("broadcast", "reduce")  # in place, from (or to) the case's root
 # Cases name their dtype (readable in a failure report); every dtype ringcoll supports.
 DTYPES = tuple(_types.DTYPES)
 FLOATING = tuple(name for name, dtype in _types.DTYPES.items() if dtype in _types.FLOATING_DTYPES)
@@ -81,6 +83,7 @@ OPS = ("SUM", "PRODUCT", "MIN", "MAX", "AVG")
 # calls. 704 is just above the 5-rank minimum (2 banks x 5 ranks x 64 B); 704 and 1000 do
 # not divide into 2 x P cache-line slots, so the slots leave an unused tail.
 BUFFER_CHOICES = (704, 1000, 1024, 2048, 4096, 8192)
+LIVE_COMMUNICATORS = 12  # per worker at most (_Worker._keep_few_communicators)
 MODULE_BUFFER = 2048  # RINGCOLL_BUFFER_BYTES in the workers: the module-level drop-ins' buffer
 MAX_BUFFERS_PER_MESSAGE = 4  # messages up to this many times the buffer
 COMM_TIMEOUT = 20.0  # a ring wait that outlasts this raises in the worker
@@ -111,7 +114,7 @@ def _count_strategy(st, collective, world, dtype, buffer_bytes):
     s = slice_elements(buffer_bytes, world, dtype)
     limit = MAX_BUFFERS_PER_MESSAGE * buffer_bytes // ITEMSIZE[dtype]  # elements of the whole message
     over = buffer_bytes // ITEMSIZE[dtype] + 1  # the message no longer fits the buffer
-    if collective == "all_reduce":
+    if collective in ("all_reduce", *ROOTED):
         unit = world * s  # one slice per chunk
     else:
         limit, over, unit = limit // world, over // world + 1, s
@@ -142,15 +145,19 @@ def cases():
         algorithm = draw(st.sampled_from(["auto", "native", *(a for a in plans.BUILTIN
                                                               if base in plans.BUILTIN_COLLECTIVES[a])]))
         which_api = draw(st.sampled_from(("comm", "module")))
-        buffer_bytes = draw(st.sampled_from(BUFFER_CHOICES)) if which_api == "comm" else MODULE_BUFFER
+        # A plan of C chunks needs two banks of C slots (the rooted ones' pipelines cut 16):
+        # a smaller buffer is refused by name on every rank, so it is not drawn
+        chunks = plans.plan(algorithm, base, world).chunks if algorithm in plans.BUILTIN else 1
+        buffer_bytes = draw(st.sampled_from([b for b in BUFFER_CHOICES if b >= 2 * chunks * 64])) \
+            if which_api == "comm" else MODULE_BUFFER
         count = draw(_count_strategy(st, collective, world, dtype, buffer_bytes))
         in_place = draw(st.booleans())
-        if which_api == "module" and collective == "all_reduce":
-            in_place = True  # the out-of-place all_reduce(output=) is a Communicator extra
+        if (which_api == "module" and collective == "all_reduce") or collective in ROOTED:
+            in_place = True  # the out-of-place all_reduce(output=) is a Communicator extra; rooted: one tensor
         return {
             "collective": collective, "dtype": dtype, "op": op, "world": world, "group": group,
             "ranks": ranks, "count": count, "in_place": in_place, "async_op": draw(st.booleans()),
-            "algorithm": algorithm,
+            "algorithm": algorithm, "root": draw(st.integers(0, world - 1)),  # broadcast's and reduce's
             "api": which_api, "buffer_bytes": buffer_bytes,
             "offset": draw(st.integers(0, 1)),  # 1: every tensor starts one element into its buffer
             "specials": draw(st.booleans()),  # inf / NaN (floats), extremes (integers)
@@ -262,6 +269,10 @@ def plain_reference(case: dict, xs: list, group_rank: int):
     import torch
 
     c, coll = case["count"], case["collective"]
+    if coll == "broadcast":
+        return xs[case["root"]]
+    if coll == "reduce":  # the root's result; every other rank's tensor is left as it was
+        return plain_reduce(xs, case["op"]) if group_rank == case["root"] else xs[group_rank]
     if coll == "all_reduce":
         return plain_reduce(xs, case["op"])
     if coll in ("reduce_scatter_tensor", "reduce_scatter"):
@@ -319,6 +330,11 @@ class _Worker:
         self.rank, self.size = rank, size
         self.groups: dict = {}  # (group kind, ranks) -> process group (None: the default group)
         self.comms: dict = {}  # (group kind, ranks, buffer_bytes) -> Communicator
+        # Every communicator's key by last use, over EVERY case (skipped ones too), so all
+        # workers agree which to close: each may hold arenas of symmetric memory, whose pages
+        # are allocated when made (64 MiB each), and 36 groups x 7 buffers of them on 5
+        # workers ran a 4000-example run out of memory (the OOM killer).
+        self.last_used: collections.OrderedDict = collections.OrderedDict()
 
     def group(self, case):
         key = (case["group"], tuple(case["ranks"]))
@@ -335,11 +351,29 @@ class _Worker:
             self.comms[key] = Communicator(group=group, buffer_bytes=case["buffer_bytes"], timeout=COMM_TIMEOUT)
         return self.comms[key]
 
+    def _keep_few_communicators(self, case: dict, group) -> None:
+        """Note this case's communicator as the latest used; close the least recently used
+        past LIVE_COMMUNICATORS (on the CPU a close is local, and every worker closes the same
+        one at the same case, so a group's members make its next one together)."""
+        key = (case["group"], tuple(case["ranks"]), case["buffer_bytes"] if case["api"] == "comm" else "module")
+        self.last_used[key] = group
+        self.last_used.move_to_end(key)
+        while len(self.last_used) > LIVE_COMMUNICATORS:
+            (kind, ranks, buffer_bytes), old_group = self.last_used.popitem(last=False)
+            if buffer_bytes == "module":
+                comm = api._communicators.pop((old_group if old_group is not None else self.dist.group.WORLD,
+                                               "cpu"), None)
+            else:
+                comm = self.comms.pop((kind, ranks, buffer_bytes), None)
+            if comm is not None:
+                comm.close()
+
     def handle(self, case: dict):
         if case.get("collective") == "_sleep":  # self-test of the parent's timeout
             time.sleep(case["seconds"])
             return ("ok", [], None)
         group = self.group(case)
+        self._keep_few_communicators(case, group)
         ranks = list(case["ranks"])
         if self.rank not in ranks:
             return ("skip", [], None)
@@ -361,6 +395,14 @@ class _Worker:
             t = x.clone()
             dist.all_reduce(t, op=dop, group=group)
             return t
+        if coll == "broadcast":
+            t = x.clone()
+            dist.broadcast(t, group=group, group_src=case["root"])
+            return t
+        if coll == "reduce":  # gloo defines the root's result only
+            t = x.clone()
+            dist.reduce(t, op=dop, group=group, group_dst=case["root"])
+            return t if dist.get_rank(group) == case["root"] else None
         if coll == "reduce_scatter_tensor":
             out = torch.empty(c, dtype=x.dtype)
             _types.torch_tensor_forms()[1](out, x.clone(), op=dop, group=group)
@@ -420,7 +462,14 @@ class _Worker:
         unchanged = []  # (label, tensor, expected bits) checked after the call
         shape = _list_shape(c)
 
-        if coll == "all_reduce":
+        if coll in ROOTED:  # one tensor, in place, root given as a rank of the group
+            result = guarded(c, x)
+            if case["api"] == "comm":
+                ret = call(coll, result, case["root"], async_op=a, **op_kw)
+            else:
+                root = {"broadcast": "group_src", "reduce": "group_dst"}[coll]
+                ret = call(coll, result, async_op=a, **{root: case["root"]}, **op_kw)
+        elif coll == "all_reduce":
             t = guarded(c, x)
             if case["in_place"]:
                 ret = call("all_reduce", t, async_op=a, **op_kw)
@@ -500,7 +549,7 @@ class _Worker:
             failures += compare(f"memory next to {label} must stay untouched", guards,
                                 _sentinel(guards.numel(), dtype), False)
         digest = None
-        if coll not in ("reduce_scatter_tensor", "reduce_scatter"):  # every rank holds the same result
+        if coll not in ("reduce_scatter_tensor", "reduce_scatter", "reduce"):  # every rank holds the same result
             digest = hashlib.sha1(_bits(got.contiguous()).reshape(-1).numpy().tobytes()).hexdigest()
         return ("fail" if failures else "ok", [f"rank {self.rank} (group rank {grank}): {f}" for f in failures],
                 digest)

@@ -31,7 +31,7 @@ def _case(**overrides) -> dict:
     case = {"collective": "all_reduce", "dtype": "float32", "op": "SUM", "world": 3, "group": "subgroup",
             "ranks": (0, 2, 4), "count": 1000, "in_place": False, "async_op": False, "api": "comm",
             "buffer_bytes": 1024, "offset": 1, "specials": False, "torch_op": False, "symmetric": False,
-            "algorithm": "auto", "seed": 7}
+            "algorithm": "auto", "root": 0, "seed": 7}
     case.update(overrides)
     return case
 
@@ -47,8 +47,9 @@ def test_fuzz_quick(pool):
     assert stats.by["size"]["0 elements"] > 0 and stats.by["size"][">= 4 slices"] > 0
     assert stats.by["size"]["message > buffer"] > 0
     assert stats.by["symmetric"][True] > 0 and stats.by["symmetric"][False] > 0
-    # and every algorithm: auto, native and each built-in plan, each checked like the ring
-    assert set(stats.by["algorithm"]) == {"auto", "native", *plans.BUILTIN} - {"star"}, stats.by["algorithm"]
+    # and every algorithm: auto, native and each built-in plan, each checked like the ring (star, a broadcast's
+    # only, is one draw in 49 of the rooted ones: the long profile reaches it)
+    assert set(stats.by["algorithm"]) >= {"auto", "native", *plans.BUILTIN} - {"star"}, stats.by["algorithm"]
 
 
 def test_wrong_value_is_caught(pool):
