@@ -192,8 +192,6 @@ bool rooted_tensor(HostComm& c, const char* name, ringcoll::Collective coll, py:
   c.run_plan(coll, plan, as_ptr(t.address), as_mut_ptr(t.address), t.count, static_cast<DType>(t.dtype), code);
   return true;
 }
-}  // namespace
-
 // Ctrl-C during a wait. A call runs without the GIL, so Python's handler for SIGINT only
 // ran once the call returned, at the timeout. Every wait's health check (about every 50 ms
 // of sleeping) runs the handlers here; one that raises (KeyboardInterrupt) abandons the
@@ -211,6 +209,7 @@ void run_python_signal_handlers() {
   PyErr_Fetch(&interruption[0], &interruption[1], &interruption[2]);
   throw Interrupted("interrupted by a signal (its Python handler raised, e.g. KeyboardInterrupt on Ctrl-C)");
 }
+}  // namespace
 
 void bind_host(py::module_& m) {
   ringcoll::host::set_interrupt_check(&run_python_signal_handlers);

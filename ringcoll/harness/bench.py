@@ -285,12 +285,9 @@ class TorchBackend(DistBackend):
             return None if t is None else self.comm.empty(t.shape, dtype=t.dtype).copy_(t)
 
         inp, out = moved(inp), moved(out)
-        if coll.name == "all_gather" and in_place:
-            return inp, out, out
-        # in place, the input is the result (the rooted ones' too: they checked an output
-        # they never write, and failed every correct broadcast and reduce)
-        result = inp if in_place and coll.name in ("all_reduce", *ROOTED_COLLECTIVES) else out
-        return inp, out, inp.view(world, -1)[rank] if in_place and coll.name == "reduce_scatter" else result
+        # the same rule as the ordinary tensors' (a copy of it here had checked an output the
+        # rooted collectives never write, and failed every correct broadcast and reduce)
+        return inp, out, _result_in(coll, inp, out, in_place, rank, world)
 
     def _op(self, op: str):
         name = {"sum": "SUM", "prod": "PRODUCT", "min": "MIN", "max": "MAX", "avg": "AVG"}[op]
@@ -709,10 +706,19 @@ def _buffers(coll: CollectiveDef, count: int, world: int, rank: int, dtype, op: 
         out.view(world, -1)[rank].copy_(rank_input(rank, in_numel, dtype, op, salt=salt))
         return None, out, out
     inp = rank_input(rank, in_numel, dtype, op, salt=salt).to(device)
-    result = inp if (in_place and coll.name in ("all_reduce", *ROOTED_COLLECTIVES)) else out
+    return inp, out, _result_in(coll, inp, out, in_place, rank, world)
+
+
+def _result_in(coll: CollectiveDef, inp, out, in_place: bool, rank: int, world: int):
+    """Where a call on (inp, out) leaves this rank's result: out of place the output; in
+    place the input (all-reduce, and broadcast and reduce, which have one tensor), this
+    rank's chunk of it (reduce-scatter), or the output (all-gather, whose input is a chunk
+    of it)."""
+    if in_place and coll.name in ("all_reduce", *ROOTED_COLLECTIVES):
+        return inp
     if in_place and coll.name == "reduce_scatter":
-        result = inp.view(world, -1)[rank]
-    return inp, out, result
+        return inp.view(world, -1)[rank]
+    return out
 
 
 def bench_size(backends: list, coll: CollectiveDef, count: int, rank: int, world: int, config: Config) -> list[dict]:
@@ -1664,18 +1670,18 @@ def main(argv=None) -> int:
                           "--delay-us delays the --straggler-rank: give one")):
         if bad:
             return refuse(message)
-    config = Config(min_bytes=parse_bytes(args.minbytes), max_bytes=parse_bytes(args.maxbytes),
+    config = Config(min_bytes=sizes["-b/--minbytes"], max_bytes=sizes["-e/--maxbytes"],
                     factor=args.stepfactor, warmup=args.warmup_iters, iters=args.iters, trials=args.trials,
                     min_seconds=(args.min_ms if args.min_ms is not None else 200.0 if args.hosts > 1 else 20.0) / 1e3,
                     dtype=args.dtype, op=args.op,
                     collectives=tuple(args.collectives.split(",")), gloo=not args.no_gloo,
-                    buffer_bytes=parse_bytes(args.buffer_bytes) if args.buffer_bytes else None,
+                    buffer_bytes=sizes["--buffer-bytes"],
                     check_cost=not args.no_check_cost and args.device == "cpu", straggler_rank=args.straggler_rank,
                     delay_us=args.delay_us, progress=not args.no_progress, device=args.device,
                     max_seconds=args.max_seconds, algorithms=algorithms,
                     plans_file=os.path.abspath(args.plans) if args.plans else None,
-                    small_bytes=parse_bytes(args.small_bytes) if args.small_bytes is not None else None,
-                    direct_bytes=parse_bytes(args.direct_bytes) if args.direct_bytes else None,
+                    small_bytes=sizes["--small-bytes"],
+                    direct_bytes=sizes["--direct-bytes"],
                     in_process=args.in_process, prepared=args.prepared, symmetric=args.symmetric,
                     every_form=bool(args.record_tuning),
                     # absolute: the mpirun ranks run from a temporary directory
@@ -1724,9 +1730,9 @@ def main(argv=None) -> int:
         return 1
     fitted = fits(rows, args.nproc) if args.fit else {}
     print(format_table(rows, args.nproc, config, fitted, notes, costs, direct))
-    if args.record_tuning and total_wrong(rows + costs):  # auto would choose a plan that computed wrong
-        print(f"ringcoll-bench: --record-tuning: not written, {total_wrong(rows + costs)} wrong values in this run",
-              file=sys.stderr)
+    wrong = total_wrong(rows + costs)
+    if args.record_tuning and wrong:  # auto would choose a plan that computed wrong
+        print(f"ringcoll-bench: --record-tuning: not written, {wrong} wrong values in this run", file=sys.stderr)
     elif args.record_tuning:
         print(record_tuning(args.record_tuning, rows, args.nproc, config, sys.argv[1:] if argv is None else argv))
     if cut is not None:
@@ -1741,7 +1747,7 @@ def main(argv=None) -> int:
                        "references": {name: note or "ran" for name, note in notes.items()}, "rows": rows, "check_cost": costs}, f, indent=1)
     if args.plot:
         plot(rows, args.nproc, config, args.plot)
-    return 1 if total_wrong(rows + costs) else 0
+    return 1 if wrong else 0
 
 
 if __name__ == "__main__":

@@ -13,8 +13,11 @@ def number(kind: type, least: Optional[float] = None, above: Optional[float] = 0
     overflowed, --local-every 0 divided by zero in a rank)."""
     def parse(text: str):
         value = kind(text)
-        bounds = [f"above {above:g}" for _ in [0] if above is not None and not value > above] + \
-                 [f"at least {least:g}" for _ in [0] if least is not None and not value >= least]
+        bounds = []  # the bounds it misses
+        if above is not None and not value > above:
+            bounds.append(f"above {above:g}")
+        if least is not None and not value >= least:
+            bounds.append(f"at least {least:g}")
         if bounds or not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"must be a finite number {' and '.join(bounds) or 'within range'}, "
                                              f"got {text}")

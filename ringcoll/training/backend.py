@@ -387,15 +387,16 @@ class RingcollProcessGroup(dist.ProcessGroup):
         """start(async_op) runs the collective on the ring; sync unless opts.asyncOp. A
         timeout in the options (``pg.allreduce(t, timeout=...)``, ``dist.barrier(timeout=...)``;
         c10d's unset one is negative, and 0 is its "no timeout") bounds the wait for this
-        call, as gloo's does: a sync
-        call then runs async and is waited for so long (RingcollTimeoutError, a RuntimeError,
-        past it; the call itself stays bounded by the communicator's timeout)."""
+        call, as gloo's does: a sync call then runs async and is waited for so long
+        (RingcollTimeoutError, a RuntimeError, past it; the call itself stays bounded by the
+        communicator's timeout)."""
         call_counts[f"ringcoll:{name}"] += 1
+        async_op = getattr(opts, "asyncOp", True)
         timeout = getattr(opts, "timeout", None)
         timeout = timeout if timeout is not None and timeout > datetime.timedelta(0) else None
-        if getattr(opts, "asyncOp", True) or timeout is not None:
+        if async_op or timeout is not None:
             work = _C10dWork(start(True), outputs, OP_TYPES[name], timeout)
-            if not getattr(opts, "asyncOp", True):
+            if not async_op:
                 work.wait()
             return work
         start(False)

@@ -332,14 +332,13 @@ class CudaTransport(Transport):
         communicator recorded every time from then on: CudaComm reports an error once, so a
         second wait, exception() or synchronize() returned as if the call had succeeded, its
         outputs garbage (the emulated transport keeps its error, which hid it in CI)."""
-        if self._first_error is None:
-            try:
-                call()
-            except RingcollError as e:
-                self._first_error = e
-                raise
-            return
-        raise self._first_error
+        if self._first_error is not None:
+            raise self._first_error
+        try:
+            call()
+        except RingcollError as e:
+            self._first_error = e
+            raise
 
     def check_error(self) -> None:
         self._reporting(self._comm.check_error)

@@ -80,7 +80,7 @@ class ThreadCompletion:
         self._name = name
         self._queue = queue  # the queue whose worker runs it (None: finished when made)
         self._lock = threading.Lock()
-        self._started = False  # the worker has taken it (it can no longer be given up)
+        self._claimed = False  # taken by the worker (start) or given up (give_up): one of them, once
         self._ran = False  # the collective itself has run; its callbacks may still be running
         self._error: Optional[BaseException] = None
         self._callbacks: list = []
@@ -104,18 +104,21 @@ class ThreadCompletion:
         finally:
             self._finished.set()  # whatever a callback did, no waiter is left hanging
 
+    def _claim(self) -> bool:
+        """True for the first of start() and give_up() to ask, False for the other."""
+        with self._lock:
+            claimed, self._claimed = self._claimed, True
+            return not claimed
+
     def start(self) -> bool:
         """The worker takes the call: False if it was given up while queued (give_up)."""
-        with self._lock:
-            self._started = not self._ran
-            return self._started
+        return self._claim()
 
     def give_up(self, error: BaseException) -> bool:
         """Finish a call the worker has not taken with `error` (its callbacks run here);
         False if the worker had taken it."""
-        with self._lock:
-            if self._started or self._ran:
-                return False
+        if not self._claim():
+            return False
         self.finish(error)
         return True
 
@@ -187,7 +190,7 @@ class CallQueue:
         child does not have, and either may have held a lock at the fork. Fresh locks and no
         worker, so close() returns (the extension refuses calls there: HostComm)."""
         self._worker = self._worker_ident = self._last_async = None
-        self._lock, self._queue_lock = threading.Lock(), threading.Lock()
+        self._lock, self._queue_lock, self._closing = threading.Lock(), threading.Lock(), threading.Event()
         self._queued.clear()
         self._in_callbacks = None
 

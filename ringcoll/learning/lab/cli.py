@@ -36,7 +36,8 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--staleness", type=number(int, least=0, above=None),
                    help="straggler: S, the most steps a worker may run ahead (bounded)")
     p.add_argument("--local-every", type=number(int), help="straggler: H, steps between model averages (local SGD)")
-    p.add_argument("--steps", type=number(int), help="overlap: timed steps per configuration; memory: Adam steps before the count")
+    p.add_argument("--steps", type=number(int),
+                   help="overlap: timed steps per configuration; memory: Adam steps before the count")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
