@@ -173,6 +173,7 @@ void bind_cuda(py::module_& m) {
           "one rank's call queued as CudaComm queues it; (error_type, message) of what is raised before queuing")
       .def("check_error", [=](EmulatedRing& ring, int rank) { return result(ring.check_error(rank)); }, py::arg("rank"))
       .def("own_stream", &EmulatedRing::own_stream, py::arg("rank"))
+      .def("retire_stream", &EmulatedRing::retire_stream, py::arg("rank"))
       .def_property_readonly("device", [](EmulatedRing& ring) { return &ring.device(); },
                              py::return_value_policy::reference_internal)
       .def_property_readonly("host_wait_seconds", &EmulatedRing::host_wait_seconds)
@@ -248,6 +249,8 @@ void bind_cuda(py::module_& m) {
       .def_property_readonly("ipc_peers", &CudaComm::ipc_peers)
       .def_property_readonly("in_process_peers", &CudaComm::in_process_peers)
       .def_property_readonly("stream_handle", &CudaComm::stream_handle)
+      .def("retire_stream", &CudaComm::retire_stream)
+      .def("stream_capturing", &CudaComm::stream_capturing, py::arg("stream"))
       .def_property_readonly("rank", &CudaComm::rank)
       .def_property_readonly("world", &CudaComm::world)
       .def_property_readonly("device", &CudaComm::device)

@@ -122,6 +122,31 @@ struct CudaStreams {
   }
 };
 
+// The calling thread's current device: the communicator's for a scope, then the caller's
+// again (as NCCL and torch's device guards do). A collective on GPU 1 must not leave a thread
+// that was working on GPU 0 there: its next torch.empty(device="cuda") would land on GPU 1.
+// `checked`: throw on failure; closing, which must not throw, clears the error instead.
+class OnDevice {
+ public:
+  OnDevice(int device, bool checked = true) {
+    if (!set(cudaGetDevice(&caller_), checked)) return;
+    if (caller_ != device) restore_ = set(cudaSetDevice(device), checked);
+  }
+  ~OnDevice() {
+    if (restore_) CudaStreams::cleared(cudaSetDevice(caller_));
+  }
+  OnDevice(const OnDevice&) = delete;
+  OnDevice& operator=(const OnDevice&) = delete;
+
+ private:
+  static bool set(cudaError_t err, bool checked) {
+    if (checked) RINGCOLL_CUDA_CHECK(err);
+    return CudaStreams::cleared(err);
+  }
+  int caller_ = 0;
+  bool restore_ = false;
+};
+
 CallEvents<cudaEvent_t> call_events(void* ready, void* done, void* replayed) {
   return {static_cast<cudaEvent_t>(ready), static_cast<cudaEvent_t>(done), static_cast<cudaEvent_t>(replayed)};
 }
@@ -155,7 +180,7 @@ CudaComm::CudaComm(int rank, int world, int device, size_t buffer_bytes, double 
   // Read once, here: every launch of this communicator uses the scope map_peers settles.
   flag_scope_setting_ = parse_flag_scope_setting(std::getenv(kFlagScopeVariable));
   try {
-    RINGCOLL_CUDA_CHECK(cudaSetDevice(device_));
+    const OnDevice on_device(device_);
     RINGCOLL_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_));
     // Load every kernel now: under lazy loading (CUDA's default) the first launch of each
     // would load it then, which can wait for the whole context, a peer's spinning ring included.
@@ -222,7 +247,7 @@ void CudaComm::open_peers(const std::vector<std::string>& handles) {
   RINGCOLL_CHECK(!peers_open_, Error, "Communicator: peers are already open");
   RINGCOLL_CHECK(static_cast<int>(handles.size()) == world_, std::invalid_argument,
                  "Communicator: expected one IPC handle per rank, got ", handles.size());
-  RINGCOLL_CUDA_CHECK(cudaSetDevice(device_));
+  const OnDevice on_device(device_);
   peers_open_ = true;  // from here close() unmaps whatever was opened
   try {
     map_peers(handles);
@@ -327,9 +352,14 @@ void CudaComm::check_error() {
   }
 }
 
+bool CudaComm::stream_capturing(uintptr_t stream) const {
+  const OnDevice on_device(device_);  // the legacy stream's handle means the current device's
+  return CudaStreams{}.capturing(reinterpret_cast<cudaStream_t>(stream));
+}
+
 void CudaComm::synchronize() {
   if (closed_) return;
-  RINGCOLL_CUDA_CHECK(cudaSetDevice(device_));
+  const OnDevice on_device(device_);
   RINGCOLL_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream_)));
   check_error();
 }
@@ -364,7 +394,7 @@ struct ArenaHandle {
 
 std::string CudaComm::make_symmetric_arena(size_t bytes) {
   ensure_usable("empty");
-  RINGCOLL_CUDA_CHECK(cudaSetDevice(device_));
+  const OnDevice on_device(device_);
   void* part = nullptr;
   RINGCOLL_CUDA_CHECK(cudaMalloc(&part, bytes));
   // Freed with the last block, unless a peer may still map it (parts_may_be_freed_: set by a
@@ -372,7 +402,7 @@ std::string CudaComm::make_symmetric_arena(size_t bytes) {
   const int device = device_;
   making_ = std::shared_ptr<void>(part, [device, may = parts_may_be_freed_](void* p) {
     if (!*may) return;
-    cudaSetDevice(device);
+    const OnDevice on_device(device, /*checked=*/false);
     cudaFree(p);
     cudaGetLastError();
   });
@@ -392,7 +422,7 @@ void CudaComm::open_symmetric_arena(const std::vector<std::string>& handles) {
   RINGCOLL_CHECK(making_ != nullptr, Error, "empty: no arena is being made (make_symmetric_arena)");
   RINGCOLL_CHECK(static_cast<int>(handles.size()) == world_, std::invalid_argument, "empty: expected ", world_,
                  " arena handles, got ", handles.size());
-  RINGCOLL_CUDA_CHECK(cudaSetDevice(device_));
+  const OnDevice on_device(device_);
   std::vector<const char*> row(static_cast<size_t>(world_));
   for (int r = 0; r < world_; ++r) {
     ArenaHandle msg;
@@ -440,7 +470,7 @@ void CudaComm::launch(const char* op, Collective coll, uintptr_t input, uintptr_
   RINGCOLL_CHECK(peers_open_ || world_ == 1, Error, op, ": peers are not mapped yet (open_peers)");
   RINGCOLL_CHECK(is_supported(coll, static_cast<DType>(dtype), static_cast<ReduceOp>(reduce_op)), std::invalid_argument,
                  op, ": unsupported dtype/op ", dtype, "/", reduce_op);
-  RINGCOLL_CUDA_CHECK(cudaSetDevice(device_));
+  const OnDevice on_device(device_);
   auto user = reinterpret_cast<cudaStream_t>(stream);
   const FlagScope scope = flag_scope_;
   auto own = static_cast<cudaStream_t>(stream_);
@@ -534,7 +564,7 @@ void CudaComm::all_gather(uintptr_t input, uintptr_t output, int64_t user_count,
 void CudaComm::leave_peers(bool wait_for_peers) {
   if (closed_) return;
   closed_ = true;
-  cudaSetDevice(device_);
+  const OnDevice on_device(device_, /*checked=*/false);
   if (stream_ != nullptr && done_ != nullptr && replayed_ != nullptr) {
     CudaStreams streams;
     wait_for_own_work(streams, static_cast<cudaStream_t>(stream_), call_events(ready_, done_, replayed_));
@@ -566,7 +596,7 @@ void CudaComm::leave_peers(bool wait_for_peers) {
 
 void CudaComm::free_memory() {
   leave_peers(/*wait_for_peers=*/false);  // no-op after leave_peers; else keeps the allocation
-  cudaSetDevice(device_);
+  const OnDevice on_device(device_, /*checked=*/false);
   for (void* event : {done_, ready_, replayed_})
     if (event != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(event));
   if (errors_host_ != nullptr) cudaFreeHost(errors_host_);
@@ -578,7 +608,8 @@ void CudaComm::free_memory() {
   symmetric_table_device_ = nullptr;
   // Our arena parts: freed with their last block from now on, if every peer has unmapped them.
   *parts_may_be_freed_ = kept_on_close_.empty() && closed_;
-  if (stream_ != nullptr) StreamLender::instance().give_back(device_, stream_);  // idle: leave_peers waited for it
+  if (stream_ != nullptr && !stream_retired_)
+    StreamLender::instance().give_back(device_, stream_);  // idle: leave_peers waited for it
   done_ = ready_ = replayed_ = stream_ = nullptr;
   errors_host_ = errors_device_ = nullptr;
   state_ = nullptr;

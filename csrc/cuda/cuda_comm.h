@@ -89,6 +89,12 @@ class CudaComm {
   const std::string& kept_on_close() const { return kept_on_close_; }
 
   uintptr_t stream_handle() const { return reinterpret_cast<uintptr_t>(stream_); }
+  // Whether `stream` (a cudaStream_t of our device; 0 is its legacy stream) captures a CUDA
+  // graph now. torch.cuda.is_current_stream_capturing() asks about the current device's.
+  bool stream_capturing(uintptr_t stream) const;
+  // Never lend our stream again (ringcoll/transports/cuda.py, RankThreads): a thread may still
+  // be on it as its current stream.
+  void retire_stream() { stream_retired_ = true; }
   int rank() const { return rank_; }
   int world() const { return world_; }
   int device() const { return device_; }
@@ -131,6 +137,7 @@ class CudaComm {
   DevicePlanOp* plan_records_device_ = nullptr;  // kPlanRecordCapacity records
   void* plan_work_ = nullptr;                  // private plan scratch, plan_work_bytes
   void* stream_ = nullptr;               // cudaStream_t, lent for our lifetime (cuda_comm.cu: StreamLender)
+  bool stream_retired_ = false;          // kept from the lender at close (retire_stream)
   void* done_ = nullptr;                 // cudaEvent_t, recorded after each launch
   void* ready_ = nullptr;                // cudaEvent_t, recorded on the caller's stream
   void* replayed_ = nullptr;             // cudaEvent_t, recorded by CUDA-graph replays (stream_order.h)

@@ -164,6 +164,8 @@ struct EmulatedRing::Rank {
   std::atomic<bool> closed{false};
   std::atomic<bool> freed{false};  // closed and let its memory go: nobody may touch it since
   int stream = 0;                  // its communicator's stream on the device
+  bool stream_retired = false;     // kept from the device's idle streams (retire_stream)
+  bool stream_given_back = false;  // at its close (close_rank), as CudaComm does
   CallEvents<int> events{};
   // Symmetric memory: this rank's parts (in the heap), its table of every rank's parts as
   // mapped here, the peers' parts it mapped, and its part of an arena being made.
@@ -206,10 +208,12 @@ EmulatedRing::EmulatedRing(int world, size_t buffer_bytes, double timeout_second
 
 // The kernels queued are done or give up within the timeout: the device waits for those
 // running, and drops work that never started (whose memory is going).
+// A stream given back at its rank's close was idle then, and may be another ring's now.
 EmulatedRing::~EmulatedRing() {
-  for (auto& rank : ranks_) device_->synchronize_stream(rank->stream, host_wait_seconds());
+  for (auto& rank : ranks_)
+    if (!rank->stream_given_back) device_->synchronize_stream(rank->stream, host_wait_seconds());
   for (auto& rank : ranks_) {
-    device_->give_back_stream(rank->stream);
+    if (!rank->stream_retired && !rank->stream_given_back) device_->give_back_stream(rank->stream);
     for (int event : {rank->events.ready, rank->events.done, rank->events.replayed}) device_->destroy_event(event);
   }
 }
@@ -230,6 +234,11 @@ int EmulatedRing::own_stream(int rank) const {
   RINGCOLL_CHECK(rank >= 0 && rank < world_, std::invalid_argument, "EmulatedRing: rank ", rank, " is outside 0..",
                  world_ - 1);
   return ranks_[rank]->stream;
+}
+
+void EmulatedRing::retire_stream(int rank) {
+  own_stream(rank);  // the rank's range checked
+  ranks_[rank]->stream_retired = true;
 }
 
 std::vector<CallResult> EmulatedRing::run(const std::vector<EmulatedCall>& calls) {
@@ -273,7 +282,8 @@ CallResult EmulatedRing::close_rank(int rank) {
   Rank& me = *ranks_[rank];
   if (me.closed) return {};
   ModelStreams streams{*device_, host_wait_seconds()};
-  if (!cuda::wait_for_own_work(streams, me.stream, me.events) && me.broken_reason.empty())
+  const bool idle = cuda::wait_for_own_work(streams, me.stream, me.events);
+  if (!idle && me.broken_reason.empty())
     me.broken_reason = "its work did not finish within " + std::to_string(host_wait_seconds()) + " s";
   check_error(rank);  // an error not reported yet makes it broken, as in CudaComm::leave_peers
   std::string breach;
@@ -306,6 +316,11 @@ CallResult EmulatedRing::close_rank(int rank) {
   me.freed = kept.empty();
   me.closed = true;
   me.broken_reason = "closed";
+  // CudaComm gives its stream back to the lender here (free_memory), idle (its wait for its
+  // work has no timeout there), unless retired: a communicator made next (another rank's,
+  // perhaps) may take it at once. A stream whose work is still stuck here is not lent again.
+  if (idle && !me.stream_retired) device_->give_back_stream(me.stream);
+  me.stream_given_back = idle;
   return {"", kept};
 }
 

@@ -59,6 +59,7 @@ class EmulatedRing {
   CallResult check_error(int rank);  // CudaComm::check_error: a kernel's recorded error, once
   CallResult synchronize(int rank);  // CudaComm::synchronize: the rank's stream, then check_error
   int own_stream(int rank) const;    // the rank's communicator stream on the device
+  void retire_stream(int rank);      // never given back to the device (CudaComm::retire_stream)
 
   // Symmetric memory as CudaComm makes it (cuda_comm.h says what each step does). An arena's
   // part is "exported" as CUDA IPC exports it: the owner's part is a memfd mapping, its

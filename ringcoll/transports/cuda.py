@@ -21,6 +21,8 @@ front of rank 1's "inputs ready" record, which rank 1's kernel (and so rank 0's)
 for: a deadlock until the ring timeout. So a communicator built on such a rank moves the
 rank's thread onto the communicator's own stream (one stream per rank: nothing of one rank
 can queue behind another's), and a later call from the legacy default stream is refused.
+Closing it moves the thread on (RankThreads: never back onto the legacy stream while the
+rank has another communicator open).
 The driver spreads streams over CUDA_DEVICE_MAX_CONNECTIONS in-order hardware queues (8 by
 default); two ranks' streams on one queue are falsely ordered, and can deadlock the same
 way, so run_in_process raises it to 32 before CUDA starts, and an in-process ring of P
@@ -114,6 +116,51 @@ def shared_stream_error(op: str, rank: int) -> RingcollError:
 SHARED_STREAM_HANDLES = (0, 1)
 
 
+class RankThreads:
+    """Which in-process communicators each rank's thread has open, so that closing the one
+    whose stream the thread was moved onto (module doc) breaks none of the others. The
+    stream goes back to the lender at close, which may lend it to another rank's next
+    communicator: the thread must leave it (two ranks on one stream deadlock as on the
+    legacy one), but back on the legacy stream every other communicator of the rank would
+    refuse its calls, so the thread moves onto the stream of one still open. A thread's
+    current stream can only be changed by that thread: closed from another one (a finalizer,
+    a shutdown thread), the stream is retired instead, never lent again."""
+
+    def __init__(self):
+        self._mine = threading.local()  # each thread's open transports, oldest first (gone with the thread)
+        self._lock = threading.Lock()  # a list may be changed from another thread (a close)
+
+    def opened(self, transport) -> None:
+        """Note `transport`, made on this thread; sets its `thread_open`, the list it is in."""
+        transport.thread_open = self._mine.__dict__.setdefault("open", [])
+        with self._lock:
+            transport.thread_open.append(transport)
+
+    def closing(self, transport, on_its_stream: bool) -> tuple[str, Optional[object]]:
+        """Forget `transport` (closing) and say what becomes of the stream it moved its
+        thread onto (`transport.moved_thread`; `on_its_stream`: this thread is on it now):
+        ("none", None) where it moved no thread; ("retire", None) where it cannot know its
+        thread has left (closed from another thread, or the thread has stepped onto another
+        stream and may step back); ("hand over", heir) to the newest transport the thread
+        still has open; ("legacy", None) where it has none."""
+        with self._lock:
+            still = transport.thread_open
+            if transport in still:
+                still.remove(transport)
+            heir = still[-1] if still else None
+        if transport.moved_thread is None:
+            return "none", None
+        if transport.moved_thread != threading.get_ident() or not on_its_stream:
+            return "retire", None
+        if heir is not None:
+            heir.moved_thread = transport.moved_thread
+            return "hand over", heir
+        return "legacy", None
+
+
+rank_threads = RankThreads()  # both CUDA transports' (the emulated one models this one)
+
+
 def one_word_barrier(device) -> tuple[torch.Tensor, CollectiveCall]:
     """The CUDA transport's barrier (like NCCL's): an all-reduce of one int32 word on
     `device`. Returns the word (kept alive by the caller) and the call."""
@@ -168,7 +215,7 @@ class StreamCompletion:
         self._op, self._captured = op, captured
 
     def wait(self, timeout: Optional[float]) -> None:
-        if self._captured and not torch.cuda.is_current_stream_capturing():
+        if self._captured and not self._transport.capturing():
             raise captured_call_error(self._op, "wait() after the capture ended for")
         torch.cuda.current_stream(self._transport.device).wait_event(self._event)
         self._transport.check_error()
@@ -240,11 +287,13 @@ class CudaTransport(Transport):
         self._first_error: Optional[RingcollError] = None  # what _reporting raises from then on
         self._symmetric = SymmetricAgreement()
         self._in_flight = InFlight()
-        self._moved_thread = None
-        if self._in_process and torch.cuda.current_stream(device).cuda_stream in SHARED_STREAM_HANDLES:
-            self._stream.wait_stream(torch.cuda.current_stream(device))  # what it queued there so far comes first
-            torch.cuda.set_stream(self._stream)  # this rank's work on a stream of its own (module doc)
-            self._moved_thread = threading.get_ident()
+        self.thread, self.moved_thread = threading.get_ident(), None  # (RankThreads)
+        if self._in_process:
+            if torch.cuda.current_stream(device).cuda_stream in SHARED_STREAM_HANDLES:
+                self._stream.wait_stream(torch.cuda.current_stream(device))  # what it queued there comes first
+                torch.cuda.set_stream(self._stream)  # this rank's work on a stream of its own (module doc)
+                self.moved_thread = self.thread
+            rank_threads.opened(self)
 
     def _current_stream(self, op: str = "Communicator") -> int:
         stream = torch.cuda.current_stream(self.device).cuda_stream
@@ -273,7 +322,7 @@ class CudaTransport(Transport):
             for t in tensors:
                 if isinstance(t, torch.Tensor) and t.is_cuda:
                     t.record_stream(self._stream)  # the caching allocator must not reuse them early
-            captured = torch.cuda.is_current_stream_capturing()
+            captured = self.capturing()
             completion = StreamCompletion(self, event, name or call.collective, captured)
             if not captured:  # a graph's tensors outlive it (torch's rule), and its replays run the call
                 self._in_flight.hold(completion, tensors)  # nor the symmetric pool, which record_stream misses
@@ -282,6 +331,8 @@ class CudaTransport(Transport):
     def launch_on_stream(self, call: CollectiveCall, stream: Optional[int]) -> None:
         """`call` on a caller-given cudaStream_t (an int; default torch's current stream),
         which then waits for it."""
+        if stream is not None and self._in_process and int(stream) in SHARED_STREAM_HANDLES:
+            raise shared_stream_error(call.collective, self.rank)  # as from torch's current stream
         with self._lock:
             self.check_error()
             call.run(self._comm, self._current_stream() if stream is None else int(stream), True)
@@ -291,7 +342,7 @@ class CudaTransport(Transport):
     def allocate_symmetric(self, nbytes: int, dtype: int, dims: list) -> torch.Tensor:
         """A block of cudaMalloc'ed memory every peer has mapped (allocate_by_exchange), as a
         uint8 tensor on this device that holds the block."""
-        if torch.cuda.is_current_stream_capturing():
+        if self.capturing():
             raise RingcollError(CAPTURED_ALLOCATION)
         with self._lock:
             self._in_flight.release_finished()  # blocks whose calls are done go back to the pool first
@@ -312,8 +363,13 @@ class CudaTransport(Transport):
         ipc, direct = self._comm.ipc_peers, self._comm.in_process_peers
         return "single" if ipc + direct == 0 else "IPC" if direct == 0 else "in-process" if ipc == 0 else "mixed"
 
+    def capturing(self) -> bool:
+        """Whether this thread's current stream on our device captures a CUDA graph (torch's
+        is_current_stream_capturing asks about the current device, which may be another)."""
+        return self._comm.stream_capturing(torch.cuda.current_stream(self.device).cuda_stream)
+
     def _refuse_in_capture(self, op: str) -> None:
-        if torch.cuda.is_current_stream_capturing():
+        if self.capturing():
             raise RingcollError(f"{op}: cannot run while the current stream is capturing a CUDA graph: it blocks "
                                 "the host until the GPU is done, which a capture cannot contain. Call it before or "
                                 "after the capture (collectives themselves can be captured)")
@@ -353,9 +409,16 @@ class CudaTransport(Transport):
         the group's barrier, then every rank frees its buffer; returns once every peer has
         closed too, or after the timeout, keeping this rank's buffer until the process exits.
         Without `wait_for_peers` it does not wait and keeps the buffer."""
-        on_ours = torch.cuda.current_stream(self.device).cuda_stream == self._stream.cuda_stream
-        if self._moved_thread == threading.get_ident() and on_ours:
-            torch.cuda.set_stream(torch.cuda.default_stream(self.device))  # the stream goes back to the lender
+        if self._in_process:  # the thread leaves our stream, which goes back to the lender (RankThreads)
+            fate, heir = rank_threads.closing(
+                self, torch.cuda.current_stream(self.device).cuda_stream == self._stream.cuda_stream)
+            if fate == "hand over":
+                heir._stream.wait_stream(self._stream)  # what the thread queued on ours comes first
+                torch.cuda.set_stream(heir._stream)
+            elif fate == "legacy":
+                torch.cuda.set_stream(torch.cuda.default_stream(self.device))
+            elif fate == "retire":
+                self._comm.retire_stream()
         with self._lock:
             self._comm.leave_peers(wait_for_peers)
             if wait_for_peers:

@@ -38,7 +38,8 @@ from ringcoll.errors import RingcollError, RingcollTimeoutError
 from ringcoll.transports.base import (CollectiveCall, InFlight, Settings, SymmetricAgreement, Transport,
                                       allocate_by_exchange)
 from ringcoll.transports.cuda import (CAPTURED_ALLOCATION, captured_call_error, check_hardware_queues,
-                                      hardware_queues, kernel_variant, one_word_barrier, shared_stream_error)
+                                      hardware_queues, kernel_variant, one_word_barrier, rank_threads,
+                                      shared_stream_error)
 
 LEGACY = _C.emulation.Device.LEGACY  # the legacy default stream: every thread's, unless told otherwise
 _device = None
@@ -198,15 +199,20 @@ class EmulatedCudaTransport(Transport):
         self._parts = RankParts(self._ring, self.rank)  # symmetric memory's steps (a test may make one fail)
         self._symmetric = SymmetricAgreement()
         self._in_flight = InFlight()
-        self._moved_thread = None
+        self.thread, self.moved_thread = threading.get_ident(), None  # (RankThreads)
         if self.own_stream_per_rank and current_stream() == LEGACY:
-            queued = self.device.create_event()  # as CudaTransport does: what it queued so far comes first,
-            self.device.record(queued, LEGACY)
-            self.device.wait(self._own, queued)
-            self.device.destroy_event(queued)
+            self._order(LEGACY, before=self._own)  # as CudaTransport does: what it queued so far comes first,
             set_stream(self._own)  # then this rank's work goes on a stream of its own
-            self._moved_thread = threading.get_ident()
+            self.moved_thread = self.thread
+        rank_threads.opened(self)
         self._error: Optional[RingcollError] = None
+
+    def _order(self, first: int, before: int) -> None:
+        """Stream `before`'s later work after what stream `first` holds now (wait_stream)."""
+        queued = self.device.create_event()
+        self.device.record(queued, first)
+        self.device.wait(before, queued)
+        self.device.destroy_event(queued)
 
     @property
     def broken(self) -> bool:
@@ -314,8 +320,14 @@ class EmulatedCudaTransport(Transport):
     def close(self, wait_for_peers: bool = True) -> None:
         """The collective close of cuda_comm.cu, as the emulator runs it (its own work waited
         for, then every peer's `finished` word); a kept allocation is warned about, as on a GPU."""
-        if self._moved_thread == threading.get_ident() and current_stream() == self._own:
-            set_stream(LEGACY)  # the stream goes back to the device's lender
+        fate, heir = rank_threads.closing(self, current_stream() == self._own)  # CudaTransport.close's
+        if fate == "hand over":
+            self._order(self._own, before=heir._own)
+            set_stream(heir._own)
+        elif fate == "legacy":
+            set_stream(LEGACY)
+        elif fate == "retire":
+            self._ring.retire_stream(self.rank)
         if not wait_for_peers:  # a finalizer must not wait for the others: keep the memory
             return
         [(kind, kept)] = self._ring.run([(self.rank, _C.emulation.Ring.CLOSE, 0, 0, 0, 0, 0)])

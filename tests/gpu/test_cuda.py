@@ -778,3 +778,57 @@ def test_in_process_missing_peer_is_a_timeout():
     (took, message), skipped = _in_process(2, _missing_peer)
     assert skipped == "skipped"
     assert took < 20 and "rank 0" in message, (took, message)
+
+
+def _two_communicators_then_close_the_first(group):
+    """tests/multiprocess/test_cuda_streams.py's emulated case on a GPU: the first communicator
+    moved the rank off the legacy stream; closing it must not leave the second refusing calls."""
+    import ringcoll
+
+    x = torch.ones(8, device="cuda:0")  # before any rank's ring runs (see _close_then_free)
+    first = ringcoll.Communicator(group=group, device="cuda:0", timeout=30)
+    second = ringcoll.Communicator(group=group, device="cuda:0", timeout=30)
+    first.all_reduce(x)
+    first.close()
+    on_second = torch.cuda.current_stream().cuda_stream == second.transport.comm.stream_handle
+    second.all_reduce(x)
+    refused = ""
+    try:
+        second.all_reduce_array(x, stream=0)  # the legacy stream, given explicitly: refused in-process
+    except ringcoll.RingcollError as e:
+        refused = str(e)
+    second.synchronize()
+    second.close()
+    return on_second, refused, x.cpu().tolist(), torch.cuda.current_stream().cuda_stream
+
+
+def test_in_process_closing_one_communicator_keeps_the_others_working():
+    world = 2
+    for on_second, refused, values, stream in _in_process(world, _two_communicators_then_close_the_first):
+        assert on_second and "legacy default stream" in refused, (on_second, refused)
+        assert values == [float(world ** 2)] * 8, values
+        assert stream == 0  # back on the legacy stream once no communicator is open
+
+
+def _on_gpu_1_from_gpu_0(group):
+    import ringcoll
+
+    torch.cuda.set_device(0)
+    with ringcoll.Communicator(group=group, device="cuda:1", timeout=30) as comm:
+        x = torch.ones(8, device="cuda:1")
+        comm.all_reduce(x)
+        after_call = torch.cuda.current_device()
+        graph = torch.cuda.CUDAGraph()
+        # GPU 0's stream captures, GPU 1's does not ("relaxed": a sync elsewhere is allowed)
+        with torch.cuda.graph(graph, stream=torch.cuda.Stream(0), capture_error_mode="relaxed"):
+            comm.synchronize()  # not refused: nothing captures on the communicator's GPU
+        return after_call, torch.cuda.current_device(), x.cpu().tolist()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_call_on_another_gpu_leaves_the_current_device_and_capture_check_alone():
+    """CudaComm sets its device for each call and puts the caller's back (it used to leave
+    the thread on the communicator's GPU), and a capture is asked of the communicator's
+    device's current stream, not the current device's."""
+    [(after_call, after_close, values)] = _in_process(1, _on_gpu_1_from_gpu_0)
+    assert (after_call, after_close, values) == (0, 0, [1.0] * 8)

@@ -106,6 +106,57 @@ def test_a_call_from_the_shared_default_stream_is_refused_in_process():
     assert ringcoll.run_in_process(2, body, timeout=60) == [True, True]
 
 
+def test_closing_the_communicator_that_moved_the_thread_keeps_the_others_working():
+    """A rank with two communicators open closes the one that moved its thread off the legacy
+    stream: the thread goes onto the other's stream (it used to go back to the legacy one,
+    where the other refused every call), and to the legacy one once none is open."""
+    def body(group):
+        cls = communicator(EmulatedCudaTransport)
+        first = cls(group=group, timeout=TIMEOUT)
+        second = cls(group=group, timeout=TIMEOUT)
+        first.all_reduce(torch.ones(4))
+        first.close()
+        on_second = emulated.current_stream() == second.transport._own
+        x = torch.ones(1031)
+        second.all_reduce(x)
+        second.all_reduce(x, async_op=True).wait()
+        second.close()
+        return on_second, x.tolist() == [4.0] * 1031, emulated.current_stream() == emulated.LEGACY
+
+    assert ringcoll.run_in_process(2, body, timeout=60) == [(True, True, True)] * 2
+
+
+def test_a_stream_closed_from_another_thread_is_never_lent_again():
+    """A communicator closed from another thread (a finalizer, a shutdown thread) cannot move
+    its rank's thread off its stream: lent again, that stream became the next communicator's
+    own stream for another rank while this rank's thread still queued its work there, and the
+    two ranks deadlocked as on the shared legacy stream. The stream is retired instead."""
+    def body(group):
+        first = communicator(EmulatedCudaTransport)(group=group, timeout=TIMEOUT)
+        closer = threading.Thread(target=first.close)
+        closer.start()
+        closer.join()
+        del first  # every rank's ring goes, and its streams back to the device (those not retired)
+        import gc
+
+        gc.collect()
+        group.barrier()
+        stayed_on = emulated.current_stream()
+        with communicator(Staggered)(group=group, timeout=STUCK) as second:
+            owns = second.transport._own
+            try:
+                second.all_reduce(torch.ones(64))
+                result = "ok"
+            except ringcoll.RingcollError as e:
+                result = type(e).__name__
+        return stayed_on, owns, result
+
+    results = ringcoll.run_in_process(2, body, timeout=60)
+    threads_on = {stayed_on for stayed_on, _, _ in results}
+    assert not threads_on & {owns for _, owns, _ in results}, results  # no rank's stream lent to a rank
+    assert [result for _, _, result in results] == ["ok", "ok"], results
+
+
 def _two_async_then_the_peer(group, cls, timeout):
     """Rank 0 queues two calls before rank 1 queues any: on one hardware queue, rank 0's
     second kernel (waiting for its first) holds back rank 1's first, which rank 0's first waits for."""
