@@ -202,6 +202,14 @@ def captured_call_error(op: str, what: str) -> RingcollError:
                          "is launched on")
 
 
+def refuse_in_capture(op: str, capturing: bool) -> None:
+    """barrier() and synchronize() block the host until the GPU is done: not inside a capture."""
+    if capturing:
+        raise RingcollError(f"{op}: cannot run while the current stream is capturing a CUDA graph: it blocks "
+                            "the host until the GPU is done, which a capture cannot contain. Call it before or "
+                            "after the capture (collectives themselves can be captured)")
+
+
 class StreamCompletion:
     """An async CUDA collective, as ringcoll.Work sees it: ``wait()`` makes the current stream
     wait for it (no host blocking), then reports any kernel error already recorded.
@@ -369,10 +377,7 @@ class CudaTransport(Transport):
         return self._comm.stream_capturing(torch.cuda.current_stream(self.device).cuda_stream)
 
     def _refuse_in_capture(self, op: str) -> None:
-        if self.capturing():
-            raise RingcollError(f"{op}: cannot run while the current stream is capturing a CUDA graph: it blocks "
-                                "the host until the GPU is done, which a capture cannot contain. Call it before or "
-                                "after the capture (collectives themselves can be captured)")
+        refuse_in_capture(op, self.capturing())
 
     def barrier(self, async_op: bool) -> None:
         """An all-reduce of one int on the device, then a host wait for it (like NCCL's);

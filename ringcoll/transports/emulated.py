@@ -39,7 +39,7 @@ from ringcoll.transports.base import (CollectiveCall, InFlight, Settings, Symmet
                                       allocate_by_exchange)
 from ringcoll.transports.cuda import (CAPTURED_ALLOCATION, captured_call_error, check_hardware_queues,
                                       hardware_queues, kernel_variant, one_word_barrier, rank_threads,
-                                      shared_stream_error)
+                                      refuse_in_capture, shared_stream_error)
 
 LEGACY = _C.emulation.Device.LEGACY  # the legacy default stream: every thread's, unless told otherwise
 _device = None
@@ -291,11 +291,14 @@ class EmulatedCudaTransport(Transport):
         return None
 
     def barrier(self, async_op: bool):
-        """CudaTransport's: an all-reduce of one int, then a host wait; always synchronous."""
+        """CudaTransport's: an all-reduce of one int, then a host wait; always synchronous,
+        so refused inside a capture."""
+        refuse_in_capture("barrier", self.device.is_capturing(current_stream()))
         self.submit(self._barrier_call, [], (), False, name="barrier")
         self.synchronize()
 
     def synchronize(self) -> None:
+        refuse_in_capture("synchronize", self.device.is_capturing(current_stream()))
         self.host_waits_for("synchronize", self._own)
 
     def launch_on_stream(self, call: CollectiveCall, stream) -> None:

@@ -232,6 +232,29 @@ def test_graph_replays_are_waited_for_at_close():
     assert ringcoll.run_in_process(3, body, timeout=60) == [(True, "")] * 3
 
 
+def test_barrier_and_synchronize_are_refused_inside_a_capture():
+    """Both block the host until the device is done, which a capture cannot contain (on a
+    GPU cudaStreamSynchronize inside a capture invalidates it): refused by name, as
+    CudaTransport refuses them; the capture and the communicator go on."""
+    def body(group):
+        with _on_a_stream_of_its_own(group) as (dev, user, comm):
+            x = torch.ones(256)
+            comm.all_reduce(x)  # warm-up
+            dev.begin_capture(user)
+            messages = []
+            for op in (comm.barrier, comm.synchronize):
+                with pytest.raises(ringcoll.RingcollError) as raised:
+                    op()
+                messages.append(str(raised.value).split(":")[0])
+            comm.all_reduce(x)
+            dev.replay(dev.end_capture(user), user)
+            comm.synchronize()
+            comm.close()
+        return messages, bool(torch.all(x == group.world_size ** 2))
+
+    assert ringcoll.run_in_process(2, body, timeout=60) == [(["barrier", "synchronize"], True)] * 2
+
+
 def test_an_async_call_captured_in_a_graph_leaves_nothing_the_host_must_query():
     """Work.wait() inside the capture, as docs/cuda.md allows. Before, the captured call's
     event was held with the eager calls' (InFlight) and queried: while capturing (an eager
