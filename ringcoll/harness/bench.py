@@ -871,16 +871,15 @@ def run_rank(rank: int, world: int, config: Config, with_mpi: bool = False) -> l
     """One rank: ringcoll and its references on the same process group."""
     import torch.distributed as dist
 
-    if config.device == "cuda":
-        return run_cuda_rank(rank, world, config)
     if config.plans_file:  # each rank registers the plans (a spawned or mpirun process starts without them)
         plans.load_plans(config.plans_file)
+    if config.device == "cuda":
+        return run_cuda_rank(rank, world, config)
     settings = dict(buffer_bytes=config.buffer_bytes, small_bytes=config.small_bytes, direct_bytes=config.direct_bytes)
     with Communicator(**settings) as comm, contextlib.ExitStack() as plain_comm:
         backends = ringcoll_backends(comm, config)
-        if config.symmetric:  # today's calls on ordinary tensors, on a communicator without symmetric memory
-            plain = plain_comm.enter_context(Communicator(**settings))
-            backends.append(TorchBackend(plain, prepared=config.prepared, algorithm=config.algorithms[0], name="plain"))
+        if config.symmetric:
+            backends.append(plain_backend(plain_comm, config, **settings))
             backends.append(CopyBackend())  # every rank copying the message at once: the floor's bandwidth
         backends += [TorchBackend(None)] if config.gloo else []
         backends += [MpiBackend()] if with_mpi else []
@@ -896,6 +895,13 @@ def run_rank(rank: int, world: int, config: Config, with_mpi: bool = False) -> l
     for backend in backends:
         backend.close()
     return rows
+
+
+def plain_backend(stack: contextlib.ExitStack, config: Config, **settings) -> "TorchBackend":
+    """--symmetric's "plain": the same calls on ordinary tensors, on a communicator (made with
+    `settings`, closed by `stack`) without symmetric memory."""
+    plain = stack.enter_context(Communicator(**settings))
+    return TorchBackend(plain, prepared=config.prepared, algorithm=config.algorithms[0], name="plain")
 
 
 def ringcoll_backends(comm, config: Config) -> list:
@@ -967,17 +973,17 @@ def gpu_of(rank: int, world: int) -> int:
 
 
 def run_cuda_rank(rank: int, world: int, config: Config) -> list[dict]:
-    """One rank on a GPU: ringcoll's CUDA ring (with --symmetric: over symmetric memory, auto's
-    direct plans, and the ring on ordinary tensors beside it as "plain"), the copy ceiling, and
-    NCCL where it runs."""
+    """One rank on a GPU: ringcoll on CUDA, each --algorithm as on the CPU (ringcoll_backends;
+    with --symmetric over symmetric memory, and the same calls on ordinary tensors beside it
+    as "plain"), the copy ceiling, and NCCL where it runs."""
     import torch.distributed as dist
 
     torch.cuda.set_device(gpu_of(rank, world))
     with Communicator(device="cuda", buffer_bytes=config.buffer_bytes) as comm, contextlib.ExitStack() as plain_comm:
-        backends = [TorchBackend(comm, prepared=config.prepared, symmetric=config.symmetric), CopyBackend()]
-        if config.symmetric:  # the same calls on ordinary tensors, on a communicator without symmetric memory
-            plain = plain_comm.enter_context(Communicator(device="cuda", buffer_bytes=config.buffer_bytes))
-            backends.insert(1, TorchBackend(plain, prepared=config.prepared, name="plain"))
+        backends = ringcoll_backends(comm, config)
+        if config.symmetric:
+            backends.append(plain_backend(plain_comm, config, device="cuda", buffer_bytes=config.buffer_bytes))
+        backends.append(CopyBackend())
         if config.nccl:
             backends.append(TorchBackend(None, group=dist.new_group(backend="nccl")))
         rows = bench_all(backends, rank, world, config)
