@@ -15,6 +15,10 @@ each thread has a current stream (the shared legacy default stream unless
 order CudaComm queues them (csrc/cuda/stream_order.h). Host code stands for the work a GPU
 program would queue on its current stream after the call, so where that code reads a
 result the host waits for the stream: at the end of a synchronous call, in ``Work.wait()``.
+What CudaTransport itself queues after a kernel (a list form's copy into the caller's
+tensors) is a Python kernel on the same stream here, so it runs in stream order, is captured
+with the call and runs again at each replay (its closure keeps the call's flat buffer alive
+as long as the graph, as torch's graph pool does on a GPU).
 Where rank-thread code says it allocates (``wait_for_the_whole_device``), the host waits for
 all the device's work, as an allocation may on a GPU. What it does not have is what only a
 GPU has: IPC, SM occupancy, the memory model and the compiled PTX. For tests (tests/multiprocess/test_in_process.py); a Communicator gets it by
@@ -93,8 +97,8 @@ class EmulatedCompletion:
     for that stream's later work) waits for the stream on the host. `captured`: as
     StreamCompletion's."""
 
-    def __init__(self, transport: "EmulatedCudaTransport", op: str, event: int, then, captured: bool):
-        self._transport, self._op, self._event, self._then = transport, op, event, then
+    def __init__(self, transport: "EmulatedCudaTransport", op: str, event: int, captured: bool):
+        self._transport, self._op, self._event = transport, op, event
         self._finished, self._captured = False, captured
 
     def _finish(self) -> None:
@@ -103,8 +107,6 @@ class EmulatedCompletion:
         self._finished = True
         self._transport.device.destroy_event(self._event)
         self._transport.check_error(self._op)
-        if self._then is not None:
-            self._then()
 
     def wait(self, timeout: Optional[float]) -> None:
         if self._captured and not self._transport.device.is_capturing(current_stream()):
@@ -277,17 +279,17 @@ class EmulatedCudaTransport(Transport):
         emulated = (self.rank, COLLECTIVE_CODES[call.collective], call.dtype, call.op or 0, call.src, call.dst,
                     call.user_count, call.plan)
         self._raise(op, self._ring.enqueue(emulated, user, not async_op))
+        if then is not None:  # CudaTransport's: queued after the kernel on the stream that follows it (so
+            self.device.launch(self._own if async_op else user, then)  # captured, and replayed, with it)
         if async_op:
             event = self.device.create_event()
             self.device.record(event, self._own)
             captured = self.device.is_capturing(user)
-            completion = EmulatedCompletion(self, op, event, then, captured)
+            completion = EmulatedCompletion(self, op, event, captured)
             if not captured:  # a graph's tensors outlive it (torch's rule), and its replays run the call
                 self._in_flight.hold(completion, list(outputs) + list(keep_alive))  # the queued kernel's tensors
             return completion
         self.host_waits_for(op, user)  # host code stands for the current stream's later work
-        if then is not None:
-            then()
         return None
 
     def barrier(self, async_op: bool):

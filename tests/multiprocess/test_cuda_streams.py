@@ -255,6 +255,38 @@ def test_barrier_and_synchronize_are_refused_inside_a_capture():
     assert ringcoll.run_in_process(2, body, timeout=60) == [(["barrier", "synchronize"], True)] * 2
 
 
+def test_a_list_forms_copy_out_runs_in_stream_order_and_replays():
+    """A list form's copy from its flat output into the caller's tensors is queued after the
+    kernel, as CudaTransport queues it (on its stream for an async call, on the caller's for a
+    sync one), not run by the host at wait(): so synchronize() alone finishes an async one,
+    and a captured call's copy is part of the graph, run again by every replay (the model ran
+    it once, on the host, while capturing, when the kernel had not run)."""
+    def body(group):
+        rank, world = group.rank, group.world_size
+        with _on_a_stream_of_its_own(group) as (dev, user, comm):
+            parts = [torch.zeros(5) for _ in range(world)]
+            comm.all_gather(parts, torch.full((5,), float(rank)), async_op=True)  # never waited for
+            comm.synchronize()
+            async_filled = [p[0].item() for p in parts]
+            x = torch.full((5,), float(rank))
+            comm.all_gather(parts, x)  # warm-up
+            dev.begin_capture(user)
+            comm.all_gather(parts, x)
+            graph = dev.end_capture(user)
+            replayed = []
+            for k in (10, 20):
+                x.fill_(k + rank)
+                dev.replay(graph, user)
+                assert dev.synchronize_stream(user, TIMEOUT)
+                replayed.append([p[0].item() for p in parts])
+            comm.close()
+        return async_filled, replayed
+
+    world = 3
+    assert ringcoll.run_in_process(world, body, timeout=60) == [
+        ([0.0, 1.0, 2.0], [[10.0, 11.0, 12.0], [20.0, 21.0, 22.0]])] * world
+
+
 def test_an_async_call_captured_in_a_graph_leaves_nothing_the_host_must_query():
     """Work.wait() inside the capture, as docs/cuda.md allows. Before, the captured call's
     event was held with the eager calls' (InFlight) and queried: while capturing (an eager
