@@ -194,12 +194,14 @@ void bind_cuda(py::module_& m) {
           },
           py::arg("calls"),
           "calls: (rank, collective, dtype, op, input_ptr, output_ptr, count[, plan]), collective "
-          "Ring.CLOSE to close; "
+          "Ring.CLOSE to close (Ring.CLOSE_WITHOUT_WAITING: as a finalizer does); "
           "each rank runs its calls in order, not waiting for the others between calls; "
           "returns (error_type, message) per call, ('', '') on success")
       .def_property_readonly("launches", &EmulatedRing::launches)
       .def_property_readonly("blocks_launched", &EmulatedRing::blocks_launched)
       .def_property_readonly_static("CLOSE", [](py::object) { return ringcoll::emulation::kClose; })
+      .def_property_readonly_static("CLOSE_WITHOUT_WAITING",
+                                    [](py::object) { return ringcoll::emulation::kCloseWithoutWaiting; })
       .def_property_readonly("slot_bytes", &EmulatedRing::slot_bytes);
 
 #if defined(RINGCOLL_WITH_CUDA)

@@ -21,6 +21,9 @@ namespace ringcoll::cuda {
 // a peer that sees it skips the rendezvous too, so no rank waits there for one that never comes.
 constexpr uint64_t kWillFree = 1, kKeeps = 2;
 
+// Why a rank closed by a finalizer keeps its allocation (it must not wait for its peers there).
+constexpr const char* kKeptByFinalizer = "it was closed without waiting for its peers (by the garbage collector)";
+
 // read_finished(r, &word) reads word r of our own `finished` array; false if it cannot.
 // Polls with growing naps (20 us .. 20 ms). Returns "" once every peer's word is set, else
 // why not: which ranks did not close within the timeout, or which could not be read. Once

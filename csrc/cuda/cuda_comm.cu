@@ -578,7 +578,7 @@ void CudaComm::leave_peers(bool wait_for_peers) {
   if (shared && !broken_reason_.empty()) {
     keep_memory("the communicator is broken (" + broken_reason_ + ")");
   } else if (shared && !wait_for_peers) {
-    keep_memory("it was closed without waiting for its peers (by the garbage collector)");
+    keep_memory(kKeptByFinalizer);
   } else if (shared) {
     keep_memory(wait_for_peers_or_keep(
         rank_, world_, timeout_seconds_, [&](uint64_t word) { tell_peers_finished(word); },

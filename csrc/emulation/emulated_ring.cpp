@@ -257,8 +257,8 @@ std::vector<CallResult> EmulatedRing::run(const std::vector<EmulatedCall>& calls
     ranks.emplace_back([&, mine] {
       for (size_t k : mine) {
         const EmulatedCall& c = calls[k];
-        if (c.collective == kClose) {
-          results[k] = close_rank(c.rank);
+        if (c.collective == kClose || c.collective == kCloseWithoutWaiting) {
+          results[k] = close_rank(c.rank, c.collective == kClose);
         } else {
           results[k] = enqueue(c, ranks_[c.rank]->stream, /*join=*/true);
           if (results[k].error_type.empty()) results[k] = synchronize(c.rank);
@@ -278,7 +278,7 @@ std::vector<CallResult> EmulatedRing::run(const std::vector<EmulatedCall>& calls
 // "free" (mark freed: a later write into it by anyone is a protocol error, reported by the
 // writer's close). The result's message says why the rank would keep its allocation
 // (CudaComm::kept_on_close), "" if it freed it.
-CallResult EmulatedRing::close_rank(int rank) {
+CallResult EmulatedRing::close_rank(int rank, bool wait_for_peers) {
   Rank& me = *ranks_[rank];
   if (me.closed) return {};
   ModelStreams streams{*device_, host_wait_seconds()};
@@ -298,13 +298,15 @@ CallResult EmulatedRing::close_rank(int rank) {
       flag_store_release(reinterpret_cast<uint64_t*>(ranks_[r]->memory.get() + cuda::finished_word_offset(rank)), word);
     }
   };
-  tell_peers(me.broken_reason.empty() ? cuda::kWillFree : cuda::kKeeps);
+  tell_peers(me.broken_reason.empty() && wait_for_peers ? cuda::kWillFree : cuda::kKeeps);
   if (!breach.empty()) return {"AssertionError", breach};
   char* base = me.memory.get();
   flag_set_once(cuda::aborted_flag(base), static_cast<uint64_t>(AbortCause::kClosed));
   std::string kept;
   if (world_ > 1 && !me.broken_reason.empty()) {
     kept = "the communicator is broken (" + me.broken_reason + ")";
+  } else if (world_ > 1 && !wait_for_peers) {
+    kept = cuda::kKeptByFinalizer;
   } else if (world_ > 1) {
     kept = cuda::wait_for_peers_or_keep(rank, world_, timeout_seconds_, tell_peers, [&](int r, uint64_t* word) {
       *word = flag_load_acquire(reinterpret_cast<const uint64_t*>(base + cuda::finished_word_offset(r)));

@@ -19,8 +19,9 @@
 namespace ringcoll::emulation {
 
 // One rank's part of a collective: the arguments CudaComm's methods take; or, with
-// collective == kClose, the rank closing its communicator.
-constexpr int kClose = -1;
+// collective == kClose, the rank closing its communicator (kCloseWithoutWaiting: as a
+// finalizer closes it, CudaComm::close(wait_for_peers=false)).
+constexpr int kClose = -1, kCloseWithoutWaiting = -2;
 struct EmulatedCall {
   int rank, collective, dtype, op;
   uintptr_t input, output;
@@ -83,7 +84,7 @@ class EmulatedRing {
 
  private:
   struct Rank;
-  CallResult close_rank(int rank);
+  CallResult close_rank(int rank, bool wait_for_peers);
   std::string host_rendezvous(int rank);
   void note_violation(const std::string& what);
 

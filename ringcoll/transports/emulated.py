@@ -333,9 +333,8 @@ class EmulatedCudaTransport(Transport):
             set_stream(LEGACY)
         elif fate == "retire":
             self._ring.retire_stream(self.rank)
-        if not wait_for_peers:  # a finalizer must not wait for the others: keep the memory
-            return
-        [(kind, kept)] = self._ring.run([(self.rank, _C.emulation.Ring.CLOSE, 0, 0, 0, 0, 0)])
+        how = _C.emulation.Ring.CLOSE if wait_for_peers else _C.emulation.Ring.CLOSE_WITHOUT_WAITING  # (a finalizer)
+        [(kind, kept)] = self._ring.run([(self.rank, how, 0, 0, 0, 0, 0)])
         self._in_flight.clear()  # its own work is done
         if kind:
             raise AssertionError(f"close: {kept}")  # the emulator caught a protocol error

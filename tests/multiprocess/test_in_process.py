@@ -246,6 +246,36 @@ def test_emulated_cuda_close_with_a_peer_past_the_timeout_keeps_both_buffers_wit
     assert len(warned1) == 1 and "rank(s) 0 keep their buffers" in warned1[0], warned1
 
 
+def _one_rank_closed_by_its_finalizer(group):
+    """Rank 1 drops its communicator unclosed (the garbage collector closes it, without
+    waiting for its peers); rank 0 closes as usual."""
+    import gc
+
+    comm = EmulatedCudaCommunicator(group=group, timeout=30)
+    comm.all_reduce(torch.ones(64))
+    group.barrier()
+    if group.rank == 1:
+        del comm
+        gc.collect()
+    else:
+        comm.close()
+
+
+def test_emulated_cuda_finalizer_close_tells_the_peers_at_once():
+    """CudaComm closed by a finalizer tells its peers it keeps its buffer (the kKeeps word),
+    so a peer closing as usual keeps its own at once instead of waiting for it until the
+    timeout; the model used to run no close at all there, and the peer waited."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:  # the process's: caught here, not in the ranks
+        warnings.simplefilter("always")
+        ringcoll.run_in_process(2, _one_rank_closed_by_its_finalizer, timeout=60)
+    warned = sorted(str(w.message) for w in caught)
+    assert len(warned) == 2, warned
+    assert warned[0].startswith("ringcoll: rank 0 keeps its emulated buffer: rank(s) 1 keep their buffers"), warned
+    assert warned[1].startswith("ringcoll: rank 1 keeps its emulated buffer: it was closed without waiting"), warned
+
+
 def _allocate_while_a_peer_ring_waits(group):
     """Rank 1 starts an all-reduce; only then does rank 0 allocate (a device-wide wait on a
     GPU) before its own call: what the exact harness's meeting prevents."""
