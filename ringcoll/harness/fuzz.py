@@ -75,6 +75,12 @@ COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", 
                "broadcast", "reduce")
 REDUCING = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter", "reduce")
 ROOTED = ("broadcast", "reduce")  # in place, from (or to) the case's root
+# How a case makes its call (module doc): "prepared" and "coalesced" only where the
+# Communicator has that form of the collective (read off its methods, so a new one is drawn).
+FORMS = ("plain", "repeated", "prepared", "coalesced")
+PREPARED = tuple(sorted(n[len("prepare_"):] for n in dir(Communicator) if n.startswith("prepare_")))
+COALESCED = tuple(sorted(n[:-len("_coalesced")] for n in dir(Communicator) if n.endswith("_coalesced")))
+MAX_COALESCED = 3  # tensors in one coalesced call
 # Cases name their dtype (readable in a failure report); every dtype ringcoll supports.
 DTYPES = tuple(_types.DTYPES)
 FLOATING = tuple(name for name, dtype in _types.DTYPES.items() if dtype in _types.FLOATING_DTYPES)
@@ -124,6 +130,14 @@ def _count_strategy(st, collective, world, dtype, buffer_bytes):
                      st.integers(1, limit))
 
 
+def form_applies(form: str, collective: str, which_api: str) -> bool:
+    """Whether `form` of `collective` exists in `which_api`: the module-level drop-ins have
+    neither prepared nor coalesced calls, and the Communicator only for some collectives."""
+    if form in ("plain", "repeated"):
+        return True
+    return which_api == "comm" and collective in (PREPARED if form == "prepared" else COALESCED)
+
+
 def cases():
     """The hypothesis strategy: one collective call (a small dict, see the module doc)."""
     from hypothesis import strategies as st
@@ -146,18 +160,30 @@ def cases():
         algorithm = draw(st.sampled_from(["auto", "native", *(a for a in plans.BUILTIN
                                                               if base in plans.BUILTIN_COLLECTIVES[a])]))
         which_api = draw(st.sampled_from(("comm", "module")))
+        form = draw(st.sampled_from([f for f in FORMS if form_applies(f, collective, which_api)]))
         # A plan of C chunks needs two banks of C slots (the rooted ones' pipelines cut 16):
         # a smaller buffer is refused by name on every rank, so it is not drawn
         chunks = plans.plan(algorithm, base, world).chunks if algorithm in plans.BUILTIN else 1
         buffer_bytes = draw(st.sampled_from([b for b in BUFFER_CHOICES if b >= 2 * chunks * 64])) \
             if which_api == "comm" else MODULE_BUFFER
         count = draw(_count_strategy(st, collective, world, dtype, buffer_bytes))
+        more_counts = ()  # a coalesced call's further tensors, each its own size
+        if form == "coalesced":
+            more_counts = tuple(draw(st.lists(_count_strategy(st, collective, world, dtype, buffer_bytes),
+                                              max_size=MAX_COALESCED - 1)))
         in_place = draw(st.booleans())
-        if (which_api == "module" and collective == "all_reduce") or collective in ROOTED:
-            in_place = True  # the out-of-place all_reduce(output=) is a Communicator extra; rooted: one tensor
+        if (collective == "all_reduce" and (which_api == "module" or form == "coalesced")) or collective in ROOTED:
+            # the out-of-place all_reduce(output=) is a Communicator extra that all_reduce_coalesced
+            # lacks; rooted: one tensor
+            in_place = True
+        async_op = draw(st.booleans())
+        # repeated async calls: both issued before either is waited for (on two sets of tensors:
+        # rewriting an input while its call is in flight would be the caller's race)
+        in_flight = draw(st.booleans()) if form == "repeated" and async_op else False
         return {
-            "collective": collective, "dtype": dtype, "op": op, "world": world, "group": group,
-            "ranks": ranks, "count": count, "in_place": in_place, "async_op": draw(st.booleans()),
+            "collective": collective, "form": form, "dtype": dtype, "op": op, "world": world, "group": group,
+            "ranks": ranks, "count": count, "more_counts": more_counts, "in_place": in_place,
+            "async_op": async_op, "in_flight": in_flight,
             "algorithm": algorithm, "root": draw(st.integers(0, world - 1)),  # broadcast's and reduce's
             "api": which_api, "buffer_bytes": buffer_bytes,
             "offset": draw(st.integers(0, 1)),  # 1: every tensor starts one element into its buffer
@@ -320,6 +346,41 @@ def _list_shape(c: int):
     return (2, c // 2) if c >= 2 and c % 2 == 0 else (c,)
 
 
+def parts(case: dict) -> list:
+    """The case's calls as rounds (made one after the other, or in flight together), each a
+    list of (label, case) per tensor: one tensor's case for a plain call; two rounds for a
+    repeated or prepared one, the second on fresh data (another seed); for a coalesced call,
+    one round of its tensors, each its own count and seed. The label prefixes a failure."""
+    if case["form"] == "coalesced":
+        counts = (case["count"], *case["more_counts"])
+        return [[(f"tensor {i + 1} of {len(counts)}: ",
+                  {**case, "count": c, "seed": _seed_of(case["seed"], "tensor", i)}) for i, c in enumerate(counts)]]
+    if case["form"] in ("repeated", "prepared"):
+        return [[("call 1 of 2: ", case)], [("call 2 of 2: ", {**case, "seed": _seed_of(case["seed"], "again")})]]
+    return [[("", case)]]
+
+
+class _Bound(collections.namedtuple("_Bound", "name args kwargs load result unchanged")):
+    """One call's tensors (_Worker.bind): ``name(*args, **kwargs)`` is the call (op, async_op
+    and algorithm aside); ``load(x)`` writes an input x into them as a caller would;
+    ``result()`` is the result, flat or not; ``unchanged(x)`` the (label, tensor or getter,
+    expected) that must still hold x's values after the call."""
+
+
+def _returned(ret, async_op: bool) -> list:
+    """Failures of what a call returned: None when synchronous, else a Work whose wait()
+    is True and that is then completed and successful."""
+    if not async_op:
+        return [] if ret is None else [f"a synchronous call returned {type(ret).__name__}, not None"]
+    if not isinstance(ret, Work):
+        return [f"async_op=True returned {type(ret).__name__}, not a Work"]
+    if ret.wait() is not True:
+        return ["Work.wait() did not return True"]
+    if not (ret.is_completed() and ret.is_success()):
+        return ["Work not completed successfully after wait()"]
+    return []
+
+
 class _Worker:
     """State of one pool worker: its groups and communicators, and the case runner."""
 
@@ -422,14 +483,75 @@ class _Worker:
 
     # --- ringcoll --------------------------------------------------------------------------
 
+    def expect(self, case, group, grank, world):
+        """This rank's input for `case` and what its result must be: the plain reference, and
+        gloo's answer (None where gloo is not asked, or where it cannot be compared)."""
+        xs = [make_input(case, r, world) for r in range(world)]
+        gloo_ref = self.gloo(case, xs[grank], group, world)
+        if case["op"] in ("MIN", "MAX") and any(bool(t.isnan().any()) for t in xs):
+            gloo_ref = None  # gloo's MIN/MAX do not propagate NaN: its answer depends on where the NaN is
+        return xs[grank], plain_reference(case, xs, grank), gloo_ref
+
+    def bind(self, case, guarded, grank, world) -> "_Bound":
+        """The tensors of one call of `case` (made with `guarded`), bound as a _Bound."""
+        torch = self.torch
+        coll, c, in_place = case["collective"], case["count"], case["in_place"]
+        mine = slice(grank * c, (grank + 1) * c)  # this rank's chunk of a world x c tensor
+        nothing = lambda x: []  # noqa: E731 - an in-place call has no separate input to keep
+        if coll in ROOTED:  # one tensor, in place, root given as a rank of the group
+            t = guarded(c)
+            if case["api"] == "comm":
+                return _Bound(coll, (t, case["root"]), {}, t.copy_, lambda: t, nothing)
+            root = {"broadcast": "group_src", "reduce": "group_dst"}[coll]
+            return _Bound(coll, (t,), {root: case["root"]}, t.copy_, lambda: t, nothing)
+        if coll == "all_reduce":
+            t = guarded(c, "tensor" if in_place else "input")
+            if in_place:
+                return _Bound(coll, (t,), {}, t.copy_, lambda: t, nothing)
+            out = guarded(c)
+            return _Bound(coll, (t,), {"output": out}, t.copy_, lambda: out, lambda x: [("input", t, x)])
+        if coll == "reduce_scatter_tensor":
+            if in_place:  # output is this rank's chunk of input; the other chunks must stay as they were
+                buf = guarded(world * c)
+                others = lambda: torch.cat([buf[:mine.start], buf[mine.stop:]])  # noqa: E731
+                return _Bound(coll, (buf[mine], buf), {}, buf.copy_, lambda: buf[mine],
+                              lambda x: [("other ranks' chunks of the in-place input", others,
+                                          torch.cat([x[:mine.start], x[mine.stop:]]))])
+            inp, out = guarded(world * c, "input"), guarded(c)
+            return _Bound(coll, (out, inp), {}, inp.copy_, lambda: out, lambda x: [("input", inp, x)])
+        if coll == "all_gather_into_tensor":
+            out = guarded(world * c)
+            if in_place:  # input is this rank's chunk of output
+                return _Bound(coll, (out, out[mine]), {}, out[mine].copy_, lambda: out, nothing)
+            inp = guarded(c, "input")
+            return _Bound(coll, (out, inp), {}, inp.copy_, lambda: out, lambda x: [("input", inp, x)])
+        shape = _list_shape(c)
+        if coll == "all_gather":
+            outs = [guarded(c, f"tensor_list[{r}]").view(shape) for r in range(world)]
+            result = lambda: torch.cat([o.reshape(-1) for o in outs])  # noqa: E731
+            if in_place:  # tensor is tensor_list[rank] itself
+                return _Bound(coll, (outs, outs[grank]), {}, outs[grank].view(-1).copy_, result, nothing)
+            inp = guarded(c, "tensor").view(shape)
+            return _Bound(coll, (outs, inp), {}, inp.view(-1).copy_, result, lambda x: [("tensor", inp, x)])
+        # reduce_scatter (list form)
+        inputs = [guarded(c, f"input_list[{r}]").view(shape) for r in range(world)]
+        out = inputs[grank] if in_place else guarded(c).view(shape)  # in place: output is input_list[rank]
+        kept = [r for r in range(world) if not (in_place and r == grank)]
+
+        def load(x):
+            for r, t in enumerate(inputs):
+                t.view(-1).copy_(x[r * c:(r + 1) * c])
+
+        return _Bound(coll, (out, inputs), {}, load, lambda: out,
+                      lambda x: [(f"input_list[{r}]", inputs[r], x[r * c:(r + 1) * c]) for r in kept])
+
     def run(self, case, group, grank, world):
         torch = self.torch
         dtype = getattr(torch, case["dtype"])
-        coll, c, op_name = case["collective"], case["count"], case["op"]
-        xs = [make_input(case, r, world) for r in range(world)]
-        x = xs[grank]
-        ref = plain_reference(case, xs, grank)
-        gloo_ref = self.gloo(case, x, group, world)  # before ringcoll: gloo stays in step
+        coll, form, a = case["collective"], case["form"], case["async_op"]
+        rounds = parts(case)
+        # Every part's inputs and references first, gloo's included: gloo stays in step
+        expected = [[self.expect(sub, group, grank, world) for _, sub in round_] for round_ in rounds]
 
         comm = None
         if case["api"] == "comm":
@@ -442,118 +564,66 @@ class _Worker:
                 return getattr(api, name)(*args, group=group, algorithm=case["algorithm"], **kw)
 
         op_kw = {}
-        if op_name is not None:
-            op_kw["op"] = getattr(self.dist.ReduceOp, op_name) if case["torch_op"] else _types.ReduceOp[op_name]
-        a = case["async_op"]
+        if case["op"] is not None:
+            op_kw["op"] = getattr(self.dist.ReduceOp, case["op"]) if case["torch_op"] else _types.ReduceOp[case["op"]]
         off = case["offset"]
         bases = []  # (label, base tensor, first, last element the call may write)
 
-        def guarded(n, like=None, label="output"):
+        def guarded(n, label="output"):
             base = _sentinel(off + n + GUARD, dtype)
             if case.get("symmetric"):  # the same bits in symmetric memory (a collective allocation)
                 base = (comm.empty(base.numel(), dtype=dtype) if case["api"] == "comm" else
                         api.empty(base.numel(), dtype=dtype, group=group)).copy_(base)
-            view = base[off:off + n]
-            if like is not None:
-                view.copy_(like)
             bases.append((label, base, off, off + n))
-            return view
+            return base[off:off + n]
+
+        # The tensors: one set, used by every round (rewritten in between), except that calls
+        # in flight together each get their own
+        sets = [[self.bind(sub, guarded, grank, world) for _, sub in round_]
+                for round_ in (rounds if case["in_flight"] else rounds[:1])]
+        bound_of_round = sets if case["in_flight"] else sets * len(rounds)
+        if form == "prepared":  # checked once here, run once per round
+            (b,) = sets[0]
+            prepared = call(f"prepare_{b.name}", *b.args, **b.kwargs, **op_kw)
+
+        def start(bound):
+            if form == "prepared":
+                return prepared(async_op=a)
+            if form == "coalesced":  # the bound calls' tensors as lists: (tensors) or (outputs, inputs)
+                return call(f"{coll}_coalesced", *[list(ts) for ts in zip(*(b.args for b in bound))],
+                            async_op=a, **op_kw)
+            (b,) = bound
+            return call(b.name, *b.args, async_op=a, **b.kwargs, **op_kw)
 
         failures = []
-        unchanged = []  # (label, tensor, expected bits) checked after the call
-        shape = _list_shape(c)
-
-        if coll in ROOTED:  # one tensor, in place, root given as a rank of the group
-            result = guarded(c, x)
-            if case["api"] == "comm":
-                ret = call(coll, result, case["root"], async_op=a, **op_kw)
-            else:
-                root = {"broadcast": "group_src", "reduce": "group_dst"}[coll]
-                ret = call(coll, result, async_op=a, **{root: case["root"]}, **op_kw)
-        elif coll == "all_reduce":
-            t = guarded(c, x)
-            if case["in_place"]:
-                ret = call("all_reduce", t, async_op=a, **op_kw)
-                result = t
-            else:
-                out = guarded(c, label="output")
-                ret = call("all_reduce", t, async_op=a, output=out, **op_kw)
-                unchanged.append(("input", t, x))
-                result = out
-        elif coll == "reduce_scatter_tensor":
-            if case["in_place"]:
-                buf = guarded(world * c, x)
-                result = buf[grank * c:(grank + 1) * c]
-                ret = call("reduce_scatter_tensor", result, buf, async_op=a, **op_kw)
-                others = lambda: torch.cat([buf[:grank * c], buf[(grank + 1) * c:]])  # noqa: E731
-                unchanged.append(("other ranks' chunks of the in-place input", others,
-                                  torch.cat([x[:grank * c], x[(grank + 1) * c:]])))
-            else:
-                inp = guarded(world * c, x, "input")
-                result = guarded(c)
-                ret = call("reduce_scatter_tensor", result, inp, async_op=a, **op_kw)
-                unchanged.append(("input", inp, x))
-        elif coll == "all_gather_into_tensor":
-            if case["in_place"]:
-                result = guarded(world * c)
-                result[grank * c:(grank + 1) * c] = x
-                ret = call("all_gather_into_tensor", result, result[grank * c:(grank + 1) * c], async_op=a)
-            else:
-                inp = guarded(c, x, "input")
-                result = guarded(world * c)
-                ret = call("all_gather_into_tensor", result, inp, async_op=a)
-                unchanged.append(("input", inp, x))
-        elif coll == "all_gather":
-            outs = [guarded(c, label=f"tensor_list[{r}]").view(shape) for r in range(world)]
-            if case["in_place"]:  # tensor is tensor_list[rank] itself
-                outs[grank].view(-1).copy_(x)
-                ret = call("all_gather", outs, outs[grank], async_op=a)
-            else:
-                inp = guarded(c, x, "tensor").view(shape)
-                ret = call("all_gather", outs, inp, async_op=a)
-                unchanged.append(("tensor", inp, x))
-            result = lambda: torch.cat([o.reshape(-1) for o in outs])  # noqa: E731
-        else:  # reduce_scatter (list form)
-            inputs = [guarded(c, x[r * c:(r + 1) * c], f"input_list[{r}]").view(shape) for r in range(world)]
-            if case["in_place"]:  # output is input_list[rank] itself
-                result = inputs[grank]
-            else:
-                result = guarded(c).view(shape)
-            ret = call("reduce_scatter", result, inputs, async_op=a, **op_kw)
-            for r in range(world):
-                if not (case["in_place"] and r == grank):
-                    unchanged.append((f"input_list[{r}]", inputs[r], x[r * c:(r + 1) * c]))
-
-        if a:
-            if not isinstance(ret, Work):
-                failures.append(f"async_op=True returned {type(ret).__name__}, not a Work")
-            elif ret.wait() is not True:
-                failures.append("Work.wait() did not return True")
-            elif not (ret.is_completed() and ret.is_success()):
-                failures.append("Work not completed successfully after wait()")
-        elif ret is not None:
-            failures.append(f"a synchronous call returned {type(ret).__name__}, not None")
-
-        got = result() if callable(result) else result
-        if case.get("corrupt_rank") == self.rank and got.numel():  # self-test: the checks must notice
-            got = got.clone()
-            _bits(got).view(-1)[0] ^= 1
-        nan_aware = coll in REDUCING
-        failures += compare("result vs plain reference", got, ref, nan_aware)
-        if gloo_ref is not None and not (op_name in ("MIN", "MAX") and any(bool(t.isnan().any()) for t in xs)):
-            # (gloo's MIN/MAX do not propagate NaN: its answer depends on where the NaN is.)
-            failures += compare("result vs gloo", got, gloo_ref, nan_aware)
-        for label, t, expected in unchanged:
-            failures += compare(f"{label} must stay unchanged", t() if callable(t) else t, expected, False)
+        digest = hashlib.sha1()
+        last = rounds[-1][-1][0]  # the last part's label
+        for wave in ([range(len(rounds))] if case["in_flight"] else [[r] for r in range(len(rounds))]):
+            for r in wave:  # inputs written, then the wave's calls started, then all waited for
+                for b, (x, _, _) in zip(bound_of_round[r], expected[r]):
+                    b.load(x)
+            failures += [f for ret in [start(bound_of_round[r]) for r in wave] for f in _returned(ret, a)]
+            for r in wave:
+                for (label, _), b, (x, ref, gloo_ref) in zip(rounds[r], bound_of_round[r], expected[r]):
+                    got = b.result()
+                    if case.get("corrupt_rank") == self.rank and label == last and got.numel():
+                        got = got.clone()  # self-test: the checks must notice (in the last part checked)
+                        _bits(got).view(-1)[0] ^= 1
+                    failures += compare(f"{label}result vs plain reference", got, ref, coll in REDUCING)
+                    if gloo_ref is not None:
+                        failures += compare(f"{label}result vs gloo", got, gloo_ref, coll in REDUCING)
+                    for what, t, before in b.unchanged(x):
+                        failures += compare(f"{label}{what} must stay unchanged", t() if callable(t) else t,
+                                            before, False)
+                    digest.update(_bits(got.contiguous()).reshape(-1).numpy().tobytes())
         for label, base, lo, hi in bases:
             guards = torch.cat([base[:lo], base[hi:]])
             failures += compare(f"memory next to {label} must stay untouched", guards,
                                 _sentinel(guards.numel(), dtype), False)
-        digest = None
-        if coll not in ("reduce_scatter_tensor", "reduce_scatter", "reduce"):  # every rank holds the same result
-            digest = hashlib.sha1(_bits(got.contiguous()).reshape(-1).numpy().tobytes()).hexdigest()
+        # every rank holds the same result, but for the scatters and reduce
+        same = coll not in ("reduce_scatter_tensor", "reduce_scatter", "reduce")
         return ("fail" if failures else "ok", [f"rank {self.rank} (group rank {grank}): {f}" for f in failures],
-                digest)
+                digest.hexdigest() if same else None)
 
 
 def _worker_main(rank, size, port, conn):
@@ -758,8 +828,8 @@ def check_replies(case: dict, replies: list) -> list:
 class Stats:
     """What a fuzz run exercised, and its failures."""
 
-    DRAWN = ("collective", "dtype", "op", "world", "group", "api", "algorithm", "buffer_bytes", "in_place", "async_op",
-             "specials", "symmetric")  # the case's fields counted as drawn
+    DRAWN = ("collective", "form", "dtype", "op", "world", "group", "api", "algorithm", "buffer_bytes", "in_place",
+             "async_op", "in_flight", "specials", "symmetric")  # the case's fields counted as drawn
 
     def __init__(self):
         self.examples = 0
@@ -771,7 +841,7 @@ class Stats:
         self.examples += 1
         for k in self.DRAWN:
             self.by[k][case.get(k, False)] += 1
-        world, c = case["world"], case["count"]
+        world, c = case["world"], case["count"] + sum(case["more_counts"])  # a coalesced call: one packed message
         chunk = -(-c // world) if case["collective"] == "all_reduce" else c  # elements per ring chunk
         slices = -(-chunk // slice_elements(case["buffer_bytes"], world, case["dtype"]))
         message = (c if case["collective"] == "all_reduce" else world * c) * ITEMSIZE[case["dtype"]]

@@ -28,8 +28,9 @@ def pool():
 
 
 def _case(**overrides) -> dict:
-    case = {"collective": "all_reduce", "dtype": "float32", "op": "SUM", "world": 3, "group": "subgroup",
-            "ranks": (0, 2, 4), "count": 1000, "in_place": False, "async_op": False, "api": "comm",
+    case = {"collective": "all_reduce", "form": "plain", "dtype": "float32", "op": "SUM", "world": 3,
+            "group": "subgroup", "ranks": (0, 2, 4), "count": 1000, "more_counts": (), "in_place": False,
+            "async_op": False, "in_flight": False, "api": "comm",
             "buffer_bytes": 1024, "offset": 1, "specials": False, "torch_op": False, "symmetric": False,
             "algorithm": "auto", "root": 0, "seed": 7}
     case.update(overrides)
