@@ -45,6 +45,9 @@ def test_fuzz_quick(pool):
     assert set(stats.by["collective"]) == set(fuzz.COLLECTIVES)
     assert set(stats.by["dtype"]) == set(fuzz.DTYPES)
     assert set(stats.by["world"]) == {1, 2, 3, 4, 5}
+    # and every form of call: repeated (also with both calls in flight), prepared, coalesced
+    assert set(stats.by["form"]) == set(fuzz.FORMS), stats.by["form"]
+    assert stats.by["in_flight"][True] > 0
     assert stats.by["size"]["0 elements"] > 0 and stats.by["size"][">= 4 slices"] > 0
     assert stats.by["size"]["message > buffer"] > 0
     assert stats.by["symmetric"][True] > 0 and stats.by["symmetric"][False] > 0
@@ -73,6 +76,29 @@ def test_wrong_value_is_caught(pool):
             fuzz.run_case(pool, case)
     assert pool.running  # a wrong value alone keeps the pool
     assert fuzz.check_replies(_case(), pool.run(_case())) == []
+
+
+@pytest.mark.parametrize("form, collective, extra", [
+    ("repeated", "all_reduce", {"async_op": True, "in_flight": True}),
+    ("prepared", "reduce_scatter_tensor", {}),
+    ("coalesced", "all_gather_into_tensor", {"more_counts": (0, 40)}),
+])
+def test_wrong_value_in_a_later_part_is_caught(pool, form, collective, extra):
+    """A repeated or prepared call's second run, and a coalesced call's last tensor, are
+    checked as a plain call is: one bit flipped there (the hook corrupts the last part
+    checked) fails, named by its part, and the earlier parts pass."""
+    case = _case(form=form, collective=collective, op=None if collective == "all_gather_into_tensor" else "SUM",
+                 corrupt_rank=2, **extra)
+    last = "call 2 of 2: " if form != "coalesced" else "tensor 3 of 3: "
+    assert fuzz.check_replies({**case, "corrupt_rank": None}, pool.run({**case, "corrupt_rank": None})) == []
+    replies = pool.run(case)
+    assert [r[0] for r in replies] == ["ok", "skip", "fail", "skip", "ok"], replies
+    text = "\n".join(fuzz.check_replies(case, replies))
+    assert f"{last}result vs plain reference" in text and f"{last}result vs gloo" in text, text
+    assert text.count("rank 2 (group rank 1)") == 2, text  # that part alone, against both references
+    if collective != "reduce_scatter_tensor":  # (whose ranks hold different chunks)
+        assert "results differ bitwise between ranks" in text
+    assert pool.running
 
 
 def test_check_replies_flags_protocol_problems():
