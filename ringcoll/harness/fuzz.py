@@ -14,6 +14,20 @@ must give the exact reference, whatever its order of combining), misaligned view
 values, tensors in symmetric memory (``ringcoll.empty``, read in place) or ordinary ones,
 and the data seed.
 
+Each example also draws its form (``FORMS``; hypothesis shrinks it towards "plain"), only
+where the API has it (:func:`form_applies`), each part checked as a plain call is:
+
+* "plain": the one call;
+* "repeated": the same call twice on the same tensors, the second on fresh input (another
+  seed) written into them after the first was waited for and checked: a result left over
+  from the first call (a stale slot, a bank reused too early) fails the second's check.
+  With async_op, ``in_flight`` may start both before waiting for either, then on two sets of
+  tensors (rewriting an input while its call runs would be the caller's race);
+* "prepared" (Communicator, every ``prepare_*`` it has): prepared once, run twice as above;
+* "coalesced" (Communicator, every ``*_coalesced`` it has; the module-level API has none):
+  1-3 tensors of their own drawn sizes (0 elements included) in one call, each checked
+  against its own plain reference and a separate gloo call (:func:`parts`).
+
 Design (process starts cost ~2 s each on a 2-core machine, so nothing is spawned per
 example):
 
@@ -24,14 +38,16 @@ example):
   (case) order, since new_group is collective over the default group; communicators are
   cached per (group, buffer_bytes) in the workers.
 * A worker builds every group rank's input from the case's seed (so it can compute the
-  plain reference alone, without gathering), runs gloo on the same call (before ringcoll,
-  so a ringcoll failure cannot leave gloo out of step), then ringcoll, and checks its own
-  result: bit for bit against the plain reference (NaN-aware for reductions: NaN where the
-  reference has NaN, every other element's bits equal) and against gloo; memory next to
-  the output untouched; out-of-place inputs (and the other chunks of an in-place
-  reduce-scatter) unchanged; sync calls return None, async ones a Work whose wait() is
-  True. It returns failure text and a digest of its result; the parent checks that every
-  rank's all_reduce / all_gather result is bitwise identical.
+  plain reference alone, without gathering), runs gloo on the same call, for every part of
+  the case (before ringcoll, so a ringcoll failure cannot leave gloo out of step), then
+  ringcoll, and checks its own result of each part: bit for bit against the plain
+  reference (NaN-aware for reductions: NaN where the reference has NaN, every other
+  element's bits equal) and against gloo; memory next to the output untouched;
+  out-of-place inputs (and the other chunks of an in-place reduce-scatter) unchanged; sync
+  calls return None, async ones a Work whose wait() is True. It returns failure text
+  (each line prefixed by its part: "call 2 of 2: ", "tensor 1 of 3: ") and a digest of its
+  results; the parent checks that every rank's all_reduce / all_gather / broadcast
+  results are bitwise identical.
 * The parent waits for each case at most ``case_timeout`` seconds; a case that runs over
   (a hang), a worker that dies, or a case in which any rank raised tears the pool down
   (SIGTERM, then SIGKILL, all reaped; workers also carry PR_SET_PDEATHSIG: the process
