@@ -595,43 +595,51 @@ class _Worker:
 
         # The tensors: one set, used by every round (rewritten in between), except that calls
         # in flight together each get their own
-        sets = [[self.bind(sub, guarded, grank, world) for _, sub in round_]
-                for round_ in (rounds if case["in_flight"] else rounds[:1])]
-        bound_of_round = sets if case["in_flight"] else sets * len(rounds)
+        tensor_sets = [[self.bind(sub, guarded, grank, world) for _, sub in round_]
+                       for round_ in (rounds if case["in_flight"] else rounds[:1])]
+        bound = tensor_sets if case["in_flight"] else tensor_sets * len(rounds)  # each round's
         if form == "prepared":  # checked once here, run once per round
-            (b,) = sets[0]
+            (b,) = tensor_sets[0]
             prepared = call(f"prepare_{b.name}", *b.args, **b.kwargs, **op_kw)
 
-        def start(bound):
+        def start(calls):
             if form == "prepared":
                 return prepared(async_op=a)
-            if form == "coalesced":  # the bound calls' tensors as lists: (tensors) or (outputs, inputs)
-                return call(f"{coll}_coalesced", *[list(ts) for ts in zip(*(b.args for b in bound))],
+            if form == "coalesced":  # the calls' tensors as lists: (tensors) or (outputs, inputs)
+                return call(f"{coll}_coalesced", *[list(ts) for ts in zip(*(b.args for b in calls))],
                             async_op=a, **op_kw)
-            (b,) = bound
+            (b,) = calls
             return call(b.name, *b.args, async_op=a, **b.kwargs, **op_kw)
 
         failures = []
         digest = hashlib.sha1()
         last = rounds[-1][-1][0]  # the last part's label
-        for wave in ([range(len(rounds))] if case["in_flight"] else [[r] for r in range(len(rounds))]):
-            for r in wave:  # inputs written, then the wave's calls started, then all waited for
-                for b, (x, _, _) in zip(bound_of_round[r], expected[r]):
-                    b.load(x)
-            failures += [f for ret in [start(bound_of_round[r]) for r in wave] for f in _returned(ret, a)]
+
+        def check(label, b, x, ref, gloo_ref):
+            got = b.result()
+            if case.get("corrupt_rank") == self.rank and label == last and got.numel():
+                got = got.clone()  # self-test: the checks must notice (in the last part checked)
+                _bits(got).view(-1)[0] ^= 1
+            found = compare(f"{label}result vs plain reference", got, ref, coll in REDUCING)
+            if gloo_ref is not None:
+                found += compare(f"{label}result vs gloo", got, gloo_ref, coll in REDUCING)
+            for what, t, before in b.unchanged(x):
+                found += compare(f"{label}{what} must stay unchanged", t() if callable(t) else t, before, False)
+            digest.update(_bits(got.contiguous()).reshape(-1).numpy().tobytes())
+            return found
+
+        # Calls in flight together are all started before any is waited for; otherwise each
+        # round is run, waited for and checked before the next rewrites its tensors
+        waves = [range(len(rounds))] if case["in_flight"] else [[r] for r in range(len(rounds))]
+        for wave in waves:
             for r in wave:
-                for (label, _), b, (x, ref, gloo_ref) in zip(rounds[r], bound_of_round[r], expected[r]):
-                    got = b.result()
-                    if case.get("corrupt_rank") == self.rank and label == last and got.numel():
-                        got = got.clone()  # self-test: the checks must notice (in the last part checked)
-                        _bits(got).view(-1)[0] ^= 1
-                    failures += compare(f"{label}result vs plain reference", got, ref, coll in REDUCING)
-                    if gloo_ref is not None:
-                        failures += compare(f"{label}result vs gloo", got, gloo_ref, coll in REDUCING)
-                    for what, t, before in b.unchanged(x):
-                        failures += compare(f"{label}{what} must stay unchanged", t() if callable(t) else t,
-                                            before, False)
-                    digest.update(_bits(got.contiguous()).reshape(-1).numpy().tobytes())
+                for b, (x, _, _) in zip(bound[r], expected[r]):
+                    b.load(x)
+            for ret in [start(bound[r]) for r in wave]:
+                failures += _returned(ret, a)
+            for r in wave:
+                for (label, _), b, want in zip(rounds[r], bound[r], expected[r]):
+                    failures += check(label, b, *want)
         for label, base, lo, hi in bases:
             guards = torch.cat([base[:lo], base[hi:]])
             failures += compare(f"memory next to {label} must stay untouched", guards,
