@@ -2,17 +2,18 @@
 
     python -m ringcoll.harness.fuzz --examples 10000 [--seed S] [--case-timeout 60]
 
-Each example is one collective call, drawn by hypothesis (:func:`cases`): world size 1-5,
-the collective (all_reduce, reduce_scatter_tensor, all_gather_into_tensor, the list forms
-all_gather / reduce_scatter, and broadcast / reduce from a drawn root: the root's result
-checked, every other rank's tensor checked unchanged), dtype, op, element count (0 up to a
-few times the registered buffer, with the slice boundaries drawn on purpose), in place or not, async or
-not, the group (the "default" group of the first w ranks, or a subgroup of any w of the 5),
-the API (a ``Communicator`` with a drawn small ``buffer_bytes``, or the module-level
-drop-ins), the algorithm (auto, native, or a built-in plan the collective has: every plan
-must give the exact reference, whatever its order of combining), misaligned views, special
-values, tensors in symmetric memory (``ringcoll.empty``, read in place) or ordinary ones,
-and the data seed.
+Each example is one collective call (in one of the forms below), drawn by hypothesis
+(:func:`cases`): world size 1-5, the collective (all_reduce, reduce_scatter_tensor,
+all_gather_into_tensor, the list forms all_gather / reduce_scatter, and broadcast / reduce
+from a drawn root: the root's result checked, every other rank's tensor checked
+unchanged), dtype, op, element count (0 up to a few times the registered buffer, with the
+slice boundaries drawn on purpose), in place or not, async or not, the group (the
+"default" group of the first w ranks, or a subgroup of any w of the 5), the API (a
+``Communicator`` with a drawn small ``buffer_bytes``, or the module-level drop-ins), the
+algorithm (auto, native, or a built-in plan the collective has: every plan must give the
+exact reference, whatever its order of combining), misaligned views, special values,
+tensors in symmetric memory (``ringcoll.empty``, read in place) or ordinary ones, and the
+data seed.
 
 Each example also draws its form (``FORMS``; hypothesis shrinks it towards "plain"), only
 where the API has it (:func:`form_applies`), each part checked as a plain call is:

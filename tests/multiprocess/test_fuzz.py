@@ -1,6 +1,7 @@
-"""Tier 2, fuzzed: hypothesis draws single collective calls (world 1-5, every collective,
-dtype, op, size up to a few small buffers, in place, async, subgroups, module-level API)
-and runs each on one pool of 5 worker processes against gloo and a plain reference.
+"""Tier 2, fuzzed: hypothesis draws collective calls (world 1-5, every collective, dtype,
+op, size up to a few small buffers, in place, async, subgroups, module-level API; plain,
+repeated on the same tensors, prepared or coalesced) and runs each on one pool of 5 worker
+processes against gloo and a plain reference.
 
 This is the quick profile (a few hundred examples, derandomized, no example database); the
 long one is ``python -m ringcoll.harness.fuzz --examples 10000`` (bench/results/*-fuzz-long.txt).
