@@ -194,8 +194,8 @@ def cases():
             # lacks; rooted: one tensor
             in_place = True
         async_op = draw(st.booleans())
-        # repeated async calls: both issued before either is waited for (on two sets of tensors:
-        # rewriting an input while its call is in flight would be the caller's race)
+        # in_flight (repeated async calls only): both started before either is waited for, on two
+        # sets of tensors (rewriting an input while its call is in flight is the caller's race)
         in_flight = draw(st.booleans()) if form == "repeated" and async_op else False
         return {
             "collective": collective, "form": form, "dtype": dtype, "op": op, "world": world, "group": group,
