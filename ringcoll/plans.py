@@ -35,7 +35,8 @@ Before it runs, :func:`check` proves it: every op addresses what exists; the ran
 sends and receives pair up and cannot deadlock; nothing is read before it is written;
 every output chunk holds every rank's contribution exactly once, combined in the same order
 on every rank (so every rank gets the same bits); and it stays right when the output is the
-input (in place). A wrong plan is refused with a message naming the first bad op.
+input (in place). A wrong plan is refused with a message naming the first bad op (or, where every op
+runs but a result is wrong, the rank, the output chunk and what is wrong with it).
 docs/algorithms.md walks through one.
 """
 
@@ -156,7 +157,7 @@ class Plan:
 
 
 class PlanError(ValueError):
-    """A plan the checker refuses (the message names the first bad op)."""
+    """A plan the checker refuses (the message names the first bad op, or the wrong output chunk)."""
 
 
 # --- the built-in plans (plan.h's generators) and plans written in Python --------------------
@@ -304,6 +305,8 @@ def compiled(name: str, collective: str, world: int, root: int = 0) -> tuple:
                                    BUILTIN[name] if name in BUILTIN else plan_id(p), root, p.sends_early)
     except ValueError as e:
         raise PlanError(str(e)) from None
+    if name not in BUILTIN:
+        _C.name_python_plan(resolved.id, name)  # for mismatch messages
     found = (p, resolved)
     with _lock:
         _compiled[key] = found
@@ -396,7 +399,8 @@ def _execute(p: Plan, algebra, slices: int = SLICES) -> tuple:
     they ran); raises PlanError (deadlock, a read of nothing, an unsafe read in place)."""
     world = p.world
     pc = [[0] * slices for _ in range(world)]
-    pubs = [[[] for _ in range(slices)] for _ in range(world)]  # [sender][slice]: [first, count, values, readers, left]
+    # [sender][slice]: [first, count, values, readers, readers left, sender's clock, sender's op index]
+    pubs = [[[] for _ in range(slices)] for _ in range(world)]
     taken: dict = {}  # (reader, sender, slice) -> how many of the sender's publications to it it took
     filled: dict = {}  # (rank, bank, chunk) -> the publication that filled that slot last
     shared: dict = {}  # (rank, slice, chunk) -> the readers of the publication that shares that output chunk
@@ -514,7 +518,7 @@ def _execute(p: Plan, algebra, slices: int = SLICES) -> tuple:
                                             "which read it where it lies, perhaps after this write")
                 output[rank][j][c] = v
         if o.to & _PUBLISHES:
-            pub = [o.first, o.count, values, o.readers, o.readers, list(clock[rank])]
+            pub = [o.first, o.count, values, o.readers, o.readers, list(clock[rank]), i]
             pubs[rank][j].append(pub)
             for c in range(o.first, o.first + o.count):
                 if o.to & TO_SLOT:
@@ -528,6 +532,22 @@ def _execute(p: Plan, algebra, slices: int = SLICES) -> tuple:
     def ready(rank, j):  # the rank is on slice j: the earlier ones are done
         return pc[rank][j] < len(p.ops[rank]) and all(pc[rank][e] == len(p.ops[rank]) for e in range(j))
 
+    def never_received(k, pub, reader) -> PlanError:
+        """Rank k's publication `pub` (slice j) that `reader` has no receive left for."""
+        return _fail(p, k, pub[6], f"publishes chunks {pub[0]}..{pub[0] + pub[1] - 1} to rank {reader}, which never "
+                                   f"receives it (rank {reader} has no receive from rank {k} left)")
+
+    def unmatched_publication():
+        """A publication some reader has no receive left for (the wrong op of a send without its
+        receive: the ranks left waiting behind it are not), or None."""
+        for k in range(world):
+            for j in range(slices):
+                for pub in pubs[k][j]:
+                    for reader in (r for r in range(world) if pub[4] >> r & 1):
+                        if not any(PEER in (o.a, o.b) and o.frm == k for o in p.ops[reader][pc[reader][j]:]):
+                            return never_received(k, pub, reader)
+        return None
+
     while True:
         moved = False
         for rank in range(world):
@@ -539,6 +559,9 @@ def _execute(p: Plan, algebra, slices: int = SLICES) -> tuple:
         if not waiting:
             break
         if not moved:
+            unmatched = unmatched_publication()
+            if unmatched is not None:
+                raise unmatched
             r, j = waiting[0]
             o = p.ops[r][pc[r][j]]
             if PEER in (o.a, o.b) and publication(r, o.frm, j) is None:
@@ -549,17 +572,14 @@ def _execute(p: Plan, algebra, slices: int = SLICES) -> tuple:
                 reader = next(k for k in range(world) if last[4] >> k & 1)
                 why = f"this one to refill its slot of chunk {c}, whose last publication rank {reader} never reads"
             raise _fail(p, r, pc[r][j], f"deadlock (slice {j + 1}): every rank waits; {why}")
-    for k in range(world):
-        for pub in pubs[k][0]:
-            if pub[4]:
-                r = next(r for r in range(world) if pub[4] >> r & 1)
-                raise PlanError(f"{p.collective} plan {p.name!r} on {world} ranks: rank {r} never receives rank {k}'s "
-                                f"publication of chunks {pub[0]}..{pub[0] + pub[1] - 1}")
+    unmatched = unmatched_publication()  # every rank has run all its ops: any publication left is unread
+    if unmatched is not None:
+        raise unmatched
     return [output[r][0] for r in range(world)], steps
 
 
 def check(p: Plan) -> None:
-    """Prove ``p`` right for its collective, or raise PlanError naming the first bad op
+    """Prove ``p`` right for its collective, or raise PlanError naming the first bad op (or the wrong output chunk)
     (the module docstring says what is proved). One rank runs no plan (its output is its
     input), so a plan for one rank is right whatever it holds."""
     world, coll = p.world, p.collective

@@ -181,6 +181,10 @@ void bind_core(py::module_& m) {
       "the plan (written for root 0) resolved for the engine, relabelled for `root`; `id` is what its calls' "
       "descriptors carry");
 
+  m.def(
+      "name_python_plan", [](int id, const std::string& name) { python_plan_name(id, &name); }, py::arg("id"),
+      py::arg("name"), "the name a mismatch message gives the plan written in Python with this id (plans.compiled)");
+
   // The buffer's shape (call.h), so Python validates buffer_bytes without restating it.
   m.attr("banks") = kBanks;
   m.def(

@@ -339,7 +339,8 @@ void HostComm::fail_if_call_differs(const char* op, const CallDescriptor& call, 
   std::ostringstream msg;
   msg << "mismatched collective calls (call " << calls_ << " on this communicator): rank " << rank_ << " called "
       << describe_call(call) << " but rank " << peer << " called " << describe_call(theirs);
-  if (differ_in_algorithm_only(call, theirs))
+  if (differ_in_algorithm_only(call, theirs) && call.algorithm < kFirstUserPlanCode &&
+      theirs.algorithm < kFirstUserPlanCode)  // auto never chooses a plan written in Python
     msg << " (if both called with algorithm=\"auto\": auto chooses by the call's form too, from the table's in-place "
            "or out-of-place times, so ranks calling in different forms may choose differently; name the algorithm, "
            "or call in one form on every rank)";

@@ -32,7 +32,10 @@ def _run_trace(args: argparse.Namespace) -> int:
         from ringcoll import plans
 
         plans.load_plans(args.plans)
-    print(trace.trace(args.collective, args.world, args.n, algorithm=args.algorithm), end="")
+    text = trace.trace(args.collective, args.world, args.n, algorithm=args.algorithm)
+    print(text, end="")
+    if trace.MISMATCH in text or trace.REFUSED in text:  # said above, in the trace's last lines
+        return 1
     if args.png and args.algorithm != "ring":
         why = {"oneshot": "the one-shot path has a single step", "direct": "the direct read takes no ring steps",
                "symmetric": "reading symmetric memory in place takes no ring steps"}

@@ -373,6 +373,11 @@ def _plan_lines(p: plans.Plan, n: int, inputs) -> List[str]:
                              f"(n = {n} elements in {p.chunks} chunks): nothing moves")
     lines.append("")
     lines.extend(_result_lines(p.collective, coll, outputs, inputs))
+    try:  # these inputs are one case; what a call runs first is the proof for every input
+        plans.check(p)
+        lines.append("checker: plans.check proves the plan for every input, as every call's first run does")
+    except plans.PlanError as e:
+        lines.append(f"{REFUSED}: {e}")
     if p.world > 1:
         cost = plan_cost(p)
         ring = f" (the ring's: {ring_steps(coll, p.world)})" if coll is not None else ""
@@ -456,6 +461,11 @@ def _zero_copy_lines(collective: str, coll: Collective, world: int, n: int, inpu
     return lines
 
 
+#: What a trace says where it went wrong (the CLI exits 1 on either): a rank's result differs
+#: from the reference; the checker refuses the plan (a call would refuse it too)
+MISMATCH, REFUSED = "MISMATCH on rank(s)", "checker: REFUSED"
+
+
 def _result_lines(collective: str, coll: Optional[Collective], outputs, inputs) -> List[str]:
     expected = reference(collective, inputs)
     rule = {
@@ -475,7 +485,7 @@ def _result_lines(collective: str, coll: Optional[Collective], outputs, inputs) 
     else:
         shown = _fmt(expected[0]) if expected else "[]"
     verdict = "OK, every rank matches" if all(ok) else \
-        "MISMATCH on rank(s) " + ", ".join(str(k) for k, good in enumerate(ok) if not good)
+        f"{MISMATCH} " + ", ".join(str(k) for k, good in enumerate(ok) if not good)
     lines.append(f"check: reference ({rule}) = {shown}: {verdict}")
     return lines
 

@@ -305,9 +305,13 @@ def test_disagreements_and_wrong_plans_fail_on_every_rank_before_anything_moves(
             messages[0].endswith("no data was moved"), messages[0]
         early, late = (plans.plan_id(plans.Plan("mine", "all_reduce", 3, plans.plan("oneshot", "all_reduce", 3).ops,
                                                 sends_early)) for sends_early in (True, False))
+        # named as registered on this rank; the peer's, registered differently under that name, by its id; and
+        # no hint about auto, which never chooses a plan written in Python
+        mine, theirs = (early, late) if rank == 0 else (late, early)
         assert messages[1].startswith("all_reduce: mismatched collective calls") and \
-            f"plan {early} written in Python" in messages[1] and f"plan {late} written in Python" in messages[1], \
-            messages[1]
+            f"plan 'mine' written in Python (id {mine})" in messages[1] and \
+            f"plan {theirs} written in Python, not one registered here" in messages[1] and \
+            "algorithm=\"auto\"" not in messages[1], messages[1]
         messages.pop(1)
         assert "RINGCOLL_ALGORITHM / algorithm= differs between ranks: rank 0: ring, rank 1: auto" in messages[1]
         assert messages[2].startswith("all_reduce plan 'wrong' on 3 ranks: rank ") and messages[2].endswith(

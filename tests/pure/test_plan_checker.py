@@ -313,12 +313,18 @@ def test_deadlocks_are_refused():
     assert "this one to refill its slot of chunk 0, whose last publication rank 2 never reads" in refused(slot_cycle)
 
 
-def test_a_publication_nobody_receives_is_refused():
-    """Its slot is never free again: the next slice that publishes that chunk waits forever."""
-    def fn(world, r):
-        ops = ring(world, r)
-        return ops + [op(OUTPUT, 0, TO_SLOT, readers=[1])] if r == 0 else ops
-    assert "this one to refill its slot of chunk 0, whose last publication rank 1 never reads" in refused(fn)
+def test_a_publication_nobody_receives_is_refused_naming_it():
+    """Its slot is never free again: the next slice that publishes that chunk waits forever,
+    and every rank behind it. The error names the extra publication, not a rank left waiting
+    (which it named before: a correct op of another rank, for a four-rank plan)."""
+    for world, sender, reader in ((3, 0, 1), (4, 3, 0)):
+        def fn(w, r):
+            ops = ring(w, r)
+            return ops + [op(OUTPUT, 0, TO_SLOT, readers=[reader])] if r == sender else ops
+        extra = len(ring(world, sender))  # the index of the op added
+        message = refused(fn, world=world)
+        assert f"rank {sender}, op {extra} (" in message, message
+        assert f"publishes chunks 0..0 to rank {reader}, which never receives it" in message, message
 
 
 def test_a_contribution_twice_and_another_chunk_are_refused():

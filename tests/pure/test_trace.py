@@ -389,3 +389,42 @@ def test_reading_symmetric_memory_in_place_folds_in_the_rings_order(world, colle
     if world > 1:
         rounds = 2 if coll == Collective.ALL_REDUCE else 1
         assert f"cost: {rounds} round{'s' * (rounds > 1)} of flags" in text, text
+
+
+def test_a_plan_trace_gives_the_checkers_verdict_and_fails_where_the_checker_or_the_result_does(tmp_path, capsys):
+    """A trace runs one set of inputs: a plan the checker refuses could still look right there
+    (a final forgotten), and a wrong result was printed with exit status 0. The trace now ends
+    with the checker's verdict, and the CLI exits 1 on a refusal or a mismatch."""
+    plans_file = tmp_path / "mine.py"
+    plans_file.write_text(
+        "import ringcoll\n"
+        "from ringcoll import plans\n"
+        "from ringcoll.plans import INPUT, PEER, TO_OUTPUT, TO_SLOT, op\n"
+        "def pairwise(world, rank, final=True, twice=False):  # a direct reduce-scatter, one round per peer\n"
+        "    ops, acc = [], INPUT\n"
+        "    for k in range(1, world):\n"
+        "        dst, src = (rank + k) % world, (rank - k) % world\n"
+        "        ops.append(op(INPUT, dst, TO_SLOT, readers=[dst]))\n"
+        "        last = k == world - 1\n"
+        "        ops.append(op(acc, rank, plans.TO_OUTPUT if last else plans.TO_WORK, b=PEER, frm=src,\n"
+        "                      final=last and final))\n"
+        "        acc = plans.WORK\n"
+        "        if twice and k == 1:  # one more add of the own input: counted twice\n"
+        "            ops.append(op(plans.WORK, rank, plans.TO_WORK, b=INPUT))\n"
+        "    return ops\n"
+        "ringcoll.register_algorithm('pairwise', pairwise, 'reduce_scatter')\n"
+        "ringcoll.register_algorithm('nofinal', lambda w, r: pairwise(w, r, final=False), 'reduce_scatter')\n"
+        "ringcoll.register_algorithm('twice', lambda w, r: pairwise(w, r, twice=True), 'reduce_scatter')\n")
+    statuses = {}
+    for name in ("pairwise", "nofinal", "twice"):
+        statuses[name] = main(["trace", "reduce_scatter", "-P", "3", "-n", "6", "--plans", str(plans_file),
+                               "--algorithm", name])
+        out = capsys.readouterr().out
+        if name == "pairwise":
+            assert "OK, every rank matches\nchecker: plans.check proves the plan for every input" in out, out
+        elif name == "nofinal":  # right on these inputs, refused by the checker
+            assert "OK, every rank matches\nchecker: REFUSED: reduce_scatter plan 'nofinal' on 3 ranks" in out, out
+            assert "is never marked final" in out, out
+        else:
+            assert "MISMATCH on rank(s) 0, 1, 2" in out and "checker: REFUSED" in out, out
+    assert statuses == {"pairwise": 0, "nofinal": 1, "twice": 1}

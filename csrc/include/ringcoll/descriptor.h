@@ -22,6 +22,8 @@
 // something else: see check_call in csrc/cuda/device_ring.h.
 #pragma once
 
+#include <map>
+#include <mutex>
 #include <sstream>
 #include <string>
 
@@ -125,6 +127,30 @@ RINGCOLL_INLINE PeerCall compare_descriptor(const DescriptorSlot* slot, const Ca
   return same_call(mine, *theirs) ? PeerCall::kMatches : PeerCall::kDiffers;
 }
 
+// The names of plans written in Python, by the id their calls' descriptors carry
+// (plans.plan_id), as this process registered them (plans.compiled): a mismatch then names
+// the algorithm its user wrote, not only a hash. Host only.
+inline std::string python_plan_name(int id, const std::string* set_name = nullptr) {
+  static std::mutex mutex;
+  static std::map<int, std::string> names;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (set_name != nullptr) names[id] = *set_name;
+  const auto found = names.find(id);
+  return found == names.end() ? "" : found->second;
+}
+
+// A plan written in Python as a mismatch message names it.
+inline std::string describe_python_plan(int id) {
+  const std::string name = python_plan_name(id);
+  std::ostringstream text;
+  if (name.empty())
+    text << "plan " << id << " written in Python, not one registered here (a plan registered under the same name "
+         << "but different, or only on that rank)";
+  else
+    text << "plan '" << name << "' written in Python (id " << id << ")";
+  return text.str();
+}
+
 // A call as error messages show it, e.g. "all_reduce(float32, SUM, count=1024)". Host only.
 inline std::string describe_call(const CallDescriptor& call) {
   static const char* const kOps[] = {"SUM", "PRODUCT", "MIN", "MAX", "AVG"};
@@ -144,9 +170,9 @@ inline std::string describe_call(const CallDescriptor& call) {
     if (info.rooted) text << ", root=" << call.root;
     if (call.variant != 0) text << ", kernel variant " << call.variant;
     if (algorithm_name(call.algorithm) != nullptr) text << ", algorithm " << algorithm_name(call.algorithm);
-    else if (call.algorithm != 0) text << ", plan " << call.algorithm << " written in Python";
+    else if (call.algorithm != 0) text << ", " << describe_python_plan(call.algorithm);
     if (algorithm_name(call.fallback) != nullptr) text << " where every input it reads can be, else " << algorithm_name(call.fallback);
-    else if (call.fallback != 0) text << " where every input it reads can be, else plan " << call.fallback;
+    else if (call.fallback != 0) text << " where every input it reads can be, else " << describe_python_plan(call.fallback);
   }
   text << ")";
   return text.str();
