@@ -168,6 +168,7 @@ BUILTIN: dict = {name: code for name, code, _ in _C.algorithm_table}
 BUILTIN_COLLECTIVES: dict = {name: collectives for name, _, collectives in _C.algorithm_table}
 MAX_WORLD: int = _C.max_plan_world
 
+CHOOSERS = ("auto", "native")  # names algorithm= takes that have no plan: auto picks by size, native is the engine's
 _registry: dict = {}  # (name, collective) -> (plan_fn, sends_early)
 _compiled: dict = {}  # (name, collective, world, root) -> (Plan, _C.CompiledPlan, plan id)
 _lock = threading.Lock()
@@ -178,7 +179,7 @@ def builtin_algorithms(collective: Optional[str] = None) -> list:
     then "native", the transport's own path; then the plans), those that have
     ``collective`` where one is named."""
     plans = [name for name in BUILTIN if collective is None or collective in BUILTIN_COLLECTIVES[name]]
-    return ["auto", "native", *plans]
+    return [*CHOOSERS, *plans]
 
 
 def algorithms(collective: Optional[str] = None) -> list:
@@ -202,7 +203,7 @@ def register_algorithm(name: str, plan_fn: Callable[[int, int], Sequence[PlanOp]
     if collective not in DATA_COLLECTIVES:
         raise ValueError(f"register_algorithm: collective must be one of {', '.join(DATA_COLLECTIVES)}, "
                          f"got {collective!r}")
-    if not isinstance(name, str) or not name or name in ("auto", "native") or name in BUILTIN:
+    if not isinstance(name, str) or not name or name in CHOOSERS or name in BUILTIN:
         raise ValueError(f"register_algorithm: {name!r} is not a name a plan may take (not 'auto', 'native' nor a "
                          f"built-in one: {', '.join(BUILTIN)})")
     if not callable(plan_fn):
@@ -246,6 +247,11 @@ def plan(name: str, collective: str, world: int) -> Plan:
     rooted collective's for root 0)."""
     if collective not in DATA_COLLECTIVES:
         raise ValueError(f"plan: collective must be one of {', '.join(DATA_COLLECTIVES)}, got {collective!r}")
+    if name in CHOOSERS:  # (the messages below list every name algorithm= takes: a call's mistakes reach them)
+        planned = ", ".join(a for a in algorithms(collective) if a not in CHOOSERS)
+        raise ValueError(f"{name!r} is not a plan of its own: auto chooses an algorithm by size, and native runs "
+                         f"the engine's own path (the ring's plan, or the one-shot or direct path by size); the "
+                         f"plans for {collective}: {planned}")
     if name in BUILTIN and collective not in BUILTIN_COLLECTIVES[name]:
         raise ValueError(f"algorithm {name!r} has no {collective} (it has {', '.join(BUILTIN_COLLECTIVES[name])}); "
                          f"for {collective} choose from {', '.join(algorithms(collective))}")

@@ -598,3 +598,15 @@ def test_only_the_one_shot_sends_before_the_call_check():
                             "all_gather": [1] * world, "reduce": [0] + [1] * (world - 1),
                             "broadcast": [1] + [0] * (world - 1)}[coll]
                 assert early == expected, (coll, world, early)
+
+
+@pytest.mark.parametrize("name", ["auto", "native"])
+def test_auto_and_native_are_named_as_no_plans_of_their_own(name):
+    """The model and the trace price or run a plan; asked for auto or native they said
+    'unknown algorithm ... choose from auto, native, ...', listing the name refused."""
+    from ringcoll.learning import model
+
+    with pytest.raises(ValueError, match=f"'{name}' is not a plan of its own: .* the plans for all_reduce: ring, "):
+        plans.plan(name, "all_reduce", 4)
+    with pytest.raises(ValueError, match="is not a plan of its own"):
+        model.crossovers("all_reduce", 4, 2e-6, 8e9, [name, "ring"])
