@@ -1447,7 +1447,8 @@ def algorithms_table(rows: list[dict], world: int, config: Config, name: str) ->
     fixed = [a for a in names if a != "auto"]
     planned = [a for a in fixed if a != tuning.NATIVE]
     measured = [(a, size, t * 1e-6) for a in planned for size, t in timed[a].items()]
-    fit = model.fit_plans(name, world, measured) if world >= 2 and len(measured) >= 2 else None
+    # the model compares plans (native has none to price): with one, its "prediction" is a fit to the same times
+    fit = model.fit_plans(name, world, measured) if world >= 2 and len(planned) >= 2 and len(measured) >= 2 else None
     form = "in-place" if name in ROOTED_COLLECTIVES else "out-of-place"
     lines = ["", f"# {name}, {world} ranks: the algorithms side by side, {form} time in us"
                  + (" (the model's in brackets)" if fit else "") + "; best: the fastest but auto"]
@@ -1483,7 +1484,7 @@ def algorithms_table(rows: list[dict], world: int, config: Config, name: str) ->
         where = ", ".join(f"{a} from {int(start)}" for start, a in model.crossovers(name, world, fit.alpha, fit.beta,
                                                                                    planned))
         lines.append(f"# model: alpha = {fit.alpha * 1e6:.2f} us per round, beta = {fit.beta / 1e9:.2f} GB/s, one "
-                     f"pair fitted to every plan's times; its fastest: {where} bytes")
+                     f"pair fitted to every plan's times; its fastest plan: {where} bytes")
     runs = [(size, best) for i, (size, best) in enumerate(fastest) if best and (i == 0 or fastest[i - 1][1] != best)]
     lines.append("# measured fastest: " + ", ".join(f"{best} from {size}" for size, best in runs) + " bytes")
     key = f"{headline_form(name)}_wrong"
@@ -1597,6 +1598,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def runnable_algorithms(algorithms: Sequence[str], collectives: Sequence[str], world: int) -> tuple:
+    """(the --algorithm names to time, a refusal or ""): a plan that cannot be built or is
+    refused by the checker at this world size (some are for even P only) is left out with a
+    note, not let abort every rank mid-run; so is a name timed for none of the collectives.
+    The first name is the main table's: it must run."""
+    kept = []
+    for a in algorithms:
+        has = [c for c in collectives if a in plans.algorithms(c)]
+        why = f"it has none of {', '.join(collectives)}" if not has else ""
+        for c in has if a not in plans.CHOOSERS else ():
+            try:
+                plans.check(plans.plan(a, c, world))
+            except ValueError as e:  # PlanError among them: what the first call would raise
+                why = f"its {c} plan at {world} ranks: {e}"
+                break
+        if why and a == algorithms[0]:
+            return (), f"--algorithm {a} (the first: the main table's) cannot run: {why}"
+        if why:
+            print(f"ringcoll-bench: --algorithm {a} left out: {why}", file=sys.stderr)
+            continue
+        if len(has) < len(collectives):
+            print(f"ringcoll-bench: --algorithm {a} has no {', '.join(c for c in collectives if c not in has)}: "
+                  "timed for the others", file=sys.stderr)
+        kept.append(a)
+    return tuple(kept), ""
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.mpi_worker:
@@ -1628,6 +1656,9 @@ def main(argv=None) -> int:
     if unknown or len(set(algorithms)) != len(algorithms):
         return refuse(f"--algorithm: {', '.join(unknown) or 'a name given twice'}; choose from "
                       f"{', '.join(plans.algorithms())}")
+    algorithms, problem = runnable_algorithms(algorithms, args.collectives.split(","), args.nproc)
+    if problem:
+        return refuse(problem)
     if algorithms != ("auto",) and args.hosts > 1:
         return refuse("--algorithm other than auto is for one machine so far (not --hosts 2: the hierarchical "
                       "communicator takes auto only)")

@@ -424,7 +424,7 @@ def test_algorithms_side_by_side_checked_with_the_model(capsys, tmp_path):
         assert len(cells) == 14 and all(float(c) > 0 for c in cells), line
         best = line.split("|")[2].split()[0]
         assert best in ("rhd", "native", "ring", "rd", "tree", "oneshot", "bidir")
-    assert "# model: alpha = " in table and "one pair fitted to every plan's times; its fastest: " in table
+    assert "# model: alpha = " in table and "one pair fitted to every plan's times; its fastest plan: " in table
     assert "# measured fastest: " in table
     scatter = printed[printed.index("# reduce_scatter, 2 ranks: the algorithms side by side"):]
     assert scatter.splitlines()[1].split()[:7] == ["size", "|", "rhd", "auto", "native", "ring", "oneshot"], scatter
@@ -468,6 +468,37 @@ def test_a_table_recorded_on_another_machine_is_said_so(tmp_path, capsys, monkey
     assert status == 0 and "Out of bounds values : 0 OK" in printed, printed
     assert (f"# auto's table {path} was recorded on Some Other CPU x 64 cores; this machine is "
             f"{tuning.this_machine()}: auto runs native here") in printed, printed
+
+
+def test_a_plan_that_cannot_run_at_this_world_size_is_left_out_with_a_note(capsys):
+    """A plan for even P only, asked for at P = 3, made every rank raise mid-run (a SpawnError,
+    nothing printed for the others); now it is left out before the ranks start, saying why,
+    unless it is the first (the main table's), which is refused. So is a name timed for none
+    of the collectives; one timed for some of them says which it skips."""
+    from ringcoll import plans
+
+    def even_only(world, rank):
+        if world % 2:
+            raise ValueError(f"needs an even number of ranks, not {world}")
+        return plans.plan("ring", "all_reduce", world).ops[rank]
+
+    saved = dict(plans._registry)
+    try:
+        plans.register_algorithm("even", even_only, "all_reduce")
+        assert bench.runnable_algorithms(("native", "even", "rd"), ["all_reduce", "reduce_scatter"], 3) == \
+            (("native", "rd"), "")
+        err = capsys.readouterr().err
+        assert "--algorithm even left out: its all_reduce plan at 3 ranks: all_reduce plan 'even': plan_fn(3, 0) " \
+               "must return" in err and "needs an even number of ranks, not 3" in err, err
+        assert "--algorithm rd has no reduce_scatter: timed for the others" in err, err
+        assert bench.runnable_algorithms(("native", "even"), ["all_reduce"], 4) == (("native", "even"), "")
+        kept, refusal = bench.runnable_algorithms(("even", "native"), ["all_reduce"], 3)
+        assert kept == () and refusal.startswith("--algorithm even (the first: the main table's) cannot run: "), refusal
+        assert bench.runnable_algorithms(("native", "rd"), ["all_gather"], 2) == (("native",), "")
+        assert "--algorithm rd left out: it has none of all_gather" in capsys.readouterr().err
+    finally:
+        plans._registry.clear()
+        plans._registry.update(saved)
 
 
 def test_algorithm_option_refuses_unknown_names(capsys):
@@ -650,8 +681,9 @@ def test_refuses_bad_arguments(capsys):
         assert bench.main([*args, "--no-mpi"]) == 2, args
         assert why in capsys.readouterr().err, args
     assert bench.main(["--algorithm", "rd", "--collectives", "reduce_scatter", "-b", "1K", "-e", "1K", "--no-gloo",
-                       "--no-mpi", "--no-deepspeed", "--no-ccl", "--no-progress", "--no-check-cost"]) == 1
-    assert "no ringcoll call was measured: rd: no reduce_scatter" in capsys.readouterr().err
+                       "--no-mpi", "--no-deepspeed", "--no-ccl", "--no-progress", "--no-check-cost"]) == 2
+    assert "--algorithm rd (the first: the main table's) cannot run: it has none of reduce_scatter" in \
+        capsys.readouterr().err  # before any rank starts
 
 
 def test_two_machines_count_the_link_bytes(tmp_path, capsys):

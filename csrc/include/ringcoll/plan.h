@@ -77,11 +77,13 @@ enum class Operand : uint8_t { kNone = 0, kPeer = 1, kInput = 2, kOutput = 3, kW
 constexpr uint8_t kToOutput = 1, kToWork = 2, kToSlot = 4;
 constexpr uint8_t kShareOutput = 8;  // with kToOutput: published to `readers` where it lies, not in a slot
 
+constexpr int kMaxPlanChunks = 32767;  // PlanOp's chunk fields are 16 bits
+
 struct PlanOp {
   Operand a = Operand::kNone;
   Operand b = Operand::kNone;  // kNone: the value is a (a copy)
   int16_t from = -1;           // with an operand kPeer: the rank whose publication is read
-  int16_t first = 0;           // the chunks [first, first + count)
+  int16_t first = 0;           // the chunks [first, first + count), at most kMaxPlanChunks
   int16_t count = 0;
   uint8_t to = 0;              // kToOutput | kToWork | kToSlot, at most two of them (| kShareOutput)
   bool final = false;          // the value is the chunks' result (AVG divides here)
@@ -196,8 +198,9 @@ inline CompiledPlan compile_plan(Plan plan, const std::string& name, int world, 
                  kMaxPlanWorld, " ranks, not ", world);
   RINGCOLL_CHECK(static_cast<int>(plan.ops.size()) == world, std::invalid_argument, name, ": ", plan.ops.size(),
                  " op lists for ", world, " ranks");
-  RINGCOLL_CHECK(plan.chunks >= 1 && plan.chunks <= 32767, std::invalid_argument, name, ": ", plan.chunks,
-                 " chunks");
+  RINGCOLL_CHECK(plan.chunks >= 1 && plan.chunks <= kMaxPlanChunks, std::invalid_argument, name, ": ", plan.chunks,
+                 " chunks; a plan cuts a slice into 1 to ", kMaxPlanChunks,
+                 " chunks (an op's chunk range is held in 16 bits)");
   RINGCOLL_CHECK(root >= 0 && root < world, std::invalid_argument, name, ": root ", root, " is not a rank of ",
                  world);
   CompiledPlan out;
