@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import datetime
 import hashlib
 import multiprocessing
@@ -123,19 +124,45 @@ BITS = {"float32": "int32", "float64": "int64", "float16": "int16", "bfloat16": 
 
 # ============================================================================ cases (parent)
 
-def slice_elements(buffer_bytes: int, world: int, dtype: str) -> int:
-    """Elements of one slice (one slot of the host driver: buffer / (2 banks x P), cache-line
-    aligned). Used only to draw sizes near slice boundaries; if the driver changes, the sizes
-    stay valid, only less pointed."""
-    slot = buffer_bytes // (2 * world) // 64 * 64
+@dataclasses.dataclass(frozen=True)
+class Space:
+    """What :func:`cases` draws from where transports differ: the CPU's (this module's pool
+    of processes) by default; the emulated CUDA transport's is ringcoll/harness/fuzz_cuda.py's."""
+
+    pool_size: int = POOL_SIZE  # worlds 1..pool_size
+    groups: tuple = ("default", "subgroup")
+    apis: tuple = ("comm", "module")
+    buffers: tuple = BUFFER_CHOICES  # a Communicator's buffer_bytes
+    slot_alignment: int = 64  # bytes; the transport's slot_alignment
+    variants: tuple = ()  # RINGCOLL_CUDA_KERNEL values, drawn as "variant" where given
+
+    def plan_fits(self, buffer_bytes: int, world: int, chunks: int) -> bool:
+        """Whether a plan of `chunks` chunks runs in this buffer: two banks of one slot per
+        chunk (a smaller buffer is refused by name on every rank, so it is not drawn)."""
+        return buffer_bytes >= 2 * chunks * self.slot_alignment
+
+    def known_defect(self, case: dict) -> str | None:
+        """Why `case` is not drawn: a defect already reported (its reproducer named), so that
+        a run looks for new ones; None for every case of the CPU's space."""
+        return None
+
+
+CPU = Space()
+
+
+def slice_elements(buffer_bytes: int, world: int, dtype: str, alignment: int = 64) -> int:
+    """Elements of one slice (one slot of the ring: buffer / (2 banks x P), rounded down to
+    the transport's slot alignment). Used only to draw sizes near slice boundaries; if the
+    driver changes, the sizes stay valid, only less pointed."""
+    slot = buffer_bytes // (2 * world) // alignment * alignment
     return max(1, slot // ITEMSIZE[dtype])
 
 
-def _count_strategy(st, collective, world, dtype, buffer_bytes):
+def _count_strategy(st, collective, world, dtype, buffer_bytes, alignment=64):
     """Element count: all_reduce's total n, or the per-rank count of the others. Four
     branches, so that empty and tiny messages, slice boundaries and messages larger than
     the registered buffer each come up often."""
-    s = slice_elements(buffer_bytes, world, dtype)
+    s = slice_elements(buffer_bytes, world, dtype, alignment)
     limit = MAX_BUFFERS_PER_MESSAGE * buffer_bytes // ITEMSIZE[dtype]  # elements of the whole message
     over = buffer_bytes // ITEMSIZE[dtype] + 1  # the message no longer fits the buffer
     if collective in ("all_reduce", *ROOTED):
@@ -155,18 +182,19 @@ def form_applies(form: str, collective: str, which_api: str) -> bool:
     return which_api == "comm" and collective in (PREPARED if form == "prepared" else COALESCED)
 
 
-def cases():
-    """The hypothesis strategy: one collective call (a small dict, see the module doc)."""
+def cases(space: Space = CPU):
+    """The hypothesis strategy: one collective call (a small dict, see the module doc), drawn
+    from `space`."""
     from hypothesis import strategies as st
 
     @st.composite
     def case(draw):
-        world = draw(st.sampled_from(range(1, POOL_SIZE + 1)))  # (integers() would draw 1 half the time)
-        group = draw(st.sampled_from(("default", "subgroup")))
+        world = draw(st.sampled_from(range(1, space.pool_size + 1)))  # (integers() would draw 1 half the time)
+        group = draw(st.sampled_from(space.groups))
         if group == "default":
             ranks = tuple(range(world))
         else:
-            ranks = tuple(sorted(draw(st.permutations(range(POOL_SIZE)))[:world]))
+            ranks = tuple(sorted(draw(st.permutations(range(space.pool_size)))[:world]))
         collective = draw(st.sampled_from(COLLECTIVES))
         dtype = draw(st.sampled_from(DTYPES))
         op = None
@@ -176,18 +204,17 @@ def cases():
             collective, collective)
         algorithm = draw(st.sampled_from(["auto", "native", *(a for a in plans.BUILTIN
                                                               if base in plans.BUILTIN_COLLECTIVES[a])]))
-        which_api = draw(st.sampled_from(("comm", "module")))
+        which_api = draw(st.sampled_from(space.apis))
         form = draw(st.sampled_from([f for f in FORMS if form_applies(f, collective, which_api)]))
-        # A plan of C chunks needs two banks of C slots (the rooted ones' pipelines cut 16):
-        # a smaller buffer is refused by name on every rank, so it is not drawn
+        # A plan of C chunks needs two banks of C slots (the rooted ones' pipelines cut 16)
         chunks = plans.plan(algorithm, base, world).chunks if algorithm in plans.BUILTIN else 1
-        buffer_bytes = draw(st.sampled_from([b for b in BUFFER_CHOICES if b >= 2 * chunks * 64])) \
+        buffer_bytes = draw(st.sampled_from([b for b in space.buffers if space.plan_fits(b, world, chunks)])) \
             if which_api == "comm" else MODULE_BUFFER
-        count = draw(_count_strategy(st, collective, world, dtype, buffer_bytes))
+        counts = _count_strategy(st, collective, world, dtype, buffer_bytes, space.slot_alignment)
+        count = draw(counts)
         more_counts = ()  # a coalesced call's further tensors, each its own size
         if form == "coalesced":
-            more_counts = tuple(draw(st.lists(_count_strategy(st, collective, world, dtype, buffer_bytes),
-                                              max_size=MAX_COALESCED - 1)))
+            more_counts = tuple(draw(st.lists(counts, max_size=MAX_COALESCED - 1)))
         in_place = draw(st.booleans())
         if (collective == "all_reduce" and (which_api == "module" or form == "coalesced")) or collective in ROOTED:
             # the out-of-place all_reduce(output=) is a Communicator extra that all_reduce_coalesced
@@ -197,7 +224,7 @@ def cases():
         # in_flight (repeated async calls only): both started before either is waited for, on two
         # sets of tensors (rewriting an input while its call is in flight is the caller's race)
         in_flight = draw(st.booleans()) if form == "repeated" and async_op else False
-        return {
+        drawn = {
             "collective": collective, "form": form, "dtype": dtype, "op": op, "world": world, "group": group,
             "ranks": ranks, "count": count, "more_counts": more_counts, "in_place": in_place,
             "async_op": async_op, "in_flight": in_flight,
@@ -209,8 +236,11 @@ def cases():
             "symmetric": draw(st.booleans()),  # every tensor of the call from ringcoll.empty (read in place)
             "seed": draw(st.integers(0, 2 ** 31 - 1)),
         }
+        if space.variants:  # drawn last, so the CPU's draws stay as they were
+            drawn["variant"] = draw(st.sampled_from(space.variants))
+        return drawn
 
-    return case()
+    return case().filter(lambda c: space.known_defect(c) is None)
 
 
 def describe(case: dict) -> str:
@@ -852,21 +882,24 @@ class Stats:
     """What a fuzz run exercised, and its failures."""
 
     DRAWN = ("collective", "form", "dtype", "op", "world", "group", "api", "algorithm", "buffer_bytes", "in_place",
-             "async_op", "in_flight", "specials", "symmetric")  # the case's fields counted as drawn
+             "async_op", "in_flight", "specials", "symmetric", "variant")  # the case's fields counted as drawn
 
-    def __init__(self):
+    def __init__(self, space: Space = CPU):
+        self.space = space
+        fixed = {"group": len(space.groups) == 1, "api": len(space.apis) == 1, "variant": not space.variants}
+        self.drawn = tuple(k for k in self.DRAWN if not fixed.get(k))  # those `space` varies
         self.examples = 0
-        self.by = {k: collections.Counter() for k in (*self.DRAWN, "size")}
+        self.by = {k: collections.Counter() for k in (*self.drawn, "size")}
         self.failures: list = []
         self.seconds = 0.0
 
     def add(self, case: dict) -> None:
         self.examples += 1
-        for k in self.DRAWN:
+        for k in self.drawn:
             self.by[k][case.get(k, False)] += 1
         world, c = case["world"], case["count"] + sum(case["more_counts"])  # a coalesced call: one packed message
         chunk = -(-c // world) if case["collective"] == "all_reduce" else c  # elements per ring chunk
-        slices = -(-chunk // slice_elements(case["buffer_bytes"], world, case["dtype"]))
+        slices = -(-chunk // slice_elements(case["buffer_bytes"], world, case["dtype"], self.space.slot_alignment))
         message = (c if case["collective"] == "all_reduce" else world * c) * ITEMSIZE[case["dtype"]]
         if c == 0:
             size = "0 elements"
@@ -908,18 +941,19 @@ def run_case(pool: FuzzPool, case: dict, stats: Stats | None = None) -> None:
 
 
 def fuzz(pool: FuzzPool, max_examples: int, seed: int | None = None, derandomize: bool = False,
-         stats: Stats | None = None) -> Stats:
-    """Run hypothesis over :func:`cases` on `pool`. Raises what hypothesis raises for a
-    failure (the shrunk case's AssertionError). The database is off: runs are reproduced
-    from the seed (``seed``, or ``derandomize`` for a fixed one), not from stored examples."""
+         stats: Stats | None = None, space: Space = CPU) -> Stats:
+    """Run hypothesis over :func:`cases` of `space` on `pool` (a FuzzPool, or anything with
+    its ``run`` and ``close``). Raises what hypothesis raises for a failure (the shrunk
+    case's AssertionError). The database is off: runs are reproduced from the seed
+    (``seed``, or ``derandomize`` for a fixed one), not from stored examples."""
     from hypothesis import HealthCheck, given, settings
     from hypothesis import seed as hypothesis_seed
 
-    stats = stats if stats is not None else Stats()
+    stats = stats if stats is not None else Stats(space)
 
     @settings(max_examples=max_examples, deadline=None, database=None, derandomize=derandomize,
               suppress_health_check=list(HealthCheck), print_blob=True)
-    @given(cases())
+    @given(cases(space))
     def test(case):
         run_case(pool, case, stats)
 
