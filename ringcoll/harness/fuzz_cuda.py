@@ -11,7 +11,8 @@ every collective (all_reduce, reduce_scatter_tensor, all_gather_into_tensor, the
 broadcast / reduce from a drawn root), dtype, op, count (0, tiny, at slice boundaries, over
 the registered buffer), in place or not, async or not, the algorithm (auto, native: the
 ring kernels, and every built-in plan the collective has: the plan kernels), a small
-``buffer_bytes`` (so messages take several slices), misaligned views, special values,
+``buffer_bytes`` (so messages take several slices; a small ``small_bytes`` too, so native
+broadcast and reduce take their pipelines above 1 KiB), misaligned views, special values,
 symmetric memory (``comm.empty``) or ordinary tensors; and here also the kernel variant
 (RINGCOLL_CUDA_KERNEL fused or naive, read when a communicator is built). What differs:
 
@@ -54,7 +55,7 @@ import sys
 import threading
 import time
 
-from ringcoll import _C, api
+from ringcoll import _C, api, plans
 from ringcoll.harness import fuzz
 from ringcoll.harness.fuzz import PoolError
 from ringcoll.transports import emulated
@@ -65,6 +66,10 @@ VARIANT_VARIABLE = "RINGCOLL_CUDA_KERNEL"
 # slots); 1500 does not divide into slots (an unused tail); 8192 fits the rooted pipelines'
 # 16 chunks at every world.
 BUFFER_CHOICES = (1280, 1500, 2048, 4096, 8192)
+# The communicators' small_bytes: native (and auto, which is native on CUDA) broadcast and reduce
+# take the one-shot up to it and their pipelines (the star, the chain) above. The default,
+# 64 KiB, is above every message drawn here (at most 4 buffers), so it is lowered.
+SMALL_BYTES = 1024
 COMM_TIMEOUT = 20.0  # a ring wait, or a bootstrap exchange, that outlasts this raises in the rank
 CASE_TIMEOUT = 60.0  # the pool gives up on a case (and tears down every world) after this
 # Per world. The emulated device spreads streams over IN_PROCESS_HARDWARE_QUEUES in-order
@@ -85,9 +90,16 @@ class EmulatedSpace(fuzz.Space):
         return 2 * world * ring_slot >= 2 * chunks * self.slot_alignment
 
     def known_defect(self, case: dict) -> str | None:
-        if case["world"] == 1 and case["symmetric"] and case["algorithm"] == "auto" and \
-                case["collective"] not in fuzz.ROOTED:
+        coll, world, algorithm = case["collective"], case["world"], case["algorithm"]
+        if world == 1 and case["symmetric"] and algorithm == "auto" and coll not in fuzz.ROOTED:
             return "repro_symmetric_auto_world1.py: auto over symmetric memory at P = 1 raises ValueError"
+        if coll in fuzz.ROOTED and algorithm in ("native", "auto") and \
+                case["count"] * fuzz.ITEMSIZE[case["dtype"]] > SMALL_BYTES:
+            # the pipeline native takes, or the one-shot where Communicator._plan finds it too wide
+            chunks = plans.plan("star" if coll == "broadcast" else "ring", coll, world).chunks
+            if case["buffer_bytes"] >= 2 * chunks * self.slot_alignment and \
+                    not self.plan_fits(case["buffer_bytes"], world, chunks):
+                return "repro_plan_buffer_check.py: native's pipeline passes _plan's check, the launch refuses it"
         return None
 
 
@@ -133,7 +145,7 @@ class _EmulatedRank(fuzz._Worker):
         key = self._key(case)
         if key not in self.comms:  # RINGCOLL_CUDA_KERNEL is the case's variant now (EmulatedPool.run)
             self.comms[key] = self.Communicator(group=self.bootstrap, buffer_bytes=case["buffer_bytes"],
-                                                timeout=COMM_TIMEOUT)
+                                                small_bytes=SMALL_BYTES, timeout=COMM_TIMEOUT)
         return self.comms[key]
 
     def _keep_few_communicators(self, case: dict, group) -> None:
