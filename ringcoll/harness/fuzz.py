@@ -29,6 +29,10 @@ where the API has it (:func:`form_applies`), each part checked as a plain call i
   1-3 tensors of their own drawn sizes (0 elements included) in one call, each checked
   against its own plain reference and a separate gloo call (:func:`parts`).
 
+What the draw ranges over where transports differ (worlds, groups, APIs, buffers, slot
+alignment, kernel variants, defects already reported) is a :class:`Space`: the CPU's here;
+ringcoll/harness/fuzz_cuda.py runs the same cases and checks on the emulated CUDA transport.
+
 Design (process starts cost ~2 s each on a 2-core machine, so nothing is spawned per
 example):
 

@@ -32,7 +32,7 @@ call; a run_in_process per example would add thread starts and a communicator ea
   an inbox each and put their replies on one queue. Each rank caches communicators per
   (buffer_bytes, variant), the least recently used closed past LIVE_COMMUNICATORS (every
   rank closes the same one at the same case: the close is collective on CUDA). The cap
-  keeps every live communicator's streams on hardware queues of their own (see LIVE_COMMUNICATORS).
+  keeps every live stream on a hardware queue of its own (see LIVE_COMMUNICATORS).
 * The kernel variant is an environment variable the transport reads when it is built: the
   pool sets it before handing out each case (one case at a time), and restores it at close.
 * Every wait is bounded: the pool waits ``case_timeout`` seconds for a case's replies,
@@ -54,6 +54,8 @@ import queue
 import sys
 import threading
 import time
+import traceback
+import warnings
 
 from ringcoll import _C, api, plans
 from ringcoll.harness import fuzz
@@ -64,19 +66,23 @@ from ringcoll.transports.cuda import IN_PROCESS_HARDWARE_QUEUES, KERNEL_VARIANTS
 VARIANT_VARIABLE = "RINGCOLL_CUDA_KERNEL"
 # Registered buffer per rank: 1280 is the 5-rank minimum (2 banks x 5 ranks x 128-byte
 # slots); 1500 does not divide into slots (an unused tail); 8192 fits the rooted pipelines'
-# 16 chunks at every world.
-BUFFER_CHOICES = (1280, 1500, 2048, 4096, 8192)
+# 16 chunks at every world; 512 KiB gives slots of several 32 KiB tiles (strip.h), so the
+# kernels run grids of several blocks (2 at P = 5, up to 8 at P = 1), smaller ones one block.
+BUFFER_CHOICES = (1280, 1500, 2048, 4096, 8192, 1 << 19)
 # The communicators' small_bytes: native (and auto, which is native on CUDA) broadcast and reduce
 # take the one-shot up to it and their pipelines (the star, the chain) above. The default,
 # 64 KiB, is above every message drawn here (at most 4 buffers), so it is lowered.
 SMALL_BYTES = 1024
 COMM_TIMEOUT = 20.0  # a ring wait, or a bootstrap exchange, that outlasts this raises in the rank
 CASE_TIMEOUT = 60.0  # the pool gives up on a case (and tears down every world) after this
-# Per world. The emulated device spreads streams over IN_PROCESS_HARDWARE_QUEUES in-order
-# queues (stream i on queue i mod 32), and two ranks' streams on one queue are falsely
-# ordered, as on a GPU (docs/cuda.md, "One hardware queue per stream"): each communicator
-# has a stream per rank, so 2 per world over worlds 1-5 is 30 streams and the legacy one.
-LIVE_COMMUNICATORS = 2
+# Per world. The emulated device spreads ALL the process's streams over
+# IN_PROCESS_HARDWARE_QUEUES in-order queues (stream i on queue i mod 32), and two ranks of a
+# ring whose streams share a queue stop each other until the timeout, as on a GPU (docs/cuda.md,
+# "One hardware queue per stream"; nothing refuses it: repro_shared_hardware_queue.py). Each
+# communicator takes a stream per rank: 2 per world came to 30 streams of 32 queues, and
+# streams past 32 (idle ones are reused, not all were back yet) made rare timeouts at P = 5;
+# 1 per world is 15 streams.
+LIVE_COMMUNICATORS = 1
 JOIN_SECONDS = 5.0  # a world's threads told to stop, after a failure, are waited for this long
 
 
@@ -167,14 +173,20 @@ class _EmulatedRank(fuzz._Worker):
 
 
 def _rank_main(group, inboxes, replies):
-    """A rank thread of one world: answer cases from its inbox until it holds None."""
+    """A rank thread of one world: answer cases from its inbox until it holds None; then
+    close its communicators (a protocol error there ends run_in_process with it: _World)."""
     rank = _EmulatedRank(group)
     try:
         while True:
             case = inboxes[group.rank].get()
             if case is None:
                 return
-            replies.put((group.rank, rank.handle(case)))
+            try:
+                reply = rank.handle(case)
+            except BaseException as exc:  # noqa: BLE001 - outside the call (closing an old communicator)
+                reply = ("error", [f"rank {group.rank}: {type(exc).__name__} around the call: {exc}\n"
+                                   f"{traceback.format_exc()}"], None)
+            replies.put((group.rank, reply))
     finally:
         rank.close()
 
@@ -197,12 +209,17 @@ class _World:
             ended = f"raised {type(exc).__name__}: {exc}"
         self.replies.put((None, f"run_in_process of world {self.world} {ended}"))
 
-    def stop(self, wait: float) -> bool:
-        """Tell every rank to stop (after the case it is in); True once all have, within `wait` s."""
+    def stop(self, wait: float) -> tuple[bool, str]:
+        """Tell every rank to stop (after the case it is in). Whether all have, within `wait`
+        seconds, and how run_in_process ended ("" while it has not)."""
         for box in self.inboxes:
             box.put(None)
         self.host.join(wait)
-        return not self.host.is_alive()
+        ended = ""
+        while not self.replies.empty():  # (a reply of the case a failure left behind, then the end)
+            rank, what = self.replies.get()
+            ended = what if rank is None else ended
+        return not self.host.is_alive(), ended
 
 
 class EmulatedPool:
@@ -216,6 +233,7 @@ class EmulatedPool:
         self.starts = 0  # worlds started (each world's first, plus restarts after failures)
         self.start_seconds = 0.0
         self.abandoned = 0  # worlds whose threads did not stop within JOIN_SECONDS of a failure
+        self.close_errors: list = []  # a world whose communicators' close raised (at the end of a run)
         self._variant_before = None  # RINGCOLL_CUDA_KERNEL as it was before the first case
 
     @property
@@ -259,8 +277,10 @@ class EmulatedPool:
         which their timeout bounds; else JOIN_SECONDS, then left to end alone) and restore
         RINGCOLL_CUDA_KERNEL. After a failure the next case gets a fresh device. Idempotent."""
         for w in self.worlds.values():
-            if not w.stop(COMM_TIMEOUT + JOIN_SECONDS if graceful else JOIN_SECONDS):
-                self.abandoned += 1
+            stopped, ended = w.stop(COMM_TIMEOUT + JOIN_SECONDS if graceful else JOIN_SECONDS)
+            self.abandoned += not stopped
+            if graceful and "raised" in ended:  # (after a failure, the close of a broken ring may raise)
+                self.close_errors.append(ended)
         if self.worlds:
             if self._variant_before is None:
                 os.environ.pop(VARIANT_VARIABLE, None)
@@ -303,14 +323,19 @@ def main(argv=None) -> int:
     stats = fuzz.Stats(SPACE)
     error = None
     t0 = time.monotonic()
-    with EmulatedPool(case_timeout=args.case_timeout) as pool:
-        try:
-            fuzz_emulated(pool, args.examples, seed=args.seed, stats=stats)
-        except Exception as exc:  # noqa: BLE001 - reported below
-            error = exc
+    with warnings.catch_warnings(record=True) as warned:  # a ring that keeps its buffer says so (broken)
+        warnings.simplefilter("always", RuntimeWarning)
+        with EmulatedPool(case_timeout=args.case_timeout) as pool:
+            try:
+                fuzz_emulated(pool, args.examples, seed=args.seed, stats=stats)
+            except Exception as exc:  # noqa: BLE001 - reported below
+                error = exc
     wall = time.monotonic() - t0
     print(stats.summary())
     print(f"worlds started: {pool.starts} ({pool.start_seconds:.1f} s), abandoned after a failure: {pool.abandoned}")
+    print(f"runtime warnings: {len(warned)}" + "".join(f"\n  {w.message}" for w in warned[:5]))
+    print(f"errors closing the worlds at the end: {len(pool.close_errors)}"
+          + "".join(f"\n  {e}" for e in pool.close_errors))
     print(f"failures: {len(stats.failures)}")
     for f in stats.failures[:20]:
         print("  " + f.replace("\n", "\n  "))
@@ -318,7 +343,7 @@ def main(argv=None) -> int:
         print(f"hypothesis reported: {type(error).__name__}: {error}")
     print(f"time: {wall:.1f} s total, {stats.seconds:.1f} s in hypothesis, "
           f"{1000 * stats.seconds / max(1, stats.examples):.1f} ms per example")
-    return 1 if (error is not None or stats.failures) else 0
+    return 1 if (error is not None or stats.failures or pool.close_errors) else 0
 
 
 if __name__ == "__main__":
