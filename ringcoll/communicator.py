@@ -602,8 +602,7 @@ class Communicator(ArgumentChecks):
         def cannot(collective):
             return [name for name in tuning.candidates(collective) if name in plans.BUILTIN
                     and ((not readable and plans.reads_in_place(name, collective, self.world_size))
-                         or plans.compiled(name, collective, self.world_size)[0].chunks * self._plan_chunk_bytes
-                         > self.buffer_bytes)]
+                         or not self._plan_fits(plans.compiled(name, collective, self.world_size)[0].chunks))]
 
         # Per form: an in-place call chooses by the table's in-place times, where it has them
         excluded = {c: cannot(c) for c in DATA_COLLECTIVES} if table is not None else {}
@@ -645,7 +644,8 @@ class Communicator(ArgumentChecks):
         every rank makes together."""
         algorithm = self.algorithm if algorithm is None else algorithm
         if algorithm == "auto":
-            if collective not in ROOTED_COLLECTIVES and self._transport.symmetric_arenas:
+            # (one rank has no peer to read: its plans are no-ops, and the direct one is no such plan)
+            if collective not in ROOTED_COLLECTIVES and self._transport.symmetric_arenas and self.world_size > 1:
                 return self._symmetric_auto(name, collective, message_bytes) \
                     if self._transport.symmetric_by_plan else None
             bands = self._auto_bands_in_place if in_place else self._auto_bands
@@ -671,14 +671,17 @@ class Communicator(ArgumentChecks):
             raise  # it names the plan, the rank and the op
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
-        needed = plan.chunks * self._plan_chunk_bytes
-        if self.buffer_bytes < needed:
+        if not self._plan_fits(plan.chunks):
             if native_rooted:  # the one-shot's single chunk fits any buffer a communicator accepts
                 return self._plan(name, collective, "oneshot", message_bytes, root)
+            area = self._transport.plan_slot_area(self.buffer_bytes, self.world_size)
             raise ValueError(f"{name}: algorithm {algorithm!r} cuts the message into {plan.chunks} chunks, which "
-                             f"need buffer_bytes >= {needed} (two banks of one {self._plan_chunk_bytes // 2}-byte "
-                             f"slot per chunk); this communicator's is {self.buffer_bytes}: raise it or choose "
-                             "another algorithm")
+                             f"need two banks of one {self._plan_chunk_bytes // 2}-byte slot per chunk: "
+                             f"{plan.chunks * self._plan_chunk_bytes} bytes of slots; this communicator's "
+                             f"buffer_bytes is {self.buffer_bytes}"
+                             + (f", which leaves {area} for them (its kernels cut a plan's slots from the ring's "
+                                f"{2 * self.world_size})" if area != self.buffer_bytes else "")
+                             + ": raise it or choose another algorithm")
         # Later calls find it at once, a user's plan as a built-in one, so that the two are
         # timed alike (_forget_plan drops a user's when its name is registered again)
         self._known_plans[collective, algorithm, root] = compiled
@@ -686,6 +689,11 @@ class Communicator(ArgumentChecks):
         if hold is not None and collective in self._plain_choices:
             self._plain_choices[collective][algorithm] = hold(compiled)
         return compiled
+
+    def _plan_fits(self, chunks: int) -> bool:
+        """Whether this communicator's buffer holds a plan of `chunks` chunks: two banks of one
+        aligned slot per chunk, cut from what its transport cuts plans' slots from."""
+        return self._transport.plan_slot_area(self.buffer_bytes, self.world_size) >= chunks * self._plan_chunk_bytes
 
     def _symmetric_auto(self, name: str, collective: str, message_bytes: int):
         """auto over symmetric memory where the transport reads it by a plan (CUDA): the direct

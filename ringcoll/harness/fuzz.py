@@ -30,7 +30,7 @@ where the API has it (:func:`form_applies`), each part checked as a plain call i
   against its own plain reference and a separate gloo call (:func:`parts`).
 
 What the draw ranges over where transports differ (worlds, groups, APIs, buffers, slot
-alignment, kernel variants, defects already reported) is a :class:`Space`: the CPU's here;
+alignment, kernel variants, the slots a plan is cut from) is a :class:`Space`: the CPU's here;
 ringcoll/harness/fuzz_cuda.py runs the same cases and checks on the emulated CUDA transport.
 
 Design (process starts cost ~2 s each on a 2-core machine, so nothing is spawned per
@@ -87,10 +87,12 @@ import time
 import traceback
 import zlib
 from multiprocessing.connection import wait as _wait
+from typing import Callable
 
 from ringcoll import _types, api, plans
 from ringcoll.communicator import Communicator, Work
 from ringcoll.harness.launcher import _close, _free_port, _set_pdeathsig, _terminate
+from ringcoll.transports.base import Transport
 
 POOL_SIZE = 5
 COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_gather", "reduce_scatter",
@@ -139,16 +141,13 @@ class Space:
     buffers: tuple = BUFFER_CHOICES  # a Communicator's buffer_bytes
     slot_alignment: int = 64  # bytes; the transport's slot_alignment
     variants: tuple = ()  # RINGCOLL_CUDA_KERNEL values, drawn as "variant" where given
+    plan_slot_area: Callable[[int, int], int] = Transport.plan_slot_area  # the transport's
 
     def plan_fits(self, buffer_bytes: int, world: int, chunks: int) -> bool:
         """Whether a plan of `chunks` chunks runs in this buffer: two banks of one slot per
-        chunk (a smaller buffer is refused by name on every rank, so it is not drawn)."""
-        return buffer_bytes >= 2 * chunks * self.slot_alignment
-
-    def known_defect(self, case: dict) -> str | None:
-        """Why `case` is not drawn: a defect already reported (its reproducer named), so that
-        a run looks for new ones; None for every case of the CPU's space."""
-        return None
+        chunk, from what the transport cuts plans' slots from (a smaller buffer is refused
+        by name on every rank, so it is not drawn)."""
+        return self.plan_slot_area(buffer_bytes, world) >= 2 * chunks * self.slot_alignment
 
 
 CPU = Space()
@@ -244,7 +243,7 @@ def cases(space: Space = CPU):
             drawn["variant"] = draw(st.sampled_from(space.variants))
         return drawn
 
-    return case().filter(lambda c: space.known_defect(c) is None)
+    return case()
 
 
 def describe(case: dict) -> str:

@@ -78,7 +78,7 @@ CASE_TIMEOUT = 60.0  # the pool gives up on a case (and tears down every world) 
 # Per world. The emulated device spreads ALL the process's streams over
 # IN_PROCESS_HARDWARE_QUEUES in-order queues (stream i on queue i mod 32), and two ranks of a
 # ring whose streams share a queue stop each other until the timeout, as on a GPU (docs/cuda.md,
-# "One hardware queue per stream"; nothing refuses it: repro_shared_hardware_queue.py). Each
+# "One hardware queue per stream": a GPU does not say which queue a stream is on). Each
 # communicator takes a stream per rank: 2 per world came to 30 streams of 32 queues, and
 # streams past 32 (idle ones are reused, not all were back yet) made rare timeouts at P = 5;
 # 1 per world is 15 streams.
@@ -86,31 +86,9 @@ LIVE_COMMUNICATORS = 1
 JOIN_SECONDS = 5.0  # a world's threads told to stop, after a failure, are waited for this long
 
 
-class EmulatedSpace(fuzz.Space):
-    def plan_fits(self, buffer_bytes: int, world: int, chunks: int) -> bool:
-        """The CUDA kernels cut a plan's 2 x C slots out of the ring's data area, 2 x P slots
-        of buffer / (2 P) rounded down to 128 bytes (kernel_abi.h, plan_slot_bytes): stricter
-        than Communicator._plan's check (buffer >= 2 x C x 128), which lets through buffers
-        the launch then refuses (repro_plan_buffer_check.py); those are not drawn."""
-        ring_slot = buffer_bytes // (2 * world) // self.slot_alignment * self.slot_alignment
-        return 2 * world * ring_slot >= 2 * chunks * self.slot_alignment
-
-    def known_defect(self, case: dict) -> str | None:
-        coll, world, algorithm = case["collective"], case["world"], case["algorithm"]
-        if world == 1 and case["symmetric"] and algorithm == "auto" and coll not in fuzz.ROOTED:
-            return "repro_symmetric_auto_world1.py: auto over symmetric memory at P = 1 raises ValueError"
-        if coll in fuzz.ROOTED and algorithm in ("native", "auto") and \
-                case["count"] * fuzz.ITEMSIZE[case["dtype"]] > SMALL_BYTES:
-            # the pipeline native takes, or the one-shot where Communicator._plan finds it too wide
-            chunks = plans.plan("star" if coll == "broadcast" else "ring", coll, world).chunks
-            if case["buffer_bytes"] >= 2 * chunks * self.slot_alignment and \
-                    not self.plan_fits(case["buffer_bytes"], world, chunks):
-                return "repro_plan_buffer_check.py: native's pipeline passes _plan's check, the launch refuses it"
-        return None
-
-
-SPACE = EmulatedSpace(groups=("default",), apis=("comm",), buffers=BUFFER_CHOICES,
-                      slot_alignment=emulated.EmulatedCudaTransport.slot_alignment, variants=tuple(KERNEL_VARIANTS))
+SPACE = fuzz.Space(groups=("default",), apis=("comm",), buffers=BUFFER_CHOICES,
+                   slot_alignment=emulated.EmulatedCudaTransport.slot_alignment, variants=tuple(KERNEL_VARIANTS),
+                   plan_slot_area=emulated.EmulatedCudaTransport.plan_slot_area)
 
 
 def _communicator_class():

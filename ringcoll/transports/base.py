@@ -132,6 +132,12 @@ class Transport:
         """Whether `address` lies in this rank's symmetric memory of this communicator."""
         return False
 
+    @staticmethod
+    def plan_slot_area(buffer_bytes: int, world: int) -> int:
+        """The bytes a plan's two banks of C aligned slots are cut from: on the CPU the whole
+        buffer (host_plan.cpp); the CUDA transports say for their kernels."""
+        return buffer_bytes
+
     symmetric_arenas = 0  # how many arenas of symmetric memory every rank has mapped
     # Whether auto over symmetric memory runs a plan that reads it in place, with the ring's
     # plan as fallback (CUDA: Communicator._symmetric_auto), rather than native (the CPU

@@ -178,6 +178,13 @@ def _require_cuda_build() -> None:
         raise RingcollError("Communicator: CUDA tensors were requested but torch sees no CUDA device")
 
 
+def kernel_plan_slot_area(buffer_bytes: int, world: int) -> int:
+    """Transport.plan_slot_area for the CUDA kernels (both CUDA transports'): they cut a plan's
+    slots out of the ring's 2P slots (kernel_abi.h, plan_slot_bytes), which hold less than the
+    whole buffer where it does not divide into them (P = 3, 4096 bytes: 3840)."""
+    return _C.banks * world * _C.cuda_slot_bytes_for(buffer_bytes, world)
+
+
 class DeviceBytes:
     """A block of symmetric memory on a GPU as torch takes device memory it does not own: through
     ``__cuda_array_interface__`` (bytes, no stream to wait for: nothing is queued on it). torch
@@ -253,6 +260,7 @@ class CudaTransport(Transport):
     """CUDA IPC ring over ``_C.CudaComm`` (see the module doc)."""
 
     slot_alignment = _C.cuda_slot_alignment
+    plan_slot_area = staticmethod(kernel_plan_slot_area)
     takes_arrays = True
     symmetric_by_plan = True  # auto over symmetric memory: the direct plan, else the ring's (base.py)
 

@@ -42,7 +42,8 @@ from ringcoll.errors import RingcollError, RingcollTimeoutError
 from ringcoll.transports.base import (CollectiveCall, InFlight, Settings, SymmetricAgreement, Transport,
                                       allocate_by_exchange)
 from ringcoll.transports.cuda import (CAPTURED_ALLOCATION, captured_call_error, check_hardware_queues,
-                                      hardware_queues, kernel_variant, one_word_barrier, rank_threads,
+                                      hardware_queues, kernel_plan_slot_area, kernel_variant, one_word_barrier,
+                                      rank_threads,
                                       refuse_in_capture, shared_stream_error)
 
 LEGACY = _C.emulation.Device.LEGACY  # the legacy default stream: every thread's, unless told otherwise
@@ -159,6 +160,7 @@ class EmulatedCudaTransport(Transport):
     emulated device and the bootstrap hands round (threads of one process share it)."""
 
     slot_alignment = _C.cuda_slot_alignment
+    plan_slot_area = staticmethod(kernel_plan_slot_area)
     takes_arrays = False
     symmetric_by_plan = True  # auto over symmetric memory: the direct plan, else the ring's (base.py)
     plain_calls = None  # every call goes through the Python path, as on CUDA

@@ -602,3 +602,51 @@ def test_an_async_barrier_is_a_work_on_cuda_as_on_the_cpu():
     """The CUDA barrier is synchronous (as NCCL's): with async_op it returned None, where the
     CPU's returns a Work, so barrier(async_op=True).wait() raised AttributeError there."""
     assert ringcoll.run_in_process(2, _barrier_async, timeout=TIMEOUT) == [("Work", True)] * 2
+
+
+def _symmetric_auto_alone(group):
+    with EmulatedCudaCommunicator(group=group, timeout=TIMEOUT) as comm:
+        x = comm.empty(8).fill_(3.0)
+        out = comm.empty(8)
+        comm.all_reduce(x)
+        comm.all_gather_into_tensor(out, x)
+        part = comm.empty(8)
+        comm.reduce_scatter_tensor(part, out)
+        return x.tolist(), out.tolist(), part.tolist()
+
+
+def test_one_rank_with_symmetric_memory_runs_auto():
+    """One rank has no peer to read: auto over its symmetric memory built the direct plan with
+    the ring's as fallback, which plan_with_fallback refuses where the direct plan reads
+    nothing, so every auto call raised ValueError (the CPU transport ran them). Found by the
+    emulated CUDA fuzzer."""
+    assert ringcoll.run_in_process(1, _symmetric_auto_alone, timeout=60) == [([3.0] * 8, [3.0] * 8, [3.0] * 8)]
+
+
+def _rooted_at_a_buffer_the_kernels_cut_smaller(group):
+    """P = 3 and 4096 bytes: the ring's 6 slots of 640 bytes leave 3840 for a plan's, too few
+    for the rooted pipelines' 16 chunks of two 128-byte slots."""
+    results = []
+    with EmulatedCudaCommunicator(group=group, timeout=TIMEOUT, buffer_bytes=4096, small_bytes=1024) as comm:
+        for coll in ("broadcast", "reduce"):
+            t = torch.full((1000,), float(group.rank + 1))
+            getattr(comm, coll)(t, 1)  # native: its pipeline does not fit, so the one-shot
+            results.append(t[0].item())
+        t = torch.full((1000,), float(group.rank + 1))
+        with pytest.raises(ValueError, match="'star' cuts the message into 16 chunks.* buffer_bytes is 4096, which "
+                                             "leaves 3840 for them"):
+            comm.broadcast(t, 1, algorithm="star")
+        results.append(t[0].item())  # untouched
+        comm.all_reduce(t)  # and the communicator still works
+    return results
+
+
+def test_a_plan_the_kernels_have_no_slots_for_is_never_launched():
+    """Communicator._plan checked a plan against the whole buffer, but the CUDA kernels cut a
+    plan's slots from the ring's 2P slots, which hold less where the buffer does not divide
+    into them: native broadcast and reduce then launched a pipeline the kernels refused, on
+    every rank. Now native takes the one-shot there, as it does where the buffer is smaller
+    still, and a named plan is refused before anything moves. Found by the emulated CUDA fuzzer."""
+    results = ringcoll.run_in_process(3, _rooted_at_a_buffer_the_kernels_cut_smaller, timeout=60)
+    # the broadcast from rank 1 everywhere; the reduce's sum on rank 1 alone; the refused call wrote nothing
+    assert results == [[2.0, 6.0 if rank == 1 else rank + 1.0, rank + 1.0] for rank in range(3)], results
