@@ -87,7 +87,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("collective", choices=[*trace.COLLECTIVES, *sorted(ROOTED_COLLECTIVES)])
     t.add_argument("--world", "-P", type=int, default=4, help="ranks (default 4)")
     t.add_argument("--n", "-n", type=int, default=8, help="elements in the message (default 8)")
-    t.add_argument("--png", metavar="FILE", help="also draw the steps (one panel per step) into FILE")
+    t.add_argument("--png", metavar="FILE", help="also draw the ring's steps (one panel per step) into FILE "
+                                                 "(the ring only: other algorithms are traced as text)")
     t.add_argument("--algorithm", default="ring",
                    help="ring (default); oneshot: the CPU transport's small-message path; direct: its "
                         "direct-read path: peers' inputs read where they lie (all_gather, reduce_scatter, all_reduce); "
