@@ -167,6 +167,13 @@ def uneven_nodes_message(who: str, members: dict, names: Optional[dict] = None) 
             "on every machine (torchrun --nproc-per-node N on each), or use backend='gloo'")
 
 
+def _groups_made() -> int:
+    """How many process groups this process has (torch names a group its members make alone by
+    this number: distributed_c10d._hash_ranks_to_str); -1 where torch does not say."""
+    names = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_names", None)
+    return len(names) if names is not None else -1
+
+
 def _resolve_pipeline(setting) -> Optional[int]:
     """pipeline_bytes= (else RINGCOLL_PIPELINE_BYTES, else "auto") -> piece bytes, 0 for
     whole messages, None for "auto" (which measures, class by class of message size)."""
@@ -204,7 +211,14 @@ class HierarchicalCommunicator(ArgumentChecks):
         self._auto_choices: dict = {}  # "auto": per class of AUTO_CLASSES, (the cut kept, what was measured)
         offers: list = [None] * self.world_size
         dist.all_gather_object(offers, (_node_of(node_id, dist.get_rank()), socket.gethostname(), self.check,
-                                        self.pipeline_bytes), group=self.group)
+                                        self.pipeline_bytes, _groups_made()), group=self.group)
+        if len({offer[4] for offer in offers}) != 1:
+            raise RuntimeError("HierarchicalCommunicator: the ranks have made different numbers of process groups ("
+                               + ", ".join(f"rank {r}: {offer[4]}" for r, offer in enumerate(offers)) + "). torch "
+                               "names a group its members make alone (new_group(use_local_synchronization=True), "
+                               "as this communicator makes its two) after that number, so theirs would never meet "
+                               "(each rank would wait for the timeout): make the same groups on every rank of this "
+                               "group before it (a communicator over a subgroup, made on some ranks only, counts)")
         # Settings every rank must share: the check's calls, and the pieces (the node's ring
         # checks nothing itself, so ranks cutting a message differently would not be caught).
         for index, setting in ((2, "check= / RINGCOLL_CHECK"), (3, "pipeline_bytes= / RINGCOLL_PIPELINE_BYTES")):
@@ -946,9 +960,15 @@ class HierarchicalCommunicator(ArgumentChecks):
             # The node's sum lands on its rank of dst's local index: dst itself, or a copy elsewhere.
             partial = flat if self.rank == dst or self.local_rank != dst_local else flat.clone()
             self.intra.reduce(partial, dst_local, op=level_op)
-            if self.local_rank == dst_local:
-                self._on_link(dist.reduce, partial, dst=self._global_rank(dst), op=self._inter_op(level_op),
-                              group=self.inter_group)
+            if self.local_rank == dst_local:  # the nodes' sums to dst, combined there in node order as the
+                dst_node = next(n for n, ranks in enumerate(self.rank_at) if dst in ranks)  # all-reduce's are
+                if self.node_index != dst_node:  # (gloo's reduce drops a NaN from MIN / MAX, and its order of
+                    self._exchange({dst_node: partial}, {})()  # adding follows its own algorithm)
+                else:
+                    rows = [partial.clone() if node == dst_node else torch.empty_like(partial)
+                            for node in range(self.num_nodes)]
+                    self._exchange({}, {node: rows[node] for node in self._other_nodes()})()
+                    self._combine_in_node_order(rows, level_op, partial)
             if self.rank == dst and divide:
                 flat.div_(self.world_size)
 

@@ -469,3 +469,62 @@ def test_closing_releases_the_process_groups():
         assert alive == [False, False, False], (rank, alive)
         assert rest == (rank, 2, [4.0] * 4)
         assert refused == "all_reduce: communicator is closed"
+
+
+def _min_max_reduce_with_nan(rank, world, layout):
+    """Every root, MIN and MAX, with NaN on some ranks at some places: the hierarchical reduce
+    against torch's fold of every rank's input (NaN wins, as in the all-reduce)."""
+    import ringcoll
+    from ringcoll.training.hierarchical import HierarchicalCommunicator
+
+    def inputs(r):
+        x = torch.arange(8, dtype=torch.float32) - r
+        x[r % 8] = float("nan")  # a NaN at a place of each rank's own
+        x[7] = float("inf") if r % 2 else -float("inf")
+        return x
+
+    failures = []
+    with HierarchicalCommunicator(node_id=layout[rank], pipeline_bytes=0, timeout=30) as h:
+        for root in range(world):
+            for op, fold in (("MIN", torch.minimum), ("MAX", torch.maximum)):
+                want = inputs(0)
+                for r in range(1, world):
+                    want = fold(want, inputs(r))
+                t = inputs(rank)
+                h.reduce(t, root, op=getattr(ringcoll.ReduceOp, op))
+                expected = want if rank == root else inputs(rank)
+                if not torch.equal(t.isnan(), expected.isnan()) or not torch.equal(t.nan_to_num(), expected.nan_to_num()):
+                    failures.append(f"reduce {op} to {root}: {t.tolist()} != {expected.tolist()}")
+    return failures
+
+
+@pytest.mark.parametrize("layout", [(0, 1), (0, 1, 1, 0)], ids=["2x1", "2x2"])
+def test_reduce_min_max_keeps_a_nan_from_another_node(layout):
+    """Between the nodes the reduce was gloo's, whose MIN / MAX drop a NaN (MIN of inf and NaN
+    gave inf); it now combines the nodes' values in node order, as the all-reduce does. Found
+    by the fuzzer's hierarchical API."""
+    for failures in spawn(_min_max_reduce_with_nan, len(layout), layout):
+        assert failures == []
+
+
+def _subgroup_then_world(rank, world):
+    from ringcoll.training.hierarchical import HierarchicalCommunicator
+
+    sub = dist.new_group([0, 1])  # collective over the default group: every rank makes it
+    if rank in (0, 1):  # one over the subgroup, on its ranks alone (allowed: ranks outside need not take part)
+        with HierarchicalCommunicator(group=sub, node_id=rank, timeout=30) as h:
+            h.all_reduce(torch.ones(4))
+    try:
+        HierarchicalCommunicator(node_id=rank, timeout=30)
+    except RuntimeError as e:
+        return str(e)
+    return "made"
+
+
+def test_ranks_that_made_different_numbers_of_groups_are_told_at_once():
+    """torch names a group its members make alone after how many groups the process has, so
+    after a communicator over a subgroup the ranks' next groups had different names and every
+    rank waited for the timeout (DistStoreError). Now every rank is told why, at once."""
+    for message in spawn(_subgroup_then_world, 3, timeout=60):
+        assert message.startswith("HierarchicalCommunicator: the ranks have made different numbers of process "
+                                  "groups (rank 0: 4, rank 1: 4, rank 2: 1)"), message
