@@ -1,6 +1,7 @@
 """Tier 2, fuzzed: hypothesis draws collective calls (world 1-5, every collective, dtype,
-op, size up to a few small buffers, in place, async, subgroups, module-level API; plain,
-repeated on the same tensors, prepared or coalesced) and runs each on one pool of 5 worker
+op, size up to a few small buffers, in place, async, subgroups, module-level API, the
+hierarchical communicator over drawn node layouts and pieces; plain, repeated on the same
+tensors, prepared or coalesced) and runs each on one pool of 5 worker
 processes against gloo and a plain reference.
 
 This is the quick profile (a few hundred examples, derandomized, no example database); the
@@ -52,6 +53,10 @@ def test_fuzz_quick(pool):
     assert stats.by["size"]["0 elements"] > 0 and stats.by["size"][">= 4 slices"] > 0
     assert stats.by["size"]["message > buffer"] > 0
     assert stats.by["symmetric"][True] > 0 and stats.by["symmetric"][False] > 0
+    # and the hierarchical API: one node, one per rank, and nodes of several ranks; messages in pieces
+    assert set(stats.by["api"]) == {"comm", "module", "hierarchical"}, stats.by["api"]
+    assert {"1x2", "2x1", "2x2"} <= set(stats.by["nodes"]), stats.by["nodes"]
+    assert stats.by["pieces"]["several"] > 0, stats.by["pieces"]
     # and the algorithms: auto, native and the built-in plans most collectives have, each checked like the
     # ring. rd (all-reduce only) and star (broadcast only) are about one draw in 49 each since broadcast and
     # reduce joined: 500 draws missed rd once, so each is run here on purpose (the long profile draws both).
@@ -77,6 +82,43 @@ def test_wrong_value_is_caught(pool):
             fuzz.run_case(pool, case)
     assert pool.running  # a wrong value alone keeps the pool
     assert fuzz.check_replies(_case(), pool.run(_case())) == []
+
+
+def _hierarchical(**overrides) -> dict:
+    """A hierarchical case over ranks 0, 2, 3, 4 as two interleaved nodes (a, b, b, a), its
+    message in several pieces."""
+    return _case(**{"api": "hierarchical", "ranks": (0, 2, 3, 4), "world": 4, "nodes": ("a", "b", "b", "a"),
+                    "pipeline_bytes": 1024 // 5, "pipeline_env": False, **overrides})
+
+
+def test_wrong_value_in_a_hierarchical_result_is_caught(pool):
+    """The hierarchical API's results go through the same checks: one bit flipped fails."""
+    for collective in ("all_reduce", "reduce_scatter", "broadcast"):
+        op = {"broadcast": None}.get(collective, "SUM")
+        case = _hierarchical(collective=collective, op=op, in_place=collective == "broadcast", root=3)
+        assert fuzz.check_replies(case, pool.run(case)) == [], case
+        case["corrupt_rank"] = 3
+        replies = pool.run(case)
+        assert [r[0] for r in replies] == ["ok", "skip", "ok", "fail", "ok"], replies
+        text = "\n".join(fuzz.check_replies(case, replies))
+        assert "rank 3 (group rank 2): result vs plain reference" in text, text
+        assert "result vs gloo" in text, text
+        if collective != "reduce_scatter":  # (whose ranks hold different chunks)
+            assert "results differ bitwise between ranks" in text, text
+    assert pool.running
+
+
+def test_uneven_nodes_are_refused_by_name(pool):
+    """A layout of nodes of different sizes (never drawn) is refused on every rank of the
+    group, naming the rule; nothing has moved, so the pool stays in step for the next case."""
+    case = _hierarchical(nodes=("a", "b", "a", "c"))
+    replies = pool.run(case)
+    assert [r[0] for r in replies] == ["error", "skip", "error", "error", "error"], replies
+    for status, lines, _ in replies:
+        if status == "error":
+            assert "ValueError: HierarchicalCommunicator: every node needs the same number of ranks, got " \
+                   "host" in lines[0], lines[0]
+    assert fuzz.check_replies(_hierarchical(), pool.run(_hierarchical())) == []
 
 
 @pytest.mark.parametrize("form, collective, extra", [
