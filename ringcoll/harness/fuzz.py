@@ -53,7 +53,10 @@ example):
   workers over a pipe; ranks outside the case's group answer "skip". Groups are made
   with ``dist.new_group`` the first time a case needs them, on all 5 workers in the same
   (case) order, since new_group is collective over the default group; communicators are
-  cached per (group, buffer_bytes) in the workers.
+  cached in the workers per (group, buffer_bytes), hierarchical ones also per (node layout,
+  pieces), the LIVE_COMMUNICATORS used last kept open. Before a HierarchicalCommunicator
+  is built, every worker pads its count of process groups to a common bound
+  (_Worker._pad_groups says why).
 * A worker builds every group rank's input from the case's seed (so it can compute the
   plain reference alone, without gathering), runs gloo on the same call (the list
   reduce_scatter: gloo's tensor form, much faster), for every part of the case (before
