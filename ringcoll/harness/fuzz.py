@@ -218,13 +218,6 @@ def form_applies(form: str, collective: str, which_api: str) -> bool:
     return cls is not None and collective in (_prepared_of(cls) if form == "prepared" else _coalesced_of(cls))
 
 
-def nan_dropped(which_api: str, collective: str, op) -> bool:
-    """A known defect, left out of the draw until fixed (repro_hier_reduce_min_nan.py): the
-    hierarchical reduce's MIN / MAX drop a NaN held on another node (gloo's reduce between
-    the nodes does not propagate NaN)."""
-    return which_api == "hierarchical" and collective == "reduce" and op in ("MIN", "MAX")
-
-
 def even_layouts(st, world: int):
     """A HierarchicalCommunicator's node layout over `world` group ranks: each rank's node id
     ("a", "b", ...), every node the same size (the only layouts it accepts), the nodes in any
@@ -284,8 +277,7 @@ def cases(space: Space = CPU):
             "algorithm": algorithm, "root": draw(st.integers(0, world - 1)),  # broadcast's and reduce's
             "api": which_api, "buffer_bytes": buffer_bytes,
             "offset": draw(st.integers(0, 1)),  # 1: every tensor starts one element into its buffer
-            # inf / NaN (floats), extremes (integers); not where a known defect would fail every such case
-            "specials": draw(st.booleans()) if not nan_dropped(which_api, collective, op) else False,
+            "specials": draw(st.booleans()),  # inf / NaN (floats), extremes (integers)
             "torch_op": draw(st.booleans()),  # op spelled dist.ReduceOp.X instead of ringcoll.ReduceOp.X
             # every tensor of the call from ringcoll.empty (read in place); the hierarchical API has no empty()
             "symmetric": draw(st.booleans()) if which_api != "hierarchical" else False,
@@ -530,12 +522,13 @@ class _Worker:
     def _pad_groups(self) -> None:
         """Bring this worker's count of process groups up to what every worker may know by now.
 
-        Works around a defect (repro_hier_subgroup_then_world.py): a HierarchicalCommunicator
-        makes its groups with use_local_synchronization, which torch 2.13 names by a hash of
-        the ranks AND the number of groups the process knows, so members that made different
-        numbers of groups before (the pool's subgroups, earlier communicators of some ranks
-        only) never meet. Every worker sees every case, so each pads to the same bound, with
-        groups of itself alone, before a HierarchicalCommunicator is built (members or not)."""
+        A HierarchicalCommunicator makes its groups with use_local_synchronization, which
+        torch 2.13 names by a hash of the ranks AND the number of groups the process knows, so
+        members that made different numbers of groups before (the pool's subgroups, earlier
+        communicators of some ranks only) would never meet: it refuses to start where the
+        counts differ (the user's fix: make the same groups everywhere). Every worker sees every
+        case, so each pads to the same bound, with groups of itself alone, before a
+        HierarchicalCommunicator is built (members or not)."""
         from torch.distributed import distributed_c10d
 
         new = len(self.groups) - self.groups_counted  # subgroups made since: a worker is in each or not
