@@ -102,7 +102,7 @@ import time
 import traceback
 import zlib
 from multiprocessing.connection import wait as _wait
-from typing import Callable
+from typing import Callable, Optional, Sequence
 
 from ringcoll import _types, api, plans
 from ringcoll.communicator import Communicator, Work
@@ -292,6 +292,17 @@ def cases(space: Space = CPU):
         return drawn
 
     return case()
+
+
+def example_case(**overrides) -> dict:
+    """One case as :func:`cases` draws it, written out (for tests that run a chosen case):
+    a 1000-element float32 sum all-reduce on ranks 0, 2, 4, out of place, one element into
+    its buffers; `overrides` change any field."""
+    return {"collective": "all_reduce", "form": "plain", "dtype": "float32", "op": "SUM", "world": 3,
+            "group": "subgroup", "ranks": (0, 2, 4), "count": 1000, "more_counts": (), "in_place": False,
+            "async_op": False, "in_flight": False, "api": "comm", "buffer_bytes": 1024, "offset": 1,
+            "specials": False, "torch_op": False, "symmetric": False, "algorithm": "auto", "root": 0, "seed": 7,
+            **overrides}
 
 
 def describe(case: dict) -> str:
@@ -984,6 +995,13 @@ class Stats:
     DRAWN = ("collective", "form", "dtype", "op", "world", "group", "api", "algorithm", "buffer_bytes", "in_place",
              "async_op", "in_flight", "specials", "symmetric", "variant")  # the case's fields counted as drawn
 
+    def unreached(self) -> dict:
+        """What the draw has not reached yet of what every run must: each collective, dtype,
+        world size and form of its space ({field: the values missing})."""
+        every = {"collective": set(COLLECTIVES), "dtype": set(DTYPES), "form": set(FORMS),
+                 "world": set(range(1, self.space.pool_size + 1))}
+        return {k: want - set(self.by[k]) for k, want in every.items() if want - set(self.by[k])}
+
     def __init__(self, space: Space = CPU):
         self.space = space
         fixed = {"group": len(space.groups) == 1, "api": len(space.apis) == 1, "variant": not space.variants}
@@ -1075,21 +1093,43 @@ def fuzz(pool: FuzzPool, max_examples: int, seed: int | None = None, derandomize
 
 # ============================================================================ CLI
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+def cli_arguments(argv, doc: str, examples: int, seed: int, timeout_means: str) -> argparse.Namespace:
+    """The fuzzers' common options (this module's CLI and fuzz_cuda's)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--examples", type=int, default=10000, help="hypothesis max_examples (default 10000)")
-    parser.add_argument("--seed", type=int, default=20261129, help="hypothesis seed (default 20261129)")
+    parser.add_argument("--examples", type=int, default=examples, help=f"hypothesis max_examples (default {examples})")
+    parser.add_argument("--seed", type=int, default=seed, help=f"hypothesis seed (default {seed})")
     parser.add_argument("--case-timeout", type=float, default=CASE_TIMEOUT,
-                        help=f"seconds one case may take before the pool is killed (default {CASE_TIMEOUT:g})")
-    args = parser.parse_args(argv)
+                        help=f"seconds one case may take before {timeout_means} (default {CASE_TIMEOUT:g})")
+    return parser.parse_args(argv)
 
+
+def machine_line(extra: str = "") -> str:
     import torch
 
+    return (f"date {datetime.datetime.now().isoformat(timespec='seconds')}, host {platform.node()}, "
+            f"{os.cpu_count()} CPUs, python {platform.python_version()}, torch {torch.__version__}{extra}")
+
+
+def report(stats: "Stats", wall: float, error: Optional[BaseException], pool_lines: Sequence[str]) -> None:
+    """A fuzz run's record: what was drawn, the pool's lines, the failures, the time."""
+    print(stats.summary())
+    for line in pool_lines:
+        print(line)
+    print(f"failures: {len(stats.failures)}")
+    for f in stats.failures[:20]:
+        print("  " + f.replace("\n", "\n  "))
+    if error is not None:
+        print(f"hypothesis reported: {type(error).__name__}: {error}")
+    print(f"time: {wall:.1f} s total, {stats.seconds:.1f} s in hypothesis, "
+          f"{1000 * stats.seconds / max(1, stats.examples):.1f} ms per example")
+
+
+def main(argv=None) -> int:
+    args = cli_arguments(argv, __doc__, 10000, 20261129, "the pool is killed")
     print(f"ringcoll fuzz: {args.examples} examples, seed {args.seed}, pool of {POOL_SIZE} ranks (gloo), "
           f"buffers {BUFFER_CHOICES} (module API: {MODULE_BUFFER}), case timeout {args.case_timeout:g} s")
-    print(f"date {datetime.datetime.now().isoformat(timespec='seconds')}, host {platform.node()}, "
-          f"{os.cpu_count()} CPUs, python {platform.python_version()}, torch {torch.__version__}")
+    print(machine_line())
     stats = Stats()
     error = None
     t0 = time.monotonic()
@@ -1099,16 +1139,7 @@ def main(argv=None) -> int:
         except Exception as exc:  # noqa: BLE001 - reported below
             error = exc
         starts, start_seconds = pool.starts, pool.start_seconds
-    wall = time.monotonic() - t0
-    print(stats.summary())
-    print(f"pool starts: {starts} ({start_seconds:.1f} s)")
-    print(f"failures: {len(stats.failures)}")
-    for f in stats.failures[:20]:
-        print("  " + f.replace("\n", "\n  "))
-    if error is not None:
-        print(f"hypothesis reported: {type(error).__name__}: {error}")
-    print(f"time: {wall:.1f} s total, {stats.seconds:.1f} s in hypothesis, "
-          f"{1000 * stats.seconds / max(1, stats.examples):.1f} ms per example")
+    report(stats, time.monotonic() - t0, error, [f"pool starts: {starts} ({start_seconds:.1f} s)"])
     return 1 if (error is not None or stats.failures) else 0
 
 

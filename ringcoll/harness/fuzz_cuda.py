@@ -46,10 +46,7 @@ call; a run_in_process per example would add thread starts and a communicator ea
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import os
-import platform
 import queue
 import sys
 import threading
@@ -57,7 +54,7 @@ import time
 import traceback
 import warnings
 
-from ringcoll import _C, api, plans
+from ringcoll import _C, api
 from ringcoll.harness import fuzz
 from ringcoll.harness.fuzz import PoolError
 from ringcoll.transports import emulated
@@ -125,7 +122,7 @@ class _EmulatedRank(fuzz._Worker):
     def _key(self, case):
         return case["buffer_bytes"], case["variant"]
 
-    def communicator(self, case, group):
+    def communicator(self, case, group, grank):
         key = self._key(case)
         if key not in self.comms:  # RINGCOLL_CUDA_KERNEL is the case's variant now (EmulatedPool.run)
             self.comms[key] = self.Communicator(group=self.bootstrap, buffer_bytes=case["buffer_bytes"],
@@ -283,21 +280,10 @@ def fuzz_emulated(pool: EmulatedPool, max_examples: int, seed=None, derandomize:
 # ============================================================================ CLI
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--examples", type=int, default=5000, help="hypothesis max_examples (default 5000)")
-    parser.add_argument("--seed", type=int, default=20261207, help="hypothesis seed (default 20261207)")
-    parser.add_argument("--case-timeout", type=float, default=CASE_TIMEOUT,
-                        help=f"seconds one case may take before every world is torn down (default {CASE_TIMEOUT:g})")
-    args = parser.parse_args(argv)
-
-    import torch
-
+    args = fuzz.cli_arguments(argv, __doc__, 5000, 20261207, "every world is torn down")
     print(f"ringcoll fuzz (emulated CUDA): {args.examples} examples, seed {args.seed}, worlds 1-{SPACE.pool_size} "
           f"as threads, variants {SPACE.variants}, buffers {SPACE.buffers}, case timeout {args.case_timeout:g} s")
-    print(f"date {datetime.datetime.now().isoformat(timespec='seconds')}, host {platform.node()}, "
-          f"{os.cpu_count()} CPUs, python {platform.python_version()}, torch {torch.__version__}, "
-          f"ringcoll._C {_C.__file__}")
+    print(fuzz.machine_line(f", ringcoll._C {_C.__file__}"))
     stats = fuzz.Stats(SPACE)
     error = None
     t0 = time.monotonic()
@@ -308,19 +294,10 @@ def main(argv=None) -> int:
                 fuzz_emulated(pool, args.examples, seed=args.seed, stats=stats)
             except Exception as exc:  # noqa: BLE001 - reported below
                 error = exc
-    wall = time.monotonic() - t0
-    print(stats.summary())
-    print(f"worlds started: {pool.starts} ({pool.start_seconds:.1f} s), abandoned after a failure: {pool.abandoned}")
-    print(f"runtime warnings: {len(warned)}" + "".join(f"\n  {w.message}" for w in warned[:5]))
-    print(f"errors closing the worlds at the end: {len(pool.close_errors)}"
-          + "".join(f"\n  {e}" for e in pool.close_errors))
-    print(f"failures: {len(stats.failures)}")
-    for f in stats.failures[:20]:
-        print("  " + f.replace("\n", "\n  "))
-    if error is not None:
-        print(f"hypothesis reported: {type(error).__name__}: {error}")
-    print(f"time: {wall:.1f} s total, {stats.seconds:.1f} s in hypothesis, "
-          f"{1000 * stats.seconds / max(1, stats.examples):.1f} ms per example")
+    fuzz.report(stats, time.monotonic() - t0, error, [
+        f"worlds started: {pool.starts} ({pool.start_seconds:.1f} s), abandoned after a failure: {pool.abandoned}",
+        f"runtime warnings: {len(warned)}" + "".join(f"\n  {w.message}" for w in warned[:5]),
+        f"errors closing the worlds at the end: {len(pool.close_errors)}" + "".join(f"\n  {e}" for e in pool.close_errors)])
     return 1 if (error is not None or stats.failures or pool.close_errors) else 0
 
 
