@@ -538,20 +538,17 @@ def _execute(p: Plan, algebra, slices: int = SLICES) -> tuple:
     def ready(rank, j):  # the rank is on slice j: the earlier ones are done
         return pc[rank][j] < len(p.ops[rank]) and all(pc[rank][e] == len(p.ops[rank]) for e in range(j))
 
-    def never_received(k, pub, reader) -> PlanError:
-        """Rank k's publication `pub` (slice j) that `reader` has no receive left for."""
-        return _fail(p, k, pub[6], f"publishes chunks {pub[0]}..{pub[0] + pub[1] - 1} to rank {reader}, which never "
-                                   f"receives it (rank {reader} has no receive from rank {k} left)")
-
     def unmatched_publication():
-        """A publication some reader has no receive left for (the wrong op of a send without its
-        receive: the ranks left waiting behind it are not), or None."""
+        """The error naming a publication some reader has no receive left for (the wrong op of a
+        send without its receive: the ranks left waiting behind it are not), or None."""
         for k in range(world):
             for j in range(slices):
                 for pub in pubs[k][j]:
                     for reader in (r for r in range(world) if pub[4] >> r & 1):
                         if not any(PEER in (o.a, o.b) and o.frm == k for o in p.ops[reader][pc[reader][j]:]):
-                            return never_received(k, pub, reader)
+                            return _fail(p, k, pub[6], f"publishes chunks {pub[0]}..{pub[0] + pub[1] - 1} to rank "
+                                                       f"{reader}, which never receives it (rank {reader} has no "
+                                                       f"receive from rank {k} left)")
         return None
 
     while True:

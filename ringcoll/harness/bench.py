@@ -1609,7 +1609,7 @@ def runnable_algorithms(algorithms: Sequence[str], collectives: Sequence[str], w
         why = f"it has none of {', '.join(collectives)}" if not has else ""
         for c in has if a not in plans.CHOOSERS else ():
             try:
-                plans.check(plans.plan(a, c, world))
+                plans.compiled(a, c, world)  # what the first call builds, checks and compiles
             except ValueError as e:  # PlanError among them: what the first call would raise
                 why = f"its {c} plan at {world} ranks: {e}"
                 break

@@ -291,9 +291,6 @@ class HierarchicalCommunicator(ArgumentChecks):
         ours = reduce_op(name, op)
         return (ReduceOp.SUM, True, code) if ours is ReduceOp.AVG else (ours, False, code)
 
-    def _inter_op(self, op: ReduceOp):
-        return getattr(dist.ReduceOp, op.name)
-
     @property
     def broken(self) -> bool:
         return bool(self._broken_reason)
@@ -934,7 +931,7 @@ class HierarchicalCommunicator(ArgumentChecks):
         """In place: ``tensor = tensor on rank src`` on every rank (module docstring)."""
         name = "broadcast"
         self._auto_only(name, algorithm)
-        src_local = self._local_index_of(name, "src", src)
+        _, src_local = self._place_of(name, "src", src)
         dtype, _, count = self._check_tensor(name, "tensor", tensor)
         flat = tensor.view(-1)  # taken now, as the *_run methods take theirs (they say why)
 
@@ -951,7 +948,7 @@ class HierarchicalCommunicator(ArgumentChecks):
         as it was, as the Communicator's."""
         name = "reduce"
         self._auto_only(name, algorithm)
-        dst_local = self._local_index_of(name, "dst", dst)
+        dst_node, dst_local = self._place_of(name, "dst", dst)
         dtype, _, count = self._check_tensor(name, "tensor", tensor)
         level_op, divide, code = self._level_op(name, op, dtype)
         flat = tensor.view(-1)  # taken now, as the *_run methods take theirs (they say why)
@@ -960,10 +957,11 @@ class HierarchicalCommunicator(ArgumentChecks):
             # The node's sum lands on its rank of dst's local index: dst itself, or a copy elsewhere.
             partial = flat if self.rank == dst or self.local_rank != dst_local else flat.clone()
             self.intra.reduce(partial, dst_local, op=level_op)
-            if self.local_rank == dst_local:  # the nodes' sums to dst, combined there in node order as the
-                dst_node = next(n for n, ranks in enumerate(self.rank_at) if dst in ranks)  # all-reduce's are
-                if self.node_index != dst_node:  # (gloo's reduce drops a NaN from MIN / MAX, and its order of
-                    self._exchange({dst_node: partial}, {})()  # adding follows its own algorithm)
+            # Then the nodes' sums go to dst and combine there in node order, as the all-reduce's
+            # do (gloo's reduce dropped a NaN from MIN / MAX, and adds in an order of its own).
+            if self.local_rank == dst_local:
+                if self.node_index != dst_node:
+                    self._exchange({dst_node: partial}, {})()
                 else:
                     rows = [partial.clone() if node == dst_node else torch.empty_like(partial)
                             for node in range(self.num_nodes)]
@@ -974,10 +972,11 @@ class HierarchicalCommunicator(ArgumentChecks):
 
         return self._submit(name, run, [tensor], async_op, (dtype, code, count, dst))
 
-    def _local_index_of(self, name: str, what: str, rank) -> int:
-        """Group rank `rank`'s index inside its node; ValueError naming the call if it is no rank."""
+    def _place_of(self, name: str, what: str, rank) -> tuple[int, int]:
+        """Group rank `rank`'s (node index, index inside its node); ValueError naming the call if
+        it is no rank."""
         check_root(name, what, rank, self.world_size)
-        return next(ranks.index(rank) for ranks in self.rank_at if rank in ranks)
+        return next((node, ranks.index(rank)) for node, ranks in enumerate(self.rank_at) if rank in ranks)
 
     def barrier(self, async_op: bool = False):
         """Every rank of the node has entered (the ring), then every node (one rank of each

@@ -303,12 +303,12 @@ class CudaTransport(Transport):
         self._first_error: Optional[RingcollError] = None  # what _reporting raises from then on
         self._symmetric = SymmetricAgreement()
         self._in_flight = InFlight()
-        self.thread, self.moved_thread = threading.get_ident(), None  # (RankThreads)
+        self.moved_thread = None  # (RankThreads)
         if self._in_process:
             if torch.cuda.current_stream(device).cuda_stream in SHARED_STREAM_HANDLES:
                 self._stream.wait_stream(torch.cuda.current_stream(device))  # what it queued there comes first
                 torch.cuda.set_stream(self._stream)  # this rank's work on a stream of its own (module doc)
-                self.moved_thread = self.thread
+                self.moved_thread = threading.get_ident()
             rank_threads.opened(self)
 
     def _current_stream(self, op: str = "Communicator") -> int:

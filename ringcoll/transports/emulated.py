@@ -43,8 +43,7 @@ from ringcoll.transports.base import (CollectiveCall, InFlight, Settings, Symmet
                                       allocate_by_exchange)
 from ringcoll.transports.cuda import (CAPTURED_ALLOCATION, captured_call_error, check_hardware_queues,
                                       hardware_queues, kernel_plan_slot_area, kernel_variant, one_word_barrier,
-                                      rank_threads,
-                                      refuse_in_capture, shared_stream_error)
+                                      rank_threads, refuse_in_capture, shared_stream_error)
 
 LEGACY = _C.emulation.Device.LEGACY  # the legacy default stream: every thread's, unless told otherwise
 _device = None
@@ -203,11 +202,11 @@ class EmulatedCudaTransport(Transport):
         self._parts = RankParts(self._ring, self.rank)  # symmetric memory's steps (a test may make one fail)
         self._symmetric = SymmetricAgreement()
         self._in_flight = InFlight()
-        self.thread, self.moved_thread = threading.get_ident(), None  # (RankThreads)
+        self.moved_thread = None  # (RankThreads)
         if self.own_stream_per_rank and current_stream() == LEGACY:
             self._order(LEGACY, before=self._own)  # as CudaTransport does: what it queued so far comes first,
             set_stream(self._own)  # then this rank's work goes on a stream of its own
-            self.moved_thread = self.thread
+            self.moved_thread = threading.get_ident()
         rank_threads.opened(self)
         self._error: Optional[RingcollError] = None
 
