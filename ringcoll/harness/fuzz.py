@@ -142,7 +142,7 @@ OPS = ("SUM", "PRODUCT", "MIN", "MAX", "AVG")
 # not divide into 2 x P cache-line slots, so the slots leave an unused tail.
 BUFFER_CHOICES = (704, 1000, 1024, 2048, 4096, 8192)
 LIVE_COMMUNICATORS = 12  # per worker at most (_Worker._keep_few_communicators)
-HIERARCHICAL_GROUPS = 2  # process groups a HierarchicalCommunicator makes: its node's, its local index's
+HIERARCHICAL_GROUPS = 2  # process groups a HierarchicalCommunicator makes at most: its node's, its local index's
 # A HierarchicalCommunicator's pieces (pipeline_bytes): whole, or the buffer over these, so
 # that messages of up to MAX_BUFFERS_PER_MESSAGE buffers cross in 2 to 20 pieces (5: piece
 # sizes that are no multiple of the element or the slot)
@@ -546,7 +546,9 @@ class _Worker:
         self.groups_bound, self.groups_counted = self.groups_bound + new, len(self.groups)
         while len(distributed_c10d._world.pg_names) < self.groups_bound:
             self.dist.new_group([self.rank], use_local_synchronization=True)
-        self.groups_bound += HIERARCHICAL_GROUPS  # the members' next count: every worker pads to it
+        # The members' next count at most (none where they take groups a closed communicator
+        # left idle): every worker pads to it.
+        self.groups_bound += HIERARCHICAL_GROUPS
 
     def communicator(self, case, group, grank):
         key = self.communicator_key(case)
@@ -571,8 +573,8 @@ class _Worker:
 
     def _keep_few_communicators(self, case: dict, group) -> None:
         """Note this case's communicator as the latest used; close the least recently used
-        past LIVE_COMMUNICATORS (on the CPU a close is local, and every worker closes the same
-        one at the same case, so a group's members make its next one together)."""
+        past LIVE_COMMUNICATORS (every worker closes the same one at the same case: a
+        hierarchical one's close meets its members, and they make their next one together)."""
         key = self.communicator_key(case)
         self.last_used[key] = group
         self.last_used.move_to_end(key)

@@ -584,7 +584,10 @@ class RingcollProcessGroup(dist.ProcessGroup):
         self._bootstrap_thread = threading.get_ident()
         try:
             for comm in comms:
-                comm.close()
+                # A HierarchicalCommunicator's close meets every rank over its own two groups,
+                # which destroy_process_group() shuts down too, in an order not ours: released
+                # without meeting, its groups are torch's to destroy.
+                comm._close(wait_for_peers=not isinstance(comm, HierarchicalCommunicator))
         finally:
             self._bootstrap_thread = None
 

@@ -56,6 +56,7 @@ import functools
 import os
 import socket
 import time
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -113,7 +114,7 @@ def _size(nbytes: int) -> str:
 #: the user's collectives, as check_call numbers them
 USER_CALLS = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_gather", "reduce_scatter",
               "all_reduce_coalesced", "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced", "barrier",
-              "broadcast", "reduce")
+              "broadcast", "reduce", "close")
 
 
 class _LinkError(Exception):
@@ -174,6 +175,50 @@ def _groups_made() -> int:
     return len(names) if names is not None else -1
 
 
+#: Process groups of closed communicators, kept for the next communicator over the same ranks
+#: (group -> (its global ranks, backend)): a process that makes and closes communicators holds
+#: one pair of groups per layout in use at once, not a pair per communicator. Weakly held, so
+#: dist.destroy_process_group() still ends them and their gloo threads. Kept, not destroyed:
+#: torch names a group its members make alone after how many groups the process has, and a
+#: destroyed group's rendezvous keys stay in the store, so the next group made after a destroy
+#: takes the dead one's name and reads its old addresses (gloo: "Connection refused").
+_idle_groups: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _idle_offer() -> frozenset:
+    """This process's idle groups as every member of each names it: (name, global ranks, backend)."""
+    names = dist.distributed_c10d._world.pg_names
+    return frozenset((names[group], ranks, backend) for group, (ranks, backend) in list(_idle_groups.items())
+                     if group in names)
+
+
+def _idle_groups_for(layout: list, offers: dict) -> Optional[dict]:
+    """Which idle group each group of `layout` ((global ranks, backend) pairs, the same list on
+    every rank) takes, as a list of group names in layout order, or None when some group finds none that
+    every one of its members offered (`offers`: global rank -> its _idle_offer()). All or none,
+    as every rank sees the same offers: a rank that made one new group where another took an
+    idle one would count groups differently, and torch names the next group by that count."""
+    offered = {rank: set(offer) for rank, offer in offers.items()}
+    taken = []
+    for ranks, backend in layout:
+        fits = sorted(entry for entry in set.intersection(*(offered[rank] for rank in ranks))
+                      if entry[1:] == (ranks, backend))
+        if not fits:
+            return None
+        taken.append(fits[0][0])
+        for offer in offered.values():  # one group serves one level (a world of one: both are one rank)
+            offer.discard(fits[0])
+    return taken
+
+
+def _take_idle_group(name: str, timeout: datetime.timedelta):
+    made = dist.distributed_c10d._world.pg_names
+    group = next(group for group in list(_idle_groups) if made.get(group) == name)
+    del _idle_groups[group]
+    dist.distributed_c10d._set_pg_timeout(timeout, group)  # this communicator's, not the last one's
+    return group
+
+
 def _resolve_pipeline(setting) -> Optional[int]:
     """pipeline_bytes= (else RINGCOLL_PIPELINE_BYTES, else "auto") -> piece bytes, 0 for
     whole messages, None for "auto" (which measures, class by class of message size)."""
@@ -194,8 +239,8 @@ class HierarchicalCommunicator(ArgumentChecks):
     Construction is collective over ``group`` (default: the default group): each rank makes
     the two groups it belongs to, its node's (the intra-node ringcoll Communicator for
     ``device`` is built on it) and its local index's (``inter_backend``: by default gloo for
-    CPU tensors, NCCL for CUDA ones), in that order on every rank. Ranks outside ``group``
-    need not take part.
+    CPU tensors, NCCL for CUDA ones), in that order on every rank, or takes the ones a closed
+    communicator over the same ranks left (close()). Ranks outside ``group`` need not take part.
     """
 
     def __init__(self, group=None, node_id=None, timeout=None, buffer_bytes=None, inter_backend: Optional[str] = None,
@@ -211,7 +256,8 @@ class HierarchicalCommunicator(ArgumentChecks):
         self._auto_choices: dict = {}  # "auto": per class of AUTO_CLASSES, (the cut kept, what was measured)
         offers: list = [None] * self.world_size
         dist.all_gather_object(offers, (_node_of(node_id, dist.get_rank()), socket.gethostname(), self.check,
-                                        self.pipeline_bytes, _groups_made()), group=self.group)
+                                        self.pipeline_bytes, _groups_made(), inter_backend, _idle_offer()),
+                              group=self.group)
         if len({offer[4] for offer in offers}) != 1:
             raise RuntimeError("HierarchicalCommunicator: the ranks have made different numbers of process groups ("
                                + ", ".join(f"rank {r}: {offer[4]}" for r, offer in enumerate(offers)) + "). torch "
@@ -219,9 +265,11 @@ class HierarchicalCommunicator(ArgumentChecks):
                                "as this communicator makes its two) after that number, so theirs would never meet "
                                "(each rank would wait for the timeout): make the same groups on every rank of this "
                                "group before it (a communicator over a subgroup, made on some ranks only, counts)")
-        # Settings every rank must share: the check's calls, and the pieces (the node's ring
-        # checks nothing itself, so ranks cutting a message differently would not be caught).
-        for index, setting in ((2, "check= / RINGCOLL_CHECK"), (3, "pipeline_bytes= / RINGCOLL_PIPELINE_BYTES")):
+        # Settings every rank must share: the check's calls, the pieces (the node's ring checks
+        # nothing itself, so ranks cutting a message differently would not be caught), and the
+        # link's backend (ranks making a gloo and an NCCL group of the same ranks would hang).
+        for index, setting in ((2, "check= / RINGCOLL_CHECK"), (3, "pipeline_bytes= / RINGCOLL_PIPELINE_BYTES"),
+                               (5, "inter_backend=")):
             if len({offer[index] for offer in offers}) != 1:
                 raise ValueError(f"HierarchicalCommunicator: {setting} must be the same on every rank, got "
                                  + ", ".join(f"rank {r}: {'auto' if offer[index] is None else offer[index]}"
@@ -243,18 +291,29 @@ class HierarchicalCommunicator(ArgumentChecks):
         self.node_names = [labels[node] for node in order]
 
         def global_ranks(ranks):
-            return [self._global_rank(r) for r in ranks]
+            return tuple(self._global_rank(r) for r in ranks)
 
+        # Every node's group (gloo: the node's ring bootstraps on it), then every local index's
+        # (the link's); this rank belongs to one of each. Idle ones where closed communicators
+        # left them for every group (_idle_groups), else new ones, made with
         # use_local_synchronization: only the members make a group, so this also works inside
-        # a subgroup, and the node's group comes first on every rank (no crossed waits).
-        # Both groups get the communicator's timeout: torch's default (30 min) would let a
-        # link that went down hang every rank far past it.
-        group_timeout = datetime.timedelta(seconds=self.timeout)
-        node_group = dist.new_group(global_ranks(self.rank_at[self.node_index]), backend="gloo",
-                                    use_local_synchronization=True, timeout=group_timeout)
+        # a subgroup, and the node's group comes first on every rank (no crossed waits). Both
+        # get the communicator's timeout: torch's default (30 min) would let a link that went
+        # down hang every rank far past it.
         self.inter_ranks = [m[self.local_rank] for m in self.rank_at]  # one rank per node: this rank's local index
-        self.inter_group = dist.new_group(global_ranks(self.inter_ranks), backend=inter_backend,
-                                          use_local_synchronization=True, timeout=group_timeout)
+        layout = ([(global_ranks(ranks), "gloo") for ranks in self.rank_at]
+                  + [(global_ranks([m[local] for m in self.rank_at]), inter_backend) for local in range(self.local_size)])
+        idle = _idle_groups_for(layout, {self._global_rank(r): offer[6] for r, offer in enumerate(offers)})
+        group_timeout = datetime.timedelta(seconds=self.timeout)
+
+        def group_at(index: int):
+            if idle:
+                return _take_idle_group(idle[index], group_timeout)
+            ranks, backend = layout[index]
+            return dist.new_group(list(ranks), backend=backend, use_local_synchronization=True, timeout=group_timeout)
+
+        node_group = self._node_group = group_at(self.node_index)
+        self.inter_group = group_at(self.num_nodes + self.local_rank)
         # The node's ring checks nothing itself: check_call below compares every user call
         # across all nodes, and the ring's calls follow from it. Each rank also keeps a link
         # thread busy (gloo's, moving bytes while the ring waits): where the two outnumber the
@@ -271,16 +330,45 @@ class HierarchicalCommunicator(ArgumentChecks):
         self._pending_check: Optional[Callable[[], None]] = None  # _check_call's second half
 
     def close(self) -> None:
-        """Finish queued work, then release the intra-node ring and the work space. Idempotent."""
+        """Collective, as making the communicator was: call it on every rank at the same
+        point. It finishes the queued calls, meets every rank (as barrier() does, checked as
+        a call: a rank still calling a collective there gets RingcollMismatchError, a rank
+        that never comes a timeout error, both within the timeout), then releases the node's
+        ring and the work space and leaves its two process groups to the next communicator
+        over the same ranks (_idle_groups). Idempotent. A broken communicator, or one left by
+        an exception (``with``), is released without meeting: its groups, which a peer may
+        still be using, are left to dist.destroy_process_group()."""
+        self._close(wait_for_peers=True)
+
+    def _close(self, wait_for_peers: bool) -> None:
+        if self.group is None:
+            return
+        met = None
+        if wait_for_peers and not self._broken_reason:
+            try:
+                self._submit("close", self._meet, [], async_op=False)
+                met = True
+            except RingcollError as e:
+                met = e
         self._calls.close(self.intra.close)
         self._work_space.clear()
-        self.group = self.inter_group = None  # released, as Communicator._close releases its group
+        if met is True:  # every rank is past its last call on either group: the next communicator may use them
+            node_ranks = tuple(self._global_rank(r) for r in self.rank_at[self.node_index])
+            _idle_groups[self._node_group] = (node_ranks, "gloo")
+            _idle_groups[self.inter_group] = (tuple(self._global_rank(r) for r in self.inter_ranks), self.inter_backend)
+        # Released, as Communicator._close releases its group: held, a group's gloo threads
+        # would outlive dist.destroy_process_group().
+        self.group = self.inter_group = self._node_group = None
+        if met not in (None, True):
+            raise met
 
     def __enter__(self) -> "HierarchicalCommunicator":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        # Left by an exception, the other ranks may never come to close: waiting for them
+        # would hide the exception behind a timeout.
+        self._close(wait_for_peers=exc_type is None)
 
     # --- helpers --------------------------------------------------------------------------
 
@@ -981,11 +1069,11 @@ class HierarchicalCommunicator(ArgumentChecks):
     def barrier(self, async_op: bool = False):
         """Every rank of the node has entered (the ring), then every node (one rank of each
         node per local index, over the inter-node group): so every rank has."""
-        def run() -> None:
-            self.intra.barrier()
-            self._on_link(dist.barrier, group=self.inter_group)
+        return self._submit("barrier", self._meet, [], async_op)
 
-        return self._submit("barrier", run, [], async_op)
+    def _meet(self) -> None:
+        self.intra.barrier()
+        self._on_link(dist.barrier, group=self.inter_group)
 
 
 class PreparedHierarchicalCall(PreparedTensors):

@@ -200,11 +200,13 @@ def _pieces_change_no_bit(rank, world):
     for (pipeline, n), (x, scattered) in across.items():
         same[f"3 nodes, pieces of {pipeline} bytes", n] = (torch.equal(x, across[0, n][0])
                                                             and torch.equal(scattered, across[0, n][1]))
-    try:
-        HierarchicalCommunicator(node_id="a", pipeline_bytes=[0, "1M", "auto"][rank])
-        differing = "no error"
-    except ValueError as e:
-        differing = str(e)
+    differing = []
+    for settings in ({"pipeline_bytes": [0, "1M", "auto"][rank]}, {"inter_backend": ["gloo", "gloo", "mpi"][rank]}):
+        try:
+            HierarchicalCommunicator(node_id="a", **settings)
+            differing.append("no error")
+        except ValueError as e:
+            differing.append(str(e))
     return same, choices, differing
 
 
@@ -220,8 +222,11 @@ def test_pipelining_never_changes_a_bit():
                                            "auto: up to 8 MiB: in pieces of 1 MiB (a 8 MiB")), choices
         assert "ms in pieces of 1 MiB); past 8 MiB: " in choices["auto"], choices
         assert "a 32 MiB all-reduce took" in choices["auto"] and "ms in pieces of 4 MiB)" in choices["auto"], choices
-        assert differing == ("HierarchicalCommunicator: pipeline_bytes= / RINGCOLL_PIPELINE_BYTES must be the same "
-                             "on every rank, got rank 0: 0, rank 1: 1048576, rank 2: auto"), differing
+        assert differing == ["HierarchicalCommunicator: pipeline_bytes= / RINGCOLL_PIPELINE_BYTES must be the same "
+                             "on every rank, got rank 0: 0, rank 1: 1048576, rank 2: auto",
+                             # (a gloo and an MPI group over the same ranks would never meet)
+                             "HierarchicalCommunicator: inter_backend= must be the same on every rank, got rank 0: "
+                             "gloo, rank 1: gloo, rank 2: mpi"], differing
     assert len({choices["auto"] for _, choices, _ in outcomes}) == 1  # every rank measured the same, chose the same
 
 
@@ -446,7 +451,7 @@ def _groups_released(rank, world):
         h.all_reduce(t)
         # What the hierarchical one made: its node's group (its ring's) and its link's.
         refs = [weakref.ref(g) for g in (group, h.intra.group, h.inter_group)]
-    for ref in refs:
+    for ref in refs:  # the user's, and the two the communicator left for the next one
         dist.destroy_process_group(ref())
     del group
     alive = [ref() is not None for ref in refs]
@@ -469,6 +474,86 @@ def test_closing_releases_the_process_groups():
         assert alive == [False, False, False], (rank, alive)
         assert rest == (rank, 2, [4.0] * 4)
         assert refused == "all_reduce: communicator is closed"
+
+
+def _groups_kept_for_the_next(rank, world):
+    """What a process holds (groups, threads) after communicators made and closed in turn,
+    in any order, and what a rank that closes while its peer still calls is told."""
+    import os
+
+    from ringcoll.errors import RingcollMismatchError
+    from ringcoll.training.hierarchical import HierarchicalCommunicator, _groups_made
+
+    def held():
+        return _groups_made(), len(os.listdir("/proc/self/task"))
+
+    def made():
+        return HierarchicalCommunicator(node_id=rank // 2, timeout=20)
+
+    def summed(h):
+        t = torch.full((5,), float(rank + 1))
+        h.all_reduce(t)
+        return t[0].item()
+
+    seen, sums = {}, []
+    # Idle groups for some groups of a layout only (ranks 0 and 1 have their groups of one
+    # from `pair`'s communicator, 2 and 3 none): every rank makes new ones. Had 0 and 1 taken
+    # theirs where 2 and 3 made theirs, they would count groups differently, and so name
+    # their common group (the link's) differently: a hang.
+    pair = dist.new_group([0, 1])
+    if rank < 2:
+        HierarchicalCommunicator(group=pair, node_id=rank, timeout=20).close()
+    else:  # as many groups as 0 and 1 now have (`pair`, the communicator's two; else refused)
+        for _ in range(3):
+            dist.new_group([rank], use_local_synchronization=True)
+    with HierarchicalCommunicator(node_id=rank, timeout=20) as f:
+        sums.append(summed(f))
+    for round in range(4):  # one after another: each takes the groups the last one closed
+        with made() as h:
+            sums.append(summed(h))
+        seen[f"after {round + 1}"] = held()
+    a, b = made(), made()  # two at once: b makes its own pair
+    sums += [summed(a), summed(b)]
+    a.close()
+    with made() as c:  # takes a's (c's first new group, if it made one, would be named as a's were)
+        sums.append(summed(c))
+    b.close()
+    seen["a, b, c closed"] = held()
+    with made() as d:
+        sums.append(summed(d))
+    seen["d closed"] = held()
+    e = made()
+    try:
+        if rank == 0:
+            e.close()
+        else:
+            summed(e)
+        told = "nothing"
+    except RingcollMismatchError as error:
+        told = str(error)
+    e.close()  # broken: released without meeting
+    return seen, sums, told
+
+
+def test_closed_communicators_groups_serve_the_next():
+    """close() meets every rank, then leaves the communicator's two process groups to the next
+    communicator over the same ranks: made and closed four times, a process holds the groups
+    and threads of the first alone (it held two groups and their gloo threads more each time;
+    destroying them instead made the next group take a destroyed one's name and its stale
+    addresses: "Connection refused"); two open at once hold two pairs, then no more; where only
+    some of a layout's groups are idle, all are made anew; a rank
+    that closes while a peer calls a collective gets the mismatch, as the peer does, not a
+    hang."""
+    world = 4  # two nodes of two: both levels
+    for rank, (seen, sums, told) in enumerate(spawn(_groups_kept_for_the_next, world)):
+        first = seen["after 1"]
+        assert seen["after 2"] == seen["after 3"] == seen["after 4"] == first, (rank, seen)
+        assert seen["a, b, c closed"][0] == first[0] + 2, (rank, seen)
+        assert seen["d closed"] == seen["a, b, c closed"], (rank, seen)
+        assert sums == [10.0] * 9, (rank, sums)
+        assert told.startswith("close: the ranks made different calls" if rank == 0 else
+                               "all_reduce: the ranks made different calls"), (rank, told)
+        assert "rank 0 called close" in told and "ranks 1, 2, 3 called all_reduce of 5 float32 (SUM)" in told, told
 
 
 def _min_max_reduce_with_nan(rank, world, layout):
