@@ -349,7 +349,6 @@ def _own_failure_mid_call(rank, world):
     refuses to run (the communicator is broken), so nothing of it crosses; the peer, whose
     all-reduce waits for rank 0's shard, times out instead of taking the queued call's check
     for that shard."""
-    import ringcoll
     from ringcoll.training.hierarchical import HierarchicalCommunicator
 
     import threading
