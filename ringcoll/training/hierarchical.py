@@ -192,7 +192,7 @@ def _idle_offer() -> frozenset:
                      if group in names)
 
 
-def _idle_groups_for(layout: list, offers: dict) -> Optional[dict]:
+def _idle_groups_for(layout: list, offers: dict) -> Optional[list]:
     """Which idle group each group of `layout` ((global ranks, backend) pairs, the same list on
     every rank) takes, as a list of group names in layout order, or None when some group finds none that
     every one of its members offered (`offers`: global rank -> its _idle_offer()). All or none,
@@ -212,6 +212,7 @@ def _idle_groups_for(layout: list, offers: dict) -> Optional[dict]:
 
 
 def _take_idle_group(name: str, timeout: datetime.timedelta):
+    """The idle group torch names `name`, no longer idle, with the taker's timeout."""
     made = dist.distributed_c10d._world.pg_names
     group = next(group for group in list(_idle_groups) if made.get(group) == name)
     del _idle_groups[group]
@@ -314,6 +315,7 @@ class HierarchicalCommunicator(ArgumentChecks):
 
         node_group = self._node_group = group_at(self.node_index)
         self.inter_group = group_at(self.num_nodes + self.local_rank)
+        self._group_keys = (layout[self.node_index], layout[self.num_nodes + self.local_rank])  # for _idle_groups
         # The node's ring checks nothing itself: check_call below compares every user call
         # across all nodes, and the ring's calls follow from it. Each rank also keeps a link
         # thread busy (gloo's, moving bytes while the ring waits): where the two outnumber the
@@ -343,24 +345,22 @@ class HierarchicalCommunicator(ArgumentChecks):
     def _close(self, wait_for_peers: bool) -> None:
         if self.group is None:
             return
-        met = None
+        met, error = False, None
         if wait_for_peers and not self._broken_reason:
             try:
                 self._submit("close", self._meet, [], async_op=False)
                 met = True
             except RingcollError as e:
-                met = e
+                error = e
         self._calls.close(self.intra.close)
         self._work_space.clear()
-        if met is True:  # every rank is past its last call on either group: the next communicator may use them
-            node_ranks = tuple(self._global_rank(r) for r in self.rank_at[self.node_index])
-            _idle_groups[self._node_group] = (node_ranks, "gloo")
-            _idle_groups[self.inter_group] = (tuple(self._global_rank(r) for r in self.inter_ranks), self.inter_backend)
+        if met:  # every rank is past its last call on either group: the next communicator may use them
+            _idle_groups.update(zip((self._node_group, self.inter_group), self._group_keys))
         # Released, as Communicator._close releases its group: held, a group's gloo threads
         # would outlive dist.destroy_process_group().
         self.group = self.inter_group = self._node_group = None
-        if met not in (None, True):
-            raise met
+        if error is not None:
+            raise error
 
     def __enter__(self) -> "HierarchicalCommunicator":
         return self
