@@ -15,9 +15,10 @@ driver: why it forks and how the tests see the backend, in its docstring). Then:
 * the ranks' ``call_counts`` show the ring itself ran (not only the forwarded gloo calls).
 
 Measured on the project's 2-core machine, with other jobs running: the four suite runs
-take 100-130 s (world 2: 41-56 s, world 3: 60-77 s, gloo and ringcoll side by side), the
-FSDP2 check beside them (``test_fsdp2.py``) 22-40 s; the whole tier 128 s at load average 2,
-177 s at 13-15.
+took 100-130 s one world size after the other (world 2: 41-56 s, world 3: 60-77 s, gloo and
+ringcoll side by side), the FSDP2 check beside them (``test_fsdp2.py``) 22-40 s; the whole
+tier 128 s at load average 2, 177 s at 13-15. Quiet, on the AMD VM of 2026-12-07: 66 s one
+world size after the other, 53 s with all four started at once (``started``).
 
 By hand, one run (a test name, or several with commas, or the whole selection)::
 
@@ -104,14 +105,20 @@ def _finish(proc, report: str, log, counts: str) -> dict:
     return result
 
 
+@pytest.fixture(scope="module")
+def started(tmp_path_factory):
+    """Every run, gloo's and ringcoll's at every world size, started at once: the tests
+    mostly wait on sockets and the suite's 0.1 s file barrier (one world size after the
+    other took 66 s of CI, side by side ~40)."""
+    out_dir = str(tmp_path_factory.mktemp("conformance"))
+    return {ws: {backend: _start(backend, ws, out_dir) for backend in ("gloo", "ringcoll")} for ws in WORLD_SIZES}
+
+
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda ws: f"world{ws}")
-def runs(request, tmp_path_factory):
-    """{backend: the driver's report} for one world size; gloo and ringcoll run side by
-    side (the tests mostly wait on sockets and the suite's 0.1 s file barrier)."""
+def runs(request, started):
+    """{backend: the driver's report} for one world size."""
     ws = request.param
-    out_dir = str(tmp_path_factory.mktemp(f"conformance-world{ws}"))
-    started = {backend: _start(backend, ws, out_dir) for backend in ("gloo", "ringcoll")}
-    return ws, {backend: _finish(*handles) for backend, handles in started.items()}
+    return ws, {backend: _finish(*handles) for backend, handles in started[ws].items()}
 
 
 def _failure_text(log: str, test: str) -> str:
