@@ -14,9 +14,7 @@
 // checked only on a GPU (tests/gpu/test_cuda.py, bench/device_check.sh).
 #include "emulated_ring.h"
 
-// clang-format off
-#include "cuda_shim.h"  // before device code: it supplies threadIdx, __syncthreads, ...
-// clang-format on
+#include "emulated_launch.h"  // first: cuda_shim.h, before any device code
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -45,38 +43,6 @@ using cuda::KernelVariant;
 using cuda::RingParams;
 
 namespace {
-
-// One launch: blocks x threads std::threads, each running the kernel's block function
-// (ring_block, or plan_block for a plan's call) as its GPU thread would.
-template <typename T, class Op, class Shared, class Block>
-void launch_blocks(const RingParams& p, int blocks, int threads, bool vectorise, Block&& block) {
-  std::vector<Shared> shared(static_cast<size_t>(blocks));
-  std::vector<std::unique_ptr<BlockBarrier>> barriers;
-  for (int b = 0; b < blocks; ++b) barriers.push_back(std::make_unique<BlockBarrier>(threads));
-  std::vector<std::thread> running;
-  for (int b = 0; b < blocks; ++b) {
-    for (int t = 0; t < threads; ++t) {
-      running.emplace_back([&, b, t] {
-        threadIdx.x = t, blockIdx.x = b, blockDim.x = threads, gridDim.x = blocks;
-        current_block_barrier = barriers[b].get();
-        block(p, shared[b], vectorise);
-      });
-    }
-  }
-  for (auto& thread : running) thread.join();
-}
-
-// ring_kernels.cu's launch_ring and plan_kernels.cu's launch_plan, with threads for the GPU.
-void launch(const RingParams& p, int blocks, int threads, bool vectorise) {
-  dispatch_call(p.call, [&](auto t, auto o) {
-    using T = decltype(t);
-    using Op = decltype(o);
-    if (p.call.algorithm != 0)
-      launch_blocks<T, Op, cuda::PlanShared>(p, blocks, threads, vectorise, cuda::plan_block<T, Op>);
-    else
-      launch_blocks<T, Op, cuda::BlockShared>(p, blocks, threads, vectorise, cuda::ring_block<T, Op>);
-  });
-}
 
 const char* error_type(AbortCause cause) {
   switch (cause) {
@@ -341,7 +307,7 @@ std::string EmulatedRing::host_rendezvous(int rank) {
 }
 
 // What CudaComm::launch does for one rank, with the GPU replaced by the modelled device and
-// launch() above.
+// its kernels launched on threads (emulated_launch.h).
 CallResult EmulatedRing::enqueue(const EmulatedCall& c, int user_stream, bool join) {
   RINGCOLL_CHECK(c.rank >= 0 && c.rank < world_, std::invalid_argument, "EmulatedRing: rank ", c.rank,
                  " is outside 0..", world_ - 1);
@@ -396,7 +362,8 @@ CallResult EmulatedRing::enqueue(const EmulatedCall& c, int user_stream, bool jo
           // A kernel (or a graph's replay of one) still running when its rank closed: the
           // close protocol failed to wait for it, and on a GPU its memory may be gone.
           if (me.closed) note_violation("a kernel of rank " + std::to_string(rank) + " ran after it closed");
-          launch(q, blocks, threads, vectorise);
+          if (q.call.algorithm != 0) launch_plan_kernel(q, blocks, threads, vectorise);
+          else launch_ring_kernel(q, blocks, threads, vectorise);
         });
         ++launches_;
         blocks_launched_ += static_cast<uint64_t>(blocks);
