@@ -168,10 +168,16 @@ def uneven_nodes_message(who: str, members: dict, names: Optional[dict] = None) 
             "on every machine (torchrun --nproc-per-node N on each), or use backend='gloo'")
 
 
+def _group_names() -> Optional[dict]:
+    """torch's name of each process group this process has, in the order they were made (the
+    one place this module reads torch's bookkeeping); None where torch does not say."""
+    return getattr(getattr(dist.distributed_c10d, "_world", None), "pg_names", None)
+
+
 def _groups_made() -> int:
     """How many process groups this process has (torch names a group its members make alone by
     this number: distributed_c10d._hash_ranks_to_str); -1 where torch does not say."""
-    names = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_names", None)
+    names = _group_names()
     return len(names) if names is not None else -1
 
 
@@ -187,7 +193,7 @@ _idle_groups: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def _idle_offer() -> frozenset:
     """This process's idle groups as every member of each names it: (name, global ranks, backend)."""
-    names = dist.distributed_c10d._world.pg_names
+    names = _group_names() or {}
     return frozenset((names[group], ranks, backend) for group, (ranks, backend) in list(_idle_groups.items())
                      if group in names)
 
@@ -213,8 +219,8 @@ def _idle_groups_for(layout: list, offers: dict) -> Optional[list]:
 
 def _take_idle_group(name: str, timeout: datetime.timedelta):
     """The idle group torch names `name`, no longer idle, with the taker's timeout."""
-    made = dist.distributed_c10d._world.pg_names
-    group = next(group for group in list(_idle_groups) if made.get(group) == name)
+    names = _group_names()
+    group = next(group for group in list(_idle_groups) if names.get(group) == name)
     del _idle_groups[group]
     dist.distributed_c10d._set_pg_timeout(timeout, group)  # this communicator's, not the last one's
     return group
