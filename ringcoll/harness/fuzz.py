@@ -9,10 +9,12 @@ from a drawn root: the root's result checked, every other rank's tensor checked
 unchanged), dtype, op, element count (0 up to a few times the registered buffer, with the
 slice boundaries drawn on purpose), in place or not, async or not, the group (the
 "default" group of the first w ranks, or a subgroup of any w of the 5), the API (a
-``Communicator`` with a drawn small ``buffer_bytes``, the module-level drop-ins, or a
-``HierarchicalCommunicator``: see below), the algorithm (auto, native, or a built-in plan
-the collective has: every plan must give the exact reference, whatever its order of
-combining), misaligned views, special values, tensors in symmetric memory
+``Communicator`` with a drawn small ``buffer_bytes``, the module-level drop-ins, a
+``HierarchicalCommunicator``: see below, or torch.distributed's own functions on a group of
+the ringcoll backend, ``dist.new_group(backend="ringcoll")``: c10d's dispatch, Work and
+coalescing manager in the path), the algorithm (auto, native, or a built-in plan the
+collective has: every plan must give the exact reference, whatever its order of combining;
+the backend's calls take the communicator's default, auto), misaligned views, special values, tensors in symmetric memory
 (``ringcoll.empty``, read in place) or ordinary ones, and the data seed.
 
 The "hierarchical" API (ringcoll/training/hierarchical.py) runs over the case's group, its
@@ -37,9 +39,11 @@ where the API has it (:func:`form_applies`), each part checked as a plain call i
   With async_op, ``in_flight`` may start both before waiting for either, then on two sets of
   tensors (rewriting an input while its call runs would be the caller's race);
 * "prepared" (Communicator, every ``prepare_*`` it has): prepared once, run twice as above;
-* "coalesced" (Communicator, every ``*_coalesced`` it has; the module-level API has none):
-  1-3 tensors of their own drawn sizes (0 elements included) in one call, each checked
-  against its own plain reference and a separate gloo call (:func:`parts`).
+* "coalesced" (Communicator, every ``*_coalesced`` it has; the module-level API has none;
+  on the backend, the calls c10d's ``_coalescing_manager`` turns into one backend call:
+  all_reduce, all_gather_into_tensor, reduce_scatter_tensor): 1-3 tensors of their own drawn
+  sizes (0 elements included) in one call, each checked against its own plain reference and
+  a separate gloo call (:func:`parts`).
 
 What the draw ranges over where transports differ (worlds, groups, APIs, buffers, slot
 alignment, kernel variants, the slots a plan is cut from) is a :class:`Space`: the CPU's here;
@@ -120,6 +124,13 @@ ROOTED = ("broadcast", "reduce")  # in place, from (or to) the case's root
 FORMS = ("plain", "repeated", "prepared", "coalesced")
 # The APIs that are a communicator object (the module-level drop-ins, "module", are not)
 CLASSES = {"comm": Communicator, "hierarchical": HierarchicalCommunicator}
+# The APIs called as torch.distributed's functions are: ringcoll's drop-ins ("module") and
+# torch.distributed itself on a group of the ringcoll backend ("backend"): roots as group ranks
+# (group_src, group_dst), all_reduce in place only, no prepared calls.
+TORCH_SHAPED = ("module", "backend")
+# The backend's coalesced calls: what c10d's _coalescing_manager hands a backend as one call
+# (allreduce_coalesced, allgather_into_tensor_coalesced, reduce_scatter_tensor_coalesced)
+BACKEND_COALESCED = ("all_gather_into_tensor", "all_reduce", "reduce_scatter_tensor")
 
 
 def _prepared_of(cls) -> tuple:
@@ -169,7 +180,7 @@ class Space:
 
     pool_size: int = POOL_SIZE  # worlds 1..pool_size
     groups: tuple = ("default", "subgroup")
-    apis: tuple = ("comm", "module", "hierarchical")
+    apis: tuple = ("comm", "module", "hierarchical", "backend")
     buffers: tuple = BUFFER_CHOICES  # a Communicator's buffer_bytes
     slot_alignment: int = 64  # bytes; the transport's slot_alignment
     variants: tuple = ()  # RINGCOLL_CUDA_KERNEL values, drawn as "variant" where given
@@ -211,9 +222,12 @@ def _count_strategy(st, collective, world, dtype, buffer_bytes, alignment=64):
 
 def form_applies(form: str, collective: str, which_api: str) -> bool:
     """Whether `form` of `collective` exists in `which_api`: the module-level drop-ins have
-    neither prepared nor coalesced calls, the communicators only for some collectives."""
+    neither prepared nor coalesced calls, the communicators only for some collectives, and
+    torch.distributed on the backend coalesces three (BACKEND_COALESCED) and prepares none."""
     if form in ("plain", "repeated"):
         return True
+    if which_api == "backend":
+        return form == "coalesced" and collective in BACKEND_COALESCED
     cls = CLASSES.get(which_api)
     return cls is not None and collective in (_prepared_of(cls) if form == "prepared" else _coalesced_of(cls))
 
@@ -248,21 +262,21 @@ def cases(space: Space = CPU):
         base = {"reduce_scatter_tensor": "reduce_scatter", "all_gather_into_tensor": "all_gather"}.get(
             collective, collective)
         which_api = draw(st.sampled_from(space.apis))
-        # (across nodes only "auto" is offered per call)
-        algorithm = "auto" if which_api == "hierarchical" else \
+        # (across nodes only "auto" is offered per call; the backend's calls have no algorithm=)
+        algorithm = "auto" if which_api in ("hierarchical", "backend") else \
             draw(st.sampled_from(["auto", "native", *(a for a in plans.BUILTIN if base in plans.BUILTIN_COLLECTIVES[a])]))
         form = draw(st.sampled_from([f for f in FORMS if form_applies(f, collective, which_api)]))
         # A plan of C chunks needs two banks of C slots (the rooted ones' pipelines cut 16)
         chunks = plans.plan(algorithm, base, world).chunks if algorithm in plans.BUILTIN else 1
         buffer_bytes = draw(st.sampled_from([b for b in space.buffers if space.plan_fits(b, world, chunks)])) \
-            if which_api != "module" else MODULE_BUFFER
+            if which_api not in TORCH_SHAPED else MODULE_BUFFER
         counts = _count_strategy(st, collective, world, dtype, buffer_bytes, space.slot_alignment)
         count = draw(counts)
         more_counts = ()  # a coalesced call's further tensors, each its own size
         if form == "coalesced":
             more_counts = tuple(draw(st.lists(counts, max_size=MAX_COALESCED - 1)))
         in_place = draw(st.booleans())
-        if (collective == "all_reduce" and (which_api == "module" or form == "coalesced")) or collective in ROOTED:
+        if (collective == "all_reduce" and (which_api in TORCH_SHAPED or form == "coalesced")) or collective in ROOTED:
             # the out-of-place all_reduce(output=) is a Communicator extra that all_reduce_coalesced
             # lacks; rooted: one tensor
             in_place = True
@@ -278,7 +292,8 @@ def cases(space: Space = CPU):
             "api": which_api, "buffer_bytes": buffer_bytes,
             "offset": draw(st.integers(0, 1)),  # 1: every tensor starts one element into its buffer
             "specials": draw(st.booleans()),  # inf / NaN (floats), extremes (integers)
-            "torch_op": draw(st.booleans()),  # op spelled dist.ReduceOp.X instead of ringcoll.ReduceOp.X
+            # op spelled dist.ReduceOp.X instead of ringcoll.ReduceOp.X (torch.distributed takes only its own)
+            "torch_op": draw(st.booleans()) if which_api != "backend" else True,
             # every tensor of the call from ringcoll.empty (read in place); the hierarchical API has no empty()
             "symmetric": draw(st.booleans()) if which_api != "hierarchical" else False,
             "seed": draw(st.integers(0, 2 ** 31 - 1)),
@@ -476,13 +491,21 @@ class _Bound(collections.namedtuple("_Bound", "name args kwargs load result unch
     expected) that must still hold x's values after the call."""
 
 
-def _returned(ret, async_op: bool) -> list:
+def _returned(ret, async_op: bool, which_api: str = "comm") -> list:
     """Failures of what a call returned: None when synchronous, else a Work whose wait()
-    is True and that is then completed and successful."""
+    is True and that is then completed and successful (torch's Work on the backend; for a
+    coalesced call there, c10d's coalescing manager, holding one such Work)."""
+    import torch.distributed as dist
+
     if not async_op:
         return [] if ret is None else [f"a synchronous call returned {type(ret).__name__}, not None"]
-    if not isinstance(ret, Work):
-        return [f"async_op=True returned {type(ret).__name__}, not a Work"]
+    if which_api == "backend" and isinstance(ret, dist.distributed_c10d._CoalescingManager):
+        if len(ret.works) != 1:
+            return [f"the coalescing manager holds {len(ret.works)} works, not the backend's one"]
+        ret = ret.works[0]
+    work_type = dist.Work if which_api == "backend" else Work
+    if not isinstance(ret, work_type):
+        return [f"async_op=True returned {type(ret).__name__}, not a {work_type.__name__}"]
     if ret.wait() is not True:
         return ["Work.wait() did not return True"]
     if not (ret.is_completed() and ret.is_success()):
@@ -499,31 +522,49 @@ class _Worker:
 
         self.torch, self.dist = torch, dist
         self.rank, self.size = rank, size
-        self.groups: dict = {}  # (group kind, ranks) -> process group (None: the default group)
+        self.groups: dict = {}  # (group kind, ranks) -> gloo process group (None: the default group)
+        self.backend_groups: dict = {}  # (group kind, ranks) -> process group of the ringcoll backend
         self.comms: dict = {}  # communicator_key(case) -> Communicator or HierarchicalCommunicator
         # Every communicator's key by last use, over EVERY case (skipped ones too), so all
         # workers agree which to close: each may hold arenas of symmetric memory, whose pages
         # are allocated when made (64 MiB each), and 36 groups x 7 buffers of them on 5
         # workers ran a 4000-example run out of memory (the OOM killer).
         self.last_used: collections.OrderedDict = collections.OrderedDict()
-        # Process groups every worker may know by now (_pad_groups), and self.groups' size then
-        self.groups_bound, self.groups_counted = 1, 0
+        # Process groups every worker may know by now (_pad_groups); groups made, and how many then
+        self.groups_bound, self.groups_made, self.groups_counted = 1, 0, 0
+
+    def _new_group(self, ranks, **kw):
+        """dist.new_group: collective over the default group, so every worker makes it, in case order."""
+        self.groups_made += 1
+        return self.dist.new_group(ranks=list(ranks), **kw)
 
     def group(self, case):
+        """The case's gloo group (the reference's; and the ring's but for the "backend" API)."""
         key = (case["group"], tuple(case["ranks"]))
         if key not in self.groups:
             if case["group"] == "default" and len(case["ranks"]) == self.size:
                 self.groups[key] = None  # the default group itself
-            else:  # collective over the default group: every worker makes it, in case order
-                self.groups[key] = self.dist.new_group(ranks=list(case["ranks"]))
+            else:
+                self.groups[key] = self._new_group(case["ranks"])
         return self.groups[key]
+
+    def backend_group(self, case):
+        """The case's group on the ringcoll backend (the "backend" API's; the default group
+        is gloo, so even a world of all 5 gets one), made on first use and kept, with its
+        ring, for the pool's life: there are 2^5 - 1 at most, and destroying one would lower
+        torch's count of groups, by which it names use_local_synchronization groups (the
+        hierarchical API's), so that a later one took a name still in use."""
+        key = (case["group"], tuple(case["ranks"]))
+        if key not in self.backend_groups:
+            self.backend_groups[key] = self._new_group(case["ranks"], backend="ringcoll")
+        return self.backend_groups[key]
 
     @staticmethod
     def communicator_key(case: dict) -> tuple:
         """What a case's communicator is cached by: the API and group, and what it was built
         with (the module-level API's is the drop-ins' own, one per group)."""
         key = (case["api"], case["group"], tuple(case["ranks"]))
-        if case["api"] == "module":
+        if case["api"] in TORCH_SHAPED:  # one communicator per group, on its own buffer
             return key
         key += (case["buffer_bytes"],)
         if case["api"] == "hierarchical":
@@ -542,8 +583,8 @@ class _Worker:
         HierarchicalCommunicator is built (members or not)."""
         from torch.distributed import distributed_c10d
 
-        new = len(self.groups) - self.groups_counted  # subgroups made since: a worker is in each or not
-        self.groups_bound, self.groups_counted = self.groups_bound + new, len(self.groups)
+        new = self.groups_made - self.groups_counted  # subgroups made since: a worker is in each or not
+        self.groups_bound, self.groups_counted = self.groups_bound + new, self.groups_made
         while len(distributed_c10d._world.pg_names) < self.groups_bound:
             self.dist.new_group([self.rank], use_local_synchronization=True)
         # The members' next count at most (none where they take groups a closed communicator
@@ -593,9 +634,12 @@ class _Worker:
             time.sleep(case["seconds"])
             return ("ok", [], None)
         group = self.group(case)
-        if case.get("api") == "hierarchical" and self.communicator_key(case) not in self.last_used:
-            self._pad_groups()  # its members build it in this case
-        self._keep_few_communicators(case, group)
+        if case.get("api") == "backend":
+            self.backend_group(case)  # made by every worker, in case order; kept
+        else:
+            if case.get("api") == "hierarchical" and self.communicator_key(case) not in self.last_used:
+                self._pad_groups()  # its members build it in this case
+            self._keep_few_communicators(case, group)
         ranks = list(case["ranks"])
         if self.rank not in ranks:
             return ("skip", [], None)
@@ -658,7 +702,7 @@ class _Worker:
         nothing = lambda x: []  # noqa: E731 - an in-place call has no separate input to keep
         if coll in ROOTED:  # one tensor, in place, root given as a rank of the group
             t = guarded(c)
-            if case["api"] != "module":  # a communicator's: root as an argument
+            if case["api"] not in TORCH_SHAPED:  # a communicator's: root as an argument
                 return _Bound(coll, (t, case["root"]), {}, t.copy_, lambda: t, nothing)
             root = {"broadcast": "group_src", "reduce": "group_dst"}[coll]
             return _Bound(coll, (t,), {root: case["root"]}, t.copy_, lambda: t, nothing)
@@ -712,14 +756,20 @@ class _Worker:
         expected = [[self.expect(sub, group, grank, world) for _, sub in round_] for round_ in rounds]
 
         comm = None
-        if case["api"] != "module":
+        # The ring's group: the case's gloo group, or (the "backend" API) its group of the ringcoll backend
+        ring_group = self.backend_group(case) if case["api"] == "backend" else group
+        if case["api"] == "backend":  # torch.distributed itself
+
+            def call(name, *args, **kw):
+                return getattr(self.dist, name)(*args, group=ring_group, **kw)
+        elif case["api"] == "module":
+            def call(name, *args, **kw):  # the module-level drop-ins
+                return getattr(api, name)(*args, group=group, algorithm=case["algorithm"], **kw)
+        else:
             comm = self.communicator(case, group, grank)
 
             def call(name, *args, **kw):
                 return getattr(comm, name)(*args, algorithm=case["algorithm"], **kw)
-        else:
-            def call(name, *args, **kw):  # the module-level drop-ins
-                return getattr(api, name)(*args, group=group, algorithm=case["algorithm"], **kw)
 
         op_kw = {}
         if case["op"] is not None:
@@ -731,7 +781,7 @@ class _Worker:
             base = _sentinel(off + n + GUARD, dtype)
             if case.get("symmetric"):  # the same bits in symmetric memory (a collective allocation)
                 base = (comm.empty(base.numel(), dtype=dtype) if case["api"] == "comm" else
-                        api.empty(base.numel(), dtype=dtype, group=group)).copy_(base)
+                        api.empty(base.numel(), dtype=dtype, group=ring_group)).copy_(base)
             bases.append((label, base, off, off + n))
             return base[off:off + n]
 
@@ -747,6 +797,11 @@ class _Worker:
         def start(calls):
             if form == "prepared":
                 return prepared(async_op=a)
+            if form == "coalesced" and case["api"] == "backend":  # c10d's coalescing: one backend call
+                with self.dist._coalescing_manager(group=ring_group, async_ops=a) as manager:
+                    for b in calls:
+                        call(b.name, *b.args, **b.kwargs, **op_kw)
+                return manager if a else None
             if form == "coalesced":  # the calls' tensors as lists: (tensors) or (outputs, inputs)
                 return call(f"{coll}_coalesced", *[list(ts) for ts in zip(*(b.args for b in calls))],
                             async_op=a, **op_kw)
@@ -778,7 +833,7 @@ class _Worker:
                 for b, (x, _, _) in zip(bound[r], expected[r]):
                     b.load(x)
             for ret in [start(bound[r]) for r in wave]:
-                failures += _returned(ret, a)
+                failures += _returned(ret, a, case["api"])
             for r in wave:
                 for (label, _), b, want in zip(rounds[r], bound[r], expected[r]):
                     failures += check(label, b, *want)
@@ -1010,7 +1065,8 @@ class Stats:
         self.drawn = tuple(k for k in self.DRAWN if not fixed.get(k))  # those `space` varies
         self.examples = 0
         hierarchical = ("nodes", "pieces") if "hierarchical" in space.apis else ()  # its cases' layouts and cuts
-        self.by = {k: collections.Counter() for k in (*self.drawn, "size", *hierarchical)}
+        forms_by_api = ("api form",) if "api" in self.drawn else ()  # "backend coalesced": c10d's coalescing
+        self.by = {k: collections.Counter() for k in (*self.drawn, "size", *hierarchical, *forms_by_api)}
         self.failures: list = []
         self.seconds = 0.0
 
@@ -1018,6 +1074,8 @@ class Stats:
         self.examples += 1
         for k in self.drawn:
             self.by[k][case.get(k, False)] += 1
+        if "api form" in self.by:
+            self.by["api form"][f"{case['api']} {case['form']}"] += 1
         world, c = case["world"], case["count"] + sum(case["more_counts"])  # a coalesced call: one packed message
         chunk = -(-c // world) if case["collective"] == "all_reduce" else c  # elements per ring chunk
         slices = -(-chunk // slice_elements(case["buffer_bytes"], world, case["dtype"], self.space.slot_alignment))

@@ -510,6 +510,16 @@ class RingcollProcessGroup(dist.ProcessGroup):
         return self._fallback("reduce_scatter_tensor_coalesced", inputs).reduce_scatter_tensor_coalesced(
             outputs, inputs, opts)
 
+    # The names c10d's coalescing manager calls (dist._coalescing_manager: FSDP-style grouped
+    # all-gathers and reduce-scatters). Left to c10d's binding, they reached the methods above
+    # through C++, and what came back was a c10d Work, not ours: its is_completed() stayed
+    # False after wait() had returned True (the fuzzer's "backend" API found it).
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        return self.allgather_into_tensor_coalesced(outputs, inputs, opts)
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        return self.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
+
     def allreduce_coalesced(self, tensors, opts=None):
         """One flat all-reduce of every tensor (as NCCL's grouped calls), copied back."""
         opts = opts if opts is not None else _c10d.AllreduceCoalescedOptions()

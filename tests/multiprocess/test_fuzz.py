@@ -43,8 +43,10 @@ def test_fuzz_quick(pool):
     assert stats.by["size"]["0 elements"] > 0 and stats.by["size"][">= 4 slices"] > 0
     assert stats.by["size"]["message > buffer"] > 0
     assert stats.by["symmetric"][True] > 0 and stats.by["symmetric"][False] > 0
-    # and the hierarchical API: one node, one per rank, and nodes of several ranks; messages in pieces
-    assert set(stats.by["api"]) == {"comm", "module", "hierarchical"}, stats.by["api"]
+    # and every API: torch.distributed on the backend in each of its forms (c10d's coalescing too),
+    # the hierarchical one with one node, one per rank, and nodes of several ranks; messages in pieces
+    assert set(stats.by["api"]) == {"comm", "module", "hierarchical", "backend"}, stats.by["api"]
+    assert {"backend plain", "backend repeated", "backend coalesced"} <= set(stats.by["api form"]), stats.by["api form"]
     assert {"1x2", "2x1", "2x2"} <= set(stats.by["nodes"]), stats.by["nodes"]
     assert stats.by["pieces"]["several"] > 0, stats.by["pieces"]
     # and the algorithms: auto, native and the built-in plans most collectives have, each checked like the
