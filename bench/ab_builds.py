@@ -114,6 +114,12 @@ def main(argv=None) -> int:
     sizes = [n * itemsize for n in args.counts]
     if not os.path.isdir(os.path.join(args.old, "ringcoll")):
         p.error(f"--old {args.old}: no ringcoll package there")
+    import ringcoll  # the new build: the one this interpreter imports (each rank checks its own again)
+
+    new_home = os.path.dirname(os.path.abspath(ringcoll.__file__))
+    if os.path.abspath(os.path.join(args.old, "ringcoll")) == new_home:
+        p.error(f"--old {args.old}: its ringcoll is the one this interpreter imports ({new_home}): both groups "
+                "would run the new build")
 
     ctx = mp.get_context("spawn")
     old_turn, new_turn, results = ctx.Event(), ctx.Event(), ctx.Queue()

@@ -59,7 +59,8 @@ example):
   (case) order, since new_group is collective over the default group; communicators are
   cached in the workers per (group, buffer_bytes), hierarchical ones also per (node layout,
   pieces), the LIVE_COMMUNICATORS used last kept open. Before a HierarchicalCommunicator
-  is built, every worker pads its count of process groups to a common bound
+  is built, every worker pads its count of process groups to the largest any worker had
+  after the last case, which each reply carries and the next case passes on
   (_Worker._pad_groups says why).
 * A worker builds every group rank's input from the case's seed (so it can compute the
   plain reference alone, without gathering), runs gloo on the same call (the list
@@ -153,7 +154,6 @@ OPS = ("SUM", "PRODUCT", "MIN", "MAX", "AVG")
 # not divide into 2 x P cache-line slots, so the slots leave an unused tail.
 BUFFER_CHOICES = (704, 1000, 1024, 2048, 4096, 8192)
 LIVE_COMMUNICATORS = 12  # per worker at most (_Worker._keep_few_communicators)
-HIERARCHICAL_GROUPS = 2  # process groups a HierarchicalCommunicator makes at most: its node's, its local index's
 # A HierarchicalCommunicator's pieces (pipeline_bytes): whole, or the buffer over these, so
 # that messages of up to MAX_BUFFERS_PER_MESSAGE buffers cross in 2 to 20 pieces (5: piece
 # sizes that are no multiple of the element or the slot)
@@ -530,8 +530,7 @@ class _Worker:
         # are allocated when made (64 MiB each), and 36 groups x 7 buffers of them on 5
         # workers ran a 4000-example run out of memory (the OOM killer).
         self.last_used: collections.OrderedDict = collections.OrderedDict()
-        # Process groups every worker may know by now (_pad_groups); groups made, and how many then
-        self.groups_bound, self.groups_made, self.groups_counted = 1, 0, 0
+        self.groups_made = 0  # dist.new_group calls: the same on every worker, member or not
 
     def _new_group(self, ranks, **kw):
         """dist.new_group: collective over the default group, so every worker makes it, in case order."""
@@ -571,25 +570,28 @@ class _Worker:
             key += (case["nodes"], case["pipeline_bytes"], case["pipeline_env"])
         return key
 
-    def _pad_groups(self) -> None:
-        """Bring this worker's count of process groups up to what every worker may know by now.
+    @staticmethod
+    def groups_known() -> int:
+        """The process groups this worker knows (torch's count: groups it is a member of)."""
+        from torch.distributed import distributed_c10d
+
+        return len(distributed_c10d._world.pg_names)
+
+    def _pad_groups(self, count: int) -> None:
+        """Bring this worker's count of process groups up to `count`, with groups of itself alone.
 
         A HierarchicalCommunicator makes its groups with use_local_synchronization, which
         torch 2.13 names by a hash of the ranks AND the number of groups the process knows, so
         members that made different numbers of groups before (the pool's subgroups, earlier
         communicators of some ranks only) would never meet: it refuses to start where the
-        counts differ (the user's fix: make the same groups everywhere). Every worker sees every
-        case, so each pads to the same bound, with groups of itself alone, before a
-        HierarchicalCommunicator is built (members or not)."""
-        from torch.distributed import distributed_c10d
-
-        new = self.groups_made - self.groups_counted  # subgroups made since: a worker is in each or not
-        self.groups_bound, self.groups_counted = self.groups_bound + new, self.groups_made
-        while len(distributed_c10d._world.pg_names) < self.groups_bound:
+        counts differ (the user's fix: make the same groups everywhere). So before one is
+        built every worker (member or not) pads to the same count: the largest any worker had
+        after the last case, plus the groups this case has made (a member of each has one more).
+        Exactly that, not a bound: a bound that grew by the communicator's two groups at every
+        build (though most take groups a closed one left idle) made 400 gloo groups per worker
+        in 2500 examples (1264 threads in one), and examples ~6 times slower."""
+        while self.groups_known() < count:
             self.dist.new_group([self.rank], use_local_synchronization=True)
-        # The members' next count at most (none where they take groups a closed communicator
-        # left idle): every worker pads to it.
-        self.groups_bound += HIERARCHICAL_GROUPS
 
     def communicator(self, case, group, grank):
         key = self.communicator_key(case)
@@ -629,16 +631,19 @@ class _Worker:
             if comm is not None:
                 comm.close()
 
-    def handle(self, case: dict):
+    def handle(self, case: dict, groups_known: int = 0):
+        """Run `case` (or answer "skip"); `groups_known`: the most process groups any worker
+        knew after the last case (the pool's; _pad_groups)."""
         if case.get("collective") == "_sleep":  # self-test of the parent's timeout
             time.sleep(case["seconds"])
             return ("ok", [], None)
+        made_before = self.groups_made
         group = self.group(case)
         if case.get("api") == "backend":
             self.backend_group(case)  # made by every worker, in case order; kept
         else:
             if case.get("api") == "hierarchical" and self.communicator_key(case) not in self.last_used:
-                self._pad_groups()  # its members build it in this case
+                self._pad_groups(groups_known + self.groups_made - made_before)  # its members build it now
             self._keep_few_communicators(case, group)
         ranks = list(case["ranks"])
         if self.rank not in ranks:
@@ -861,10 +866,10 @@ def _worker_main(rank, size, port, conn):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                                 timeout=datetime.timedelta(seconds=CASE_TIMEOUT * 2))
         worker = _Worker(rank, size)
-        conn.send(("ready", rank))
+        conn.send((("ready", rank), worker.groups_known()))  # every reply: (reply, the groups it knows)
     except BaseException as exc:  # noqa: BLE001
         try:
-            conn.send(("error", [f"rank {rank} failed to start: {exc}\n{traceback.format_exc()}"], None))
+            conn.send((("error", [f"rank {rank} failed to start: {exc}\n{traceback.format_exc()}"], None), 0))
         finally:
             os._exit(1)
     while True:
@@ -874,7 +879,9 @@ def _worker_main(rank, size, port, conn):
             break
         if case is None:
             break
-        conn.send(worker.handle(case))
+        case, groups_known = case
+        reply = worker.handle(case, groups_known)
+        conn.send((reply, worker.groups_known()))
     try:
         for comm in worker.comms.values():
             comm.close()
@@ -924,6 +931,7 @@ class FuzzPool:
         self.conns: list = []
         self.starts = 0  # pools started (1 + restarts after failures)
         self.start_seconds = 0.0
+        self.groups_known = 0  # the most process groups a worker knew after the last case (_pad_groups)
 
     @property
     def running(self) -> bool:
@@ -933,6 +941,7 @@ class FuzzPool:
         if self.running:
             return
         t0 = time.monotonic()
+        self.groups_known = 0
         ctx = multiprocessing.get_context("spawn")
         port = _free_port()
         env = {"RINGCOLL_BUFFER_BYTES": str(MODULE_BUFFER), "RINGCOLL_TIMEOUT": str(COMM_TIMEOUT),
@@ -977,7 +986,8 @@ class FuzzPool:
                     continue
                 try:
                     if self.conns[r].poll(0):
-                        replies[r] = self.conns[r].recv()
+                        replies[r], groups = self.conns[r].recv()
+                        self.groups_known = max(self.groups_known, groups)
                         waiting.discard(r)
                         continue
                 except (EOFError, OSError):
@@ -991,7 +1001,7 @@ class FuzzPool:
     def run(self, case: dict) -> list:
         self.start()
         for conn in self.conns:
-            conn.send(case)
+            conn.send((case, self.groups_known))
         return self._collect(self.case_timeout, f"running case {{{describe(case)}}}")
 
     def close(self, graceful: bool = True) -> None:
