@@ -7,11 +7,14 @@ Each rank calls every collective the backend serves (sync and async, every op on
 and int32, bfloat16 sums, awkward sizes, the list and coalesced forms, and broadcast, which
 is forwarded) once through a "ringcoll" process group and once through a "gloo" one, on the
 same inputs, and compares the results bit for bit. The inputs are small integers, so every
-summation order gives the same bits. Exit status 1 if anything differs, naming it.
+summation order gives the same bits. Then it makes, uses and destroys a ringcoll group three
+times, which must leave no process group or thread behind. Exit status 1 if anything
+differs, naming it.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 
@@ -131,13 +134,32 @@ def compare_with_gloo(ours, gloo) -> list:
     return failures
 
 
+def groups_made_and_destroyed_hold_nothing(cycles: int = 3) -> list:
+    """A ringcoll group made, used and destroyed, three times in turn: every cycle leaves the
+    process with as many process groups and threads as the first did. (Over several machines
+    the group's two-level communicator makes two gloo groups of its own, which its shutdown
+    once left registered until the world's destroy: a pair more per cycle.)"""
+    held = []
+    for _ in range(cycles):
+        sub = dist.new_group(backend="ringcoll")
+        t = torch.ones(4)
+        dist.all_reduce(t, group=sub)  # builds its communicator
+        if not torch.equal(t, torch.full((4,), float(dist.get_world_size()))):
+            return [f"all_reduce on a new ringcoll group gave {t.tolist()}"]
+        dist.destroy_process_group(sub)
+        held.append((len(dist.distributed_c10d._world.pg_map), len(os.listdir("/proc/self/task"))))
+    if any(h != held[0] for h in held[1:]):
+        return [f"groups made and destroyed in turn: (process groups, threads) after each {held}"]
+    return []
+
+
 def main() -> int:
     """Under torchrun: the default group is ringcoll's (registered by importing this
     package), the reference a gloo group."""
     dist.init_process_group("ringcoll")
     gloo = dist.new_group(backend="gloo")
     ours = dist.group.WORLD
-    failures = compare_with_gloo(ours, gloo)
+    failures = compare_with_gloo(ours, gloo) + groups_made_and_destroyed_hold_nothing()
     hosts = len(set(ours.hosts))
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, failures, group=gloo)

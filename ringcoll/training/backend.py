@@ -596,8 +596,12 @@ class RingcollProcessGroup(dist.ProcessGroup):
             for comm in comms:
                 # A HierarchicalCommunicator's close meets every rank over its own two groups,
                 # which destroy_process_group() shuts down too, in an order not ours: released
-                # without meeting, its groups are torch's to destroy.
-                comm._close(wait_for_peers=not isinstance(comm, HierarchicalCommunicator))
+                # without meeting, its groups left idle (weakly held) for the next group's
+                # communicator over the same ranks, or to torch to destroy with the world.
+                if isinstance(comm, HierarchicalCommunicator):
+                    comm._close(wait_for_peers=False, offer_groups=True)
+                else:
+                    comm._close(wait_for_peers=True)
         finally:
             self._bootstrap_thread = None
 

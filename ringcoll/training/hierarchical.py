@@ -348,7 +348,13 @@ class HierarchicalCommunicator(ArgumentChecks):
         still be using, are left to dist.destroy_process_group()."""
         self._close(wait_for_peers=True)
 
-    def _close(self, wait_for_peers: bool) -> None:
+    def _close(self, wait_for_peers: bool, offer_groups: bool = False) -> None:
+        """close() where `wait_for_peers`; else released at once. Its groups go idle where the
+        ranks met, or, with `offer_groups`, where no call failed: the torch backend's shutdown,
+        when its process group is destroyed (every rank does so once past its own calls, and
+        the next communicator takes idle groups only where every member offers them, after an
+        exchange every rank reaches only once past its calls; a rank whose last call failed,
+        mid-way on a group, offers nothing, so no group with a message left in it is taken)."""
         if self.group is None:
             return
         met, error = False, None
@@ -360,7 +366,7 @@ class HierarchicalCommunicator(ArgumentChecks):
                 error = e
         self._calls.close(self.intra.close)
         self._work_space.clear()
-        if met:  # every rank is past its last call on either group: the next communicator may use them
+        if met or (offer_groups and not self._broken_reason):  # the next communicator may use them
             _idle_groups.update(zip((self._node_group, self.inter_group), self._group_keys))
         # Released, as Communicator._close releases its group: held, a group's gloo threads
         # would outlive dist.destroy_process_group().
