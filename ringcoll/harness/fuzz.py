@@ -14,8 +14,9 @@ slice boundaries drawn on purpose), in place or not, async or not, the group (th
 the ringcoll backend, ``dist.new_group(backend="ringcoll")``: c10d's dispatch, Work and
 coalescing manager in the path), the algorithm (auto, native, or a built-in plan the
 collective has: every plan must give the exact reference, whatever its order of combining;
-the backend's calls take the communicator's default, auto), misaligned views, special values, tensors in symmetric memory
-(``ringcoll.empty``, read in place) or ordinary ones, and the data seed.
+the backend's calls take the communicator's default, auto), misaligned views, special
+values, tensors in symmetric memory (``ringcoll.empty``, read in place) or ordinary ones,
+and the data seed.
 
 The "hierarchical" API (ringcoll/training/hierarchical.py) runs over the case's group, its
 ranks given node ids by a drawn layout (:func:`even_layouts`: 1 node, one per rank, or any
@@ -581,7 +582,7 @@ class _Worker:
         return key
 
     @staticmethod
-    def groups_known() -> int:
+    def group_count() -> int:
         """The process groups this worker knows (torch's count: groups it is a member of)."""
         from torch.distributed import distributed_c10d
 
@@ -603,7 +604,7 @@ class _Worker:
         that only takes a name (PAD_BACKEND): a gloo group of one rank has three threads."""
         if PAD_BACKEND not in self.dist.Backend.backend_list:
             self.dist.Backend.register_backend(PAD_BACKEND, _name_only_group, devices=["cpu"])
-        while self.groups_known() < count:
+        while self.group_count() < count:
             self.dist.new_group([self.rank], use_local_synchronization=True, backend=PAD_BACKEND)
 
     def communicator(self, case, group, grank):
@@ -879,7 +880,7 @@ def _worker_main(rank, size, port, conn):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                                 timeout=datetime.timedelta(seconds=CASE_TIMEOUT * 2))
         worker = _Worker(rank, size)
-        conn.send((("ready", rank), worker.groups_known()))  # every reply: (reply, the groups it knows)
+        conn.send((("ready", rank), worker.group_count()))  # every reply: (reply, the groups it knows)
     except BaseException as exc:  # noqa: BLE001
         try:
             conn.send((("error", [f"rank {rank} failed to start: {exc}\n{traceback.format_exc()}"], None), 0))
@@ -887,14 +888,13 @@ def _worker_main(rank, size, port, conn):
             os._exit(1)
     while True:
         try:
-            case = conn.recv()
+            message = conn.recv()  # (case, the pool's groups_known), or None: stop
         except (EOFError, OSError):
             break
-        if case is None:
+        if message is None:
             break
-        case, groups_known = case
-        reply = worker.handle(case, groups_known)
-        conn.send((reply, worker.groups_known()))
+        reply = worker.handle(*message)
+        conn.send((reply, worker.group_count()))
     try:
         for comm in worker.comms.values():
             comm.close()
