@@ -324,8 +324,18 @@ class RingcollProcessGroup(dist.ProcessGroup):
         self._bootstrap_thread = None  # the thread building a communicator
         self._comm_lock = threading.Lock()
         self._closed = False
+        self._sequence = 0  # calls issued on this group (_get_sequence_number_for_group)
 
     # --- identity -----------------------------------------------------------------------
+
+    def _get_sequence_number_for_group(self) -> int:
+        """The calls this rank has issued on the group, collectives and point-to-point alike,
+        each counted once when issued, as gloo counts them (all_gather_object is two); the
+        exchanges that build ringcoll's communicator are not counted."""
+        return self._sequence
+
+    def _set_sequence_number_for_group(self) -> None:
+        self._sequence = 0
 
     def getBackendName(self) -> str:
         return BACKEND_NAME
@@ -391,6 +401,7 @@ class RingcollProcessGroup(dist.ProcessGroup):
         (RingcollTimeoutError, a RuntimeError, past it; the call itself stays bounded by the
         communicator's timeout)."""
         call_counts[f"ringcoll:{name}"] += 1
+        self._sequence += 1
         async_op = getattr(opts, "asyncOp", True)
         timeout = getattr(opts, "timeout", None)
         timeout = timeout if timeout is not None and timeout > datetime.timedelta(0) else None
@@ -407,6 +418,8 @@ class RingcollProcessGroup(dist.ProcessGroup):
         run, else gloo (counted in call_counts as "nccl:<name>" / "gloo:<name>")."""
         on_cuda = self.cuda_fallback is not None and any(t.is_cuda for t in _tensors_in(tensors))
         call_counts[f"{'nccl' if on_cuda else 'gloo'}:{name}"] += 1
+        if not self._bootstrapping:  # the communicator's own exchange is not the user's call
+            self._sequence += 1
         return self.cuda_fallback if on_cuda else self.fallback
 
     # --- the collectives ringcoll implements --------------------------------------------

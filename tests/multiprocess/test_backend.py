@@ -668,9 +668,11 @@ def test_forwarded_collectives_do_not_deadlock():
 
 def _call_forms(pg, rank, ws) -> tuple:
     """Each ProcessGroup call form on `pg`, waited for: ({form: the tensors it produced},
-    {form: (wait()'s value, is_completed(), is_success(), exception()) after the wait})."""
+    {form: (wait()'s value, is_completed(), is_success(), exception()) after the wait},
+    how far the group's sequence number moved meanwhile)."""
     MAX, SUM = dist.ReduceOp.MAX, dist.ReduceOp.SUM
     got, works = {}, {}
+    first_call = pg._get_sequence_number_for_group()
 
     def run(name, fn, *tensors):
         work = fn()
@@ -731,7 +733,7 @@ def _call_forms(pg, rank, ws) -> tuple:
         outs = [torch.empty(5) for _ in range(ws)]
         run("inference_mode dist.all_gather async",
             lambda: dist.all_gather(outs, t, group=pg, async_op=True), *outs)
-    return got, works
+    return got, works, pg._get_sequence_number_for_group() - first_call
 
 
 def _c10d_options(name):
@@ -741,15 +743,15 @@ def _c10d_options(name):
 def _forms_fn(rank, ws) -> dict:
     gloo = dist.new_group(backend="gloo")
     before = _ringcoll_counts()
-    ours, our_works = _call_forms(dist.group.WORLD, rank, ws)
+    ours, our_works, our_calls = _call_forms(dist.group.WORLD, rank, ws)
     routed = {k: v - before.get(k, 0) for k, v in _ringcoll_counts().items() if v != before.get(k, 0)}
     # torch.distributed's own coalesced call, through the backend and through gloo
     ours_pair = [torch.arange(4.0) + rank, torch.arange(3.0) * (rank + 1)]
     gloo_pair = [t.clone() for t in ours_pair]
     dist.all_reduce_coalesced(ours_pair, op=dist.ReduceOp.SUM)
     dist.all_reduce_coalesced(gloo_pair, op=dist.ReduceOp.SUM, group=gloo)
-    return {"ours": ours, "our_works": our_works, "gloo": _call_forms(gloo, rank, ws)[0], "routed": routed,
-            "coalesced_api": (ours_pair, gloo_pair)}
+    return {"ours": ours, "our_works": our_works, "our_calls": our_calls, "gloo": _call_forms(gloo, rank, ws)[0],
+            "routed": routed, "coalesced_api": (ours_pair, gloo_pair)}
 
 
 @pytest.mark.parametrize("ws", [2, 3])
@@ -764,6 +766,9 @@ def test_every_call_form_matches_gloo(ws):
         # coalescing names once gave back a c10d Work still not completed; gloo's coalesced
         # reduce-scatter's is not either, so this is the rule, not gloo's answer)
         assert {form: w for form, w in out["our_works"].items() if w != (True, True, True, None)} == {}, rank
+        # The group's sequence number counts each call once (gloo's counts its reduce-scatters twice, its
+        # own two steps; the ring's bootstrap exchange, gloo's work, is not the user's call)
+        assert out["our_calls"] == len(out["our_works"]), (rank, out["our_calls"], len(out["our_works"]))
         # The collectives ringcoll implements ran on the ring, coalesced ones included (the coalescing
         # manager's: one call each).
         assert out["routed"].get("ringcoll:all_reduce", 0) >= 4, out["routed"]
