@@ -330,8 +330,9 @@ class RingcollProcessGroup(dist.ProcessGroup):
 
     def _get_sequence_number_for_group(self) -> int:
         """The calls this rank has issued on the group, collectives and point-to-point alike,
-        each counted once when issued, as gloo counts them (all_gather_object is two); the
-        exchanges that build ringcoll's communicator are not counted."""
+        each counted once when issued (all_gather_object is two calls); gloo counts so too,
+        but its reduce-scatters twice. The exchanges that build ringcoll's communicator are
+        not counted."""
         return self._sequence
 
     def _set_sequence_number_for_group(self) -> None:
