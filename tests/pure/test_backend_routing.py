@@ -61,7 +61,9 @@ def test_what_the_rings_do_not_serve_goes_to_the_fallback(tensors, why):
 
 
 def _group(cuda_fallback):
-    return types.SimpleNamespace(fallback="gloo-group", cuda_fallback=cuda_fallback)
+    """What _fallback reads of a RingcollProcessGroup (not building a communicator: each call counted)."""
+    return types.SimpleNamespace(fallback="gloo-group", cuda_fallback=cuda_fallback, _bootstrapping=False,
+                                 _sequence=0)
 
 
 def test_fallback_is_nccl_for_cuda_tensors_where_nccl_runs(monkeypatch):
@@ -72,6 +74,7 @@ def test_fallback_is_nccl_for_cuda_tensors_where_nccl_runs(monkeypatch):
     assert backend.RingcollProcessGroup._fallback(pg, "broadcast", ((), {"tensor": on_gpu()})) == "nccl-group"
     assert backend.RingcollProcessGroup._fallback(pg, "broadcast", (([torch.ones(2)], None), {})) == "gloo-group"
     assert backend.call_counts == {"nccl:broadcast": 2, "gloo:broadcast": 1}
+    assert pg._sequence == 3  # each call issued on the group, whichever backend takes it
 
 
 def test_fallback_is_gloo_without_nccl(monkeypatch):
