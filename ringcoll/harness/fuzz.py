@@ -113,7 +113,7 @@ from typing import Callable, Optional, Sequence
 from ringcoll import _types, api, plans
 from ringcoll.communicator import Communicator, Work
 from ringcoll.harness.launcher import _close, _free_port, _set_pdeathsig, _terminate
-from ringcoll.training.hierarchical import HierarchicalCommunicator
+from ringcoll.training.hierarchical import HierarchicalCommunicator, _group_names
 from ringcoll.transports.base import Transport
 
 POOL_SIZE = 5
@@ -583,10 +583,9 @@ class _Worker:
 
     @staticmethod
     def group_count() -> int:
-        """The process groups this worker knows (torch's count: groups it is a member of)."""
-        from torch.distributed import distributed_c10d
-
-        return len(distributed_c10d._world.pg_names)
+        """The process groups this worker knows (torch's count: groups it is a member of), as
+        the hierarchical communicator reads it."""
+        return len(_group_names())
 
     def _pad_groups(self, count: int) -> None:
         """Bring this worker's count of process groups up to `count`, with groups of itself alone.
