@@ -136,9 +136,10 @@ def compare_with_gloo(ours, gloo) -> list:
 
 def groups_made_and_destroyed_hold_nothing(cycles: int = 3) -> list:
     """A ringcoll group made, used and destroyed, three times in turn: every cycle leaves the
-    process with as many process groups and threads as the first did. (Over several machines
-    the group's two-level communicator makes two gloo groups of its own, which its shutdown
-    once left registered until the world's destroy: a pair more per cycle.)"""
+    process with as many process groups, threads and open files as the first did. (Over
+    several machines the group's two-level communicator makes two gloo groups of its own,
+    which its shutdown once left registered until the world's destroy: a pair more per
+    cycle; and its link's sockets, which must close with it.)"""
     held = []
     for _ in range(cycles):
         sub = dist.new_group(backend="ringcoll")
@@ -147,9 +148,10 @@ def groups_made_and_destroyed_hold_nothing(cycles: int = 3) -> list:
         if not torch.equal(t, torch.full((4,), float(dist.get_world_size()))):
             return [f"all_reduce on a new ringcoll group gave {t.tolist()}"]
         dist.destroy_process_group(sub)
-        held.append((len(dist.distributed_c10d._world.pg_map), len(os.listdir("/proc/self/task"))))
+        held.append((len(dist.distributed_c10d._world.pg_map), len(os.listdir("/proc/self/task")),
+                     len(os.listdir("/proc/self/fd"))))
     if any(h != held[0] for h in held[1:]):
-        return [f"groups made and destroyed in turn: (process groups, threads) after each {held}"]
+        return [f"groups made and destroyed in turn: (process groups, threads, open files) after each {held}"]
     return []
 
 

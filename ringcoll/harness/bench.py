@@ -1105,7 +1105,7 @@ def run_on_hosts(world: int, config: Config, link: Optional[tuple]) -> tuple[lis
     """Every rank on two simulated machines (ringcoll/harness/hosts.py: network namespaces
     joined by a veth pair; `link`: (rate, delay) each way, hosts.parse_link's, or None for
     unshaped), world/2 on each, started by torchrun as on two real machines: ringcoll
-    hierarchical (its ring inside a machine, gloo between) against flat gloo over all of
+    hierarchical (its ring inside a machine, its TCP link between) against flat gloo over all of
     them, with the bytes each machine sends over the link counted. (rows, the config they
     ran with). RuntimeError if the machines cannot be made or shaped, or the run fails."""
     from ringcoll.harness.hosts import HOSTS, TwoHosts
@@ -1275,7 +1275,7 @@ def _f(value, width, digits=2, missing="n/a"):
 def transport_label(config: Config, world: int) -> str:
     if config.hosts > 1:
         return (f"{config.hosts} machines x {world // config.hosts} ranks (network namespaces; link: {config.link}); "
-                f"ringcoll hierarchical: its shared-memory ring inside a machine, gloo between; messages "
+                f"ringcoll hierarchical: its shared-memory ring inside a machine, its TCP link between; messages "
                 f"{config.pipeline}")
     if config.in_process:
         where = (f"CUDA, GPU 0 ({torch.cuda.get_device_name(0)}), peers by plain device pointers"

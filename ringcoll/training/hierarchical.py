@@ -1,4 +1,4 @@
-"""Hierarchical collectives: ringcoll's ring inside a node, torch.distributed between nodes.
+"""Hierarchical collectives: ringcoll's ring inside a node, its TCP link (or NCCL) between nodes.
 
 Ranks are grouped by node (an explicit ``node_id``, else ``RINGCOLL_NODE_ID``, else
 the global rank ``// LOCAL_WORLD_SIZE``, else the ranks that can share memory: one kernel and one
@@ -7,15 +7,15 @@ inside its node:
 
     all-reduce      1. reduce-scatter inside the node (ringcoll): local rank l now holds
                        shard l of the message, reduced over its node;
-                    2. all-reduce of that shard across nodes (torch.distributed's point-to-point
-                       calls, one group per local index: gloo between CPU nodes, NCCL
-                       between GPU nodes);
+                    2. all-reduce of that shard across nodes (between the ranks of each local
+                       index: ringcoll's own TCP link for CPU tensors, training/link.py;
+                       NCCL's point-to-point calls for GPU tensors);
                     3. all-gather inside the node (ringcoll).
                     Each rank puts 2(L-1)/L * n bytes on the fast intra-node ring and only
                     2(N-1)/N * n/L on the slow inter-node link: the node's L links share
                     the inter-node traffic, which is why two levels beat one flat ring.
-    broadcast       the root's local index carries it between the nodes (torch.distributed's
-                    broadcast over that index's group), then each node's ring broadcasts it
+    broadcast       the root's local index carries it between the nodes (the root sends it
+                    to its peer on every other node), then each node's ring broadcasts it
                     from that index.
     reduce          each node's ring reduces to the root's local index (into a copy on the
                     other nodes: only the root's tensor may change), then that index's
@@ -32,7 +32,7 @@ once rounds once). Every node must have the same number of ranks.
 
 Between two nodes a step is one swap with the peer of the same local index (each sends what
 the other needs and combines what it receives, in node order so both compute the same
-bits), not gloo's collective: the bytes a ring of two moves, in one round trip. With more
+bits), not a collective of gloo's: the bytes a ring of two moves, in one round trip. With more
 nodes, direct exchanges too (the section "between the nodes" below), so an element is
 always combined in node order. Where the
 link is slower than the node's ring, the message goes in pieces (``pipeline_bytes``;
@@ -63,14 +63,13 @@ import torch
 import torch.distributed as dist
 
 from ringcoll import packing
-from ringcoll._types import DTYPE_NAMES, ReduceOp, op_code, reduce_op, torch_tensor_forms
+from ringcoll._types import DTYPE_NAMES, ReduceOp, op_code, reduce_op
 from ringcoll.communicator import (EQUAL, GATHER, SCATTER, ArgumentChecks, Communicator, PreparedTensors, Work,
                                    _resolve_check, call_details, check_root, parse_bytes, resolve_timeout,
                                    submit_profiled)
 from ringcoll.errors import RingcollError, RingcollMismatchError, RingcollPeerError, RingcollTimeoutError
+from ringcoll.training.link import LinkFailure, SocketLink
 from ringcoll.transports.host import CallQueue, ThreadCompletion, ranks_by_domain, shared_memory_domain
-
-all_gather_single, reduce_scatter_single = torch_tensor_forms()  # gloo's calls between machines
 
 #: how two shards combine between the nodes (AVG runs as SUM, divided once at the end)
 COMBINE = {ReduceOp.SUM: torch.add, ReduceOp.PRODUCT: torch.mul, ReduceOp.MIN: torch.minimum,
@@ -245,16 +244,23 @@ class HierarchicalCommunicator(ArgumentChecks):
 
     Construction is collective over ``group`` (default: the default group): each rank makes
     the two groups it belongs to, its node's (the intra-node ringcoll Communicator for
-    ``device`` is built on it) and its local index's (``inter_backend``: by default gloo for
-    CPU tensors, NCCL for CUDA ones), in that order on every rank, or takes the ones a closed
-    communicator over the same ranks left (close()). Ranks outside ``group`` need not take part.
+    ``device`` is built on it) and its local index's, in that order on every rank, or takes
+    the ones a closed communicator over the same ranks left (close()). Ranks outside ``group``
+    need not take part. ``inter_backend`` moves the data between the nodes: "socket" (the
+    default for CPU tensors) ringcoll's own TCP link (training/link.py), whose connections
+    are set up over the local index's group (gloo's); "gloo" that group's point-to-point
+    calls; "nccl" (the default for CUDA tensors) an NCCL group's.
     """
 
     def __init__(self, group=None, node_id=None, timeout=None, buffer_bytes=None, inter_backend: Optional[str] = None,
                  check=None, device="cpu", pipeline_bytes=None):
         self.group = group if group is not None else dist.group.WORLD
         self.device = torch.device(device)
-        inter_backend = self.inter_backend = inter_backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        inter_backend = self.inter_backend = (inter_backend or os.environ.get("RINGCOLL_INTER_BACKEND")
+                                              or ("nccl" if self.device.type == "cuda" else "socket"))
+        if inter_backend == "socket" and self.device.type != "cpu":
+            raise ValueError(f"HierarchicalCommunicator: inter_backend='socket' (ringcoll's TCP link) moves CPU "
+                             f"tensors; for {self.device.type} tensors use 'nccl'")
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self.timeout = resolve_timeout(timeout)
@@ -308,8 +314,11 @@ class HierarchicalCommunicator(ArgumentChecks):
         # get the communicator's timeout: torch's default (30 min) would let a link that went
         # down hang every rank far past it.
         self.inter_ranks = [m[self.local_rank] for m in self.rank_at]  # one rank per node: this rank's local index
+        # The socket link's group is gloo's: it carries the link's addresses once, broadcast and the barrier.
+        group_backend = "gloo" if inter_backend == "socket" else inter_backend
         layout = ([(global_ranks(ranks), "gloo") for ranks in self.rank_at]
-                  + [(global_ranks([m[local] for m in self.rank_at]), inter_backend) for local in range(self.local_size)])
+                  + [(global_ranks([m[local] for m in self.rank_at]), group_backend)
+                     for local in range(self.local_size)])
         idle = _idle_groups_for(layout, {self._global_rank(r): offer[6] for r, offer in enumerate(offers)})
         group_timeout = datetime.timedelta(seconds=self.timeout)
 
@@ -322,10 +331,20 @@ class HierarchicalCommunicator(ArgumentChecks):
         node_group = self._node_group = group_at(self.node_index)
         self.inter_group = group_at(self.num_nodes + self.local_rank)
         self._group_keys = (layout[self.node_index], layout[self.num_nodes + self.local_rank])  # for _idle_groups
+        self._link = None
+        if inter_backend == "socket" and self.num_nodes > 1:
+            try:
+                self._link = SocketLink(self.node_index,
+                                        {node: f"rank {self.inter_ranks[node]} on host {self.node_names[node]}"
+                                         for node in range(self.num_nodes)}, self.timeout, self._share_on_link_group)
+            except LinkFailure as e:
+                raise RingcollTimeoutError(f"HierarchicalCommunicator: rank {self.rank} on host "
+                                           f"{self.node_names[self.node_index]}: {e}") from e
         # The node's ring checks nothing itself: check_call below compares every user call
-        # across all nodes, and the ring's calls follow from it. Each rank also keeps a link
-        # thread busy (gloo's, moving bytes while the ring waits): where the two outnumber the
-        # cores, the ring's waits must not spin (Communicator's shares_cores).
+        # across all nodes, and the ring's calls follow from it. Each rank also keeps the link
+        # busy (the kernel's TCP stack, or gloo's threads, moving bytes while the ring waits):
+        # where the two outnumber the cores, the ring's waits must not spin (Communicator's
+        # shares_cores).
         self.intra = Communicator(group=node_group, device=self.device, timeout=self.timeout,
                                   buffer_bytes=buffer_bytes, check=False,
                                   shares_cores=2 * self.local_size > (os.cpu_count() or 1))
@@ -365,6 +384,8 @@ class HierarchicalCommunicator(ArgumentChecks):
             except RingcollError as e:
                 error = e
         self._calls.close(self.intra.close)
+        if self._link is not None:
+            self._link.close()
         self._work_space.clear()
         if met or (offer_groups and not self._broken_reason):  # the next communicator may use them
             _idle_groups.update(zip((self._node_group, self.inter_group), self._group_keys))
@@ -435,6 +456,9 @@ class HierarchicalCommunicator(ArgumentChecks):
             self._settle_check()
         except RingcollMismatchError as e:
             self._broken_reason = str(e)
+            if not str(e).startswith(f"{name}:"):  # found by the socket link's header, the call check off
+                raise RingcollMismatchError(f"{name}: rank {self.rank} on host {self.node_names[self.node_index]}: "
+                                            f"{e}") from e
             raise
         except RingcollError as e:  # the node's ring: its ranks are numbered within the node
             self._broken_reason = f"{name}: {e}"
@@ -529,17 +553,21 @@ class HierarchicalCommunicator(ArgumentChecks):
         link's calls raised it (_run_checked)."""
         try:
             return call(*args, **kwargs)
+        except RingcollError:  # the socket link's header check: a mismatch, not the link
+            raise
         except RuntimeError as e:
             raise _LinkError(e) from e
 
     def _exchange(self, sends: dict, receives: dict) -> Callable[[], None]:
         """Start sending sends[i] to node i's rank of this local index and receiving
         receives[i] from it, for each node i in the two dicts (never this node; an empty
-        tensor is left out on both sides); the returned call waits for all of them. NCCL
-        takes them as one batch (separate calls could each wait for the other side's); gloo
-        as separate calls, as its batch took twice as long (1.9 ms against 0.8 ms for 512 KiB
-        each way, 2 x 2 namespace ranks)."""
+        tensor is left out on both sides); the returned call waits for all of them. The
+        socket link takes them as they are (link.py); NCCL as one batch (separate calls could
+        each wait for the other side's); gloo as separate calls, as its batch took twice as
+        long (1.9 ms against 0.8 ms for 512 KiB each way, 2 x 2 namespace ranks)."""
         self._settle_check()
+        if self._link is not None:
+            return functools.partial(self._on_link, self._on_link(self._link.exchange, sends, receives))
         ops = [(op, tensor, self._global_rank(self.inter_ranks[node]))
                for op, by_node in ((dist.isend, sends), (dist.irecv, receives))
                for node, tensor in by_node.items() if tensor.numel()]
@@ -551,6 +579,12 @@ class HierarchicalCommunicator(ArgumentChecks):
         else:
             works = [self._on_link(op, tensor, peer, group=self.inter_group) for op, tensor, peer in ops]
         return lambda: self._on_link(lambda: [work.wait() for work in works]) and None
+
+    def _share_on_link_group(self, entry) -> list:
+        """Every node's `entry` (this rank's peers' on the other nodes, and its own)."""
+        everyone: list = [None] * self.num_nodes
+        dist.all_gather_object(everyone, entry, group=self.inter_group)
+        return everyone
 
     def _other_nodes(self) -> list[int]:
         return [node for node in range(self.num_nodes) if node != self.node_index]
@@ -1031,13 +1065,16 @@ class HierarchicalCommunicator(ArgumentChecks):
         """In place: ``tensor = tensor on rank src`` on every rank (module docstring)."""
         name = "broadcast"
         self._auto_only(name, algorithm)
-        _, src_local = self._place_of(name, "src", src)
+        src_node, src_local = self._place_of(name, "src", src)
         dtype, _, count = self._check_tensor(name, "tensor", tensor)
         flat = tensor.view(-1)  # taken now, as the *_run methods take theirs (they say why)
 
         def run() -> None:
-            if self.local_rank == src_local:
-                self._on_link(dist.broadcast, flat, src=self._global_rank(src), group=self.inter_group)
+            if self.local_rank == src_local:  # between the nodes: src sends to its peers
+                if self.node_index == src_node:
+                    self._exchange({node: flat for node in self._other_nodes()}, {})()
+                else:
+                    self._exchange({}, {src_node: flat})()
             self.intra.broadcast(flat, src_local)
 
         return self._submit(name, run, [tensor], async_op, (dtype, -1, count, src))
@@ -1085,7 +1122,12 @@ class HierarchicalCommunicator(ArgumentChecks):
 
     def _meet(self) -> None:
         self.intra.barrier()
-        self._on_link(dist.barrier, group=self.inter_group)
+        if self._link is None:
+            self._on_link(dist.barrier, group=self.inter_group)
+            return
+        # One byte each way with every other node's peer, sent once this node has met.
+        heard = {node: torch.empty(1, dtype=torch.uint8) for node in self._other_nodes()}
+        self._exchange({node: torch.zeros(1, dtype=torch.uint8) for node in heard}, heard)()
 
 
 class PreparedHierarchicalCall(PreparedTensors):

@@ -47,14 +47,15 @@ def _gloo_all_gather(x, world):
     return ref
 
 
-def _hierarchical_vs_gloo(rank, world, layout, cases):
+def _hierarchical_vs_gloo(rank, world, layout, cases, inter_backend):
     import ringcoll
     from ringcoll.training.hierarchical import HierarchicalCommunicator
 
     failures = []
     node = layout[rank]
     # pipeline_bytes=256: a message of 1031 elements crosses in pieces of 64, the last padded
-    with HierarchicalCommunicator(node_id=node, buffer_bytes=4096, pipeline_bytes=256) as h:
+    with HierarchicalCommunicator(node_id=node, buffer_bytes=4096, pipeline_bytes=256,
+                                  inter_backend=inter_backend) as h:
         info = (h.num_nodes, h.local_size, h.node_index, h.local_rank)
         for dtype, op in cases:
             for n in (0, 5, 4 * 257 + 3):
@@ -148,16 +149,18 @@ def _out_of_place_and_prepared(h, rank, world, dtype, op):
     return failures
 
 
-@pytest.mark.parametrize("layout,cases", [
-    (("a", "a", "b", "b"), FULL),  # 2 nodes x 2 ranks, node-major rank order (as torchrun numbers them)
-    (("a", "b", "a", "b"), SHORT),  # the same nodes with interleaved ranks: the regrouping matters
+@pytest.mark.parametrize("layout,cases,inter_backend", [
+    # 2 nodes x 2 ranks, node-major rank order (as torchrun numbers them), over the socket link
+    (("a", "a", "b", "b"), FULL, "socket"),
+    # the same nodes with interleaved ranks (the regrouping matters), over gloo's point-to-point calls
+    (("a", "b", "a", "b"), SHORT, "gloo"),
     # 3 nodes x 2, numbered so that one local index's ranks are not in node order (2, 5, 4):
     # between three nodes each rank addresses the others by node, where gloo's rows (rank
-    # order) put node 2's data in node 1's row
-    (("a", "b", "a", "c", "c", "b"), SHORT),
+    # order) put node 2's data in node 1's row (and the socket link's group ranks, node 2's peer)
+    (("a", "b", "a", "c", "c", "b"), SHORT, "socket"),
 ])
-def test_nodes_match_gloo(layout, cases):
-    results = spawn(_hierarchical_vs_gloo, len(layout), layout, cases, timeout=240)
+def test_nodes_match_gloo(layout, cases, inter_backend):
+    results = spawn(_hierarchical_vs_gloo, len(layout), layout, cases, inter_backend, timeout=240)
     infos = [info for info, _ in results]
     nodes, local = len(set(layout)), len(layout) // len(set(layout))
     assert {(n, l) for n, l, _, _ in infos} == {(nodes, local)}
@@ -347,8 +350,9 @@ def _own_failure_mid_call(rank, world):
     """Rank 0 fails on its own, before its all-reduce sends anything (an injected error where
     it takes work space): it raises that error, not a lost link; its call queued behind
     refuses to run (the communicator is broken), so nothing of it crosses; the peer, whose
-    all-reduce waits for rank 0's shard, times out instead of taking the queued call's check
-    for that shard."""
+    all-reduce waits for rank 0's shard, hears that rank 0 closed its connection (rank 0's
+    communicator, broken, closes at the end of the ``with``) instead of taking the queued
+    call's check for that shard."""
     from ringcoll.training.hierarchical import HierarchicalCommunicator
 
     import threading
@@ -377,8 +381,9 @@ def test_a_ranks_own_failure_is_its_own_and_breaks_its_queue():
     assert mine[0] == "RuntimeError: injected: out of memory", mine
     assert mine[1].startswith("RingcollError: all_reduce: communicator is broken by an earlier error "
                               "(all_reduce: RuntimeError: injected: out of memory)"), mine
-    assert peer[0].startswith("RingcollTimeoutError: all_reduce: rank 1 on host ") and \
-        "heard nothing within the 4 s timeout" in peer[0], peer
+    assert peer[0].startswith("RingcollPeerError: all_reduce: rank 1 on host ") and \
+        "LinkFailure: " in peer[0] and "rank 0 on host" in peer[0].partition("LinkFailure: ")[2] and \
+        "(its communicator was closed after an error, or its process ended)" in peer[0], peer
     assert peer[1].startswith("RingcollError: all_reduce: communicator is broken"), peer
     assert peer_x == [1.0, 1.0], peer_x  # nothing landed in the peer's tensor
 
