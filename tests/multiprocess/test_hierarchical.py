@@ -617,3 +617,27 @@ def test_ranks_that_made_different_numbers_of_groups_are_told_at_once():
     for message in spawn(_subgroup_then_world, 3, timeout=60):
         assert message.startswith("HierarchicalCommunicator: the ranks have made different numbers of process "
                                   "groups (rank 0: 4, rank 1: 4, rank 2: 1)"), message
+
+
+def _mismatch_unchecked(rank, world):
+    """With the call check off, two nodes whose ranks call all_reduce with different counts:
+    the socket link's header shows it (each swap's bytes differ) on both."""
+    from ringcoll.training.hierarchical import HierarchicalCommunicator
+
+    h = HierarchicalCommunicator(node_id=rank, check=False, timeout=10)
+    x = torch.ones(1001 if rank == 0 else 1000)
+    try:
+        h.all_reduce(x)
+        outcome = "no error"
+    except Exception as e:  # noqa: BLE001 -- the type and message are the result
+        outcome = f"{type(e).__name__}: {e}"
+    dist.barrier()  # both have read the other's header before either closes its connection
+    h.close()
+    return outcome, bool((x == 1).all())
+
+
+def test_a_mismatch_with_the_check_off_is_caught_by_the_links_header():
+    for rank, (outcome, untouched) in enumerate(spawn(_mismatch_unchecked, 2, timeout=60)):
+        assert outcome.startswith(f"RingcollMismatchError: all_reduce: rank {rank} on host "), outcome
+        assert "the ranks made different calls (the call check, RINGCOLL_CHECK, is off)" in outcome, outcome
+        assert untouched, rank
