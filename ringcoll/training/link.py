@@ -262,7 +262,9 @@ class SocketLink:
                 return socket.create_connection((host, port), timeout=max(deadline - time.monotonic(), 0.001))
             except OSError as e:
                 if time.monotonic() >= deadline:
-                    raise LinkFailure(f"timed out connecting to {peer} at {host}:{port} ({e})") from e
+                    raise LinkFailure(f"timed out connecting to {peer} at {host}:{port} ({e}): if that is not an "
+                                      "address the machines reach each other at, name the interface that is in "
+                                      "RINGCOLL_SOCKET_IFNAME (or GLOO_SOCKET_IFNAME)") from e
                 time.sleep(0.01)  # refused or unreachable for now: the peer's machine may still be coming up
 
     def exchange(self, sends: dict, receives: dict) -> Callable[[], None]:

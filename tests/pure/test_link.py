@@ -185,3 +185,14 @@ def test_the_address_follows_the_interface_named(monkeypatch):
     monkeypatch.delenv("RINGCOLL_SOCKET_IFNAME")
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # as gloo is told
     assert link_module.local_address() == "127.0.0.1"
+
+
+def test_a_peer_never_listening_is_a_timeout_that_says_which_address_to_set():
+    with socket.socket() as s:  # a port that was free a moment ago: refused, then still refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.monotonic()
+    with pytest.raises(LinkFailure, match=f"timed out connecting to machine 0 at 127.0.0.1:{port} .*name the "
+                                          "interface that is in RINGCOLL_SOCKET_IFNAME"):
+        SocketLink._dial("127.0.0.1", port, time.monotonic() + 0.3, "machine 0")
+    assert time.monotonic() - start < 3
