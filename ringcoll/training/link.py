@@ -36,6 +36,7 @@ import select
 import socket
 import struct
 import time
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -205,6 +206,7 @@ class SocketLink:
         self.timeout = timeout
         self._failure = ""
         self._connections: dict = {}
+        _live_links.add(self)
         address = local_address()
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
@@ -322,11 +324,27 @@ class SocketLink:
                     if connection.sends or connection.receives:
                         raise LinkFailure(f"{connection.peer} closed the connection ({GONE})")
 
-    def close(self) -> None:
+    def close(self, why: str = "closed") -> None:
         for connection in self._connections.values():
-            connection.sock.close()
+            connection.sock.close()  # close(), never shutdown(): a forked child's close must not end the parent's
         self._connections = {}
-        self._failure = self._failure or "closed"
+        self._failure = self._failure or why
+
+
+#: Every open link, so that a child of fork() lets go of its parent's (below).
+_live_links: "weakref.WeakSet[SocketLink]" = weakref.WeakSet()
+
+
+def _let_go_of_links_in_child() -> None:
+    """In a child of fork() (a DataLoader worker, say): the parent's connections are copies
+    of its file descriptors, useless here, and held they would keep each connection open
+    after the parent died, so its peers would wait for the timeout instead of hearing at
+    once. Closing a copy leaves the parent's connection as it is."""
+    for link in list(_live_links):
+        link.close("made in the parent process: a child of fork() cannot use it")
+
+
+os.register_at_fork(after_in_child=_let_go_of_links_in_child)
 
 
 def _read_exactly(sock: socket.socket, n: int) -> bytes:

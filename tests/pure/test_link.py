@@ -196,3 +196,25 @@ def test_a_peer_never_listening_is_a_timeout_that_says_which_address_to_set():
                                           "interface that is in RINGCOLL_SOCKET_IFNAME"):
         SocketLink._dial("127.0.0.1", port, time.monotonic() + 0.3, "machine 0")
     assert time.monotonic() - start < 3
+
+
+def test_a_forked_child_does_not_keep_its_parents_connections_open():
+    """A child of fork() (a DataLoader worker) lets go of the link's sockets, so when the
+    parent's side closes (its process dies), the peer still hears it at once, not at the
+    timeout, while the child lives on."""
+    links = _links(2, timeout=20)
+    child = os.fork()
+    if child == 0:  # the child of machine 1's process (here both machines' links are in it)
+        time.sleep(30)
+        os._exit(0)
+    try:
+        links[1].close()  # the parent's side goes; the child still runs
+        start = time.monotonic()
+        with pytest.raises(LinkFailure, match="machine 1 .*its communicator was closed after an error, or its "
+                                              "process ended"):
+            links[0].exchange({1: torch.ones(4)}, {1: torch.empty(4)})()
+        assert time.monotonic() - start < 5
+    finally:
+        os.kill(child, 9)
+        os.waitpid(child, 0)
+    _close(links)
