@@ -48,6 +48,7 @@ HEADER = struct.Struct("<QQ")  # message number, payload bytes
 HELLO = struct.Struct("<16sQ")  # the acceptor's token (proves the job), the connector's node index
 SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
 GONE = "its communicator was closed after an error, or its process ended"
+HELLO_SECONDS = 5.0  # how long an accepted connection may take to say its hello
 
 
 class LinkFailure(RuntimeError):
@@ -240,7 +241,9 @@ class SocketLink:
                 except socket.timeout:
                     waiting = ", ".join(peer_names[n] for n in where if n > node_index and n not in connections)
                     raise LinkFailure(f"timed out after {self.timeout:g} s waiting for {waiting} to connect") from None
-                sock.settimeout(max(deadline - time.monotonic(), 0.001))
+                # A peer sends its hello as it connects: a stranger that says nothing is given up
+                # after HELLO_SECONDS, so it cannot hold the real peers back until the timeout.
+                sock.settimeout(min(max(deadline - time.monotonic(), 0.001), HELLO_SECONDS))
                 try:
                     hello = _read_exactly(sock, HELLO.size)
                 except OSError:

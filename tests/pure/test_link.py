@@ -151,19 +151,22 @@ def test_a_silent_peer_is_a_timeout_naming_what_is_left():
     _close(links)
 
 
-def test_a_strangers_connection_is_ignored():
-    """A connection that does not open with the listener's token (a port scan, another job)
-    is closed, and the real peer still connects."""
+def test_a_strangers_connection_is_ignored(monkeypatch):
+    """A connection that does not open with the listener's token (a port scan, another job),
+    or says nothing, is closed, and the real peer still connects, well within the timeout."""
     strangers = []
 
     def knock(entries):
         node0 = next(e for e in entries if e[0] == 0)
-        for hello in (b"GET / HTTP/1.0\r\n\r\n" + bytes(HELLO.size), HELLO.pack(os.urandom(16), 1)):
+        for hello in (b"GET / HTTP/1.0\r\n\r\n" + bytes(HELLO.size), HELLO.pack(os.urandom(16), 1), b""):
             s = socket.create_connection((node0[1], node0[2]))
-            s.sendall(hello)
+            s.sendall(hello)  # the last says nothing at all: given up after HELLO_SECONDS
             strangers.append(s)
 
-    links = _links(2, before_connect=knock)
+    monkeypatch.setattr(link_module, "HELLO_SECONDS", 0.5)
+    start = time.monotonic()
+    links = _links(2, timeout=20, before_connect=knock)
+    assert time.monotonic() - start < 10
     got = _in_threads(lambda: links[0].exchange({1: torch.ones(3)}, {1: torch.zeros(3)})(),
                       lambda: links[1].exchange({0: torch.ones(3)}, {0: torch.zeros(3)})())
     assert got == [None, None]
