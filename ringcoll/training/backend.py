@@ -60,7 +60,7 @@ says which shared-memory domain it is in (``transports.host.shared_memory_domain
 kernel's boot id and the /dev/shm file system). All in one: the communicator is one ring.
 On several machines (``torchrun --nnodes 2``) it is a
 :class:`~ringcoll.training.hierarchical.HierarchicalCommunicator` instead, with the same
-methods: the ring inside each machine, gloo between them; nothing in the user's script
+methods: the ring inside each machine, ringcoll's TCP link between them; nothing in the user's script
 changes. Machines with different numbers of ranks are refused there, on every rank, with a
 message saying what to do (start the same number on each).
 
