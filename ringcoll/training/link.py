@@ -49,6 +49,7 @@ HELLO = struct.Struct("<16sQ")  # the acceptor's token (proves the job), the con
 SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
 GONE = "its communicator was closed after an error, or its process ended"
 HELLO_SECONDS = 5.0  # how long an accepted connection may take to say its hello
+POLL_SLICE_SECONDS = 0.1  # the longest a wait sleeps before it looks whether the link was closed
 
 
 class LinkFailure(RuntimeError):
@@ -304,19 +305,24 @@ class SocketLink:
         by_fd = {c.sock.fileno(): c for c in self._connections.values()}
         poller = select.poll()
         while not all(message.done for message in messages):
-            busy = [c for c in by_fd.values() if c.sends or c.receives]
-            for c in busy:
-                poller.register(c.sock, (select.POLLOUT if c.sends else 0) | (select.POLLIN if c.receives else 0))
+            busy = {fd: c for fd, c in by_fd.items() if c.sends or c.receives}  # by number: close() may come
+            for fd, c in busy.items():
+                poller.register(fd, (select.POLLOUT if c.sends else 0) | (select.POLLIN if c.receives else 0))
             left = deadline - time.monotonic()
-            ready = poller.poll(max(left, 0) * 1000) if left > 0 else []
-            for c in busy:
-                poller.unregister(c.sock)
-            if not ready:
+            # In slices: a close() from another thread does not wake a poll on its sockets.
+            ready = poller.poll(min(left, POLL_SLICE_SECONDS) * 1000) if left > 0 else []
+            for fd in busy:
+                poller.unregister(fd)
+            if not self._connections:
+                raise LinkFailure("the link was closed by this rank while in use")
+            if not ready and time.monotonic() >= deadline:
                 pending = ", ".join(f"{c.peer}: {len(c.sends)} to send, {len(c.receives)} to receive"
-                                    for c in busy)
+                                    for c in busy.values())
                 raise LinkFailure(f"timed out after {self.timeout:g} s with messages still to move ({pending})")
             for fd, events in ready:
                 connection = by_fd[fd]
+                if events & select.POLLNVAL:  # closed on this side (close() from another thread)
+                    raise LinkFailure("the link was closed by this rank while in use")
                 if events & select.POLLIN:
                     connection.pull()
                 if events & select.POLLOUT:

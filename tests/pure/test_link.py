@@ -221,3 +221,17 @@ def test_a_forked_child_does_not_keep_its_parents_connections_open():
         os.kill(child, 9)
         os.waitpid(child, 0)
     _close(links)
+
+
+def test_a_link_closed_while_a_wait_is_on_ends_that_wait():
+    """close() from another thread (a communicator closed while its worker waits): the wait
+    ends with an error naming it, not a spin until the timeout."""
+    links = _links(2, timeout=20)
+    wait = links[0].exchange({1: torch.ones(4)}, {1: torch.empty(4)})
+    closer = threading.Timer(0.3, links[0].close)
+    closer.start()
+    start = time.monotonic()
+    with pytest.raises(LinkFailure, match="closed by this rank while in use"):
+        wait()
+    assert time.monotonic() - start < 5
+    _close(links)
