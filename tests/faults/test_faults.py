@@ -729,6 +729,15 @@ def _absent_peer(rank, world, timeout, check, algorithm):
     return "no error", "", time.monotonic() - start, "", 0.0, False
 
 
+def _ctrl_c_in(seconds: float) -> None:
+    """SIGINT to this process after `seconds`, as Ctrl-C sends it, raised as KeyboardInterrupt
+    whatever this process inherited: a shell that starts a command in the background (`&`,
+    without job control) makes it ignore SIGINT, and Python then installs no handler (a CI
+    run started so failed both Ctrl-C tests)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGINT)).start()
+
+
 def _interrupted_in_a_collective(rank, world):
     """Ctrl-C (SIGINT) on rank 0 while its all_reduce waits for rank 1, which calls only
     after rank 0 has come back."""
@@ -745,7 +754,7 @@ def _interrupted_in_a_collective(rank, world):
             return "no error"
         except ringcoll.RingcollError as e:
             return type(e).__name__, str(e)
-    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    _ctrl_c_in(0.5)
     start = time.monotonic()
     try:
         comm.all_reduce(torch.ones(1000))
@@ -879,7 +888,7 @@ def _interrupted_in_the_bootstrap(rank, world):
     if rank == 1:
         time.sleep(3.0)  # never constructs; alive while rank 0 waits
         return None
-    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    _ctrl_c_in(0.5)
     start = time.monotonic()
     try:
         ringcoll.Communicator(timeout=60)
