@@ -1122,12 +1122,9 @@ class HierarchicalCommunicator(ArgumentChecks):
 
     def _meet(self) -> None:
         self.intra.barrier()
-        if self._link is None:
-            self._on_link(dist.barrier, group=self.inter_group)
-            return
         # One byte each way with every other node's peer, sent once this node has met.
-        heard = {node: torch.empty(1, dtype=torch.uint8) for node in self._other_nodes()}
-        self._exchange({node: torch.zeros(1, dtype=torch.uint8) for node in heard}, heard)()
+        heard = {node: torch.empty(1, dtype=torch.uint8, device=self.device) for node in self._other_nodes()}
+        self._exchange({node: torch.zeros(1, dtype=torch.uint8, device=self.device) for node in heard}, heard)()
 
 
 class PreparedHierarchicalCall(PreparedTensors):

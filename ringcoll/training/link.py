@@ -123,15 +123,22 @@ class _Message:
     def done(self) -> bool:
         return self.moved == self.size
 
+    def unmoved(self) -> list:
+        """What is still to move, in order: the header's rest and the payload, or the payload's rest."""
+        if self.moved < HEADER.size:
+            return [memoryview(self.header)[self.moved:], self.payload]
+        return [self.payload[self.moved - HEADER.size:]]
+
 
 class _Connection:
-    """One TCP connection to the peer of this rank's local index on machine `node`, with
-    the messages waiting to be sent and received on it, each in order."""
+    """One TCP connection to the peer of this rank's local index on another machine (`peer`:
+    how messages name it), with the messages waiting to be sent and received on it, each in
+    order."""
 
-    def __init__(self, sock: socket.socket, node: int, peer: str):
+    def __init__(self, sock: socket.socket, peer: str):
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a header is never held back
-        self.sock, self.node, self.peer = sock, node, peer
+        self.sock, self.peer = sock, peer
         self.sends: collections.deque = collections.deque()
         self.receives: collections.deque = collections.deque()
         self.sent = self.received = 0  # messages numbered so far, each way
@@ -152,11 +159,8 @@ class _Connection:
         """Send what the kernel takes now."""
         while self.sends:
             message = self.sends[0]
-            moved = message.moved
-            parts = ([memoryview(message.header)[moved:], message.payload] if moved < HEADER.size
-                     else [message.payload[moved - HEADER.size:]])
             try:
-                message.moved += self.sock.sendmsg(parts)
+                message.moved += self.sock.sendmsg(message.unmoved())
             except BlockingIOError:
                 return
             except OSError as e:
@@ -170,10 +174,8 @@ class _Connection:
         while self.receives:
             message = self.receives[0]
             moved = message.moved
-            into = (memoryview(message.header)[moved:] if moved < HEADER.size
-                    else message.payload[moved - HEADER.size:])
             try:
-                got = self.sock.recv_into(into)
+                got = self.sock.recv_into(message.unmoved()[0])  # the header whole before the payload
             except BlockingIOError:
                 return
             except OSError as e:
@@ -234,7 +236,7 @@ class SocketLink:
                 host, port, their_token = where[node]
                 sock = self._dial(host, port, deadline, peer_names[node])
                 sock.sendall(HELLO.pack(their_token, node_index))
-                connections[node] = _Connection(sock, node, peer_names[node])
+                connections[node] = _Connection(sock, peer_names[node])
             while len(connections) < len(where) - 1:
                 listener.settimeout(max(deadline - time.monotonic(), 0.001))
                 try:
@@ -254,7 +256,7 @@ class SocketLink:
                 if their_token != token or node not in where or node <= node_index or node in connections:
                     sock.close()  # not one of this job's ranks: ignored
                     continue
-                connections[node] = _Connection(sock, node, peer_names[node])
+                connections[node] = _Connection(sock, peer_names[node])
         except BaseException:
             for connection in connections.values():
                 connection.sock.close()
@@ -277,16 +279,19 @@ class SocketLink:
         """Start sending sends[node] to that machine's peer and receiving receives[node] from
         it (tensors; empty ones are left out on both sides); the returned call waits until all
         of them have moved."""
-        if self._failure:
-            raise LinkFailure(f"the link failed earlier: {self._failure}")
-        messages = []
-        for node, tensor in sends.items():
-            if tensor.numel():
-                messages.append(self._connections[node].send(_bytes_of(tensor)))
-        for node, tensor in receives.items():
-            if tensor.numel():
-                messages.append(self._connections[node].receive(_bytes_of(tensor)))
-        self._guarded(lambda: [self._connections[node].push() for node in sends])
+        messages: list = []
+
+        def start() -> None:
+            for node, tensor in sends.items():
+                if tensor.numel():
+                    messages.append(self._connections[node].send(_bytes_of(tensor)))
+            for node, tensor in receives.items():
+                if tensor.numel():
+                    messages.append(self._connections[node].receive(_bytes_of(tensor)))
+            for node in sends:
+                self._connections[node].push()
+
+        self._guarded(start)
         return lambda: self._guarded(lambda: self._wait_for(messages))
 
     def _guarded(self, step: Callable[[], object]) -> None:
@@ -313,7 +318,7 @@ class SocketLink:
             ready = poller.poll(min(left, POLL_SLICE_SECONDS) * 1000) if left > 0 else []
             for fd in busy:
                 poller.unregister(fd)
-            if not self._connections:
+            if not self._connections:  # close() empties it before it closes a socket
                 raise LinkFailure("the link was closed by this rank while in use")
             if not ready and time.monotonic() >= deadline:
                 pending = ", ".join(f"{c.peer}: {len(c.sends)} to send, {len(c.receives)} to receive"
@@ -321,8 +326,6 @@ class SocketLink:
                 raise LinkFailure(f"timed out after {self.timeout:g} s with messages still to move ({pending})")
             for fd, events in ready:
                 connection = by_fd[fd]
-                if events & select.POLLNVAL:  # closed on this side (close() from another thread)
-                    raise LinkFailure("the link was closed by this rank while in use")
                 if events & select.POLLIN:
                     connection.pull()
                 if events & select.POLLOUT:
@@ -334,10 +337,10 @@ class SocketLink:
                         raise LinkFailure(f"{connection.peer} closed the connection ({GONE})")
 
     def close(self, why: str = "closed") -> None:
-        for connection in self._connections.values():
-            connection.sock.close()  # close(), never shutdown(): a forked child's close must not end the parent's
-        self._connections = {}
+        connections, self._connections = self._connections, {}
         self._failure = self._failure or why
+        for connection in connections.values():
+            connection.sock.close()  # close(), never shutdown(): a forked child's close must not end the parent's
 
 
 #: Every open link, so that a child of fork() lets go of its parent's (below).
