@@ -55,7 +55,8 @@ py::tuple plan_tuple(const Plan& plan) {
 // (host_strip.h's reduce_strip) and so reduce.h's functors; `final` applies finalize
 // (AVG's division by `world`). path "auto" is the ring's choice (the best vector loop the
 // CPU has: host_vector_isa), "avx512" / "avx2" that loop only (the scalar one where the CPU
-// lacks it), "scalar" the reference loop. For tests of each.
+// lacks it), "scalar" the reference loop: for tests of each; the hierarchical communicator
+// combines shards between CPU nodes with it (path "auto").
 void reduce_arrays(uintptr_t out, uintptr_t a, uintptr_t b, int64_t count, int dtype, int op, bool final, int world,
                    const std::string& path) {
   RINGCOLL_CHECK(is_supported(static_cast<DType>(dtype), static_cast<ReduceOp>(op)), std::invalid_argument,
@@ -111,7 +112,8 @@ void bind_core(py::module_& m) {
   s.def("num_slices", &num_slices);
 
   m.def("reduce_arrays", &reduce_arrays, py::arg("out"), py::arg("a"), py::arg("b"), py::arg("count"),
-        py::arg("dtype"), py::arg("op"), py::arg("final") = false, py::arg("world") = 1, py::arg("path") = "auto");
+        py::arg("dtype"), py::arg("op"), py::arg("final") = false, py::arg("world") = 1, py::arg("path") = "auto",
+        py::call_guard<py::gil_scoped_release>());
   // Which vector path the host reduce loop uses for 16-bit floats: "avx512f", "avx2+f16c" or "none".
   m.attr("host_vector_isa") = host::host_vector_isa();
   m.def("dtype_size", [](int d) { return dtype_size(static_cast<DType>(d)); });

@@ -208,10 +208,41 @@ RINGCOLL_AVX512 int64_t reduce16_avx512(T* out, T* out2, const T* recv, const T*
 
 #undef RINGCOLL_AVX512
 
+// Every other dtype (float32, float64, the integers): the scalar loop itself, compiled a
+// second time for AVX2, which GCC vectorises 32 bytes at a time where the x86-64 build has
+// SSE2's 16 (float32 sum of two 16 MiB arrays in place on this project's AMD VM: 2.7 ms
+// SSE2, 1.7 ms so, as torch.add). Each element gets the same IEEE operations, so the same
+// bits as the scalar loop (the target names AVX2 alone: no FMA, nothing contracted), but
+// for which of two NaNs a sum returns, which IEEE leaves open and these types do not pin.
+inline bool avx2_supported() {
+  static const bool supported = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2");
+  }();
+  return supported;
+}
+
+template <typename T, class Op, bool kFinal>
+__attribute__((target("avx2"))) int64_t reduce_wide_avx2(T* out, T* out2, const T* recv, const T* own,
+                                                         int64_t len, int world) {
+  if (out2 != nullptr) {
+    for (int64_t i = 0; i < len; ++i) {
+      out[i] = out2[i] = kFinal ? combine_final_element<T, Op>(recv[i], own[i], world)
+                                : combine_element<T, Op>(recv[i], own[i]);
+    }
+  } else {
+    for (int64_t i = 0; i < len; ++i) {
+      out[i] = kFinal ? combine_final_element<T, Op>(recv[i], own[i], world) : combine_element<T, Op>(recv[i], own[i]);
+    }
+  }
+  return len;
+}
+
 #else  // not x86-64: the scalar loop only
 
 inline bool vector16_supported() { return false; }
 inline bool vector16_avx512_supported() { return false; }
+inline bool avx2_supported() { return false; }
 inline const char* host_vector_isa() { return "none"; }
 
 #endif
@@ -220,8 +251,9 @@ inline const char* host_vector_isa() { return "none"; }
 // for tests, one ISA (if the CPU has it; else none) or none (the scalar reference).
 enum class VectorIsa { kBest, kAvx512, kAvx2, kNone };
 
-// The entry point for host_strip.h: how many leading elements the vector path did (0 for
-// other dtypes, other CPUs, or with VectorIsa::kNone).
+// The entry point for host_strip.h: how many leading elements the vector path did (0 on
+// other CPUs, or with VectorIsa::kNone; the wider dtypes have no AVX-512 loop: kAvx512
+// gives them the scalar one).
 template <typename T, class Op, bool kFinal>
 inline int64_t reduce_strip_vector(T* out, T* out2, const T* recv, const T* own, int64_t len, int world,
                                    VectorIsa isa) {
@@ -232,6 +264,8 @@ inline int64_t reduce_strip_vector(T* out, T* out2, const T* recv, const T* own,
       return reduce16_avx512<T, Op, kFinal>(out, out2, recv, own, len, world);
     if ((best || isa == VectorIsa::kAvx2) && vector16_supported())
       return reduce16_avx2<T, Op, kFinal>(out, out2, recv, own, len, world);
+  } else if ((isa == VectorIsa::kBest || isa == VectorIsa::kAvx2) && avx2_supported()) {
+    return reduce_wide_avx2<T, Op, kFinal>(out, out2, recv, own, len, world);
   }
 #endif
   (void)out, (void)out2, (void)recv, (void)own, (void)len, (void)world, (void)isa;

@@ -438,3 +438,49 @@ def test_two_nans_give_the_first_one(dtype):
             for path in VECTOR_PATHS + ["scalar"]:
                 got = bits16(reduce_arrays(a, b, op, final, world, path=path))
                 assert (got == quiet_a).all(), (OP_NAMES[op], final, path, hex(got[0].item() & 0xFFFF))
+
+
+# ---------------------------------------------------------------------------------------
+# The wider dtypes' AVX2 loop (host_vector16.h's reduce_wide_avx2: the scalar loop compiled
+# for AVX2) against the scalar loop, bit for bit but for which of two NaNs a sum returns
+# (IEEE leaves it open; these types do not pin it): path "avx2" and "auto" (what the ring
+# runs) against "scalar", at lengths and offsets around the 32-byte vectors, in place too.
+
+WIDE = [torch.float32, torch.float64] + INTS
+
+
+@pytest.mark.parametrize("dtype", WIDE, ids=lambda d: str(d).replace("torch.", ""))
+def test_wide_vector_loop_matches_scalar(dtype):
+    edges, edges_b = edge_pairs(dtype)
+    near_a, near_b = random_pair(dtype, count=5000, seed=17)
+    for a, b in ((edges, edges_b), (near_a, near_b)):
+        for op in OPS:
+            if not supported(dtype, op):
+                continue
+            for final, world in ([(True, 3), (True, 7)] if op == AVG else [(False, 1), (True, 4)]):
+                expected = reduce_arrays(a, b, op, final, world, path="scalar")
+                for path in ("avx2", "auto"):
+                    got = reduce_arrays(a, b, op, final, world, path=path)
+                    if dtype.is_floating_point:
+                        both_nan = got.isnan() & expected.isnan()
+                        same = (got.view(BITS[dtype]) == expected.view(BITS[dtype])) | both_nan
+                    else:
+                        same = got == expected
+                    assert bool(same.all()), (OP_NAMES[op], final, path, torch.nonzero(~same)[:4].flatten().tolist())
+    g = torch.Generator().manual_seed(23)
+    pool = lambda: (torch.randn(700, generator=g) * 50).to(dtype)
+    for n in list(range(40)) + [127, 129, 513]:
+        for off_a, off_b, off_out in ((0, 0, 0), (1, 3, 5), (3, 3, 3)):
+            a, b = pool(), pool()
+            x, y = a[off_a:off_a + n], b[off_b:off_b + n]
+            results = []
+            for path in ("avx2", "scalar"):
+                out = torch.full((n + 16,), 7, dtype=dtype)
+                o = out[off_out:off_out + n]
+                _C.reduce_arrays(o.data_ptr(), x.data_ptr(), y.data_ptr(), n, DTYPE_CODES[dtype], SUM, path=path)
+                assert (out[:off_out] == 7).all() and (out[off_out + n:] == 7).all(), (n, path)
+                own = y.clone()  # in place: the output is the own operand, as in the ring
+                _C.reduce_arrays(own.data_ptr(), x.data_ptr(), own.data_ptr(), n, DTYPE_CODES[dtype], SUM, path=path)
+                assert torch.equal(own, o), (n, path)
+                results.append(o)
+            assert torch.equal(results[0], results[1]), (n, off_a, off_b, off_out)
