@@ -1,5 +1,6 @@
-// host_vector16.h: the float16 / bfloat16 reduce loop, 16 elements at a time with AVX2
-// and F16C (two 8-lane halves) or AVX-512 (one 16-lane vector), chosen at run time. The
+// host_vector16.h: the host's vector reduce loops, chosen at run time: mostly the float16 /
+// bfloat16 loop (the wider dtypes' AVX2 loop is at the end), 16 elements at a time with
+// AVX2 and F16C (two 8-lane halves) or AVX-512 (one 16-lane vector). The
 // scalar loop in host_strip.h stays the reference: this one must give its bits exactly,
 // for every input (tests/pure/test_reduce.py checks it).
 //

@@ -30,11 +30,10 @@ inside its node:
 AVG is SUM at both levels and one division by P at the end (gloo has no AVG, and dividing
 once rounds once). Every node must have the same number of ranks.
 
-Between two nodes a step is one swap with the peer of the same local index (each sends what
-the other needs and combines what it receives, in node order so both compute the same
-bits), not a collective of gloo's: the bytes a ring of two moves, in one round trip. With more
-nodes, direct exchanges too (the section "between the nodes" below), so an element is
-always combined in node order. Where the
+Between the nodes a step is a direct exchange with the peers of the same local index, not a
+collective of gloo's (the section "between the nodes" below): an all-reduce's shard in N
+parts, each node sent the part it owns, combining it in node order (so every node has the
+same bits) and sending it back, as a ring of N moves it. Where the
 link is slower than the node's ring, the message goes in pieces (``pipeline_bytes``;
 "auto", the default, measures whether pieces pay, once per class of message size): one
 piece crosses the link while the node's ring runs the next. The pieces never change a value
@@ -62,8 +61,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ringcoll import packing
-from ringcoll._types import DTYPE_NAMES, ReduceOp, op_code, reduce_op
+from ringcoll import _C, packing
+from ringcoll._types import DTYPE_CODES, DTYPE_NAMES, ReduceOp, op_code, reduce_op
 from ringcoll.communicator import (EQUAL, GATHER, SCATTER, ArgumentChecks, Communicator, PreparedTensors, Work,
                                    _resolve_check, call_details, check_root, parse_bytes, resolve_timeout,
                                    submit_profiled)
@@ -71,7 +70,8 @@ from ringcoll.errors import RingcollError, RingcollMismatchError, RingcollPeerEr
 from ringcoll.training.link import LinkFailure, SocketLink
 from ringcoll.transports.host import CallQueue, ThreadCompletion, ranks_by_domain, shared_memory_domain
 
-#: how two shards combine between the nodes (AVG runs as SUM, divided once at the end)
+#: how two shards combine between GPU nodes (AVG runs as SUM, divided once at the end);
+#: between CPU nodes, by the node ring's own loop (_combine)
 COMBINE = {ReduceOp.SUM: torch.add, ReduceOp.PRODUCT: torch.mul, ReduceOp.MIN: torch.minimum,
            ReduceOp.MAX: torch.maximum}
 
@@ -539,13 +539,13 @@ class HierarchicalCommunicator(ArgumentChecks):
     # Each step is started asynchronously and finished (waited, combined) later, so the
     # caller can run the node's ring on the next piece while this one crosses the link. Every
     # step is a direct exchange with the other nodes' ranks of this local index, each
-    # addressed by its node index: with two nodes one swap (the module docstring); with more,
-    # the all-reduce is a direct reduce-scatter then all-gather (each rank sends every other
-    # node the part that node owns, then its reduced part to every node: 2(N-1)/N of the
-    # shard, as a ring would). Not gloo's collectives: their order of reduction follows an
-    # element's place in the buffer, so cutting a message into pieces changed bits (3 nodes,
-    # 4 KiB pieces: 63613 of 300000 floats), and they number their rows in rank order, not
-    # node order. Here an element is combined in node order, wherever it lies.
+    # addressed by its node index: the all-reduce is a direct reduce-scatter then all-gather
+    # (each rank sends every other node the part that node owns, then its reduced part to
+    # every node: 2(N-1)/N of the shard, as a ring would). Not gloo's collectives: their
+    # order of reduction follows an element's place in the buffer, so cutting a message into
+    # pieces changed bits (3 nodes, 4 KiB pieces: 63613 of 300000 floats), and they number
+    # their rows in rank order, not node order. Here an element is combined in node order,
+    # wherever it lies.
 
     def _on_link(self, call: Callable, *args, **kwargs):
         """call(*args, **kwargs), a torch.distributed call between the nodes: its RuntimeError
@@ -558,16 +558,18 @@ class HierarchicalCommunicator(ArgumentChecks):
         except RuntimeError as e:
             raise _LinkError(e) from e
 
-    def _exchange(self, sends: dict, receives: dict) -> Callable[[], None]:
+    def _exchange(self, sends: dict, receives: dict, step_bytes: int = 0) -> Callable[[], None]:
         """Start sending sends[i] to node i's rank of this local index and receiving
         receives[i] from it, for each node i in the two dicts (never this node; an empty
         tensor is left out on both sides); the returned call waits for all of them. The
-        socket link takes them as they are (link.py); NCCL as one batch (separate calls could
-        each wait for the other side's); gloo as separate calls, as its batch took twice as
-        long (1.9 ms against 0.8 ms for 512 KiB each way, 2 x 2 namespace ranks)."""
+        socket link takes them as they are (link.py; `step_bytes`, the size of what they are
+        parts of, goes in each header, so that a mismatch shows on both sides); NCCL as one
+        batch (separate calls could each wait for the other side's); gloo as separate calls,
+        as its batch took twice as long (1.9 ms against 0.8 ms for 512 KiB each way, 2 x 2
+        namespace ranks)."""
         self._settle_check()
         if self._link is not None:
-            return functools.partial(self._on_link, self._on_link(self._link.exchange, sends, receives))
+            return functools.partial(self._on_link, self._on_link(self._link.exchange, sends, receives, step_bytes))
         ops = [(op, tensor, self._global_rank(self.inter_ranks[node]))
                for op, by_node in ((dist.isend, sends), (dist.irecv, receives))
                for node, tensor in by_node.items() if tensor.numel()]
@@ -590,41 +592,61 @@ class HierarchicalCommunicator(ArgumentChecks):
         return [node for node in range(self.num_nodes) if node != self.node_index]
 
     @staticmethod
-    def _combine_in_node_order(rows: list, level_op: ReduceOp, out: torch.Tensor) -> None:
+    def _combine(level_op: ReduceOp, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+        """out = a op b. On the CPU by the loop the node's ring reduces with (reduce.h), whose
+        every element gets the same bits wherever it lies in the call: torch.minimum of 0
+        and -0 returns b in its vector blocks and a in its tail, so how a message was cut
+        into pieces changed such an element's sign (two nodes, MIN, 1031 floats in 256-byte
+        pieces). A GPU's elementwise kernel treats every element alike."""
+        if out.device.type == "cpu":
+            _C.reduce_arrays(out.data_ptr(), a.data_ptr(), b.data_ptr(), out.numel(), DTYPE_CODES[out.dtype],
+                             int(level_op))
+        else:
+            COMBINE[level_op](a, b, out=out)
+
+    @classmethod
+    def _combine_in_node_order(cls, rows: list, level_op: ReduceOp, out: torch.Tensor) -> None:
         """out = rows[0] op rows[1] op ... (node 0's first), the same bits on every node. `out`
-        may be one of the rows but the first two only where it is rows[0] or the rows are two:
-        an element is read before it is written, in place. One row (one node): copied."""
+        may be rows[0] or rows[1] (each element is read before it is written), not a later
+        row, which the first step would overwrite before it is read. One row: copied."""
         if len(rows) == 1:
             out.copy_(rows[0])
             return
-        COMBINE[level_op](rows[0], rows[1], out=out)
+        cls._combine(level_op, rows[0], rows[1], out)
         for row in rows[2:]:
-            COMBINE[level_op](out, row, out=out)
+            cls._combine(level_op, out, row, out)
 
-    def _start_all_reduce(self, shard: torch.Tensor, level_op: ReduceOp, bank: int) -> Callable[[], None]:
-        """Start `shard` = level_op over the nodes' shards of this local index; the returned
-        call finishes it."""
-        others = self._other_nodes()
+    def _start_all_reduce(self, shard: torch.Tensor, level_op: ReduceOp, bank: int,
+                          out: Optional[torch.Tensor] = None) -> Callable[[], None]:
+        """Start `out` (by default `shard` itself) = level_op over the nodes' shards of this
+        local index; the returned call finishes it. A direct reduce-scatter, then all-gather:
+        N parts of the shard, part i owned by node i, which receives every other node's part
+        i, combines them into its part of `out` and sends that to every node, which receive
+        it straight into theirs. Each node sends 2(N-1)/N of the shard, as a ring would, and
+        combines only its own part: with two nodes, one swap of the whole shard and both
+        combining all of it took 4.2 of a 64 MiB all-reduce's 45 ms of CPU per rank (2 x 2
+        namespace ranks on this 2-core VM, where CPU, not the link, sets the pace), halves 1.8."""
+        out = shard if out is None else out
         if self.num_nodes == 1:
-            return lambda: None
-        if self.num_nodes == 2:  # one swap: each node combines both shards whole
-            theirs = self._scratch(bank, "theirs", shard.numel(), shard.dtype)
-            wait = self._exchange({others[0]: shard}, {others[0]: theirs})
-            rows = [shard, theirs] if self.node_index == 0 else [theirs, shard]
-            return lambda: (wait(), self._combine_in_node_order(rows, level_op, shard)) and None
-        # N parts of the shard, part i owned by node i: reduced there, then sent to every node.
+            return lambda: None if out is shard else out.copy_(shard)
+        others = self._other_nodes()
         width = -(-shard.numel() // self.num_nodes)
-        parts = [shard[i * width:(i + 1) * width] for i in range(self.num_nodes)]
-        mine = parts[self.node_index]
+        parts, results = ([t[i * width:(i + 1) * width] for i in range(self.num_nodes)] for t in (shard, out))
         rows = list(self._scratch(bank, "theirs", self.num_nodes * width, shard.dtype).view(self.num_nodes, width))
-        rows = [row[:mine.numel()] for row in rows]
-        wait = self._exchange({node: parts[node] for node in others}, {node: rows[node] for node in others})
+        rows = [row[:parts[self.node_index].numel()] for row in rows]
+        wait = self._exchange({node: parts[node] for node in others}, {node: rows[node] for node in others},
+                              shard.nbytes)
 
         def finish() -> None:
             wait()
-            rows[self.node_index].copy_(mine)  # so no operand is overwritten before it is read
-            self._combine_in_node_order(rows, level_op, mine)
-            self._exchange({node: mine for node in others}, {node: parts[node] for node in others})()
+            mine, result = parts[self.node_index], results[self.node_index]
+            if out is not shard or self.node_index < 2:  # the combine's output is no later operand
+                rows[self.node_index] = mine
+            else:  # it would be written before it is read
+                rows[self.node_index].copy_(mine)
+            self._combine_in_node_order(rows, level_op, result)
+            self._exchange({node: result for node in others}, {node: results[node] for node in others},
+                           shard.nbytes)()
 
         return finish
 
@@ -793,37 +815,46 @@ class HierarchicalCommunicator(ArgumentChecks):
         def padded(part: slice) -> int:  # the node ring's input for this piece: L equal chunks
             return -(-(part.stop - part.start) // local) * local
 
+        def ring_space(part: slice, bank: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+            """The node ring's input and output for this piece, L equal chunks each: the
+            message and the result where they lie, else one piece of work space for both
+            (and True: fill it, empty it). Local index l's chunk of the output is where its
+            share is reduced, crosses the link, and is gathered from, in place."""
+            if whole:
+                return flat, into, False
+            if by_range and padded(part) == part.stop - part.start:
+                return flat[part], into[part], False
+            width = padded(part) // local if by_range else part.stop - part.start
+            space = self._scratch(bank, "piece", local * width, flat.dtype)
+            return space, space, True
+
         def first(part: slice, bank: int):
-            if by_range:
-                width, source = padded(part) // local, flat[part]
-                if padded(part) != part.stop - part.start:
-                    source = self._scratch(bank, "piece", padded(part), flat.dtype)
-                    source[:part.stop - part.start].copy_(flat[part])
-                    source[part.stop - part.start:].zero_()  # reduced among itself, dropped
-            else:
-                width, source = part.stop - part.start, flat
-                if not whole:
-                    source = self._scratch(bank, "piece", local * width, flat.dtype)
-                    self._shard_parts(flat, shard, part, source.view(local, width), into_rows=True)
-            mine = self._scratch(bank, "shard", width, flat.dtype)
-            self.intra.reduce_scatter_tensor(mine, source, op=level_op)
-            return self._start_all_reduce(mine, level_op, bank)
+            ring_in, ring_out, in_work_space = ring_space(part, bank)
+            if in_work_space and by_range:
+                count = part.stop - part.start
+                ring_in[:count].copy_(flat[part])
+                ring_in[count:].zero_()  # reduced among itself, dropped
+            elif in_work_space:
+                self._shard_parts(flat, shard, part, ring_in.view(local, -1), into_rows=True)
+            mine = ring_out.view(local, -1)[self.local_rank]
+            reduced = mine
+            if self._pending_check is not None and not in_work_space:
+                # The call check still crosses the link: the first stage writes work space
+                # only, so a mismatch leaves the user's tensor as it was; the combine between
+                # the nodes puts the share in its place.
+                reduced = self._scratch(bank, "share", mine.numel(), flat.dtype)
+            self.intra.reduce_scatter_tensor(reduced, ring_in, op=level_op)
+            return self._start_all_reduce(reduced, level_op, bank, out=mine)
 
         def second(part: slice, bank: int):
-            lies_in_output = whole or (by_range and padded(part) == part.stop - part.start)
-            width = padded(part) // local if by_range else part.stop - part.start
-            mine = self._scratch(bank, "shard", width, flat.dtype)
-            gathered = (into if whole else into[part]) if lies_in_output \
-                else self._scratch(bank, "piece", local * width, flat.dtype)
-            self.intra.all_gather_into_tensor(gathered, mine)
+            _, ring_out, in_work_space = ring_space(part, bank)
+            self.intra.all_gather_into_tensor(ring_out, ring_out.view(local, -1)[self.local_rank])
             if divide:
-                gathered.div_(self.world_size)
-            if lies_in_output:
-                return
-            if by_range:
-                into[part].copy_(gathered[:part.stop - part.start])
-            else:
-                self._shard_parts(into, shard, part, gathered.view(local, width), into_rows=False)
+                ring_out.div_(self.world_size)
+            if in_work_space and by_range:
+                into[part].copy_(ring_out[:part.stop - part.start])
+            elif in_work_space:
+                self._shard_parts(into, shard, part, ring_out.view(local, -1), into_rows=False)
 
         self._pipelined(parts, first, second)
 

@@ -12,11 +12,15 @@ caller. NCCL has its own socket transport for the same reason.
 
 The protocol, per connection, in call order:
 
-    message = header (this connection's message number, the payload's bytes) + payload
+    message = header (this connection's message number, the payload's bytes, the step's
+              bytes) + payload
 
 Both sides know what they exchange (the call check has compared every rank's call first),
 so the header only proves it: a rank that expected other bytes raises RingcollMismatchError
-instead of reading garbage (possible only with the check off).
+instead of reading garbage (possible only with the check off). The step's bytes are those of
+what the payload is a part of (the shard an all-reduce step reduces, say), so that each side
+sees a mismatch even where its own payload happens to match: a shard of 1001 elements cut in
+two parts of 501 and 500, and one of 1000 in two of 500.
 
 Progress: an exchange starts by pushing its sends as far as the kernel takes them (the
 kernel moves them on while the node's ring works on the next piece); the rest, and every
@@ -44,7 +48,7 @@ import torch.distributed as dist
 
 from ..errors import RingcollMismatchError
 
-HEADER = struct.Struct("<QQ")  # message number, payload bytes
+HEADER = struct.Struct("<QQQ")  # message number, payload bytes, the step's bytes
 HELLO = struct.Struct("<16sQ")  # the acceptor's token (proves the job), the connector's node index
 SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
 GONE = "its communicator was closed after an error, or its process ended"
@@ -109,10 +113,10 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
 
 class _Message:
     """One message on one connection: its header and payload, and how far it has got."""
-    __slots__ = ("number", "header", "payload", "moved")
+    __slots__ = ("number", "header", "payload", "moved", "step_bytes")
 
     def __init__(self, number: int, payload: memoryview, header: bytes):
-        self.number, self.payload, self.moved = number, payload, 0
+        self.number, self.payload, self.moved, self.step_bytes = number, payload, 0, 0
         self.header = bytearray(header)
 
     @property
@@ -143,14 +147,15 @@ class _Connection:
         self.receives: collections.deque = collections.deque()
         self.sent = self.received = 0  # messages numbered so far, each way
 
-    def send(self, payload: memoryview) -> _Message:
-        message = _Message(self.sent, payload, HEADER.pack(self.sent, len(payload)))
+    def send(self, payload: memoryview, step_bytes: int) -> _Message:
+        message = _Message(self.sent, payload, HEADER.pack(self.sent, len(payload), step_bytes))
         self.sent += 1
         self.sends.append(message)
         return message
 
-    def receive(self, payload: memoryview) -> _Message:
+    def receive(self, payload: memoryview, step_bytes: int) -> _Message:
         message = _Message(self.received, payload, bytes(HEADER.size))
+        message.step_bytes = step_bytes
         self.received += 1
         self.receives.append(message)
         return message
@@ -185,15 +190,19 @@ class _Connection:
                                   f"{message.size - moved} bytes of message {message.number} still to come")
             message.moved += got
             if moved < HEADER.size <= message.moved:
-                number, size = HEADER.unpack(message.header)
-                if (number, size) != (message.number, len(message.payload)):
+                number, size, step_bytes = HEADER.unpack(message.header)
+                if (number, size, step_bytes) != (message.number, len(message.payload), message.step_bytes):
                     raise RingcollMismatchError(
-                        f"between the machines, {self.peer} sent {size} bytes as its message {number} where this "
-                        f"rank expected {len(message.payload)} bytes as message {message.number}: the ranks made "
+                        f"between the machines, {self.peer} sent {_what(size, number, step_bytes)} where this rank "
+                        f"expected {_what(len(message.payload), message.number, message.step_bytes)}: the ranks made "
                         "different calls (the call check, RINGCOLL_CHECK, is off)")
             if not message.done:
                 return
             self.receives.popleft()
+
+
+def _what(size: int, number: int, step_bytes: int) -> str:
+    return f"{size} bytes as message {number}" + (f" (of a {step_bytes}-byte step)" if step_bytes else "")
 
 
 class SocketLink:
@@ -275,19 +284,19 @@ class SocketLink:
                                       "RINGCOLL_SOCKET_IFNAME (or GLOO_SOCKET_IFNAME)") from e
                 time.sleep(0.01)  # refused or unreachable for now: the peer's machine may still be coming up
 
-    def exchange(self, sends: dict, receives: dict) -> Callable[[], None]:
+    def exchange(self, sends: dict, receives: dict, step_bytes: int = 0) -> Callable[[], None]:
         """Start sending sends[node] to that machine's peer and receiving receives[node] from
         it (tensors; empty ones are left out on both sides); the returned call waits until all
-        of them have moved."""
+        of them have moved. `step_bytes`: what they are parts of (the header's third field)."""
         messages: list = []
 
         def start() -> None:
             for node, tensor in sends.items():
                 if tensor.numel():
-                    messages.append(self._connections[node].send(_bytes_of(tensor)))
+                    messages.append(self._connections[node].send(_bytes_of(tensor), step_bytes))
             for node, tensor in receives.items():
                 if tensor.numel():
-                    messages.append(self._connections[node].receive(_bytes_of(tensor)))
+                    messages.append(self._connections[node].receive(_bytes_of(tensor), step_bytes))
             for node in sends:
                 self._connections[node].push()
 

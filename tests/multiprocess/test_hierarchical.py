@@ -278,22 +278,25 @@ def _pieces_by_range(rank, world):
             same = torch.equal(bits, whole)
         if pipeline and not same:
             failures.append(f"pieces of {pipeline} bytes changed {case}")
-    with HierarchicalCommunicator(node_id=node, pipeline_bytes=4096) as h:
-        h.all_reduce(torch.randn(4096))
-        roles = sorted({role for _, role, _ in h._work_space})
+    roles = []
+    for check in (False, True):
+        with HierarchicalCommunicator(node_id=node, pipeline_bytes=4096, check=check) as h:
+            h.all_reduce(torch.randn(4096))
+            roles.append(sorted({role for _, role, _ in h._work_space}))
     return failures, roles
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_pieces_of_two_rank_nodes_are_the_messages_ranges(world):
-    """world 2: one node of two ranks; world 4: two nodes of two (each piece crosses the
-    link as a swap). A 16 KiB message in 4 KiB pieces is reduced where it lies: the work
-    space holds each piece's share ("shard") and, between the nodes, the peer's ("theirs"),
-    never a copy of the message ("piece")."""
-    for failures, roles in spawn(_pieces_by_range, world, timeout=240):
+    """world 2: one node of two ranks; world 4: two nodes of two (each piece's shares cross
+    the link). A 16 KiB message in 4 KiB pieces is reduced where it lies, each rank's share
+    in its place in the result: the work space holds only, between the nodes, what the
+    peer sends ("theirs"), never a copy of the message ("piece"); with the call check on,
+    the first piece's share too ("share"), reduced while the check crosses the link."""
+    for failures, (unchecked, checked) in spawn(_pieces_by_range, world, timeout=240):
         assert failures == [], failures[:10]
-        assert "piece" not in roles and "shard" in roles, roles
-        assert ("theirs" in roles) == (world == 4), roles
+        assert unchecked == (["theirs"] if world == 4 else []), unchecked
+        assert checked == sorted(unchecked + ["share"]), checked
 
 
 def _node_from_env(rank, world):

@@ -121,12 +121,31 @@ def test_a_message_of_other_bytes_is_a_mismatch_not_garbage():
                           lambda: links[1].exchange({0: torch.ones(1000)}, {0: into1})())
     for node, (result, theirs, mine) in enumerate(zip(results, (4000, 4004), (4004, 4000))):
         assert isinstance(result, RingcollMismatchError), result
-        assert f"machine {1 - node} sent {theirs} bytes as its message 0 where this rank expected {mine} bytes as " \
+        assert f"machine {1 - node} sent {theirs} bytes as message 0 where this rank expected {mine} bytes as " \
                "message 0" in str(result), result
         assert "the call check, RINGCOLL_CHECK, is off" in str(result)
     assert not into0.any() and not into1.any()
     with pytest.raises(LinkFailure, match="the link failed earlier: .*expected"):
         links[0].exchange({1: torch.ones(1)}, {1: torch.zeros(1)})
+    _close(links)
+
+
+def test_equal_parts_of_unequal_steps_are_a_mismatch_on_both_sides():
+    """A shard of 1001 floats cut in two parts of 501 and 500 and one of 1000 in two of 500:
+    node 0 sends node 1 the 500 it expects, so the payload's bytes alone would fail only
+    node 0 and leave node 1 waiting for its next message until the timeout. The step's bytes
+    in the header fail both at once."""
+    links = _links(2, timeout=30)
+    into0, into1 = torch.zeros(501), torch.zeros(500)
+    start = time.monotonic()
+    results = _in_threads(lambda: links[0].exchange({1: torch.ones(500)}, {1: into0}, step_bytes=4004)(),
+                          lambda: links[1].exchange({0: torch.ones(500)}, {0: into1}, step_bytes=4000)())
+    assert time.monotonic() - start < 5
+    assert isinstance(results[1], RingcollMismatchError), results[1]
+    assert "machine 0 sent 2000 bytes as message 0 (of a 4004-byte step) where this rank expected 2000 bytes as " \
+           "message 0 (of a 4000-byte step)" in str(results[1]), results[1]
+    assert isinstance(results[0], RingcollMismatchError), results[0]
+    assert not into0.any() and not into1.any()
     _close(links)
 
 
