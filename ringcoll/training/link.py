@@ -115,8 +115,8 @@ class _Message:
     """One message on one connection: its header and payload, and how far it has got."""
     __slots__ = ("number", "header", "payload", "moved", "step_bytes")
 
-    def __init__(self, number: int, payload: memoryview, header: bytes):
-        self.number, self.payload, self.moved, self.step_bytes = number, payload, 0, 0
+    def __init__(self, number: int, payload: memoryview, header: bytes, step_bytes: int):
+        self.number, self.payload, self.moved, self.step_bytes = number, payload, 0, step_bytes
         self.header = bytearray(header)
 
     @property
@@ -148,14 +148,13 @@ class _Connection:
         self.sent = self.received = 0  # messages numbered so far, each way
 
     def send(self, payload: memoryview, step_bytes: int) -> _Message:
-        message = _Message(self.sent, payload, HEADER.pack(self.sent, len(payload), step_bytes))
+        message = _Message(self.sent, payload, HEADER.pack(self.sent, len(payload), step_bytes), step_bytes)
         self.sent += 1
         self.sends.append(message)
         return message
 
     def receive(self, payload: memoryview, step_bytes: int) -> _Message:
-        message = _Message(self.received, payload, bytes(HEADER.size))
-        message.step_bytes = step_bytes
+        message = _Message(self.received, payload, bytes(HEADER.size), step_bytes)
         self.received += 1
         self.receives.append(message)
         return message
