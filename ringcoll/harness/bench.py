@@ -39,7 +39,6 @@ import math
 import os
 import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -53,6 +52,7 @@ from ringcoll import _C, _types, plans, tuning
 from ringcoll.learning import model
 from ringcoll._types import DATA_COLLECTIVES, DTYPES, REDUCING_COLLECTIVES, RING_COLLECTIVES, ROOTED_COLLECTIVES
 from ringcoll.communicator import Communicator, parse_bytes
+from ringcoll.harness.launcher import _free_port
 
 # --- the collectives: definitions around one shared harness -------------------------------
 
@@ -1061,9 +1061,7 @@ def run_under_mpirun(world: int, config: Config) -> list[dict]:
         config_file, rows_file = os.path.join(tmp, "config.json"), os.path.join(tmp, "rows.json")
         with open(config_file, "w") as f:
             json.dump(dataclasses.asdict(config), f)
-        with socket.socket() as s:  # a free port for the gloo rendezvous
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = _free_port()  # for the gloo rendezvous
         # MPI4PY_MPIABI: mpi4py's wheel would load Intel MPI where the oneCCL wheels put it (impi-rt)
         env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", MPI4PY_MPIABI="openmpi",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **rank_env(world))

@@ -75,6 +75,7 @@ import ctypes
 import multiprocessing
 import os
 import pickle
+import random
 import signal
 import socket
 import sys
@@ -349,9 +350,34 @@ def _fast_exit(exitcode: int) -> None:
 # -------------------------------------------------------------------------- parent
 
 
+def _ephemeral_ports() -> Tuple[int, int]:
+    """The ports the kernel gives outgoing connections (ip_local_port_range)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(word) for word in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def _free_port() -> int:
+    """A port free now, for a rank to listen on later. Not one the kernel would pick
+    (bind to port 0): that range is also where every outgoing connection takes its local
+    port, so between this check and the rank's bind one took it (a fault test's recovery
+    store, chosen before a kill and bound seconds after it, failed with EADDRINUSE in a CI
+    run). Below the range only an explicit bind can take it."""
+    low, _ = _ephemeral_ports()
+    first = max(1024, low - 12000)
+    rng = random.Random()
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        for _ in range(200):
+            port = rng.randrange(first, low) if low > first else 0
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+        s.bind(("127.0.0.1", 0))  # every port tried was taken: the kernel's pick, as before
         return s.getsockname()[1]
 
 

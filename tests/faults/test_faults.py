@@ -39,7 +39,6 @@ import functools
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -50,7 +49,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ringcoll.harness.launcher import spawn, spawn_outcomes
+from ringcoll.harness.launcher import _free_port, spawn, spawn_outcomes
 
 P = 3
 TIMEOUT = 2.0  # the communicator's timeout in every scenario here
@@ -123,9 +122,9 @@ def assert_no_process_left(pids) -> None:
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for the survivors' new store, free when chosen and outside the range the
+    kernel gives outgoing connections, so it stays free until rank 0 binds it (launcher)."""
+    return _free_port()
 
 
 def read_float(path: Path) -> float:

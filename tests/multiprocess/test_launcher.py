@@ -207,6 +207,18 @@ def test_ranks_fork_from_the_server_unless_torch_must_see_the_environment(monkey
     assert all(r["parent"] == os.getpid() for r in spawn(_how_started, 2, timeout=60))
 
 
+def test_free_ports_are_outside_the_range_outgoing_connections_take():
+    """A port the launcher (and the fault tests' recovery store) picks must stay free until a
+    rank binds it: one from the kernel's ephemeral range can meanwhile become the local port
+    of any outgoing connection (a CI run's recovery store failed with EADDRINUSE so)."""
+    low, high = rt._ephemeral_ports()
+    for _ in range(50):
+        port = rt._free_port()
+        assert not low <= port <= high, (port, low, high)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # free when handed out
+
+
 def test_busy_master_port_is_retried(monkeypatch):
     # The parent's free port can be taken before rank 0 binds it; the launch is
     # then redone on a fresh port.  Force that with a port we hold ourselves.
