@@ -99,19 +99,11 @@ void copy_strip(T* dst, T* dst2, const T* src, int64_t len, bool stream_dst2, bo
 template <typename T, class Op, bool kFinal>
 void reduce_strip(T* to_right, T* to_output, const T* recv, const T* own, int64_t len, int world,
                   bool stream_output, bool stream_right = false, VectorIsa isa = VectorIsa::kBest) {
-  auto value = [world](T a, T b) {
-    if constexpr (kFinal) return combine_final_element<T, Op>(a, b, world);
-    else return combine_element<T, Op>(a, b);
-  };
   // out[i] (and out2[i], if any) for i < n: the vector path's blocks where it has one
   // (host_vector16.h), the scalar loop for the rest.
   auto reduce_span = [&](T* out, T* out2, const T* r, const T* o, int64_t n) {
-    int64_t i = reduce_strip_vector<T, Op, kFinal>(out, out2, r, o, n, world, isa);
-    if (out2 != nullptr) {
-      for (; i < n; ++i) out[i] = out2[i] = value(r[i], o[i]);
-    } else {
-      for (; i < n; ++i) out[i] = value(r[i], o[i]);
-    }
+    const int64_t done = reduce_strip_vector<T, Op, kFinal>(out, out2, r, o, n, world, isa);
+    reduce_scalar<T, Op, kFinal>(out, out2, r, o, done, n, world);
   };
   stream_output = stream_output && to_output != nullptr;
   stream_right = stream_right && to_right != nullptr;

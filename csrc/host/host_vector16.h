@@ -39,6 +39,23 @@
 
 namespace ringcoll::host {
 
+// The scalar loop, the reference: out[i] (and out2[i], if out2) = recv[i] op own[i] for i
+// in [from, len), finalized when kFinal. Always inlined, so that a caller compiled for
+// another target (reduce_wide_avx2 below) compiles this very loop for that target.
+template <typename T, class Op, bool kFinal>
+__attribute__((always_inline)) inline void reduce_scalar(T* out, T* out2, const T* recv, const T* own, int64_t from,
+                                                         int64_t len, int world) {
+  auto value = [world](T a, T b) __attribute__((always_inline)) {
+    if constexpr (kFinal) return combine_final_element<T, Op>(a, b, world);
+    else return combine_element<T, Op>(a, b);
+  };
+  if (out2 != nullptr) {
+    for (int64_t i = from; i < len; ++i) out[i] = out2[i] = value(recv[i], own[i]);
+  } else {
+    for (int64_t i = from; i < len; ++i) out[i] = value(recv[i], own[i]);
+  }
+}
+
 #if defined(__x86_64__)
 
 // Checked once: __builtin_cpu_init first, since this may run before libgcc's constructor.
@@ -209,12 +226,12 @@ RINGCOLL_AVX512 int64_t reduce16_avx512(T* out, T* out2, const T* recv, const T*
 
 #undef RINGCOLL_AVX512
 
-// Every other dtype (float32, float64, the integers): the scalar loop itself, compiled a
-// second time for AVX2, which GCC vectorises 32 bytes at a time where the x86-64 build has
-// SSE2's 16 (float32 sum of two 16 MiB arrays in place on this project's AMD VM: 2.7 ms
-// SSE2, 1.7 ms so, as torch.add). Each element gets the same IEEE operations, so the same
-// bits as the scalar loop (the target names AVX2 alone: no FMA, nothing contracted), but
-// for which of two NaNs a sum returns, which IEEE leaves open and these types do not pin.
+// Every other dtype (float32, float64, the integers): the scalar loop itself (reduce_scalar),
+// compiled a second time for AVX2, which GCC vectorises 32 bytes at a time where the x86-64
+// build has SSE2's 16 (float32 sum of two 16 MiB arrays in place on this project's AMD VM:
+// 2.7 ms SSE2, 1.7 ms so, as torch.add). Each element gets the same IEEE operations, so the
+// same bits as the scalar loop (the target names AVX2 alone: no FMA, nothing contracted),
+// but for which of two NaNs a sum returns, which IEEE leaves open and these types do not pin.
 inline bool avx2_supported() {
   static const bool supported = [] {
     __builtin_cpu_init();
@@ -226,16 +243,7 @@ inline bool avx2_supported() {
 template <typename T, class Op, bool kFinal>
 __attribute__((target("avx2"))) int64_t reduce_wide_avx2(T* out, T* out2, const T* recv, const T* own,
                                                          int64_t len, int world) {
-  if (out2 != nullptr) {
-    for (int64_t i = 0; i < len; ++i) {
-      out[i] = out2[i] = kFinal ? combine_final_element<T, Op>(recv[i], own[i], world)
-                                : combine_element<T, Op>(recv[i], own[i]);
-    }
-  } else {
-    for (int64_t i = 0; i < len; ++i) {
-      out[i] = kFinal ? combine_final_element<T, Op>(recv[i], own[i], world) : combine_element<T, Op>(recv[i], own[i]);
-    }
-  }
+  reduce_scalar<T, Op, kFinal>(out, out2, recv, own, 0, len, world);
   return len;
 }
 
