@@ -367,16 +367,14 @@ def _free_port() -> int:
     store, chosen before a kill and bound seconds after it, failed with EADDRINUSE in a CI
     run). Below the range only an explicit bind can take it."""
     low, _ = _ephemeral_ports()
-    first = max(1024, low - 12000)
-    rng = random.Random()
+    below = range(max(1024, low - 12000), low)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        for _ in range(200):
-            port = rng.randrange(first, low) if low > first else 0
+        for port in random.sample(below, min(200, len(below))):
             try:
                 s.bind(("127.0.0.1", port))
+                return port
             except OSError:
                 continue
-            return s.getsockname()[1]
         s.bind(("127.0.0.1", 0))  # every port tried was taken: the kernel's pick, as before
         return s.getsockname()[1]
 

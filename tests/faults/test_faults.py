@@ -121,12 +121,6 @@ def assert_no_process_left(pids) -> None:
     assert not _my_children(), f"children of the test process still around: {_my_children()}"
 
 
-def free_port() -> int:
-    """A port for the survivors' new store, free when chosen and outside the range the
-    kernel gives outgoing connections, so it stays free until rank 0 binds it (launcher)."""
-    return _free_port()
-
-
 def read_float(path: Path) -> float:
     return float(path.read_text())
 
@@ -339,7 +333,7 @@ BOOTSTRAP_CASES = ([(point, v) for point in BOOTSTRAP_ALLOWED for v in range(P)]
 @pytest.mark.parametrize("point,victim", BOOTSTRAP_CASES)
 def test_kill_during_bootstrap(point, victim, tmp_path):
     before = shm_entries()
-    outcomes = spawn_outcomes(_bootstrap_fault, P, victim, point, str(tmp_path), free_port(),
+    outcomes = spawn_outcomes(_bootstrap_fault, P, victim, point, str(tmp_path), _free_port(),
                               timeout=SPAWN_TIMEOUT, init_timeout=PG_TIMEOUT)
     states = _check_survivors(outcomes, victim, tmp_path, BOOTSTRAP_ALLOWED[point])
     if point == "exchange":
@@ -390,7 +384,7 @@ def _mid_collective_fault(rank, world, victim, tmpdir, port):
 @pytest.mark.parametrize("victim", range(P))
 def test_kill_mid_collective(victim, tmp_path):
     before = shm_entries()
-    outcomes = spawn_outcomes(_mid_collective_fault, P, victim, str(tmp_path), free_port(),
+    outcomes = spawn_outcomes(_mid_collective_fault, P, victim, str(tmp_path), _free_port(),
                               timeout=SPAWN_TIMEOUT, init_timeout=PG_TIMEOUT)
     states = _check_survivors(outcomes, victim, tmp_path, {"RingcollPeerError"})
     for s in states:
@@ -470,7 +464,7 @@ CLOSE_CASES = [("draining", v) for v in range(P)] + ([("unmapping", v) for v in 
 @pytest.mark.parametrize("point,victim", CLOSE_CASES)
 def test_kill_during_close(point, victim, tmp_path):
     before = shm_entries()
-    outcomes = spawn_outcomes(_close_fault, P, victim, point, str(tmp_path), free_port(),
+    outcomes = spawn_outcomes(_close_fault, P, victim, point, str(tmp_path), _free_port(),
                               timeout=SPAWN_TIMEOUT, init_timeout=PG_TIMEOUT)
     killed_at = read_float(tmp_path / f"killed-{victim}")
     if point == "draining":
